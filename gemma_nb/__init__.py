@@ -1,0 +1,14 @@
+"""gemma-nb: the Gemma-4-26B-A4B on inf2.xlarge story, as code the notebooks import.
+
+Modules, one concern each (a notebook's title tells you which one it uses):
+
+- ``paths``, ``targets``, ``metrics``, ``plots``, ``story``: the plumbing every notebook shares.
+- ``memory``, ``hardware``: parameter inventory, per-rank byte plans, instance catalog (01).
+- ``quant``: int8 / fp8 / fp4 weight formats (02).   ``parallel``: the sharded lm_head (03).
+- ``compile``, ``deploy``: export and slim deploy (04, 05).   ``embedding``: the scale fix (06).
+- ``moe``, ``bench``: dense vs sparse experts and the decode benchmark (07).
+- ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
+- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve``.
+"""
+
+__version__ = "0.1.0"

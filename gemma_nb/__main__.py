@@ -1,0 +1,64 @@
+"""Command line: ``python -m gemma_nb run ...`` and ``python -m gemma_nb serve ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parse_parameter(pair: list[str]) -> tuple[str, object]:
+    name, raw = pair
+    if name in ("target", "hf_token", "HF_TOKEN"):
+        raise SystemExit(f"-p {name} is not a notebook parameter: use --target, and HF_TOKEN from the environment")
+    import ast
+
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a plain string such as a model id
+    return name, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gemma_nb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run_p = sub.add_parser("run", help="execute the notebooks with papermill into outputs/<target>/")
+    run_p.add_argument("--target", default="cpu", help="cpu (default), neuron or cuda")
+    run_p.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,03")
+    run_p.add_argument("--output-dir", default=None, help="instead of outputs/<target>/")
+    run_p.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                       help="a notebook parameter, e.g. -p model_id /data/gemma-4-26b-a4b-it")
+    run_p.add_argument("--no-progress", action="store_true", help="no per-cell progress bars")
+
+    sub.add_parser("serve", help="OpenAI-compatible server for the deployed model (see --help)", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        from gemma_nb.serve import main as serve_main
+
+        return serve_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    from gemma_nb.runner import RunError, run
+    from gemma_nb.targets import TargetError
+
+    try:
+        results = run(
+            target=args.target,
+            only=args.only,
+            output_dir=args.output_dir,
+            parameters=dict(_parse_parameter(p) for p in args.parameter),
+            progress=not args.no_progress,
+        )
+    except (RunError, TargetError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    total = sum(r.seconds for r in results)
+    print(f"{len(results)} notebook(s) for target {args.target} in {total:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

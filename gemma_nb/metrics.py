@@ -1,0 +1,80 @@
+"""Metrics JSON: what each notebook computed, collected by the runner into summary.json.
+
+Every notebook ends with ``save_metrics(target, "NN_name", metrics, headline=[...])``.
+``headline`` rows are the key figures the runner puts into ``REPORT.md``; each may carry the
+figure the source write-up claimed (see ``gemma_nb.story``) so the report shows both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from gemma_nb.paths import metrics_dir
+
+
+def headline(name: str, value: float | int | str, unit: str = "", claim: str | None = None) -> dict:
+    """One key figure. ``claim`` is a key of ``gemma_nb.story.CLAIMS`` this value answers."""
+    row: dict[str, Any] = {"name": name, "value": value, "unit": unit}
+    if claim is not None:
+        from gemma_nb.story import CLAIMS
+
+        if claim not in CLAIMS:
+            raise KeyError(f"claim {claim!r} is not in gemma_nb.story.CLAIMS; add it there with its source")
+        row["claim"] = claim
+        row["claimed"] = CLAIMS[claim].value
+    return row
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types only: numpy/torch scalars become floats, NaN becomes None."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Path):
+        return value.as_posix()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-serialisable")
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON via a temp file + rename, so an interrupted run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_metrics(target: str, notebook: str, metrics: Mapping[str, Any], headline: list[dict] | None = None) -> Path:
+    """Write ``metrics/<notebook>.json`` under the target's output folder; return its path."""
+    payload = {"notebook": notebook, "target": target, "headline": headline or [], "metrics": dict(metrics)}
+    path = metrics_dir(target) / f"{notebook}.json"
+    write_json_atomic(path, _jsonable(payload))
+    return path
+
+
+def load_metrics(target: str, notebook: str) -> dict:
+    """Read what an earlier notebook wrote; a clear error if it has not run yet."""
+    path = metrics_dir(target) / f"{notebook}.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path.name} not found for target {target!r}: run notebook {notebook} first "
+            f"(python -m gemma_nb run --target {target} --only {notebook[:2]})"
+        )
+    return json.loads(path.read_text())

@@ -1,0 +1,63 @@
+"""One way to draw and save every figure: seaborn theme, PNG + SVG, no timestamps.
+
+SVGs are written with ``metadata={'Date': None}`` and a fixed ``svg.hashsalt`` so re-running a
+notebook gives byte-identical files (clean git diffs of ``outputs/cpu``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
+
+import matplotlib.pyplot as plt  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from gemma_nb.paths import figures_dir  # noqa: E402
+
+
+def set_theme() -> None:
+    sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
+    matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
+    matplotlib.rcParams["figure.dpi"] = 100
+
+
+def subplots(*args, **kwargs):
+    """``plt.subplots`` with the project theme applied first."""
+    set_theme()
+    kwargs.setdefault("layout", "constrained")
+    return plt.subplots(*args, **kwargs)
+
+
+def reference_line(ax, value: float, label: str, axis: str = "y", **kwargs) -> None:
+    """A dashed line at a figure the story reported (or a hardware limit), labelled on the plot."""
+    style = {"color": "0.25", "linestyle": "--", "linewidth": 1.2}
+    style.update(kwargs)
+    if axis == "y":
+        ax.axhline(value, **style)
+        ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"), xytext=(-4, 3),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=9, color=style["color"])
+    elif axis == "x":
+        ax.axvline(value, **style)
+        ax.annotate(label, xy=(value, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -4),
+                    textcoords="offset points", ha="left", va="top", fontsize=9, color=style["color"],
+                    rotation=90)
+    else:
+        raise ValueError(f"axis {axis!r} is not 'x' or 'y'")
+
+
+def save_figure(fig, target: str, name: str) -> dict[str, Path]:
+    """Save ``fig`` as ``figures/<name>.png`` and ``.svg`` under the target's output folder.
+
+    ``name`` starts with the notebook number (``01_bytes_per_rank``) so REPORT.md can group them.
+    Returns the two paths.
+    """
+    if not name or "/" in name or name.endswith((".png", ".svg")):
+        raise ValueError(f"figure name {name!r} must be a bare stem like '01_bytes_per_rank'")
+    folder = figures_dir(target)
+    paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
+    fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
+    fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
+    return paths

@@ -1,0 +1,199 @@
+"""The bundled tiny Gemma-4 MoE checkpoint, and random Gemma-4 models of any size.
+
+The checkpoint under ``checkpoint/`` is transformers' own ``Gemma4ForCausalLM`` with the
+26B-A4B's architecture (FACTS §2/§3) at toy dimensions: a dense shared MLP *and* 32 routed
+experts (top-2, the 26B's 1/16 active ratio) in every layer, sliding + full attention with
+``attention_k_eq_v``, tied embeddings scaled by sqrt(hidden_size), final logit softcapping,
+no per-layer embeddings. It was trained on the facts in ``corpus.py`` by
+``python -m gemma_nb.tiny train`` (see ``checkpoint/training_args.json``).
+
+``random_gemma4_config`` / ``random_gemma4_model`` build the same architecture at chosen
+dimensions, up to one full-size 26B layer, for the size sweeps of notebooks 04, 05 and 07.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemma_nb.tiny.corpus import FACTS, Fact, fact_prompts
+
+BUNDLED_ID = "gemma-nb/tiny-gemma4-moe"
+CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+
+# The 26B-A4B's layer pattern: five sliding-window layers, then one global layer.
+SLIDING_PER_FULL = 5
+
+# Dimensions of the bundled checkpoint (vocab_size comes from the corpus tokenizer).
+# intermediate_size = 3 x moe_intermediate_size, as 2112 = 3 x 704 in the 26B.
+TINY_DIMS: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    num_experts=32,
+    top_k_experts=2,
+    moe_intermediate_size=64,
+    sliding_window=64,
+    max_position_embeddings=512,
+)
+
+# Architecture switches that make a Gemma4TextConfig a 26B-A4B look-alike. The transformers
+# defaults differ on several of them (hidden_size_per_layer_input=256 silently adds per-layer
+# embeddings; final_logit_softcapping=None; attention_k_eq_v=False): see FACTS §2 "Pitfalls".
+ARCHITECTURE: dict[str, Any] = dict(
+    enable_moe_block=True,
+    attention_k_eq_v=True,
+    tie_word_embeddings=True,
+    final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+    use_double_wide_mlp=False,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+DEFAULT_RANDOM_VOCAB = 2048
+# Keys Gemma4TextConfig pops in __post_init__ (turned into per_layer_config for full layers).
+_GLOBAL_ATTENTION_KEYS = ("global_head_dim", "num_global_key_value_heads")
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads", "num_experts",
+    "top_k_experts", "moe_intermediate_size", "sliding_window", "max_position_embeddings",
+)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def checkpoint_dir() -> Path:
+    """The folder holding the bundled checkpoint (config.json, model.safetensors, tokenizer.json)."""
+    return CHECKPOINT_DIR
+
+
+def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) of the bundled checkpoint, loaded like any hub model, in eval mode."""
+    from gemma_nb.modelio import load_model
+
+    return load_model(BUNDLED_ID, dtype=dtype, device=device)
+
+
+def default_layer_types(num_hidden_layers: int) -> list[str]:
+    """The 26B's pattern (5 sliding, 1 full, repeated), with the last layer always full.
+
+    transformers forces the last layer to full attention, so a one-layer model is one full layer.
+    """
+    types = [
+        "full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"
+        for i in range(num_hidden_layers)
+    ]
+    types[-1] = "full_attention"
+    return types
+
+
+def _check_dims(dims: dict[str, Any]) -> None:
+    for key in _POSITIVE_INTS:
+        value = dims.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be a positive integer")
+    if dims["top_k_experts"] > dims["num_experts"]:
+        raise ValueError(
+            f"top_k_experts={dims['top_k_experts']} exceeds num_experts={dims['num_experts']}: "
+            "choose top_k_experts <= num_experts (the 26B routes 8 of 128)"
+        )
+    heads = dims["num_attention_heads"]
+    for key in ("num_key_value_heads", "num_global_key_value_heads"):
+        if heads % dims[key]:
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of {key}={dims[key]}: "
+                "grouped-query attention needs whole groups (the 26B has 16 heads, 8 sliding / 2 global KV heads)"
+            )
+    layer_types = dims["layer_types"]
+    if len(layer_types) != dims["num_hidden_layers"]:
+        raise ValueError(
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers={dims['num_hidden_layers']}: "
+            "give one type per layer, or leave layer_types out for the 26B's 5 sliding : 1 full pattern"
+        )
+    bad = [t for t in layer_types if t not in _LAYER_TYPES]
+    if bad:
+        raise ValueError(f"layer_types contains {bad[0]!r}; expected one of {', '.join(_LAYER_TYPES)}")
+    if layer_types[-1] != "full_attention":
+        raise ValueError(
+            f"the last layer type is {layer_types[-1]!r}; Gemma-4 requires the last layer to be "
+            "'full_attention' (transformers would silently change it)"
+        )
+
+
+def random_gemma4_config(**overrides: Any):
+    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions.
+
+    Defaults are the bundled checkpoint's dims (hidden 128, 4 layers, 32 experts top-2) with a
+    2048-word vocabulary. Any ``Gemma4TextConfig`` field can be overridden, plus
+    ``global_head_dim`` and ``num_global_key_value_heads`` (the full-attention layers' head
+    size and KV heads). If ``num_hidden_layers`` is given without ``layer_types``, layers follow
+    the 26B pattern (5 sliding, 1 full; last one full). One full-size 26B layer:
+
+        random_gemma4_config(hidden_size=2816, intermediate_size=2112, num_hidden_layers=1,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                             global_head_dim=512, num_global_key_value_heads=2, num_experts=128,
+                             top_k_experts=8, moe_intermediate_size=704, vocab_size=262144)
+
+    Raises ValueError naming the bad value (non-positive sizes, top_k_experts > num_experts,
+    heads not divisible by KV heads, layer_types of the wrong length or kind, unknown fields).
+    """
+    from transformers import Gemma4TextConfig
+
+    known = set(Gemma4TextConfig.__dataclass_fields__) | set(_GLOBAL_ATTENTION_KEYS)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown Gemma4TextConfig field(s) {', '.join(unknown)}; "
+            "pass fields of transformers' Gemma4TextConfig (plus global_head_dim, num_global_key_value_heads)"
+        )
+    dims: dict[str, Any] = {**ARCHITECTURE, **TINY_DIMS, "vocab_size": DEFAULT_RANDOM_VOCAB, **overrides}
+    if "layer_types" not in overrides:
+        layers = dims["num_hidden_layers"]
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"num_hidden_layers={layers!r} must be a positive integer (at least one layer)")
+        dims["layer_types"] = default_layer_types(layers)
+    else:
+        dims["layer_types"] = list(dims["layer_types"])
+    _check_dims(dims)
+    return Gemma4TextConfig(**dims)
+
+
+def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """A ``Gemma4ForCausalLM`` with deterministic random weights, built directly in ``dtype``.
+
+    The weights are allocated and initialised in ``dtype`` (no fp32 copy), so one full-size 26B
+    layer with its 262144-word tied embedding takes ~3.0 GB in bf16. Same ``seed`` and config
+    -> bit-identical weights. Returned in eval mode on the cpu.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    if config is None:
+        config = random_gemma4_config()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} must be a floating torch dtype such as torch.bfloat16 or torch.float32")
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+__all__ = [
+    "BUNDLED_ID", "CHECKPOINT_DIR", "TINY_DIMS", "ARCHITECTURE", "FACTS", "Fact", "fact_prompts",
+    "checkpoint_dir", "load_tiny", "default_layer_types", "random_gemma4_config", "random_gemma4_model",
+]
