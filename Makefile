@@ -34,7 +34,7 @@ test-unit: $(STAMP)
 test-notebooks: $(STAMP)
 	@scratch=$$(mktemp -d) && \
 	GEMMA_NB_OUTPUT_DIR=$$scratch $(PY) -m pytest --nbval outputs/cpu/ \
-		--sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
 	status=$$?; rm -rf $$scratch; exit $$status
 
 ## JupyterLab on notebooks/ with the package importable.

@@ -12,3 +12,9 @@ Modules, one concern each (a notebook's title tells you which one it uses):
 """
 
 __version__ = "0.1.0"
+
+import warnings as _warnings
+
+# tqdm.auto (imported by transformers) warns when ipywidgets is absent, printing an absolute
+# site-packages path on stderr: noise in every notebook and a machine-specific nbval output.
+_warnings.filterwarnings("ignore", message="IProgress not found")

@@ -1,0 +1,958 @@
+"""Compile a Gemma-4 model into two static-shape steps, saved apart from its weights (notebook 04).
+
+The neuron port compiled two graphs with ``ModelBuilder`` — a prefill over a fixed bucket of
+tokens and a one-token decode — with the KV cache as device state, the embedding lookup left on
+the host, and the weights kept out of the program (``gemma_nb.neuron.build`` has that recipe).
+On the cpu target the same shape of artifact is made with ``torch.export``:
+
+- ``DeviceBody`` is the part of the model that runs "on the device": decoder layers, final norm,
+  lm_head and softcap. It takes ``inputs_embeds`` (the host embeds the tokens, scale included),
+  the start position, the index of the token whose logits to return, the KV cache tensors and
+  **the weights, as inputs**. The weights being inputs is what keeps them out of the program:
+  the exported graph has no parameters, so ``torch.export.save`` writes only the graph and a few
+  small constants (rotary frequencies), and the weights go to a safetensors file of their own
+  that the deploy memory-maps. (The other route — lift the parameters and strip them from the
+  saved state dict — depends on export internals that change between torch releases.)
+- The KV cache tensors are inputs too, updated in place (``index_copy_``), so the prefill and the
+  decode program share one cache owned by the caller, like the port's aliased device states.
+- The routed experts run through transformers' ``grouped_mm`` implementation: the default
+  ``eager`` experts loop over the experts that were hit, which is data-dependent control flow that
+  ``torch.export`` cannot trace (FACTS §3).
+- ``StepRunner.generate`` is the greedy loop over the two steps. transformers'
+  ``TorchExportableModuleWithStaticCache.generate`` feeds each generated token at position
+  ``len(tokens)`` instead of ``len(tokens) - 1`` (one too far), so its output drifts from eager
+  decoding after the first token; here the token generated after a prompt of ``n`` tokens is fed
+  at position ``n``, and the result equals eager greedy decoding token for token (tested).
+
+Artifact folder (``compile_model``), one file per concern::
+
+    manifest.json               config, shapes, dtypes, files, sizes: what the loader checks against
+    prefill.pt2, decode.pt2     the exported programs (graph only, no weights)
+    tp0_weights.safetensors     the body's weights (one file per tensor-parallel rank; TP=1 here)
+    embed_tokens.safetensors    the host embedding table with its scale (gemma_nb.embedding)
+
+``load_artifact`` checks every file before torch sees it: a missing, truncated or mismatched file
+raises ``ArtifactError`` (a ValueError) naming the file and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+FORMAT = "gemma-nb.exported-steps/1"
+MANIFEST = "manifest.json"
+PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
+HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
+HOST_EMBEDDING_KEY = "model.embed_tokens.weight"
+PROGRAM_EXTRA = "gemma_nb_program.json"
+TRACEABLE_EXPERTS = ("grouped_mm", "batched_mm")
+DEFAULT_EXPERTS = "grouped_mm"
+
+
+def weights_file(rank: int = 0) -> str:
+    """The weights file of tensor-parallel rank ``rank`` (NxD names its files the same way)."""
+    return f"tp{rank}_weights.safetensors"
+
+
+class ArtifactError(ValueError):
+    """A compiled artifact or weights file that is missing, truncated or does not match."""
+
+
+class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
+    """A file of the artifact does not exist (also a FileNotFoundError)."""
+
+
+# --------------------------------------------------------------------------------------------
+# What runs on the device, and with which weights
+# --------------------------------------------------------------------------------------------
+def check_exportable_config(config) -> None:
+    """Refuse Gemma-4 variants the two-step body does not cover (not the 26B's architecture)."""
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        raise ValueError(
+            f"hidden_size_per_layer_input={config.hidden_size_per_layer_input}: per-layer embeddings need "
+            "token ids inside the graph, which this host-embedding body does not take; the 26B has 0"
+        )
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise ValueError(
+            f"num_kv_shared_layers={config.num_kv_shared_layers}: KV sharing is not supported by the "
+            "static-cache body; the 26B has 0"
+        )
+
+
+def set_traceable_experts(model: nn.Module, implementation: str = DEFAULT_EXPERTS) -> str:
+    """Switch ``model``'s routed experts to a ``torch.export``-able implementation; return it.
+
+    Keeps ``grouped_mm``/``batched_mm`` if already set; replaces ``eager`` (the data-dependent
+    loop) with ``implementation``. Modules from ``gemma_nb.moe`` are left as they are.
+    """
+    if implementation not in TRACEABLE_EXPERTS:
+        raise ValueError(f"experts implementation {implementation!r} is not one of {', '.join(TRACEABLE_EXPERTS)}")
+    current = getattr(model.config, "_experts_implementation", None)
+    if current in TRACEABLE_EXPERTS:
+        return current
+    model.set_experts_implementation(implementation)
+    return implementation
+
+
+def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the device body reads, by state-dict name: every parameter and persistent
+    buffer except the host's embedding table. A tied ``lm_head.weight`` is kept under its own
+    name (the device needs it; the host keeps its own copy of the table, as in the port).
+    """
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        weights[name] = tensor.detach()
+    non_persistent = set()
+    for module_name, module in model.named_modules():
+        for buffer_name in getattr(module, "_non_persistent_buffers_set", ()):
+            non_persistent.add(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        if name not in non_persistent:
+            weights[name] = tensor.detach()
+    weights.pop(HOST_EMBEDDING_KEY, None)
+    return weights
+
+
+def kv_cache_shapes(config, max_cache_len: int, batch_size: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of the static KV cache, keys then values per layer: [batch, kv_heads, max_len, head_dim].
+
+    Sliding-window layers get the full ``max_cache_len`` too (a static layer that never rolls),
+    and the sliding-window mask keeps their attention exact; ``max_cache_len`` bounds the
+    prompt plus the generated tokens.
+    """
+    from transformers.configuration_utils import get_head_shapes
+
+    layers = config.num_hidden_layers
+    num_heads, head_dim = get_head_shapes(config)
+    num_heads = [num_heads] * layers if isinstance(num_heads, int) else list(num_heads)
+    head_dim = [head_dim] * layers if isinstance(head_dim, int) else list(head_dim)
+    shapes = []
+    for heads, dim in zip(num_heads, head_dim):
+        shapes += [(batch_size, heads, max_cache_len, dim)] * 2
+    return shapes
+
+
+def new_kv_cache(shapes, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+
+
+def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max_cache_len: int):
+    """A transformers ``StaticCache`` whose layers write into the caller's ``kv`` tensors."""
+    from transformers.cache_utils import StaticCache, StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    layers = []
+    for keys, values in zip(kv[0::2], kv[1::2]):
+        layer = StaticLayer(max_cache_len)
+        layer.device = keys.device
+        layer.batch_size, layer.num_heads = keys.shape[0], keys.shape[1]
+        layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+        layer.keys, layer.values = keys, values
+        # Each layer advances its own counter in place; a copy keeps the caller's tensor untouched.
+        layer.cumulative_length = start.reshape(()).clone()
+        layer.is_initialized = True
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+class DeviceBody(nn.Module):
+    """One step of the model without its embedding: decoder layers, norm, lm_head, softcap.
+
+    forward(weights, kv, inputs_embeds, start, last_index) -> logits [batch, vocab] (fp32)
+
+    - ``weights``: dict name -> tensor, as ``device_weights(model)`` returns;
+    - ``kv``: list of cache tensors (``kv_cache_shapes``), written in place at ``start`` ...;
+    - ``inputs_embeds`` [batch, S, hidden]: the host's scaled embeddings of S tokens placed at
+      positions ``start .. start+S-1``; ``start`` int64 [1];
+    - ``last_index`` int64 [1]: which of the S positions' logits to return (the last real token
+      of a padded prefill; 0 for a decode step).
+
+    The model is held outside the module tree on purpose, so the exported program owns no weights.
+    """
+
+    def __init__(self, model: nn.Module, max_cache_len: int):
+        super().__init__()
+        check_exportable_config(model.config)
+        object.__setattr__(self, "_model", model)
+        self.max_cache_len = max_cache_len
+
+    def forward(self, weights, kv, inputs_embeds, start, last_index):
+        model = self._model
+        cache = _bound_static_cache(model.config, kv, start, self.max_cache_len)
+        out = torch.func.functional_call(
+            model,
+            weights,
+            args=(),
+            kwargs=dict(inputs_embeds=inputs_embeds, cache=cache, use_cache=True, logits_to_keep=last_index),
+            tie_weights=True,
+            strict=False,
+        )
+        return out.logits[:, -1, :].float()
+
+
+@dataclass
+class StepShapes:
+    """The static shapes both programs are built for."""
+
+    max_cache_len: int = 128
+    prefill_len: int = 32
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("max_cache_len", "prefill_len", "batch_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be a positive integer")
+        if self.batch_size != 1:
+            raise ValueError(f"batch_size={self.batch_size}: the exported steps decode one sequence (batch 1), as the port did")
+        if self.prefill_len > self.max_cache_len:
+            raise ValueError(
+                f"prefill_len={self.prefill_len} exceeds max_cache_len={self.max_cache_len}: "
+                "the prefill bucket must fit in the KV cache"
+            )
+
+
+def _example_inputs(model: nn.Module, weights, shapes: StepShapes, tokens: int):
+    config = model.config
+    dtype = _float_dtype(weights)
+    kv = new_kv_cache(kv_cache_shapes(config, shapes.max_cache_len), dtype)
+    embeds = torch.zeros(shapes.batch_size, tokens, config.hidden_size, dtype=dtype)
+    return (weights, kv, embeds, torch.zeros(1, dtype=torch.long), torch.tensor([tokens - 1]))
+
+
+def _float_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The activation dtype: the dtype of the norms and attention weights (int8 tensors excluded)."""
+    for name, tensor in weights.items():
+        if name.endswith("norm.weight") and tensor.is_floating_point():
+            return tensor.dtype
+    for tensor in weights.values():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    raise ValueError("no floating-point weight found: expected a Gemma-4 model's parameters")
+
+
+def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str, torch.export.ExportedProgram]:
+    """``torch.export`` the prefill (``shapes.prefill_len`` tokens) and decode (1 token) steps.
+
+    ``model``: a Gemma-4 causal LM in eval mode; its experts are switched to ``grouped_mm`` if
+    they were ``eager``. Returns {"prefill": program, "decode": program}; neither holds weights.
+    """
+    shapes = shapes or StepShapes()
+    set_traceable_experts(model)
+    body = DeviceBody(model, shapes.max_cache_len)
+    weights = device_weights(model)
+    programs = {}
+    with torch.no_grad():
+        for name, tokens in (("prefill", shapes.prefill_len), ("decode", 1)):
+            program = torch.export.export(body, _example_inputs(model, weights, shapes, tokens), strict=False)
+            # Export keeps its example inputs (here: every weight) to save them with the program.
+            program._example_inputs = None
+            programs[name] = program
+    return programs
+
+
+# --------------------------------------------------------------------------------------------
+# The greedy loop over the two steps
+# --------------------------------------------------------------------------------------------
+Step = Callable[..., torch.Tensor]
+
+
+@dataclass
+class StepRunner:
+    """Greedy decoding with a prefill step and a decode step that share one KV cache.
+
+    ``prefill`` / ``decode``: callables with ``DeviceBody``'s signature (exported programs'
+    ``.module()``, or a ``DeviceBody`` itself); ``embed``: ids [1, S] -> inputs_embeds (the host
+    embedding, scale included); ``weights``: dict for the steps; ``kv_shapes``/``dtype``: the cache.
+    """
+
+    prefill: Step
+    decode: Step
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
+    kv_shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    shapes: StepShapes
+    pad_token_id: int = 0
+    step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
+
+    def _check(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids of shape {tuple(ids.shape)}; expected one unpadded prompt [S] or [1, S]")
+        prompt = ids.shape[1]
+        if prompt > self.shapes.prefill_len:
+            raise ValueError(
+                f"prompt of {prompt} tokens exceeds the prefill bucket of {self.shapes.prefill_len}: "
+                "shorten the prompt or compile with a larger StepShapes(prefill_len=...)"
+            )
+        if prompt + max_new_tokens - 1 > self.shapes.max_cache_len:
+            raise ValueError(
+                f"{prompt} prompt + {max_new_tokens} new tokens need {prompt + max_new_tokens - 1} cache slots, "
+                f"more than max_cache_len={self.shapes.max_cache_len}: ask for fewer tokens or compile "
+                "with a larger StepShapes(max_cache_len=...)"
+            )
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """Prompt plus greedy continuation, LongTensor [1, S + n] (n <= max_new_tokens; stops after eos)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        self._check(ids, max_new_tokens)
+        if max_new_tokens == 0:
+            return ids
+        prompt = ids.shape[1]
+        kv = new_kv_cache(self.kv_shapes, self.dtype)
+        padded = torch.full((1, self.shapes.prefill_len), self.pad_token_id, dtype=torch.long)
+        padded[:, :prompt] = ids
+        self.step_times_s = []
+        start_time = time.perf_counter()
+        # Prefill writes positions 0..prefill_len-1; the padding slots past the prompt are
+        # overwritten by the decode steps before any query can attend to them (causal mask).
+        logits = self.prefill(self.weights, kv, self.embed(padded), torch.tensor([0]), torch.tensor([prompt - 1]))
+        tokens = [int(logits.argmax(-1))]
+        self.step_times_s.append(time.perf_counter() - start_time)
+        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+            # The token just generated sits at position prompt + len(tokens) - 1 (not one further).
+            position = prompt + len(tokens) - 1
+            start_time = time.perf_counter()
+            logits = self.decode(
+                self.weights, kv, self.embed(torch.tensor([[tokens[-1]]])), torch.tensor([position]), torch.tensor([0])
+            )
+            tokens.append(int(logits.argmax(-1)))
+            self.step_times_s.append(time.perf_counter() - start_time)
+        return torch.cat([ids, torch.tensor([tokens])], dim=1)
+
+
+def eager_runner(model: nn.Module, shapes: StepShapes | None = None) -> StepRunner:
+    """The same two-step loop with the un-exported ``DeviceBody`` (for comparisons)."""
+    shapes = shapes or StepShapes()
+    set_traceable_experts(model)
+    weights = device_weights(model)
+    body = DeviceBody(model, shapes.max_cache_len)
+    return StepRunner(
+        prefill=body, decode=body, embed=model.get_input_embeddings(), weights=weights,
+        kv_shapes=kv_cache_shapes(model.config, shapes.max_cache_len), dtype=_float_dtype(weights),
+        shapes=shapes, pad_token_id=model.config.pad_token_id or 0,
+    )
+
+
+def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram],
+                    shapes: StepShapes) -> StepRunner:
+    """A runner over freshly exported ``programs`` with ``model``'s own weights and embedding."""
+    weights = device_weights(model)
+    return StepRunner(
+        prefill=programs["prefill"].module(), decode=programs["decode"].module(),
+        embed=model.get_input_embeddings(), weights=weights,
+        kv_shapes=kv_cache_shapes(model.config, shapes.max_cache_len), dtype=_float_dtype(weights),
+        shapes=shapes, pad_token_id=model.config.pad_token_id or 0,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Saving: the artifact folder
+# --------------------------------------------------------------------------------------------
+def config_fingerprint(config) -> str:
+    """sha256 (first 16 hex digits) of the config's JSON: ties programs and weights to one model."""
+    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else json.dumps(config, sort_keys=True)
+    data = json.loads(text)
+    for volatile in ("transformers_version", "_name_or_path", "_experts_implementation", "_attn_implementation",
+                     "dtype", "torch_dtype", "architectures"):
+        data.pop(volatile, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def stored_elements(tensors) -> int:
+    """Elements of distinct storages among ``tensors``: a tied table counted once, int8 copies counted."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.numel()
+    return sum(seen.values())
+
+
+def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:
+    """name -> [shape, dtype name] for a dict of tensors."""
+    return {name: [list(t.shape), _dtype_name(t.dtype)] for name, t in weights.items()}
+
+
+@dataclass
+class CompileReport:
+    """What ``compile_model`` wrote and how long each part took."""
+
+    folder: Path
+    export_s: float
+    save_s: float
+    program_bytes: dict[str, int]
+    weights_bytes: int
+    host_embedding_bytes: int
+    params: int
+    config_sha: str
+    programs: dict = field(default_factory=dict, repr=False)  # the exported programs, in memory
+
+    def as_dict(self) -> dict:
+        return {
+            "export_s": self.export_s, "save_s": self.save_s, "params": self.params,
+            "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
+            "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha,
+        }
+
+
+def save_weights(weights: Mapping[str, torch.Tensor], path: str | Path, config_sha: str, rank: int = 0,
+                 tp_degree: int = 1) -> Path:
+    """Write one rank's device weights as safetensors, tagged with the config they belong to."""
+    from safetensors.torch import save_file
+
+    meta = {"format": FORMAT, "config_sha": config_sha, "rank": str(rank), "tp_degree": str(tp_degree)}
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata=meta)
+    return Path(path)
+
+
+def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | None = None,
+                  scheme: str | None = None, reference_tokens: dict | None = None) -> CompileReport:
+    """Export ``model``'s two steps and write the artifact folder (see the module docstring).
+
+    ``scheme``: the quantization scheme already applied to ``model`` (recorded, not applied).
+    ``reference_tokens``: optional {"prompt": [...], "tokens": [...]} the deploy can check against.
+    """
+    from gemma_nb.embedding import HostEmbedding
+
+    shapes = shapes or StepShapes()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    sha = config_fingerprint(config)
+
+    start = time.perf_counter()
+    programs = export_steps(model, shapes)
+    export_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    weights = device_weights(model)
+    save_weights(weights, folder / weights_file(0), sha)
+    host = HostEmbedding.from_model(model)
+    host.save(folder / HOST_EMBEDDING_FILE)
+    program_meta = json.dumps({"format": FORMAT, "config_sha": sha, "weights": tensor_specs(weights)})
+    program_bytes = {}
+    for name, program in programs.items():
+        path = folder / PROGRAM_FILES[name]
+        torch.export.save(program, path, extra_files={PROGRAM_EXTRA: program_meta})
+        program_bytes[name] = path.stat().st_size
+    save_s = time.perf_counter() - start
+
+    manifest = {
+        "format": FORMAT,
+        "config_sha": sha,
+        "config": json.loads(config.to_json_string(use_diff=False)),
+        "dtype": _dtype_name(_float_dtype(weights)),
+        "scheme": scheme,
+        "experts_implementation": config._experts_implementation,
+        "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
+        "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
+        "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
+        "weights": {"tp_degree": 1, "files": [weights_file(0)], "bytes": (folder / weights_file(0)).stat().st_size,
+                    "tensors": tensor_specs(weights)},
+        "host_embedding": {"file": HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
+                           "dtype": _dtype_name(host.weight.dtype), "bytes": (folder / HOST_EMBEDDING_FILE).stat().st_size},
+        "reference": reference_tokens,
+        "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+    }
+    from gemma_nb.metrics import write_json_atomic
+
+    write_json_atomic(folder / MANIFEST, manifest)
+    return CompileReport(
+        folder=folder, export_s=export_s, save_s=save_s, program_bytes=program_bytes,
+        weights_bytes=manifest["weights"]["bytes"], host_embedding_bytes=manifest["host_embedding"]["bytes"],
+        params=stored_elements([*weights.values(), host.weight]), config_sha=sha, programs=programs,
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: every file checked before torch reads it
+# --------------------------------------------------------------------------------------------
+def _require(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise ArtifactNotFoundError(
+            f"{path.name} not found in {path.parent.name}/: expected {what}, written by "
+            "gemma_nb.compile.compile_model (notebook 04); re-run the compile"
+        )
+    return path
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The artifact's manifest.json, checked for its format."""
+    path = _require(Path(folder) / MANIFEST, "the artifact manifest (JSON)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{path.name} is not valid JSON ({error}); expected the manifest compile_model writes") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(f"{path.name} has format {found!r}; expected {FORMAT!r}")
+    return manifest
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, list], dict[str, str]]:
+    """(name -> [shape, dtype], metadata) from a safetensors header, checked against the file size.
+
+    Reads only the header, so a truncated file is caught before any tensor is mapped.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise ArtifactError(f"{path.name} is {size} bytes: too short to be a safetensors file (expected an 8-byte header length)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise ArtifactError(
+                f"{path.name} is truncated or not a safetensors file: its header claims {header_len} bytes, "
+                f"the file holds {size}"
+            )
+        try:
+            header = json.loads(handle.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ArtifactError(f"{path.name} has an unreadable safetensors header ({error}); expected a safetensors file") from error
+    metadata = header.pop("__metadata__", {}) or {}
+    specs: dict[str, list] = {}
+    end = 0
+    for name, entry in header.items():
+        specs[name] = [list(entry["shape"]), _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])]
+        end = max(end, entry["data_offsets"][1])
+    expected = 8 + header_len + end
+    if size < expected:
+        raise ArtifactError(
+            f"{path.name} is truncated: {size} bytes on disk, its header describes {expected} "
+            f"({len(specs)} tensors); copy or download the file again"
+        )
+    return specs, metadata
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def check_tensor_specs(found: Mapping[str, list], expected: Mapping[str, list], file_name: str, expected_from: str) -> None:
+    """Raise ArtifactError naming ``file_name`` if its tensor names, shapes or dtypes differ."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        if extra:
+            parts.append(f"unexpected {len(extra)} tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}")
+        raise ArtifactError(
+            f"{file_name} does not hold the tensors {expected_from} expects: {'; '.join(parts)}. "
+            "Were the weights saved from another model? Re-run compile_model for this model"
+        )
+    for name, spec in expected.items():
+        if [list(found[name][0]), found[name][1]] != [list(spec[0]), spec[1]]:
+            raise ArtifactError(
+                f"{file_name}: tensor {name!r} is {found[name][1]} {tuple(found[name][0])}, "
+                f"{expected_from} expects {spec[1]} {tuple(spec[0])}: programs and weights come from different "
+                "configs; use the files one compile_model run wrote together"
+            )
+
+
+def read_program_meta(path: Path) -> dict:
+    """The metadata compile_model stored inside an exported program, read without loading it.
+
+    A .pt2 is a zip archive; reading its directory is enough to catch a truncated file.
+    """
+    import zipfile
+
+    _require(path, f"the exported {path.stem} program (torch.export .pt2)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith(f"/extra/{PROGRAM_EXTRA}")]
+            if not names:
+                raise ArtifactError(
+                    f"{path.name} holds no {PROGRAM_EXTRA}: it is not a program written by compile_model; re-run the compile"
+                )
+            return json.loads(archive.read(names[0]))
+    except (zipfile.BadZipFile, OSError, json.JSONDecodeError, EOFError) as error:
+        raise ArtifactError(
+            f"{path.name} could not be read as a torch.export program ({type(error).__name__}: {str(error)[:120]}); "
+            "the file is truncated or not a .pt2 written by compile_model: re-run the compile"
+        ) from error
+
+
+def load_program(path: Path) -> tuple[torch.export.ExportedProgram, dict]:
+    """An exported program and the metadata compile_model stored inside it."""
+    meta = read_program_meta(path)
+    try:
+        program = torch.export.load(path)
+    except Exception as error:  # whatever torch raises on a damaged archive member
+        raise ArtifactError(
+            f"{path.name} could not be read as a torch.export program ({type(error).__name__}: {str(error)[:120]}); "
+            "the file is damaged or was written by another torch version: re-run the compile"
+        ) from error
+    return program, meta
+
+
+def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str, expected_from: str) -> None:
+    """Check a weights file's header (not its data) against the expected tensors and config."""
+    _require(path, "the device weights (safetensors)")
+    found, metadata = safetensors_header(path)
+    sha = metadata.get("config_sha")
+    if sha is not None and sha != config_sha:
+        raise ArtifactError(
+            f"{path.name} was saved for config {sha}, but {expected_from} was compiled for config {config_sha}: "
+            "programs and weights come from different models; use the files one compile_model run wrote together"
+        )
+    check_tensor_specs(found, expected, path.name, expected_from)
+
+
+def open_weights(path: Path, names) -> dict[str, torch.Tensor]:
+    """Memory-map the tensors ``names`` of a (checked) weights file.
+
+    safetensors maps the file: tensors are views of the page cache, read from disk only when
+    touched, so opening costs no host memory until the weights are used.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in names}
+
+
+@dataclass
+class Artifact:
+    """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked against."""
+
+    folder: Path
+    manifest: dict
+    programs: dict[str, torch.export.ExportedProgram]
+    weights: dict[str, torch.Tensor]
+
+    @property
+    def shapes(self) -> StepShapes:
+        return StepShapes(**self.manifest["shapes"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.manifest["dtype"])
+
+    def config(self):
+        from transformers import Gemma4TextConfig
+
+        return Gemma4TextConfig.from_dict(self.manifest["config"])
+
+    def runner(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> StepRunner:
+        return StepRunner(
+            prefill=self.programs["prefill"].module(), decode=self.programs["decode"].module(), embed=embed,
+            weights=self.weights, kv_shapes=[tuple(s) for s in self.manifest["kv_cache"]], dtype=self.dtype,
+            shapes=self.shapes, pad_token_id=self.manifest["config"].get("pad_token_id") or 0,
+        )
+
+
+def check_artifact(folder: str | Path) -> dict:
+    """Check an artifact folder without loading it; return its manifest.
+
+    Each failure is an ``ArtifactError`` naming the file: manifest missing or of another format;
+    a program missing, truncated, compiled for another config or expecting other weights; the
+    weights file missing, truncated, saved for another config, or with other tensor names,
+    shapes or dtypes than the programs take.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactNotFoundError(
+            f"artifact folder {folder.name}/ not found: expected the folder compile_model writes "
+            "(notebook 04 writes it under artifacts/); run the compile first"
+        )
+    manifest = read_manifest(folder)
+    sha = manifest["config_sha"]
+    expected = manifest["weights"]["tensors"]
+    for entry in manifest["programs"].values():
+        meta = read_program_meta(folder / entry["file"])
+        if meta.get("config_sha") != sha:
+            raise ArtifactError(
+                f"{entry['file']} was compiled for config {meta.get('config_sha')}, {MANIFEST} describes config {sha}: "
+                "the folder mixes files of two compile runs; re-run compile_model into an empty folder"
+            )
+        check_tensor_specs(meta["weights"], expected, entry["file"], MANIFEST)
+    files = manifest["weights"]["files"]
+    if len(files) != 1:
+        raise ArtifactError(f"{MANIFEST} lists {len(files)} weight files; the cpu loader reads one (TP=1)")
+    check_weights_file(folder / files[0], expected, sha, f"{PROGRAM_FILES['decode']} / {MANIFEST}")
+    return manifest
+
+
+def load_artifact(folder: str | Path) -> Artifact:
+    """Check (``check_artifact``), then load the programs and memory-map the weights."""
+    folder = Path(folder)
+    manifest = check_artifact(folder)
+    programs = {name: load_program(folder / entry["file"])[0] for name, entry in manifest["programs"].items()}
+    weights = open_weights(folder / manifest["weights"]["files"][0], manifest["weights"]["tensors"])
+    return Artifact(folder=folder, manifest=manifest, programs=programs, weights=weights)
+
+
+def host_embedding_path(folder: str | Path) -> Path:
+    return _require(Path(folder) / HOST_EMBEDDING_FILE, "the host embedding table with its scale (safetensors)")
+
+
+# --------------------------------------------------------------------------------------------
+# The size sweep of notebook 04: one export per fresh subprocess
+# --------------------------------------------------------------------------------------------
+# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
+# four widths at two layers (parameters grow ~70x), then the smallest width at 6 layers (graph size
+# grows, parameters barely), so time can be split into a per-layer and a per-byte part.
+_SMALL = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              global_head_dim=128, num_global_key_value_heads=1, num_experts=16, top_k_experts=2,
+              moe_intermediate_size=128, vocab_size=8192)
+SWEEP_POINTS: dict[str, dict] = {
+    "w256_l2": {**_SMALL, "num_hidden_layers": 2},
+    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
+                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
+    "w1024_l2": dict(hidden_size=1024, intermediate_size=1152, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                     global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
+                     moe_intermediate_size=384, vocab_size=32768, num_hidden_layers=2),
+    "w1536_l2": dict(hidden_size=1536, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                     global_head_dim=256, num_global_key_value_heads=2, num_experts=96, top_k_experts=8,
+                     moe_intermediate_size=512, vocab_size=32768, num_hidden_layers=2),
+    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
+}
+
+
+def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None, seed: int = 0,
+                dtype: str = "bfloat16") -> dict:
+    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``; return figures.
+
+    Meant to run in a fresh process (``measure_sweep_point``) so its peak RSS is its own.
+    ``held_rss_bytes``: the process's RSS with the model built, just before the export starts.
+    """
+    import psutil
+
+    start = time.perf_counter()
+    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
+
+    import_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
+    build_s = time.perf_counter() - start
+    held = psutil.Process().memory_info().rss
+    report = compile_model(model, folder, StepShapes(**(shapes or {})))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    return {"layers": model.config.num_hidden_layers, "import_s": import_s, "build_s": build_s,
+            "held_rss_bytes": held, "weight_bytes": weight_bytes, **report.as_dict()}
+
+
+def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
+                        interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
+    """Run ``sweep_point`` in a fresh Python, sampling the RSS of that process and its children."""
+    from gemma_nb.hostmem import run_measured
+
+    job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
+    run = run_measured([sys.executable, "-m", "gemma_nb.compile", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes,
+            "wall_s": run.wall_s}
+
+
+def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
+                  keep: bool = False):
+    """``measure_sweep_point`` for each named config, one fresh process each; a DataFrame.
+
+    Each point's artifact is deleted after it is measured unless ``keep`` (they are only timed).
+    Columns: params, layers, weight_gb, held_rss_gb (model built), peak_rss_gb (sampled, process
+    tree), peak_hwm_gb (kernel high-water mark), export_s, save_s, compile_s (= export + save),
+    build_s, wall_s (the whole process, interpreter start to exit).
+    """
+    import shutil
+
+    import pandas as pd
+
+    rows = []
+    for name, dims in points.items():
+        target = Path(folder) / name
+        result = measure_sweep_point(dims, target, shapes)
+        if not keep:
+            shutil.rmtree(target, ignore_errors=True)
+        rows.append({
+            "point": name, "params": result["params"], "layers": result["layers"],
+            "weight_gb": result["weight_bytes"] / 1e9, "held_rss_gb": result["held_rss_bytes"] / 1e9,
+            "peak_rss_gb": result["peak_rss_bytes"] / 1e9, "peak_hwm_gb": result["peak_hwm_bytes"] / 1e9,
+            "export_s": result["export_s"], "save_s": result["save_s"],
+            "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"],
+        })
+    return pd.DataFrame(rows).set_index("point")
+
+
+def fit_linear(x, y) -> dict:
+    """Least-squares ``y = intercept + slope * x``; returns slope, intercept and r^2."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.size < 2:
+        raise ValueError(f"need at least 2 points to fit a line, got {x.size}")
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (intercept + slope * x)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - (residual**2).sum() / total if total > 0 else 1.0
+    return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2)}
+
+
+def fit_linear_multi(features: Mapping[str, "object"], y) -> dict:
+    """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
+    import numpy as np
+
+    names = list(features)
+    y = np.asarray(y, dtype=float)
+    columns = [np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names]
+    design = np.stack(columns, axis=1)
+    if design.shape[0] < design.shape[1]:
+        raise ValueError(f"need at least {design.shape[1]} points to fit {len(names)} features, got {design.shape[0]}")
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ coef
+    total = ((y - y.mean()) ** 2).sum()
+    return {"intercept": float(coef[0]), **{n: float(c) for n, c in zip(names, coef[1:])},
+            "r2": float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0}
+
+
+def growth_fits(sweep) -> dict:
+    """The sweep's growth laws: peak RSS (GB) linear in parameters; compile seconds linear in layers
+    and weight GB (exporting a graph costs per layer; writing weights costs per byte)."""
+    return {
+        "rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
+        "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"]),
+    }
+
+
+def fits_table(fits: Mapping):
+    """The two growth laws as readable rows, coefficients in their units."""
+    import pandas as pd
+
+    rss, cost = fits["rss"], fits["time"]
+    return pd.DataFrame([
+        {"law": "peak RSS (GB) = a + b x params", "a": rss["intercept"], "b": rss["slope"] * 1e9,
+         "b unit": "bytes per parameter", "c": None, "c unit": "", "r2": rss["r2"]},
+        {"law": "compile (s) = a + b x layers + c x weight GB", "a": cost["intercept"], "b": cost["layers"],
+         "b unit": "s per layer", "c": cost["weight_gb"], "c unit": "s per GB", "r2": cost["r2"]},
+    ]).set_index("law")
+
+
+def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> dict:
+    """Both fits evaluated at a model of ``params`` parameters, ``layers`` layers, ``weight_gb`` GB."""
+    rss, cost = fits["rss"], fits["time"]
+    seconds = cost["intercept"] + cost["layers"] * layers + cost["weight_gb"] * weight_gb
+    return {"peak_rss_gb": rss["intercept"] + rss["slope"] * params, "compile_s": seconds,
+            "compile_min": seconds / 60, "rss_bytes_per_param": rss["slope"] * 1e9}
+
+
+def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
+    """Measured points and fitted lines: peak RSS and compile time against parameters (log x)."""
+    import numpy as np
+
+    params = np.geomspace(sweep["params"].min(), sweep["params"].max(), 50)
+    rss = fits["rss"]
+    for layers, group in sweep.groupby("layers"):
+        ax_rss.scatter(group["params"], group["peak_rss_gb"], label=f"{layers} layers", zorder=3)
+        ax_time.scatter(group["params"], group["compile_s"], label=f"{layers} layers", zorder=3)
+    ax_rss.plot(params, rss["intercept"] + rss["slope"] * params, color="0.4",
+                label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} B/param")
+    for ax, label in ((ax_rss, "peak host RSS (GB)"), (ax_time, "export + save (s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(label)
+        ax.legend(loc="upper left", fontsize=9)
+
+
+def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts, max_new_tokens: int):
+    """Per prompt: eager greedy continuation vs the two-step runner's; tokens equal or not."""
+    import pandas as pd
+
+    from gemma_nb.evaluate import greedy_generate
+
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        eager = greedy_generate(reference, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+        exported = runner.generate(ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+        same = sum(a == b for a, b in zip(eager, exported))
+        rows.append({"prompt": prompt, "continuation": tokenizer.decode(exported[:8]),
+                     "tokens_equal": f"{same}/{len(eager)}", "match": eager == exported})
+    return pd.DataFrame(rows)
+
+
+def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0):
+    """Which inf2 instance can hold a compile's peak host memory, with and without swap, and its cost.
+
+    ``peak_host_gb``: label -> peak host RAM in GB (e.g. the story's 180 and this notebook's lower
+    bound); ``compile_hours``: label -> hours of one compile, priced at each instance's on-demand
+    rate. Host RAM in GB (10^9 bytes), converted from the catalog's GiB.
+    """
+    import pandas as pd
+
+    from gemma_nb.hardware import GB, INSTANCES
+
+    rows = []
+    for inst in INSTANCES.values():
+        row = {"instance": inst.name, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": inst.usd_per_hour}
+        for label, peak in peak_host_gb.items():
+            row[f"holds {label}"] = inst.host_ram_bytes / GB >= peak
+            row[f"holds {label} + {swap_gb:.0f} GB swap"] = inst.host_ram_bytes / GB + swap_gb >= peak
+        for label, hours in compile_hours.items():
+            row[f"usd {label}"] = inst.usd_per_hour * hours
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("instance")
+
+
+def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                               max_cache_len: int = 128) -> list[int]:
+    """New tokens from transformers' own recipe: ``convert_and_export_with_cache`` (1-token decode,
+    StaticCache) and ``TorchExportableModuleWithStaticCache.generate``, whose loop feeds each
+    generated token one position too far (see the module docstring).
+    """
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
+
+    set_traceable_experts(model)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(
+        use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
+    )
+    try:
+        program = convert_and_export_with_cache(model)
+    finally:
+        model.generation_config = saved
+    out = TorchExportableModuleWithStaticCache.generate(program, input_ids, max_new_tokens)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m gemma_nb.compile '<job json>'``: one sweep point; prints a JSON result line."""
+    from gemma_nb.hostmem import self_peak_rss_bytes
+
+    job = json.loads(argv[0])
+    result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
+    result["self_peak_rss_bytes"] = self_peak_rss_bytes()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _main(sys.argv[1:])

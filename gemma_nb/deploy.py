@@ -1,0 +1,435 @@
+"""Slim deploy vs naive deploy: host memory and time to the first token (notebook 05).
+
+The port deployed a 26B model on a 16 GB host because the host never held the model:
+
+- **slim**: the model's *structure* is built on the meta device (no memory), the host loads only
+  the embedding table with its scale (``gemma_nb.embedding.HostEmbedding``), and the compiled
+  artifact's weights go to the device (on the cpu target: ``gemma_nb.compile``'s programs run on
+  memory-mapped safetensors, read from the page cache as the steps touch them). Greedy decoding
+  is host embed -> device body -> argmax on the host.
+- **naive**: what it would have taken without that path: ``from_pretrained`` of the whole model in
+  full precision on the host, quantize it there (the same int8 squeeze), then run it.
+
+Both run the same int8-squeezed model, so both must give the same greedy tokens as the reference
+decoded right after compiling. Each deploy runs in a fresh process (``measure_deploy``) so its
+peak RSS (``gemma_nb.hostmem``) and its cold start (process start -> first token) are its own.
+
+The squeeze on the cpu (``int8_squeeze``): ``gemma_nb.quant.apply_scheme(model, "int8_squeeze")``
+(int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
+embedding stay float), then the experts run as ``Int8Experts`` on those same int8 weights:
+static shapes, which ``torch.export`` can trace (the quantized eager loop cannot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from gemma_nb import compile as compile_mod
+
+SQUEEZE = "int8_squeeze"
+CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
+HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
+DEPLOY_KINDS = ("slim", "naive")
+EXPERT_CHUNK = 16  # experts upcast at once in Int8Experts' prefill path
+
+
+class Int8Experts(nn.Module):
+    """Routed experts on int8 per-channel weights, in a few vectorised ops that ``torch.export`` traces.
+
+    Buffers (the artifact's weights): ``gate_up_proj`` int8 [E, 2I, H], ``gate_up_scale`` fp32
+    [E, 2I, 1], ``down_proj`` int8 [E, H, I], ``down_scale`` fp32 [E, H, 1]. Same forward as
+    ``Gemma4TextExperts``. Each matmul follows NxD's int8 order: weight upcast to the activation
+    dtype, matmul, fp32 scale on the output.
+
+    - one token (decode): gather the K routed experts' int8 weights (static shape [K, ...]) and
+      run them as one batched matmul: only K/E of the weights are read;
+    - several tokens (prefill): every expert on every token, combined with dense router weights
+      that are zero outside each token's top-k (the port's DenseExperts), as two big matmuls.
+
+    ``gemma_nb.moe``'s classes do the same with a Python loop per expert, which export unrolls
+    into a graph E times larger; this module keeps the cpu artifact's programs small.
+    """
+
+    def __init__(self, gate_up, gate_up_scale, down, down_scale, act_fn):
+        super().__init__()
+        self.num_experts, two_i, self.hidden_dim = gate_up.shape
+        self.intermediate_dim = two_i // 2
+        self.act_fn = act_fn
+        self.register_buffer("gate_up_proj", gate_up)
+        self.register_buffer("gate_up_scale", gate_up_scale.float())
+        self.register_buffer("down_proj", down)
+        self.register_buffer("down_scale", down_scale.float())
+
+    @classmethod
+    def from_quantized(cls, experts) -> "Int8Experts":
+        """Built on a ``gemma_nb.quant.QuantizedExperts`` (int8): its tensors, not a copy."""
+        if experts.fmt != "int8":
+            raise ValueError(f"experts quantized to {experts.fmt!r}; Int8Experts takes int8 (the squeeze's format)")
+        return cls(experts.gate_up.data, experts.gate_up.scale, experts.down.data, experts.down.scale, experts.act_fn)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        dtype = hidden_states.dtype
+        if hidden_states.shape[0] == 1:
+            index = top_k_index[0]  # [K]
+            gate_up = torch.matmul(self.gate_up_proj[index].to(dtype), hidden_states[0, :, None])  # [K, 2I, 1]
+            gate, up = (gate_up.float() * self.gate_up_scale[index]).to(dtype).chunk(2, dim=1)
+            hidden = self.act_fn(gate) * up  # [K, I, 1]
+            out = (torch.matmul(self.down_proj[index].to(dtype), hidden).float() * self.down_scale[index])[..., 0]
+            return (top_k_weights[0, :, None].float() * out).sum(0, keepdim=True).to(dtype)  # [1, H]
+        tokens = hidden_states.shape[0]
+        weights = torch.zeros(tokens, self.num_experts, dtype=torch.float32).scatter(1, top_k_index, top_k_weights.float())
+        out = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32)
+        # Upcast EXPERT_CHUNK experts at a time: the float copy of all experts would be a
+        # transient as large as the layer's int8 weights times 4.
+        for first in range(0, self.num_experts, EXPERT_CHUNK):
+            chunk = slice(first, min(first + EXPERT_CHUNK, self.num_experts))
+            out += self._dense(hidden_states, weights[:, chunk], chunk)
+        return out.to(dtype)  # [T, H]
+
+    def _dense(self, x, weights, chunk):
+        """Experts ``chunk`` on every token of ``x`` [T, H], weighted by dense router ``weights`` [T, e]."""
+        dtype, tokens, experts = x.dtype, x.shape[0], weights.shape[1]
+        gate_up = x @ self.gate_up_proj[chunk].reshape(experts * 2 * self.intermediate_dim, -1).to(dtype).T
+        gate_up = (gate_up.float() * self.gate_up_scale[chunk].reshape(1, -1)).to(dtype)
+        gate, up = gate_up.reshape(tokens, experts, 2 * self.intermediate_dim).chunk(2, dim=-1)
+        hidden = (self.act_fn(gate) * up).transpose(0, 1)  # [e, T, I]
+        out = torch.bmm(hidden, self.down_proj[chunk].to(dtype).transpose(1, 2)).float()
+        out = out * self.down_scale[chunk].transpose(1, 2)  # [e, T, H]
+        return (out * weights.T[:, :, None]).sum(0)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, int8"
+
+
+def int8_squeeze(model: nn.Module):
+    """Quantize ``model`` in place with the port's int8 squeeze; experts become ``Int8Experts``.
+
+    Returns ``gemma_nb.quant.apply_scheme``'s report (one row per quantized group).
+    """
+    from gemma_nb.quant import QuantizedExperts, apply_scheme
+
+    report = apply_scheme(model, SQUEEZE)
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, QuantizedExperts):
+            module.experts = Int8Experts.from_quantized(experts)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Preparing the deploy: a local checkpoint, and its compiled artifact
+# --------------------------------------------------------------------------------------------
+# The model notebook 05 deploys: the 26B's architecture (64 experts, top-4: the 26B's 1/16 active;
+# shared MLP 3x an expert's width) at ~0.67B parameters, 1.3 GB in bf16, 91% of it routed experts:
+# big enough that weights, not the Python runtime, dominate host memory. Four layers keep the
+# exported graphs (and their load time) small.
+DEPLOY_DIMS: dict = dict(
+    hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=128, global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
+    moe_intermediate_size=768, vocab_size=16384,
+)
+CHECKPOINT_MARKER = "gemma_nb_random.json"
+
+
+def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """``length`` token ids drawn with a fixed seed (ids 0-3 are reserved specials): the deploy prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+
+
+def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
+    """A random-weight Gemma-4 of ``dims`` saved with ``save_pretrained`` (bf16, like the hub).
+
+    A folder already holding the same ``dims`` and ``seed`` (``gemma_nb_random.json``) is reused.
+    Returns params (unique parameters) and checkpoint_bytes.
+    """
+    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
+
+    folder = Path(folder)
+    marker = folder / CHECKPOINT_MARKER
+    wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
+    if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
+        return json.loads(marker.read_text())["figures"]
+    model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=CHECKPOINT_DTYPE)
+    from gemma_nb.modelio import _quiet_loading
+
+    with _quiet_loading():
+        model.save_pretrained(folder)
+    figures = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "checkpoint_bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+    }
+    marker.write_text(json.dumps({"spec": wanted, "figures": figures}))
+    return figures
+
+
+def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
+    """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    from gemma_nb.modelio import _quiet_loading, resolve_model_id
+
+    source = resolve_model_id(str(checkpoint))
+    with _quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    return model.eval()
+
+
+@torch.inference_mode()
+def decode_latency(model: nn.Module, programs, shapes: compile_mod.StepShapes, prompt: torch.Tensor,
+                   steps: int = 12, warmup: int = 2) -> dict:
+    """Median ms per decode step: the exported decode program vs the eager model, same weights.
+
+    Eager is the model's own forward, one token at a time with its (dynamic) KV cache, as
+    ``generate`` runs it. The first ``warmup`` steps of each are not counted.
+    """
+    import statistics
+
+    from transformers import DynamicCache
+
+    exported = compile_mod.exported_runner(model, programs, shapes)
+    exported.generate(prompt, steps + warmup)
+    exported_ms = statistics.median(exported.step_times_s[1 + warmup:]) * 1e3
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompt, cache=cache, use_cache=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    eager_s = []
+    for _ in range(steps + warmup):
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        eager_s.append(time.perf_counter() - start)
+    eager_ms = statistics.median(eager_s[warmup:]) * 1e3
+    return {"exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms, "exported_over_eager": exported_ms / eager_ms}
+
+
+def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
+                       shapes: Mapping | None = None, latency_steps: int = 12) -> dict:
+    """Load ``checkpoint`` in full precision, squeeze it, decode the reference tokens eagerly,
+    compile it into ``folder`` and time the exported decode step against the eager one.
+    """
+    from gemma_nb.evaluate import greedy_generate
+
+    step_shapes = compile_mod.StepShapes(**(shapes or {}))
+    model = load_full_model(checkpoint)
+    int8_squeeze(model)
+    compile_mod.set_traceable_experts(model)
+    ids = torch.tensor([prompt])
+    reference = greedy_generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
+    report = compile_mod.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
+                                       reference_tokens={"prompt": list(prompt), "tokens": reference})
+    latency = decode_latency(model, report.programs, step_shapes, ids, steps=latency_steps)
+    return {**report.as_dict(), **latency, "reference_tokens": reference}
+
+
+# --------------------------------------------------------------------------------------------
+# The two deploys
+# --------------------------------------------------------------------------------------------
+def model_skeleton(config) -> nn.Module:
+    """The model's structure on the meta device: every module, no weight memory."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        return Gemma4ForCausalLM(config).eval()
+
+
+def host_embedding_for(skeleton: nn.Module, path: Path):
+    """The host table from ``path``, its scale checked against the skeleton's own embedding module.
+
+    The module's ``embed_scale`` buffer is a float32 tensor of ``sqrt(hidden_size)`` cast to the
+    weight dtype in forward; on the meta device it has no value, so it is rebuilt from the
+    module's ``scalar_embed_scale`` exactly as its constructor builds it.
+    """
+    from gemma_nb.embedding import HostEmbedding
+
+    module = skeleton.get_input_embeddings()
+    scale = torch.tensor(module.scalar_embed_scale)
+    return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))
+
+
+class SlimDeploy:
+    """The slim deploy of an artifact folder: meta skeleton + host embedding + compiled steps."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        manifest = compile_mod.check_artifact(folder)
+        self.manifest = manifest
+        self.skeleton = model_skeleton(_config_from(manifest))
+        self.host = host_embedding_for(self.skeleton, compile_mod.host_embedding_path(folder))
+        self.artifact = compile_mod.load_artifact(folder)
+        self.runner = self.artifact.runner(self.host)
+
+    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
+        return self.runner.generate(input_ids, max_new_tokens)
+
+
+def _config_from(manifest: dict):
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig.from_dict(manifest["config"])
+
+
+class NaiveDeploy:
+    """The whole model on the host in full precision, squeezed there, run eagerly."""
+
+    def __init__(self, checkpoint: str | Path):
+        self.model = load_full_model(checkpoint)
+        int8_squeeze(self.model)
+
+    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
+        from gemma_nb.evaluate import greedy_generate
+
+        return greedy_generate(self.model, input_ids, max_new_tokens)
+
+
+def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
+    """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
+    if kind not in DEPLOY_KINDS:
+        raise ValueError(f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}")
+    from gemma_nb.hostmem import self_peak_rss_bytes
+
+    start = time.perf_counter()
+    deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
+    load_s = time.perf_counter() - start
+    ids = torch.tensor([prompt])
+    first = deploy.generate(ids, 1)
+    first_token_epoch = time.time()
+    first_token_s = time.perf_counter() - start
+    tokens = deploy.generate(ids, max_new_tokens)[0, len(prompt):].tolist()
+    return {
+        "kind": kind, "load_s": load_s, "first_token_s": first_token_s, "first_token_epoch": first_token_epoch,
+        "first_token": int(first[0, -1]), "tokens": tokens, "self_peak_rss_bytes": self_peak_rss_bytes(),
+    }
+
+
+def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int,
+                   interval_s: float = 0.02, timeout_s: float = 600.0) -> dict:
+    """``run_deploy`` in a fresh Python process under the host-memory sampler.
+
+    ``cold_start_s``: from just before the process is started to its first generated token
+    (interpreter start, imports, load, prefill), what a fresh instance pays before it can answer.
+    """
+    from gemma_nb.hostmem import run_measured
+
+    job = {"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens}
+    started = time.time()
+    run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    result = dict(run.result)
+    result.update(peak_rss_bytes=run.peak_rss_bytes, peak_hwm_bytes=run.peak_hwm_bytes, wall_s=run.wall_s,
+                  cold_start_s=result.pop("first_token_epoch") - started,
+                  rss_gb_trace=[(round(s.t_s, 3), s.rss_bytes / 1e9) for s in run.samples])
+    return result
+
+
+def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
+                    shapes: Mapping | None = None, interval_s: float = 0.05, timeout_s: float = 600.0) -> dict:
+    """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
+    from gemma_nb.hostmem import run_measured
+
+    job = {"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
+           "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}
+    run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
+
+
+def comparison_table(slim: dict, naive: dict, reference: list[int]):
+    """Slim and naive side by side: peak RSS, load, first token, cold start, tokens == reference."""
+    import pandas as pd
+
+    rows = []
+    for result in (slim, naive):
+        rows.append({
+            "deploy": result["kind"],
+            "peak_rss_gb": result["peak_rss_bytes"] / 1e9,
+            "load_s": result["load_s"],
+            "first_token_s": result["first_token_s"],
+            "cold_start_s": result["cold_start_s"],
+            "tokens_match_reference": result["tokens"] == reference,
+        })
+    return pd.DataFrame(rows).set_index("deploy")
+
+
+# Performance targets of notebook 05 (issue 6): ratios measured in one run.
+SLIM_RSS_TARGET = 0.35
+DECODE_LATENCY_TARGET = 1.3
+
+
+def performance_targets(slim: dict, naive: dict, compiled: dict):
+    """The two ratios against their targets: slim/naive peak RSS, exported/eager decode step."""
+    import pandas as pd
+
+    rows = [
+        ("slim / naive peak RSS", slim["peak_rss_bytes"] / naive["peak_rss_bytes"], SLIM_RSS_TARGET),
+        ("exported / eager decode step", compiled["exported_over_eager"], DECODE_LATENCY_TARGET),
+    ]
+    return pd.DataFrame([{"target": name, "measured": value, "at_most": limit, "met": value <= limit}
+                         for name, value, limit in rows])
+
+
+def host_budget_26b(config) -> dict:
+    """GB each deploy path must hold on the host for a model of ``config`` (from its config alone).
+
+    naive: the whole checkpoint read (bf16) and the full-precision model built from it (fp32);
+    slim: the embedding table (bf16 [vocab, hidden]), the only weights the host keeps.
+    """
+    from gemma_nb import memory
+
+    params = memory.param_summary(config)["total_params"]
+    return {
+        "naive: model in fp32": 4 * params / 1e9,
+        "naive: checkpoint in bf16": 2 * params / 1e9,
+        "slim: host embedding (bf16)": 2 * config.vocab_size * config.hidden_size / 1e9,
+    }
+
+
+def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
+    """RSS over time of each measured deploy process, its peak marked."""
+    for name, result in results.items():
+        times, rss = zip(*result["rss_gb_trace"])
+        lines = ax.plot(times, rss, label=f"{name}: peak {result['peak_rss_bytes'] / 1e9:.2f} GB")
+        ax.axhline(result["peak_rss_bytes"] / 1e9, color=lines[0].get_color(), linestyle=":", linewidth=1)
+    ax.set_xlabel("seconds since the process started")
+    ax.set_ylabel("host RSS (GB)")
+    ax.legend(loc="upper left", fontsize=9)
+
+
+def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_peak_gb: float) -> None:
+    """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
+    from gemma_nb.plots import reference_line
+
+    names = list(budget)
+    ax.barh(names, [budget[n] for n in names], color=["C1", "C1", "C0"][: len(names)])
+    ax.set_xscale("log")
+    ax.set_xlabel("GB on the host")
+    reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM {host_ram_gb:.1f} GB", axis="x")
+    reference_line(ax, story_peak_gb, f"story's deploy RSS peak {story_peak_gb:.0f} GB", axis="x", color="C3")
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m gemma_nb.deploy '<job json>'``: one deploy or compile; prints a JSON result line."""
+    job = json.loads(argv[0])
+    if job["kind"] == "compile":
+        from gemma_nb.hostmem import self_peak_rss_bytes
+
+        result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
+        result["self_peak_rss_bytes"] = self_peak_rss_bytes()
+    else:
+        result = run_deploy(job["kind"], job["source"], job["prompt"], job["max_new_tokens"])
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_grad_enabled(False)
+    _main(sys.argv[1:])

@@ -1,0 +1,253 @@
+"""How answers are scored: greedy decoding, fact recall, logit agreement, greedy token match.
+
+A *model* here is either a transformers causal LM (anything whose ``forward`` takes
+``input_ids`` and returns ``.logits``) or a plain callable ``logits_fn(input_ids) -> logits``
+with ``input_ids`` a LongTensor [B, S] and logits a float tensor [B, S, V]. Custom paths (a
+host-side embedding feeding ``inputs_embeds``, a quantized or exported model, a Neuron graph)
+are wrapped as such a callable, e.g.::
+
+    logits_fn = lambda ids: model(inputs_embeds=host_embedding(ids)).logits
+
+Transformers models decode with their KV cache; callables are re-run on the whole sequence at
+every step (no cache), which is exact and cheap at the sizes used here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable, Sequence, Union
+
+import pandas as pd
+import torch
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+Model = Union[torch.nn.Module, LogitsFn]
+
+
+def _is_hf_model(model) -> bool:
+    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings")
+
+
+def as_logits_fn(model: Model) -> LogitsFn:
+    """``model`` as a function ``input_ids [B, S] -> logits [B, S, V]`` (no KV cache)."""
+    if _is_hf_model(model):
+        def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=input_ids, use_cache=False).logits
+        return logits_fn
+    if callable(model):
+        def call(input_ids: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids)
+            logits = getattr(out, "logits", out)
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+                shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                raise ValueError(
+                    f"candidate returned {shape} for input_ids of shape {tuple(input_ids.shape)}; "
+                    "a logits_fn must return logits [B, S, V] for input_ids [B, S]"
+                )
+            return logits
+        return call
+    raise ValueError(
+        f"model {type(model).__name__} is neither a transformers causal LM nor a callable "
+        "logits_fn(input_ids [B, S]) -> logits [B, S, V]"
+    )
+
+
+def _as_batch(input_ids) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(ids.shape)}; expected token ids [S] or [B, S] with S >= 1")
+    return ids
+
+
+@torch.inference_mode()
+def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+    """Greedy (argmax) continuation: returns the prompt plus new tokens, LongTensor [B, S + n].
+
+    ``input_ids`` [S] or [B, S], unpadded (rows of equal length). With ``eos_token_id`` a row
+    that emitted it keeps emitting it, and decoding stops early once every row has; n <=
+    ``max_new_tokens``. Transformers models use their KV cache; callables recompute each step.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
+    ids = _as_batch(input_ids)
+    if max_new_tokens == 0:
+        return ids
+    device = _device_of(model)
+    ids = ids.to(device)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    step_fn = _cached_stepper(model) if _is_hf_model(model) else _recompute_stepper(as_logits_fn(model))
+    next_logits = step_fn(ids, first=True)
+    for step in range(max_new_tokens):
+        next_token = next_logits.argmax(dim=-1)
+        if eos_token_id is not None:
+            next_token = torch.where(done, torch.full_like(next_token, eos_token_id), next_token)
+            done |= next_token == eos_token_id
+        ids = torch.cat([ids, next_token[:, None]], dim=1)
+        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            break
+        next_logits = step_fn(ids, first=False)
+    return ids
+
+
+def _device_of(model) -> torch.device:
+    if isinstance(model, torch.nn.Module):
+        for parameter in model.parameters():
+            return parameter.device
+    return torch.device("cpu")
+
+
+def _cached_stepper(model):
+    state = {}
+
+    def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
+        if first:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        else:
+            out = model(input_ids=ids[:, -1:], cache=state["cache"], use_cache=True, logits_to_keep=1)
+        state["cache"] = out.cache
+        return out.logits[:, -1].float()
+
+    return step
+
+
+def _recompute_stepper(logits_fn: LogitsFn):
+    def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
+        return logits_fn(ids)[:, -1].float()
+
+    return step
+
+
+def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]:
+    """Indices of ``token_lists`` grouped by length, so each group is a batch without padding."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, tokens in enumerate(token_lists):
+        groups[len(tokens)].append(index)
+    return dict(sorted(groups.items()))
+
+
+@torch.inference_mode()
+def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
+    """Greedy fact recall: (accuracy in [0, 1], one row per fact).
+
+    A fact counts when greedy decoding after its prompt reproduces every answer token ("Paris",
+    "."). ``facts`` defaults to the bundled corpus (``gemma_nb.tiny.FACTS``); any objects with
+    ``prompt`` and ``answer`` strings (and optionally ``kind``, ``subject``) work. Columns: kind,
+    subject, prompt, expected, generated, correct.
+    """
+    if facts is None:
+        from gemma_nb.tiny import FACTS as facts
+    facts = list(facts)
+    if not facts:
+        raise ValueError("facts is empty; pass at least one fact with .prompt and .answer, or None for the corpus")
+    prompts = [tokenizer(f.prompt).input_ids for f in facts]
+    answers = [tokenizer(f.answer, add_special_tokens=False).input_ids for f in facts]
+    generated: list[list[int]] = [[] for _ in facts]
+    for _, indices in _grouped_by_length(prompts).items():
+        steps = max(len(answers[i]) for i in indices)
+        batch = torch.tensor([prompts[i] for i in indices])
+        out = greedy_generate(model, batch, steps)[:, batch.shape[1]:].tolist()
+        for row, i in zip(out, indices):
+            generated[i] = row[: len(answers[i])]
+    table = pd.DataFrame({
+        "kind": [getattr(f, "kind", "") for f in facts],
+        "subject": [getattr(f, "subject", "") for f in facts],
+        "prompt": [f.prompt for f in facts],
+        "expected": [f.answer for f in facts],
+        "generated": [tokenizer.decode(g) for g in generated],
+        "correct": [g == a for g, a in zip(generated, answers)],
+    })
+    return float(table["correct"].mean()), table
+
+
+def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
+    """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
+    if texts is None:
+        from gemma_nb.tiny import FACTS
+
+        texts = [f.sentence for f in FACTS]
+    token_lists = [tokenizer(t).input_ids for t in texts]
+    return [torch.tensor([token_lists[i] for i in idx]) for idx in _grouped_by_length(token_lists).values()]
+
+
+@torch.inference_mode()
+def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
+    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch.
+
+    ``input_ids_batches``: a LongTensor [B, S], a list of them, or a list of strings (then pass
+    ``tokenizer``); ``None`` with a tokenizer means every corpus sentence. Returns
+    ``top1_agreement`` (fraction of positions with the same argmax), ``kl_mean`` (mean
+    KL(reference || candidate) in nats, fp32), ``max_abs_diff`` (max |logit difference|) and
+    ``positions`` (how many were compared).
+    """
+    batches = _batches(input_ids_batches, tokenizer)
+    ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
+    agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0
+    for ids in batches:
+        ref = ref_fn(ids.to(_device_of(reference))).float().cpu()
+        cand = cand_fn(ids.to(_device_of(candidate))).float().cpu()
+        if ref.shape != cand.shape:
+            raise ValueError(f"reference logits {tuple(ref.shape)} and candidate logits {tuple(cand.shape)} differ in shape")
+        ref_logp, cand_logp = ref.log_softmax(-1), cand.log_softmax(-1)
+        kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
+        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        kl_sum += float(kl.sum())
+        max_abs = max(max_abs, float((ref - cand).abs().max()))
+        positions += ids.numel()
+    return {
+        "top1_agreement": agree / positions,
+        "kl_mean": kl_sum / positions,
+        "max_abs_diff": max_abs,
+        "positions": positions,
+    }
+
+
+def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
+    if input_ids_batches is None:
+        if tokenizer is None:
+            raise ValueError("input_ids_batches is None; pass token id batches, or a tokenizer to use the corpus sentences")
+        return prompt_batches(tokenizer)
+    if isinstance(input_ids_batches, torch.Tensor):
+        return [_as_batch(input_ids_batches)]
+    items = list(input_ids_batches)
+    if items and all(isinstance(item, str) for item in items):
+        if tokenizer is None:
+            raise ValueError("input_ids_batches holds strings; pass tokenizer= to tokenize them")
+        return prompt_batches(tokenizer, items)
+    if not items:
+        raise ValueError("input_ids_batches is empty; pass at least one batch of token ids")
+    return [_as_batch(item) for item in items]
+
+
+@torch.inference_mode()
+def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
+    """Greedy-decode ``steps`` tokens with both models from one prompt and compare token for token.
+
+    ``input_ids``: one sequence ([S] or [1, S]), or a string with ``tokenizer``. No early stop at
+    eos: exactly ``steps`` tokens each. Returns ``match`` (bool), ``first_divergent_step`` (0-based
+    index of the first differing new token, or None), ``reference_tokens`` and
+    ``candidate_tokens`` (lists of new token ids), plus ``reference_text`` / ``candidate_text``
+    when a tokenizer is given.
+    """
+    if isinstance(input_ids, str):
+        if tokenizer is None:
+            raise ValueError("input_ids is a string; pass tokenizer= to tokenize it")
+        input_ids = tokenizer(input_ids).input_ids
+    ids = _as_batch(input_ids)
+    if ids.shape[0] != 1:
+        raise ValueError(f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence ([S] or [1, S])")
+    prompt_len = ids.shape[1]
+    ref_tokens = greedy_generate(reference, ids, steps)[0, prompt_len:].tolist()
+    cand_tokens = greedy_generate(candidate, ids, steps)[0, prompt_len:].tolist()
+    first = next((i for i, (r, c) in enumerate(zip(ref_tokens, cand_tokens)) if r != c), None)
+    result = {
+        "match": first is None,
+        "first_divergent_step": first,
+        "reference_tokens": ref_tokens,
+        "candidate_tokens": cand_tokens,
+    }
+    if tokenizer is not None:
+        result["reference_text"] = tokenizer.decode(ref_tokens)
+        result["candidate_text"] = tokenizer.decode(cand_tokens)
+    return result

@@ -1,0 +1,229 @@
+"""Instances and accelerators: what each box offers, and whether a memory plan fits it.
+
+Two tables (figures from shared/FACTS.md §5; AWS and Google spec sheets, and what was measured):
+
+- ``INSTANCES``: the inf2 family (chips, NeuronCores, vCPU, host RAM, HBM, on-demand $/h).
+- ``DEVICES``: accelerators for roofline estimates (HBM bytes, bandwidth, peak bf16 / int8 throughput,
+  $/h). ``"this_cpu"`` is a placeholder filled by measurement (``measured_cpu``), never typed in.
+
+GB vs GiB. AWS specifies Inferentia2 HBM as 32 GiB per chip, i.e. **16 GiB = 17.18 GB per
+NeuronCore**. The story (FACTS §1) says "16 GB per core". Both are kept: ``budget="spec"`` (16 GiB,
+the hardware) and ``budget="story"`` (16 GB = 16e9 bytes, the write-up's arithmetic). Tables show GB
+(10^9 bytes) unless a column says ``gib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Protocol
+
+GB = 10**9
+GiB = 2**30
+
+BUDGETS = ("spec", "story")
+STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's words)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand (us-east-1)."""
+
+    name: str
+    chips: int
+    neuron_cores: int
+    vcpus: int
+    host_ram_gib: float
+    hbm_gib: float
+    usd_per_hour: float
+
+    @property
+    def hbm_per_core_bytes(self) -> int:
+        """HBM of one NeuronCore in bytes (each Inferentia2 chip: 2 cores sharing 32 GiB)."""
+        return int(self.hbm_gib * GiB) // self.neuron_cores
+
+    @property
+    def host_ram_bytes(self) -> int:
+        return int(self.host_ram_gib * GiB)
+
+    def budget_bytes(self, budget: str = "spec") -> int:
+        """HBM per NeuronCore: ``"spec"`` = 16 GiB (AWS), ``"story"`` = 16 GB (the write-up)."""
+        if budget == "spec":
+            return self.hbm_per_core_bytes
+        if budget == "story":
+            return STORY_HBM_PER_CORE_BYTES
+        raise ValueError(f"budget {budget!r} is not one of {', '.join(BUDGETS)}")
+
+
+# FACTS §5 (AWS inf2 pricing page, us-east-1 on-demand).
+INSTANCES: dict[str, Instance] = {
+    i.name: i
+    for i in (
+        Instance("inf2.xlarge", chips=1, neuron_cores=2, vcpus=4, host_ram_gib=16, hbm_gib=32, usd_per_hour=0.7582),
+        Instance("inf2.8xlarge", chips=1, neuron_cores=2, vcpus=32, host_ram_gib=128, hbm_gib=32, usd_per_hour=1.9679),
+        Instance("inf2.24xlarge", chips=6, neuron_cores=12, vcpus=96, host_ram_gib=384, hbm_gib=192,
+                 usd_per_hour=6.4906),
+        Instance("inf2.48xlarge", chips=12, neuron_cores=24, vcpus=192, host_ram_gib=768, hbm_gib=384,
+                 usd_per_hour=12.9813),
+    )
+}
+
+
+def get_instance(name: str | Instance) -> Instance:
+    """The catalog entry for ``name``; ValueError listing the known names otherwise."""
+    if isinstance(name, Instance):
+        return name
+    if name not in INSTANCES:
+        raise ValueError(f"instance {name!r} is not in the catalog; known: {', '.join(INSTANCES)}")
+    return INSTANCES[name]
+
+
+def instance_table():
+    """The inf2 catalog as a DataFrame, HBM per core in both GiB (spec) and GB (10^9 bytes)."""
+    import pandas as pd
+
+    rows = []
+    for inst in INSTANCES.values():
+        rows.append(
+            {
+                "instance": inst.name,
+                "chips": inst.chips,
+                "neuron_cores": inst.neuron_cores,
+                "vcpus": inst.vcpus,
+                "host_ram_gib": inst.host_ram_gib,
+                "hbm_gib": inst.hbm_gib,
+                "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
+                "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3),
+                "usd_per_hour": inst.usd_per_hour,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or a slice of one) for roofline estimates.
+
+    ``bandwidth_bytes_s``: HBM (or DRAM) read bandwidth. ``bf16_flops`` / ``int8_ops``: peak dense
+    throughput per second. ``None`` where no figure is known; ``source`` says where each came from.
+    """
+
+    name: str
+    hbm_bytes: int | None
+    bandwidth_bytes_s: float | None
+    bf16_flops: float | None
+    int8_ops: float | None
+    usd_per_hour: float | None
+    source: str
+
+
+TERA = 10**12
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA,
+               int8_ops=380 * TERA, usd_per_hour=None,
+               source="FACTS §5 (AWS Inferentia2 spec: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
+        Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA,
+               int8_ops=190 * TERA, usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
+               source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
+        Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA,
+               int8_ops=None, usd_per_hour=2.70,
+               source="FACTS §5 (Google TPU v6e: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
+        Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA,
+               int8_ops=None, usd_per_hour=None,
+               source="FACTS §5 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
+        Device("this_cpu", hbm_bytes=None, bandwidth_bytes_s=None, bf16_flops=None, int8_ops=None,
+               usd_per_hour=None, source="filled by measurement: see measured_cpu()"),
+    )
+}
+
+
+def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8_ops: float | None = None,
+                 ram_bytes: int | None = None, name: str = "this_cpu") -> Device:
+    """A ``Device`` for the machine a notebook runs on, from figures that notebook measured."""
+    if not bandwidth_bytes_s or bandwidth_bytes_s <= 0:
+        raise ValueError(f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive measured bandwidth in bytes/s")
+    return Device(name, hbm_bytes=ram_bytes, bandwidth_bytes_s=float(bandwidth_bytes_s), bf16_flops=bf16_flops,
+                  int8_ops=int8_ops, usd_per_hour=None, source="measured here")
+
+
+def device_table(extra: Iterable[Device] = ()):
+    """The device table as a DataFrame in GB, GB/s and TFLOP/s; ``extra`` replaces entries by name."""
+    import pandas as pd
+
+    devices = dict(DEVICES)
+    for device in extra:
+        devices[device.name] = device
+
+    def scaled(value, unit):
+        return None if value is None else value / unit
+
+    rows = []
+    for d in devices.values():
+        rows.append(
+            {
+                "device": d.name,
+                "hbm_gb": scaled(d.hbm_bytes, GB),
+                "bandwidth_gb_s": scaled(d.bandwidth_bytes_s, GB),
+                "bf16_tflops": scaled(d.bf16_flops, TERA),
+                "int8_tops": scaled(d.int8_ops, TERA),
+                "usd_per_hour": d.usd_per_hour,
+                "source": d.source,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+class _PlanLike(Protocol):
+    tp: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether a per-rank plan fits one instance, one rank per NeuronCore.
+
+    ``headroom_bytes`` = budget per core - plan bytes per rank (negative: short by that much);
+    ``None`` when the instance has fewer NeuronCores than the plan's TP degree.
+    ``replicas``: how many copies of the model the instance holds at that TP (data parallel).
+    """
+
+    instance: str
+    budget: str
+    tp: int
+    neuron_cores: int
+    fits: bool
+    used_bytes: int
+    budget_bytes: int
+    headroom_bytes: int | None
+    replicas: int
+    usd_per_hour: float
+    reason: str
+
+    @property
+    def headroom_gb(self) -> float | None:
+        return None if self.headroom_bytes is None else self.headroom_bytes / GB
+
+    def as_dict(self) -> dict:
+        row = asdict(self)
+        row["used_gb"] = self.used_bytes / GB
+        row["budget_gb"] = self.budget_bytes / GB
+        row["headroom_gb"] = self.headroom_gb
+        return row
+
+
+def fits(plan: _PlanLike, instance: str | Instance, budget: str = "spec") -> Fit:
+    """Does ``plan`` (bytes per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
+    inst = get_instance(instance)
+    budget_bytes = inst.budget_bytes(budget)
+    used = int(plan.total_bytes)
+    if plan.tp > inst.neuron_cores:
+        return Fit(inst.name, budget, plan.tp, inst.neuron_cores, False, used, budget_bytes, None, 0,
+                   inst.usd_per_hour, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}")
+    headroom = budget_bytes - used
+    ok = headroom >= 0
+    reason = (f"{headroom / GB:.2f} GB free per NeuronCore" if ok
+              else f"short by {-headroom / GB:.2f} GB per NeuronCore")
+    return Fit(inst.name, budget, plan.tp, inst.neuron_cores, ok, used, budget_bytes, headroom,
+               inst.neuron_cores // plan.tp, inst.usd_per_hour, reason)

@@ -1,0 +1,231 @@
+"""Peak host memory of a process *and its children*, sampled on a background thread.
+
+Compile and deploy are separate host-memory budgets (the port compiled on a 128 GiB box and
+deployed on a 16 GiB one), so notebooks 04 and 05 measure both. ``neuronx-cc`` runs as a child
+process of the Python that traces the model, so the peak of the Python process alone would miss
+most of a Neuron compile: the sampler sums the resident set (RSS) of the process and every
+descendant alive at each tick.
+
+    with HostMemorySampler(interval_s=0.05) as sampler:
+        run_the_compile()
+    sampler.peak_rss_bytes, sampler.wall_s, sampler.samples
+
+Two figures, because sampling can miss a short spike:
+
+- ``peak_rss_bytes``: the largest sum of RSS over the process tree seen at one tick (what the
+  box had to hold at once, to within one interval);
+- ``peak_hwm_bytes``: the sum over every process seen of its own kernel high-water mark
+  (``VmHWM``, exact per process, read at each tick while it lives). Processes that peak at
+  different times make this an upper bound of the true peak; it never misses a spike.
+
+RSS counts shared and file-backed pages (a memory-mapped weights file once its pages are read)
+in every process that maps them, so a tree of processes sharing pages is over-counted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+GIB = 2**30
+
+
+def _hwm_bytes(proc: psutil.Process) -> int | None:
+    """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), or None where unreadable."""
+    try:
+        with open(f"/proc/{proc.pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Sample:
+    """One tick: seconds since the sampler started, summed RSS of the tree, processes counted."""
+
+    t_s: float
+    rss_bytes: int
+    processes: int
+
+
+@dataclass
+class HostMemorySampler:
+    """Sample the RSS of process ``pid`` (default: this one) plus all its descendants.
+
+    ``interval_s``: seconds between ticks (> 0). ``include_children``: False measures ``pid``
+    alone. Use as a context manager (or ``start()`` / ``stop()``); after exit read
+    ``peak_rss_bytes``, ``peak_hwm_bytes``, ``baseline_rss_bytes`` (first tick), ``wall_s`` and
+    ``samples`` (a list of ``Sample``).
+    """
+
+    interval_s: float = 0.05
+    pid: int | None = None
+    include_children: bool = True
+    samples: list[Sample] = field(default_factory=list, init=False)
+    wall_s: float = field(default=0.0, init=False)
+    peak_rss_bytes: int = field(default=0, init=False)
+    peak_hwm_bytes: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, (int, float)) or not self.interval_s > 0:
+            raise ValueError(f"interval_s={self.interval_s!r} must be a positive number of seconds (e.g. 0.05)")
+        pid = os.getpid() if self.pid is None else self.pid
+        try:
+            self._root = psutil.Process(pid)
+        except psutil.NoSuchProcess as error:
+            raise ValueError(f"pid={pid} is not a running process: pass the pid of a live process, or None for this one") from error
+        self._hwm: dict[tuple[int, float], int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    # -- sampling -----------------------------------------------------------------------
+    def _tree(self) -> list[psutil.Process]:
+        procs = [self._root]
+        if self.include_children:
+            try:
+                procs += self._root.children(recursive=True)
+            except psutil.Error:
+                pass
+        return procs
+
+    def sample(self) -> Sample:
+        """Take one tick now (also called by the background thread)."""
+        total, counted = 0, 0
+        for proc in self._tree():
+            try:
+                rss = proc.memory_info().rss
+                key = (proc.pid, proc.create_time())
+            except psutil.Error:  # exited between listing and reading
+                continue
+            total += rss
+            counted += 1
+            hwm = _hwm_bytes(proc)
+            self._hwm[key] = max(self._hwm.get(key, 0), hwm if hwm is not None else rss)
+        tick = Sample(time.perf_counter() - self._t0, total, counted)
+        self.samples.append(tick)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, total)
+        self.peak_hwm_bytes = max(self.peak_hwm_bytes, sum(self._hwm.values()))
+        return tick
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def start(self) -> "HostMemorySampler":
+        if self._thread is not None:
+            raise RuntimeError("this HostMemorySampler was already started; make a new one per measurement")
+        self._t0 = time.perf_counter()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="host-memory-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> "HostMemorySampler":
+        if self._thread is None:
+            raise RuntimeError("stop() before start(): use the sampler as a context manager")
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        self.wall_s = time.perf_counter() - self._t0
+        return self
+
+    def __enter__(self) -> "HostMemorySampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- results ------------------------------------------------------------------------
+    @property
+    def baseline_rss_bytes(self) -> int:
+        """RSS of the tree at the first tick (what was resident before the measured work)."""
+        return self.samples[0].rss_bytes if self.samples else 0
+
+    @property
+    def peak_rss_gib(self) -> float:
+        return self.peak_rss_bytes / GIB
+
+    def summary(self) -> dict:
+        """Peak, high-water-mark and baseline in GB (10^9 bytes), wall time and tick count."""
+        return {
+            "peak_rss_gb": self.peak_rss_bytes / 1e9,
+            "peak_hwm_gb": self.peak_hwm_bytes / 1e9,
+            "baseline_rss_gb": self.baseline_rss_bytes / 1e9,
+            "wall_s": self.wall_s,
+            "samples": len(self.samples),
+        }
+
+
+def self_peak_rss_bytes() -> int:
+    """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes.
+
+    A worker subprocess reports this at its end: it is exact, with no sampling interval.
+    """
+    hwm = _hwm_bytes(psutil.Process())
+    return hwm if hwm is not None else psutil.Process().memory_info().rss
+
+
+@dataclass
+class MeasuredRun:
+    """A child process run under the sampler: its JSON result, peaks and wall time."""
+
+    result: dict
+    peak_rss_bytes: int
+    peak_hwm_bytes: int
+    wall_s: float
+    samples: list[Sample]
+
+
+class MeasuredRunError(RuntimeError):
+    """The measured child process failed; the message carries the tail of its stderr."""
+
+
+def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0,
+                 env: dict | None = None) -> MeasuredRun:
+    """Run ``argv`` as a fresh process, sampling its RSS (and its children's) until it exits.
+
+    The child must print one JSON object on its last stdout line; that object is ``result``.
+    Measuring a fresh process keeps the numbers clean: nothing the caller holds is counted, and
+    all the child allocated is returned to the system when it exits. Raises ``MeasuredRunError``
+    with the child's stderr tail if it fails, or after ``timeout_s`` seconds.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as err:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                 env={**os.environ, **(env or {})})
+        sampler = HostMemorySampler(interval_s=interval_s, pid=child.pid)
+        with sampler:
+            try:
+                stdout, _ = child.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                raise MeasuredRunError(f"{' '.join(argv[:3])} ... ran past timeout_s={timeout_s}; it was killed")
+        err.seek(0)
+        stderr_tail = err.read()[-2000:]
+    if child.returncode != 0:
+        raise MeasuredRunError(f"{' '.join(argv[:3])} ... exited with status {child.returncode}:\n{stderr_tail}")
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError) as error:
+        raise MeasuredRunError(
+            f"{' '.join(argv[:3])} ... printed no JSON result on its last stdout line "
+            f"(got {lines[-1][:200] if lines else 'nothing'!r})"
+        ) from error
+    return MeasuredRun(result=result, peak_rss_bytes=sampler.peak_rss_bytes, peak_hwm_bytes=sampler.peak_hwm_bytes,
+                       wall_s=sampler.wall_s, samples=sampler.samples)
+
+
+__all__ = ["HostMemorySampler", "Sample", "self_peak_rss_bytes", "run_measured", "MeasuredRun", "MeasuredRunError", "GIB"]

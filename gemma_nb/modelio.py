@@ -1,0 +1,141 @@
+"""Which model a notebook runs on: the bundled checkpoint, a local folder, or a hub id.
+
+Every notebook's ``model_id`` parameter defaults to ``BUNDLED_ID``, the tiny trained checkpoint
+shipped in ``gemma_nb/tiny/checkpoint``. On the target instance it is a local folder or the hub
+id of the real 26B. Loading goes through ``AutoModelForCausalLM.from_pretrained`` either way,
+safetensors only, never ``trust_remote_code``.
+
+The hub token comes from the ``HF_TOKEN`` environment variable only; it is passed to the hub
+client and never printed, logged or written to an output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from gemma_nb.tiny import BUNDLED_ID, checkpoint_dir
+
+HF_TOKEN_ENV = "HF_TOKEN"
+# owner/name as the hub spells it (no leading dot or slash, one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_HELP = (
+    "pass a local folder holding config.json, model.safetensors and tokenizer.json as model_id, "
+    f"or run where the hub is reachable (unset HF_HUB_OFFLINE; set {HF_TOKEN_ENV} for gated models)"
+)
+
+
+class ModelNotFoundError(ValueError):
+    """A model_id that is neither a usable local folder nor a reachable hub id."""
+
+
+def hf_token() -> str | None:
+    """The hub token from the HF_TOKEN environment variable, or None. Never print it."""
+    return os.environ.get(HF_TOKEN_ENV) or None
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _looks_like_path(model_id: str) -> bool:
+    return model_id.startswith((".", "/", "~")) or model_id.count("/") != 1 or Path(model_id).exists()
+
+
+def _check_local_dir(folder: Path, model_id: str) -> Path:
+    if not folder.exists():
+        raise ModelNotFoundError(
+            f"model_id {model_id!r}: no such folder {folder}; expected a folder holding config.json, "
+            f"model.safetensors and tokenizer.json (or a hub id such as google/gemma-4-26B-A4B-it, "
+            f"or {BUNDLED_ID!r} for the bundled checkpoint)"
+        )
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model_id {model_id!r}: {folder} is a file; expected a model folder holding config.json")
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model_id {model_id!r}: folder {folder} has no config.json; expected a checkpoint saved with "
+            "save_pretrained (config.json, model.safetensors, tokenizer.json)"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"model_id {model_id!r}: folder {folder} has no *.safetensors weights; only safetensors are "
+            "loaded (no pickled .bin files): convert the checkpoint with save_pretrained(safe_serialization=True)"
+        )
+    return folder
+
+
+def resolve_model_id(model_id: str | os.PathLike) -> str:
+    """What ``from_pretrained`` should be given for ``model_id``.
+
+    ``BUNDLED_ID`` -> the bundled checkpoint folder. A local folder -> itself, after checking it
+    holds config.json and safetensors weights. A hub id (``owner/name``) -> the id, if the hub is
+    reachable or the id is already in the local hub cache. Raises ``ModelNotFoundError`` (a
+    ValueError) naming the model_id, what was expected and what to do.
+    """
+    if isinstance(model_id, os.PathLike):
+        return str(_check_local_dir(Path(model_id), str(model_id)))
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ModelNotFoundError(f"model_id {model_id!r} must be a non-empty string: a local folder or a hub id")
+    if model_id == BUNDLED_ID:
+        return str(_check_local_dir(checkpoint_dir(), model_id))
+    if _looks_like_path(model_id) or not _HUB_ID.match(model_id):
+        return str(_check_local_dir(Path(model_id).expanduser(), model_id))
+    if hub_offline() and not _in_hub_cache(model_id):
+        raise ModelNotFoundError(
+            f"model_id {model_id!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the local "
+            f"hub cache: {_HUB_HELP}"
+        )
+    return model_id
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    return isinstance(cached, str)
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """No tqdm bars while loading: notebooks would store their frozen text."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) for ``model_id``, the model in ``dtype`` on ``device`` in eval mode.
+
+    Exactly the 26B's code path: ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``,
+    safetensors only, no remote code. A hub id that cannot be fetched raises ``ModelNotFoundError``
+    saying to pass a local folder or to enable the network (and HF_TOKEN).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_id(model_id)
+    is_local = Path(source).is_dir()
+    token = None if is_local else hf_token()
+    try:
+        with _quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, token=token, use_safetensors=True, trust_remote_code=False
+            )
+    except OSError as error:
+        if is_local:
+            raise
+        # The hub client's message may quote request headers; say what happened without it.
+        raise ModelNotFoundError(
+            f"could not load hub model {model_id!r} ({type(error).__name__}): {_HUB_HELP}"
+        ) from None
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,491 @@
+"""The port's compile on Inferentia2: NxD ModelBuilder (v1) at TP=2 with the int8 squeeze (SDK 2.31).
+
+NOT RUN HERE. The SDK parts are written against neuronx-distributed 0.19 / torch-neuronx 2.9
+(Neuron SDK 2.31); signatures read from aws-neuron/neuronx-distributed
+(``trace/model_builder.py``: ``ModelBuilder(router, tp_degree, checkpoint_loader, ...,
+compiler_workdir=...)``, ``.add(key, model_instance, example_inputs, compiler_args)``,
+``.trace(initialize_model_weights=True)``, ``BaseModelInstance(module_cls, input_output_aliases)``;
+``quantization/quantization_layers.py``; ``parallel_layers/layers.py``: ``SPMDRank``;
+``parallel_layers/mappings.py``: ``scatter_to_process_group_spmd``). Nothing from the SDK is
+imported at module import time; ``compile_neuron`` imports it and raises ``TargetError`` with the
+install hint when it is missing.
+
+The recipe (FACTS §4a), as the traced module ``NeuronGemma4`` builds it:
+
+- transformers' own ``Gemma4ForCausalLM`` is traced, with submodules swapped in place:
+  ``embed_tokens`` -> nothing (the host embeds, scale included: ``gemma_nb.embedding``);
+  q/k/v ``ColumnParallelLinear(gather_output=False)``, o ``RowParallelLinear(input_is_parallel=True)``
+  (at TP=2 the sliding layers' 8 KV heads become 4 per rank, the global layers' 2 become 1);
+  shared MLP gate/up ``QuantizedColumnParallel``, down ``QuantizedRowParallel`` (int8 per channel);
+  routed experts ``NxDDenseExperts`` (all experts every token, this rank's half: the port's op);
+  lm_head ``QuantizedColumnParallel(gather_output=True)`` made from the embedding table
+  (``gemma_nb.neuron.lm_head``). Router and norms stay, replicated; the final softcap runs on the host.
+- the KV cache is per-layer fp32 state ``[1, kv_heads/TP, MAX, head_dim]``, updated with a one-hot
+  scatter and returned as aliased outputs (``input_output_aliases``), so it stays on the device;
+- inputs: fp32 embeddings ``[1, S, H]``, int64 positions ``[1, S]``, the one-hot ``[1, 1, MAX, S]``,
+  full and sliding additive masks ``[1, 1, S, MAX]``, and the index of the token whose logits to
+  return; S = the prefill bucket, or 1 for decode.
+
+The cache, masks and inputs are plain torch: ``NeuronGemma4(config, build, parallel=False)`` runs
+the same module with transformers' own layers at TP=1 on the cpu, and ``tests/test_deploy.py``
+checks it decodes exactly like the eager model. Only the SDK layer swaps are untested here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gemma_nb.targets import NEURON_HELP, TargetError
+
+# The port's flags: transformer model type, everything auto-cast to bf16 (+ -O1).
+COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
+ARTIFACT_NAME = "model.pt"
+BUILD_RECORD = "build_record.json"
+NEG_INF = torch.finfo(torch.float32).min
+
+
+@dataclass
+class NeuronBuildConfig:
+    """What one compile is built for; everything recorded next to the artifact."""
+
+    model_dir: str
+    output_dir: str
+    tp_degree: int = 2
+    max_len: int = 512           # static KV cache length (the shipped build: 512)
+    bucket: int = 128            # prefill bucket (the shipped build: 128)
+    compiler_args: str = COMPILER_ARGS
+    compiler_workdir: str = ""   # default: <output_dir>/compiler_workdir
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not self.compiler_workdir:
+            self.compiler_workdir = str(Path(self.output_dir) / "compiler_workdir")
+        if self.bucket > self.max_len:
+            raise ValueError(f"bucket={self.bucket} exceeds max_len={self.max_len}: the prefill must fit the KV cache")
+        if self.tp_degree < 1:
+            raise ValueError(f"tp_degree={self.tp_degree} must be >= 1 (the port used 2, one rank per NeuronCore)")
+
+
+# --------------------------------------------------------------------------------------------
+# Graph inputs and the one-hot KV cache: plain torch, run on the cpu in the tests
+# --------------------------------------------------------------------------------------------
+def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, sliding_window: int,
+                last_index: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The traced graph's inputs for ``S`` tokens at ``positions`` (host side).
+
+    ``embeds`` [1, S, H] (the host embedding, scaled), ``positions`` S ints (a padded prefill's
+    padding gets the positions after the prompt). Returns (embeds fp32, position_ids [1, S] int64,
+    one_hot [1, 1, max_len, S] fp32, full_mask and sliding_mask [1, 1, S, max_len] additive fp32,
+    last_index [1] int64). Query at position p sees cache slots <= p; the sliding mask also drops
+    slots more than ``sliding_window - 1`` behind p.
+    """
+    tokens = embeds.shape[1]
+    if len(positions) != tokens:
+        raise ValueError(f"{len(positions)} positions for {tokens} embedded tokens; give one position per token")
+    if max(positions) >= max_len:
+        raise ValueError(f"position {max(positions)} is outside the {max_len}-slot KV cache")
+    pos = torch.tensor(positions, dtype=torch.long)
+    one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
+    one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
+    slots = torch.arange(max_len)
+    visible = slots[None, :] <= pos[:, None]  # [S, MAX]
+    in_window = slots[None, :] > pos[:, None] - sliding_window
+    full = torch.where(visible, 0.0, NEG_INF)[None, None]
+    sliding = torch.where(visible & in_window, 0.0, NEG_INF)[None, None]
+    last = torch.tensor([tokens - 1 if last_index is None else last_index], dtype=torch.long)
+    return embeds.float(), pos[None], one_hot, full, sliding, last
+
+
+def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor) -> torch.Tensor:
+    """``cache`` [1, h, MAX, d] with ``new`` [1, h, S, d] written at the one-hot's slots [1, 1, MAX, S].
+
+    A matmul and a blend instead of an indexed write: static shapes, no scatter, which is what the
+    port compiled. Slots the one-hot does not touch keep their values.
+    """
+    written = one_hot.sum(dim=-1, keepdim=True)  # [1, 1, MAX, 1]: 1 where a token lands
+    return cache * (1.0 - written) + torch.matmul(one_hot, new.to(cache.dtype))
+
+
+class OneHotCache:
+    """The cache object transformers' attention calls: writes each layer's K/V with ``onehot_update``.
+
+    ``update`` returns the whole updated cache (every slot; masks hide the unused ones) and keeps
+    the new tensors, which the traced module returns as outputs aliased to its state.
+    """
+
+    is_compileable = False
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
+        self.keys, self.values, self.one_hot = keys, values, one_hot
+        self.new_keys: list[torch.Tensor | None] = [None] * len(keys)
+        self.new_values: list[torch.Tensor | None] = [None] * len(values)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
+        values = onehot_update(self.values[layer_idx], value_states, self.one_hot)
+        self.new_keys[layer_idx], self.new_values[layer_idx] = keys, values
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+
+def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
+    """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
+    from transformers.configuration_utils import get_head_shapes
+
+    layers = config.num_hidden_layers
+    heads, dims = get_head_shapes(config)
+    heads = [heads] * layers if isinstance(heads, int) else list(heads)
+    dims = [dims] * layers if isinstance(dims, int) else list(dims)
+    shapes = []
+    for h, d in zip(heads, dims):
+        if h % tp_degree:
+            raise ValueError(f"{h} KV heads do not split over tp_degree={tp_degree}")
+        shapes.append((1, h // tp_degree, max_len, d))
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# The traced module
+# --------------------------------------------------------------------------------------------
+class _NoEmbedding(nn.Module):
+    """Stands where ``embed_tokens`` was: the graph starts at the decoder (the host embeds)."""
+
+    def forward(self, input_ids):
+        raise RuntimeError("the traced graph takes inputs_embeds; token ids are embedded on the host")
+
+
+class NeuronGemma4(nn.Module):
+    """transformers' Gemma-4 with the port's swaps, a one-hot KV state, host-side embedding and softcap.
+
+    ``parallel=True`` swaps in the NxD layers (needs the SDK, inside a ModelBuilder trace);
+    ``parallel=False`` keeps transformers' layers at TP=1 (runs anywhere: the cpu check).
+    forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
+    -> (logits [1, 1, V] before softcap, *new K states, *new V states).
+    """
+
+    def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True):
+        super().__init__()
+        from transformers import Gemma4ForCausalLM
+
+        from gemma_nb.compile import check_exportable_config
+
+        check_exportable_config(config)
+        config = config.__class__.from_dict(config.to_dict())
+        config.final_logit_softcapping = None  # applied on the host, after the vocab gather
+        config._attn_implementation = "eager"
+        self.build = build
+        tp = build.tp_degree if parallel else 1
+        dtype = getattr(torch, build.dtype)
+        if parallel:
+            # Structure on the meta device: the layers swapped for NxD ones (each rank's shard) are
+            # never allocated whole on the host; what stays (norms, router) is materialised after.
+            with torch.device("meta"):
+                self.lm = Gemma4ForCausalLM(config)
+            self.lm.model.embed_tokens = _NoEmbedding()
+            _swap_in_nxd_layers(self.lm, config, tp, dtype)
+            _materialize(self.lm, config, dtype)
+        else:
+            self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
+            self.lm.model.embed_tokens = _NoEmbedding()
+        self.lm.eval()
+        shapes = kv_state_shapes(config, build.max_len, tp)
+        self.k_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
+        self.v_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
+
+    def input_output_aliases(self) -> dict:
+        """State tensor -> output index: logits are output 0, then every K, then every V."""
+        layers = len(self.k_cache)
+        aliases = {p: 1 + i for i, p in enumerate(self.k_cache)}
+        aliases.update({p: 1 + layers + i for i, p in enumerate(self.v_cache)})
+        return aliases
+
+    def forward(self, embeds, position_ids, one_hot, full_mask, sliding_mask, last_index):
+        cache = OneHotCache(list(self.k_cache), list(self.v_cache), one_hot)
+        dtype = next(p for n, p in self.lm.named_parameters() if n.endswith("norm.weight")).dtype
+        out = self.lm(
+            inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
+            attention_mask={"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)},
+            logits_to_keep=last_index,
+        )
+        return (out.logits.float(), *cache.new_keys, *cache.new_values)
+
+    def load_state(self, state_dict: dict) -> None:
+        """Load a plain (TP=1, unquantized) state dict into the cpu variant, buffers included."""
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith("model.embed_tokens")}
+        missing, unexpected = self.lm.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"state dict does not fit the module: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def _materialize(lm: nn.Module, config, dtype) -> None:
+    """Give every tensor still on the meta device real (uninitialised) cpu storage; rebuild the
+    rotary tables, whose values are computed at construction. Real values arrive with the checkpoint
+    (parameters) or ``build_module`` (the ``layer_scalar`` buffers)."""
+    for module in lm.modules():
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in list(registry.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                fresh = torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                registry[name] = nn.Parameter(fresh, requires_grad=False) if registry is module._parameters else fresh
+    lm.model.rotary_emb = type(lm.model.rotary_emb)(config)
+
+
+def host_logits(outputs, config) -> torch.Tensor:
+    """The graph's first output, gathered, cut to the vocab and softcapped on the host: [1, V] fp32."""
+    logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    logits = logits[:, -1, : config.vocab_size].float()
+    cap = config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _import_sdk():
+    """The SDK pieces the recipe needs, or TargetError with the install hint."""
+    try:
+        import torch_neuronx  # noqa: F401
+        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
+        from neuronx_distributed.parallel_layers.mappings import scatter_to_process_group_spmd
+        from neuronx_distributed.quantization import quantization_layers
+        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype
+        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
+        from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+    except ImportError as error:
+        raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "error"})
+
+
+def patch_scale_dequantize(sdk) -> None:
+    """NxD's ``scale_dequantize`` multiplies in place (``*=``), which broke the port's trace; use an
+    out-of-place version with the same numbers (fp32 multiply, cast to the upcast dtype)."""
+
+    def scale_dequantize(tensor, scale, upcast_dtype):
+        return (tensor.to(torch.float32) * scale).to(upcast_dtype)
+
+    sdk.quantization_layers.scale_dequantize = scale_dequantize
+
+
+def _int8_kwargs(sdk, dtype) -> dict:
+    return dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8,
+                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=0)
+
+
+class NxDDenseExperts(nn.Module):
+    """The port's DenseExperts at TP=``tp``: this rank's E/TP experts on every token, int8.
+
+    gate_up ``QuantizedColumnParallel(H -> E*2I)`` viewed [T, E/TP, 2I]; the dense router weights
+    [T, E] (zero outside the top-k) scattered to this rank's experts with
+    ``scatter_to_process_group_spmd(..., SPMDRank.get_rank())`` (a plain
+    ``scatter_to_tensor_model_parallel_region`` baked rank 0's slice into the trace: the port's
+    bug); down ``QuantizedRowParallel(E*I -> H)`` sums over experts and ranks (all-reduce).
+    """
+
+    def __init__(self, sdk, config, tp: int, dtype):
+        super().__init__()
+        self.sdk = sdk
+        self.num_experts, self.tp = config.num_experts, tp
+        self.inter = config.moe_intermediate_size
+        from transformers.activations import ACT2FN
+
+        self.act_fn = ACT2FN[config.hidden_activation]
+        h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.gate_up = sdk.QuantizedColumnParallel(h, e * 2 * i, gather_output=False, **_int8_kwargs(sdk, dtype))
+        self.down = sdk.QuantizedRowParallel(e * i, h, input_is_parallel=True, **_int8_kwargs(sdk, dtype))
+        self.rank = sdk.SPMDRank(world_size=tp)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        tokens = hidden_states.shape[0]
+        dense = torch.zeros(tokens, self.num_experts, dtype=torch.float32, device=hidden_states.device)
+        dense = dense.scatter(1, top_k_index, top_k_weights.float())
+        local = self.sdk.scatter_to_process_group_spmd(dense, partition_dim=1, rank=self.rank.get_rank())
+        gate, up = self.gate_up(hidden_states).view(tokens, self.num_experts // self.tp, 2 * self.inter).chunk(2, -1)
+        hidden = self.act_fn(gate) * up * local[..., None].to(gate.dtype)
+        return self.down(hidden.reshape(tokens, -1))
+
+
+def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype) -> None:
+    """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in place)."""
+    from gemma_nb.neuron.lm_head import build_lm_head
+
+    sdk = _import_sdk()
+    patch_scale_dequantize(sdk)
+    for layer in lm.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name, None)
+            if old is not None:
+                setattr(attn, name, sdk.ColumnParallelLinear(old.in_features, old.out_features, bias=False,
+                                                             gather_output=False, dtype=dtype))
+        attn.o_proj = sdk.RowParallelLinear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False,
+                                            input_is_parallel=True, dtype=dtype)
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj"):
+            old = getattr(mlp, name)
+            setattr(mlp, name, sdk.QuantizedColumnParallel(old.in_features, old.out_features, gather_output=False,
+                                                           **_int8_kwargs(sdk, dtype)))
+        mlp.down_proj = sdk.QuantizedRowParallel(mlp.down_proj.in_features, mlp.down_proj.out_features,
+                                                 input_is_parallel=True, **_int8_kwargs(sdk, dtype))
+        layer.experts = NxDDenseExperts(sdk, config, tp, dtype)
+    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
+                               pad=config.vocab_size % tp != 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint ModelBuilder shards: HF weights -> the traced module's names, int8 where squeezed
+# --------------------------------------------------------------------------------------------
+def _quantized(prefix: str, weight: torch.Tensor) -> dict:
+    from gemma_nb.quant import quantize_int8_per_channel
+
+    q, scale = quantize_int8_per_channel(weight, axis=0, name=prefix)
+    return {f"{prefix}.weight": q, f"{prefix}.scale": scale}
+
+
+def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
+    """A full (unsharded) checkpoint for ``NeuronGemma4``: names prefixed ``lm.``, squeezed to int8.
+
+    - shared MLP gate/up/down and the lm_head (from the tied embedding): int8 + fp32 row scales;
+    - experts: gate_up [E, 2I, H] -> [E*2I, H]; down [E, H, I] -> permute -> [H, E*I]; int8 per row;
+      the SPMDRank tensor ``rank`` = arange(tp) (NxD's documented way to give each rank its id);
+    - the embedding is dropped (host side); ``layer_scalar`` buffers are kept (ModelBuilder loads
+      parameters only: ``build_module`` copies them into the module by hand, as the port did).
+    """
+    from gemma_nb.neuron.lm_head import lm_head_state_dict
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_state.items():
+        if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
+            continue
+        if ".experts." in name:
+            continue
+        if ".mlp." in name and name.endswith("_proj.weight"):
+            out.update(_quantized(f"lm.{name.removesuffix('.weight')}", tensor))
+            continue
+        out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for index in range(config.num_hidden_layers):
+        base = f"model.layers.{index}.experts"
+        gate_up = hf_state[f"{base}.gate_up_proj"].reshape(e * 2 * i, h)
+        down = hf_state[f"{base}.down_proj"].permute(1, 0, 2).reshape(h, e * i)
+        out.update(_quantized(f"lm.{base}.gate_up", gate_up))
+        out.update(_quantized(f"lm.{base}.down", down))
+        out[f"lm.{base}.rank.rank"] = torch.arange(tp, dtype=torch.int32)
+    out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
+    return out
+
+
+def read_hf_state(model_dir: str | Path) -> dict:
+    """Every tensor of a local HF checkpoint (``*.safetensors``), memory-mapped."""
+    from safetensors import safe_open
+
+    state = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                state[key.removeprefix("model.language_model.").replace("language_model.", "")] = handle.get_tensor(key)
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# The compile
+# --------------------------------------------------------------------------------------------
+def text_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch.Tensor, ...]:
+    embeds = torch.zeros(1, tokens, config.hidden_size)
+    return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
+
+
+def build_module(config, build: NeuronBuildConfig):
+    """(module, aliases) for ModelBuilder: the NxD module with its layer_scalar buffers filled."""
+    module = NeuronGemma4(config, build, parallel=True)
+    state = read_hf_state(build.model_dir)
+    for name, buffer in module.lm.named_buffers():
+        if name.endswith("layer_scalar") and name in state:
+            buffer.copy_(state[name])
+    return module, module.input_output_aliases()
+
+
+def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
+    """Trace, compile and save the two graphs; return (and write) the build record.
+
+    Records the compiler workdir and flags, NEFF files and sizes, the saved artifact's size, the
+    compile wall time and the peak host RSS of this process *and its children* (neuronx-cc runs
+    as subprocesses: ``gemma_nb.hostmem``). The artifact is ``torch.jit.save`` of what
+    ``trace(initialize_model_weights=True)`` returns (weights included, as the port shipped it).
+    """
+    from gemma_nb.hostmem import HostMemorySampler
+
+    sdk = _import_sdk()
+    config = text_config(build.model_dir)
+    out_dir = Path(build.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    class GemmaInstance(sdk.BaseModelInstance):
+        def __init__(self):
+            super().__init__(module_cls=None, input_output_aliases={})
+
+        def load_module(self):
+            self.module, aliases = build_module(config, build)
+            self.input_output_aliases = [aliases]
+
+    def checkpoint_loader():
+        return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
+
+    instance = GemmaInstance()
+    builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
+                               compiler_workdir=build.compiler_workdir)
+    builder.add("prefill", instance, [example_inputs(config, build, build.bucket)], compiler_args=build.compiler_args)
+    builder.add("decode", instance, [example_inputs(config, build, 1)], compiler_args=build.compiler_args)
+    with HostMemorySampler(interval_s=sample_interval_s) as sampler:
+        traced = builder.trace(initialize_model_weights=True)
+        artifact = out_dir / ARTIFACT_NAME
+        torch.jit.save(traced, str(artifact))
+    neffs = sorted(Path(build.compiler_workdir).rglob("*.neff"))
+    record = {
+        "build": asdict(build),
+        "compile_s": sampler.wall_s,
+        "peak_host_rss_bytes": sampler.peak_rss_bytes,
+        "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
+        "neff_files": {str(p.relative_to(build.compiler_workdir)): p.stat().st_size for p in neffs},
+        "neff_bytes": sum(p.stat().st_size for p in neffs),
+        "artifact": ARTIFACT_NAME,
+        "artifact_bytes": artifact.stat().st_size,
+        "versions": _sdk_versions(),
+    }
+    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _sdk_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+__all__ = [
+    "COMPILER_ARGS", "NeuronBuildConfig", "step_inputs", "onehot_update", "OneHotCache", "kv_state_shapes",
+    "NeuronGemma4", "NxDDenseExperts", "host_logits", "convert_checkpoint", "read_hf_state", "compile_neuron",
+    "patch_scale_dequantize",
+]

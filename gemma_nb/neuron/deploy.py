@@ -1,0 +1,171 @@
+"""The port's slim deploy on Inferentia2: jit.load the compiled artifact, host embedding, greedy loop.
+
+NOT RUN HERE. Written against neuronx-distributed 0.19 (Neuron SDK 2.31); read from
+aws-neuron/neuronx-distributed ``trace/spmd.py`` (``NxDModel.initialize_with_saved_weights(
+start_rank_tensor)``) and ``trace/model_builder.py``. The flow (FACTS §4a):
+
+1. ``import neuronx_distributed.trace.model_builder`` *before* ``torch.jit.load``: it registers the
+   TorchScript classes (``neuron::SPMDModel``) the saved artifact refers to;
+2. ``torch.jit.load(model.pt)`` then ``model.nxd_model.initialize_with_saved_weights(
+   torch.tensor([0], dtype=torch.int32))``: the weights saved inside the artifact go to the
+   NeuronCores (the story's ~112 s "NEFF load");
+3. the model's structure on the meta device (no host memory) for the config and the embedding
+   module's scale; the host embedding table (1.48 GB bf16 for the 26B) from its own file, scale
+   checked (``gemma_nb.embedding.HostEmbedding``);
+4. greedy decoding: host embed -> ``step_inputs`` -> graph -> softcap on the host -> argmax. The KV
+   cache never leaves the device (aliased state).
+
+``NeuronStepRunner`` is the loop; it takes any callable with the graph's signature, so the tests
+run it on the cpu variant of the traced module (``gemma_nb.neuron.build.NeuronGemma4(parallel=False)``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gemma_nb.neuron.build import ARTIFACT_NAME, BUILD_RECORD, host_logits, step_inputs
+from gemma_nb.targets import NEURON_HELP, TargetError
+
+HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
+
+
+@dataclass
+class NeuronStepRunner:
+    """Greedy decoding over a compiled prefill/decode pair that keeps its KV cache as device state.
+
+    ``graph(*step_inputs)`` returns the logits (or a tuple whose first item is the logits);
+    ``embed`` maps ids [1, S] to scaled embeddings; ``config`` the text config (vocab, softcap,
+    sliding window); ``max_len`` / ``bucket`` the compiled shapes.
+    """
+
+    graph: Callable
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    config: object
+    max_len: int
+    bucket: int
+    pad_token_id: int = 0
+    step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
+
+    def _call(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+        inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
+        return host_logits(self.graph(*inputs), self.config)
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        prompt = ids.shape[1]
+        if prompt > self.bucket:
+            raise ValueError(f"prompt of {prompt} tokens exceeds the compiled prefill bucket of {self.bucket}")
+        if prompt + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}")
+        padded = torch.full((1, self.bucket), self.pad_token_id, dtype=torch.long)
+        padded[:, :prompt] = ids
+        self.step_times_s = []
+        start = time.perf_counter()
+        # Padding slots (positions prompt..bucket-1) are rewritten by the decode steps before any
+        # query can see them: the masks only open slots at or before the query's position.
+        tokens = [int(self._call(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
+        self.step_times_s.append(time.perf_counter() - start)
+        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+            start = time.perf_counter()
+            position = prompt + len(tokens) - 1
+            tokens.append(int(self._call(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
+            self.step_times_s.append(time.perf_counter() - start)
+        return torch.cat([ids, torch.tensor([tokens])], dim=1)
+
+
+class CpuStateGraph:
+    """The cpu variant of the traced module as a graph: writes the returned K/V back into its state,
+    as the Neuron runtime does for aliased outputs, and returns the logits."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *inputs):
+        outputs = self.module(*inputs)
+        layers = len(self.module.k_cache)
+        with torch.no_grad():
+            for i in range(layers):
+                self.module.k_cache[i].copy_(outputs[1 + i])
+                self.module.v_cache[i].copy_(outputs[1 + layers + i])
+        return outputs[0]
+
+
+def export_host_embedding(model_dir: str | Path, path: str | Path):
+    """Write the host embedding file (table + scale) from a HF checkpoint, reading only that tensor."""
+    from safetensors import safe_open
+
+    from gemma_nb.deploy import model_skeleton
+    from gemma_nb.embedding import HostEmbedding
+    from gemma_nb.neuron.build import text_config
+
+    config = text_config(model_dir)
+    module = model_skeleton(config).get_input_embeddings()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith("embed_tokens.weight") and "per_layer" not in key:
+                    weight = handle.get_tensor(key)
+                    return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
+    raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+
+
+def load_artifact(artifact_dir: str | Path):
+    """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores."""
+    try:
+        import neuronx_distributed.trace.model_builder  # noqa: F401  registers neuron::SPMDModel for jit.load
+    except ImportError as error:
+        raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
+    path = Path(artifact_dir) / ARTIFACT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{ARTIFACT_NAME} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
+    model = torch.jit.load(str(path))
+    model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
+    return model
+
+
+def slim_deploy(artifact_dir: str | Path, embedding_path: str | Path | None = None,
+                sample_interval_s: float = 0.5) -> tuple[NeuronStepRunner, dict]:
+    """The whole slim deploy on an inf2 instance, timed and sampled; (runner, figures).
+
+    Figures: ``neff_load_s`` (jit.load + initialize_with_saved_weights), ``embedding_load_s``,
+    ``peak_host_rss_bytes`` (this process and children), ``embedding_bytes``.
+    """
+    from gemma_nb.deploy import host_embedding_for, model_skeleton
+    from gemma_nb.hostmem import HostMemorySampler
+    from gemma_nb.neuron.build import NeuronBuildConfig
+
+    artifact_dir = Path(artifact_dir)
+    record = json.loads((artifact_dir / BUILD_RECORD).read_text())
+    build = NeuronBuildConfig(**record["build"])
+    embedding_path = Path(embedding_path or artifact_dir / HOST_EMBEDDING_FILE)
+    with HostMemorySampler(interval_s=sample_interval_s) as sampler:
+        from gemma_nb.neuron.build import text_config
+
+        config = text_config(build.model_dir)
+        skeleton = model_skeleton(config)
+        start = time.perf_counter()
+        host = host_embedding_for(skeleton, embedding_path)
+        embedding_load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model = load_artifact(artifact_dir)
+        neff_load_s = time.perf_counter() - start
+
+        def graph(*inputs):
+            out = model(*inputs)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        runner = NeuronStepRunner(graph, host, config, build.max_len, build.bucket, config.pad_token_id or 0)
+    figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,
+               "peak_host_rss_bytes": sampler.peak_rss_bytes, "embedding_bytes": embedding_path.stat().st_size}
+    return runner, figures
+
+
+__all__ = ["NeuronStepRunner", "CpuStateGraph", "export_host_embedding", "load_artifact", "slim_deploy"]

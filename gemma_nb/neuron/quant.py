@@ -1,0 +1,193 @@
+"""NxD's quantized dtypes on Inferentia2: what the SDK says it supports, and a trial per dtype (SDK 2.31).
+
+NOT RUN HERE: written against neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names, layer
+arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed
+(``src/neuronx_distributed/quantization/quantization_config.py``, ``quantization_layers.py``,
+``dequantize.py``, ``trace/model_builder_v2.py``, ``trace/parallel_context.py``; the newest public
+snapshot is the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
+import time: :func:`run_trials` imports it and raises ``TargetError`` when it is missing.
+
+``SDK_SUPPORT_MATRIX`` is what the sources and FACTS.md §4 say, for the cpu notebook to show.
+:func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
+``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
+scales), load weights quantized by ``gemma_nb.quant``, trace and compile it with ModelBuilder v2,
+run it, compare with the cpu result, and record per dtype the stage it reached and the error text.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from gemma_nb.targets import NEURON_HELP, TargetError
+
+NXD_SOURCE = "aws-neuron/neuronx-distributed, src/neuronx_distributed/quantization/"
+
+
+@dataclass(frozen=True)
+class SdkSupport:
+    """One NxD quantized dtype: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so."""
+
+    dtype: str  # QuantizedDtype member name
+    torch_container: str  # the torch dtype NxD stores it in
+    quantization_types: str
+    inference_on_inf2: str  # "supported" | "not usable" | "not established"
+    evidence: str
+    sources: str
+
+
+SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
+    SdkSupport(
+        "INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
+        "supported",
+        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP "
+        "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
+        "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
+        "(in place: the port monkey-patched an out-of-place version to trace).",
+        "FACTS §1, §4, §4a; quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
+    ),
+    SdkSupport(
+        "F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
+        "supported",
+        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
+        "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
+        "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
+        "FACTS §4; quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
+    ),
+    SdkSupport(
+        "F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
+        "not established",
+        "The enum exists; no source or document we read shows it used for inference on inf2.",
+        "quantization_config.py (QuantizedDtype)",
+    ),
+    SdkSupport(
+        "F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
+        "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
+        "not usable",
+        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 "
+        "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
+        "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
+        "the MX paths live under experimental/quantization/microscaling.",
+        "FACTS §1, §4; dequantize.py (blockwise_scale_dequantize), quantization_config.py "
+        "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
+    ),
+)
+
+TRIAL_DTYPES = ("INT8", "F8E4M3", "F4E2M1FN_X4")
+TRIAL_STAGES = ("import", "build", "load_weights", "trace", "compile", "run")
+NEURON_FP8_MAX = 240.0  # DtypeBound.F8E4M3_MAX: Neuron's IEEE-style e4m3 range
+MX_BLOCK = 32
+
+
+def support_matrix_table():
+    """``SDK_SUPPORT_MATRIX`` as a DataFrame, one row per dtype."""
+    import pandas as pd
+
+    return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
+
+
+def _import_sdk():
+    try:
+        import torch_neuronx  # noqa: F401
+        from neuronx_distributed import NxDParallelState
+        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
+        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel
+        from neuronx_distributed.trace.model_builder_v2 import ModelBuilder
+    except ImportError as error:
+        raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
+    return NxDParallelState, QuantizationType, QuantizedDtype, ScaleDtype, QuantizedColumnParallel, ModelBuilder
+
+
+class _TrialLinear(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def _layer_kwargs(dtype_name: str, sdk) -> dict:
+    _, QuantizationType, QuantizedDtype, ScaleDtype, _, _ = sdk
+    if dtype_name == "F4E2M1FN_X4":
+        return dict(quantization_type=QuantizationType.BLOCKWISE_SYMMETRIC, quantized_dtype=QuantizedDtype.F4E2M1FN_X4,
+                    block_axis=[1], block_size=[MX_BLOCK], scale_dtype=ScaleDtype.F8E8M0)
+    return dict(quantization_type=QuantizationType.PER_CHANNEL_SYMMETRIC, quantized_dtype=QuantizedDtype[dtype_name],
+                quantization_per_channel_axis=0, scale_dtype=torch.float32)
+
+
+def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial.
+
+    Quantized on the cpu by ``gemma_nb.quant``: int8 per-channel; fp8 per-channel with Neuron's
+    +-240 range; fp4 as MXFP4 (E2M1 nibbles, two per byte, viewed as uint16 = four per element,
+    E8M0 uint8 scales per block of 32). Runs anywhere (no SDK).
+    """
+    from gemma_nb import quant
+
+    if dtype_name == "INT8":
+        q, scale = quant.quantize_int8_per_channel(weight, name="trial.weight")
+        return {"layer.weight": q, "layer.scale": scale}, quant.dequantize_int8(q, scale)
+    if dtype_name == "F8E4M3":
+        # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.quant's OCP fp8
+        scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (weight / scale).clamp(-NEURON_FP8_MAX, NEURON_FP8_MAX).to(torch.float8_e4m3fn)
+        return {"layer.weight": q, "layer.scale": scale}, q.float() * scale
+    if dtype_name == "F4E2M1FN_X4":
+        qt = quant.quantize(weight, "mxfp4", name="trial.weight")
+        if qt.data.shape[-1] % 2:
+            raise ValueError(f"input size {weight.shape[-1]} must be a multiple of 4 to view fp4 bytes as uint16")
+        return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()
+    raise ValueError(f"dtype {dtype_name!r} is not one of {', '.join(TRIAL_DTYPES)}")
+
+
+def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 256, tokens: int = 4,
+               workdir: str = "/tmp/gemma_nb_quant_trials", seed: int = 0):
+    """On a NeuronCore: per dtype, the stage reached and the error raised, as a DataFrame.
+
+    Columns: ``dtype``, ``ok`` (all stages passed), ``stage`` (last stage reached, or the one that
+    failed), ``max_abs_diff`` (device output vs the cpu matmul with the dequantized weight, bf16
+    activations), ``error`` (exception type and message, empty on success). Every dtype is tried
+    even if an earlier one fails. Raises ``TargetError`` at once if the SDK is not installed.
+    """
+    import pandas as pd
+
+    sdk = _import_sdk()
+    NxDParallelState, _, _, _, QuantizedColumnParallel, ModelBuilder = sdk
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+    x = torch.randn(tokens, in_features, generator=generator).to(torch.bfloat16)
+    rows = []
+    for dtype_name in dtypes:
+        row = {"dtype": dtype_name, "ok": False, "stage": "build", "max_abs_diff": None, "error": ""}
+        try:
+            with NxDParallelState(world_size=1, tensor_model_parallel_size=1):
+                layer = QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
+                                                dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
+                model = _TrialLinear(layer).eval()
+                row["stage"] = "load_weights"
+                state, dequantized = trial_weights(dtype_name, weight)
+                expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+                got = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+                if any(expected.get(k) != v for k, v in got.items()):
+                    raise ValueError(f"trial weights {got} do not match the layer's state dict {expected}")
+                row["stage"] = "trace"
+                builder = ModelBuilder(model).trace(args=(x,), tag=f"quant_{dtype_name.lower()}")
+                row["stage"] = "compile"
+                nxd_model = builder.compile(compiler_workdir=f"{workdir}/{dtype_name.lower()}")
+                row["stage"] = "run"
+                nxd_model.set_weights([state])
+                nxd_model.to_neuron()
+                output = nxd_model(x)
+                output = output[0] if isinstance(output, (tuple, list)) else output
+                reference = torch.nn.functional.linear(x, dequantized.to(torch.bfloat16))
+                row["max_abs_diff"] = float((output.float().cpu() - reference.float()).abs().max())
+                row["ok"] = True
+        except Exception as error:  # the point is to record what each dtype raises
+            row["error"] = f"{type(error).__name__}: {error}".strip()
+            row["traceback_tail"] = "".join(traceback.format_exception(error)[-3:])
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,32 @@
+"""``python -m gemma_nb.tiny train [--seed N] [--max-epochs N] [--out DIR]``: rebuild the bundled checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gemma_nb.tiny import CHECKPOINT_DIR
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gemma_nb.tiny", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train_cmd = commands.add_parser("train", help="train the tiny Gemma-4 MoE on the fact corpus and save it")
+    train_cmd.add_argument("--seed", type=int, default=0)
+    train_cmd.add_argument("--max-epochs", type=int, default=None)
+    train_cmd.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-reproducible, and no thread oversubscription on a shared box)")
+    train_cmd.add_argument("--out", type=Path, default=CHECKPOINT_DIR, help="output folder (default: the bundled one)")
+    args = parser.parse_args(argv)
+
+    from gemma_nb.tiny.train import TrainArgs, train
+
+    train_args = TrainArgs(seed=args.seed, threads=args.threads)
+    if args.max_epochs is not None:
+        train_args.max_epochs = args.max_epochs
+    summary = train(train_args, out_dir=args.out)
+    print(f"saved {args.out}: recall {summary['final_recall_fp32']:.3f} after {summary['steps_run']} steps, "
+          f"{summary['train_seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

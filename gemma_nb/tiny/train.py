@@ -1,0 +1,188 @@
+"""Train the bundled checkpoint: ``python -m gemma_nb.tiny train [--seed 0] [--out DIR]``.
+
+AdamW over shuffled minibatches of every corpus sentence ("<bos> The capital of France is Paris .
+<eos>"), next-token loss on every word, so the tied embeddings are genuinely trained. After every
+few epochs the greedy fact recall is measured; training stops at 100% (or ``max_epochs``).
+Deterministic for a fixed seed: seeded init and shuffling, deterministic algorithms, and one torch
+thread by default (a rerun reproduces model.safetensors byte for byte; two threads on a busy 2-core
+box oversubscribe it and run several times slower). ~1.5-2.5 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gemma_nb.tiny import CHECKPOINT_DIR, TINY_DIMS, random_gemma4_config
+from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
+
+# Experts implementation used while training: transformers' grouped_mm (a sort + one matmul
+# per expert, with its own backward) is the fastest of eager / grouped_mm / batched_mm for a
+# training step here. The saved config keeps transformers' default.
+TRAIN_EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+@dataclass
+class TrainArgs:
+    seed: int = 0
+    max_epochs: int = 200
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    eval_every_epochs: int = 5
+    balance_loss_weight: float = 0.01
+    target_recall: float = 1.0
+    threads: int = 1
+
+
+def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded; labels -100 on padding.
+
+    Right padding with a causal mask needs no attention mask: real tokens never see the pads.
+    """
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    rows = [tokenizer(f.sentence).input_ids + [eos_id] for f in FACTS]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        labels[i, : len(row)] = torch.tensor(row)
+    return input_ids, labels
+
+
+def tiny_config(tokenizer):
+    return random_gemma4_config(
+        **TINY_DIMS,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+
+
+class RouterBalance:
+    """Switch-Transformer load-balancing loss over every layer's router (training only).
+
+    It keeps the routers from piling tokens onto a few experts (the logged "peak load" is the
+    busiest expert's share over an even share), so all 32 experts carry facts and
+    dense-vs-sparse comparisons on the checkpoint mean what they mean for the 26B.
+    loss = E * sum_e(fraction of routed pairs sent to e * mean router probability of e), 1.0 when balanced.
+    """
+
+    def __init__(self, model):
+        self.outputs = []
+        self.handles = [layer.router.register_forward_hook(self._keep) for layer in model.model.layers]
+
+    def _keep(self, module, inputs, output):
+        self.outputs.append(output)
+
+    def loss(self) -> torch.Tensor:
+        total = 0.0
+        for probabilities, _, top_k_index in self.outputs:
+            experts = probabilities.shape[-1]
+            routed = torch.zeros(experts).index_add(0, top_k_index.reshape(-1), torch.ones(top_k_index.numel()))
+            total = total + experts * (routed / top_k_index.numel() * probabilities.mean(0)).sum()
+        self.outputs.clear()
+        return total / max(1, len(self.handles))
+
+    def peak_load(self) -> float:
+        """Busiest expert's share of routed pairs, relative to a perfectly even share (1.0)."""
+        peaks = []
+        for probabilities, _, top_k_index in self.outputs:
+            counts = torch.bincount(top_k_index.reshape(-1), minlength=probabilities.shape[-1])
+            peaks.append(float(counts.max()) * probabilities.shape[-1] / top_k_index.numel())
+        return max(peaks) if peaks else float("nan")
+
+
+def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
+    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary."""
+    from transformers import GenerationConfig
+
+    from gemma_nb.evaluate import fact_recall
+    from gemma_nb.tiny import random_gemma4_model
+
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(tokenizer)
+    model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
+    model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
+    input_ids, labels = sentence_batch(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
+
+    balance = RouterBalance(model)
+    shuffle = torch.Generator().manual_seed(args.seed)
+    batches_per_epoch = math.ceil(len(input_ids) / args.batch_size)
+    total_steps = args.max_epochs * batches_per_epoch
+    recall, step, epoch, history = 0.0, 0, 0, []
+    for epoch in range(1, args.max_epochs + 1):
+        model.train()
+        epoch_loss = 0.0
+        for rows in torch.randperm(len(input_ids), generator=shuffle).split(args.batch_size):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, total_steps, args)
+            loss = model(input_ids=input_ids[rows], labels=labels[rows], use_cache=False).loss
+            peak_load = balance.peak_load()
+            optimizer.zero_grad(set_to_none=True)
+            (loss + args.balance_loss_weight * balance.loss()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            epoch_loss += loss.item() / batches_per_epoch
+        if epoch % args.eval_every_epochs == 0 or epoch == args.max_epochs:
+            model.eval()
+            recall, _ = fact_recall(model, tokenizer)
+            balance.outputs.clear()
+            history.append({"epoch": epoch, "step": step, "loss": round(epoch_loss, 4), "recall": round(recall, 4)})
+            log(f"epoch {epoch:4d}  step {step:5d}  loss {epoch_loss:.4f}  recall {recall:.3f}  peak load {peak_load:.1f}x  "
+                f"{time.perf_counter() - started:.0f} s")
+            if recall >= args.target_recall:
+                break
+
+    for handle in balance.handles:
+        handle.remove()
+    model.eval()
+    model.set_experts_implementation(None)  # back to transformers' default in the saved config
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    summary = {
+        "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
+        "args": asdict(args),
+        "epochs_run": epoch,
+        "steps_run": step,
+        "final_loss": round(epoch_loss, 4),
+        "final_recall_fp32": round(recall, 4),
+        "facts": len(FACTS),
+        "vocab_size": config.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "history": history,
+    }
+    (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,186 @@
+"""Benchmark harness structure, bandwidth probe, and the roofline arithmetic checked by hand."""
+
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pandas as pd
+import pytest
+import torch
+
+from gemma_nb import bench
+from gemma_nb.hardware import DEVICES, GB, INSTANCES
+from gemma_nb.tiny import random_gemma4_config
+
+
+def test_time_steps_interleaves_and_summarises():
+    calls = []
+
+    def fast(i):
+        calls.append(("fast", i))
+        time.sleep(0.001)
+
+    def slow(i):
+        calls.append(("slow", i))
+        time.sleep(0.003)
+
+    timings = bench.time_steps({"fast": fast, "slow": slow}, steps=3, repeats=4, warmup=1)
+    assert len(calls) == 2 * (1 + 3 * 4)
+    # Warm-up first, then one step of each candidate per round, the order rotating every round.
+    assert [name for name, _ in calls[:2]] == ["fast", "slow"]
+    assert [name for name, _ in calls[2:8]] == ["fast", "slow", "slow", "fast", "fast", "slow"]
+    assert [i for name, i in calls if name == "fast"] == list(range(13))
+    summary = timings.summary()
+    assert list(summary.index) == ["fast", "slow"]
+    assert {"p50_ms", "p90_ms", "tok_s", "repeats", "steps_per_repeat"} <= set(summary.columns)
+    assert summary.loc["fast", "repeats"] == 4 and summary.loc["fast", "steps_per_repeat"] == 3
+    assert 1.0 <= summary.loc["fast", "p50_ms"] < summary.loc["slow", "p50_ms"]
+    assert summary.loc["fast", "p50_ms"] <= summary.loc["fast", "p90_ms"]
+    assert summary.loc["slow", "tok_s"] < 1000 / 3
+    assert 1.5 < timings.ratio("slow", "fast") < 4.0
+    with pytest.raises(ValueError, match="candidate 'medium' was not timed"):
+        timings.ratio("medium", "fast")
+
+
+def test_time_generation_reports_first_token_and_equal_tokens():
+    from gemma_nb.tiny import random_gemma4_model
+
+    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2, vocab_size=256), dtype=torch.float32)
+    before_threads = torch.get_num_threads()
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with bench.torch_threads(1):
+        timings = bench.time_generation({"a": model, "b": lambda: model}, prompt, new_tokens=5, repeats=2, warmup=0)
+    assert torch.get_num_threads() == before_threads
+    summary = timings.summary()
+    assert list(summary.index) == ["a", "b"] and summary["ttft_ms"].gt(0).all()
+    assert summary.loc["a", "steps_per_repeat"] == 4
+    assert timings.tokens["a"].shape == (1, 9) and torch.equal(timings.tokens["a"], timings.tokens["b"])
+    from gemma_nb.evaluate import greedy_generate
+
+    assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
+    with pytest.raises(ValueError, match="new_tokens=1 must be >= 2"):
+        bench.time_generation({"a": model}, prompt, new_tokens=1)
+    with pytest.raises(ValueError, match="count=0 must be an integer >= 1"):
+        with bench.torch_threads(0):
+            pass
+
+
+def test_time_runners_uses_only_generate():
+    class Runner:
+        def __init__(self, delay_s):
+            self.delay_s, self.calls = delay_s, []
+
+        def generate(self, input_ids, max_new_tokens):
+            self.calls.append(max_new_tokens)
+            time.sleep(self.delay_s * max_new_tokens)
+            return torch.arange(max_new_tokens)[None]
+
+    fast, slow = Runner(0.001), Runner(0.003)
+    table = bench.time_runners({"fast": fast, "slow": slow}, torch.tensor([[1, 2]]), new_tokens=4, repeats=2)
+    assert fast.calls == [1, 4, 1, 4] and list(table.index) == ["fast", "slow"]
+    assert table.loc["fast", "decode_tok_s"] > table.loc["slow", "decode_tok_s"]
+    assert table.loc["fast", "tokens"] == [0, 1, 2, 3]
+
+
+def test_bandwidth_probe_and_floor():
+    result = bench.measure_bandwidth(nbytes=8 * 2**20, repeats=2)
+    assert result["nbytes"] == 8 * 2**20
+    assert result["read_gb_s"] > 0 and result["copy_gb_s"] > 0
+    assert result["read_gb_s"] >= result["read_gb_s_median"]
+    assert bench.floor_ms(24e9, 24e9) == 1000.0
+    with pytest.raises(ValueError, match="nbytes=1000 must be an integer >= 1 MiB"):
+        bench.measure_bandwidth(nbytes=1000)
+    with pytest.raises(ValueError, match="bandwidth_bytes_s=0"):
+        bench.floor_ms(1, 0)
+    with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
+        bench.time_steps({"a": lambda i: None}, steps=0)
+
+
+def test_moe_layer_bytes_full_size_by_hand():
+    per_expert_bf16 = (2 * 704 * 2816 + 2816 * 704) * 2
+    assert bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16  # 1.52 GB
+    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16  # 95.2 MB
+    int8_expert = 3 * 704 * 2816 + 4 * (2 * 704 + 2816)  # int8 weights + one fp32 scale per row
+    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "int8") == 8 * int8_expert
+    with pytest.raises(ValueError, match="experts='all' is not one of dense, sparse"):
+        bench.moe_layer_bytes(128, 2816, 704, 8, "all")
+
+
+def _by_hand_bf16_bytes(config):
+    """Every bf16 weight a decode step reads, counted from the module tree: all parameters but the
+    (host-side) embedding table, plus the tied lm_head's device copy, plus persistent buffers."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    embed = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters() if p is not embed)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    return 2 * (params + embed.numel() + buffers), 2 * experts
+
+
+def _by_hand_matrix_params(config):
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embed) + embed.numel()
+
+
+def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
+    config = random_gemma4_config()  # 32 experts, top-2
+    total_bf16, experts_bf16 = _by_hand_bf16_bytes(config)
+    dense = bench.decode_traffic(config, "bf16", "dense", tp=1)
+    sparse = bench.decode_traffic(config, "bf16", "sparse", tp=1)
+    assert dense["bytes_per_token"] == total_bf16
+    assert dense["bytes_per_token"] - sparse["bytes_per_token"] == experts_bf16 * (1 - 2 / 32)
+    assert sparse["bytes_by_group"]["experts"] == experts_bf16 / 16
+    # FLOPs: 2 per matrix weight used (vectors excluded), no context.
+    assert dense["flops_per_token"] == 2 * _by_hand_matrix_params(config)
+    assert dense["flops_per_token"] - sparse["flops_per_token"] == experts_bf16 * (1 - 2 / 32)
+    with_kv = bench.decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
+    from gemma_nb.memory import kv_cache_bytes
+
+    assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(config, 1, 100, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def config_26b():
+    from gemma_nb.memory import load_gemma4_26b_config
+
+    return load_gemma4_26b_config()
+
+
+def test_story_decode_reproduces_the_facts_roofline(config_26b):
+    story = bench.story_decode(config_26b)
+    # FACTS §5: DenseExperts ~26.4 GB/token -> <= ~33 tok/s; top-8 ~4.9 GB -> <= ~178 tok/s;
+    # upcast hypothesis ~118 GB -> ~7.5 tok/s; ~46 GFLOP/token of expert work.
+    assert story["dense_gb_per_token"] == pytest.approx(26.4, abs=0.1)
+    assert story["dense_tok_s"] == pytest.approx(33.3, abs=0.1)
+    assert story["sparse_gb_per_token"] == pytest.approx(4.97, abs=0.05)
+    assert story["sparse_tok_s"] == pytest.approx(177.0, abs=1.0)
+    assert story["upcast_gb_per_token"] == pytest.approx(117.8, abs=0.2)
+    assert story["upcast_tok_s"] == pytest.approx(7.47, abs=0.02)
+    assert story["expert_flops_waste_x"] == 16.0
+    assert story["measured_usd_per_m_tokens"] == pytest.approx(0.7582 / (6 * 3600) * 1e6)
+    bandwidth = DEVICES["neuroncore_v2"].bandwidth_bytes_s
+    assert story["dense_tok_s"] == pytest.approx(2 * bandwidth / (story["dense_gb_per_token"] * GB))
+    table = bench.hypotheses_table(story)
+    assert table["status"].tolist().count("hypothesis") == 2
+
+
+def test_roofline_table_prices_and_fit(config_26b):
+    table = bench.roofline(config_26b).set_index(["deployment", "experts"])
+    story_row = table.loc[("inf2.xlarge, int8 squeeze, TP=2", "dense")]
+    assert story_row["fits"] and story_row["bound"] == "memory"
+    assert story_row["usd_per_hour"] == INSTANCES["inf2.xlarge"].usd_per_hour
+    assert story_row["usd_per_m_tokens"] == pytest.approx(0.7582 / (story_row["tok_s"] * 3600) * 1e6)
+    assert not table.loc[("inf2.xlarge, bf16, TP=2", "dense"), "fits"]  # 26 GB per rank > 16 GiB
+    assert table.loc[("TPU v6e x2, bf16, TP=2", "sparse"), "usd_per_hour"] == pytest.approx(5.40)
+    assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])  # no H200 price in FACTS
+    sparse_over_dense = (table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"])
+    assert sparse_over_dense.between(4.0, 8.0).all()
+    assert bench.usd_per_million_tokens(None, 10.0) is None

@@ -1,0 +1,57 @@
+"""Instance catalog, device table and fit arithmetic (FACTS §5)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from gemma_nb import hardware
+from gemma_nb.hardware import GB, GiB, fits, get_instance
+
+
+def test_catalog_matches_facts():
+    xl = get_instance("inf2.xlarge")
+    got = (xl.chips, xl.neuron_cores, xl.vcpus, xl.host_ram_gib, xl.hbm_gib, xl.usd_per_hour)
+    assert got == (1, 2, 4, 16, 32, 0.7582)
+    assert get_instance("inf2.8xlarge").host_ram_gib == 128
+    assert get_instance("inf2.24xlarge").neuron_cores == 12
+    assert get_instance("inf2.48xlarge").usd_per_hour == 12.9813
+    for inst in hardware.INSTANCES.values():
+        assert inst.hbm_per_core_bytes == 16 * GiB  # every inf2 core: 16 GiB
+        assert inst.budget_bytes("spec") == 16 * GiB
+        assert inst.budget_bytes("story") == 16 * GB
+
+
+def test_instance_table_shows_gib_and_gb():
+    table = hardware.instance_table().set_index("instance")
+    assert table.loc["inf2.xlarge", "hbm_per_core_gib"] == 16
+    assert table.loc["inf2.xlarge", "hbm_per_core_gb"] == pytest.approx(17.18, abs=1e-3)
+
+
+def test_fits_headroom_and_too_few_cores():
+    fit = fits(SimpleNamespace(tp=2, total_bytes=14 * GB), "inf2.xlarge")
+    assert fit.fits and fit.headroom_bytes == 16 * GiB - 14 * GB and fit.replicas == 1
+    story = fits(SimpleNamespace(tp=2, total_bytes=16 * GB + 1), "inf2.xlarge", budget="story")
+    assert not story.fits and story.headroom_bytes == -1 and "short by" in story.reason
+    wide = fits(SimpleNamespace(tp=8, total_bytes=1), "inf2.xlarge")
+    assert not wide.fits and wide.headroom_bytes is None and "TP=8 needs 8 NeuronCores" in wide.reason
+    assert fits(SimpleNamespace(tp=2, total_bytes=1), "inf2.24xlarge").replicas == 6
+    assert fit.as_dict()["headroom_gb"] == pytest.approx((16 * GiB - 14 * GB) / GB)
+
+
+def test_device_table_and_measured_cpu():
+    table = hardware.device_table().set_index("device")
+    assert table.loc["inferentia2_chip", "bf16_tflops"] == 190
+    assert table.loc["neuroncore_v2", "bandwidth_gb_s"] == pytest.approx(410 * GiB / GB)
+    assert table.loc["tpu_v6e_chip", "usd_per_hour"] == 2.70
+    assert table.loc["this_cpu"].isna()["bandwidth_gb_s"]
+    cpu = hardware.measured_cpu(24e9)
+    assert hardware.device_table([cpu]).set_index("device").loc["this_cpu", "bandwidth_gb_s"] == 24
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="instance 'inf2.small' is not in the catalog; known: inf2.xlarge"):
+        get_instance("inf2.small")
+    with pytest.raises(ValueError, match="budget 'marketing' is not one of spec, story"):
+        get_instance("inf2.xlarge").budget_bytes("marketing")
+    with pytest.raises(ValueError, match="bandwidth_bytes_s=0 must be a positive"):
+        hardware.measured_cpu(0)

@@ -1,0 +1,250 @@
+"""DenseExperts / SparseExperts: same tokens as transformers, bf16 agreement, export, bad input."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from gemma_nb import moe
+from gemma_nb.evaluate import greedy_generate
+from gemma_nb.quant import dequantize_int8
+from gemma_nb.tiny import BUNDLED_ID, random_gemma4_config
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small models: a second thread only adds a barrier per op (slow on a busy machine)."""
+    from gemma_nb.bench import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from gemma_nb.modelio import load_model
+
+    model, tokenizer = load_model(BUNDLED_ID, dtype=torch.float32)
+    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in _prompts()]
+    return model, prompts
+
+
+def _prompts():
+    from gemma_nb.tiny import fact_prompts
+
+    return fact_prompts()[:3]
+
+
+def _generate(model, prompts):
+    return [greedy_generate(model, ids, NEW_TOKENS) for ids in prompts]
+
+
+def test_dense_and_sparse_match_transformers_greedy_tokens_on_bundled_checkpoint(bundled):
+    model, prompts = bundled
+    moe.swap_experts(model, "transformers")
+    reference = _generate(model, prompts)
+    try:
+        for impl, options in (("dense", {}), ("sparse", {}), ("sparse", {"selection": "gather"})):
+            moe.swap_experts(model, impl, **options)
+            assert moe.experts_kind(model) == impl
+            for got, want in zip(_generate(model, prompts), reference):
+                assert torch.equal(got, want), f"{impl} {options} diverged from transformers"
+    finally:
+        moe.swap_experts(model, "transformers")
+    assert moe.experts_kind(model) == "transformers"
+
+
+def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bundled):
+    model, prompts = bundled
+    layers = moe.experts_modules(model)
+    originals = [(module.gate_up_proj, module.down_proj) for _, _, module in layers]
+    int8_modules = [moe.SparseExperts.from_experts(module, int8=True) for _, _, module in layers]
+    try:
+        # Reference: transformers' experts on q * scale (what int8 weights mean), fp32 activations.
+        for (_, _, module), quantized in zip(layers, int8_modules):
+            module.gate_up_proj = torch.nn.Parameter(dequantize_int8(quantized.gate_up_proj, quantized.gate_up_scale))
+            module.down_proj = torch.nn.Parameter(dequantize_int8(quantized.down_proj, quantized.down_scale))
+        reference = _generate(model, prompts)
+        for kind in (moe.SparseExperts, moe.DenseExperts):
+            for (parent, name, _), quantized in zip(layers, int8_modules):
+                setattr(parent, name, kind.sharing(quantized, compute_dtype=torch.float32))
+            for got, want in zip(_generate(model, prompts), reference):
+                assert torch.equal(got, want), f"{kind.__name__} int8 diverged"
+    finally:
+        for (parent, name, module), (gate_up, down) in zip(layers, originals):
+            module.gate_up_proj, module.down_proj = gate_up, down
+            setattr(parent, name, module)
+
+
+def test_swap_shares_the_weight_tensors_and_reverts():
+    from gemma_nb.tiny import random_gemma4_model
+
+    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), dtype=torch.float32)
+    before = [m.gate_up_proj.data_ptr() for _, _, m in moe.experts_modules(model)]
+    moe.swap_experts(model, "sparse")
+    assert [m.gate_up_proj.data_ptr() for _, _, m in moe.experts_modules(model)] == before
+    moe.swap_experts(model, "dense")
+    moe.swap_experts(model, "transformers")
+    assert moe.experts_kind(model) == "transformers"
+    assert [m.gate_up_proj.data_ptr() for _, _, m in moe.experts_modules(model)] == before
+    moe.swap_experts(model, "sparse_int8")
+    layer = moe.experts_modules(model)[0][2]
+    assert layer.gate_up_proj.dtype == torch.int8 and layer.gate_up_scale.shape == (32, 128, 1)
+    with pytest.raises(ValueError, match="reload the model"):
+        moe.swap_experts(model, "dense")
+
+
+# A mid-size layer: large enough that bf16 rounding accumulates over real matmul lengths.
+MID = dict(hidden_size=1024, moe_intermediate_size=256, num_experts=64, top_k_experts=8)
+
+
+@pytest.fixture(scope="module")
+def mid_layer():
+    config = random_gemma4_config(num_hidden_layers=1, **MID)
+    return config, moe.random_experts(config, seed=1, dtype=torch.bfloat16)
+
+
+def _fp32_reference(experts, config, x, index, weights):
+    """transformers' eager experts on fp32 copies of the same bf16 weights: the exact answer."""
+    fp32 = moe.make_experts(experts, "transformers", config=config, experts_implementation="eager")
+    fp32.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.float())
+    fp32.down_proj = torch.nn.Parameter(experts.down_proj.float())
+    return fp32(x.float(), index, weights)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer, tokens):
+    config, experts = mid_layer
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16)
+    index, weights = moe.random_routing(tokens, config.num_experts, config.top_k_experts, seed=tokens)
+    exact = _fp32_reference(experts, config, x, index, weights)
+    scale = exact.abs().max().item()
+    bf16_eps = 2.0**-8
+    outputs = {}
+    for name, module in (("dense", moe.DenseExperts.from_experts(experts)),
+                         ("sparse", moe.SparseExperts.from_experts(experts)),
+                         ("gather", moe.SparseExperts.from_experts(experts, selection="gather"))):
+        out = module(x, index, weights)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape
+        # Two bf16 roundings inside each expert (gate/up and down outputs) plus the final cast.
+        assert (out.float() - exact).abs().max().item() <= 4 * bf16_eps * scale, name
+        outputs[name] = out.float()
+    assert (outputs["dense"] - outputs["sparse"]).abs().max().item() <= 2 * bf16_eps * scale
+
+
+def test_int8_fused_kernel_matches_the_upcast_reference(mid_layer):
+    config, experts = mid_layer
+    fused = moe.SparseExperts.from_experts(experts, int8=True)
+    upcast = moe.SparseExperts.sharing(fused, int8_kernel="upcast")
+    dense = moe.DenseExperts.sharing(fused)
+    x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+    assert moe.int8pack_usable(x, fused.gate_up_proj[0])
+    index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=5)
+    want = upcast(x, index, weights).float()
+    scale = want.abs().max().item()
+    for got in (fused(x, index, weights), dense(x, index, weights)):
+        # The fused kernel rounds the fp32 scales to bf16 (as gpt-fast stores them): ~1 ulp per row.
+        assert (got.float() - want).abs().max().item() <= 4 * 2.0**-8 * scale
+    assert fused.weight_bytes == config.num_experts * 3 * 1024 * 256 + 4 * config.num_experts * (512 + 1024)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("selection", ["view", "gather"])
+def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
+    config = random_gemma4_config(num_hidden_layers=1, hidden_size=256, moe_intermediate_size=64,
+                                  num_experts=32, top_k_experts=4)
+    experts = moe.random_experts(config, seed=2)
+    module = moe.SparseExperts.from_experts(experts, int8=int8, selection=selection)
+    x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+    index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=0)
+    program = torch.export.export(module, (x, index, weights))
+    targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert ("aten.index.Tensor" in targets) == (selection == "gather")
+    assert ("aten._weight_int8pack_mm.default" in targets) == int8
+    other_index, other_weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=9)
+    assert torch.equal(program.module()(x, other_index, other_weights), module(x, other_index, other_weights))
+
+
+def test_bad_inputs_name_the_problem(mid_layer):
+    config, experts = mid_layer
+    module = moe.SparseExperts.from_experts(experts)
+    x = torch.randn(2, config.hidden_size, dtype=torch.bfloat16)
+    index, weights = moe.random_routing(2, config.num_experts, 8)
+    too_many = torch.arange(65).repeat(2, 1)
+    with pytest.raises(ValueError, match="top_k=65 must be between 1 and num_experts=64"):
+        module(x, too_many, torch.ones(2, 65))
+    with pytest.raises(ValueError, match=r"hidden_states has shape \(2, 512\)"):
+        module(x[:, :512], index, weights)
+    with pytest.raises(ValueError, match="expected \\[T, K\\] with T = 2"):
+        module(x, index[:1], weights[:1])
+    with pytest.raises(ValueError, match="top_k_weights has shape"):
+        module(x, index, weights[:, :4])
+    with pytest.raises(ValueError, match="expert id 64"):
+        module(x, torch.full_like(index, 64), weights)
+    with pytest.raises(ValueError, match="down_proj has shape"):
+        moe.DenseExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
+    with pytest.raises(ValueError, match="'bogus' is not one of transformers, dense"):
+        moe.make_experts(experts, "bogus")
+    with pytest.raises(ValueError, match="selection 'copy'"):
+        moe.SparseExperts.from_experts(experts, selection="copy")
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
+        moe.random_routing(1, 8, 9)
+
+
+def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
+    q = torch.zeros(8, 40, dtype=torch.int8)
+    assert not moe.int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
+    assert not moe.int8pack_usable(torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8))
+    assert not moe.int8pack_usable(torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8))
+    assert moe.int8pack_usable(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8):
+    """The NxD recipes' checkpoint layouts, split across 2 ranks as ModelBuilder splits them, summed
+    (the all-reduce): dense and sparse give the same output, equal to the layer on the same weights."""
+    from gemma_nb.neuron import moe as neuron_moe
+
+    config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
+                                  num_experts=16, top_k_experts=4)
+    experts = moe.random_experts(config, seed=3, dtype=torch.float32)
+    x = torch.randn(3, 64)
+    index, weights = moe.random_routing(3, 16, 4, seed=1)
+    tp = 2
+    outputs = {}
+    for mode in ("dense", "sparse"):
+        checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, mode, tp=tp,
+                                                   int8=int8, dtype=torch.float32)
+        total = 0
+        for rank in range(tp):
+            shard = neuron_moe.rank_shard(checkpoint, mode, rank, tp)
+            scale = (lambda name: shard.get(f"{name}.scale"))
+            if mode == "dense":
+                assert torch.equal(shard["spmd_rank.rank"], torch.tensor([rank], dtype=torch.int32))
+                total = total + neuron_moe.dense_rank_forward(x, index, weights, shard["gate_up.weight"], scale("gate_up"),
+                                                              shard["down.weight"], scale("down"), rank, tp, 16)
+            else:
+                total = total + neuron_moe.sparse_rank_forward(x, index, weights, shard["gate.weight"], scale("gate"),
+                                                               shard["up.weight"], scale("up"), shard["down.weight"],
+                                                               scale("down"), 16)
+        outputs[mode] = total
+    assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-6, rtol=1e-5)
+    reference = moe.SparseExperts.from_experts(experts)(x, index, weights)
+    tolerance = 0.02 * reference.abs().max().item() if int8 else 1e-5
+    assert (outputs["sparse"] - reference).abs().max().item() <= tolerance
+    with pytest.raises(ValueError, match="mode 'all' is not one of dense, sparse"):
+        neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, "all")
+
+
+def test_neuron_modules_say_the_sdk_is_missing():
+    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.targets import TargetError, missing_neuron_packages
+
+    if missing_neuron_packages():
+        with pytest.raises(TargetError, match="neuronx_distributed"):
+            neuron_moe.NeuronSparseExperts(16, 64, 32, tp=2)
