@@ -3,15 +3,18 @@
 Measured:
 
 - ``time_steps(candidates, ...)``: per-step latency of one-token steps (an MoE layer, a decode
-  step), candidates interleaved across repeats so machine drift hits all of them alike.
+  step), candidates taking turns step by step so machine drift hits all of them alike.
 - ``time_generation(models, input_ids, ...)``: time to first token, then per-token decode latency
   of greedy generation with a KV cache; also returns the tokens, so equal outputs can be checked.
+  ``time_runners`` does the same, coarser, for deployed models that only expose ``generate``.
 - ``measure_bandwidth()``: a large read (sum) and copy: the machine's memory bandwidth, which sets
   the floor (``floor_ms``) of any step that must read a given number of weight bytes.
+- ``sparse_breakdown_steps`` / ``breakdown_table``: a sparse MoE step split into its matmuls, its
+  call overhead and (gather variant) its weight copy, timed beside it.
 
 Both timing functions return a ``Timings``: ``summary()`` gives p50 / p90 per-token latency and
-tokens/s as the median over repeats; ``ratio(a, b)`` is the median over repeats of a's p50 over
-b's p50 measured in the same repeat.
+tokens/s as the median over repeats; ``ratio(a, b)`` is the median of a's step time over b's
+in the same round (steps run moments apart).
 
 Modelled (roofline, batch 1 decode): ``decode_traffic(config, scheme, experts)`` counts the bytes
 every decode step must read (per rank) and its FLOPs, from ``gemma_nb.memory.plan``; ``roofline``
@@ -120,13 +123,15 @@ class Timings:
         return pd.DataFrame(rows).set_index("candidate")
 
     def ratio(self, numerator: str, denominator: str) -> float:
-        """Median over repeats of p50(numerator) / p50(denominator) within the same repeat.
+        """Median over rounds of numerator's step time / denominator's step time in the same round.
 
-        A ratio > 1 means ``numerator`` is slower. Pairing by repeat cancels slow drift of the machine.
+        A round is one step of every candidate, back to back (``time_steps``; for generation, one
+        decode step index of one repeat). A ratio > 1 means ``numerator`` is slower. Pairing
+        steps that ran moments apart cancels drift and bursts of load on a shared machine.
         """
         self._check(numerator)
         self._check(denominator)
-        table = self.per_repeat().pivot(index="repeat", columns="candidate", values="p50_ms")
+        table = self.steps.pivot_table(index=["repeat", "step"], columns="candidate", values="ms")
         return float((table[numerator] / table[denominator]).median())
 
     def p50_ms(self, name: str) -> float:
@@ -691,6 +696,23 @@ def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, 
         ax.bar_label(container, fmt="$%.2f", fontsize=8, padding=2)
     ax.set_xlabel("$ per million tokens (one stream, batch 1, at the bandwidth roofline)")
     ax.set_ylabel("")
-    ax.legend(title="experts", loc="lower right")
+    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if reference_usd is not None:
         reference_line(ax, reference_usd, reference_label, axis="x")
+
+
+def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
+    """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
+    import seaborn as sns
+
+    from gemma_nb.plots import reference_line
+
+    sns.barplot(data=table, y="deployment", x="tok_s", hue="experts", ax=ax, palette="colorblind")
+    for container in ax.containers:
+        ax.bar_label(container, fmt="%.0f", fontsize=8, padding=2)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens/s, batch 1, bandwidth roofline (log scale)")
+    ax.set_ylabel("")
+    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if reference_tok_s is not None:
+        reference_line(ax, reference_tok_s, reference_label, axis="x")

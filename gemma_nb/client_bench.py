@@ -11,9 +11,12 @@ inf2 instance the Neuron environment may not have the ``openai`` package.
 ``/health``, yields its base URL and stops it afterwards: the cpu reference run measures a real
 server, not a mock.
 
-How tokens are counted: one streamed chunk with text is one token (true for this project's
-server and vLLM, which send a chunk per token); the request's ``usage.completion_tokens``, when
-the server reports it (``stream_options.include_usage``), replaces the chunk count for tok/s.
+How tokens are counted: one streamed chunk carrying a ``content`` field is one token (the
+opening chunk that only announces the assistant's role excepted). This project's server sends a
+chunk for every token, with empty text for tokens that show none (the tiny checkpoint's
+end-of-sequence tokens under ``ignore_eos``); vLLM sends a chunk per token with text. The
+request's ``usage.completion_tokens``, when the server reports it (``stream_options.include_usage``),
+replaces the chunk count for tok/s.
 Requests ask for ``ignore_eos`` (vLLM's field; this server's too) so every answer has
 ``max_tokens`` tokens and levels compare like for like; servers that do not know the field
 ignore it and may stop early. The API key, if the endpoint needs one, comes from the
@@ -191,10 +194,10 @@ def stream_chat(base_url: str, messages: Sequence[dict], *, model: str | None = 
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
+                delta = choice.get("delta") or {}
+                if delta.get("content") is not None and "role" not in delta:
                     token_times.append(time.perf_counter() - started)
-                    pieces.append(text)
+                    pieces.append(delta["content"])
                 finish = choice.get("finish_reason") or finish
         total = time.perf_counter() - started
     finally:
@@ -274,20 +277,20 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None,
+def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
                      **benchmark_kwargs) -> pd.DataFrame | None:
     """Notebook 07's endpoint run: ``endpoint`` if given, else the project's own server on loopback.
 
     With ``endpoint`` empty, the cpu and cuda targets start ``python -m gemma_nb serve`` for
-    ``model_id`` (``local_server``), benchmark it and stop it; the neuron target has no local
-    server (serve the port's container and pass its URL), so it returns None.
-    ``benchmark_kwargs`` go to ``benchmark_endpoint``.
+    ``model_id`` (``local_server``; on cpu the slim deploy by default), benchmark it and stop it;
+    the neuron target has no local server (serve the port's container and pass its URL), so it
+    returns None. ``benchmark_kwargs`` go to ``benchmark_endpoint``.
     """
     if endpoint:
         return benchmark_endpoint(endpoint, **benchmark_kwargs)
     if target == "neuron":
         return None
-    with local_server(target, model_id) as base_url:
+    with local_server(target, model_id, runtime=runtime) as base_url:
         return benchmark_endpoint(base_url, **benchmark_kwargs)
 
 
@@ -308,9 +311,9 @@ def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple
         "measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
         "requests_per_level": int(summary["requests"].iloc[0]),
         "max_tokens": int(requests["completion_tokens"].max()),
-        "by_concurrency": {int(c): row.drop("requests").to_dict() for c, row in summary.iterrows()},
-        "ttft_growth_x": summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"],
-        "tok_s_total_growth_x": summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"],
+        "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()} for c, row in summary.iterrows()},
+        "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
+        "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"]),
     }
     rows = [
         headline("endpoint TTFT p50, 1 client", round(summary.loc[lowest, "ttft_ms_p50"], 1), "ms"),
@@ -389,19 +392,20 @@ def wait_until_healthy(base_url: str, timeout_s: float = 180.0, process: subproc
 
 
 @contextlib.contextmanager
-def local_server(target: str = "cpu", model_id: str | None = None, *, queue_size: int = 8,
-                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 180.0):
+def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", queue_size: int = 8,
+                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
     """Run ``python -m gemma_nb serve`` on a free loopback port; yields its base URL (``.../v1``).
 
-    The server's log goes to a temporary file (shown if it fails to start); the process is
-    terminated (then killed) when the block ends. ``env`` adds environment variables (e.g. the
-    API key, which is never passed on the command line).
+    ``runtime``: the server's ``--runtime`` (auto: the slim deploy on cpu, compiled at start-up;
+    "transformers" starts in seconds). The server's log goes to a temporary file (shown if it
+    fails to start); the process is terminated (then killed) when the block ends. ``env`` adds
+    environment variables (e.g. the API key, which is never passed on the command line).
     """
     from gemma_nb.tiny import BUNDLED_ID
 
     port = free_port()
     command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
-               "--host", "127.0.0.1", "--port", str(port), "--queue-size", str(queue_size),
+               "--runtime", runtime, "--host", "127.0.0.1", "--port", str(port), "--queue-size", str(queue_size),
                "--log-level", "warning", *extra_args]
     with tempfile.TemporaryDirectory(prefix="gemma-nb-serve-") as folder:
         log_path = Path(folder) / "server.log"

@@ -717,23 +717,23 @@ def host_embedding_path(folder: str | Path) -> Path:
 # The size sweep of notebook 04: one export per fresh subprocess
 # --------------------------------------------------------------------------------------------
 # Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
-# four widths at two layers (parameters grow ~70x), then the smallest width at 6 layers (graph size
-# grows, parameters barely), so time can be split into a per-layer and a per-byte part.
+# four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
+# grows, the parameters barely), so time can be split into a per-layer and a per-byte part.
 _SMALL = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
               global_head_dim=128, num_global_key_value_heads=1, num_experts=16, top_k_experts=2,
               moe_intermediate_size=128, vocab_size=8192)
 SWEEP_POINTS: dict[str, dict] = {
     "w256_l2": {**_SMALL, "num_hidden_layers": 2},
-    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
-                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
+    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
     "w1024_l2": dict(hidden_size=1024, intermediate_size=1152, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                      global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
                      moe_intermediate_size=384, vocab_size=32768, num_hidden_layers=2),
     "w1536_l2": dict(hidden_size=1536, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                      global_head_dim=256, num_global_key_value_heads=2, num_experts=96, top_k_experts=8,
                      moe_intermediate_size=512, vocab_size=32768, num_hidden_layers=2),
-    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
+    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
+                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
 }
 
 
@@ -864,20 +864,26 @@ def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> di
 
 
 def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
-    """Measured points and fitted lines: peak RSS and compile time against parameters (log x)."""
+    """Measured points and fitted lines: peak RSS and compile time against parameters (millions).
+
+    The time lines are the fit at each layer count of the sweep, with weights of 2 bytes per
+    parameter (bf16).
+    """
     import numpy as np
 
-    params = np.geomspace(sweep["params"].min(), sweep["params"].max(), 50)
-    rss = fits["rss"]
+    params = np.linspace(0, sweep["params"].max() * 1.05, 50)
+    rss, cost = fits["rss"], fits["time"]
     for layers, group in sweep.groupby("layers"):
-        ax_rss.scatter(group["params"], group["peak_rss_gb"], label=f"{layers} layers", zorder=3)
-        ax_time.scatter(group["params"], group["compile_s"], label=f"{layers} layers", zorder=3)
-    ax_rss.plot(params, rss["intercept"] + rss["slope"] * params, color="0.4",
-                label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} B/param")
+        points = ax_rss.scatter(group["params"] / 1e6, group["peak_rss_gb"], label=f"{layers} layers", zorder=3)
+        ax_time.scatter(group["params"] / 1e6, group["compile_s"], label=f"{layers} layers", zorder=3)
+        seconds = cost["intercept"] + cost["layers"] * layers + cost["weight_gb"] * 2 * params / 1e9
+        ax_time.plot(params / 1e6, seconds, color=points.get_facecolor()[0], linewidth=1)
+    ax_rss.plot(params / 1e6, rss["intercept"] + rss["slope"] * params, color="0.4",
+                label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} bytes/param")
     for ax, label in ((ax_rss, "peak host RSS (GB)"), (ax_time, "export + save (s)")):
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters")
+        ax.set_xlabel("parameters (millions)")
         ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=9)
 
 
@@ -941,6 +947,29 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
         model.generation_config = saved
     out = TorchExportableModuleWithStaticCache.generate(program, input_ids, max_new_tokens)
     return out[0, input_ids.shape[1]:].tolist()
+
+
+def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
+                     runners: Mapping[str, StepRunner] | None = None):
+    """Per model: how many greedy tokens transformers' export recipe and this module's exported
+    steps get equal to eager decoding (same prompt, ``max_new_tokens`` each). ``runners``: already
+    exported steps for some of the models (the others are exported here)."""
+    import pandas as pd
+
+    from gemma_nb.evaluate import greedy_generate
+
+    prompt = input_ids.shape[1]
+    shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
+    rows = []
+    for name, model in models.items():
+        eager = greedy_generate(model, input_ids, max_new_tokens)[0, prompt:].tolist()
+        recipe = transformers_recipe_tokens(model, input_ids, max_new_tokens, shapes.max_cache_len)
+        runner = (runners or {}).get(name) or exported_runner(model, export_steps(model, shapes), shapes)
+        ours = runner.generate(input_ids, max_new_tokens)[0, prompt:].tolist()
+        for loop, tokens in (("transformers recipe + its generate", recipe), ("gemma_nb export_steps + StepRunner", ours)):
+            rows.append({"model": name, "loop": loop, "tokens_equal_to_eager": sum(a == b for a, b in zip(eager, tokens)),
+                         "of": len(eager)})
+    return pd.DataFrame(rows)
 
 
 def _main(argv: list[str]) -> None:

@@ -14,10 +14,10 @@ Both run the same int8-squeezed model, so both must give the same greedy tokens 
 decoded right after compiling. Each deploy runs in a fresh process (``measure_deploy``) so its
 peak RSS (``gemma_nb.hostmem``) and its cold start (process start -> first token) are its own.
 
-The squeeze on the cpu (``int8_squeeze``): ``gemma_nb.quant.apply_scheme(model, "int8_squeeze")``
+The squeeze on the cpu (``int8_squeeze``): the ``int8_squeeze`` scheme of ``gemma_nb.quant``
 (int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
-embedding stay float), then the experts run as ``Int8Experts`` on those same int8 weights:
-static shapes, which ``torch.export`` can trace (the quantized eager loop cannot).
+embedding stay float), with the experts run as ``Int8Experts``: static shapes, which
+``torch.export`` can trace (``quant.QuantizedExperts``' eager loop over the routed experts cannot).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Int8Experts(nn.Module):
 
     @classmethod
     def from_quantized(cls, experts) -> "Int8Experts":
-        """Built on a ``gemma_nb.quant.QuantizedExperts`` (int8): its tensors, not a copy."""
+        """Built on a ``gemma_nb.quant.QuantizedExperts`` (int8, as ``apply_scheme`` makes): its tensors, not a copy."""
         if experts.fmt != "int8":
             raise ValueError(f"experts quantized to {experts.fmt!r}; Int8Experts takes int8 (the squeeze's format)")
         return cls(experts.gate_up.data, experts.gate_up.scale, experts.down.data, experts.down.scale, experts.act_fn)
@@ -110,18 +110,42 @@ class Int8Experts(nn.Module):
 
 
 def int8_squeeze(model: nn.Module):
-    """Quantize ``model`` in place with the port's int8 squeeze; experts become ``Int8Experts``.
+    """Quantize ``model`` in place with the port's int8 squeeze; return bytes per group.
 
-    Returns ``gemma_nb.quant.apply_scheme``'s report (one row per quantized group).
+    The groups and format come from the scheme (``gemma_nb.quant.resolve_scheme("int8_squeeze")``:
+    experts, shared MLP and lm_head in int8 per output channel); the weights are quantized with
+    ``gemma_nb.quant``'s quantizer (``Int8Linear``, and per expert ``gemma_nb.moe.quantize_experts_int8``),
+    the tie between lm_head and embedding is broken (the host keeps the float table), and the
+    experts run as ``Int8Experts``. ``quant.apply_scheme`` does the same and also measures every
+    group's quantization error, which a deploy does not need (it is most of its time).
     """
-    from gemma_nb.quant import QuantizedExperts, apply_scheme
+    import pandas as pd
 
-    report = apply_scheme(model, SQUEEZE)
-    for module in model.modules():
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, QuantizedExperts):
-            module.experts = Int8Experts.from_quantized(experts)
-    return report
+    from gemma_nb.moe import quantize_experts_int8
+    from gemma_nb.quant import Int8Linear, resolve_scheme
+
+    groups = resolve_scheme(SQUEEZE)
+    if set(groups.values()) != {"int8"} or set(groups) != {"experts", "shared_mlp", "lm_head"}:
+        raise ValueError(f"scheme {SQUEEZE!r} resolves to {groups}; int8_squeeze expects int8 experts, shared_mlp, lm_head")
+    stored = {group: [0, 0] for group in groups}  # params, bytes
+    for layer in model.model.layers:
+        experts = layer.experts
+        gate_up, gate_up_scale = quantize_experts_int8(experts.gate_up_proj.detach(), "gate_up_proj")
+        down, down_scale = quantize_experts_int8(experts.down_proj.detach(), "down_proj")
+        layer.experts = Int8Experts(gate_up, gate_up_scale, down, down_scale, experts.act_fn)
+        stored["experts"][0] += experts.gate_up_proj.numel() + experts.down_proj.numel()
+        stored["experts"][1] += sum(t.numel() * t.element_size() for t in (gate_up, gate_up_scale, down, down_scale))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = getattr(layer.mlp, name)
+            quantized = Int8Linear.from_linear(linear, name=name)
+            setattr(layer.mlp, name, quantized)
+            stored["shared_mlp"][0] += linear.weight.numel()
+            stored["shared_mlp"][1] += quantized.nbytes
+    head = Int8Linear.from_weight(model.lm_head.weight, name="lm_head.weight")
+    stored["lm_head"] = [model.lm_head.weight.numel(), head.nbytes]
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    return pd.DataFrame([{"group": g, "format": "int8", "params": p, "stored_bytes": b} for g, (p, b) in stored.items()])
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,25 +213,35 @@ def decode_latency(model: nn.Module, programs, shapes: compile_mod.StepShapes, p
     """Median ms per decode step: the exported decode program vs the eager model, same weights.
 
     Eager is the model's own forward, one token at a time with its (dynamic) KV cache, as
-    ``generate`` runs it. The first ``warmup`` steps of each are not counted.
+    ``generate`` runs it. The two are timed in alternation, step by step, so that both see the same
+    machine (a shared box's load changes from second to second). The first ``warmup`` steps of
+    each are not counted.
     """
     import statistics
 
     from transformers import DynamicCache
 
     exported = compile_mod.exported_runner(model, programs, shapes)
-    exported.generate(prompt, steps + warmup)
-    exported_ms = statistics.median(exported.step_times_s[1 + warmup:]) * 1e3
-
+    prompt_len = prompt.shape[1]
+    kv = compile_mod.new_kv_cache(exported.kv_shapes, exported.dtype)
+    padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
+    padded[:, :prompt_len] = prompt
+    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]),
+                              torch.tensor([prompt_len - 1]))
+    exported_token = logits.argmax(-1, keepdim=True)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt, cache=cache, use_cache=True)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    eager_s = []
-    for _ in range(steps + warmup):
+    eager_token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    exported_s, eager_s = [], []
+    for step in range(steps + warmup):
         start = time.perf_counter()
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
+                                 torch.tensor([prompt_len + step]), torch.tensor([0]))
+        exported_token = logits.argmax(-1, keepdim=True)
+        exported_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         eager_s.append(time.perf_counter() - start)
+    exported_ms = statistics.median(exported_s[warmup:]) * 1e3
     eager_ms = statistics.median(eager_s[warmup:]) * 1e3
     return {"exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms, "exported_over_eager": exported_ms / eager_ms}
 
@@ -409,11 +443,12 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
     from gemma_nb.plots import reference_line
 
     names = list(budget)
-    ax.barh(names, [budget[n] for n in names], color=["C1", "C1", "C0"][: len(names)])
+    ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
     ax.set_xscale("log")
-    ax.set_xlabel("GB on the host")
-    reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM {host_ram_gb:.1f} GB", axis="x")
-    reference_line(ax, story_peak_gb, f"story's deploy RSS peak {story_peak_gb:.0f} GB", axis="x", color="C3")
+    ax.set_xlim(left=0.5, right=max(budget.values()) * 2)
+    ax.set_xlabel("GB on the host (log scale)")
+    reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM ({host_ram_gb:.1f} GB)", axis="x")
+    reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
 
 
 def _main(argv: list[str]) -> None:

@@ -539,7 +539,8 @@ def host_path_numerics(model: nn.Module, batches) -> "pd.DataFrame":
 
     ``batches``: token id batches ([B, S] LongTensor or a list of them) fed to the reference
     (``model`` on ``input_ids``) and to each host path. Columns: path, dtype, norm_ratio,
-    differ_pct, max_diff_ulps, top1_agreement, kl_mean (nats).
+    differ_pct, max_diff_ulps, max_abs_diff (embeddings), top1_agreement, kl_mean (nats),
+    max_logit_diff.
     """
     import pandas as pd
 
@@ -552,7 +553,8 @@ def host_path_numerics(model: nn.Module, batches) -> "pd.DataFrame":
         logits = evaluate.compare_logits(reference_logits, HostEmbeddedLM(model, host), batches)
         rows.append({"path": name, "dtype": _dtype_name(model.get_input_embeddings().weight.dtype),
                      **host_path_elementwise(model, host),
-                     "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"]})
+                     "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
+                     "max_logit_diff": logits["max_abs_diff"]})
     return pd.DataFrame(rows)
 
 
@@ -577,7 +579,7 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
     The first row is the reference itself. Columns: path, dtype, greedy (greedy continuation of
     ``prompt``, ``steps`` tokens), greedy_match, first_divergent_step (None when it matches),
     fact_recall (0-1, over ``facts``, default the whole corpus), top1_agreement and kl_mean
-    (nats) over ``batches`` (default: the sentences of ``facts``), norm_ratio
+    (nats) and max_logit_diff over ``batches`` (default: the sentences of ``facts``), norm_ratio
     (||embed_tokens(ids)|| / ||host(ids)||), differ_pct (share of embedding elements not
     bit-equal to the module's) and max_diff_ulps (in units of the module output's ulp).
     """
@@ -598,7 +600,8 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
         "path": "reference (input_ids)", "dtype": dtype, "greedy": tokenizer.decode(reference_tokens),
         "greedy_match": True, "first_divergent_step": None,
         "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0],
-        "top1_agreement": 1.0, "kl_mean": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0, "max_diff_ulps": 0.0,
+        "top1_agreement": 1.0, "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0,
+        "max_diff_ulps": 0.0,
     }]
     for name in HOST_PATHS:
         host = host_path(model, name)
@@ -616,6 +619,7 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
             "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0],
             "top1_agreement": logits["top1_agreement"],
             "kl_mean": logits["kl_mean"],
+            "max_logit_diff": logits["max_abs_diff"],
             "norm_ratio": elementwise["norm_ratio"],
             "differ_pct": elementwise["differ_pct"],
             "max_diff_ulps": elementwise["max_diff_ulps"],
@@ -636,8 +640,8 @@ def plot_host_paths(table: "pd.DataFrame", axes, hidden_size: int) -> None:
     data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
     panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement with reference (%)"),
               ("norm_ratio", "||embed_tokens(ids)|| / ||host(ids)|| (x)")]
-    for ax, (column, label) in zip(axes, panels):
-        sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax)
+    for index, (ax, (column, label)) in enumerate(zip(axes, panels)):
+        sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax, legend=index == 0)
         ax.set_xlabel("")
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelrotation=20)

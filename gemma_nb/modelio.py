@@ -113,6 +113,9 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
+quiet_loading = _quiet_loading
+
+
 def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) for ``model_id``, the model in ``dtype`` on ``device`` in eval mode.
 

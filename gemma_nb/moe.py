@@ -119,12 +119,13 @@ def quantize_experts_int8(weight: torch.Tensor, name: str = "experts") -> tuple[
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast for these operands.
 
-    torch 2.13's cpu kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp): ``x [M, K]`` bf16 (or fp16)
+    torch 2.13's cpu kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp): ``x [M, K]`` bf16
     contiguous with rows 32-byte aligned, ``q [N, K]`` int8 contiguous, ``scales [N]`` 1-D in
-    ``x``'s dtype; its AVX-512 loop has no tail, so K must be a multiple of 16. fp32 inputs are
-    accepted but take a scalar loop, so they use the dequantizing fallback instead.
+    ``x``'s dtype; its AVX-512 / AVX2 loop has no tail, so K must be a multiple of 16 (a K of 33
+    segfaulted here). fp32 and fp16 inputs are accepted but take a scalar loop on x86, so they use
+    the dequantizing fallback instead.
     """
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
     if x.shape[1] % INT8PACK_K_MULTIPLE or not (x.is_contiguous() and q.is_contiguous()):
         return False

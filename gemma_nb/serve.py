@@ -40,14 +40,21 @@ Behaviour worth knowing:
   ``Authorization: Bearer <key>`` and answers 401 without it; ``/health`` stays open for load
   balancers and container health checks.
 - ``usage`` counts prompt tokens and every sampled token (the end-of-sequence token included).
+  A stream sends one chunk per sampled token, with empty text where the token shows none (an
+  end-of-sequence token under ``ignore_eos``, or text held back for a possible stop string), so a
+  client can time every token.
 
 The model sits behind a small protocol, ``Runtime`` (a tokenizer, ``prefill(prompt_ids)`` and
 ``decode(token_id)`` returning next-token logits). ``DeployRuntime`` drives the slim deploy of
-notebook 05 (``gemma_nb.deploy``: host embedding, int8-squeezed compiled steps) one token at a
-time: ``--artifact <folder>`` serves a compiled folder, ``--runtime deploy`` without one compiles
-the checkpoint at start-up (slow). ``TransformersRuntime`` wraps any transformers causal LM, the
-default without an artifact (quick to start; same greedy answers on the bundled checkpoint). The neuron target has no step-by-step runtime
-here: serve the port's container there and benchmark it with ``gemma_nb.client_bench``.
+notebook 05 (``gemma_nb.deploy``: host embedding, int8-squeezed compiled steps, all experts per
+token as the port ran them) one token at a time. It is the default on the cpu target:
+``--artifact <folder>`` serves a compiled folder, and without one the checkpoint is compiled into
+a temporary folder while ``/health`` says "loading" (~30 s for the tiny checkpoint).
+``TransformersRuntime`` (``--runtime transformers``; the default on cuda) wraps any transformers
+causal LM and starts in seconds; on the bundled checkpoint both give the same greedy answers.
+``NeuronDeployRuntime`` steps the port's NxD deploy on an inf2 (``--target neuron --artifact
+<folder>``, from ``gemma_nb.neuron``): written against its cpu-tested graph interface, NOT RUN
+here on Inferentia2.
 """
 
 from __future__ import annotations
@@ -198,6 +205,49 @@ class DeployRuntime:
         return logits.float().reshape(-1)
 
 
+class NeuronDeployRuntime:
+    """The port's deploy on Inferentia2 (``gemma_nb.neuron.deploy.slim_deploy``), one step at a time.
+
+    ``runner`` is the ``NeuronStepRunner`` (compiled graph, host embedding, config, KV length
+    ``max_len`` and prefill ``bucket``); its KV cache is device state that each step updates in
+    place, so a new prefill simply overwrites it. NOT RUN HERE on an inf2: the tests drive it over
+    the cpu variant of the traced module (``gemma_nb.neuron.deploy.CpuStateGraph``).
+    """
+
+    def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.max_context = _context_limit(max_context, runner.max_len)
+        self.max_prompt_tokens = min(runner.bucket, self.max_context - 1)
+        self.eos_token_ids = _eos_ids(eos_token_ids, tokenizer.eos_token_id)
+        self._position = None
+
+    @torch.inference_mode()
+    def _step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+        from gemma_nb.neuron.build import host_logits, step_inputs
+
+        runner = self.runner
+        inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
+        return host_logits(runner.graph(*inputs), runner.config).reshape(-1)
+
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        bucket, count = self.runner.bucket, len(prompt_ids)
+        if not 0 < count <= self.max_prompt_tokens:
+            raise ValueError(f"a prompt of {count} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}")
+        padded = torch.full((1, bucket), self.runner.pad_token_id, dtype=torch.long)
+        padded[0, :count] = torch.tensor(list(prompt_ids))
+        # Padding slots are rewritten by later decode steps before any query can see them.
+        logits = self._step(padded, list(range(bucket)), count - 1)
+        self._position = count
+        return logits
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        if self._position is None:
+            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
+        logits = self._step(torch.tensor([[int(token_id)]]), [self._position], 0)
+        self._position += 1
+        return logits
+
+
 def _context_limit(requested: int | None, model_limit: int | None) -> int:
     if model_limit is None and requested is None:
         raise ValueError("the model does not say how long its context is: pass max_context (--max-context N)")
@@ -225,9 +275,9 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
     ``runtime="deploy"`` is the slim deploy of notebook 05 (``gemma_nb.deploy.SlimDeploy``): the
     compiled ``artifact`` folder if given, else ``model_id`` int8-squeezed and compiled into a
     temporary folder first (removed at exit). ``"transformers"`` loads the model with
-    ``gemma_nb.modelio.load_model`` onto the target's torch device, unquantized. ``"auto"`` is
-    deploy when an ``artifact`` is given, else transformers: compiling at start-up costs a minute
-    or more even for the tiny checkpoint on a busy 2-core box (notebook 04 measures it).
+    ``gemma_nb.modelio.load_model`` onto the target's torch device, unquantized, and starts in
+    seconds. ``"auto"`` is deploy on cpu, transformers on cuda. Compiling at start-up takes ~30 s
+    for the tiny checkpoint on a busy 2-core box (notebook 04 measures how it grows).
     """
     from gemma_nb.targets import check_target, torch_device
     from gemma_nb.tiny import BUNDLED_ID
@@ -237,13 +287,14 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if target == "neuron":
-        raise ValueError(
-            "serving on the neuron target needs a step-by-step runtime over the NxD deploy, which gemma_nb does "
-            "not have yet: run the port's container on the instance and benchmark it with notebook 07's "
-            "endpoint parameter (see README, 'Serving')"
-        )
+        if runtime == "transformers" or artifact is None:
+            raise ValueError(
+                "the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
+                "gemma_nb.neuron.build.compile_neuron (notebook 04), and --model-id for its tokenizer"
+            )
+        return load_neuron_runtime(model_id, artifact, max_context=max_context)
     if runtime == "auto":
-        runtime = "deploy" if artifact is not None else "transformers"
+        runtime = "deploy" if target == "cpu" else "transformers"
     if runtime == "deploy":
         if target != "cpu":
             raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.compile; on {target} use --runtime transformers")
@@ -265,6 +316,31 @@ def compile_for_serving(model_id: str, folder: str, max_cache_len: int, prefill_
     compile_mod.compile_model(model, folder, shapes, scheme=deploy.SQUEEZE)
 
 
+def _tokenizer_and_eos(model_id: str):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from gemma_nb.modelio import hf_token, resolve_model_id
+
+    source = resolve_model_id(model_id)
+    token = None if os.path.isdir(source) else hf_token()
+    tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)
+    try:  # Gemma's chat models also end a turn with <end_of_turn>, listed in generation_config.json
+        eos = GenerationConfig.from_pretrained(source, token=token).eos_token_id
+    except OSError:
+        eos = None
+    return source, tokenizer, eos
+
+
+def load_neuron_runtime(model_id: str, artifact: str, *, max_context: int | None = None) -> NeuronDeployRuntime:
+    """The port's slim deploy on Inferentia2 (NOT RUN HERE): the NxD artifact, ``model_id``'s tokenizer."""
+    from gemma_nb.neuron.deploy import slim_deploy
+
+    _, tokenizer, eos = _tokenizer_and_eos(model_id)
+    runner, figures = slim_deploy(artifact)
+    log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
+    return NeuronDeployRuntime(runner, tokenizer, max_context, eos_token_ids=eos)
+
+
 def load_deploy_runtime(model_id: str, *, artifact: str | None = None, max_context: int | None = None,
                         prefill_len: int = DEFAULT_PREFILL_LEN) -> DeployRuntime:
     """The slim deploy of ``artifact`` (or of ``model_id``, compiled now), with ``model_id``'s tokenizer."""
@@ -272,13 +348,11 @@ def load_deploy_runtime(model_id: str, *, artifact: str | None = None, max_conte
     import shutil
     import tempfile
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     from gemma_nb import deploy
-    from gemma_nb.modelio import resolve_model_id
 
-    source = resolve_model_id(model_id)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    source, tokenizer, eos = _tokenizer_and_eos(model_id)
     if artifact is None:
         limit = getattr(AutoConfig.from_pretrained(source, trust_remote_code=False), "max_position_embeddings", None)
         cache_len = _context_limit(max_context, limit)
@@ -287,10 +361,6 @@ def load_deploy_runtime(model_id: str, *, artifact: str | None = None, max_conte
         started = time.perf_counter()
         compile_for_serving(model_id, artifact, cache_len, prefill_len)
         log.info("compiled %s for the slim deploy in %.1f s", model_id, time.perf_counter() - started)
-    try:  # Gemma's chat models also end a turn with <end_of_turn>, listed in generation_config.json
-        eos = GenerationConfig.from_pretrained(source).eos_token_id
-    except OSError:
-        eos = None
     slim = deploy.SlimDeploy(artifact)
     return DeployRuntime(slim.runner, tokenizer, max_context, eos_token_ids=eos)
 
@@ -792,8 +862,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                     yield _sse(first)
                 async with contextlib.aclosing(engine.steps(request, generation, arrival)) as steps:
                     async for step in steps:
-                        if step.text or step.finish_reason:
-                            yield _sse(chunk(step, None))
+                        yield _sse(chunk(step, None))  # one chunk per token, even if it adds no text
                 if generation.finish_reason is not None:
                     if include_usage:
                         yield _sse(chunk(None, _usage(generation)))
@@ -854,8 +923,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                 if step is None:
                     delta, reason = {"role": "assistant", "content": ""}, None
                 else:
-                    delta = {"content": step.text} if step.text else {}
-                    reason = step.finish_reason
+                    delta, reason = {"content": step.text}, step.finish_reason
                 payload = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
                 if include_usage:
                     payload["usage"] = None
@@ -995,10 +1063,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context length in tokens, prompt + answer (default: the model's own)")
     parser.add_argument("--runtime", choices=RUNTIMES, default="auto",
                         help="deploy: the slim deploy of notebook 05 (int8 squeeze, compiled steps); transformers: "
-                             "the model as transformers loads it (default auto: deploy if --artifact is given)")
+                             "the model as transformers loads it (default auto: deploy on cpu, transformers on cuda)")
     parser.add_argument("--artifact", default=None,
-                        help="a compiled artifact folder (gemma_nb.compile) for --runtime deploy; without it the "
-                             "model is compiled into a temporary folder at start-up")
+                        help="a compiled artifact folder: gemma_nb.compile's for the cpu slim deploy (without it the "
+                             "model is compiled into a temporary folder at start-up), gemma_nb.neuron.build's on neuron "
+                             "(required there; --model-id then names the tokenizer)")
     parser.add_argument("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN,
                         help=f"prefill bucket when compiling at start-up: the longest prompt (default {DEFAULT_PREFILL_LEN})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -35,8 +35,8 @@ def test_stream_chat_times_every_token(server):
     timing = client_bench.stream_chat(server, [{"role": "user", "content": "The capital of France is"}],
                                       max_tokens=8, ignore_eos=False)
     assert timing.text == "Paris ." and timing.finish_reason == "stop"
-    assert timing.completion_tokens == 3  # from usage: "Paris", ".", <eos> (2 chunks carried text)
-    assert len(timing.token_times_s) == 2 and len(timing.itl_s) == 1
+    assert timing.completion_tokens == 3  # "Paris", ".", <eos>: one chunk each, the last one empty
+    assert len(timing.token_times_s) == 3 and len(timing.itl_s) == 2
     assert 0 < timing.ttft_s <= timing.token_times_s[-1] <= timing.total_s
 
 
@@ -85,7 +85,7 @@ def test_errors_are_reported(server):
 
 
 def test_local_server_starts_serves_and_stops():
-    with client_bench.local_server(queue_size=2) as base_url:
+    with client_bench.local_server(runtime="transformers", queue_size=2) as base_url:
         assert client_bench.served_model(base_url) == BUNDLED_ID
         requests = client_bench.benchmark_endpoint(base_url, concurrency=(1,), requests_per_level=1,
                                                    max_tokens=4, warmup=False)
@@ -97,5 +97,5 @@ def test_local_server_starts_serves_and_stops():
 
 def test_local_server_reports_a_failed_start():
     with pytest.raises(EndpointError, match="no-such-folder"):
-        with client_bench.local_server(model_id="./no-such-folder", ready_timeout_s=60):
+        with client_bench.local_server(model_id="./no-such-folder", runtime="transformers", ready_timeout_s=60):
             pass

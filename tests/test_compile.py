@@ -51,7 +51,7 @@ def test_exported_steps_match_eager_greedy_on_the_bundled_checkpoint(tmp_path):
     C.compile_model(model, tmp_path, C.StepShapes(max_cache_len=64, prefill_len=24))
     artifact = C.load_artifact(tmp_path)
     runner = artifact.runner(HostEmbedding.from_file(C.host_embedding_path(tmp_path)))
-    for prompt in list(fact_prompts())[:3]:
+    for prompt in list(fact_prompts())[:2]:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         expected = greedy_generate(model, ids, 30)
         assert torch.equal(runner.generate(ids, 30), expected), prompt

@@ -10,6 +10,15 @@ from gemma_nb.evaluate import as_logits_fn, compare_logits, fact_recall, greedy_
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models decode fastest on one thread; two oversubscribe a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     config = random_gemma4_config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

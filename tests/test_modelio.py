@@ -116,7 +116,9 @@ def test_hf_token_never_reaches_outputs(tmp_path):
         pytest.skip(f"none of {', '.join(NOTEBOOK_CANDIDATES)} exists in notebooks/ yet")
     out = tmp_path / "outputs"
     out.mkdir()
-    env = {**os.environ, "HF_TOKEN": FAKE_TOKEN, "GEMMA_NB_OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1"}
+    # One torch thread: the notebook's models are tiny, and two threads oversubscribe a busy box.
+    env = {**os.environ, "HF_TOKEN": FAKE_TOKEN, "GEMMA_NB_OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
     executed = out / notebook.name
     run = subprocess.run(
         [sys.executable, "-m", "papermill", str(notebook), str(executed), "--cwd", str(NOTEBOOKS_DIR),

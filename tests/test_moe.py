@@ -222,7 +222,7 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8
                                                    int8=int8, dtype=torch.float32)
         total = 0
         for rank in range(tp):
-            shard = neuron_moe.rank_shard(checkpoint, mode, rank, tp)
+            shard = neuron_moe.rank_shard(checkpoint, rank, tp)
             scale = (lambda name: shard.get(f"{name}.scale"))
             if mode == "dense":
                 assert torch.equal(shard["spmd_rank.rank"], torch.tensor([rank], dtype=torch.int32))
@@ -248,3 +248,18 @@ def test_neuron_modules_say_the_sdk_is_missing():
     if missing_neuron_packages():
         with pytest.raises(TargetError, match="neuronx_distributed"):
             neuron_moe.NeuronSparseExperts(16, 64, 32, tp=2)
+
+
+def test_neuron_benchmark_times_any_loaded_deploy():
+    from gemma_nb.neuron import moe as neuron_moe
+
+    class Deployed:
+        def __init__(self, folder):
+            self.folder = folder
+
+        def generate(self, input_ids, max_new_tokens):
+            return torch.cat([input_ids, torch.zeros(1, max_new_tokens, dtype=torch.long)], dim=1)
+
+    table = neuron_moe.benchmark_deployed({"dense": "a", "sparse": "b"}, torch.tensor([[5, 6]]), new_tokens=3,
+                                          repeats=1, load=Deployed)
+    assert list(table.index) == ["dense", "sparse"] and table["decode_tok_s"].gt(0).all()

@@ -81,6 +81,8 @@ def test_streaming_gives_the_same_text_and_usage(client):
     assert text == plain.choices[0].message.content == "Paris ."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    # The role chunk, then one chunk per token: "Paris", " .", and <eos> (no text, finish_reason "stop").
+    assert [c.choices[0].delta.content for c in chunks[1:-1]] == ["Paris", " .", ""]
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -163,6 +165,27 @@ def test_deploy_runtime_steps_match_greedy_decoding(tiny):
     assert generation.token_ids == expected and generation.text.startswith(" Brasilia .")
     with pytest.raises(ValueError, match="the compiled prefill takes 1 to 16"):
         runtime.prefill(list(range(4, 21)))
+
+
+def test_neuron_runtime_steps_match_the_neuron_runner(tiny):
+    """NeuronDeployRuntime over the cpu variant of the port's traced module (no SDK needed)."""
+    from gemma_nb.evaluate import greedy_generate
+    from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4
+    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+
+    model, tokenizer = tiny
+    build = NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32")
+    module = NeuronGemma4(model.config, build, parallel=False)
+    module.load_state(model.state_dict())
+    runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8)
+    runtime = serve.NeuronDeployRuntime(runner, tokenizer)
+    for country, capital in (("Japan", "Tokyo"), ("Kenya", "Nairobi")):  # the 2nd prefill overwrites the cache
+        ids = tokenizer(f"The capital of {country} is").input_ids
+        expected = greedy_generate(model, torch.tensor([ids]), 5)[0, len(ids):].tolist()
+        generation = serve.generate(runtime, ids, 5, ignore_eos=True)
+        assert generation.token_ids == expected and generation.text.startswith(f" {capital} .")
+    with pytest.raises(ValueError, match="runtime 'nope' is not one of auto, deploy, transformers"):
+        serve.load_runtime("cpu", runtime="nope")
 
 
 # ---------------------------------------------------------------- errors
@@ -304,7 +327,8 @@ def test_health_says_loading_until_the_model_is_warm(tiny):
 
 def test_cli_server_requires_the_api_key_from_the_environment():
     key = "test-key-" + "x" * 16
-    with local_server(queue_size=2, env={serve.API_KEY_ENV: key}) as base_url:
+    # --runtime transformers starts in seconds; the default on cpu compiles the slim deploy first.
+    with local_server(runtime="transformers", queue_size=2, env={serve.API_KEY_ENV: key}) as base_url:
         root = base_url[: -len("/v1")]
         assert httpx.get(root + "/health").status_code == 200  # open for health checks
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):

@@ -381,8 +381,22 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     return out
 
 
+TEXT_PREFIXES = ("model.layers.", "model.norm.", "model.embed_tokens.", "lm_head.")
+
+
+def text_key(key: str) -> str | None:
+    """A checkpoint key in ``Gemma4ForCausalLM``'s names, or None for a non-text tensor.
+
+    The hub's Gemma-4 checkpoints are multimodal (``Gemma4ForConditionalGeneration``): the text
+    model's tensors are ``model.language_model.*``; vision and audio towers are dropped.
+    """
+    if key.startswith("model.language_model."):
+        key = "model." + key.removeprefix("model.language_model.")
+    return key if key.startswith(TEXT_PREFIXES) else None
+
+
 def read_hf_state(model_dir: str | Path) -> dict:
-    """Every tensor of a local HF checkpoint (``*.safetensors``), memory-mapped."""
+    """The text model's tensors of a local HF checkpoint (``*.safetensors``), memory-mapped."""
     from safetensors import safe_open
 
     state = {}
@@ -392,7 +406,11 @@ def read_hf_state(model_dir: str | Path) -> dict:
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                state[key.removeprefix("model.language_model.").replace("language_model.", "")] = handle.get_tensor(key)
+                name = text_key(key)
+                if name is not None:
+                    state[name] = handle.get_tensor(key)
+    if "model.embed_tokens.weight" not in state:
+        raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
     return state
 
 

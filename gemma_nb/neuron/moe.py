@@ -266,7 +266,7 @@ def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, mode
     return out
 
 
-def rank_shard(checkpoint: dict, mode: str, rank: int, tp: int, prefix: str = "") -> dict:
+def rank_shard(checkpoint: dict, rank: int, tp: int, prefix: str = "") -> dict:
     """What ModelBuilder gives rank ``rank`` of ``experts_checkpoint``'s entries: column layers
     (``gate_up`` / ``gate`` / ``up``) split by rows with their scales, ``down`` split by columns with
     its scale replicated, ``spmd_rank.rank`` split into one element. Plain torch (cpu checks)."""

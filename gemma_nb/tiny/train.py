@@ -111,7 +111,19 @@ def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
 
 
 def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
-    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary."""
+    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary.
+
+    Sets torch's thread count and deterministic mode for the run and restores both afterwards.
+    """
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        return _train(args, Path(out_dir), log)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     from transformers import GenerationConfig
 
     from gemma_nb.evaluate import fact_recall
@@ -164,7 +176,6 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         do_sample=False,
     )
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
