@@ -942,11 +942,26 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
         use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
     )
     try:
-        program = convert_and_export_with_cache(model)
+        program = convert_and_export_with_cache(model, strict=False)
     finally:
         model.generation_config = saved
-    out = TorchExportableModuleWithStaticCache.generate(program, input_ids, max_new_tokens)
+    out = TorchExportableModuleWithStaticCache.generate(_UnliftOnce(program), input_ids, max_new_tokens)
     return out[0, input_ids.shape[1]:].tolist()
+
+
+class _UnliftOnce:
+    """An exported program whose ``module()`` is built once: transformers' ``generate`` calls it
+    for every token (the same module each time, its KV buffers shared), which costs seconds."""
+
+    def __init__(self, program):
+        self.program = program
+        self._module = program.module()
+
+    def module(self):
+        return self._module
+
+    def named_buffers(self):
+        return self.program.named_buffers()
 
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,

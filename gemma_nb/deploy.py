@@ -223,6 +223,11 @@ def decode_latency(model: nn.Module, programs, shapes: compile_mod.StepShapes, p
 
     exported = compile_mod.exported_runner(model, programs, shapes)
     prompt_len = prompt.shape[1]
+    if prompt_len > shapes.prefill_len or prompt_len + steps + warmup > shapes.max_cache_len:
+        raise ValueError(
+            f"a {prompt_len}-token prompt and {steps + warmup} decode steps do not fit prefill_len="
+            f"{shapes.prefill_len} / max_cache_len={shapes.max_cache_len}: time fewer steps or compile larger shapes"
+        )
     kv = compile_mod.new_kv_cache(exported.kv_shapes, exported.dtype)
     padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
     padded[:, :prompt_len] = prompt

@@ -1020,6 +1020,46 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
     return results, models, reports, greedy
 
 
+
+def score_findings(results, weight_errors, reference_recall: float) -> dict:
+    """What the tables of :func:`score_schemes` say, as values a notebook can word its sentences from.
+
+    ``results``: the scores (with the ``*_float32`` columns; must hold ``bf16``); ``weight_errors``:
+    the per-group reports stacked with a ``scheme`` column; ``reference_recall``: the fp32 model's
+    fact recall. Returns ``kept`` / ``changed`` (schemes that keep / lose the reference's fact recall
+    or a greedy answer), ``bf16_disagreement`` (1 - bf16's top-1 agreement: bf16 rounding alone),
+    ``top1_spread`` (largest |top-1 agreement - bf16's| of the other schemes, bf16 compute) and
+    ``top1_both_sides`` (some above bf16's, some below), ``kl_order`` (the quantized schemes by KL in
+    fp32 compute, smallest first), ``experts_by_kl`` / ``experts_by_weight_error`` (the experts-only
+    schemes ordered by that KL and by their experts' relative weight error), ``follows_weight_error``
+    (the two orders agree), and, where the schemes are scored, ``shared_mlp_kl_added`` (fp32-compute
+    KL that an int8 dense MLP adds to int8 experts) and ``lm_head_kl_added`` (what the squeeze's int8
+    lm_head adds on top of both).
+    """
+    kept = results.index[(results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)]
+    quantized = results.drop(index="bf16")
+    top1_delta = quantized["top1_agreement"] - results.loc["bf16", "top1_agreement"]
+    experts_only = [s for s in quantized.index if set(resolve_scheme(s)) == {"experts"}]
+    expert_errors = weight_errors[weight_errors["group"] == "experts"].set_index("scheme")["rel_error"]
+    experts_by_kl = list(quantized.loc[experts_only, "kl_mean_float32"].sort_values().index)
+    experts_by_error = list(expert_errors.loc[experts_only].sort_values().index)
+    kl = results["kl_mean_float32"]
+    has = set(results.index).issuperset
+    return {
+        "kept": list(kept), "changed": [s for s in results.index if s not in kept],
+        "bf16_disagreement": 1.0 - float(results.loc["bf16", "top1_agreement"]),
+        "top1_spread": float(top1_delta.abs().max()),
+        "top1_both_sides": bool((top1_delta > 0).any() and (top1_delta < 0).any()),
+        "kl_order": list(quantized["kl_mean_float32"].sort_values().index),
+        "experts_by_kl": experts_by_kl, "experts_by_weight_error": experts_by_error,
+        "follows_weight_error": experts_by_kl == experts_by_error,
+        "shared_mlp_kl_added": float(kl["int8_experts_shared_mlp"] - kl["int8_experts"])
+        if has({"int8_experts", "int8_experts_shared_mlp"}) else None,
+        "lm_head_kl_added": float(kl["int8_squeeze"] - kl["int8_experts_shared_mlp"])
+        if has({"int8_experts_shared_mlp", "int8_squeeze"}) else None,
+    }
+
+
 def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True) -> None:
     """Schemes as labelled points of ``results[x]`` (cost, lower is better) vs ``results[y]``, with the Pareto front.
 

@@ -454,6 +454,32 @@ def test_lm_head_isolation_and_formats_table(corpus_model):
     assert table.loc["bf16", "bytes_per_weight"] == 2.0
 
 
+
+def test_score_findings_reads_the_tables():
+    import pandas as pd
+
+    results = pd.DataFrame({
+        "top1_agreement": [0.99, 0.99, 0.98, 0.995, 0.97, 0.99],
+        "kl_mean_float32": [0.0, 0.1, 0.3, 0.6, 2.0, 1.0],
+        "fact_recall": [1.0, 1.0, 1.0, 1.0, 0.9, 1.0],
+        "greedy_match": [1.0, 1.0, 1.0, 1.0, 1.0, 0.5],
+    }, index=["bf16", "int8_experts", "int8_experts_shared_mlp", "int8_squeeze", "mxfp4_experts", "fp8_experts"])
+    errors = pd.DataFrame({"scheme": ["int8_experts", "mxfp4_experts", "fp8_experts", "int8_squeeze"],
+                           "group": ["experts", "experts", "experts", "lm_head"],
+                           "rel_error": [0.01, 0.1, 0.03, 0.5]})
+    found = quant.score_findings(results, errors, reference_recall=1.0)
+    assert found["kept"] == ["bf16", "int8_experts", "int8_experts_shared_mlp", "int8_squeeze"]
+    assert found["changed"] == ["mxfp4_experts", "fp8_experts"]
+    assert found["bf16_disagreement"] == pytest.approx(0.01)
+    assert found["top1_spread"] == pytest.approx(0.02) and found["top1_both_sides"]
+    assert found["kl_order"] == ["int8_experts", "int8_experts_shared_mlp", "int8_squeeze", "fp8_experts",
+                                 "mxfp4_experts"]
+    assert found["experts_by_weight_error"] == ["int8_experts", "fp8_experts", "mxfp4_experts"]
+    assert found["experts_by_kl"] == ["int8_experts", "fp8_experts", "mxfp4_experts"] and found["follows_weight_error"]
+    assert found["shared_mlp_kl_added"] == pytest.approx(0.2) and found["lm_head_kl_added"] == pytest.approx(0.3)
+    found = quant.score_findings(results.drop(index="int8_squeeze"), errors, reference_recall=1.0)
+    assert found["lm_head_kl_added"] is None and not found["top1_both_sides"]
+
 # ---------------------------------------------------------------------------------------------
 # Neuron: import-guarded, never run here
 # ---------------------------------------------------------------------------------------------

@@ -6,4 +6,6 @@ it has been run on the cpu reference box; the notebooks say so where they call i
 
 - ``lm_head``: the port's vocab-parallel int8 lm_head (``QuantizedColumnParallel``).
 - ``quant``: NxD's quantized dtypes, the SDK support matrix, and per-dtype trace trials.
+- ``moe``: the port's DenseExperts and a selective-loading sparse path, and their benchmark.
+- ``build``, ``deploy``: the ModelBuilder compile recipe at TP=2 and the slim deploy loader.
 """

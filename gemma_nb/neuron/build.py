@@ -34,10 +34,7 @@ checks it decodes exactly like the eager model. Only the SDK layer swaps are unt
 from __future__ import annotations
 
 import json
-import os
-import time
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -260,7 +257,13 @@ def _import_sdk():
         raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
     from types import SimpleNamespace
 
-    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "error"})
+    return SimpleNamespace(
+        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, SPMDRank=SPMDRank,
+        scatter_to_process_group_spmd=scatter_to_process_group_spmd, quantization_layers=quantization_layers,
+        QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
+        QuantizedColumnParallel=QuantizedColumnParallel, QuantizedRowParallel=QuantizedRowParallel,
+        BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder,
+    )
 
 
 def patch_scale_dequantize(sdk) -> None:
