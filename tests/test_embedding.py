@@ -218,14 +218,13 @@ def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp
 
 def test_verify_against_a_meta_device_model(tmp_path):
     """The slim deploy holds only the structure (meta weights); the scale buffer stays real."""
-    from accelerate import init_empty_weights
-    from transformers import Gemma4ForCausalLM
+    from gemma_nb.deploy import model_skeleton
 
     config = random_gemma4_config(num_hidden_layers=1, vocab_size=256)
     model = random_gemma4_model(config, dtype=torch.float32)
-    with init_empty_weights():
-        structure = Gemma4ForCausalLM(config)
-    module = structure.get_input_embeddings()
+    module = model_skeleton(config).get_input_embeddings()
+    # What accelerate.init_empty_weights() (the port's tool) leaves: meta weights, real buffers.
+    module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
     assert module.weight.is_meta and not module.embed_scale.is_meta
 
     path = HostEmbedding.from_model(model).save(tmp_path / "e.safetensors")
