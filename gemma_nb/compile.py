@@ -130,16 +130,21 @@ def kv_cache_shapes(config, max_cache_len: int, batch_size: int = 1) -> list[tup
     and the sliding-window mask keeps their attention exact; ``max_cache_len`` bounds the
     prompt plus the generated tokens.
     """
+    shapes = []
+    for heads, dim in layer_kv_heads(config):
+        shapes += [(batch_size, heads, max_cache_len, dim)] * 2
+    return shapes
+
+
+def layer_kv_heads(config) -> list[tuple[int, int]]:
+    """Per layer, (KV heads, head_dim) as transformers builds the cache (sliding and full layers differ)."""
     from transformers.configuration_utils import get_head_shapes
 
     layers = config.num_hidden_layers
-    num_heads, head_dim = get_head_shapes(config)
-    num_heads = [num_heads] * layers if isinstance(num_heads, int) else list(num_heads)
-    head_dim = [head_dim] * layers if isinstance(head_dim, int) else list(head_dim)
-    shapes = []
-    for heads, dim in zip(num_heads, head_dim):
-        shapes += [(batch_size, heads, max_cache_len, dim)] * 2
-    return shapes
+    heads, dims = get_head_shapes(config)
+    heads = [heads] * layers if isinstance(heads, int) else list(heads)
+    dims = [dims] * layers if isinstance(dims, int) else list(dims)
+    return list(zip(heads, dims))
 
 
 def new_kv_cache(shapes, dtype: torch.dtype) -> list[torch.Tensor]:

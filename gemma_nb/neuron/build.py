@@ -134,14 +134,10 @@ class OneHotCache:
 
 def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
     """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
-    from transformers.configuration_utils import get_head_shapes
+    from gemma_nb.compile import layer_kv_heads
 
-    layers = config.num_hidden_layers
-    heads, dims = get_head_shapes(config)
-    heads = [heads] * layers if isinstance(heads, int) else list(heads)
-    dims = [dims] * layers if isinstance(dims, int) else list(dims)
     shapes = []
-    for h, d in zip(heads, dims):
+    for h, d in layer_kv_heads(config):
         if h % tp_degree:
             raise ValueError(f"{h} KV heads do not split over tp_degree={tp_degree}")
         shapes.append((1, h // tp_degree, max_len, d))
