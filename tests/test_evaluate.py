@@ -10,13 +10,7 @@ from gemma_nb.evaluate import as_logits_fn, compare_logits, fact_recall, greedy_
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode fastest on one thread; two oversubscribe a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

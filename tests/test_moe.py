@@ -15,13 +15,7 @@ from gemma_nb.tiny import BUNDLED_ID, random_gemma4_config
 NEW_TOKENS = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small models: a second thread only adds a barrier per op (slow on a busy machine)."""
-    from gemma_nb.bench import torch_threads
-
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,8 @@ from gemma_nb.quant import (  # noqa: E402
 FAST = settings(max_examples=40, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny-model forwards are too small to split; a second intra-op thread only waits on a busy box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 E4M3_MAX = 448.0
 
 

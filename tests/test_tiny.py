@@ -23,14 +23,7 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
                     "generation_config.json", "training_args.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is op-overhead bound: one thread is fastest, and two threads on a shared
-    2-core box oversubscribe it (recall over 474 facts: 0.3 s on one thread, 27 s on two, measured under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
