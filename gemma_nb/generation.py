@@ -99,9 +99,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One token id from next-token ``logits`` [vocab] under ``params``."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    # Shift so the best score is 0 before dividing: a tiny temperature (5e-324) then sends the
-    # others to -inf instead of overflowing everything to inf (whose softmax is NaN).
-    scores = (logits.float() - logits.float().max()) / params.temperature
+    # In float64 (where 5e-324 is not 0) and shifted so the best score is 0 before dividing: a tiny
+    # temperature then sends the others to -inf instead of overflowing all to inf (softmax NaN).
+    scores = logits.double()
+    scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)

@@ -1,0 +1,411 @@
+"""The server against hostile input (issue 14): every reproduction, a bounded fuzz test, the body limit.
+
+One in-process uvicorn server on a loopback port (queue of 2, so that a leaked slot shows after
+two requests) over the bundled checkpoint, with faults that a test can inject into the tokenizer
+or the model; the body-limit test runs ``python -m gemma_nb serve`` itself and watches its RSS.
+"""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemma_nb import serve
+from gemma_nb.client_bench import local_server, wait_until_healthy
+from gemma_nb.modelio import load_model
+from gemma_nb.tiny import BUNDLED_ID
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FRANCE = [{"role": "user", "content": "The capital of France is"}]
+VALID = {
+    "/v1/chat/completions": {"messages": FRANCE, "temperature": 0, "max_tokens": 2},
+    "/v1/completions": {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 2},
+    "/generate": {"prompt": "The capital of France is", "max_tokens": 2},
+}
+
+
+class FaultyTokenizer:
+    """The real tokenizer, except that encoding raises while ``faults`` holds "tokenize"."""
+
+    def __init__(self, tokenizer, faults: set):
+        self._tokenizer, self._faults = tokenizer, faults
+
+    def __call__(self, *args, **kwargs):
+        if "tokenize" in self._faults:
+            raise RuntimeError("injected tokenizer fault")
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+class FaultyRuntime(serve.TransformersRuntime):
+    """The bundled model; ``faults`` may hold "prefill" or "decode" to make that step raise once."""
+
+    def __init__(self, model, tokenizer):
+        self.faults: set[str] = set()
+        super().__init__(model, FaultyTokenizer(tokenizer, self.faults))
+
+    def prefill(self, prompt_ids):
+        if "prefill" in self.faults:
+            self.faults.discard("prefill")
+            raise RuntimeError("injected prefill fault")
+        return super().prefill(prompt_ids)
+
+    def decode(self, token_id):
+        if "decode" in self.faults:
+            self.faults.discard("decode")
+            raise RuntimeError("injected decode fault")
+        return super().decode(token_id)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    torch.manual_seed(0)
+    return FaultyRuntime(*load_model(BUNDLED_ID))
+
+
+@pytest.fixture(scope="module")
+def server(runtime):
+    app = serve.create_app(runtime, model_name=BUNDLED_ID, queue_size=2, body_timeout_s=0.5,
+                           allowed_hosts=[*serve.LOOPBACK_HOSTS, "gemma.internal"])
+    with serve.serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        yield root
+
+
+def metric(root: str, name: str, **labels) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    prefix = f"{name}{{{wanted}}} " if wanted else f"{name} "
+    for line in httpx.get(root + "/metrics").text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    return 0.0
+
+
+def post(root: str, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    headers = kwargs.pop("headers", {"Content-Type": "application/json"})
+    return httpx.post(root + path, content=content, headers=headers, timeout=30, **kwargs)
+
+
+def error_of(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert len(error["message"]) < 400, "an error must not echo the request back"
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_still_serving(root: str) -> None:
+    assert metric(root, "gemma_nb_queue_depth") == 0
+    reply = post(root, "/v1/chat/completions", {"messages": FRANCE, "temperature": 0, "max_tokens": 4})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+    assert metric(root, "gemma_nb_queue_depth") == 0
+
+
+# ---------------------------------------------------------------- 1. no leaked queue slots
+
+
+def test_1_bad_seeds_and_token_ids_do_not_leak_queue_slots(server):
+    for _ in range(9):  # the queue holds 2: a leak would turn the valid request below into a 429
+        error = error_of(post(server, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                              '"seed": 1180591620717411303424}'), 400, "seed")
+        assert "1180591620717411303424" in error["message"]
+    for prompt in ([-1], [2**70]):
+        error_of(post(server, "/v1/completions", {"prompt": prompt}), 400, "prompt.0")
+    assert_still_serving(server)
+    # The 64-bit seed range itself is honoured: 2**64 - 1 and -2**63 are fine.
+    for seed in (2**64 - 1, -(2**63)):
+        assert post(server, "/v1/chat/completions", {"messages": FRANCE, "max_tokens": 2, "seed": seed}).status_code == 200
+
+
+def test_every_failure_path_releases_the_slot(server, runtime):
+    """Validation error, full queue, a fault before admission, in the model, mid-stream, a client that leaves."""
+    ask = {"messages": FRANCE, "temperature": 0, "max_tokens": 4}
+    error_of(post(server, "/v1/chat/completions", {**ask, "top_p": 0}), 400, "top_p")
+    runtime.faults.add("tokenize")
+    try:
+        error = error_of(post(server, "/v1/chat/completions", ask), 500)
+    finally:
+        runtime.faults.discard("tokenize")
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    runtime.faults.add("prefill")
+    error_of(post(server, "/generate", {"prompt": "The capital of France is"}), 500)
+    runtime.faults.add("decode")
+    streamed = post(server, "/v1/completions", {**VALID["/v1/completions"], "stream": True, "max_tokens": 4})
+    assert streamed.status_code == 200 and '"type":"server_error"' in streamed.text  # in-band: headers were sent
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**ask, "max_tokens": 300, "ignore_eos": True,
+                                                                     "stream": True}, timeout=30) as response:
+        next(response.iter_lines())  # hang up after the first event
+    deadline = time.perf_counter() + 10
+    while metric(server, "gemma_nb_queue_depth") != 0:
+        assert time.perf_counter() < deadline, "the disconnected stream still holds its slot"
+        time.sleep(0.05)
+    assert_still_serving(server)
+
+
+# ---------------------------------------------------------------- 2. bad input is a 4xx
+
+
+def test_2_bad_values_get_400_not_500(server):
+    # A tiny positive temperature is (all but) greedy, streamed or not: no NaN, no in-band error.
+    tiny_t = {"messages": FRANCE, "temperature": 5e-324, "max_tokens": 8}
+    assert post(server, "/v1/chat/completions", tiny_t).json()["choices"][0]["message"]["content"] == "Paris ."
+    streamed = post(server, "/v1/chat/completions", {**tiny_t, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n") and '"error"' not in streamed.text
+    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}), 400,
+             "messages.0.content")
+    surrogate = '{"messages": [{"role": "user", "content": "\\ud800"}]}'
+    assert "lone surrogate" in error_of(post(server, "/v1/chat/completions", surrogate), 400, "messages.0.content")["message"]
+    assert "lone surrogate" in error_of(post(server, "/v1/completions", '{"prompt": "a\\udfff"}'), 400, "prompt")["message"]
+    error = error_of(post(server, "/v1/completions", {"prompt": [2, 10**9]}), 400, "prompt.1")
+    assert "1000000000 is not a token id of this model" in error["message"]
+    assert_still_serving(server)
+
+
+# ---------------------------------------------------------------- 3. a 500 is counted and keeps the connection
+
+
+def test_3_a_500_is_counted_and_the_connection_stays_usable(server, runtime):
+    before = metric(server, "gemma_nb_requests_total", endpoint="/generate", status="500")
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4})
+    runtime.faults.add("prefill")
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+    failed = conn.getresponse()
+    payload = json.loads(failed.read())
+    assert failed.status == 500 and payload["error"]["type"] == "server_error"
+    assert failed.getheader("connection") != "close"
+    sock = conn.sock
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})  # same pooled connection
+    ok = conn.getresponse()
+    assert ok.status == 200 and json.loads(ok.read())["text"] == " Paris ." and conn.sock is sock
+    conn.close()
+    assert metric(server, "gemma_nb_requests_total", endpoint="/generate", status="500") == before + 1
+    assert metric(server, "gemma_nb_queue_depth") == 0
+
+
+# ---------------------------------------------------------------- 4. bodies: type, size, speed
+
+
+def test_4_wrong_content_type_is_415_without_echo(server):
+    body = json.dumps({"messages": FRANCE, "padding": "secret " * 1000})
+    error = error_of(post(server, "/v1/chat/completions", body, headers={"Content-Type": "text/plain"}), 415)
+    assert "secret" not in error["message"] and "application/json" in error["message"]
+    # No Content-Type at all is read as JSON (as curl --json or a bare client sends it).
+    reply = httpx.post(server + "/generate", content=json.dumps({"prompt": "The capital of France is", "max_tokens": 4}))
+    assert reply.status_code == 200 and reply.json()["text"] == " Paris ."
+
+
+def _server_process(port: int) -> psutil.Process:
+    for child in psutil.Process().children(recursive=True):
+        if str(port) in child.cmdline():
+            return child
+    raise AssertionError(f"no child process serves port {port}")
+
+
+def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
+    with local_server(runtime="transformers", queue_size=2) as base_url:
+        root = base_url.removesuffix("/v1")
+        process = _server_process(int(root.rsplit(":", 1)[1]))
+        httpx.get(root + "/health")
+        rss_before_mb = process.memory_info().rss / 1e6
+        health_ms: list[float] = []
+        stop = threading.Event()
+
+        def poll_health():
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert httpx.get(root + "/health", timeout=5).status_code == 200
+                health_ms.append(1e3 * (time.perf_counter() - started))
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll_health, daemon=True)
+        poller.start()
+        figures = []
+        try:
+            for size_mb in (10, 50):
+                body = b'{"prompt": "' + b"x" * (size_mb * 1_000_000) + b'"}'
+                started = time.perf_counter()
+                response = httpx.post(base_url + "/completions", content=body,
+                                      headers={"Content-Type": "application/json"}, timeout=30)
+                seconds = time.perf_counter() - started
+                error_of(response, 413)
+                figures.append((f"{size_mb} MB with Content-Length", seconds))
+
+            def chunks():  # no Content-Length: the server counts what arrives
+                for _ in range(10):
+                    yield b"x" * 1_000_000
+
+            started = time.perf_counter()
+            response = httpx.post(base_url + "/completions", content=chunks(), timeout=30)
+            error_of(response, 413)
+            figures.append(("10 MB chunked", time.perf_counter() - started))
+        finally:
+            stop.set()
+            poller.join(timeout=10)
+        rss_after_mb = process.memory_info().rss / 1e6
+        for name, seconds in figures:
+            print(f"{name}: 413 in {seconds:.3f} s")
+        print(f"/health during the uploads: {len(health_ms)} polls, slowest {max(health_ms):.1f} ms")
+        print(f"server RSS: {rss_before_mb:.0f} MB before, {rss_after_mb:.0f} MB after")
+        assert all(seconds < 1.0 for _, seconds in figures), figures
+        assert health_ms and max(health_ms) < 1000
+        assert rss_after_mb - rss_before_mb < 100
+        reply = httpx.post(base_url + "/completions", json={"prompt": "The capital of France is", "temperature": 0,
+                                                           "max_tokens": 4}, timeout=30)
+        assert reply.json()["choices"][0]["text"] == " Paris ."
+
+
+# ---------------------------------------------------------------- 5. nothing accepted silently
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("n", 2), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+    ("frequency_penalty", 0.5), ("logit_bias", {"5": 10}),
+])
+def test_5_unsupported_openai_options_are_refused_by_name(server, field, value):
+    error = error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, field: value}), 400, field)
+    assert error["code"] == "unsupported_parameter" and f"'{field}'" in error["message"]
+
+
+def test_5_neutral_values_of_unsupported_options_are_accepted(server):
+    neutral = {"logprobs": False, "n": 1, "frequency_penalty": 0, "tools": [], "response_format": {"type": "text"}}
+    reply = post(server, "/v1/chat/completions", {"messages": FRANCE, "temperature": 0, "max_tokens": 4, **neutral})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", True), ("max_tokens", "10"), ("temperature", "0.5"), ("stream", "yes"), ("seed", 1.5),
+    ("top_k", False), ("stop", ["a", "b", "c", "d", "e"]), ("stream_options", {"include_usage": 1}),
+])
+def test_5_strict_types(server, field, value):
+    error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, field: value}), 400)
+
+
+def test_5_roles_fields_and_routes(server):
+    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "hacker", "content": "x"}]}), 400,
+             "messages.0.role")
+    error = error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, "temprature": 0}), 400, "temprature")
+    assert "unknown field 'temprature'" in error["message"] and "temperature" in error["message"]
+    error_of(post(server, "/generate", {"prompt": "x", "stream": True}), 400, "stream")  # /generate does not stream
+
+
+def test_5_host_allow_list(server):
+    port = server.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"LOCALHOST:{port}", "127.0.0.1", f"[::1]:{port}", "gemma.internal:80"):
+        assert httpx.get(server + "/health", headers={"Host": host}).status_code == 200, host
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example"):
+        error = error_of(httpx.get(server + "/v1/models", headers={"Host": host}), 400, "Host")
+        assert error["code"] == "invalid_host"
+
+
+def test_5_bearer_scheme_is_case_insensitive(runtime):
+    app = serve.create_app(runtime, model_name=BUNDLED_ID, api_key="k" * 24)
+    with serve.serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert httpx.get(root + "/v1/models", headers={"Authorization": f"{scheme} {'k' * 24}"}).status_code == 200
+        for header in ("Basic " + "k" * 24, "bearer wrong", "k" * 24):
+            assert httpx.get(root + "/v1/models", headers={"Authorization": header}).status_code == 401
+
+
+def test_5_a_slow_body_gets_408(server):
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        started, answer = time.perf_counter(), b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            answer += chunk
+            waited = time.perf_counter() - started
+    assert answer.startswith(b"HTTP/1.1 408") and b"within 0.5 s" in answer
+    assert 0.4 < waited < 5
+
+
+def test_5_slot_watchdog_counts_overdue_slots(runtime):
+    app = serve.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05, slot_watchdog_s=0.2)
+    with serve.serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        assert metric(root, "gemma_nb_slots_overdue") == 0
+        ask = {"messages": FRANCE, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", root + "/v1/chat/completions", json=ask, timeout=30):
+            time.sleep(0.5)
+            assert metric(root, "gemma_nb_slots_overdue") == 1 and metric(root, "gemma_nb_oldest_slot_seconds") > 0.2
+        deadline = time.perf_counter() + 10
+        while metric(root, "gemma_nb_slots_overdue") != 0:
+            assert time.perf_counter() < deadline
+            time.sleep(0.05)
+
+
+def test_5_startup_fails_fast(tmp_path, capsys):
+    assert serve.main(["--model-id", "/nonexistent", "--runtime", "transformers"]) == 2
+    assert "--model-id /nonexistent: no such folder" in capsys.readouterr().err
+    assert serve.main(["--artifact", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    # A folder that exists but holds no model: the server starts, the load fails, the process ends.
+    started = time.perf_counter()
+    assert serve.main(["--model-id", str(tmp_path), "--runtime", "transformers", "--port", "0",
+                       "--log-level", "critical"]) == 1
+    assert "the model failed to load" in capsys.readouterr().err and time.perf_counter() - started < 60
+
+
+# ---------------------------------------------------------------- the fuzz test
+
+
+def json_values():
+    scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**80), max_value=2**80)
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+               | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                        max_leaves=6)
+
+
+FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "stream",
+          "stream_options", "n", "logprobs", "tools", "user", "prompt", "messages", "max_completion_tokens", "extra"]
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]) | json_values(),
+                                           "content": json_values() | st.just("The capital of France is")}), max_size=3)
+
+# Values near the valid ones, so that some requests get through to the model.
+PLAUSIBLE = (st.integers(-2, 600) | st.floats(0, 2.5) | st.booleans() | st.sampled_from(["Paris", " .", BUNDLED_ID])
+             | st.lists(st.integers(0, 300), min_size=1, max_size=4))
+
+
+@st.composite
+def hostile_requests(draw):
+    route = draw(st.sampled_from(sorted(VALID)))
+    if draw(st.integers(0, 9)) == 0:
+        return route, draw(json_values())  # the whole body
+    field = draw(st.sampled_from(FIELDS))
+    value = draw(MESSAGES if field == "messages" and draw(st.booleans()) else PLAUSIBLE | json_values())
+    return route, {**VALID[route], field: value}
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=hostile_requests())
+def test_fuzz_no_5xx(server, case):
+    route, body = case
+    response = post(server, route, json.dumps(body))
+    assert response.status_code < 500, (route, body, response.text[:300])
+    if response.status_code >= 400:
+        error_of(response, response.status_code)
+
+
+def test_fuzz_leaves_the_server_serving(server):
+    """Runs after the fuzz test (file order): no slot held, a valid request answered."""
+    assert metric(server, "gemma_nb_requests_total", endpoint="/v1/completions", status="500") == 0
+    assert_still_serving(server)
