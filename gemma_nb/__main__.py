@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
-    from gemma_nb.runner import RunError, run
+    from gemma_nb.runner import RunError, Terminated, run
     from gemma_nb.targets import TargetError
 
     try:
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RunError, TargetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (runner.Terminated)
+        print(f"interrupted ({interrupt or 'Ctrl-C'}); the previous outputs were left as they were", file=sys.stderr)
+        return 143 if isinstance(interrupt, Terminated) else 130
     total = sum(r.seconds for r in results)
     print(f"{len(results)} notebook(s) for target {args.target} in {total:.0f} s", file=sys.stderr)
     return 0

@@ -1,17 +1,28 @@
 """Run the notebooks in story order with papermill: ``python -m gemma_nb run --target cpu``.
 
 A run writes into a temporary folder beside ``outputs/<target>/`` and swaps it in only when every
-notebook succeeded, so a failed or interrupted run never destroys the previous outputs. A failed
-run is kept as ``outputs/.<target>.failed/`` for inspection. ``--only`` reruns some notebooks on top
-of a copy of the previous outputs (later notebooks read what earlier ones wrote).
+notebook succeeded, so a failed or interrupted run (Ctrl-C or SIGTERM) never destroys the previous
+outputs. A failed run is kept as ``outputs/.<target>.failed/`` for inspection; the temporary
+folder of a run whose process died without cleaning up (``kill -9``) is removed by the next run.
+``--only`` reruns some notebooks on top of a copy of the previous outputs (later notebooks read
+what earlier ones wrote).
+
+Parameters (``-p NAME VALUE``) must be ones the selected notebooks declare in their
+``parameters`` cell: a typo is an error, not a warning papermill prints and the run ignores.
+Relative paths in them are the caller's: they are made absolute before papermill runs the
+notebooks from ``notebooks/``.
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +34,11 @@ from gemma_nb.targets import check_target
 
 
 class RunError(RuntimeError):
-    """A notebook failed; the message names the notebook, the cell and the error."""
+    """A notebook failed (the message names the notebook, the cell and the error), or the run was refused."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: the run stops and the previous outputs stay as they were."""
 
 
 @dataclass(frozen=True)
@@ -42,9 +57,11 @@ def discover_notebooks(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Path]:
 
 def select_notebooks(notebooks: list[Path], only: str | Iterable[str] | None) -> list[Path]:
     """Filter by number prefixes ("01,03") or full stems; unknown selectors are an error."""
-    if not only:
+    if only is None:
         return notebooks
     wanted = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
+    if not wanted:
+        raise RunError(f"--only {only!r} names no notebook; give numbers such as 01,03, or leave --only out to run all")
     chosen = []
     for selector in wanted:
         matches = [nb for nb in notebooks if nb.stem == selector or nb.stem.split("_", 1)[0] == selector.zfill(2)]
@@ -53,6 +70,75 @@ def select_notebooks(notebooks: list[Path], only: str | Iterable[str] | None) ->
             raise RunError(f"--only {selector!r} matches no notebook; available: {available}")
         chosen += [nb for nb in matches if nb not in chosen]
     return sorted(chosen)
+
+
+def notebook_parameters(notebook: Path) -> list[str]:
+    """The names the notebook's ``parameters`` cell assigns, in order (``target`` included)."""
+    import nbformat
+
+    names: list[str] = []
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            for node in ast.parse(cell.source).body:
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
+    return names
+
+
+def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
+    """Refuse a parameter that none of ``notebooks`` declares, naming the closest known one."""
+    known = sorted({name for nb in notebooks for name in notebook_parameters(nb)} - {"target"})
+    for name in parameters:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; "
+                           f"they take: {', '.join(known) or 'none'}")
+
+
+PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
+
+
+def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
+    """Make the caller's relative paths absolute (papermill runs the notebooks in ``notebooks/``).
+
+    A string value becomes ``cwd / value`` if it names an existing file or folder there, or if the
+    parameter's name ends in _dir, _path or _file. Hub ids and other strings stay as they are.
+    """
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    resolved = {}
+    for name, value in parameters.items():
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            candidate = cwd / Path(value).expanduser()
+            if candidate.exists() or name.endswith(PATH_PARAMETER_SUFFIXES):
+                value = str(candidate.resolve())
+        resolved[name] = value
+    return resolved
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(final: Path) -> list[Path]:
+    """Remove ``.<name>.tmp-PID`` folders beside ``final`` whose process is gone; returns them."""
+    removed = []
+    for folder in final.parent.glob(f".{final.name}.tmp-*"):
+        pid = folder.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
 
 
 def _copy_previous(previous: Path, staging: Path) -> None:
@@ -168,8 +254,12 @@ def run(
     """Execute the notebooks for ``target``; on success the outputs replace ``output_dir``."""
     check_target(target)
     selected = select_notebooks(discover_notebooks(Path(notebooks_dir)), only)
-    final = Path(output_dir) if output_dir else OUTPUTS_DIR / target
+    parameters = resolve_path_parameters(parameters or {})
+    check_parameters(parameters, selected)
+    final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
+    for folder in remove_stale_staging(final):
+        print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
     staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     failed = final.with_name(f".{final.name}.failed")
     if staging.exists():
@@ -180,13 +270,15 @@ def run(
 
     previous_env = os.environ.get(OUTPUT_DIR_ENV)
     os.environ[OUTPUT_DIR_ENV] = str(staging)  # the kernels inherit it
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     results = []
     try:
         for number, notebook in enumerate(selected, 1):
             print(f"[{number}/{len(selected)}] {notebook.stem} (target {target})", file=sys.stderr, flush=True)
             start = time.perf_counter()
             try:
-                execute_one(notebook, staging, target, parameters or {}, progress)
+                execute_one(notebook, staging, target, parameters, progress)
             except Exception as error:  # papermill raises PapermillExecutionError with cell details
                 if failed.exists():
                     shutil.rmtree(failed)
@@ -203,10 +295,12 @@ def run(
         write_report(staging, summary)
         _swap_in(staging, final)
     except BaseException:
-        if staging.exists():  # interrupted (Ctrl-C) before the swap: keep the old outputs intact
+        if staging.exists():  # interrupted (Ctrl-C, SIGTERM) before the swap: keep the old outputs intact
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if previous_env is None:
             os.environ.pop(OUTPUT_DIR_ENV, None)
         else:

@@ -1,6 +1,7 @@
 """The papermill runner: target checks, notebook selection, and that failures keep old outputs."""
 
 import json
+import shutil
 
 import nbformat
 import pytest
@@ -84,4 +85,101 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     assert (out / "REPORT.md").read_text() == before
     assert json.loads((out / "summary.json").read_text())["notebooks"]["02_second"]["metrics"] == {"answer": 42}
     assert (tmp_path / ".out.failed" / "02_second.ipynb").exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+# ---------------------------------------------------------------- refusing what the run cannot honour (issue 14)
+
+
+PARAMETERS = 'target = "cpu"\ncontext_len = 512\nmodel_id = "gemma-nb/tiny-gemma4-moe"\nartifact_dir = ""'
+
+
+@pytest.fixture
+def parameterised(tmp_path):
+    folder = tmp_path / "pnotebooks"
+    folder.mkdir()
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell(PARAMETERS)
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell("print(model_id)")]
+    nbformat.write(nb, folder / "01_only.ipynb")
+    return folder
+
+
+def test_unknown_parameter_names_the_closest_known_one(parameterised, tmp_path):
+    assert runner.notebook_parameters(parameterised / "01_only.ipynb") == ["target", "context_len", "model_id", "artifact_dir"]
+    with pytest.raises(runner.RunError, match=r"-p contxt_len: no selected notebook has a parameter 'contxt_len' "
+                                              r"\(did you mean 'context_len'\?\); they take: artifact_dir, context_len, model_id"):
+        runner.run("cpu", output_dir=tmp_path / "out", notebooks_dir=parameterised, parameters={"contxt_len": 5})
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_a_typo_and_an_empty_only(capsys):
+    from gemma_nb.__main__ import main
+
+    assert main(["run", "--only", "01", "-p", "contxt_len", "5"]) == 1
+    assert "did you mean 'context_len'?" in capsys.readouterr().err
+    for only in (",", "", " , "):
+        assert main(["run", "--only", only]) == 1
+        assert "names no notebook" in capsys.readouterr().err
+
+
+def test_relative_paths_are_the_callers(parameterised, tmp_path, monkeypatch):
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+
+    def pretend_to_execute(notebook, staging, target, parameters, progress):
+        seen.update(parameters)
+        shutil.copy(notebook, staging / notebook.name)
+
+    monkeypatch.setattr(runner, "execute_one", pretend_to_execute)
+    runner.run("cpu", output_dir="out", notebooks_dir=parameterised, progress=False,
+               parameters={"model_id": "models/mine", "artifact_dir": "build/neuron", "context_len": 64})
+    assert seen == {"model_id": str(tmp_path / "models" / "mine"), "artifact_dir": str(tmp_path / "build" / "neuron"),
+                    "context_len": 64}
+    assert (tmp_path / "out" / "summary.json").exists()  # output_dir too is relative to the caller
+    # A hub id that is not a local folder stays a hub id.
+    assert runner.resolve_path_parameters({"model_id": "google/gemma-4-26B-A4B-it"}) == {"model_id": "google/gemma-4-26B-A4B-it"}
+
+
+def test_stale_staging_of_dead_processes_is_removed(parameterised, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is now free
+    stale, live = tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.tmp-1"
+    for folder in (stale, live):
+        folder.mkdir()
+    monkeypatch.setattr(runner, "execute_one", lambda notebook, staging, *_: shutil.copy(notebook, staging / notebook.name))
+    runner.run("cpu", output_dir=tmp_path / "out", notebooks_dir=parameterised, progress=False)
+    assert not stale.exists() and live.exists()  # pid 1 is alive
+
+
+def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    marker = tmp_path / "started"
+    _write_notebook(folder, "01_slow.ipynb", f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(120)")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "REPORT.md").write_text("previous run")
+    code = ("import sys\nfrom gemma_nb import runner\n"
+            f"runner.run('cpu', output_dir={str(out)!r}, notebooks_dir={str(folder)!r}, progress=False)")
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() else ""
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0 and "Terminated: stopped by signal SIGTERM" in stderr
+    assert (out / "REPORT.md").read_text() == "previous run"
     assert not list(tmp_path.glob(".out.tmp-*"))
