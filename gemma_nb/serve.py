@@ -35,7 +35,8 @@ Behaviour worth knowing:
   connection stays usable). The server keeps serving afterwards (``gemma_nb.serve_schema``).
 - **Limits** (``gemma_nb.serve_app``): request bodies up to ``--max-body-bytes`` (4 MB), refused
   from ``Content-Length`` before they are read; a body must arrive within ``--body-timeout-s``
-  (30 s); idle keep-alive connections close after 5 s; request heads over 16 KiB are refused.
+  (30 s) and a request head within ``--head-timeout-s`` (10 s), or the connection closes; idle
+  keep-alive connections close after 5 s; request heads over 16 KiB are refused.
   Parsing and tokenizing run on a worker pool, so ``/health`` answers during a large request.
 - **Chat formatting.** A tokenizer with a chat template (the real Gemma-4) formats ``messages``
   with it. One without (the bundled tiny checkpoint's word-level tokenizer) uses a documented
@@ -85,13 +86,13 @@ import torch
 # here, so ``serve.create_app``, ``serve.Generation`` and ``serve.SamplingParams`` keep working.
 from gemma_nb.generation import (DETOKENIZE_CONTEXT_TOKENS, Generation, Runtime, SamplingParams, Step,  # noqa: F401
                                  _held_back, chat_prompt_ids, generate, sample_token)
-from gemma_nb.serve_app import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES,  # noqa: F401
-                                DEFAULT_QUEUE_SIZE, DEFAULT_SLOT_WATCHDOG_S, LOOPBACK_HOSTS, Engine, create_app,
-                                serve_in_thread, uvicorn_config)
+from gemma_nb.serve_app import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_HOST,  # noqa: F401
+                                DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE,
+                                DEFAULT_SLOT_WATCHDOG_S, LOOPBACK_HOSTS, Engine, create_app, serve_in_thread,
+                                uvicorn_config)
 from gemma_nb.serve_schema import APIError, ChatRequest, CompletionRequest, GenerateRequest, error_response  # noqa: F401
 
 DEFAULT_PORT = 8080
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5
 
 log = logging.getLogger("gemma_nb.serve")
 
@@ -385,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"largest request body; bigger ones get 413 unread (default {DEFAULT_MAX_BODY_BYTES:,})")
     parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                         help=f"a request body must arrive within this; slower ones get 408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--head-timeout-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                        help=f"a request's head (line and headers) must arrive within this, or the connection is "
+                             f"closed (default {DEFAULT_HEAD_TIMEOUT_S:g})")
     parser.add_argument("--keep-alive-timeout-s", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                         help=f"idle keep-alive connections close after this (default {DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -407,7 +411,8 @@ def _check_arguments(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--body-timeout-s", args.body_timeout_s),
-                        ("--keep-alive-timeout-s", args.keep_alive_timeout_s), ("--slot-watchdog-s", args.slot_watchdog_s)):
+                        ("--keep-alive-timeout-s", args.keep_alive_timeout_s),
+                        ("--head-timeout-s", args.head_timeout_s), ("--slot-watchdog-s", args.slot_watchdog_s)):
         if not value > 0:
             raise ValueError(f"{flag} {value} must be positive")
     if args.artifact is not None and not os.path.isdir(args.artifact):
@@ -460,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                      allowed_hosts=allowed_hosts, slot_watchdog_s=args.slot_watchdog_s, on_load_failure=stop_on_failure)
     log.info("serving %s (target %s) on http://%s:%d/v1 ; API key %s", name, args.target, args.host, args.port,
              f"required ({API_KEY_ENV} is set)" if api_key else "not required")
-    server = uvicorn.Server(uvicorn_config(app, keep_alive_timeout_s=args.keep_alive_timeout_s, host=args.host,
+    server = uvicorn.Server(uvicorn_config(app, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                                           head_timeout_s=args.head_timeout_s, host=args.host,
                                            port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
     if failure:  # failed before the server object existed

@@ -45,6 +45,8 @@ DEFAULT_QUEUE_SIZE = 8
 DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: a 128k-token prompt as text is well under 1 MB
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_SLOT_WATCHDOG_S = 900.0
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 RETRY_AFTER_S = 1
 OPEN_PATHS = frozenset({"/health"})
@@ -573,21 +575,62 @@ def _sse(payload: dict) -> str:
 # Running it
 
 
-def uvicorn_config(app, *, keep_alive_timeout_s: float = 5, **kwargs):
-    """uvicorn settings shared by the CLI and ``serve_in_thread``: idle keep-alive connections
-    close after ``keep_alive_timeout_s``, and h11 refuses request heads over 16 KiB."""
+def _h11_with_head_deadline(head_timeout_s: float):
+    """uvicorn's h11 protocol, plus a deadline for every request head.
+
+    uvicorn closes a keep-alive connection only when it is silent; a client that sends a header
+    line every few seconds (slowloris) would hold its connection for ever. Here the head of each
+    request (the first on a connection, or the next after a response) must be complete within
+    ``head_timeout_s``, or the connection is closed.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class H11WithHeadDeadline(H11Protocol):
+        _head_timer = None
+
+        def _arm_head_deadline(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            waiting_after = self.cycle  # a new request head replaces self.cycle
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_deadline_passed, waiting_after)
+
+        def _head_deadline_passed(self, waiting_after) -> None:
+            if self.cycle is waiting_after and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return H11WithHeadDeadline
+
+
+def uvicorn_config(app, *, keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, **kwargs):
+    """uvicorn settings shared by the CLI and ``serve_in_thread``: a request head must arrive within
+    ``head_timeout_s`` and be under 16 KiB; idle keep-alive connections close after ``keep_alive_timeout_s``."""
     import uvicorn
 
-    return uvicorn.Config(app, timeout_keep_alive=keep_alive_timeout_s, h11_max_incomplete_event_size=16 * 1024,
-                          http="h11", **kwargs)
+    return uvicorn.Config(app, http=_h11_with_head_deadline(head_timeout_s), timeout_keep_alive=keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=16 * 1024, **kwargs)
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, ready_timeout_s: float = 120.0):
+def serve_in_thread(app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, ready_timeout_s: float = 120.0,
+                    **config):
     """Serve ``app`` with uvicorn on a background thread; yields the base URL (``http://host:port``).
 
     ``port=0`` picks a free port. Waits until uvicorn listens (not until the model is loaded:
-    poll ``/health`` for that). Stops the server on exit.
+    poll ``/health`` for that). Stops the server on exit. ``config``: ``uvicorn_config``'s timeouts.
     """
     import socket
 
@@ -596,7 +639,7 @@ def serve_in_thread(app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, ready
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn_config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn")
     thread.start()
     deadline = time.monotonic() + ready_timeout_s

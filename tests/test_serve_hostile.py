@@ -409,3 +409,28 @@ def test_fuzz_leaves_the_server_serving(server):
     """Runs after the fuzz test (file order): no slot held, a valid request answered."""
     assert metric(server, "gemma_nb_requests_total", endpoint="/v1/completions", status="500") == 0
     assert_still_serving(server)
+
+
+def test_5_a_slow_request_head_is_cut_off(runtime):
+    app = serve.create_app(runtime, model_name=BUNDLED_ID)
+    with serve.serve_in_thread(app, head_timeout_s=1.0) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        host, port = root.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=0.2) as sock:
+            started, closed = time.perf_counter(), False
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            for _ in range(50):  # a header line every 0.2 s, never the blank line that ends the head
+                try:
+                    closed = sock.recv(1) == b""
+                except TimeoutError:
+                    pass
+                if closed:
+                    break
+                sock.sendall(b"X-Slow: 1\r\n")
+        assert closed
+        assert 0.9 < time.perf_counter() - started < 5
+        # A keep-alive connection gets a fresh deadline for each request head: two requests 0.6 s apart pass.
+        with httpx.Client() as client:
+            assert client.get(root + "/health").status_code == 200
+            time.sleep(0.6)
+            assert client.get(root + "/health").status_code == 200
