@@ -82,14 +82,14 @@ from typing import Sequence
 
 import torch
 
-# The HTTP side and the generation loop live in their own modules; their names are re-exported
+# The HTTP side (serve_http, serve_schema, serve_app) and the generation loop live in their own modules; their names are re-exported
 # here, so ``serve.create_app``, ``serve.Generation`` and ``serve.SamplingParams`` keep working.
 from gemma_nb.generation import (DETOKENIZE_CONTEXT_TOKENS, Generation, Runtime, SamplingParams, Step,  # noqa: F401
                                  _held_back, chat_prompt_ids, generate, sample_token)
-from gemma_nb.serve_app import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_HOST,  # noqa: F401
-                                DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE,
-                                DEFAULT_SLOT_WATCHDOG_S, LOOPBACK_HOSTS, Engine, create_app, serve_in_thread,
-                                uvicorn_config)
+from gemma_nb.serve_app import DEFAULT_QUEUE_SIZE, DEFAULT_SLOT_WATCHDOG_S, Engine, create_app  # noqa: F401
+from gemma_nb.serve_http import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_HOST,  # noqa: F401
+                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, serve_in_thread,
+                                 uvicorn_config)
 from gemma_nb.serve_schema import APIError, ChatRequest, CompletionRequest, GenerateRequest, error_response  # noqa: F401
 
 DEFAULT_PORT = 8080
