@@ -8,7 +8,8 @@ Modules, one concern each (a notebook's title tells you which one it uses):
 - ``compile``, ``deploy``: export and slim deploy (04, 05).   ``embedding``: the scale fix (06).
 - ``moe``, ``bench``: dense vs sparse experts and the decode benchmark (07).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
-- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve``.
+- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
+  the model; ``serve_app``, ``serve_http``, ``serve_schema`` answer HTTP; ``generation`` samples tokens).
 """
 
 __version__ = "0.1.0"

@@ -94,7 +94,7 @@ class GuardMiddleware:
         self.app, self.metrics = app, metrics
         self._key = api_key.encode() if api_key else None
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
-        self.allowed_hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
+        self.allowed_hosts = None if allowed_hosts is None else frozenset(_host_name(h.encode()) for h in allowed_hosts)
 
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.strip().partition(b" ")
