@@ -486,6 +486,9 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "versions": _sdk_versions(),
     }
     (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    from gemma_nb.neuron.artifact import finish_artifact  # config, tokenizer, host embedding, manifest
+
+    finish_artifact(build.model_dir, out_dir, record)
     return record
 
 
