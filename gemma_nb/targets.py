@@ -16,7 +16,7 @@ NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 NEURON_HELP = (
     "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
     "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
-    "see 'Running on Inferentia2' in README.md (envs/neuron/requirements.txt)"
+    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
 )
 
 
@@ -97,3 +97,16 @@ def local_model_dir(model_id: str) -> Path | None:
         return Path(folder)
     path = Path(model_id).expanduser()
     return path if path.exists() or model_id.count("/") != 1 else None
+
+
+def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
+    """The local checkpoint folder the neuron compile reads: ``override`` if given, else ``model_id``'s
+    (the bundled id: its TP=2 twin). A hub id must be downloaded first: TargetError says how."""
+    if override:
+        return override
+    chosen = model_for_target(model_id, target)
+    folder = local_model_dir(chosen)
+    if folder is None:
+        raise TargetError(f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
+                          f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model")
+    return str(folder)

@@ -98,6 +98,13 @@ def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, ref
     assert figures["graphs"] == ["prefill", "decode"]
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
+    answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
+    assert answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1  # + the <eos> step
+
+
+def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
+    folder, _ = moved_artifact
+    assert A.artifact_labels([folder, "", folder]) == {"dense": folder, "dense_2": folder}
 
 
 def test_server_answers_from_the_artifact_alone(moved_artifact, monkeypatch):

@@ -137,6 +137,24 @@ class NeuronArtifact:
         return self.folder / name
 
 
+def default_artifact_dir(target: str = "neuron") -> Path:
+    """Where notebook 04 writes the artifact and notebooks 05 and 07 look for it by default."""
+    from gemma_nb.paths import artifacts_dir
+
+    return artifacts_dir(target) / "04_neuron"
+
+
+def artifact_labels(folders) -> dict[str, Path]:
+    """Name each artifact folder by the decode graphs its manifest lists (``dense``, ``sparse``;
+    the port's single ``decode`` graph is the DenseExperts one); empty entries are skipped."""
+    labels = {}
+    for folder in (f for f in folders if f):
+        graphs = read_artifact(folder).decode_graphs
+        name = "+".join("dense" if g == "decode" else g.removeprefix("decode_") for g in graphs)
+        labels[name if name not in labels else f"{name}_{len(labels) + 1}"] = Path(folder)
+    return labels
+
+
 def read_artifact(folder: str | Path) -> NeuronArtifact:
     """Validate ``folder`` against its manifest and load its config; ``ArtifactError`` names what is wrong.
 
@@ -174,4 +192,5 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
            "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
-           "finish_artifact", "read_artifact", "graphs_of"]
+           "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
+           "artifact_labels"]

@@ -177,6 +177,23 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
     return runner, figures
 
 
+def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16) -> dict:
+    """Greedy answer of a deployed model to ``prompt``, with the artifact's own tokenizer.
+
+    Returns ``prompt``, ``completion`` (cut at the first end-of-sequence token), ``new_tokens``,
+    ``step_ms`` (each step's wall time: the first is the prefill).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = runner.generate(ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in out:
+        out = out[: out.index(tokenizer.eos_token_id)]
+    return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
+            "step_ms": [1000 * s for s in runner.step_times_s]}
+
+
 def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
                         load: Callable[[Path], Callable] | None = None):
     """Decode speed of deployed artifacts, loaded, timed and released ONE AT A TIME.
@@ -202,4 +219,4 @@ def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repea
 
 
 __all__ = ["NeuronStepRunner", "CpuStateGraph", "export_host_embedding", "load_artifact", "release", "slim_deploy",
-           "benchmark_artifacts"]
+           "benchmark_artifacts", "deployed_answer"]
