@@ -251,28 +251,14 @@ def check_artifact(folder: str) -> Check:
 # --------------------------------------------------------------------------------------------
 # The checklist
 # --------------------------------------------------------------------------------------------
-def default_model_id(target: str) -> str:
-    """The model a plain ``run --target`` uses: the bundled checkpoint (its TP=2 twin on neuron)."""
-    from gemma_nb.targets import default_model_id as for_target
+def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
+    """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
+    from gemma_nb import memory, planner
+    from gemma_nb.targets import local_model_dir
 
-    return for_target(target)
-
-
-def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
-               tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``step`` defaults to compile when a model is given without an artifact."""
-    from gemma_nb import planner
-    from gemma_nb.targets import check_target_name, local_model_dir
-
-    check_target_name(target)
-    system = system or System()
-    step = step or ("deploy" if artifact else "compile")
-    if step not in STEPS:
-        raise ValueError(f"step {step!r} is not one of {', '.join(STEPS)}")
-    checks = []
-    model_id = model_id or (None if artifact else default_model_id(target))
-    config, bytes_per_rank = None, None
-    config_source = Path(artifact) if artifact and Path(artifact, "config.json").is_file() else None
+    checks, config_source = [], None
+    if artifact and Path(artifact, "config.json").is_file():
+        config_source = Path(artifact)
     if model_id:
         try:
             folder = local_model_dir(model_id)
@@ -280,20 +266,37 @@ def run_checks(target: str, model_id: str | None = None, artifact: str | None = 
             checks.append(Check("model", FAIL, str(error), "pass --model-id <checkpoint folder>"))
         else:
             checks.append(check_model(system, str(folder) if folder else model_id))
-            if folder and (folder / "config.json").is_file():
-                config_source = config_source or folder
-    if config_source is not None:
-        config = planner.load_any_config(config_source)
-        from gemma_nb import memory
+            if config_source is None and folder and (folder / "config.json").is_file():
+                config_source = folder
+    if config_source is None:
+        return checks, None, None
+    config = planner.load_any_config(config_source)
+    problem = memory.tp_problem(config, tp)
+    if problem:
+        checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
+        return checks, config, None
+    return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
 
-        if memory.tp_problem(config, tp) is None:
-            bytes_per_rank = memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
+
+def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
+               tp: int = 2, system: System | None = None) -> list[Check]:
+    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one."""
+    from gemma_nb import planner
+    from gemma_nb.targets import check_target_name, default_model_id
+
+    check_target_name(target)
+    system = system or System()
+    step = step or ("deploy" if artifact else "compile")
+    if step not in STEPS:
+        raise ValueError(f"step {step!r} is not one of {', '.join(STEPS)}")
+    model_id = model_id or (None if artifact else default_model_id(target))
+    model_checks, config, bytes_per_rank = _model_checks(system, model_id, artifact, tp)
+    checks = []
     if target == "neuron":
         sdk = check_sdk(system)
-        checks.insert(0, sdk)
-        checks.insert(1, check_versions(system) if sdk.status == OK else
-                      Check("versions", SKIP, "SDK not importable"))
-        checks.insert(2, check_neuron_cores(system, tp, bytes_per_rank))
+        checks += [sdk, check_versions(system) if sdk.status == OK else Check("versions", SKIP, "SDK not importable"),
+                   check_neuron_cores(system, tp, bytes_per_rank)]
+    checks += model_checks
     needs = planner.host_needs(config) if config is not None else None
     need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))

@@ -114,6 +114,14 @@ def test_cpu_checklist_passes_on_fakes():
     assert P.first_blocker(checks) is None and {c.name for c in checks} == {"model", "host_memory", "disk"}
 
 
+def test_a_tp_the_model_cannot_take_is_a_blocker():
+    from gemma_nb.tiny import BUNDLED_ID
+
+    checks = P.run_checks("neuron", BUNDLED_ID, tp=3, system=fake_system())
+    plan = next(c for c in checks if c.name == "plan")
+    assert plan.status == P.FAIL and plan.detail.startswith("tp=3 does not divide num_attention_heads=4")
+
+
 def test_a_bad_artifact_is_a_blocker(tmp_path):
     checks = P.run_checks("cpu", artifact=str(tmp_path / "missing"), system=fake_system())
     assert P.first_blocker(checks).name == "artifact"
