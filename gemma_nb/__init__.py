@@ -9,6 +9,7 @@ Modules, one concern each (a notebook's title tells you which one it uses):
 - ``moe``, ``bench``: dense vs sparse experts and the decode benchmark (07).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve``.
+- ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md).
 """
 
 __version__ = "0.1.0"

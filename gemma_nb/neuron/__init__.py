@@ -8,4 +8,6 @@ it has been run on the cpu reference box; the notebooks say so where they call i
 - ``quant``: NxD's quantized dtypes, the SDK support matrix, and per-dtype trace trials.
 - ``moe``: the port's DenseExperts and a selective-loading sparse path, and their benchmark.
 - ``build``, ``deploy``: the ModelBuilder compile recipe at TP=2 and the slim deploy loader.
+- ``artifact``: the folder the compile writes and the serving box reads (manifest, validation).
+- ``sdk``: the one SDK import, and the transformers-5 ``transformers.utils.fx`` workaround.
 """

@@ -103,14 +103,14 @@ def export_host_embedding(model_dir: str | Path, path: str | Path):
 
     from gemma_nb.deploy import model_skeleton
     from gemma_nb.embedding import HostEmbedding
-    from gemma_nb.neuron.build import text_config
+    from gemma_nb.neuron.build import text_config, text_key
 
     config = text_config(model_dir)
     module = model_skeleton(config).get_input_embeddings()
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
-                if key.endswith("embed_tokens.weight") and "per_layer" not in key:
+                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
                     weight = handle.get_tensor(key)
                     return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
     raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
