@@ -141,8 +141,9 @@ _MEMORY_KEYS = ("memory_size", "device_memory_size", "memory")
 def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
     """(NeuronCores, device memory bytes) per Neuron device from ``neuron-ls --json-output``.
 
-    The JSON is a list of device objects; the key names tried (``nc_count`` / ``memory_size`` and
-    near variants) are the tools' as far as read; ValueError when none is found.
+    The JSON is a list of device objects with ``nc_count`` and ``memory_size`` (bytes), e.g. on a
+    trn1.2xlarge ``[{"neuron_device": 0, "nc_count": 2, "memory_size": 34359738368, ...}]``; a few
+    near variants of the key names are accepted too. ValueError when a device has neither.
     """
     devices = json.loads(text)
     if isinstance(devices, dict):
@@ -162,6 +163,9 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
     if text is None:
         return Check("neuron_cores", FAIL, "neuron-ls not found: no Neuron driver and tools on this machine",
                      "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, aws-neuronx-tools)")
+    if text.startswith("error:"):  # neuron-ls exits 1 when the driver finds no device
+        return Check("neuron_cores", FAIL, f"neuron-ls found no Neuron device ({text})",
+                     "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls")
     try:
         devices = parse_neuron_ls(text)
     except (ValueError, TypeError, json.JSONDecodeError) as error:

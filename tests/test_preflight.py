@@ -51,6 +51,9 @@ def test_neuron_cores_and_hbm_per_core():
     assert too_big.status == P.FAIL and "18.00 GB per rank" in too_big.detail
     absent = P.check_neuron_cores(fake_system(neuron_ls=lambda: None), tp=2, bytes_per_rank=None)
     assert absent.status == P.FAIL and "neuron-ls not found" in absent.detail
+    no_driver = P.check_neuron_cores(fake_system(neuron_ls=lambda: "error: failed to discover Neuron devices"),
+                                     tp=2, bytes_per_rank=None)
+    assert no_driver.status == P.FAIL and "found no Neuron device" in no_driver.detail
     garbled = P.check_neuron_cores(fake_system(neuron_ls=lambda: '[{"cores": 2}]'), tp=2, bytes_per_rank=None)
     assert garbled.status == P.WARN
 
