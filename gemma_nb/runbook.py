@@ -19,7 +19,7 @@ from gemma_nb.paths import REPO_ROOT
 RUNBOOK_PATH = REPO_ROOT / "docs" / "inf2.md"
 COMPILE_BOX, SERVE_BOX = "inf2.8xlarge", "inf2.xlarge"
 MODEL_DIR = "/data/gemma-4-26b-a4b-it"
-ARTIFACT_DIR = "/data/gemma-4-26b-artifact"
+ARTIFACT_DIR = "outputs/neuron/artifacts/04_neuron"
 HUB_ID = "google/gemma-4-26B-A4B-it"
 
 
@@ -159,28 +159,31 @@ environment only and never printed or written out.
 
 ## 6. Compile the 26B (on the {COMPILE_BOX})
 
-    python -m gemma_nb run --target neuron --only 04 -p model_id {MODEL_DIR}
+    python -m gemma_nb run --target neuron --only 04 -p neuron_model_dir {MODEL_DIR}
 
-About {f['compile_min']:g} minutes in the port's run. The artifact folder is
-`outputs/neuron/artifacts/04_neuron`: the traced model, the host embedding with its scale self-check
-data, config, tokenizer, the build record (versions, flags, graphs) and a manifest of every file and
-its size.
+`neuron_model_dir` is what the neuron compile reads; `model_id` stays the bundled checkpoint, which
+notebook 04's cpu sections export for notebook 05. About {f['compile_min']:g} minutes in the port's
+run. The artifact folder is `{ARTIFACT_DIR}`: the traced model, the host embedding with its scale
+self-check data, config, tokenizer, the build record (versions, flags, graphs) and a manifest of
+every file and its size.
 
-## 7. Copy the artifact to the {SERVE_BOX}
+## 7. Copy the outputs to the {SERVE_BOX}
 
-    rsync -a --partial --exclude compiler_workdir outputs/neuron/artifacts/04_neuron/ <serving-box>:{ARTIFACT_DIR}/
+    rsync -a --partial --exclude compiler_workdir outputs/neuron/ <serving-box>:gemma-nb/outputs/neuron/
     python -m gemma_nb preflight --target neuron --artifact {ARTIFACT_DIR}
 
-The serving box needs only that folder (no checkpoint). The deploy checks every file against the
+The serving box needs no checkpoint: the deploy reads only the artifact folder, and notebook 05's
+cpu sections read what notebook 04 wrote beside it. The deploy checks every file against the
 manifest's sizes, so a truncated copy fails at load, with the fix, not as a wrong answer.
 
 ## 8. Deploy and benchmark (on the {SERVE_BOX})
 
-    python -m gemma_nb run --target neuron --only 05,07 -p neuron_artifact_dir {ARTIFACT_DIR}
+    python -m gemma_nb run --target neuron --only 05,07
 
-Notebook 05 deploys the folder (NEFF load time, peak host RSS, a greedy answer) and releases it;
+Notebook 05 deploys the artifact (NEFF load time, peak host RSS, a greedy answer) and releases it;
 notebook 07 deploys it again and times its decode graph, then a second build if given with
 `-p neuron_second_artifact <folder>` (one at a time: two 26B builds do not fit the HBM together).
+An artifact kept elsewhere is passed with `-p neuron_artifact_dir <folder>`.
 
 ## 9. Serve
 
