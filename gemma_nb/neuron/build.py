@@ -89,6 +89,18 @@ class NeuronBuildConfig:
         decode = EXPERT_MODES if self.decode_experts == "both" else (self.decode_experts,)
         return {"prefill": "dense", **{f"decode_{mode}": mode for mode in decode}}
 
+    def routed_graphs(self) -> dict[str, str]:
+        """Which graph ``model(*inputs)`` reaches for a prefill and for a decode step.
+
+        ModelBuilder's NxDModel routes a call by its input shapes (``input_shape_map`` in NxD
+        0.18's ``trace/model_builder.py``: one entry per shape, the last graph added wins), and the
+        two decode graphs take the same shapes: with ``decode_experts="both"`` the artifact holds
+        both decode NEFFs (their compile figures side by side) but a plain call reaches only the
+        sparse one. Compare the two decodes' speed with one artifact per decode option.
+        """
+        decode = [key for key in self.graph_keys() if key.startswith("decode_")]
+        return {"prefill": "prefill", "decode": decode[-1]}
+
 
 # --------------------------------------------------------------------------------------------
 # Graph inputs and the one-hot KV cache: plain torch, run on the cpu in the tests
@@ -499,6 +511,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     record = {
         "build": asdict(build),
         "graphs": graphs,
+        "routed_graphs": build.routed_graphs(),
         "shard_check_s": shard_check_s,
         "compile_s": sampler.wall_s,
         "peak_host_rss_bytes": sampler.peak_rss_bytes,
