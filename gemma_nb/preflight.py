@@ -264,14 +264,10 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
     if artifact and Path(artifact, "config.json").is_file():
         config_source = Path(artifact)
     if model_id:
-        try:
-            folder = local_model_dir(model_id)
-        except ValueError as error:
-            checks.append(Check("model", FAIL, str(error), "pass --model-id <checkpoint folder>"))
-        else:
-            checks.append(check_model(system, str(folder) if folder else model_id))
-            if config_source is None and folder and (folder / "config.json").is_file():
-                config_source = folder
+        folder = local_model_dir(model_id)
+        checks.append(check_model(system, str(folder) if folder else model_id))
+        if config_source is None and folder and (folder / "config.json").is_file():
+            config_source = folder
     if config_source is None:
         return checks, None, None
     config = planner.load_any_config(config_source)

@@ -63,9 +63,6 @@ def torch_device(target: str) -> str:
     return "cuda" if target == "cuda" else "cpu"
 
 
-TP2_FALLBACK_ID = "gemma-nb/tiny-gemma4-moe-tp2"
-
-
 def default_model_id(target: str) -> str:
     """The model a plain run uses: the bundled checkpoint, and on neuron its TP=2 twin (heads, KV
     heads and experts all divisible by 2), so the first run on a box is a minutes-long smoke run of
@@ -73,7 +70,7 @@ def default_model_id(target: str) -> str:
     from gemma_nb import tiny
 
     check_target_name(target)
-    return getattr(tiny, "BUNDLED_TP2_ID", TP2_FALLBACK_ID) if target == "neuron" else tiny.BUNDLED_ID
+    return tiny.BUNDLED_TP2_ID if target == "neuron" else tiny.BUNDLED_ID
 
 
 def model_for_target(model_id: str, target: str) -> str:
@@ -84,17 +81,11 @@ def model_for_target(model_id: str, target: str) -> str:
 
 
 def local_model_dir(model_id: str) -> Path | None:
-    """The local folder of ``model_id`` (bundled ids included), or None for a hub id."""
-    from gemma_nb import tiny
+    """The local folder of ``model_id`` (the bundled ids' included), or None for a hub id."""
+    from gemma_nb.tiny import BUNDLED_IDS
 
-    if model_id == tiny.BUNDLED_ID:
-        return tiny.CHECKPOINT_DIR
-    if model_id == getattr(tiny, "BUNDLED_TP2_ID", TP2_FALLBACK_ID):
-        folder = getattr(tiny, "TP2_CHECKPOINT_DIR", None)
-        if folder is None:
-            raise TargetError(f"{model_id!r}: this checkout has no TP=2 tiny checkpoint (gemma_nb.tiny.TP2_CHECKPOINT_DIR); "
-                              "pass -p model_id <checkpoint folder>")
-        return Path(folder)
+    if model_id in BUNDLED_IDS:
+        return BUNDLED_IDS[model_id]
     path = Path(model_id).expanduser()
     return path if path.exists() or model_id.count("/") != 1 else None
 

@@ -8,7 +8,7 @@ from gemma_nb.targets import TargetError
 
 def test_default_model_per_target():
     assert targets.default_model_id("cpu") == targets.default_model_id("cuda") == tiny.BUNDLED_ID
-    assert targets.default_model_id("neuron") == getattr(tiny, "BUNDLED_TP2_ID", targets.TP2_FALLBACK_ID)
+    assert targets.default_model_id("neuron") == tiny.BUNDLED_TP2_ID
     assert targets.model_for_target(tiny.BUNDLED_ID, "neuron") == targets.default_model_id("neuron")
     assert targets.model_for_target("/data/gemma", "neuron") == "/data/gemma"
     with pytest.raises(TargetError, match="target 'tpu' is not one of cpu, neuron, cuda"):
@@ -17,6 +17,7 @@ def test_default_model_per_target():
 
 def test_local_model_dir():
     assert targets.local_model_dir(tiny.BUNDLED_ID) == tiny.CHECKPOINT_DIR
+    assert targets.local_model_dir(tiny.BUNDLED_TP2_ID) == tiny.TP2_CHECKPOINT_DIR
     assert targets.local_model_dir("google/gemma-4-26B-A4B-it") is None
     assert str(targets.local_model_dir("/data/nowhere")) == "/data/nowhere"
 
@@ -25,8 +26,4 @@ def test_neuron_checkpoint_dir():
     assert targets.neuron_checkpoint_dir("anything", override="/data/x") == "/data/x"
     with pytest.raises(TargetError, match="hf download google/gemma-4-26B-A4B-it --local-dir"):
         targets.neuron_checkpoint_dir("google/gemma-4-26B-A4B-it")
-    if hasattr(tiny, "TP2_CHECKPOINT_DIR"):
-        assert targets.neuron_checkpoint_dir(tiny.BUNDLED_ID) == str(tiny.TP2_CHECKPOINT_DIR)
-    else:  # the TP=2 twin lives on another branch until merged: the error says what to pass
-        with pytest.raises(TargetError, match="no TP=2 tiny checkpoint"):
-            targets.neuron_checkpoint_dir(tiny.BUNDLED_ID)
+    assert targets.neuron_checkpoint_dir(tiny.BUNDLED_ID) == str(tiny.TP2_CHECKPOINT_DIR)
