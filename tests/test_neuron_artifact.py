@@ -103,8 +103,11 @@ def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, ref
 
 
 def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
-    folder, _ = moved_artifact
+    folder, manifest = moved_artifact
+    assert manifest["decode_graph"] == "decode"  # the port's single DenseExperts decode graph
     assert A.artifact_labels([folder, "", folder]) == {"dense": folder, "dense_2": folder}
+    assert A.routed_decode_graph({"graphs": {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"},
+                                  "routed_graphs": {"decode": "decode_sparse"}}) == "decode_sparse"
 
 
 def test_server_answers_from_the_artifact_alone(moved_artifact, monkeypatch):
@@ -157,6 +160,49 @@ def test_a_checkpoint_without_tokenizer_is_refused(tmp_path):
     shutil.copyfile(CHECKPOINT_DIR / "config.json", model_dir / "config.json")
     with pytest.raises(A.ArtifactError, match="no complete tokenizer"):
         A.write_serving_files(model_dir, tmp_path / "artifact")
+
+
+class FakeModelBuilder:
+    """ModelBuilder's calls as compile_neuron makes them; ``trace`` returns a scripted empty module
+    (no NEFF here), ``shard_checkpoint`` runs the real checkpoint conversion."""
+
+    def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir):
+        self.loader, self.keys = checkpoint_loader, []
+
+    def add(self, key, instance, example_inputs, compiler_args):
+        self.keys.append(key)
+
+    def shard_checkpoint(self):
+        assert self.loader()  # the converted int8 checkpoint of the model folder
+
+    def trace(self, initialize_model_weights):
+        return torch.jit.script(torch.nn.Identity())
+
+
+def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
+    """The real compile_neuron with the SDK faked: the build record and the serving files land in
+    the artifact folder, and the manifest names the decode graph a decode step reaches."""
+    from types import SimpleNamespace
+
+    from gemma_nb.neuron import build as B
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    class FakeInstance:
+        def __init__(self, module_cls, input_output_aliases):
+            pass
+
+    fake = SimpleNamespace(ModelBuilder=FakeModelBuilder, BaseModelInstance=FakeInstance)
+    monkeypatch.setattr(B, "_import_sdk", lambda: fake)
+    out = tmp_path / "artifact"
+    build = NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="both")
+    B.compile_neuron(build, sample_interval_s=0.05)
+    artifact = A.read_artifact(out)
+    assert artifact.graphs == ["prefill", "decode_dense", "decode_sparse"]
+    assert artifact.decode_graph == "decode_sparse"  # same shapes: the last decode graph added is the one routed
+    assert A.artifact_labels([out]) == {"sparse": out}
+    assert artifact.config.num_attention_heads == 16 and (artifact.max_len, artifact.bucket) == (512, 128)
+    for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
+        assert (out / name).is_file()
 
 
 def test_graphs_follow_the_build_record():

@@ -11,7 +11,8 @@ with its size, so a truncated copy is caught at load, not as a wrong answer):
                               (gemma_nb.embedding.HostEmbedding: checked bit for bit at load)
     config.json               the model config (the deploy builds its structure on the meta device)
     tokenizer files           tokenizer.json / tokenizer_config.json / ..., generation_config.json
-    manifest.json             format name and version, graphs (prefill and which decode graphs), files
+    manifest.json             format name and version, graphs (prefill and which decode graphs, and
+                              the one a decode step reaches), shapes, files with sizes
 
 ``write_serving_files`` + ``write_manifest`` (both called by ``finish_artifact``) make a compiled
 folder complete; ``read_artifact`` validates one and returns what a deploy needs.
@@ -80,6 +81,14 @@ def graphs_of(record: dict) -> list[str]:
     return ["prefill", "decode"]
 
 
+def routed_decode_graph(record: dict) -> str:
+    """The decode graph a call with decode shapes reaches: ModelBuilder routes by input shapes, so
+    of two decode graphs (``decode_experts="both"``) only the last added is reachable
+    (``build.routed_graphs()``); the record says which when it can."""
+    routed = (record.get("routed_graphs") or {}).get("decode")
+    return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
+
+
 def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
     """``manifest.json``: format, version, graphs, shapes, and every file of the folder with its size."""
     artifact_dir = Path(artifact_dir)
@@ -92,6 +101,7 @@ def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "graphs": graphs_of(record),
+        "decode_graph": routed_decode_graph(record),
         "tp_degree": build.get("tp_degree"),
         "max_len": build.get("max_len"),
         "bucket": build.get("bucket"),
@@ -133,6 +143,11 @@ class NeuronArtifact:
     def decode_graphs(self) -> list[str]:
         return [g for g in self.graphs if g.startswith("decode")]
 
+    @property
+    def decode_graph(self) -> str:
+        """The decode graph a decode step runs (see ``routed_decode_graph``)."""
+        return self.manifest["decode_graph"]
+
     def path(self, name: str) -> Path:
         return self.folder / name
 
@@ -145,12 +160,12 @@ def default_artifact_dir(target: str = "neuron") -> Path:
 
 
 def artifact_labels(folders) -> dict[str, Path]:
-    """Name each artifact folder by the decode graphs its manifest lists (``dense``, ``sparse``;
-    the port's single ``decode`` graph is the DenseExperts one); empty entries are skipped."""
+    """Name each artifact folder by the decode graph a decode step runs in it (``dense`` or
+    ``sparse``; a plain ``decode`` graph is the port's DenseExperts one); empty entries are skipped."""
     labels = {}
     for folder in (f for f in folders if f):
-        graphs = read_artifact(folder).decode_graphs
-        name = "+".join("dense" if g == "decode" else g.removeprefix("decode_") for g in graphs)
+        graph = read_artifact(folder).decode_graph
+        name = "dense" if graph == "decode" else graph.removeprefix("decode_")
         labels[name if name not in labels else f"{name}_{len(labels) + 1}"] = Path(folder)
     return labels
 
@@ -193,4 +208,4 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
            "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
            "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
-           "artifact_labels"]
+           "artifact_labels", "routed_decode_graph"]
