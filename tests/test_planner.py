@@ -141,3 +141,16 @@ def test_host_needs_scale_the_ports_26b_peaks():
     assert needs["compile_bytes"] == int(CLAIMS["compile_peak_host_gb"].value * 1e9)
     assert needs["deploy_bytes"] == int(CLAIMS["deploy_peak_rss_gb"].value * 1e9)
     assert needs["host_embedding_bytes"] == 2 * 262144 * 2816
+
+
+def test_a_multimodal_hub_config_is_planned_by_its_language_model(tmp_path, capsys):
+    """The hub's Gemma-4 config.json is multimodal (model_type gemma4): its text model is the 26B."""
+    from transformers import Gemma4Config
+
+    text = json.loads(memory.GEMMA4_26B_CONFIG_PATH.read_text())
+    text.pop("model_type")
+    write_config(tmp_path, Gemma4Config(text_config=text))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma4"
+    _, hub = plan_json(capsys, tmp_path)
+    _, bundled = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    assert hub["total_bytes_per_rank"] == bundled["total_bytes_per_rank"] and hub["groups"] == bundled["groups"]
