@@ -153,21 +153,25 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
         raise TargetError(f"cannot use the Neuron SDK: {status.message()}")
     if status.fx_problem:
         note(FX_NOTE)
+    # Everything build.py, moe.py, lm_head.py and quant.py import from the SDK, under one roof.
     import torch_neuronx
+    from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
     from neuronx_distributed.quantization import quantization_layers
-    from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype
+    from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
     from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
-    from neuronx_distributed.trace import model_builder
+    from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
         torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
         SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
         quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        QuantizedColumnParallel=QuantizedColumnParallel, QuantizedRowParallel=QuantizedRowParallel,
-        model_builder=model_builder, BaseModelInstance=model_builder.BaseModelInstance,
-        ModelBuilder=model_builder.ModelBuilder, fx_workaround=status.fx_problem,
+        ScaleDtype=ScaleDtype, QuantizedColumnParallel=QuantizedColumnParallel,
+        QuantizedRowParallel=QuantizedRowParallel, model_builder=model_builder,
+        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
+        ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
+        fx_workaround=status.fx_problem,
     )
 
 
