@@ -1068,7 +1068,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--artifact", default=None,
                         help="a compiled artifact folder: gemma_nb.compile's for the cpu slim deploy (without it the "
                              "model is compiled into a temporary folder at start-up), gemma_nb.neuron.build's on neuron "
-                             "(required there; --model-id then names the tokenizer)")
+                             "(required there: it holds the tokenizer too, --model-id is then only the served name)")
     parser.add_argument("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN,
                         help=f"prefill bucket when compiling at start-up: the longest prompt (default {DEFAULT_PREFILL_LEN})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
