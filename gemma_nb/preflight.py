@@ -199,8 +199,11 @@ def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
 
 
 def check_disk(system: System, path: str, need_bytes: int) -> Check:
-    free = system.disk_free(path)
-    detail = f"{free / GB:.1f} GB free at {Path(path).name or path}; needs ~{need_bytes / GB:.1f} GB"
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
+        existing = existing.parent
+    free = system.disk_free(str(existing))
+    detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
     if free >= need_bytes:
         return Check("disk", OK, detail)
     return Check("disk", FAIL, detail, "grow the EBS volume (the runbook uses 500 GB) or point --artifact elsewhere")

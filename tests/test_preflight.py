@@ -66,6 +66,12 @@ def test_host_memory_against_the_step():
     assert swapped.status == P.OK
 
 
+def test_disk_of_a_folder_not_made_yet(tmp_path):
+    seen = []
+    check = P.check_disk(fake_system(disk_free=lambda p: seen.append(p) or 10 * GB), str(tmp_path / "a" / "b"), 0)
+    assert check.status == P.OK and seen == [str(tmp_path)]
+
+
 def test_disk():
     assert P.check_disk(fake_system(disk_free=lambda p: 10 * GB), "/data", int(53.4e9)).status == P.FAIL
     assert P.check_disk(fake_system(), "/data", int(53.4e9)).status == P.OK
