@@ -290,7 +290,8 @@ def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
         return tensor
 
     sdk = standins.cpu_sdk()
-    sdk.mappings = SimpleNamespace(**{**vars(sdk.mappings), "reduce_from_tensor_model_parallel_region": recording_reduce})
+    sdk.mappings = SimpleNamespace(**vars(sdk.mappings))
+    sdk.mappings.reduce_from_tensor_model_parallel_region = recording_reduce
     with standins.model_parallel(1):
         sparse = neuron_moe.NeuronSparseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.bfloat16)
     index, weights = moe.random_routing(1, 16, 4, seed=1)
