@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 TARGETS = ("cpu", "neuron", "cuda")
@@ -42,6 +43,16 @@ def check_target(target: str) -> str:
         missing = missing_neuron_packages()
         if missing:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
+        # Import the SDK now, in every process that runs the target (runner, each notebook kernel,
+        # server): with transformers 5 this is where the transformers.utils.fx stand-in goes in,
+        # before any neuron code imports neuronx_distributed (gemma_nb.neuron.sdk).
+        from gemma_nb.neuron.sdk import FX_NOTE, check_sdk
+
+        status = check_sdk()
+        if not status.ok:
+            raise TargetError(status.message())
+        if status.fx_problem:
+            print(FX_NOTE, file=sys.stderr)
     elif target == "cuda":
         import torch
 

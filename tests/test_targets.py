@@ -27,3 +27,15 @@ def test_neuron_checkpoint_dir():
     with pytest.raises(TargetError, match="hf download google/gemma-4-26B-A4B-it --local-dir"):
         targets.neuron_checkpoint_dir("google/gemma-4-26B-A4B-it")
     assert targets.neuron_checkpoint_dir(tiny.BUNDLED_ID) == str(tiny.TP2_CHECKPOINT_DIR)
+
+
+def test_check_target_neuron_imports_the_sdk_and_says_when_it_worked_around(monkeypatch, capsys):
+    from gemma_nb.neuron import sdk
+
+    monkeypatch.setattr(targets, "missing_neuron_packages", lambda: [])
+    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True, workaround_applied=True))
+    assert targets.check_target("neuron") == "neuron"
+    assert sdk.FX_NOTE in capsys.readouterr().err
+    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt"))
+    with pytest.raises(TargetError, match="installed but does not import.*libnrt"):
+        targets.check_target("neuron")

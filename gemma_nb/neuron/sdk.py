@@ -15,9 +15,11 @@ Nothing this repo uses touches that tracer: ModelBuilder traces with ``torch_neu
 module, put a stand-in module of that name in ``sys.modules`` whose ``HFTracer`` is a
 ``torch.fx.Tracer`` subclass that refuses to be constructed (with the reason), and import again.
 The class statement in NxD then succeeds; pipeline-parallel tracing of an HF model, which this
-repo never does, raises a clear error instead of a wrong result. ``import_sdk`` prints a note when
-it applies it. It is applied only by the neuron code paths (this module is imported by nothing on
-the cpu target).
+repo never does, raises a clear error instead of a wrong result. It is applied only on the neuron
+target: ``gemma_nb.targets.check_target("neuron")`` (the runner, every notebook's setup cell, the
+server) and ``import_sdk`` call ``check_sdk``, and print a note when the stand-in went in, so
+every later ``import neuronx_distributed`` in that process succeeds. Nothing on the cpu target
+imports this module.
 
 - ``check_sdk()``: what preflight reports (never calls the transformers-5 problem "SDK missing").
 - ``import_sdk()``: the SDK pieces the neuron build, deploy and trials use, as one namespace.
