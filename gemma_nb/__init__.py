@@ -10,6 +10,7 @@ Modules, one concern each (a notebook's title tells you which one it uses):
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
   the model; ``serve_app``, ``serve_http``, ``serve_schema`` answer HTTP; ``generation`` samples tokens).
+- ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md).
 """
 
 __version__ = "0.1.0"

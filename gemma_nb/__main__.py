@@ -1,4 +1,4 @@
-"""Command line: ``python -m gemma_nb run ...`` and ``python -m gemma_nb serve ...``."""
+"""Command line: ``python -m gemma_nb run | serve | plan | preflight | runbook ...``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def _parse_parameter(pair: list[str]) -> tuple[str, object]:
     return name, value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser (``serve`` parses its own arguments: ``gemma_nb.serve.build_parser``)."""
     parser = argparse.ArgumentParser(prog="python -m gemma_nb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -33,6 +34,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("serve", help="OpenAI-compatible server for the deployed model (see --help)", add_help=False)
 
+    from gemma_nb import planner, preflight, runbook
+
+    planner.add_arguments(sub.add_parser("plan", help="will a Hugging Face causal LM fit an inf2? bytes per rank, $/h"))
+    preflight.add_arguments(sub.add_parser("preflight", help="checklist before a run: SDK, NeuronCores, RAM, disk, model"))
+    runbook.add_arguments(sub.add_parser("runbook", help="write docs/inf2.md, the inf2 runbook, from the catalog"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from gemma_nb.serve import main as serve_main
@@ -40,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command in ("plan", "preflight", "runbook"):
+        import importlib
+
+        module = importlib.import_module(f"gemma_nb.{'planner' if args.command == 'plan' else args.command}")
+        return module.main(args)
 
     from gemma_nb.runner import RunError, Terminated, run
     from gemma_nb.targets import TargetError

@@ -271,7 +271,7 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
         if runtime == "transformers" or artifact is None:
             raise ValueError(
                 "the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
-                "gemma_nb.neuron.build.compile_neuron (notebook 04), and --model-id for its tokenizer"
+                "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too"
             )
         return load_neuron_runtime(model_id, artifact, max_context=max_context)
     if runtime == "auto":
@@ -313,10 +313,11 @@ def _tokenizer_and_eos(model_id: str):
 
 
 def load_neuron_runtime(model_id: str, artifact: str, *, max_context: int | None = None) -> NeuronDeployRuntime:
-    """The port's slim deploy on Inferentia2 (NOT RUN HERE): the NxD artifact, ``model_id``'s tokenizer."""
+    """The port's slim deploy on Inferentia2 (NOT RUN HERE): everything, tokenizer included, from the
+    artifact folder (``gemma_nb.neuron.artifact``); ``model_id`` is only the served name."""
     from gemma_nb.neuron.deploy import slim_deploy
 
-    _, tokenizer, eos = _tokenizer_and_eos(model_id)
+    _, tokenizer, eos = _tokenizer_and_eos(artifact)
     runner, figures = slim_deploy(artifact)
     log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
     return NeuronDeployRuntime(runner, tokenizer, max_context, eos_token_ids=eos)
@@ -377,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--artifact", default=None,
                         help="a compiled artifact folder: gemma_nb.compile's for the cpu slim deploy (without it the "
                              "model is compiled into a temporary folder at start-up), gemma_nb.neuron.build's on neuron "
-                             "(required there; --model-id then names the tokenizer)")
+                             "(required there: it holds the tokenizer too, --model-id is then only the served name)")
     parser.add_argument("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN,
                         help=f"prefill bucket when compiling at start-up: the longest prompt (default {DEFAULT_PREFILL_LEN})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 TARGETS = ("cpu", "neuron", "cuda")
 
@@ -15,7 +17,7 @@ NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 NEURON_HELP = (
     "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
     "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
-    "see 'Running on Inferentia2' in README.md (envs/neuron/requirements.txt)"
+    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
 )
 
 
@@ -41,6 +43,16 @@ def check_target(target: str) -> str:
         missing = missing_neuron_packages()
         if missing:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
+        # Import the SDK now, in every process that runs the target (runner, each notebook kernel,
+        # server): with transformers 5 this is where the transformers.utils.fx stand-in goes in,
+        # before any neuron code imports neuronx_distributed (gemma_nb.neuron.sdk).
+        from gemma_nb.neuron.sdk import FX_NOTE, check_sdk
+
+        status = check_sdk()
+        if not status.ok:
+            raise TargetError(status.message())
+        if status.fx_problem:
+            print(FX_NOTE, file=sys.stderr)
     elif target == "cuda":
         import torch
 
@@ -60,3 +72,43 @@ def torch_device(target: str) -> str:
     """
     check_target_name(target)
     return "cuda" if target == "cuda" else "cpu"
+
+
+def default_model_id(target: str) -> str:
+    """The model a plain run uses: the bundled checkpoint, and on neuron its TP=2 twin (heads, KV
+    heads and experts all divisible by 2), so the first run on a box is a minutes-long smoke run of
+    the 26B's exact code path."""
+    from gemma_nb import tiny
+
+    check_target_name(target)
+    return tiny.BUNDLED_TP2_ID if target == "neuron" else tiny.BUNDLED_ID
+
+
+def model_for_target(model_id: str, target: str) -> str:
+    """``model_id`` as the target runs it: the bundled id means the TP=2 twin on neuron."""
+    from gemma_nb.tiny import BUNDLED_ID
+
+    return default_model_id(target) if model_id == BUNDLED_ID else model_id
+
+
+def local_model_dir(model_id: str) -> Path | None:
+    """The local folder of ``model_id`` (the bundled ids' included), or None for a hub id."""
+    from gemma_nb.tiny import BUNDLED_IDS
+
+    if model_id in BUNDLED_IDS:
+        return BUNDLED_IDS[model_id]
+    path = Path(model_id).expanduser()
+    return path if path.exists() or model_id.count("/") != 1 else None
+
+
+def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
+    """The local checkpoint folder the neuron compile reads: ``override`` if given, else ``model_id``'s
+    (the bundled id: its TP=2 twin). A hub id must be downloaded first: TargetError says how."""
+    if override:
+        return override
+    chosen = model_for_target(model_id, target)
+    folder = local_model_dir(chosen)
+    if folder is None:
+        raise TargetError(f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
+                          f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model")
+    return str(folder)

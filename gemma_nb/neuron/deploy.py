@@ -15,13 +15,14 @@ start_rank_tensor)``) and ``trace/model_builder.py``. The flow (FACTS §4a):
 4. greedy decoding: host embed -> ``step_inputs`` -> graph -> softcap on the host -> argmax. The KV
    cache never leaves the device (aliased state).
 
+Everything comes from the artifact folder alone (``gemma_nb.neuron.artifact``: model, host
+embedding, config, tokenizer, build record), so the serving box needs no checkpoint.
 ``NeuronStepRunner`` is the loop; it takes any callable with the graph's signature, so the tests
 run it on the cpu variant of the traced module (``gemma_nb.neuron.build.NeuronGemma4(parallel=False)``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,8 @@ from typing import Callable
 
 import torch
 
-from gemma_nb.neuron.build import ARTIFACT_NAME, BUILD_RECORD, host_logits, step_inputs
-from gemma_nb.targets import NEURON_HELP, TargetError
-
-HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
+from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
+from gemma_nb.neuron.build import host_logits, step_inputs
 
 
 @dataclass
@@ -104,68 +103,120 @@ def export_host_embedding(model_dir: str | Path, path: str | Path):
 
     from gemma_nb.deploy import model_skeleton
     from gemma_nb.embedding import HostEmbedding
-    from gemma_nb.neuron.build import text_config
+    from gemma_nb.neuron.build import text_config, text_key
 
     config = text_config(model_dir)
     module = model_skeleton(config).get_input_embeddings()
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
-                if key.endswith("embed_tokens.weight") and "per_layer" not in key:
+                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
                     weight = handle.get_tensor(key)
                     return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
     raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
 
 
 def load_artifact(artifact_dir: str | Path):
-    """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores."""
-    try:
-        import neuronx_distributed.trace.model_builder  # noqa: F401  registers neuron::SPMDModel for jit.load
-    except ImportError as error:
-        raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
-    path = Path(artifact_dir) / ARTIFACT_NAME
+    """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores.
+
+    Returns the graph callable ``NeuronStepRunner`` steps: inputs -> logits. ``release`` frees it.
+    """
+    from gemma_nb.neuron.sdk import import_sdk
+
+    import_sdk()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{ARTIFACT_NAME} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
+        raise FileNotFoundError(f"{MODEL_FILE} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
     model = torch.jit.load(str(path))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
-    return model
+
+    def graph(*inputs):
+        out = model(*inputs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    graph.model = model
+    return graph
 
 
-def slim_deploy(artifact_dir: str | Path, embedding_path: str | Path | None = None,
-                sample_interval_s: float = 0.5) -> tuple[NeuronStepRunner, dict]:
-    """The whole slim deploy on an inf2 instance, timed and sampled; (runner, figures).
+def release(runner: "NeuronStepRunner") -> None:
+    """Drop a deployed model so its NeuronCore memory can be reused (one 26B build fills 2 x 16 GiB)."""
+    import gc
 
-    Figures: ``neff_load_s`` (jit.load + initialize_with_saved_weights), ``embedding_load_s``,
-    ``peak_host_rss_bytes`` (this process and children), ``embedding_bytes``.
+    runner.graph = None
+    gc.collect()
+
+
+def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
+                load: Callable[[Path], Callable] | None = None) -> tuple[NeuronStepRunner, dict]:
+    """The whole slim deploy of an artifact folder, timed and sampled; (runner, figures).
+
+    Reads only ``artifact_dir`` (``gemma_nb.neuron.artifact``: validated against its manifest):
+    config, host embedding, build shapes and the model. ``load`` turns the folder into the graph
+    callable (``load_artifact`` on an inf2; the tests pass a cpu stand-in). Figures:
+    ``neff_load_s`` (load + weights to the device), ``embedding_load_s``, ``peak_host_rss_bytes``
+    (this process and children), ``embedding_bytes``, ``graphs`` (what the artifact holds).
     """
     from gemma_nb.deploy import host_embedding_for, model_skeleton
     from gemma_nb.hostmem import HostMemorySampler
-    from gemma_nb.neuron.build import NeuronBuildConfig
 
-    artifact_dir = Path(artifact_dir)
-    record = json.loads((artifact_dir / BUILD_RECORD).read_text())
-    build = NeuronBuildConfig(**record["build"])
-    embedding_path = Path(embedding_path or artifact_dir / HOST_EMBEDDING_FILE)
+    artifact = read_artifact(artifact_dir)
+    embedding_path = artifact.path(HOST_EMBEDDING_FILE)
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
-        from gemma_nb.neuron.build import text_config
-
-        config = text_config(build.model_dir)
+        config = artifact.config
         skeleton = model_skeleton(config)
         start = time.perf_counter()
         host = host_embedding_for(skeleton, embedding_path)
         embedding_load_s = time.perf_counter() - start
         start = time.perf_counter()
-        model = load_artifact(artifact_dir)
+        graph = (load or load_artifact)(artifact.folder)
         neff_load_s = time.perf_counter() - start
-
-        def graph(*inputs):
-            out = model(*inputs)
-            return out[0] if isinstance(out, (tuple, list)) else out
-
-        runner = NeuronStepRunner(graph, host, config, build.max_len, build.bucket, config.pad_token_id or 0)
+        runner = NeuronStepRunner(graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0)
     figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,
-               "peak_host_rss_bytes": sampler.peak_rss_bytes, "embedding_bytes": embedding_path.stat().st_size}
+               "peak_host_rss_bytes": sampler.peak_rss_bytes, "embedding_bytes": embedding_path.stat().st_size,
+               "graphs": artifact.graphs}
     return runner, figures
 
 
-__all__ = ["NeuronStepRunner", "CpuStateGraph", "export_host_embedding", "load_artifact", "slim_deploy"]
+def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16) -> dict:
+    """Greedy answer of a deployed model to ``prompt``, with the artifact's own tokenizer.
+
+    Returns ``prompt``, ``completion`` (cut at the first end-of-sequence token), ``new_tokens``,
+    ``step_ms`` (each step's wall time: the first is the prefill).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = runner.generate(ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in out:
+        out = out[: out.index(tokenizer.eos_token_id)]
+    return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
+            "step_ms": [1000 * s for s in runner.step_times_s]}
+
+
+def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
+                        load: Callable[[Path], Callable] | None = None):
+    """Decode speed of deployed artifacts, loaded, timed and released ONE AT A TIME.
+
+    ``artifacts``: name -> artifact folder, e.g. ``{"dense": ..., "sparse": ...}``. Two 26B builds
+    (~12.7 GB per rank each) do not fit 16 GiB per NeuronCore together, so each is deployed
+    (``slim_deploy``), timed with ``gemma_nb.bench.time_runners`` and released before the next.
+    Returns the table (``ttft_s``, ``decode_tok_s``, ``tokens`` per name) plus ``neff_load_s``.
+    """
+    import pandas as pd
+
+    from gemma_nb.bench import time_runners
+
+    tables = []
+    for name, folder in artifacts.items():
+        runner, figures = slim_deploy(folder, load=load)
+        try:
+            table = time_runners({name: runner}, prompt_ids, new_tokens=new_tokens, repeats=repeats)
+        finally:
+            release(runner)
+        tables.append(table.assign(neff_load_s=figures["neff_load_s"]))
+    return pd.concat(tables)
+
+
+__all__ = ["NeuronStepRunner", "CpuStateGraph", "export_host_embedding", "load_artifact", "release", "slim_deploy",
+           "benchmark_artifacts", "deployed_answer"]

@@ -1,13 +1,16 @@
 """NxD's quantized dtypes on Inferentia2: what the SDK says it supports, and a trial per dtype (SDK 2.31).
 
-NOT RUN HERE: written against neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names, layer
-arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed
+Not run on an inf2 here: written for neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names,
+layer arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed 0.18
 (``src/neuronx_distributed/quantization/quantization_config.py``, ``quantization_layers.py``,
 ``dequantize.py``, ``trace/model_builder_v2.py``, ``trace/parallel_context.py``; the newest public
-snapshot is the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
+snapshot, the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
 import time: :func:`run_trials` imports it and raises ``TargetError`` when it is missing.
+:func:`scale_dequantize` is the one patch of NxD's dequantize this repo applies (the build, the
+lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.neuron.standins`` keeps
+NxD's own version, so the tests show why it is needed.
 
-``SDK_SUPPORT_MATRIX`` is what the sources and FACTS.md §4 say, for the cpu notebook to show.
+``SDK_SUPPORT_MATRIX`` is what the sources say, for the cpu notebook to show.
 :func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
 ``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
 scales), load weights quantized by ``gemma_nb.quant``, trace and compile it with ModelBuilder v2,
@@ -89,6 +92,31 @@ def support_matrix_table():
     return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
 
 
+def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
+    """NxD's ``scale_dequantize`` for any output rank: the one patch this repo applies (out of place).
+
+    NxD 0.18 (``quantization/dequantize.py``) multiplies the fp32 output in place by
+    ``scale.unsqueeze(len(scale.shape) - 1)``: for a layer's ``scale.T [1, out]`` that is
+    ``[1, 1, out]``, which fits a 3-D ``[B, S, out]`` output but not a 2-D ``[T, out]`` one (the
+    routed experts' input, or a trial's): the in-place multiply raises. Here the same factor
+    loses its leading size-1 dims when it has more dims than the output, and the multiply is out
+    of place (the port's trace also broke on the in-place one). 3-D numbers equal NxD's exactly.
+    """
+    factor = scale.unsqueeze(len(scale.shape) - 1)
+    extra = factor.dim() - tensor.dim()
+    if extra > 0:
+        if any(size != 1 for size in factor.shape[:extra]):
+            raise ValueError(f"scale {tuple(scale.shape)} does not broadcast to the output {tuple(tensor.shape)}")
+        factor = factor.reshape(factor.shape[extra:])
+    return (tensor.to(torch.float32) * factor).to(upcast_dtype)
+
+
+def patch_scale_dequantize(quantization_layers) -> None:
+    """Point ``quantization_layers.scale_dequantize`` (NxD's module, or a stand-in's namespace) at
+    :func:`scale_dequantize`. NxD's quantized layers look the name up in that module at call time."""
+    quantization_layers.scale_dequantize = scale_dequantize
+
+
 def _import_sdk():
     try:
         import torch_neuronx  # noqa: F401
@@ -157,6 +185,9 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
 
     sdk = _import_sdk()
     NxDParallelState, _, _, _, QuantizedColumnParallel, ModelBuilder = sdk
+    from neuronx_distributed.quantization import quantization_layers
+
+    patch_scale_dequantize(quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.02
     x = torch.randn(tokens, in_features, generator=generator).to(torch.bfloat16)

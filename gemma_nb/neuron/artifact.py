@@ -1,0 +1,211 @@
+"""The neuron artifact folder: everything the serving box needs, and nothing from the compile box.
+
+The port compiled on an inf2.8xlarge and served on an inf2.xlarge: only a folder travels between
+them. ``compile_neuron`` (``gemma_nb.neuron.build``) writes it; ``slim_deploy``, notebooks 05 and
+07 and ``serve --target neuron`` read only it. What it holds (``manifest.json`` lists every file
+with its size, so a truncated copy is caught at load, not as a wrong answer):
+
+    model.pt                  the traced NxD model (torch.jit.save; NEFFs and weights inside)
+    build_record.json         build settings, compiler flags, SDK versions, compile time and peak RSS
+    embed_tokens.safetensors  the host embedding table, its scale and the scale self-check data
+                              (gemma_nb.embedding.HostEmbedding: checked bit for bit at load)
+    config.json               the model config (the deploy builds its structure on the meta device)
+    tokenizer files           tokenizer.json / tokenizer_config.json / ..., generation_config.json
+    manifest.json             format name and version, graphs (prefill and which decode graphs, and
+                              the one a decode step reaches), shapes, files with sizes
+
+``write_serving_files`` + ``write_manifest`` (both called by ``finish_artifact``) make a compiled
+folder complete; ``read_artifact`` validates one and returns what a deploy needs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "gemma-nb-neuron-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.pt"
+BUILD_RECORD = "build_record.json"
+HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
+CONFIG_FILE = "config.json"
+# Copied when the model folder has them; a tokenizer needs tokenizer_config.json and one of the first two.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+REQUIRED_FILES = (MODEL_FILE, BUILD_RECORD, HOST_EMBEDDING_FILE, CONFIG_FILE, "tokenizer_config.json")
+
+
+class ArtifactError(ValueError):
+    """An artifact folder that is missing, incomplete, or of another format version; says what to do."""
+
+
+def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list[str]:
+    """Copy config and tokenizer files from the checkpoint folder and write the host embedding file.
+
+    Returns the names written. The embedding is read from the checkpoint's safetensors alone (the
+    model is never built on the host: ``gemma_nb.neuron.deploy.export_host_embedding``).
+    """
+    from gemma_nb.neuron.deploy import export_host_embedding
+
+    model_dir, artifact_dir = Path(model_dir), Path(artifact_dir)
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
+                            "compiled from (config, tokenizer and *.safetensors)")
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, artifact_dir / name)
+            written.append(name)
+    if "tokenizer_config.json" not in written or not {"tokenizer.json", "tokenizer.model"} & set(written):
+        raise ArtifactError(f"{model_dir.name}/ has no complete tokenizer (tokenizer_config.json and tokenizer.json "
+                            "or tokenizer.model): download the whole model folder, not only the weights")
+    export_host_embedding(model_dir, artifact_dir / HOST_EMBEDDING_FILE)
+    written.append(HOST_EMBEDDING_FILE)
+    return written
+
+
+def graphs_of(record: dict) -> list[str]:
+    """The graph keys a build holds: ``record["graphs"]`` when the build lists them, else the
+    prefill and one decode graph (the port's pair), or the pairs ``build.decode_experts`` names."""
+    if record.get("graphs"):
+        return list(record["graphs"])
+    choice = (record.get("build") or {}).get("decode_experts")
+    if choice in ("dense", "sparse"):
+        return ["prefill", f"decode_{choice}"]
+    if choice == "both":
+        return ["prefill", "decode_dense", "decode_sparse"]
+    return ["prefill", "decode"]
+
+
+def routed_decode_graph(record: dict) -> str:
+    """The decode graph a call with decode shapes reaches: ModelBuilder routes by input shapes, so
+    of two decode graphs (``decode_experts="both"``) only the last added is reachable
+    (``build.routed_graphs()``); the record says which when it can."""
+    routed = (record.get("routed_graphs") or {}).get("decode")
+    return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
+
+
+def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
+    """``manifest.json``: format, version, graphs, shapes, and every file of the folder with its size."""
+    artifact_dir = Path(artifact_dir)
+    missing = [name for name in REQUIRED_FILES if not (artifact_dir / name).is_file()]
+    if missing:
+        raise ArtifactError(f"cannot finish the artifact in {artifact_dir.name}/: {', '.join(missing)} missing")
+    build = record.get("build") or {}
+    files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "graphs": graphs_of(record),
+        "decode_graph": routed_decode_graph(record),
+        "tp_degree": build.get("tp_degree"),
+        "max_len": build.get("max_len"),
+        "bucket": build.get("bucket"),
+        "versions": record.get("versions", {}),
+        "files": files,
+    }
+    (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
+    """After the model and build record are saved: serving files, then the manifest. Returns the manifest."""
+    write_serving_files(model_dir, artifact_dir)
+    return write_manifest(artifact_dir, record)
+
+
+@dataclass(frozen=True)
+class NeuronArtifact:
+    """A validated artifact folder: its manifest, build record and text config."""
+
+    folder: Path
+    manifest: dict
+    record: dict
+    config: object
+
+    @property
+    def max_len(self) -> int:
+        return int(self.manifest["max_len"])
+
+    @property
+    def bucket(self) -> int:
+        return int(self.manifest["bucket"])
+
+    @property
+    def graphs(self) -> list[str]:
+        return list(self.manifest["graphs"])
+
+    @property
+    def decode_graphs(self) -> list[str]:
+        return [g for g in self.graphs if g.startswith("decode")]
+
+    @property
+    def decode_graph(self) -> str:
+        """The decode graph a decode step runs (see ``routed_decode_graph``)."""
+        return self.manifest["decode_graph"]
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+
+def default_artifact_dir(target: str = "neuron") -> Path:
+    """Where notebook 04 writes the artifact and notebooks 05 and 07 look for it by default."""
+    from gemma_nb.paths import artifacts_dir
+
+    return artifacts_dir(target) / "04_neuron"
+
+
+def artifact_labels(folders) -> dict[str, Path]:
+    """Name each artifact folder by the decode graph a decode step runs in it (``dense`` or
+    ``sparse``; a plain ``decode`` graph is the port's DenseExperts one); empty entries are skipped."""
+    labels = {}
+    for folder in (f for f in folders if f):
+        graph = read_artifact(folder).decode_graph
+        name = "dense" if graph == "decode" else graph.removeprefix("decode_")
+        labels[name if name not in labels else f"{name}_{len(labels) + 1}"] = Path(folder)
+    return labels
+
+
+def read_artifact(folder: str | Path) -> NeuronArtifact:
+    """Validate ``folder`` against its manifest and load its config; ``ArtifactError`` names what is wrong.
+
+    Checks: the folder and ``manifest.json`` exist, the format and version are this repo's, every
+    file the manifest lists is there with the listed size (a partial copy fails here).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactError(f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
+                            "(notebook 04's outputs/neuron/artifacts/04_neuron), copied whole to this box")
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
+                            "with gemma_nb.neuron.build.compile_neuron (an older build: rerun finish_artifact on it)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{folder.name}/{MANIFEST} is format {manifest.get('format')!r} version "
+                            f"{manifest.get('format_version')!r}; this gemma_nb reads {FORMAT!r} version "
+                            f"{FORMAT_VERSION}: compile again with this version")
+    for name, size in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise ArtifactError(f"{folder.name}/{name} is missing (listed in {MANIFEST}): copy the whole folder again")
+        if path.stat().st_size != size:
+            raise ArtifactError(f"{folder.name}/{name} is {path.stat().st_size} bytes, {MANIFEST} says {size}: "
+                                "an incomplete copy; copy the folder again (e.g. rsync -a --partial)")
+    missing = [name for name in REQUIRED_FILES if name not in manifest["files"]]
+    if missing:
+        raise ArtifactError(f"{folder.name}/{MANIFEST} lists no {', '.join(missing)}: compile again")
+    record = json.loads((folder / BUILD_RECORD).read_text())
+    from gemma_nb.neuron.build import text_config
+
+    return NeuronArtifact(folder, manifest, record, text_config(folder))
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
+           "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
+           "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
+           "artifact_labels", "routed_decode_graph"]

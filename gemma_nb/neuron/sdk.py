@@ -1,0 +1,181 @@
+"""The one place the Neuron SDK is imported, and the transformers-5 import problem it can hit.
+
+``import neuronx_distributed`` (0.18, the newest public tree: aws-neuron/neuronx-distributed, Neuron
+SDK 2.29) imports its ``pipeline`` package at package import time, and ``pipeline/trace.py`` runs
+``from transformers.utils.fx import HFTracer`` whenever transformers is installed, to define
+``HFTracerWrapper(NxDTracer, HFTracer)``: the tracer NxD's *pipeline-parallel* training uses on a
+Hugging Face ``PreTrainedModel``. transformers 5 removed ``transformers.utils.fx``, so on this
+repo's transformers 5.24 the import fails with ``ModuleNotFoundError: No module named
+'transformers.utils.fx'`` although the SDK is installed. (The port ran with transformers 5.14.1 and
+neuronx-distributed 0.19, whose source is not public: whether 0.19 still does it is found out on
+the box, by ``check_sdk``, in the time one import takes.)
+
+Nothing this repo uses touches that tracer: ModelBuilder traces with ``torch_neuronx`` / XLA, not
+``torch.fx``. So the workaround is narrow: when, and only when, the import fails for that missing
+module, put a stand-in module of that name in ``sys.modules`` whose ``HFTracer`` is a
+``torch.fx.Tracer`` subclass that refuses to be constructed (with the reason), and import again.
+The class statement in NxD then succeeds; pipeline-parallel tracing of an HF model, which this
+repo never does, raises a clear error instead of a wrong result. It is applied only on the neuron
+target: ``gemma_nb.targets.check_target("neuron")`` (the runner, every notebook's setup cell, the
+server) and ``import_sdk`` call ``check_sdk``, and print a note when the stand-in went in, so
+every later ``import neuronx_distributed`` in that process succeeds. Nothing on the cpu target
+imports this module.
+
+- ``check_sdk()``: what preflight reports (never calls the transformers-5 problem "SDK missing").
+- ``import_sdk()``: the SDK pieces the neuron build, deploy and trials use, as one namespace.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gemma_nb.targets import NEURON_HELP, TargetError
+
+# import name -> pip distribution name
+SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}
+FX_MODULE = "transformers.utils.fx"
+FX_NOTE = (
+    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), "
+    "which transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import "
+    "succeeds. Only NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it."
+)
+
+
+def fx_stand_in() -> types.ModuleType:
+    """A module named ``transformers.utils.fx`` with an ``HFTracer`` that cannot be constructed.
+
+    ``HFTracer`` subclasses ``torch.fx.Tracer`` so that NxD's ``class HFTracerWrapper(NxDTracer,
+    HFTracer)`` has a consistent method order; constructing it raises ``RuntimeError``.
+    """
+    import torch.fx
+
+    class HFTracer(torch.fx.Tracer):
+        """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(
+                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging Face "
+                "models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD pipeline "
+                "parallelism use transformers 4.x in a separate environment."
+            )
+
+    module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
+    module.HFTracer = HFTracer
+    module.__gemma_nb_stand_in__ = True
+    return module
+
+
+def install_fx_stand_in(modules: dict | None = None) -> bool:
+    """Put the stand-in in ``modules`` (default ``sys.modules``); False if a real one is already there."""
+    modules = sys.modules if modules is None else modules
+    if FX_MODULE in modules:
+        return False
+    modules[FX_MODULE] = fx_stand_in()
+    parent = modules.get("transformers.utils")
+    if parent is not None and not hasattr(parent, "fx"):
+        parent.fx = modules[FX_MODULE]
+    return True
+
+
+def is_fx_problem(error: BaseException) -> bool:
+    """Whether an import error is the transformers-5 ``transformers.utils.fx`` problem."""
+    name = getattr(error, "name", None) or ""
+    return isinstance(error, ImportError) and (name == FX_MODULE or FX_MODULE in str(error))
+
+
+@dataclass
+class SdkStatus:
+    """What ``check_sdk`` found.
+
+    ``missing``: pip names of SDK packages not installed (the only "SDK missing" case).
+    ``fx_problem``: ``import neuronx_distributed`` failed on ``transformers.utils.fx``;
+    ``workaround_applied``: the stand-in made the import succeed. ``error``: any other import error.
+    """
+
+    missing: list[str] = field(default_factory=list)
+    fx_problem: bool = False
+    workaround_applied: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and self.error is None
+
+    def message(self) -> str:
+        if self.missing:
+            return f"{', '.join(self.missing)} not installed: {NEURON_HELP}"
+        if self.error:
+            hint = (" (the transformers.utils.fx stand-in was applied and the import still failed)"
+                    if self.fx_problem else "")
+            return (f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
+                    "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)")
+        if self.fx_problem:
+            return ("imports, with the transformers-5 workaround: " + FX_NOTE.removeprefix("note: "))
+        return "torch-neuronx and neuronx-distributed import"
+
+
+def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
+              modules: dict | None = None) -> SdkStatus:
+    """Try the SDK imports; on the ``transformers.utils.fx`` error, apply the stand-in and try again.
+
+    The arguments are the system queries, replaceable by fakes in tests.
+    """
+    status = SdkStatus(missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None])
+    if status.missing:
+        return status
+    for name in SDK_PACKAGES:
+        try:
+            import_module(name)
+        except ImportError as error:
+            if not is_fx_problem(error) or status.fx_problem:
+                status.error = f"import {name}: {type(error).__name__}: {error}"
+                return status
+            status.fx_problem = True
+            status.workaround_applied = install_fx_stand_in(modules)
+            try:
+                import_module(name)
+            except ImportError as again:
+                status.error = f"import {name}: {type(again).__name__}: {again}"
+                return status
+    return status
+
+
+def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
+    """The SDK pieces the neuron code uses, or ``TargetError`` naming what is missing and the fix.
+
+    Prints ``FX_NOTE`` (through ``note``) when the transformers-5 workaround was needed.
+    """
+    status = check_sdk()
+    if not status.ok:
+        raise TargetError(f"cannot use the Neuron SDK: {status.message()}")
+    if status.fx_problem:
+        note(FX_NOTE)
+    # Everything build.py, moe.py, lm_head.py and quant.py import from the SDK, under one roof.
+    import torch_neuronx
+    from neuronx_distributed import NxDParallelState
+    from neuronx_distributed.parallel_layers import mappings
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
+    from neuronx_distributed.quantization import quantization_layers
+    from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
+    from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
+    from neuronx_distributed.trace import model_builder, model_builder_v2
+
+    return types.SimpleNamespace(
+        torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
+        SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
+        quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
+        ScaleDtype=ScaleDtype, QuantizedColumnParallel=QuantizedColumnParallel,
+        QuantizedRowParallel=QuantizedRowParallel, model_builder=model_builder,
+        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
+        ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
+        fx_workaround=status.fx_problem,
+    )
+
+
+__all__ = ["SDK_PACKAGES", "FX_MODULE", "FX_NOTE", "SdkStatus", "check_sdk", "import_sdk", "fx_stand_in",
+           "install_fx_stand_in", "is_fx_problem"]

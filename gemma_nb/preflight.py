@@ -1,0 +1,349 @@
+"""``python -m gemma_nb preflight``: the first command on a box, before a 40-minute compile finds out.
+
+A checklist; the exit status is non-zero when a check fails, and the last line names the first
+blocker and its fix. Checks, in order:
+
+1. ``sdk``: torch-neuronx and neuronx-distributed import (``gemma_nb.neuron.sdk.check_sdk``: the
+   transformers-5 ``transformers.utils.fx`` problem is detected, worked around and said, never
+   reported as "SDK missing");
+2. ``versions``: installed Neuron packages against the pins in ``envs/neuron/requirements.txt``
+   (a difference is a warning: the pins are what the repo was written against);
+3. ``neuron_cores``: NeuronCores and HBM per core from ``neuron-ls --json-output``, against the TP
+   degree and the planner's bytes per rank;
+4. ``host_memory``: RAM + swap against what the step needs (``compile`` or ``deploy``: the
+   planner's host figures, ``gemma_nb.planner.host_needs``, plus this process's own RSS);
+5. ``disk``: free space where the artifact goes, against what a compile writes;
+6. ``model``: the model folder complete (config, tokenizer, every shard the safetensors index
+   names), or, for a hub id, HF_TOKEN set (its value is never printed);
+7. ``artifact``: the artifact folder valid against its manifest (``gemma_nb.neuron.artifact``).
+
+``--target cpu`` skips the neuron checks. Every system query goes through ``System``, so the tests
+run each check on fakes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from gemma_nb.hardware import GB, GiB
+from gemma_nb.paths import REPO_ROOT
+
+REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
+STEPS = ("compile", "deploy")
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _neuron_ls() -> str | None:
+    """``neuron-ls --json-output``'s text, or None when the tool is not installed."""
+    if shutil.which("neuron-ls") is None:
+        return None
+    done = subprocess.run(["neuron-ls", "--json-output"], capture_output=True, text=True, timeout=60)
+    return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip()[:200]}"
+
+
+def _memory() -> tuple[int, int]:
+    import psutil
+
+    return psutil.virtual_memory().total, psutil.swap_memory().total
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _check_sdk():
+    from gemma_nb.neuron.sdk import check_sdk
+
+    return check_sdk()
+
+
+@dataclass
+class System:
+    """The machine's answers; tests pass fakes."""
+
+    check_sdk: Callable = _check_sdk
+    package_version: Callable[[str], str | None] = _version
+    neuron_ls: Callable[[], str | None] = _neuron_ls
+    memory: Callable[[], tuple[int, int]] = _memory   # (RAM total, swap total) in bytes
+    process_rss: Callable[[], int] = _rss
+    disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
+    env: Mapping[str, str] = field(default_factory=lambda: os.environ)
+
+
+# --------------------------------------------------------------------------------------------
+# The checks
+# --------------------------------------------------------------------------------------------
+def check_sdk(system: System) -> Check:
+    status = system.check_sdk()
+    if status.missing:
+        return Check("sdk", FAIL, f"{', '.join(status.missing)} not installed",
+                     "install the Neuron SDK 2.31 from AWS's pip index: pip install -r envs/neuron/requirements.txt "
+                     "(or activate the DLAMI's /opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .")
+    if status.error:
+        return Check("sdk", FAIL, status.message(), "reinstall torch-neuronx and neuronx-distributed from one SDK "
+                     "release: pip install -r envs/neuron/requirements.txt")
+    return Check("sdk", OK, status.message())
+
+
+def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
+    """``name==version`` lines of a requirements file, names normalised to pip's dashes."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line and not line.startswith("-"):
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def check_versions(system: System, pins: Mapping[str, str] | None = None) -> Check:
+    pins = pinned_versions() if pins is None else pins
+    found = {name: system.package_version(name) for name in pins}
+    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if found[n] != v]
+    if not differ:
+        return Check("versions", OK, f"{len(pins)} packages as pinned in envs/neuron/requirements.txt")
+    return Check("versions", WARN, "; ".join(differ),
+                 "the repo was written against the pins in envs/neuron/requirements.txt; other SDK releases may "
+                 "differ in the ModelBuilder API")
+
+
+_CORE_KEYS = ("nc_count", "neuroncore_count", "neuron_cores", "core_count")
+_MEMORY_KEYS = ("memory_size", "device_memory_size", "memory")
+
+
+def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
+    """(NeuronCores, device memory bytes) per Neuron device from ``neuron-ls --json-output``.
+
+    The JSON is a list of device objects with ``nc_count`` and ``memory_size`` (bytes), e.g. on a
+    trn1.2xlarge ``[{"neuron_device": 0, "nc_count": 2, "memory_size": 34359738368, ...}]``; a few
+    near variants of the key names are accepted too. ValueError when a device has neither.
+    """
+    devices = json.loads(text)
+    if isinstance(devices, dict):
+        devices = devices.get("neuron_devices") or devices.get("devices") or []
+    parsed = []
+    for device in devices:
+        cores = next((int(device[k]) for k in _CORE_KEYS if k in device), None)
+        memory = next((int(device[k]) for k in _MEMORY_KEYS if k in device), None)
+        if cores is None or memory is None:
+            raise ValueError(f"no core count or memory size among {sorted(device)}")
+        parsed.append((cores, memory))
+    return parsed
+
+
+def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> Check:
+    text = system.neuron_ls()
+    if text is None:
+        return Check("neuron_cores", FAIL, "neuron-ls not found: no Neuron driver and tools on this machine",
+                     "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, aws-neuronx-tools)")
+    if text.startswith("error:"):  # neuron-ls exits 1 when the driver finds no device
+        return Check("neuron_cores", FAIL, f"neuron-ls found no Neuron device ({text})",
+                     "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls")
+    try:
+        devices = parse_neuron_ls(text)
+    except (ValueError, TypeError, json.JSONDecodeError) as error:
+        return Check("neuron_cores", WARN, f"could not read neuron-ls --json-output ({error}): {text[:120]!r}",
+                     "run neuron-ls by hand and compare with the plan (python -m gemma_nb plan)")
+    cores = sum(c for c, _ in devices)
+    if not cores:
+        return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
+    hbm_per_core = min(m // c for c, m in devices if c)
+    detail = f"{cores} NeuronCores, {hbm_per_core / GiB:.1f} GiB HBM per core"
+    if tp > cores:
+        return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
+                     f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
+    if bytes_per_rank is not None and bytes_per_rank > hbm_per_core:
+        return Check("neuron_cores", FAIL, f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
+                     "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG")
+    return Check("neuron_cores", OK, detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""))
+
+
+def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
+    ram, swap = system.memory()
+    need = need_bytes + system.process_rss()
+    detail = (f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} GB "
+              "(planner's scaling of the port's peaks + this process)")
+    if ram + swap >= need:
+        return Check("host_memory", OK, detail)
+    short_gib = -(-(need - ram - swap) // GiB) + 1
+    return Check("host_memory", FAIL, detail,
+                 f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo chmod 600 "
+                 "/swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box with more RAM")
+
+
+def check_disk(system: System, path: str, need_bytes: int) -> Check:
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
+        existing = existing.parent
+    free = system.disk_free(str(existing))
+    detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
+    if free >= need_bytes:
+        return Check("disk", OK, detail)
+    return Check("disk", FAIL, detail, "grow the EBS volume (the runbook uses 500 GB) or point --artifact elsewhere")
+
+
+def check_model(system: System, model_id: str) -> Check:
+    folder = Path(model_id).expanduser()
+    if not folder.exists() and HF_ID.match(model_id):
+        if system.env.get("HF_TOKEN"):
+            return Check("model", OK, f"hub id {model_id}; HF_TOKEN is set (not shown)")
+        return Check("model", WARN, f"hub id {model_id} and HF_TOKEN is not set",
+                     "gated models (Gemma) need it: export HF_TOKEN=... (never pass it as a flag), then "
+                     f"hf download {model_id} --local-dir /data/model and use --model-id /data/model")
+    problem = model_folder_problem(folder)
+    if problem:
+        return Check("model", FAIL, problem, "download the whole model folder again (hf download ... --local-dir DIR)")
+    shards = len(list(folder.glob("*.safetensors")))
+    return Check("model", OK, f"{folder.name}/: config, tokenizer and {shards} safetensors file(s)")
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """What is missing from a checkpoint folder (None: complete)."""
+    if not folder.is_dir():
+        return f"model folder {str(folder)!r} does not exist"
+    if not (folder / "config.json").is_file():
+        return f"{folder.name}/ has no config.json"
+    if not (folder / "tokenizer_config.json").is_file() or not any(
+            (folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        return f"{folder.name}/ has no complete tokenizer (tokenizer_config.json + tokenizer.json or tokenizer.model)"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            return f"{folder.name}/ lacks {len(missing)} of the {len(shards)} shards its index names: {', '.join(missing[:3])}"
+    elif not any(folder.glob("*.safetensors")):
+        return f"{folder.name}/ has no *.safetensors weights"
+    return None
+
+
+def check_artifact(folder: str) -> Check:
+    from gemma_nb.neuron.artifact import ArtifactError, read_artifact
+
+    try:
+        artifact = read_artifact(folder)
+    except ArtifactError as error:
+        return Check("artifact", FAIL, str(error), "copy the whole artifact folder from the compile box again")
+    return Check("artifact", OK, f"{artifact.folder.name}/: graphs {', '.join(artifact.graphs)}, "
+                                 f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
+
+
+# --------------------------------------------------------------------------------------------
+# The checklist
+# --------------------------------------------------------------------------------------------
+def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
+    """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
+    from gemma_nb import memory, planner
+    from gemma_nb.targets import local_model_dir
+
+    checks, config_source = [], None
+    if artifact and Path(artifact, "config.json").is_file():
+        config_source = Path(artifact)
+    if model_id:
+        folder = local_model_dir(model_id)
+        checks.append(check_model(system, str(folder) if folder else model_id))
+        if config_source is None and folder and (folder / "config.json").is_file():
+            config_source = folder
+    if config_source is None:
+        return checks, None, None
+    config = planner.load_any_config(config_source)
+    problem = memory.tp_problem(config, tp)
+    if problem:
+        checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
+        return checks, config, None
+    return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
+
+
+def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
+               tp: int = 2, system: System | None = None) -> list[Check]:
+    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one."""
+    from gemma_nb import planner
+    from gemma_nb.targets import check_target_name, default_model_id
+
+    check_target_name(target)
+    system = system or System()
+    step = step or ("deploy" if artifact else "compile")
+    if step not in STEPS:
+        raise ValueError(f"step {step!r} is not one of {', '.join(STEPS)}")
+    model_id = model_id or (None if artifact else default_model_id(target))
+    model_checks, config, bytes_per_rank = _model_checks(system, model_id, artifact, tp)
+    checks = []
+    if target == "neuron":
+        sdk = check_sdk(system)
+        checks += [sdk, check_versions(system) if sdk.status == OK else Check("versions", SKIP, "SDK not importable"),
+                   check_neuron_cores(system, tp, bytes_per_rank)]
+    checks += model_checks
+    needs = planner.host_needs(config) if config is not None else None
+    need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
+    checks.append(check_host_memory(system, step, need))
+    disk_need = needs["compile_disk_bytes"] if needs is not None and step == "compile" else 0
+    checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need))
+    if artifact:
+        checks.append(check_artifact(artifact))
+    return checks
+
+
+def first_blocker(checks: list[Check]) -> Check | None:
+    return next((c for c in checks if c.status == FAIL), None)
+
+
+def format_checks(checks: list[Check], target: str) -> str:
+    marks = {OK: "[ok]  ", WARN: "[warn]", FAIL: "[FAIL]", SKIP: "[skip]"}
+    lines = [f"preflight for target {target}:"]
+    for check in checks:
+        lines.append(f"  {marks[check.status]} {check.name:<13}{check.detail}")
+        if check.fix and check.status != OK:
+            lines.append(f"  {'':<20}fix: {check.fix}")
+    blocker = first_blocker(checks)
+    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker
+                 else "ready: no blocker found")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", default="neuron", help="neuron (default) or cpu")
+    parser.add_argument("--model-id", default=None, help="the checkpoint folder (or hub id) to compile or serve "
+                                                         "(default: the target's bundled checkpoint)")
+    parser.add_argument("--artifact", default=None, help="a compiled artifact folder to check (implies --step deploy)")
+    parser.add_argument("--step", default=None, choices=STEPS, help="which host budget to check (default: compile "
+                                                                    "without --artifact, deploy with it)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+
+
+def main(args) -> int:
+    import sys
+
+    try:
+        checks = run_checks(args.target, args.model_id, args.artifact, args.step, args.tp)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_checks(checks, args.target))
+    return 1 if first_blocker(checks) else 0

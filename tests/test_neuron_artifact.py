@@ -1,0 +1,292 @@
+"""The neuron artifact contract, on the cpu: compile writes one folder, a "different box" deploys and
+serves from that folder alone.
+
+The traced NxD model is replaced by a stand-in: the cpu variant of the same traced module
+(``NeuronGemma4(parallel=False)``), its state saved as ``model.pt`` and stepped through
+``CpuStateGraph`` (aliased KV state written back, as the Neuron runtime does). Everything else is
+the code an inf2 runs: ``finish_artifact`` (config, tokenizer, host embedding with its self-check
+data, manifest), ``read_artifact``, ``slim_deploy``, ``serve``'s neuron runtime.
+"""
+
+import ast
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gemma_nb.neuron import artifact as A  # noqa: E402
+from gemma_nb.neuron import deploy as ND  # noqa: E402
+from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4, read_hf_state, text_config  # noqa: E402
+from gemma_nb.tiny import CHECKPOINT_DIR  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_LEN, BUCKET = 64, 16
+PROMPT = "The capital of France is"
+
+
+def stand_in_compile(model_dir: Path, out_dir: Path) -> dict:
+    """What compile_neuron does, with the cpu module's state as the "traced model"."""
+    config = text_config(model_dir)
+    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir=str(out_dir), tp_degree=1, max_len=MAX_LEN,
+                              bucket=BUCKET, dtype="float32")
+    module = NeuronGemma4(config, build, parallel=False)
+    state = read_hf_state(model_dir)
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied; the graph holds its own head
+    module.load_state(state)
+    out_dir.mkdir(parents=True)
+    torch.save(module.state_dict(), out_dir / A.MODEL_FILE)
+    record = {"build": asdict(build), "versions": {"torch": torch.__version__}, "graphs": ["prefill", "decode"]}
+    (out_dir / A.BUILD_RECORD).write_text(json.dumps(record))
+    return A.finish_artifact(model_dir, out_dir, record)
+
+
+def stand_in_load(folder: Path):
+    """The cpu counterpart of ``load_artifact``: reads only ``folder``."""
+    artifact = A.read_artifact(folder)
+    build = NeuronBuildConfig(**artifact.record["build"])
+    module = NeuronGemma4(artifact.config, build, parallel=False)
+    module.load_state_dict(torch.load(folder / A.MODEL_FILE, weights_only=True))
+    return ND.CpuStateGraph(module)
+
+
+@pytest.fixture(scope="module")
+def moved_artifact(tmp_path_factory):
+    """Compile on "box 1", copy the artifact folder to "box 2", delete box 1 (checkpoint included)."""
+    box1, box2 = tmp_path_factory.mktemp("compile_box"), tmp_path_factory.mktemp("serving_box")
+    shutil.copytree(CHECKPOINT_DIR, box1 / "checkpoint")
+    manifest = stand_in_compile(box1 / "checkpoint", box1 / "artifact")
+    shutil.copytree(box1 / "artifact", box2 / "artifact")
+    shutil.rmtree(box1)
+    return box2 / "artifact", manifest
+
+
+@pytest.fixture(scope="module")
+def reference_ids():
+    from gemma_nb.evaluate import greedy_generate
+    from gemma_nb.modelio import load_model
+    from gemma_nb.tiny import BUNDLED_ID
+
+    model, tokenizer = load_model(BUNDLED_ID)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return ids, greedy_generate(model, ids, 6), tokenizer
+
+
+def test_compile_writes_every_file_the_serving_box_needs(moved_artifact):
+    folder, manifest = moved_artifact
+    assert manifest["format"] == A.FORMAT and manifest["format_version"] == A.FORMAT_VERSION
+    assert manifest["graphs"] == ["prefill", "decode"]
+    assert (manifest["max_len"], manifest["bucket"], manifest["tp_degree"]) == (MAX_LEN, BUCKET, 1)
+    for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
+        assert manifest["files"][name] == (folder / name).stat().st_size > 0
+    from gemma_nb.embedding import HostEmbedding
+
+    host = HostEmbedding.from_file(folder / A.HOST_EMBEDDING_FILE)  # its scale self-check runs at load
+    assert float(host.scale) == pytest.approx(128**0.5)
+
+
+def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, reference_ids):
+    folder, _ = moved_artifact
+    ids, expected, _ = reference_ids
+    runner, figures = ND.slim_deploy(folder, load=stand_in_load)
+    assert figures["graphs"] == ["prefill", "decode"]
+    assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
+    assert torch.equal(runner.generate(ids, 6), expected)
+    answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
+    assert answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1  # + the <eos> step
+
+
+def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
+    folder, manifest = moved_artifact
+    assert manifest["decode_graph"] == "decode"  # the port's single DenseExperts decode graph
+    assert A.artifact_labels([folder, "", folder]) == {"dense": folder, "dense_2": folder}
+    assert A.routed_decode_graph({"graphs": {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"},
+                                  "routed_graphs": {"decode": "decode_sparse"}}) == "decode_sparse"
+
+
+def test_server_answers_from_the_artifact_alone(moved_artifact, monkeypatch):
+    import openai
+
+    from gemma_nb import serve
+    from gemma_nb.client_bench import wait_until_healthy
+
+    folder, _ = moved_artifact
+    monkeypatch.setattr(ND, "load_artifact", stand_in_load)
+    runtime = serve.load_neuron_runtime("tiny-on-inf2", str(folder))
+    app = serve.create_app(runtime, model_name="tiny-on-inf2", queue_size=2)
+    with serve.serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny-on-inf2", temperature=0, max_tokens=8,
+                                               messages=[{"role": "user", "content": PROMPT}])
+    assert reply.choices[0].message.content == "Paris ."
+
+
+def test_a_truncated_copy_is_refused_with_the_fix(moved_artifact, tmp_path):
+    folder, _ = moved_artifact
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    with open(copy / A.HOST_EMBEDDING_FILE, "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(A.ArtifactError, match=r"embed_tokens.safetensors is 100 bytes.*copy the folder again"):
+        A.read_artifact(copy)
+    (copy / A.MANIFEST).unlink()
+    with pytest.raises(A.ArtifactError, match="no manifest.json"):
+        A.read_artifact(copy)
+    with pytest.raises(A.ArtifactError, match="does not exist"):
+        A.read_artifact(tmp_path / "nowhere")
+
+
+def test_a_manifest_of_another_version_is_refused(moved_artifact, tmp_path):
+    folder, _ = moved_artifact
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / A.MANIFEST).read_text())
+    manifest["format_version"] = A.FORMAT_VERSION + 1
+    (copy / A.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(A.ArtifactError, match=f"version {A.FORMAT_VERSION + 1}.*compile again"):
+        A.read_artifact(copy)
+
+
+def test_a_checkpoint_without_tokenizer_is_refused(tmp_path):
+    model_dir = tmp_path / "weights_only"
+    model_dir.mkdir()
+    shutil.copyfile(CHECKPOINT_DIR / "config.json", model_dir / "config.json")
+    with pytest.raises(A.ArtifactError, match="no complete tokenizer"):
+        A.write_serving_files(model_dir, tmp_path / "artifact")
+
+
+class FakeModelBuilder:
+    """ModelBuilder's calls as compile_neuron makes them; ``trace`` returns a scripted empty module
+    (no NEFF here), ``shard_checkpoint`` runs the real checkpoint conversion."""
+
+    def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir):
+        self.loader, self.keys = checkpoint_loader, []
+
+    def add(self, key, instance, example_inputs, compiler_args):
+        self.keys.append(key)
+
+    def shard_checkpoint(self):
+        assert self.loader()  # the converted int8 checkpoint of the model folder
+
+    def trace(self, initialize_model_weights):
+        return torch.jit.script(torch.nn.Identity())
+
+
+def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
+    """The real compile_neuron with the SDK faked: the build record and the serving files land in
+    the artifact folder, and the manifest names the decode graph a decode step reaches."""
+    from types import SimpleNamespace
+
+    from gemma_nb.neuron import build as B
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    class FakeInstance:
+        def __init__(self, module_cls, input_output_aliases):
+            pass
+
+    fake = SimpleNamespace(ModelBuilder=FakeModelBuilder, BaseModelInstance=FakeInstance)
+    monkeypatch.setattr(B, "_import_sdk", lambda: fake)
+    out = tmp_path / "artifact"
+    build = NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="both")
+    B.compile_neuron(build, sample_interval_s=0.05)
+    artifact = A.read_artifact(out)
+    assert artifact.graphs == ["prefill", "decode_dense", "decode_sparse"]
+    assert artifact.decode_graph == "decode_sparse"  # same shapes: the last decode graph added is the one routed
+    assert A.artifact_labels([out]) == {"sparse": out}
+    assert artifact.config.num_attention_heads == 16 and (artifact.max_len, artifact.bucket) == (512, 128)
+    for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
+        assert (out / name).is_file()
+
+
+def test_graphs_follow_the_build_record():
+    assert A.graphs_of({"graphs": ["prefill", "decode_sparse"]}) == ["prefill", "decode_sparse"]
+    assert A.graphs_of({"build": {"decode_experts": "both"}}) == ["prefill", "decode_dense", "decode_sparse"]
+    assert A.graphs_of({"build": {}}) == ["prefill", "decode"]
+
+
+def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids, monkeypatch):
+    folder, _ = moved_artifact
+    ids, expected, _ = reference_ids
+    live = []
+
+    def load(path):
+        assert not live, "a second artifact was loaded before the first was released"
+        live.append(stand_in_load(path))
+        return live[-1]
+
+    real_release = ND.release
+
+    def release(runner):
+        live.clear()
+        real_release(runner)
+        assert runner.graph is None
+
+    monkeypatch.setattr(ND, "release", release)
+    table = ND.benchmark_artifacts({"dense": folder, "sparse": folder}, ids, new_tokens=3, repeats=1, load=load)
+    assert list(table.index) == ["dense", "sparse"] and not live
+    assert table.loc["sparse", "tokens"] == expected[0, : ids.shape[1] + 3].tolist()
+    assert (table["neff_load_s"] > 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Every symbol the notebooks' neuron cells import exists
+# --------------------------------------------------------------------------------------------
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _neuron_cell_imports():
+    found = []
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "neuron" not in source:
+                continue
+            tree = ast.parse("\n".join(line for line in source.splitlines() if not line.startswith(("%", "!"))))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gemma_nb"):
+                    found += [(path.stem, node.module, alias.name) for alias in node.names]
+                elif isinstance(node, ast.Import):
+                    found += [(path.stem, alias.name, None) for alias in node.names if alias.name.startswith("gemma_nb")]
+    return found
+
+
+def test_notebook_neuron_cells_import_only_what_exists():
+    import importlib
+
+    imports = _neuron_cell_imports()
+    assert any(module.startswith("gemma_nb.neuron") for _, module, _ in imports)
+    for notebook, module, name in imports:
+        imported = importlib.import_module(module)
+        if name is not None:
+            is_submodule = hasattr(imported, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
+            assert hasattr(imported, name) or is_submodule, f"{notebook}: from {module} import {name}: no such name"
+
+
+def test_notebook_neuron_cells_call_only_what_exists():
+    """Attribute calls on imported gemma_nb modules (e.g. ``neuron_deploy.benchmark_artifacts``) exist too."""
+    import importlib
+
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "gemma_nb.neuron" not in source:
+                continue
+            tree = ast.parse(source)
+            aliases = {}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gemma_nb"):
+                    for alias in node.names:
+                        target = importlib.import_module(node.module)
+                        value = getattr(target, alias.name, None)
+                        if value is not None and hasattr(value, "__name__") and isinstance(value, type(os)):
+                            aliases[alias.asname or alias.name] = value
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                    assert hasattr(aliases[node.value.id], node.attr), f"{path.stem}: {node.value.id}.{node.attr} does not exist"

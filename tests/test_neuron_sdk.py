@@ -1,0 +1,77 @@
+"""The Neuron SDK import check, with fakes of the import system (no SDK here)."""
+
+import pytest
+import torch
+
+from gemma_nb.neuron import sdk
+from gemma_nb.targets import TargetError
+
+INSTALLED = {"torch_neuronx": object(), "neuronx_distributed": object()}
+
+
+def fx_error():
+    return ModuleNotFoundError(f"No module named '{sdk.FX_MODULE}'", name=sdk.FX_MODULE)
+
+
+def fake_importer(modules, fail_until_stand_in=False, other_error=None):
+    def import_module(name):
+        if other_error is not None and name == "neuronx_distributed":
+            raise other_error
+        if fail_until_stand_in and name == "neuronx_distributed" and sdk.FX_MODULE not in modules:
+            raise fx_error()
+        return object()
+
+    return import_module
+
+
+def test_missing_packages_are_the_only_sdk_missing_case():
+    status = sdk.check_sdk(find_spec=lambda name: None, import_module=fake_importer({}), modules={})
+    assert status.missing == ["torch-neuronx", "neuronx-distributed"] and not status.ok
+    assert "torch-neuronx, neuronx-distributed not installed" in status.message()
+    assert "envs/neuron/requirements.txt" in status.message()
+
+
+def test_the_fx_problem_is_detected_worked_around_and_not_called_missing():
+    modules = {}
+    status = sdk.check_sdk(find_spec=INSTALLED.get, import_module=fake_importer(modules, fail_until_stand_in=True),
+                           modules=modules)
+    assert status.ok and status.fx_problem and status.workaround_applied and not status.missing
+    assert "not installed" not in status.message() and "transformers 5 removed" in status.message()
+    assert getattr(modules[sdk.FX_MODULE], "__gemma_nb_stand_in__", False)
+
+
+def test_another_import_error_is_reported_as_such():
+    status = sdk.check_sdk(find_spec=INSTALLED.get, modules={},
+                           import_module=fake_importer({}, other_error=ImportError("libnrt.so.1: cannot open")))
+    assert not status.ok and not status.missing and not status.fx_problem
+    assert "installed but does not import" in status.message() and "libnrt.so.1" in status.message()
+
+
+def test_the_stand_in_lets_nxd_define_its_tracer_class_and_refuses_to_trace():
+    module = sdk.fx_stand_in()
+
+    class NxDTracer(torch.fx.Tracer):  # NxD 0.18 pipeline/trace.py's shape of the class statement
+        pass
+
+    class HFTracerWrapper(NxDTracer, module.HFTracer):
+        def __init__(self):
+            super().__init__()
+
+    with pytest.raises(RuntimeError, match="transformers.utils.fx does not exist in transformers 5"):
+        HFTracerWrapper()
+
+
+def test_the_stand_in_never_replaces_a_real_module():
+    real = object()
+    modules = {sdk.FX_MODULE: real}
+    assert sdk.install_fx_stand_in(modules) is False and modules[sdk.FX_MODULE] is real
+
+
+def test_import_sdk_here_names_the_packages_and_the_install_step():
+    with pytest.raises(TargetError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
+        sdk.import_sdk()
+
+
+def test_is_fx_problem():
+    assert sdk.is_fx_problem(fx_error())
+    assert not sdk.is_fx_problem(ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla"))

@@ -1,0 +1,41 @@
+"""Which model a target runs by default, and where its checkpoint folder is."""
+
+import pytest
+
+from gemma_nb import targets, tiny
+from gemma_nb.targets import TargetError
+
+
+def test_default_model_per_target():
+    assert targets.default_model_id("cpu") == targets.default_model_id("cuda") == tiny.BUNDLED_ID
+    assert targets.default_model_id("neuron") == tiny.BUNDLED_TP2_ID
+    assert targets.model_for_target(tiny.BUNDLED_ID, "neuron") == targets.default_model_id("neuron")
+    assert targets.model_for_target("/data/gemma", "neuron") == "/data/gemma"
+    with pytest.raises(TargetError, match="target 'tpu' is not one of cpu, neuron, cuda"):
+        targets.default_model_id("tpu")
+
+
+def test_local_model_dir():
+    assert targets.local_model_dir(tiny.BUNDLED_ID) == tiny.CHECKPOINT_DIR
+    assert targets.local_model_dir(tiny.BUNDLED_TP2_ID) == tiny.TP2_CHECKPOINT_DIR
+    assert targets.local_model_dir("google/gemma-4-26B-A4B-it") is None
+    assert str(targets.local_model_dir("/data/nowhere")) == "/data/nowhere"
+
+
+def test_neuron_checkpoint_dir():
+    assert targets.neuron_checkpoint_dir("anything", override="/data/x") == "/data/x"
+    with pytest.raises(TargetError, match="hf download google/gemma-4-26B-A4B-it --local-dir"):
+        targets.neuron_checkpoint_dir("google/gemma-4-26B-A4B-it")
+    assert targets.neuron_checkpoint_dir(tiny.BUNDLED_ID) == str(tiny.TP2_CHECKPOINT_DIR)
+
+
+def test_check_target_neuron_imports_the_sdk_and_says_when_it_worked_around(monkeypatch, capsys):
+    from gemma_nb.neuron import sdk
+
+    monkeypatch.setattr(targets, "missing_neuron_packages", lambda: [])
+    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True, workaround_applied=True))
+    assert targets.check_target("neuron") == "neuron"
+    assert sdk.FX_NOTE in capsys.readouterr().err
+    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt"))
+    with pytest.raises(TargetError, match="installed but does not import.*libnrt"):
+        targets.check_target("neuron")
