@@ -262,21 +262,6 @@ def test_neuron_modules_say_the_sdk_is_missing():
             neuron_moe.NeuronSparseExperts(16, 64, 32, tp=2)
 
 
-def test_neuron_benchmark_times_any_loaded_deploy():
-    from gemma_nb.neuron import moe as neuron_moe
-
-    class Deployed:
-        def __init__(self, folder):
-            self.folder = folder
-
-        def generate(self, input_ids, max_new_tokens):
-            return torch.cat([input_ids, torch.zeros(1, max_new_tokens, dtype=torch.long)], dim=1)
-
-    table = neuron_moe.benchmark_deployed({"dense": "a", "sparse": "b"}, torch.tensor([[5, 6]]), new_tokens=3,
-                                          repeats=1, load=Deployed)
-    assert list(table.index) == ["dense", "sparse"] and table["decode_tok_s"].gt(0).all()
-
-
 def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
     from types import SimpleNamespace
 

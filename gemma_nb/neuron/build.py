@@ -46,7 +46,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gemma_nb.targets import NEURON_HELP, TargetError
 
 # The port's flags: transformer model type, everything auto-cast to bf16 (+ -O1).
 COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
@@ -292,18 +291,10 @@ def host_logits(outputs, config) -> torch.Tensor:
 
 
 def _import_sdk():
-    """The SDK pieces the recipe needs (neuronx-distributed's layers as ``moe.import_nxd`` names them,
-    plus ModelBuilder), or TargetError with the install hint."""
-    from gemma_nb.neuron.moe import import_nxd
+    """The SDK namespace (NxD layers, mappings, ModelBuilder): ``gemma_nb.neuron.sdk.import_sdk``."""
+    from gemma_nb.neuron.sdk import import_sdk
 
-    try:
-        import torch_neuronx  # noqa: F401
-        from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
-    except ImportError as error:
-        raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
-    sdk = import_nxd()
-    sdk.BaseModelInstance, sdk.ModelBuilder = BaseModelInstance, ModelBuilder
-    return sdk
+    return import_sdk()
 
 
 def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:

@@ -49,32 +49,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gemma_nb.quant import quantize_int8_per_channel
-from gemma_nb.targets import NEURON_HELP, TargetError
 
 MODES = ("dense", "sparse")
 
 
 def import_nxd() -> SimpleNamespace:
-    """The NxD layers and mappings the experts and the lm_head use, or ``TargetError`` with the install hint."""
-    try:
-        from neuronx_distributed.parallel_layers import mappings
-        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
-        from neuronx_distributed.parallel_layers.mappings import scatter_to_process_group_spmd
-        from neuronx_distributed.quantization import quantization_layers
-        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype
-        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
-    except ImportError as error:
-        raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
-    return SimpleNamespace(
-        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, SPMDRank=SPMDRank,
-        scatter_to_process_group_spmd=scatter_to_process_group_spmd, mappings=mappings,
-        quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        QuantizedColumnParallel=QuantizedColumnParallel, QuantizedRowParallel=QuantizedRowParallel,
-    )
+    """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install hint."""
+    from gemma_nb.neuron.sdk import import_sdk
+
+    return import_sdk()
 
 
 def int8_kwargs(sdk, dtype: torch.dtype) -> dict:
@@ -230,24 +216,3 @@ def swap_in_neuron_experts(model: nn.Module, mode: str, tp: int = 2, int8: bool 
         setattr(parent, name, cls(experts, hidden, two_inter // 2, tp, int8=int8, dtype=dtype, sdk=sdk,
                                   activation=activation))
     return model
-
-
-def benchmark_deployed(artifacts: dict, prompt_ids, new_tokens: int = 64, repeats: int = 3, load=None):
-    """Decode speed of the deployed model (notebook 05) with each expert path, side by side.
-
-    ``artifacts``: name -> artifact folder, e.g. ``{"dense": ..., "sparse": ...}`` (the prefill graph
-    dense in both; the decode graph dense or selective-loading). ``load``: folder -> a deployed
-    model with ``generate(input_ids, max_new_tokens)`` (notebook 05's neuron slim deploy). Returns
-    ``gemma_nb.bench.time_runners``' table: time to first token and decode tok/s per path.
-    NOT RUN HERE.
-    """
-    from gemma_nb.bench import time_runners
-
-    if load is None:
-        try:
-            from gemma_nb.neuron.deploy import load_slim as load  # notebook 05's neuron deploy
-        except ImportError as error:
-            raise TargetError(f"no neuron deploy loader ({error}): pass load=folder -> deployed model; "
-                              f"{NEURON_HELP}") from None
-    runners = {name: load(folder) for name, folder in artifacts.items()}
-    return time_runners(runners, prompt_ids, new_tokens=new_tokens, repeats=repeats)

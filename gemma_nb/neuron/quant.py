@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from gemma_nb.targets import NEURON_HELP, TargetError
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed, src/neuronx_distributed/quantization/"
 
@@ -117,18 +116,6 @@ def patch_scale_dequantize(quantization_layers) -> None:
     quantization_layers.scale_dequantize = scale_dequantize
 
 
-def _import_sdk():
-    try:
-        import torch_neuronx  # noqa: F401
-        from neuronx_distributed import NxDParallelState
-        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
-        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel
-        from neuronx_distributed.trace.model_builder_v2 import ModelBuilder
-    except ImportError as error:
-        raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
-    return NxDParallelState, QuantizationType, QuantizedDtype, ScaleDtype, QuantizedColumnParallel, ModelBuilder
-
-
 class _TrialLinear(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -139,7 +126,7 @@ class _TrialLinear(nn.Module):
 
 
 def _layer_kwargs(dtype_name: str, sdk) -> dict:
-    _, QuantizationType, QuantizedDtype, ScaleDtype, _, _ = sdk
+    QuantizationType, QuantizedDtype, ScaleDtype = sdk.QuantizationType, sdk.QuantizedDtype, sdk.ScaleDtype
     if dtype_name == "F4E2M1FN_X4":
         return dict(quantization_type=QuantizationType.BLOCKWISE_SYMMETRIC, quantized_dtype=QuantizedDtype.F4E2M1FN_X4,
                     block_axis=[1], block_size=[MX_BLOCK], scale_dtype=ScaleDtype.F8E8M0)
@@ -183,11 +170,13 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
     """
     import pandas as pd
 
-    sdk = _import_sdk()
-    NxDParallelState, _, _, _, QuantizedColumnParallel, ModelBuilder = sdk
-    from neuronx_distributed.quantization import quantization_layers
+    from gemma_nb.neuron.sdk import import_sdk
 
-    patch_scale_dequantize(quantization_layers)  # the trial's input is 2-D [tokens, in]
+    sdk = import_sdk()
+    NxDParallelState, QuantizedColumnParallel = sdk.NxDParallelState, sdk.QuantizedColumnParallel
+    ModelBuilder = sdk.ModelBuilderV2
+
+    patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.02
     x = torch.randn(tokens, in_features, generator=generator).to(torch.bfloat16)

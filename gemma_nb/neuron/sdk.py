@@ -108,7 +108,8 @@ class SdkStatus:
 
     def message(self) -> str:
         if self.missing:
-            return f"{', '.join(self.missing)} not installed: {NEURON_HELP}"
+            modules = ", ".join(name for name, pip in SDK_PACKAGES.items() if pip in self.missing)
+            return f"{', '.join(self.missing)} not installed (no module {modules}): {NEURON_HELP}"
         if self.error:
             hint = (" (the transformers.utils.fx stand-in was applied and the import still failed)"
                     if self.fx_problem else "")
