@@ -17,7 +17,7 @@ On the cpu target the same shape of artifact is made with ``torch.export``:
   decode program share one cache owned by the caller, like the port's aliased device states.
 - The routed experts run through transformers' ``grouped_mm`` implementation: the default
   ``eager`` experts loop over the experts that were hit, which is data-dependent control flow that
-  ``torch.export`` cannot trace (FACTS §3).
+  ``torch.export`` cannot trace (docs/sources.md: transformers-gemma4).
 - ``StepRunner.generate`` is the greedy loop over the two steps. transformers'
   ``TorchExportableModuleWithStaticCache.generate`` feeds each generated token at position
   ``len(tokens)`` instead of ``len(tokens) - 1`` (one too far), so its output drifts from eager

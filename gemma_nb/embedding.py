@@ -2,7 +2,7 @@
 
 Gemma-4's ``Gemma4TextScaledWordEmbedding`` returns ``embedding(ids) * embed_scale.to(weight.dtype)``
 with ``embed_scale = sqrt(hidden_size)`` (53.066 for the 26B's 2816), and the model's forward does
-*not* rescale ``inputs_embeds`` (FACTS §3). A deploy that looks tokens up on the host and feeds
+*not* rescale ``inputs_embeds`` (docs/sources.md: transformers-gemma4). A deploy that looks tokens up on the host and feeds
 ``inputs_embeds`` must therefore apply that scale itself, and apply it the way the module does:
 
 - no scale at all (the story's first deploy: a plain ``nn.Embedding``) makes every embedding

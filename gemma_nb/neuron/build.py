@@ -10,7 +10,7 @@ compiler_workdir=...)``, ``.add(key, model_instance, example_inputs, compiler_ar
 imported at module import time; ``compile_neuron`` imports it and raises ``TargetError`` with the
 install hint when it is missing.
 
-The recipe (FACTS §4a), as the traced module ``NeuronGemma4`` builds it:
+The recipe (docs/sources.md: port-recipe), as the traced module ``NeuronGemma4`` builds it:
 
 - transformers' own ``Gemma4ForCausalLM`` is traced, with submodules swapped in place:
   ``embed_tokens`` -> nothing (the host embeds, scale included: ``gemma_nb.embedding``);

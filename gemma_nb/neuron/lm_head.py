@@ -7,7 +7,7 @@ imported at module import time; :func:`build_lm_head` imports it and raises ``Ta
 the install hint when it is missing. The CPU twin, run for real under torch.distributed gloo, is
 ``gemma_nb.parallel.VocabParallelLMHead``.
 
-What the port did (FACTS §4a): the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
+What the port did (docs/sources.md: port-recipe): the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
 1.48 GB) for the lookup; the traced graph gets an lm_head built as
 
     QuantizedColumnParallel(input_size=H, output_size=V, bias=False, gather_output=True,

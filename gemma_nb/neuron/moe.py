@@ -14,7 +14,7 @@ Both modules are drop-ins for transformers' ``Gemma4TextExperts`` inside a trace
 (``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``) at TP = ``tp``,
 and both hold the *same* int8 numbers, so the two NEFFs differ only in what they read:
 
-- ``NeuronDenseExperts`` (FACTS §4a, the port's op): ``gate_up = QuantizedColumnParallel(H -> E*2I)``
+- ``NeuronDenseExperts`` (the port's op; docs/sources.md: port-recipe): ``gate_up = QuantizedColumnParallel(H -> E*2I)``
   (rank r holds experts ``[r E/tp, (r+1) E/tp)`` whole), ``down = QuantizedRowParallel(E*I -> H)``
   (all-reduce). The dense ``[T, E]`` router weights are cut to this rank's experts with
   ``scatter_to_process_group_spmd(..., rank=SPMDRank.get_rank())``: a plain
@@ -29,7 +29,7 @@ and both hold the *same* int8 numbers, so the two NEFFs differ only in what they
   of K whole experts on whichever rank owns them. The forward never calls the layers' own
   forward (it would read all experts); it indexes their ``weight`` and ``scale`` and upcasts
   only the gathered rows. Prefill keeps ``NeuronDenseExperts`` (blockwise kernels are prefill-only
-  and unavailable on inf2, FACTS §4): compile the prefill graph with the dense module and the
+  and unavailable on inf2; docs/sources.md: nxdi-source): compile the prefill graph with the dense module and the
   decode graph with the sparse one, from their own checkpoints.
 
 int8 numbers (both modules, ``experts_checkpoint``): gate/up rows quantized per expert per row (the
@@ -90,7 +90,7 @@ def _out_of_place_scale_dequantize(tensor, scale, upcast_dtype):
 
 
 def patch_scale_dequantize() -> None:
-    """Swap NxD's in-place ``scale_dequantize`` for an out-of-place one, as the port did (FACTS §4a)."""
+    """Swap NxD's in-place ``scale_dequantize`` for an out-of-place one, as the port did (docs/sources.md: port-recipe)."""
     try:
         from neuronx_distributed.quantization import dequantize, quantization_layers
     except ImportError as error:
