@@ -22,6 +22,8 @@ def set_theme() -> None:
     sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
     matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
     matplotlib.rcParams["figure.dpi"] = 100
+    # the inline backend saves with bbox_inches="tight": no extra margin, so 10 in stay 1,000 px
+    matplotlib.rcParams["savefig.pad_inches"] = 0.0
 
 
 # A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
