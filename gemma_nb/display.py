@@ -5,7 +5,7 @@ The page is JupyterLab at its default settings (or GitHub's notebook view) about
 
 - no cell is cut short with "..." (pandas' default cuts text at 50 characters);
 - floats carry about four significant digits (``format_float``), never ``1.646104e+07``;
-- ``True``/``False`` read "yes"/"no", and a missing value is a blank cell, not ``NaN`` or ``None``;
+- ``True``/``False`` (also as the strings ``"true"``/``"True"``) read "yes"/"no", and a missing value is a blank cell, not ``NaN`` or ``None``;
 - generated text stops at its first ``<eos>`` (``cut_at_eos``): the tokens a model keeps emitting
   after its end-of-sequence token are noise, not an answer.
 
@@ -75,6 +75,9 @@ def format_cell(value: Any) -> str:
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}" if abs(int(value)) >= 10_000 else str(int(value))
     if isinstance(value, str):
+        # a boolean that went through str() or JSON on its way into a table reads as a word too
+        if value in ("True", "true", "False", "false"):
+            return "yes" if value.lower() == "true" else "no"
         return cut_at_eos(value)
     try:
         import pandas as pd

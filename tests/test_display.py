@@ -28,9 +28,10 @@ def test_format_float(value, shown):
 
 def test_tidy_shows_words_and_blanks():
     frame = pd.DataFrame({"ok": [True, False], "claim": [None, "x<eos><eos>"], "v": [np.nan, 1.5],
-                          "n": [262144, 7]})
+                          "n": [262144, 7], "said": ["true", "False"]})
     shown = display.tidy(frame)
     assert shown["ok"].tolist() == ["yes", "no"]
+    assert shown["said"].tolist() == ["yes", "no"]
     assert shown["claim"].tolist() == ["", "x<eos>"]
     assert shown["v"].tolist() == ["", "1.5"]
     assert shown["n"].tolist() == ["262,144", "7"]
