@@ -754,7 +754,10 @@ def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None =
 
 
 def _reference_in_legend(ax, value: float | None, label: str) -> None:
-    """A dashed vertical line at the story's figure, named in the legend (a label on the line would sit on the bars)."""
+    """A dashed vertical line at the story's figure, named in the legend (a label on the line would sit on the bars).
+
+    The legend goes outside the axes, on the right: inside, it would cover the longest bars' labels.
+    """
     if value is not None:
         ax.axvline(value, color="0.25", linestyle="--", linewidth=1.2, label=label)
-    ax.legend(title="experts", loc="lower right", fontsize=9, framealpha=0.9)
+    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
