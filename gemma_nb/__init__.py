@@ -2,7 +2,8 @@
 
 Modules, one concern each (a notebook's title tells you which one it uses):
 
-- ``paths``, ``targets``, ``metrics``, ``plots``, ``story``: the plumbing every notebook shares.
+- ``paths``, ``targets``, ``metrics``, ``plots``, ``display``, ``story``: the plumbing every notebook shares
+  (``display.setup_page`` sizes tables and figures for the page; ``docs/sources.md`` backs ``story``).
 - ``memory``, ``hardware``: parameter inventory, per-rank byte plans, instance catalog (01).
 - ``quant``: int8 / fp8 / fp4 weight formats (02).   ``parallel``: the sharded lm_head (03).
 - ``compile``, ``deploy``: export and slim deploy (04, 05).   ``embedding``: the scale fix (06).
