@@ -1,0 +1,245 @@
+"""Scoring a quantization scheme on a checkpoint: the measurements of notebook 02 (quantization).
+
+``gemma_nb.quant`` holds the formats and the quantizers; this module measures what they cost in
+answers: :func:`evaluate_scheme` quantizes a copy of a model and scores it against the float one
+(logit agreement, KL, fact recall, greedy token match), :func:`score_schemes` does it for a list of
+schemes and compute dtypes, :func:`score_findings` turns the tables into values the notebook words
+its sentences from, :func:`lm_head_isolation` measures the head alone, :func:`formats_table` puts
+the formats side by side, and :func:`plot_pareto` draws bytes against quality.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pandas as pd
+import torch
+from torch import nn
+
+from gemma_nb import evaluate, memory, quant
+from gemma_nb.tiny import FACTS
+
+@torch.no_grad()
+def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
+    """``steps`` greedy new tokens per prompt, batched by prompt length (no padding).
+
+    After a row emits the tokenizer's eos it keeps emitting eos, so two models are compared on
+    their answers, not on whatever follows the end of the sequence.
+    """
+    token_lists = [tokenizer(p).input_ids for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(token_lists):
+        by_length.setdefault(len(ids), []).append(i)
+    for length, indices in sorted(by_length.items()):
+        batch = torch.tensor([token_lists[i] for i in indices])
+        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)
+        generated = generated[:, length:].tolist()
+        for i, row in zip(indices, generated):
+            # decoding stops early once every row has emitted eos: pad with eos to ``steps``
+            out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
+    return out
+
+
+def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
+    """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both texts."""
+    rows = []
+    for prompt, ref, cand in zip(prompts, reference_tokens, candidate_tokens):
+        first = next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
+        rows.append({"prompt": prompt, "match": first is None, "first_divergent_step": first,
+                     "reference": tokenizer.decode(ref), "candidate": tokenizer.decode(cand)})
+    table = pd.DataFrame(rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"])
+    table["first_divergent_step"] = table["first_divergent_step"].astype("Int64")
+    return table
+
+
+@torch.no_grad()
+def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_tokens: list[int], step: int, k: int = 3):
+    """Why greedy decoding diverged at ``step``: both models' top-``k`` next tokens on the same prefix.
+
+    The prefix is the prompt plus the reference's first ``step`` tokens (identical in both runs up
+    to there). Columns: model, rank, token, logit, and the gap to the model's top logit.
+    """
+    ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
+    rows = []
+    for label, model in (("reference", reference), ("candidate", candidate)):
+        logits = model(input_ids=ids).logits[0, -1].float()
+        values, indices = logits.topk(k)
+        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
+            rows.append({"model": label, "rank": rank + 1, "token": tokenizer.decode([index]),
+                         "logit": value, "gap_to_top": values[0].item() - value})
+    return pd.DataFrame(rows)
+
+
+def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
+                    reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu"):
+    """Apply ``scheme`` to a copy of ``reference`` cast to ``dtype`` and score it against ``reference``.
+
+    Returns ``(model, summary, report, greedy)``: the quantized copy; a dict with
+    ``top1_agreement``, ``kl_mean``, ``max_abs_diff`` (next-token logits at every position of every
+    fact's sentence, ``gemma_nb.evaluate.compare_logits``), ``fact_recall``, ``greedy_match`` (fraction of fact
+    prompts whose ``steps`` greedy tokens equal the reference's token for token),
+    ``quantized_bytes`` / ``quantized_bf16_bytes``; the per-group report of :func:`gemma_nb.quant.apply_scheme`;
+    and the per-prompt greedy table. ``reference_greedy`` (from :func:`greedy_tokens`) saves
+    recomputing the reference's tokens for every scheme.
+    """
+    if facts is None:
+        facts = FACTS
+    prompts = [f.prompt for f in facts]
+    model = copy.deepcopy(reference).to(dtype)
+    report = quant.apply_scheme(model, scheme)
+    model = model.to(device).eval()
+    if reference_greedy is None:
+        reference_greedy = greedy_tokens(reference, tokenizer, prompts, steps)
+    # next-token logits at every position of the facts' own sentences (default: the whole corpus)
+    logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
+    recall, _ = evaluate.fact_recall(model, tokenizer, facts)
+    greedy = greedy_table(prompts, reference_greedy, greedy_tokens(model, tokenizer, prompts, steps), tokenizer)
+    summary = {
+        "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
+        "max_abs_diff": logits["max_abs_diff"], "fact_recall": recall,
+        "greedy_match": float(greedy["match"].mean()),
+        "quantized_bytes": int(report["stored_bytes"].sum()), "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
+    }
+    return model, summary, report, greedy
+
+
+def formats_table(shape=(1408, 2816)):
+    """The formats side by side: element bits, block, scale layout, and bytes per weight of one ``shape`` matrix.
+
+    ``shape`` defaults to one 26B expert's gate_up matrix; bytes come from ``memory.tensor_bytes``.
+    """
+    rows = [{"format": "bf16", "element_bits": 16, "block": None, "scale": "none", "per_tensor_scale": False,
+             "bytes_per_weight": memory.tensor_bytes(shape, "bf16") / math.prod(shape), "description": "bfloat16"}]
+    for f in quant.FORMATS.values():
+        per = "row" if f.block_size is None else f"{f.block_size} inputs"
+        scale = f"{str(f.scale_dtype).replace('torch.', '')} per {per}"
+        rows.append({"format": f.name, "element_bits": f.element_bits, "block": f.block_size, "scale": scale,
+                     "per_tensor_scale": f.per_tensor_scale,
+                     "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape),
+                     "description": f.description})
+    table = pd.DataFrame(rows)
+    table["block"] = table["block"].astype("Int64")
+    return table
+
+
+@torch.no_grad()
+def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
+    """The head alone: the model's own final hidden states through its float head vs a ``fmt`` copy.
+
+    Captures the input of ``model.lm_head`` on every corpus sentence (or ``texts``), then compares
+    ``F.linear(h, W)`` with the quantized head on the same ``h`` (softcap left out: it is monotonic,
+    argmax and margins keep their order). Returns ``positions``, ``top1_agreement``,
+    ``max_abs_logit_error``, the float head's top-1 minus top-2 logit margin (``margin_min``,
+    ``margin_median``) and ``near_ties`` (positions whose margin is below twice the max logit error,
+    the only ones a quantized head could flip).
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model.lm_head is {type(head).__name__}; pass the float model, before apply_scheme")
+    captured = []
+    hook = head.register_forward_hook(
+        lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    try:
+        for ids in evaluate.prompt_batches(tokenizer, texts):
+            model(input_ids=ids)
+    finally:
+        hook.remove()
+    hidden = torch.cat(captured)
+    exact = torch.nn.functional.linear(hidden, head.weight).float()
+    quantized = quant.quantized_linear(head.weight.detach(), fmt, "lm_head.weight")(hidden).float()
+    top2 = exact.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    max_error = float((quantized - exact).abs().max())
+    return {
+        "positions": int(hidden.shape[0]),
+        "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
+        "max_abs_logit_error": max_error,
+        "margin_min": float(margin.min()),
+        "margin_median": float(margin.median()),
+        "near_ties": int((margin < 2 * max_error).sum()),
+    }
+
+
+def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
+                  dtypes=(torch.bfloat16, torch.float32)):
+    """:func:`evaluate_scheme` for every scheme, once per compute dtype; one row per scheme.
+
+    The first dtype (bf16, the port's) gives every column; each further dtype adds
+    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>``: in fp32 compute the only difference from the
+    reference is the quantization itself, so those columns isolate its cost from bf16 rounding.
+    Returns ``(results, models, reports, greedy)``, the last three keyed by scheme (first dtype).
+    """
+    models, reports, greedy, rows = {}, {}, {}, {}
+    for name in schemes:
+        key = name if isinstance(name, str) else str(name)
+        first, *others = dtypes
+        models[key], summary, reports[key], greedy[key] = evaluate_scheme(
+            reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
+        for dtype in others:
+            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, reference_greedy=reference_greedy,
+                                    steps=steps, device=device)[1]
+            label = str(dtype).replace("torch.", "")
+            summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
+            summary[f"kl_mean_{label}"] = extra["kl_mean"]
+        rows[key] = summary
+    results = pd.DataFrame(rows).T
+    results.index.name = "scheme"
+    return results, models, reports, greedy
+
+
+def score_findings(results, weight_errors, reference_recall: float) -> dict:
+    """What the tables of :func:`score_schemes` say, as values a notebook can word its sentences from.
+
+    ``results``: the scores (with the ``*_float32`` columns; must hold ``bf16``); ``weight_errors``:
+    the per-group reports stacked with a ``scheme`` column; ``reference_recall``: the fp32 model's
+    fact recall. Returns ``kept`` / ``changed`` (schemes that keep / lose the reference's fact recall
+    or a greedy answer), ``bf16_disagreement`` (1 - bf16's top-1 agreement: bf16 rounding alone),
+    ``top1_spread`` (largest |top-1 agreement - bf16's| of the other schemes, bf16 compute) and
+    ``top1_both_sides`` (some above bf16's, some below), ``kl_order`` (the quantized schemes by KL in
+    fp32 compute, smallest first), ``experts_by_kl`` / ``experts_by_weight_error`` (the experts-only
+    schemes ordered by that KL and by their experts' relative weight error), ``follows_weight_error``
+    (the two orders agree), and, where the schemes are scored, ``shared_mlp_kl_added`` (fp32-compute
+    KL that an int8 dense MLP adds to int8 experts) and ``lm_head_kl_added`` (what the squeeze's int8
+    lm_head adds on top of both).
+    """
+    kept = results.index[(results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)]
+    quantized = results.drop(index="bf16")
+    top1_delta = quantized["top1_agreement"] - results.loc["bf16", "top1_agreement"]
+    experts_only = [s for s in quantized.index if set(quant.resolve_scheme(s)) == {"experts"}]
+    expert_errors = weight_errors[weight_errors["group"] == "experts"].set_index("scheme")["rel_error"]
+    experts_by_kl = list(quantized.loc[experts_only, "kl_mean_float32"].sort_values().index)
+    experts_by_error = list(expert_errors.loc[experts_only].sort_values().index)
+    kl = results["kl_mean_float32"]
+    has = set(results.index).issuperset
+    return {
+        "kept": list(kept), "changed": [s for s in results.index if s not in kept],
+        "bf16_disagreement": 1.0 - float(results.loc["bf16", "top1_agreement"]),
+        "top1_spread": float(top1_delta.abs().max()),
+        "top1_both_sides": bool((top1_delta > 0).any() and (top1_delta < 0).any()),
+        "kl_order": list(quantized["kl_mean_float32"].sort_values().index),
+        "experts_by_kl": experts_by_kl, "experts_by_weight_error": experts_by_error,
+        "follows_weight_error": experts_by_kl == experts_by_error,
+        "shared_mlp_kl_added": float(kl["int8_experts_shared_mlp"] - kl["int8_experts"])
+        if has({"int8_experts", "int8_experts_shared_mlp"}) else None,
+        "lm_head_kl_added": float(kl["int8_squeeze"] - kl["int8_experts_shared_mlp"])
+        if has({"int8_experts_shared_mlp", "int8_squeeze"}) else None,
+    }
+
+
+def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True) -> None:
+    """Schemes as labelled points of ``results[x]`` (cost, lower is better) vs ``results[y]``, with the Pareto front.
+
+    A scheme is on the front when no other scheme is both cheaper (or as cheap) and better.
+    """
+    points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
+    best = points[y].cummax() if higher_is_better else points[y].cummin()
+    front = points[points[y] == best]
+    _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
+    _ = ax.scatter(points[x], points[y], zorder=2)
+    # stagger the labels of points that sit at the same height, so they stay readable
+    for i, (name, row) in enumerate(points.iterrows()):
+        _ = ax.annotate(name, (row[x], row[y]), xytext=(4, (4, -11, 15)[i % 3]), textcoords="offset points",
+                        fontsize=8)
+    _ = ax.legend(loc="best")
