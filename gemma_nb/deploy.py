@@ -4,7 +4,7 @@ The port deployed a 26B model on a 16 GB host because the host never held the mo
 
 - **slim**: the model's *structure* is built on the meta device (no memory), the host loads only
   the embedding table with its scale (``gemma_nb.embedding.HostEmbedding``), and the compiled
-  artifact's weights go to the device (on the cpu target: ``gemma_nb.compile``'s programs run on
+  artifact's weights go to the device (on the cpu target: ``gemma_nb.export``'s programs run on
   memory-mapped safetensors, read from the page cache as the steps touch them). Greedy decoding
   is host embed -> device body -> argmax on the host.
 - **naive**: what it would have taken without that path: ``from_pretrained`` of the whole model in
@@ -18,6 +18,17 @@ The squeeze on the cpu (``int8_squeeze``): the ``int8_squeeze`` scheme of ``gemm
 (int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
 embedding stay float), with the experts run as ``Int8Experts``: static shapes, which
 ``torch.export`` can trace (``quant.QuantizedExperts``' eager loop over the routed experts cannot).
+
+Command (what ``measure_deploy`` and ``measure_compile`` run in a fresh interpreter)::
+
+    python -m gemma_nb.deploy '{"kind": "slim" | "naive" | "compile", "source": ..., "prompt": [ids],
+                                "max_new_tokens": n, "folder": ..., "shapes": {...}}'
+
+JSON contract: ``kind`` ``slim`` / ``naive`` runs ``run_deploy`` on ``source`` (an artifact folder
+or a checkpoint); ``compile`` runs ``compile_checkpoint`` from ``source`` into ``folder``
+(``shapes``: ``StepShapes`` fields, optional). The command prints one JSON object, the function's
+result (plus ``self_peak_rss_bytes`` for ``compile``), on its **last stdout line**, which
+``gemma_nb.hostmem.run_measured`` reads; anything printed earlier is ignored.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from gemma_nb import compile as compile_mod
+from gemma_nb import export
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
@@ -208,7 +219,7 @@ def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> 
 
 
 @torch.inference_mode()
-def decode_latency(model: nn.Module, programs, shapes: compile_mod.StepShapes, prompt: torch.Tensor,
+def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt: torch.Tensor,
                    steps: int = 12, warmup: int = 2) -> dict:
     """Median ms per decode step: the exported decode program vs the eager model, same weights.
 
@@ -221,14 +232,14 @@ def decode_latency(model: nn.Module, programs, shapes: compile_mod.StepShapes, p
 
     from transformers import DynamicCache
 
-    exported = compile_mod.exported_runner(model, programs, shapes)
+    exported = export.exported_runner(model, programs, shapes)
     prompt_len = prompt.shape[1]
     if prompt_len > shapes.prefill_len or prompt_len + steps + warmup > shapes.max_cache_len:
         raise ValueError(
             f"a {prompt_len}-token prompt and {steps + warmup} decode steps do not fit prefill_len="
             f"{shapes.prefill_len} / max_cache_len={shapes.max_cache_len}: time fewer steps or compile larger shapes"
         )
-    kv = compile_mod.new_kv_cache(exported.kv_shapes, exported.dtype)
+    kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
     padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
     padded[:, :prompt_len] = prompt
     logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]),
@@ -258,13 +269,13 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
     """
     from gemma_nb.evaluate import greedy_generate
 
-    step_shapes = compile_mod.StepShapes(**(shapes or {}))
+    step_shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
-    compile_mod.set_traceable_experts(model)
+    export.set_traceable_experts(model)
     ids = torch.tensor([prompt])
     reference = greedy_generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
-    report = compile_mod.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
+    report = export.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
                                        reference_tokens={"prompt": list(prompt), "tokens": reference})
     latency = decode_latency(model, report.programs, step_shapes, ids, steps=latency_steps)
     return {**report.as_dict(), **latency, "reference_tokens": reference}
@@ -300,11 +311,11 @@ class SlimDeploy:
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
-        manifest = compile_mod.check_artifact(folder)
+        manifest = export.check_artifact(folder)
         self.manifest = manifest
         self.skeleton = model_skeleton(_config_from(manifest))
-        self.host = host_embedding_for(self.skeleton, compile_mod.host_embedding_path(folder))
-        self.artifact = compile_mod.load_artifact(folder)
+        self.host = host_embedding_for(self.skeleton, export.host_embedding_path(folder))
+        self.artifact = export.load_artifact(folder)
         self.runner = self.artifact.runner(self.host)
 
     def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
@@ -456,8 +467,8 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
     reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
 
 
-def _main(argv: list[str]) -> None:
-    """``python -m gemma_nb.deploy '<job json>'``: one deploy or compile; prints a JSON result line."""
+def main(argv: list[str]) -> None:
+    """``python -m gemma_nb.deploy '<job json>'``: one deploy or compile (the module docstring's JSON contract)."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         from gemma_nb.hostmem import self_peak_rss_bytes
@@ -472,4 +483,4 @@ def _main(argv: list[str]) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_grad_enabled(False)
-    _main(sys.argv[1:])
+    main(sys.argv[1:])

@@ -146,14 +146,14 @@ class TransformersRuntime:
 class DeployRuntime:
     """The slim deploy (``gemma_nb.deploy.SlimDeploy``): host embedding -> compiled prefill / decode steps.
 
-    ``runner`` is the deploy's ``gemma_nb.compile.StepRunner`` (its two programs, weights, host
+    ``runner`` is the deploy's ``gemma_nb.export.StepRunner`` (its two programs, weights, host
     embedding and KV-cache shapes); this drives it one step at a time, as ``StepRunner.generate``
     does in one loop, so the server can sample, stream and stop between tokens. The prefill runs
     on a fixed bucket of ``max_prompt_tokens`` positions; the cache holds ``max_cache_len``.
     """
 
     def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
-        from gemma_nb.compile import new_kv_cache
+        from gemma_nb.export import new_kv_cache
 
         self.runner, self.tokenizer = runner, tokenizer
         self.max_context = _context_limit(max_context, runner.shapes.max_cache_len)
@@ -279,7 +279,7 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
         runtime = "deploy" if target == "cpu" else "transformers"
     if runtime == "deploy":
         if target != "cpu":
-            raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.compile; on {target} use --runtime transformers")
+            raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.export; on {target} use --runtime transformers")
         return load_deploy_runtime(model_id, artifact=artifact, max_context=max_context, prefill_len=prefill_len)
     from gemma_nb.modelio import load_model
 
@@ -289,13 +289,13 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
 
 def compile_for_serving(model_id: str, folder: str, max_cache_len: int, prefill_len: int) -> None:
     """The deploy's artifact for ``model_id``: full model on the host, int8 squeeze, export (notebooks 04/05)."""
-    from gemma_nb import compile as compile_mod
+    from gemma_nb import export
     from gemma_nb import deploy
 
     model = deploy.load_full_model(model_id)
     deploy.int8_squeeze(model)
-    shapes = compile_mod.StepShapes(max_cache_len=max_cache_len, prefill_len=min(prefill_len, max_cache_len))
-    compile_mod.compile_model(model, folder, shapes, scheme=deploy.SQUEEZE)
+    shapes = export.StepShapes(max_cache_len=max_cache_len, prefill_len=min(prefill_len, max_cache_len))
+    export.compile_model(model, folder, shapes, scheme=deploy.SQUEEZE)
 
 
 def _tokenizer_and_eos(model_id: str):
@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deploy: the slim deploy of notebook 05 (int8 squeeze, compiled steps); transformers: "
                              "the model as transformers loads it (default auto: deploy on cpu, transformers on cuda)")
     parser.add_argument("--artifact", default=None,
-                        help="a compiled artifact folder: gemma_nb.compile's for the cpu slim deploy (without it the "
+                        help="a compiled artifact folder: gemma_nb.export's for the cpu slim deploy (without it the "
                              "model is compiled into a temporary folder at start-up), gemma_nb.neuron.build's on neuron "
                              "(required there: it holds the tokenizer too, --model-id is then only the served name)")
     parser.add_argument("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN,

@@ -7,7 +7,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import compile as C  # noqa: E402
+from gemma_nb import export  # noqa: E402
 from gemma_nb import deploy as D  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
@@ -85,7 +85,7 @@ def test_slim_deploy_refuses_a_bad_embedding_scale(compiled, tmp_path):
 
     artifact = tmp_path / "artifact"
     shutil.copytree(compiled[0], artifact)
-    path = C.host_embedding_path(artifact)
+    path = export.host_embedding_path(artifact)
     table = HostEmbedding.from_file(path).weight
     HostEmbedding(table, 1.0).save(path)  # the story's bug: the table without its sqrt(H) scale
     with pytest.raises(EmbeddingScaleError, match="embed_scale"):
@@ -98,7 +98,7 @@ def test_slim_deploy_names_a_missing_file(compiled, tmp_path):
     artifact = tmp_path / "artifact"
     shutil.copytree(compiled[0], artifact)
     (artifact / "embed_tokens.safetensors").unlink()
-    with pytest.raises(C.ArtifactNotFoundError, match="embed_tokens.safetensors not found"):
+    with pytest.raises(export.ArtifactNotFoundError, match="embed_tokens.safetensors not found"):
         D.SlimDeploy(artifact)
     with pytest.raises(ValueError, match="deploy kind 'fat' is not one of slim, naive"):
         D.run_deploy("fat", artifact, PROMPT, 1)

@@ -164,7 +164,7 @@ class OneHotCache:
 
 def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
     """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
-    from gemma_nb.compile import layer_kv_heads
+    from gemma_nb.export import layer_kv_heads
 
     shapes = []
     for h, d in layer_kv_heads(config):
@@ -200,7 +200,7 @@ class NeuronGemma4(nn.Module):
         super().__init__()
         from transformers import Gemma4ForCausalLM
 
-        from gemma_nb.compile import check_exportable_config
+        from gemma_nb.export import check_exportable_config
 
         if experts not in EXPERT_MODES:
             raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}")

@@ -1,4 +1,4 @@
-"""torch.export of the two steps: token-for-token equality with eager decoding, and bad artifacts."""
+"""gemma_nb.export: torch.export of the two steps: token-for-token equality with eager decoding, and bad artifacts."""
 
 import json
 import os
@@ -9,12 +9,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import compile as C  # noqa: E402
+from gemma_nb import export  # noqa: E402
 from gemma_nb.embedding import HostEmbedding  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
-SHAPES = C.StepShapes(max_cache_len=48, prefill_len=16)
+SHAPES = export.StepShapes(max_cache_len=48, prefill_len=16)
 PROMPT = torch.tensor([[5, 17, 99, 3, 250, 7]])
 
 
@@ -26,14 +26,14 @@ def tiny():
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("artifact")
-    report = C.compile_model(tiny, folder, SHAPES)
+    report = export.compile_model(tiny, folder, SHAPES)
     return folder, report
 
 
 @pytest.fixture(scope="module")
 def runner(built):
     folder, _ = built
-    return C.load_artifact(folder).runner(HostEmbedding.from_file(C.host_embedding_path(folder)))
+    return export.load_artifact(folder).runner(HostEmbedding.from_file(export.host_embedding_path(folder)))
 
 
 @pytest.fixture
@@ -48,9 +48,9 @@ def test_exported_steps_match_eager_greedy_on_the_bundled_checkpoint(tmp_path):
     from gemma_nb.tiny import BUNDLED_ID, fact_prompts
 
     model, tokenizer = load_model(BUNDLED_ID)
-    C.compile_model(model, tmp_path, C.StepShapes(max_cache_len=64, prefill_len=24))
-    artifact = C.load_artifact(tmp_path)
-    runner = artifact.runner(HostEmbedding.from_file(C.host_embedding_path(tmp_path)))
+    export.compile_model(model, tmp_path, export.StepShapes(max_cache_len=64, prefill_len=24))
+    artifact = export.load_artifact(tmp_path)
+    runner = artifact.runner(HostEmbedding.from_file(export.host_embedding_path(tmp_path)))
     for prompt in list(fact_prompts())[:2]:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         expected = greedy_generate(model, ids, 30)
@@ -62,15 +62,15 @@ def test_thirty_tokens_match_eager_greedy_and_program_holds_no_weights(tiny, bui
     expected = greedy_generate(tiny, PROMPT, 30)
     assert torch.equal(runner.generate(PROMPT, 30), expected)
     # The un-exported body with the same loop agrees too (so the loop, not export, is tested).
-    assert torch.equal(C.eager_runner(tiny, SHAPES).generate(PROMPT, 30), expected)
-    program, meta = C.load_program(folder / "decode.pt2")
+    assert torch.equal(export.eager_runner(tiny, SHAPES).generate(PROMPT, 30), expected)
+    program, meta = export.load_program(folder / "decode.pt2")
     assert len(program.state_dict) == 0
     # Constants are only rotary frequencies: far below the weights.
     constant_bytes = sum(t.numel() * t.element_size() for t in program.constants.values())
     assert constant_bytes < 10_000
     weight_names = set(meta["weights"])
-    assert "lm_head.weight" in weight_names and C.HOST_EMBEDDING_KEY not in weight_names
-    assert weight_names == set(C.device_weights(tiny))
+    assert "lm_head.weight" in weight_names and export.HOST_EMBEDDING_KEY not in weight_names
+    assert weight_names == set(export.device_weights(tiny))
     assert report.weights_bytes > 10 * sum(report.program_bytes.values()) / 2
 
 
@@ -96,78 +96,78 @@ def test_limits_of_the_static_shapes(runner):
 def test_eager_experts_are_switched_to_a_traceable_implementation():
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), dtype=torch.float32)
     model.set_experts_implementation("eager")
-    assert C.set_traceable_experts(model) == "grouped_mm"
+    assert export.set_traceable_experts(model) == "grouped_mm"
     assert model.config._experts_implementation == "grouped_mm"
     with pytest.raises(ValueError, match="not one of grouped_mm, batched_mm"):
-        C.set_traceable_experts(model, "eager")
+        export.set_traceable_experts(model, "eager")
 
 
 # ---- bad artifacts: each names the file and what was expected --------------------------------
 def test_manifest_names_transformers_experts_by_their_implementation(built, tiny):
     folder, _ = built
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["experts_implementation"] == C.experts_implementation(tiny) == tiny.config._experts_implementation
+    assert manifest["experts_implementation"] == export.experts_implementation(tiny) == tiny.config._experts_implementation
 
 
 @pytest.mark.parametrize("name", ["tp0_weights.safetensors", "decode.pt2", "manifest.json"])
 def test_missing_file(copy, name):
     (copy / name).unlink()
-    with pytest.raises(C.ArtifactNotFoundError, match=f"{name} not found.*expected"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactNotFoundError, match=f"{name} not found.*expected"):
+        export.check_artifact(copy)
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(C.ArtifactError, match="artifact folder nowhere/ not found"):
-        C.load_artifact(tmp_path / "nowhere")
+    with pytest.raises(export.ArtifactError, match="artifact folder nowhere/ not found"):
+        export.load_artifact(tmp_path / "nowhere")
 
 
 def test_load_artifact_runs_the_same_checks(copy):
     (copy / "tp0_weights.safetensors").write_bytes(b"12345")
-    with pytest.raises(C.ArtifactError, match="tp0_weights.safetensors is 5 bytes: too short"):
-        C.load_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors is 5 bytes: too short"):
+        export.load_artifact(copy)
 
 
 def test_truncated_weights(copy):
     path = copy / "tp0_weights.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(C.ArtifactError, match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes"):
+        export.check_artifact(copy)
     path.write_bytes(data[:5])
-    with pytest.raises(C.ArtifactError, match="too short to be a safetensors file"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="too short to be a safetensors file"):
+        export.check_artifact(copy)
 
 
 def test_truncated_program(copy):
     path = copy / "prefill.pt2"
     path.write_bytes(path.read_bytes()[:4000])
-    with pytest.raises(C.ArtifactError, match="prefill.pt2 could not be read as a torch.export program"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="prefill.pt2 could not be read as a torch.export program"):
+        export.check_artifact(copy)
 
 
 def test_wrong_tensor_shape(tiny, copy, built):
-    weights = dict(C.device_weights(tiny))
+    weights = dict(export.device_weights(tiny))
     weights["model.norm.weight"] = torch.ones(7)
-    C.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(C.ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"):
-        C.check_artifact(copy)
+    export.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
+    with pytest.raises(export.ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"):
+        export.check_artifact(copy)
 
 
 def test_wrong_tensor_names(tiny, copy, built):
-    weights = dict(C.device_weights(tiny))
+    weights = dict(export.device_weights(tiny))
     weights["model.layers.0.router.gate.weight"] = weights.pop("model.layers.0.router.proj.weight")
-    C.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(C.ArtifactError, match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
+    export.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
+    with pytest.raises(export.ArtifactError, match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
                                               r"unexpected 1 tensor\(s\) \['model.layers.0.router.gate.weight'\]"):
-        C.check_artifact(copy)
+        export.check_artifact(copy)
 
 
 def test_weights_from_another_config(copy):
     # Same shapes, different model (sliding window): only the config fingerprint tells them apart.
     other = random_gemma4_model(random_gemma4_config(sliding_window=32), seed=1, dtype=torch.float32)
-    C.save_weights(C.device_weights(other), copy / "tp0_weights.safetensors", C.config_fingerprint(other.config))
-    with pytest.raises(C.ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"):
-        C.check_artifact(copy)
+    export.save_weights(export.device_weights(other), copy / "tp0_weights.safetensors", export.config_fingerprint(other.config))
+    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"):
+        export.check_artifact(copy)
 
 
 def test_program_from_another_config(copy):
@@ -179,23 +179,17 @@ def test_program_from_another_config(copy):
         members = {info.filename: source.read(info) for info in source.infolist()}
     with zipfile.ZipFile(path, "w") as target:
         for name, data in members.items():
-            if name.endswith(C.PROGRAM_EXTRA):
+            if name.endswith(export.PROGRAM_EXTRA):
                 meta = json.loads(data)
                 meta["config_sha"] = "0123456789abcdef"
                 data = json.dumps(meta).encode()
             target.writestr(name, data)
-    with pytest.raises(C.ArtifactError, match="decode.pt2 was compiled for config 0123456789abcdef"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="decode.pt2 was compiled for config 0123456789abcdef"):
+        export.check_artifact(copy)
 
 
 def test_corrupt_manifest(copy):
     (copy / "manifest.json").write_text("{not json")
-    with pytest.raises(C.ArtifactError, match="manifest.json is not valid JSON"):
-        C.check_artifact(copy)
+    with pytest.raises(export.ArtifactError, match="manifest.json is not valid JSON"):
+        export.check_artifact(copy)
 
-
-def test_fit_linear_recovers_a_line():
-    fit = C.fit_linear([1, 2, 3, 4], [3.5, 5.5, 7.5, 9.5])
-    assert fit["slope"] == pytest.approx(2.0) and fit["intercept"] == pytest.approx(1.5) and fit["r2"] == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="at least 2 points"):
-        C.fit_linear([1], [2])

@@ -1,0 +1,296 @@
+"""What compiling costs, measured: the size sweep of notebook 04 (compile), its fits, plots and boxes.
+
+``gemma_nb.export`` is the library (export, runner, artifact format); this module is notebook 04's
+experiment around it: ``compile_sweep`` compiles random-weight Gemma-4 configs of growing size
+(``SWEEP_POINTS``), each in a fresh process whose RSS is sampled; ``growth_fits`` / ``fits_table`` /
+``extrapolate`` / ``plot_growth`` turn the sweep into growth laws and a 26B estimate;
+``compile_box_table`` says which inf2 box holds a peak; ``greedy_equality`` and
+``off_by_one_table`` check exported decoding against eager decoding and transformers' own recipe.
+
+Command (what ``measure_sweep_point`` runs in a fresh interpreter)::
+
+    python -m gemma_nb.compile_cost '{"dims": {...}, "folder": "<dir>", "shapes": {...}}'
+
+JSON contract: ``dims`` are ``random_gemma4_config`` keyword arguments, ``shapes`` ``StepShapes``
+fields (optional). The command compiles into ``folder`` and prints one JSON object on its **last
+stdout line** (``gemma_nb.hostmem.run_measured`` reads it): ``layers``, ``import_s``, ``build_s``,
+``held_rss_bytes``, ``weight_bytes``, ``self_peak_rss_bytes`` and the ``CompileReport`` fields
+(``params``, ``export_s``, ``save_s``, ...). Anything printed earlier is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+import psutil
+import torch
+from torch import nn
+
+from gemma_nb.evaluate import greedy_generate
+from gemma_nb.export import StepRunner, StepShapes, compile_model, export_steps, exported_runner, set_traceable_experts
+from gemma_nb.hardware import GB, INSTANCES
+from gemma_nb.hostmem import run_measured, self_peak_rss_bytes
+
+# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
+# four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
+# grows, the parameters barely), so time can be split into a per-layer and a per-byte part.
+_SMALL = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              global_head_dim=128, num_global_key_value_heads=1, num_experts=16, top_k_experts=2,
+              moe_intermediate_size=128, vocab_size=8192)
+SWEEP_POINTS: dict[str, dict] = {
+    "w256_l2": {**_SMALL, "num_hidden_layers": 2},
+    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
+    "w1024_l2": dict(hidden_size=1024, intermediate_size=1152, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                     global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
+                     moe_intermediate_size=384, vocab_size=32768, num_hidden_layers=2),
+    "w1536_l2": dict(hidden_size=1536, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                     global_head_dim=256, num_global_key_value_heads=2, num_experts=96, top_k_experts=8,
+                     moe_intermediate_size=512, vocab_size=32768, num_hidden_layers=2),
+    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
+                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
+}
+
+
+def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None, seed: int = 0,
+                dtype: str = "bfloat16") -> dict:
+    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``; return figures.
+
+    Meant to run in a fresh process (``measure_sweep_point``) so its peak RSS is its own.
+    ``held_rss_bytes``: the process's RSS with the model built, just before the export starts.
+    """
+    start = time.perf_counter()
+    # imported here, not at the top, because this import is what import_s times (in a fresh process)
+    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
+
+    import_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
+    build_s = time.perf_counter() - start
+    held = psutil.Process().memory_info().rss
+    report = compile_model(model, folder, StepShapes(**(shapes or {})))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    return {"layers": model.config.num_hidden_layers, "import_s": import_s, "build_s": build_s,
+            "held_rss_bytes": held, "weight_bytes": weight_bytes, **report.as_dict()}
+
+
+def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
+                        interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
+    """Run ``sweep_point`` in a fresh Python, sampling the RSS of that process and its children."""
+    job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
+    run = run_measured([sys.executable, "-m", "gemma_nb.compile_cost", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes,
+            "wall_s": run.wall_s}
+
+
+def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
+                  keep: bool = False):
+    """``measure_sweep_point`` for each named config, one fresh process each; a DataFrame.
+
+    Each point's artifact is deleted after it is measured unless ``keep`` (they are only timed).
+    Columns: params, layers, weight_gb, held_rss_gb (model built), peak_rss_gb (sampled, process
+    tree), peak_hwm_gb (kernel high-water mark), export_s, save_s, compile_s (= export + save),
+    build_s, wall_s (the whole process, interpreter start to exit).
+    """
+    rows = []
+    for name, dims in points.items():
+        target = Path(folder) / name
+        result = measure_sweep_point(dims, target, shapes)
+        if not keep:
+            shutil.rmtree(target, ignore_errors=True)
+        rows.append({
+            "point": name, "params": result["params"], "layers": result["layers"],
+            "weight_gb": result["weight_bytes"] / 1e9, "held_rss_gb": result["held_rss_bytes"] / 1e9,
+            "peak_rss_gb": result["peak_rss_bytes"] / 1e9, "peak_hwm_gb": result["peak_hwm_bytes"] / 1e9,
+            "export_s": result["export_s"], "save_s": result["save_s"],
+            "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"],
+        })
+    return pd.DataFrame(rows).set_index("point")
+
+
+def fit_linear(x, y) -> dict:
+    """Least-squares ``y = intercept + slope * x``; returns slope, intercept and r^2."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.size < 2:
+        raise ValueError(f"need at least 2 points to fit a line, got {x.size}")
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (intercept + slope * x)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - (residual**2).sum() / total if total > 0 else 1.0
+    return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2)}
+
+
+def fit_linear_multi(features: Mapping[str, "object"], y) -> dict:
+    """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
+    names = list(features)
+    y = np.asarray(y, dtype=float)
+    columns = [np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names]
+    design = np.stack(columns, axis=1)
+    if design.shape[0] < design.shape[1]:
+        raise ValueError(f"need at least {design.shape[1]} points to fit {len(names)} features, got {design.shape[0]}")
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ coef
+    total = ((y - y.mean()) ** 2).sum()
+    return {"intercept": float(coef[0]), **{n: float(c) for n, c in zip(names, coef[1:])},
+            "r2": float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0}
+
+
+def growth_fits(sweep) -> dict:
+    """The sweep's growth laws: peak RSS (GB) linear in parameters; compile seconds linear in layers
+    and weight GB (exporting a graph costs per layer; writing weights costs per byte)."""
+    return {
+        "rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
+        "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"]),
+    }
+
+
+def fits_table(fits: Mapping):
+    """The two growth laws as readable rows, coefficients in their units."""
+    rss, cost = fits["rss"], fits["time"]
+    return pd.DataFrame([
+        {"law": "peak RSS (GB) = a + b x params", "a": rss["intercept"], "b": rss["slope"] * 1e9,
+         "b unit": "bytes per parameter", "c": None, "c unit": "", "r2": rss["r2"]},
+        {"law": "compile (s) = a + b x layers + c x weight GB", "a": cost["intercept"], "b": cost["layers"],
+         "b unit": "s per layer", "c": cost["weight_gb"], "c unit": "s per GB", "r2": cost["r2"]},
+    ]).set_index("law")
+
+
+def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> dict:
+    """Both fits evaluated at a model of ``params`` parameters, ``layers`` layers, ``weight_gb`` GB."""
+    rss, cost = fits["rss"], fits["time"]
+    seconds = cost["intercept"] + cost["layers"] * layers + cost["weight_gb"] * weight_gb
+    return {"peak_rss_gb": rss["intercept"] + rss["slope"] * params, "compile_s": seconds,
+            "compile_min": seconds / 60, "rss_bytes_per_param": rss["slope"] * 1e9}
+
+
+def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
+    """Measured points and fitted lines: peak RSS and compile time against parameters (millions).
+
+    The time lines are the fit at each layer count of the sweep, with weights of 2 bytes per
+    parameter (bf16).
+    """
+    params = np.linspace(0, sweep["params"].max() * 1.05, 50)
+    rss, cost = fits["rss"], fits["time"]
+    for layers, group in sweep.groupby("layers"):
+        points = ax_rss.scatter(group["params"] / 1e6, group["peak_rss_gb"], label=f"{layers} layers", zorder=3)
+        ax_time.scatter(group["params"] / 1e6, group["compile_s"], label=f"{layers} layers", zorder=3)
+        seconds = cost["intercept"] + cost["layers"] * layers + cost["weight_gb"] * 2 * params / 1e9
+        ax_time.plot(params / 1e6, seconds, color=points.get_facecolor()[0], linewidth=1)
+    ax_rss.plot(params / 1e6, rss["intercept"] + rss["slope"] * params, color="0.4",
+                label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} bytes/param")
+    for ax, label in ((ax_rss, "peak host RSS (GB)"), (ax_time, "export + save (s)")):
+        ax.set_xlabel("parameters (millions)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=9)
+
+
+def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts, max_new_tokens: int):
+    """Per prompt: eager greedy continuation vs the two-step runner's; tokens equal or not."""
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        eager = greedy_generate(reference, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+        exported = runner.generate(ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+        same = sum(a == b for a, b in zip(eager, exported))
+        rows.append({"prompt": prompt, "continuation": tokenizer.decode(exported[:8]),
+                     "tokens_equal": f"{same}/{len(eager)}", "match": eager == exported})
+    return pd.DataFrame(rows)
+
+
+def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0):
+    """Which inf2 instance can hold a compile's peak host memory, with and without swap, and its cost.
+
+    ``peak_host_gb``: label -> peak host RAM in GB (e.g. the story's 180 and this notebook's lower
+    bound); ``compile_hours``: label -> hours of one compile, priced at each instance's on-demand
+    rate. Host RAM in GB (10^9 bytes), converted from the catalog's GiB.
+    """
+    rows = []
+    for inst in INSTANCES.values():
+        row = {"instance": inst.name, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": inst.usd_per_hour}
+        for label, peak in peak_host_gb.items():
+            row[f"holds {label}"] = inst.host_ram_bytes / GB >= peak
+            row[f"holds {label} + {swap_gb:.0f} GB swap"] = inst.host_ram_bytes / GB + swap_gb >= peak
+        for label, hours in compile_hours.items():
+            row[f"usd {label}"] = inst.usd_per_hour * hours
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("instance")
+
+
+def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                               max_cache_len: int = 128) -> list[int]:
+    """New tokens from transformers' own recipe: ``convert_and_export_with_cache`` (1-token decode,
+    StaticCache) and ``TorchExportableModuleWithStaticCache.generate``, whose loop feeds each
+    generated token one position too far (see the module docstring).
+    """
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
+
+    set_traceable_experts(model)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(
+        use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
+    )
+    try:
+        program = convert_and_export_with_cache(model, strict=False)
+    finally:
+        model.generation_config = saved
+    out = TorchExportableModuleWithStaticCache.generate(_UnliftOnce(program), input_ids, max_new_tokens)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+class _UnliftOnce:
+    """An exported program whose ``module()`` is built once: transformers' ``generate`` calls it
+    for every token (the same module each time, its KV buffers shared), which costs seconds."""
+
+    def __init__(self, program):
+        self.program = program
+        self._module = program.module()
+
+    def module(self):
+        return self._module
+
+    def named_buffers(self):
+        return self.program.named_buffers()
+
+
+def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
+                     runners: Mapping[str, StepRunner] | None = None):
+    """Per model: how many greedy tokens transformers' export recipe and this module's exported
+    steps get equal to eager decoding (same prompt, ``max_new_tokens`` each). ``runners``: already
+    exported steps for some of the models (the others are exported here)."""
+    prompt = input_ids.shape[1]
+    shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
+    rows = []
+    for name, model in models.items():
+        eager = greedy_generate(model, input_ids, max_new_tokens)[0, prompt:].tolist()
+        recipe = transformers_recipe_tokens(model, input_ids, max_new_tokens, shapes.max_cache_len)
+        runner = (runners or {}).get(name) or exported_runner(model, export_steps(model, shapes), shapes)
+        ours = runner.generate(input_ids, max_new_tokens)[0, prompt:].tolist()
+        for loop, tokens in (("transformers recipe + its generate", recipe), ("gemma_nb export_steps + StepRunner", ours)):
+            rows.append({"model": name, "loop": loop, "tokens_equal_to_eager": sum(a == b for a, b in zip(eager, tokens)),
+                         "of": len(eager)})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m gemma_nb.compile_cost '<job json>'``: one sweep point; prints the result as the last stdout line."""
+    job = json.loads(argv[0])
+    result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
+    result["self_peak_rss_bytes"] = self_peak_rss_bytes()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main(sys.argv[1:])
