@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -1018,38 +1016,3 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
         "host_embedding_gb": squeeze.table.set_index("group").loc["embeddings", "host_bytes"] / GB,
         "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes_per_token(config, tp, "bf16")),
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Does a computed figure agree with the story's?
-# --------------------------------------------------------------------------------------------
-
-_QUOTED_RANGE = re.compile(r"~(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?)")
-
-
-def claim_range(key: str) -> tuple[float, float]:
-    """The values the story's figure ``gemma_nb.story.CLAIMS[key]`` stands for, as ``(low, high)``.
-
-    A figure the write-up quoted as a range ("~3-4 GB", "~12-13 GB" in the claim's text, stored as
-    its midpoint) stands for that range. Any other figure stands for its value plus or minus one
-    unit of its last written decimal, the write-up's own rounding: 45.6 GB for 45.5-45.7 GB, 1.48 GB
-    for 1.47-1.49 GB. Notebooks use it to word a verdict ("holds", "does not hold") from the values.
-    """
-    from gemma_nb.story import CLAIMS
-
-    if key not in CLAIMS:
-        raise ValueError(f"claim {key!r} is not in gemma_nb.story.CLAIMS; pass one of its keys "
-                         f"(e.g. {next(iter(CLAIMS))!r}) or add the claim there with its source")
-    claim = CLAIMS[key]
-    quoted = _QUOTED_RANGE.search(claim.text)
-    if quoted:
-        return float(quoted.group(1)), float(quoted.group(2))
-    value = Decimal(repr(float(claim.value)))
-    unit = Decimal(1).scaleb(value.as_tuple().exponent)
-    return float(value - unit), float(value + unit)
-
-
-def agrees_with_claim(key: str, computed: float) -> bool:
-    """Whether ``computed`` lies within :func:`claim_range` of the story's figure ``key`` (ends included)."""
-    low, high = claim_range(key)
-    return low <= float(computed) <= high

@@ -1,16 +1,32 @@
-"""What the source write-ups claimed, with where each figure comes from.
+"""What the source write-ups claimed, with where each figure comes from, and when a computed value agrees.
 
 These are the only literal result figures in the project. Notebooks compute their own values and
 show them beside these with ``compare``; nothing here is ever used as a computed result.
 ``Claim.source`` names one or more keys (comma-separated) of ``docs/sources.md``, which says what
 each source is and where to read it: e.g. ``port-review`` (a review of the port's write-up),
 ``port-card`` (the port's model card), ``inferentia2-arch`` (AWS Neuron docs).
+
+``Claim.within`` is the range of values the figure stands for, written out beside it (never parsed
+from its text): a figure the write-up quoted as a range ("~3-4 GB", stored as its midpoint) stands
+for that range; any other figure for its value plus or minus one unit of its last written decimal,
+the write-up's own rounding (45.6 GB for 45.5-45.7 GB). ``agrees_with_claim`` words a notebook's
+verdict ("holds", "does not hold") from it. An unknown claim key raises ``UnknownClaim`` everywhere
+(``story``, ``metrics``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
+
+import pandas as pd
+
+
+class UnknownClaim(KeyError, ValueError):
+    """A claim key that is not in ``CLAIMS`` (a ``KeyError`` for lookups, a ``ValueError`` for arguments)."""
+
+    def __str__(self) -> str:  # KeyError's own str() would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -19,55 +35,103 @@ class Claim:
     unit: str
     text: str
     source: str
+    within: tuple[float, float]  # (low, high): the values this figure stands for, ends included
+
+    def __post_init__(self):
+        low, high = self.within
+        if not low <= self.value <= high:
+            raise ValueError(f"claim {self.text!r}: value {self.value} lies outside its range {self.within}")
 
 
 CLAIMS: dict[str, Claim] = {
     # 01 memory arithmetic
-    "experts_bf16_gb": Claim(45.6, "GB", "bf16 routed experts, whole model", "port-review, port-card"),
-    "experts_share_pct": Claim(93.0, "%", "experts' share of the weights", "port-review"),
-    "experts_bf16_gb_per_rank": Claim(22.8, "GB", "bf16 experts per rank at TP=2", "port-review"),
-    "experts_int8_gb_per_rank": Claim(11.4, "GB", "int8 experts per rank at TP=2", "port-review"),
-    "int8_experts_gap_gb": Claim(3.5, "GB", "int8-experts build short of HBM by ~3-4 GB", "port-review"),
-    "int8_experts_non_expert_gb": Claim(3.5, "GB", "the ~3-4 GB gap read as what else besides the experts sits in HBM per rank", "port-review"),
-    "lm_head_bf16_gb_per_rank": Claim(1.48, "GB", "replicated bf16 tied lm_head per rank", "port-review"),
-    "lm_head_int8_sharded_gb_per_rank": Claim(0.37, "GB", "int8 lm_head sharded over 2 ranks, per rank", "port-review"),
-    "lm_head_released_gb_per_rank": Claim(1.11, "GB", "released per rank by sharding int8 lm_head", "port-review"),
-    "shared_mlp_int8_saving_gb_per_rank": Claim(0.27, "GB", "saved per rank by int8 shared MLP", "port-review"),
-    "final_residency_gb_per_rank": Claim(12.5, "GB", "final residency per rank, ~12-13 GB", "port-review"),
-    "hbm_per_core_gb": Claim(16.0, "GB", "HBM per NeuronCore on inf2", "port-review, inferentia2-arch"),
-    "total_params_b": Claim(25.2, "B", "total parameters (model card)", "gemma4-model-card"),
-    "active_params_b": Claim(3.8, "B", "active parameters per token (model card)", "gemma4-model-card"),
-    "active_params_port_card_b": Claim(3.2, "B", "active parameters per token (the port's own card, ~3.2B)", "port-card"),
-    "experts_share_all_weights_pct": Claim(90.51, "%", "routed experts' share of all weights (meta-device count)", "meta-device-count"),
-    "kv_cache_bytes_per_token_per_rank": Claim(112640.0, "B", "bf16 KV cache per token per rank at TP=2", "meta-device-count"),
+    "experts_bf16_gb": Claim(45.6, "GB", "bf16 routed experts, whole model", "port-review, port-card",
+                             within=(45.5, 45.7)),
+    "experts_share_pct": Claim(93.0, "%", "experts' share of the weights", "port-review",
+                               within=(92.9, 93.1)),
+    "experts_bf16_gb_per_rank": Claim(22.8, "GB", "bf16 experts per rank at TP=2", "port-review",
+                                      within=(22.7, 22.9)),
+    "experts_int8_gb_per_rank": Claim(11.4, "GB", "int8 experts per rank at TP=2", "port-review",
+                                      within=(11.3, 11.5)),
+    "int8_experts_gap_gb": Claim(3.5, "GB", "int8-experts build short of HBM by ~3-4 GB", "port-review",
+                                 within=(3.0, 4.0)),
+    "int8_experts_non_expert_gb": Claim(3.5, "GB", "the ~3-4 GB gap read as what else besides the experts sits in HBM per rank", "port-review",
+                                        within=(3.0, 4.0)),
+    "lm_head_bf16_gb_per_rank": Claim(1.48, "GB", "replicated bf16 tied lm_head per rank", "port-review",
+                                      within=(1.47, 1.49)),
+    "lm_head_int8_sharded_gb_per_rank": Claim(0.37, "GB", "int8 lm_head sharded over 2 ranks, per rank", "port-review",
+                                              within=(0.36, 0.38)),
+    "lm_head_released_gb_per_rank": Claim(1.11, "GB", "released per rank by sharding int8 lm_head", "port-review",
+                                          within=(1.1, 1.12)),
+    "shared_mlp_int8_saving_gb_per_rank": Claim(0.27, "GB", "saved per rank by int8 shared MLP", "port-review",
+                                                within=(0.26, 0.28)),
+    "final_residency_gb_per_rank": Claim(12.5, "GB", "final residency per rank, ~12-13 GB", "port-review",
+                                         within=(12.0, 13.0)),
+    "hbm_per_core_gb": Claim(16.0, "GB", "HBM per NeuronCore on inf2", "port-review, inferentia2-arch",
+                             within=(15.9, 16.1)),
+    "total_params_b": Claim(25.2, "B", "total parameters (model card)", "gemma4-model-card",
+                            within=(25.1, 25.3)),
+    "active_params_b": Claim(3.8, "B", "active parameters per token (model card)", "gemma4-model-card",
+                             within=(3.7, 3.9)),
+    "active_params_port_card_b": Claim(3.2, "B", "active parameters per token (the port's own card, ~3.2B)", "port-card",
+                                       within=(3.1, 3.3)),
+    "experts_share_all_weights_pct": Claim(90.51, "%", "routed experts' share of all weights (meta-device count)", "meta-device-count",
+                                           within=(90.5, 90.52)),
+    "kv_cache_bytes_per_token_per_rank": Claim(112640.0, "B", "bf16 KV cache per token per rank at TP=2", "meta-device-count",
+                                               within=(112639.9, 112640.1)),
     # 04/05 compile and deploy
-    "compile_peak_host_gb": Claim(180.0, "GB", "peak host RAM to compile", "port-review"),
-    "compile_minutes": Claim(40.0, "min", "compile wall time on inf2.8xlarge + 100 GB swap", "port-review"),
-    "neff_gb": Claim(26.7, "GB", "compiled NEFF size", "port-review"),
-    "host_embedding_gb": Claim(1.48, "GB", "embed_tokens.pt loaded on the host", "port-review"),
-    "neff_load_s": Claim(112.0, "s", "NEFF load time at deploy", "port-review"),
-    "deploy_peak_rss_gb": Claim(11.0, "GB", "host RSS peak while deploying", "port-card"),
-    "cold_start_s": Claim(490.0, "s", "fresh spot instance to ready", "port-review"),
+    "compile_peak_host_gb": Claim(180.0, "GB", "peak host RAM to compile", "port-review",
+                                  within=(179.9, 180.1)),
+    "compile_minutes": Claim(40.0, "min", "compile wall time on inf2.8xlarge + 100 GB swap", "port-review",
+                             within=(39.9, 40.1)),
+    "neff_gb": Claim(26.7, "GB", "compiled NEFF size", "port-review",
+                     within=(26.6, 26.8)),
+    "host_embedding_gb": Claim(1.48, "GB", "embed_tokens.pt loaded on the host", "port-review",
+                               within=(1.47, 1.49)),
+    "neff_load_s": Claim(112.0, "s", "NEFF load time at deploy", "port-review",
+                         within=(111.9, 112.1)),
+    "deploy_peak_rss_gb": Claim(11.0, "GB", "host RSS peak while deploying", "port-card",
+                                within=(10.9, 11.1)),
+    "cold_start_s": Claim(490.0, "s", "fresh spot instance to ready", "port-review",
+                          within=(489.9, 490.1)),
     # 06 embedding scale
-    "embed_scale": Claim(53.0, "x", "Gemma4TextScaledWordEmbedding scale, sqrt(hidden) ~ 53", "port-review"),
+    "embed_scale": Claim(53.0, "x", "Gemma4TextScaledWordEmbedding scale, sqrt(hidden) ~ 53", "port-review",
+                         within=(52.9, 53.1)),
     # 07 decode
-    "prefill_s": Claim(0.25, "s", "prefill time", "port-card"),
-    "decode_tok_s": Claim(6.0, "tok/s", "decode speed of the DenseExperts deploy", "port-card"),
-    "dense_flops_waste_x": Claim(16.0, "x", "wasted expert FLOPs, 128 computed vs 8 routed", "port-review"),
-    "answer_500_tokens_s": Claim(83.0, "s", "time for a 500-token answer", "port-review"),
-    "dense_roofline_tok_s": Claim(33.0, "tok/s", "DenseExperts bandwidth roofline on inf2.xlarge", "inf2-roofline"),
-    "sparse_roofline_tok_s": Claim(178.0, "tok/s", "top-8 gather bandwidth roofline on inf2.xlarge", "inf2-roofline"),
-    "dense_gb_per_token": Claim(26.4, "GB", "bytes read per token by DenseExperts (int8 experts/MLP/head, bf16 attention)", "inf2-roofline"),
-    "sparse_gb_per_token": Claim(4.9, "GB", "bytes read per token with a top-8 gather", "inf2-roofline"),
-    "dense_gflop_per_token": Claim(46.0, "GFLOP", "compute per token, DenseExperts", "inf2-roofline"),
-    "upcast_hypothesis_gb_per_token": Claim(118.0, "GB", "HYPOTHESIS: traffic per token if int8 experts are upcast to a bf16 copy each step", "inf2-roofline"),
-    "upcast_hypothesis_tok_s": Claim(7.5, "tok/s", "HYPOTHESIS: decode speed under that upcast traffic", "inf2-roofline"),
-    "cpu_read_gb_s": Claim(24.0, "GB/s", "read bandwidth of the 2-core reference box", "reference-box"),
-    "cpu_layer_dense_bf16_ms": Claim(96.0, "ms", "one full-size MoE layer, all 128 experts, bf16, 1 token", "reference-box"),
-    "cpu_layer_grouped_mm_bf16_ms": Claim(7.8, "ms", "one full-size MoE layer, transformers grouped_mm, bf16, 1 token", "reference-box"),
-    "nxdi_trn2_tok_s": Claim(117.5, "tok/s", "NxDI contrib port on trn2.48xlarge TP=8 bf16 (TPOT 8.3-8.8 ms)", "nxdi-source"),
-    "gpt_fast_mixtral_int8_tok_s": Claim(97.9, "tok/s", "gpt-fast Mixtral int8 on 1 A100", "gpt-fast"),
-    "llama_cpp_q4_cpu_tok_s": Claim(9.25, "tok/s", "llama.cpp Gemma-4-26B Q4 CPU-only (i5-8500)", "llama-cpp-gemma4-cpu"),
+    "prefill_s": Claim(0.25, "s", "prefill time", "port-card",
+                       within=(0.24, 0.26)),
+    "decode_tok_s": Claim(6.0, "tok/s", "decode speed of the DenseExperts deploy", "port-card",
+                          within=(5.9, 6.1)),
+    "dense_flops_waste_x": Claim(16.0, "x", "wasted expert FLOPs, 128 computed vs 8 routed", "port-review",
+                                 within=(15.9, 16.1)),
+    "answer_500_tokens_s": Claim(83.0, "s", "time for a 500-token answer", "port-review",
+                                 within=(82.9, 83.1)),
+    "dense_roofline_tok_s": Claim(33.0, "tok/s", "DenseExperts bandwidth roofline on inf2.xlarge", "inf2-roofline",
+                                  within=(32.9, 33.1)),
+    "sparse_roofline_tok_s": Claim(178.0, "tok/s", "top-8 gather bandwidth roofline on inf2.xlarge", "inf2-roofline",
+                                   within=(177.9, 178.1)),
+    "dense_gb_per_token": Claim(26.4, "GB", "bytes read per token by DenseExperts (int8 experts/MLP/head, bf16 attention)", "inf2-roofline",
+                                within=(26.3, 26.5)),
+    "sparse_gb_per_token": Claim(4.9, "GB", "bytes read per token with a top-8 gather", "inf2-roofline",
+                                 within=(4.8, 5.0)),
+    "dense_gflop_per_token": Claim(46.0, "GFLOP", "compute per token, DenseExperts", "inf2-roofline",
+                                   within=(45.9, 46.1)),
+    "upcast_hypothesis_gb_per_token": Claim(118.0, "GB", "HYPOTHESIS: traffic per token if int8 experts are upcast to a bf16 copy each step", "inf2-roofline",
+                                            within=(117.9, 118.1)),
+    "upcast_hypothesis_tok_s": Claim(7.5, "tok/s", "HYPOTHESIS: decode speed under that upcast traffic", "inf2-roofline",
+                                     within=(7.4, 7.6)),
+    "cpu_read_gb_s": Claim(24.0, "GB/s", "read bandwidth of the 2-core reference box", "reference-box",
+                           within=(23.9, 24.1)),
+    "cpu_layer_dense_bf16_ms": Claim(96.0, "ms", "one full-size MoE layer, all 128 experts, bf16, 1 token", "reference-box",
+                                     within=(95.9, 96.1)),
+    "cpu_layer_grouped_mm_bf16_ms": Claim(7.8, "ms", "one full-size MoE layer, transformers grouped_mm, bf16, 1 token", "reference-box",
+                                          within=(7.7, 7.9)),
+    "nxdi_trn2_tok_s": Claim(117.5, "tok/s", "NxDI contrib port on trn2.48xlarge TP=8 bf16 (TPOT 8.3-8.8 ms)", "nxdi-source",
+                             within=(117.4, 117.6)),
+    "gpt_fast_mixtral_int8_tok_s": Claim(97.9, "tok/s", "gpt-fast Mixtral int8 on 1 A100", "gpt-fast",
+                                         within=(97.8, 98.0)),
+    "llama_cpp_q4_cpu_tok_s": Claim(9.25, "tok/s", "llama.cpp Gemma-4-26B Q4 CPU-only (i5-8500)", "llama-cpp-gemma4-cpu",
+                                    within=(9.24, 9.26)),
 }
 
 
@@ -82,14 +146,10 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
     ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
     a claim needs a source before it can be compared.
     """
-    import pandas as pd
-
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
-        if key not in claims:
-            raise KeyError(f"claim {key!r} is not in gemma_nb.story.CLAIMS; add it there with its source")
-        claim = claims[key]
+        claim = get_claim(key, claims)
         diff = float(value) - claim.value
         rows.append(
             {
@@ -103,3 +163,23 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
             }
         )
     return pd.DataFrame(rows, columns=["claim", "claimed", "computed", "unit", "diff", "diff_pct", "source"])
+
+
+def get_claim(key: str, claims: Mapping[str, Claim] | None = None) -> Claim:
+    """``CLAIMS[key]``, or ``UnknownClaim`` naming the key and the fix."""
+    claims = CLAIMS if claims is None else claims
+    if key not in claims:
+        raise UnknownClaim(f"claim {key!r} is not in gemma_nb.story.CLAIMS; pass one of its keys "
+                           f"(e.g. {next(iter(claims))!r}) or add the claim there with its source and range")
+    return claims[key]
+
+
+def claim_range(key: str) -> tuple[float, float]:
+    """The values the story's figure ``CLAIMS[key]`` stands for, as ``(low, high)`` (``Claim.within``)."""
+    return tuple(get_claim(key).within)
+
+
+def agrees_with_claim(key: str, computed: float) -> bool:
+    """Whether ``computed`` lies within the range of the story's figure ``key`` (ends included)."""
+    low, high = claim_range(key)
+    return low <= float(computed) <= high

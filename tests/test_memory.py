@@ -15,7 +15,7 @@ from transformers import (
     ViTConfig,
 )
 
-from gemma_nb import memory
+from gemma_nb import memory, story
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.memory import GROUPS, Scheme, inventory, plan, tensor_bytes
 
@@ -402,17 +402,17 @@ def test_allowance_window_short_by_what_if(gemma26b):
 
 
 def test_claim_range_and_agreement(gemma26b):
-    assert memory.claim_range("experts_bf16_gb") == (45.5, 45.7)              # "45.6 GB": its last decimal
-    assert memory.claim_range("lm_head_bf16_gb_per_rank") == (1.47, 1.49)
-    assert memory.claim_range("int8_experts_gap_gb") == (3.0, 4.0)            # quoted as "~3-4 GB"
-    assert memory.claim_range("final_residency_gb_per_rank") == (12.0, 13.0)  # quoted as "~12-13 GB"
+    assert story.claim_range("experts_bf16_gb") == (45.5, 45.7)              # "45.6 GB": its last decimal
+    assert story.claim_range("lm_head_bf16_gb_per_rank") == (1.47, 1.49)
+    assert story.claim_range("int8_experts_gap_gb") == (3.0, 4.0)            # quoted as "~3-4 GB"
+    assert story.claim_range("final_residency_gb_per_rank") == (12.0, 13.0)  # quoted as "~12-13 GB"
     figures = memory.story_figures(gemma26b)
     for key in ("total_params_b", "experts_bf16_gb", "experts_int8_gb_per_rank", "int8_experts_non_expert_gb",
                 "lm_head_released_gb_per_rank", "shared_mlp_int8_saving_gb_per_rank"):
-        assert memory.agrees_with_claim(key, figures[key]), key
-    assert not memory.agrees_with_claim("int8_experts_gap_gb", figures["int8_experts_gap_gb"])  # it fits on paper
-    assert not memory.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"])
-    assert memory.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"] * GB / GiB)
+        assert story.agrees_with_claim(key, figures[key]), key
+    assert not story.agrees_with_claim("int8_experts_gap_gb", figures["int8_experts_gap_gb"])  # it fits on paper
+    assert not story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"])
+    assert story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"] * GB / GiB)
     with pytest.raises(ValueError, match="'not_a_claim' is not in gemma_nb.story.CLAIMS"):
-        memory.claim_range("not_a_claim")
+        story.claim_range("not_a_claim")
 

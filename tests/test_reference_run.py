@@ -13,7 +13,8 @@ import math
 import pytest
 
 from gemma_nb import bench, memory
-from gemma_nb.memory import agrees_with_claim, load_gemma4_26b_config, tensor_bytes
+from gemma_nb.memory import load_gemma4_26b_config, tensor_bytes
+from gemma_nb.story import agrees_with_claim
 from gemma_nb.paths import OUTPUTS_DIR
 from gemma_nb.story import CLAIMS
 
@@ -37,7 +38,7 @@ def config():
     return load_gemma4_26b_config()
 
 
-# The verdict each notebook words from the values (``memory.agrees_with_claim``: within the
+# The verdict each notebook words from the values (``story.agrees_with_claim``: within the
 # write-up's own rounding, or inside a range it quoted): True = "holds", False = "differs".
 VERDICTS = {
     ("01_memory_arithmetic", "total_params_b"): True,
