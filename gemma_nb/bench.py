@@ -24,7 +24,6 @@ turns them into tokens/s and $ per million tokens over ``DEPLOYMENTS`` (devices 
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,23 +41,6 @@ EXPERT_MODES = ("dense", "sparse")
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    """Run the block with ``count`` torch cpu threads, then restore the previous count.
-
-    Models with tiny matrices gain nothing from a second thread and pay a thread barrier on every
-    op (on a busy machine, milliseconds each): time them on one thread.
-    """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count={count!r} must be an integer >= 1 (torch cpu threads)")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _sync(device: str) -> None:

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 
 import psutil
 
-GIB = 2**30
-
 
 def _hwm_bytes(proc: psutil.Process) -> int | None:
     """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), or None where unreadable."""
@@ -149,10 +147,6 @@ class HostMemorySampler:
         """RSS of the tree at the first tick (what was resident before the measured work)."""
         return self.samples[0].rss_bytes if self.samples else 0
 
-    @property
-    def peak_rss_gib(self) -> float:
-        return self.peak_rss_bytes / GIB
-
     def summary(self) -> dict:
         """Peak, high-water-mark and baseline in GB (10^9 bytes), wall time and tick count."""
         return {
@@ -228,4 +222,4 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
                        wall_s=sampler.wall_s, samples=sampler.samples)
 
 
-__all__ = ["HostMemorySampler", "Sample", "self_peak_rss_bytes", "run_measured", "MeasuredRun", "MeasuredRunError", "GIB"]
+__all__ = ["HostMemorySampler", "Sample", "self_peak_rss_bytes", "run_measured", "MeasuredRun", "MeasuredRunError"]

@@ -33,12 +33,13 @@ raise ValueError naming the tensor; all-zero rows dequantize to zeros.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
+
+from gemma_nb.targets import torch_threads
 
 INT8_QMAX = 127
 # The port's quantizer floors the scale so an all-zero row gives scale 1e-8 and q = 0, never NaN.
@@ -397,7 +398,7 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
             "expected a floating-point weight [out, in] or [E, out, in]"
         )
     shape = tuple(weight.shape)
-    with torch.no_grad(), _one_intra_op_thread():
+    with torch.no_grad(), torch_threads(1):
         rows_view = weight.detach().reshape(-1, shape[-1])
         n_rows, rows_per_matrix = rows_view.shape[0], shape[-2]
         chunk_rows = max(1, CHUNK_ELEMENTS // max(shape[-1], 1))
@@ -426,22 +427,6 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
         if global_scale is not None:
             global_scale = global_scale.reshape(*shape[:-2], 1, 1)
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)
-
-
-@contextmanager
-def _one_intra_op_thread():
-    """Run the chunk loop on one intra-op thread, restoring the setting afterwards.
-
-    Each 4 MB chunk is a few microseconds of work per op; splitting that over threads gains little
-    on an idle box and, on a shared one, every op waits for the slowest thread (measured here:
-    5-10x slower with 2 threads while other processes use the cores).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _padded_fp32_copy(rows: torch.Tensor, multiple: int | None) -> torch.Tensor:
@@ -768,7 +753,7 @@ def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4
     ``tokens`` random tokens routed to ``top_k`` experts; ``seconds`` maps format -> quantize time.
     Runs on one intra-op thread (see :func:`quantize`).
     """
-    with _one_intra_op_thread():
+    with torch_threads(1):
         return _full_size_experts_check(experts, formats, tokens, top_k, seed)
 
 
@@ -823,7 +808,7 @@ def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.d
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator().manual_seed(seed)
-    with _one_intra_op_thread():
+    with torch_threads(1):
         for name in ("gate_up_proj", "down_proj"):
             weight = torch.empty(getattr(module, name).shape, dtype=dtype)
             for e in range(weight.shape[0]):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 TARGETS = ("cpu", "neuron", "cuda")
@@ -112,3 +113,25 @@ def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str =
         raise TargetError(f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
                           f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model")
     return str(folder)
+
+
+@contextmanager
+def torch_threads(count: int):
+    """Run the block with ``count`` torch cpu threads, then restore the previous count.
+
+    The one thread limiter of the package. Models with tiny matrices gain nothing from a second
+    thread and pay a thread barrier on every op (on a busy machine, milliseconds each): time them on
+    one thread. The quantizers' 4 MB chunk loops run on one thread too: each chunk is a few
+    microseconds of work per op, and on a shared box every op waits for the slowest thread
+    (measured: 5-10x slower with 2 threads while other processes use the cores).
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count={count!r} must be an integer >= 1 (torch cpu threads)")
+    import torch  # here, not at the top: the CLI commands that import targets (plan, runbook) need no torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -11,6 +11,7 @@ import torch
 
 from gemma_nb import bench
 from gemma_nb.hardware import DEVICES, GB, INSTANCES
+from gemma_nb.targets import torch_threads
 from gemma_nb.tiny import random_gemma4_config
 
 
@@ -49,7 +50,7 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2, vocab_size=256), dtype=torch.float32)
     before_threads = torch.get_num_threads()
     prompt = torch.tensor([[5, 6, 7, 8]])
-    with bench.torch_threads(1):
+    with torch_threads(1):
         timings = bench.time_generation({"a": model, "b": lambda: model}, prompt, new_tokens=5, repeats=2, warmup=0)
     assert torch.get_num_threads() == before_threads
     summary = timings.summary()
@@ -62,7 +63,7 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     with pytest.raises(ValueError, match="new_tokens=1 must be >= 2"):
         bench.time_generation({"a": model}, prompt, new_tokens=1)
     with pytest.raises(ValueError, match="count=0 must be an integer >= 1"):
-        with bench.torch_threads(0):
+        with torch_threads(0):
             pass
 
 
