@@ -6,6 +6,11 @@ temporary folder (moved into ``outputs/<target>/`` only when every notebook succ
 Without that variable (a notebook opened from ``notebooks/`` in JupyterLab, a script) outputs go
 to ``outputs/interactive/<target>/`` (git-ignored): trying a parameter by hand never changes the
 reference run in ``outputs/cpu/``.
+
+The project folder (``REPO_ROOT``: where ``notebooks/``, ``outputs/``, ``docs/`` and ``envs/`` are)
+is found from the working directory, never from where the package is installed: the nearest folder
+at or above it holding a ``pyproject.toml`` or a ``.git``, else the working directory itself. So a
+non-editable install (the package in site-packages) still writes under the repo it is run from.
 """
 
 from __future__ import annotations
@@ -13,8 +18,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
+from gemma_nb.targets import check_target_name
+
+PROJECT_MARKERS = ("pyproject.toml", ".git")
+
+
+def find_project_root(start: Path | str | None = None) -> Path:
+    """The nearest folder at or above ``start`` (default: the working directory) holding one of
+    ``PROJECT_MARKERS``; ``start`` itself if there is none."""
+    start = Path.cwd() if start is None else Path(start)
+    start = start.resolve()
+    for folder in (start, *start.parents):
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            return folder
+    return start
+
+
+REPO_ROOT = find_project_root()
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 OUTPUT_DIR_ENV = "GEMMA_NB_OUTPUT_DIR"
@@ -27,8 +47,6 @@ def output_dir(target: str) -> Path:
     ``GEMMA_NB_OUTPUT_DIR`` when set (the runner, ``make test``), else the scratch folder
     ``outputs/interactive/<target>/``; never the committed ``outputs/<target>/`` directly.
     """
-    from gemma_nb.targets import check_target_name
-
     check_target_name(target)
     override = os.environ.get(OUTPUT_DIR_ENV)
     folder = Path(override) if override else INTERACTIVE_DIR / target

@@ -2,6 +2,9 @@
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -72,3 +75,16 @@ def test_metrics_are_readable_by_everyone(monkeypatch, tmp_path):
     monkeypatch.setenv(paths.OUTPUT_DIR_ENV, str(tmp_path))
     path = save_metrics("cpu", "01_memory_arithmetic", {"x": 1.0})
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+def test_outputs_are_found_from_the_working_directory_not_the_installed_package(tmp_path):
+    """A non-editable install must not write next to site-packages: the project is the working directory's."""
+    (tmp_path / "repo" / "notebooks").mkdir(parents=True)
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+    assert paths.find_project_root(tmp_path / "repo" / "notebooks") == (tmp_path / "repo").resolve()
+    (tmp_path / "plain").mkdir()
+    assert paths.find_project_root(tmp_path / "plain") == (tmp_path / "plain").resolve()
+    env = {k: v for k, v in os.environ.items() if k != paths.OUTPUT_DIR_ENV}
+    done = subprocess.run([sys.executable, "-c", "from gemma_nb import paths; print(paths.output_dir('cpu'))"],
+                          cwd=tmp_path / "repo" / "notebooks", env=env, capture_output=True, text=True, check=True)
+    assert Path(done.stdout.strip()) == (tmp_path / "repo" / "outputs" / "interactive" / "cpu").resolve()
