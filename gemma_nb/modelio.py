@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gemma_nb.tiny import BUNDLED_ID, checkpoint_dir
+from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 HF_TOKEN_ENV = "HF_TOKEN"
 # owner/name as the hub spells it (no leading dot or slash, one slash).
@@ -71,7 +71,7 @@ def _check_local_dir(folder: Path, model_id: str) -> Path:
 def resolve_model_id(model_id: str | os.PathLike) -> str:
     """What ``from_pretrained`` should be given for ``model_id``.
 
-    ``BUNDLED_ID`` -> the bundled checkpoint folder. A local folder -> itself, after checking it
+    ``BUNDLED_ID`` (or ``BUNDLED_TP2_ID``) -> its bundled checkpoint folder. A local folder -> itself, after checking it
     holds config.json and safetensors weights. A hub id (``owner/name``) -> the id, if the hub is
     reachable or the id is already in the local hub cache. Raises ``ModelNotFoundError`` (a
     ValueError) naming the model_id, what was expected and what to do.
@@ -80,8 +80,8 @@ def resolve_model_id(model_id: str | os.PathLike) -> str:
         return str(_check_local_dir(Path(model_id), str(model_id)))
     if not isinstance(model_id, str) or not model_id.strip():
         raise ModelNotFoundError(f"model_id {model_id!r} must be a non-empty string: a local folder or a hub id")
-    if model_id == BUNDLED_ID:
-        return str(_check_local_dir(checkpoint_dir(), model_id))
+    if model_id in BUNDLED_IDS:
+        return str(_check_local_dir(BUNDLED_IDS[model_id], model_id))
     if _looks_like_path(model_id) or not _HUB_ID.match(model_id):
         return str(_check_local_dir(Path(model_id).expanduser(), model_id))
     if hub_offline() and not _in_hub_cache(model_id):

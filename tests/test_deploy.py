@@ -142,7 +142,8 @@ def test_neuron_module_cpu_variant_decodes_like_eager():
 
 
 def test_neuron_checkpoint_layout_reproduces_the_experts():
-    """convert_checkpoint's reshapes: the port's dense-experts math at TP=1 equals transformers' experts."""
+    """convert_checkpoint's rank-major experts: each rank's contiguous half holds the I/2 slice of every
+    expert, and the dense-experts math summed over the two ranks equals transformers' experts."""
     from transformers.activations import ACT2FN
 
     from gemma_nb.neuron.build import convert_checkpoint
@@ -150,77 +151,48 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), seed=2, dtype=torch.float32)
     config = model.config
     state = convert_checkpoint(model.state_dict(), config, tp=2)
-    assert state["lm.model.layers.0.experts.rank.rank"].tolist() == [0, 1]
     assert state["lm.lm_head.weight"].dtype == torch.int8 and "lm.model.embed_tokens.weight" not in state
     assert state["lm.model.layers.0.mlp.gate_proj.weight"].dtype == torch.int8
-    e, i = config.num_experts, config.moe_intermediate_size
+    assert not any(key.endswith(".rank") for key in state)  # rank-major: no rank id in the graph
+    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     base = "lm.model.layers.0.experts"
     gate_up = state[f"{base}.gate_up.weight"].float() * state[f"{base}.gate_up.scale"]  # [E*2I, H]
     down = state[f"{base}.down.weight"].float() * state[f"{base}.down.scale"]  # [H, E*I]
+    source = model.model.layers[0].experts
+    for rank in range(2):  # rank 1's gate rows of expert 3 are rows I/2..I of that expert's gate
+        rows = gate_up.chunk(2, dim=0)[rank].view(e, 2, i // 2, h)
+        expected = source.gate_up_proj[3, rank * i // 2:(rank + 1) * i // 2]
+        assert (rows[3, 0] - expected).abs().max() <= expected.abs().max() / 100
     torch.manual_seed(0)
-    x = torch.randn(3, config.hidden_size)
+    x = torch.randn(3, h)
     index = torch.stack([torch.randperm(e)[: config.top_k_experts] for _ in range(3)])
     weights = torch.rand(3, config.top_k_experts)
     dense = torch.zeros(3, e).scatter(1, index, weights)
-    gate, up = (x @ gate_up.T).view(3, e, 2 * i).chunk(2, -1)
-    ours = (ACT2FN[config.hidden_activation](gate) * up * dense[..., None]).reshape(3, e * i) @ down.T
-    expected = model.model.layers[0].experts(x, index, weights)
+    ours = 0
+    for rank in range(2):
+        gate_up_rank = (x @ gate_up.chunk(2, dim=0)[rank].T).view(3, e, 2, i // 2)
+        hidden = ACT2FN[config.hidden_activation](gate_up_rank[:, :, 0]) * gate_up_rank[:, :, 1] * dense[..., None]
+        ours = ours + hidden.reshape(3, e * i // 2) @ down.chunk(2, dim=1)[rank].T
+    expected = source(x, index, weights)
     assert (ours - expected).norm() / expected.norm() < 0.02
 
 
-def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint(monkeypatch):
-    """The NxD swaps with stand-in layers (TP=1): the module's state-dict names and shapes are
+def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
+    """The NxD swaps with the cpu stand-ins at TP=1: the module's state-dict names and shapes are
     exactly the ones convert_checkpoint writes, and the model decodes close to the eager one."""
-    from types import SimpleNamespace
-
-    from torch import nn
-
     from gemma_nb.neuron import build as B
+    from gemma_nb.neuron import standins
+    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
 
-    class Linear(nn.Module):  # ColumnParallelLinear / RowParallelLinear at TP=1
-        def __init__(self, input_size, output_size, bias=False, dtype=torch.float32, **_):
-            super().__init__()
-            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
-
-        def forward(self, x):
-            return x @ self.weight.T
-
-    class Int8(nn.Module):  # QuantizedColumnParallel / QuantizedRowParallel at TP=1, NxD's int8 order
-        def __init__(self, input_size, output_size, bias=False, dtype=torch.float32, **_):
-            super().__init__()
-            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
-            self.scale = nn.Parameter(torch.empty(output_size, 1), requires_grad=False)
-
-        def forward(self, x):
-            return ((x @ self.weight.to(x.dtype).T).float() * self.scale.T).to(x.dtype)
-
-    class Rank(nn.Module):
-        def __init__(self, world_size):
-            super().__init__()
-            self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
-
-        def get_rank(self):
-            return self.rank
-
-    sdk = SimpleNamespace(
-        ColumnParallelLinear=Linear, RowParallelLinear=Linear, QuantizedColumnParallel=Int8, QuantizedRowParallel=Int8,
-        SPMDRank=Rank, scatter_to_process_group_spmd=lambda tensor, partition_dim, rank: tensor,
-        QuantizationType=SimpleNamespace(PER_CHANNEL_SYMMETRIC="per_channel_symmetric"),
-        QuantizedDtype=SimpleNamespace(INT8=torch.int8), quantization_layers=SimpleNamespace(),
-    )
-    monkeypatch.setattr(B, "_import_sdk", lambda: sdk)
-    monkeypatch.setattr("gemma_nb.neuron.lm_head.build_lm_head",
-                        lambda hidden, vocab, quantized, dtype, pad: Int8(hidden, vocab, dtype=dtype))
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32)
     build = B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=1,
                                 dtype="float32")
-    module = B.NeuronGemma4(model.config, build, parallel=True)
+    with standins.model_parallel(1):
+        module = B.NeuronGemma4(model.config, build, parallel=True, sdk=standins.cpu_sdk())
     state = B.convert_checkpoint(model.state_dict(), model.config, tp=1, dtype=torch.float32)
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if "_cache." not in k}
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
     module.load_state_dict(state, strict=False)
-    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
-
     runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 24, 8)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():

@@ -200,9 +200,12 @@ def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
 
 @pytest.mark.parametrize("int8", [True, False])
 def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8):
-    """The NxD recipes' checkpoint layouts, split across 2 ranks as ModelBuilder splits them, summed
-    (the all-reduce): dense and sparse give the same output, equal to the layer on the same weights."""
+    """The NxD experts on the cpu stand-ins: one checkpoint, split across 2 ranks by the emulated
+    ModelBuilder, each rank's partial output (no collective: group=None) summed as the all-reduce
+    would: dense and sparse hold the same parameters and give the same output, equal to the layer."""
     from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import standins
+    from gemma_nb.neuron.quant import patch_scale_dequantize
 
     config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
                                   num_experts=16, top_k_experts=4)
@@ -210,29 +213,44 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8
     x = torch.randn(3, 64)
     index, weights = moe.random_routing(3, 16, 4, seed=1)
     tp = 2
-    outputs = {}
-    for mode in ("dense", "sparse"):
-        checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, mode, tp=tp,
-                                                   int8=int8, dtype=torch.float32)
+    checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, tp=tp, int8=int8,
+                                               dtype=torch.float32)
+    sdk = standins.cpu_sdk()
+    patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D
+    outputs, shapes = {}, {}
+    for mode, cls in (("dense", neuron_moe.NeuronDenseExperts), ("sparse", neuron_moe.NeuronSparseExperts)):
+        def factory():
+            return cls(16, 64, 32, tp, int8=int8, dtype=torch.float32, sdk=sdk)
+
         total = 0
         for rank in range(tp):
-            shard = neuron_moe.rank_shard(checkpoint, rank, tp)
-            scale = (lambda name: shard.get(f"{name}.scale"))
-            if mode == "dense":
-                assert torch.equal(shard["spmd_rank.rank"], torch.tensor([rank], dtype=torch.int32))
-                total = total + neuron_moe.dense_rank_forward(x, index, weights, shard["gate_up.weight"], scale("gate_up"),
-                                                              shard["down.weight"], scale("down"), rank, tp, 16)
-            else:
-                total = total + neuron_moe.sparse_rank_forward(x, index, weights, shard["gate.weight"], scale("gate"),
-                                                               shard["up.weight"], scale("up"), shard["down.weight"],
-                                                               scale("down"), 16)
+            module = standins.load_rank_module(factory, checkpoint, tp, rank)
+            shapes[mode] = {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
+            total = total + module(x, index, weights)
         outputs[mode] = total
-    assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-6, rtol=1e-5)
+    assert shapes["dense"] == shapes["sparse"]
+    assert shapes["dense"]["gate_up.weight"] == ((16 * 2 * 16, 64), torch.int8 if int8 else torch.float32)
+    assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
     reference = moe.SparseExperts.from_experts(experts)(x, index, weights)
     tolerance = 0.02 * reference.abs().max().item() if int8 else 1e-5
     assert (outputs["sparse"] - reference).abs().max().item() <= tolerance
-    with pytest.raises(ValueError, match="mode 'all' is not one of dense, sparse"):
-        neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, "all")
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by tp=3"):
+        neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, tp=3)
+
+
+def test_sparse_experts_refuse_a_prefill_and_the_sdk_dequantize_needs_the_patch():
+    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import standins
+
+    sdk = standins.cpu_sdk()  # unpatched: NxD 0.18's in-place scale_dequantize
+    with standins.model_parallel(1):
+        dense = neuron_moe.NeuronDenseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.float32)
+        sparse = neuron_moe.NeuronSparseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.float32)
+    index, weights = moe.random_routing(4, 16, 4, seed=1)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        dense(torch.randn(4, 64), index, weights)  # 2-D [T, H] input, as transformers' experts get it
+    with pytest.raises(ValueError, match="4 tokens x top_k 4 >= 16 experts"):
+        sparse(torch.randn(4, 64), index, weights)
 
 
 def test_neuron_modules_say_the_sdk_is_missing():

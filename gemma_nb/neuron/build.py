@@ -46,7 +46,12 @@ from gemma_nb.targets import NEURON_HELP, TargetError
 COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
 ARTIFACT_NAME = "model.pt"
 BUILD_RECORD = "build_record.json"
-NEG_INF = torch.finfo(torch.float32).min
+# The masks' "minus infinity": bf16's most negative finite value. fp32's (-3.40e38) rounds to -inf in
+# bf16 (and --auto-cast all casts the fp32 mask inputs to bf16), after which a fully masked row's
+# softmax is NaN; NxD's default --enable-saturate-infinity is not among the port's flags.
+MASK_MIN = torch.finfo(torch.bfloat16).min
+EXPERT_MODES = ("dense", "sparse")
+DECODE_EXPERTS = ("dense", "sparse", "both")
 
 
 @dataclass
@@ -61,6 +66,7 @@ class NeuronBuildConfig:
     compiler_args: str = COMPILER_ARGS
     compiler_workdir: str = ""   # default: <output_dir>/compiler_workdir
     dtype: str = "bfloat16"
+    decode_experts: str = "dense"  # decode graph(s) next to the dense prefill: dense, sparse or both
 
     def __post_init__(self) -> None:
         if not self.compiler_workdir:
@@ -69,6 +75,13 @@ class NeuronBuildConfig:
             raise ValueError(f"bucket={self.bucket} exceeds max_len={self.max_len}: the prefill must fit the KV cache")
         if self.tp_degree < 1:
             raise ValueError(f"tp_degree={self.tp_degree} must be >= 1 (the port used 2, one rank per NeuronCore)")
+        if self.decode_experts not in DECODE_EXPERTS:
+            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_EXPERTS)}")
+
+    def graph_keys(self) -> dict[str, str]:
+        """ModelBuilder key -> experts module of that graph: prefill is dense; decode as ``decode_experts``."""
+        decode = EXPERT_MODES if self.decode_experts == "both" else (self.decode_experts,)
+        return {"prefill": "dense", **{f"decode_{mode}": mode for mode in decode}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,8 +108,8 @@ def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, slidin
     slots = torch.arange(max_len)
     visible = slots[None, :] <= pos[:, None]  # [S, MAX]
     in_window = slots[None, :] > pos[:, None] - sliding_window
-    full = torch.where(visible, 0.0, NEG_INF)[None, None]
-    sliding = torch.where(visible & in_window, 0.0, NEG_INF)[None, None]
+    full = torch.where(visible, 0.0, MASK_MIN)[None, None]
+    sliding = torch.where(visible & in_window, 0.0, MASK_MIN)[None, None]
     last = torch.tensor([tokens - 1 if last_index is None else last_index], dtype=torch.long)
     return embeds.float(), pos[None], one_hot, full, sliding, last
 
@@ -157,34 +170,42 @@ class _NoEmbedding(nn.Module):
 class NeuronGemma4(nn.Module):
     """transformers' Gemma-4 with the port's swaps, a one-hot KV state, host-side embedding and softcap.
 
-    ``parallel=True`` swaps in the NxD layers (needs the SDK, inside a ModelBuilder trace);
-    ``parallel=False`` keeps transformers' layers at TP=1 (runs anywhere: the cpu check).
+    ``parallel=True`` swaps in the NxD layers: ``sdk=None`` imports neuronx-distributed (inside a
+    ModelBuilder trace); ``sdk=gemma_nb.neuron.standins.cpu_sdk()`` uses the cpu stand-ins, built
+    inside ``standins.model_parallel(tp, rank, group)``. ``parallel=False`` keeps transformers'
+    layers at TP=1 (runs anywhere: the cpu check). ``experts``: ``"dense"`` (every expert, the
+    port's op; prefill) or ``"sparse"`` (selective loading; decode): same parameters either way.
     forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
     -> (logits [1, 1, V] before softcap, *new K states, *new V states).
     """
 
-    def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True):
+    def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
         super().__init__()
         from transformers import Gemma4ForCausalLM
 
         from gemma_nb.compile import check_exportable_config
 
+        if experts not in EXPERT_MODES:
+            raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}")
         check_exportable_config(config)
         config = config.__class__.from_dict(config.to_dict())
         config.final_logit_softcapping = None  # applied on the host, after the vocab gather
         config._attn_implementation = "eager"
-        self.build = build
+        self.build, self.experts = build, experts
         tp = build.tp_degree if parallel else 1
         dtype = getattr(torch, build.dtype)
         if parallel:
+            sdk = _import_sdk() if sdk is None else sdk
             # Structure on the meta device: the layers swapped for NxD ones (each rank's shard) are
             # never allocated whole on the host; what stays (norms, router) is materialised after.
             with torch.device("meta"):
-                self.lm = Gemma4ForCausalLM(config)
+                self.lm = Gemma4ForCausalLM(config).to(dtype)
             self.lm.model.embed_tokens = _NoEmbedding()
-            _swap_in_nxd_layers(self.lm, config, tp, dtype)
-            _materialize(self.lm, config, dtype)
+            _swap_in_nxd_layers(self.lm, config, tp, dtype, sdk, experts)
+            _materialize(self.lm, config)
         else:
+            if experts != "dense":
+                raise ValueError("parallel=False keeps transformers' own experts; experts='sparse' needs parallel=True")
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
             self.lm.model.embed_tokens = _NoEmbedding()
         self.lm.eval()
@@ -217,17 +238,30 @@ class NeuronGemma4(nn.Module):
             raise ValueError(f"state dict does not fit the module: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def _materialize(lm: nn.Module, config, dtype) -> None:
-    """Give every tensor still on the meta device real (uninitialised) cpu storage; rebuild the
-    rotary tables, whose values are computed at construction. Real values arrive with the checkpoint
-    (parameters) or ``build_module`` (the ``layer_scalar`` buffers)."""
+KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
+
+
+def _materialize(lm: nn.Module, config) -> None:
+    """Give the tensors of the transformers skeleton that are still on the meta device real
+    (uninitialised) cpu storage, in their own dtype, their attributes kept; rebuild the rotary tables.
+
+    NxD layers' parameters (tagged ``tensor_model_parallel``) are left exactly as NxD made them:
+    on meta inside ModelBuilder's sharding pass (``init_on_device(meta)``), where the tags decide
+    how each rank's slice is cut and the fp32 ``scale`` dtype decides the cast. Turning them into
+    plain parameters made ModelBuilder keep whole tensors and fail with "expected shape ... but
+    found ..." after the compile. Values arrive with the checkpoint (parameters) or
+    ``build_module`` (the ``layer_scalar`` buffers).
+    """
     for module in lm.modules():
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
-                if tensor is None or not tensor.is_meta:
+                if tensor is None or not tensor.is_meta or hasattr(tensor, "tensor_model_parallel"):
                     continue
-                fresh = torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-                registry[name] = nn.Parameter(fresh, requires_grad=False) if registry is module._parameters else fresh
+                fresh = torch.empty(tensor.shape, dtype=tensor.dtype)
+                if registry is module._parameters:
+                    fresh = type(tensor)(fresh, requires_grad=False)
+                    fresh.__dict__.update(tensor.__dict__)
+                registry[name] = fresh
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config)
 
 
@@ -240,82 +274,28 @@ def host_logits(outputs, config) -> torch.Tensor:
 
 
 def _import_sdk():
-    """The SDK pieces the recipe needs, or TargetError with the install hint."""
+    """The SDK pieces the recipe needs (neuronx-distributed's layers as ``moe.import_nxd`` names them,
+    plus ModelBuilder), or TargetError with the install hint."""
+    from gemma_nb.neuron.moe import import_nxd
+
     try:
         import torch_neuronx  # noqa: F401
-        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
-        from neuronx_distributed.parallel_layers.mappings import scatter_to_process_group_spmd
-        from neuronx_distributed.quantization import quantization_layers
-        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype
-        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
     except ImportError as error:
         raise TargetError(f"cannot import the Neuron SDK ({error}): {NEURON_HELP}") from None
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, SPMDRank=SPMDRank,
-        scatter_to_process_group_spmd=scatter_to_process_group_spmd, quantization_layers=quantization_layers,
-        QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        QuantizedColumnParallel=QuantizedColumnParallel, QuantizedRowParallel=QuantizedRowParallel,
-        BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder,
-    )
+    sdk = import_nxd()
+    sdk.BaseModelInstance, sdk.ModelBuilder = BaseModelInstance, ModelBuilder
+    return sdk
 
 
-def patch_scale_dequantize(sdk) -> None:
-    """NxD's ``scale_dequantize`` multiplies in place (``*=``), which broke the port's trace; use an
-    out-of-place version with the same numbers (fp32 multiply, cast to the upcast dtype)."""
-
-    def scale_dequantize(tensor, scale, upcast_dtype):
-        return (tensor.to(torch.float32) * scale).to(upcast_dtype)
-
-    sdk.quantization_layers.scale_dequantize = scale_dequantize
-
-
-def _int8_kwargs(sdk, dtype) -> dict:
-    return dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8,
-                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=0)
-
-
-class NxDDenseExperts(nn.Module):
-    """The port's DenseExperts at TP=``tp``: this rank's E/TP experts on every token, int8.
-
-    gate_up ``QuantizedColumnParallel(H -> E*2I)`` viewed [T, E/TP, 2I]; the dense router weights
-    [T, E] (zero outside the top-k) scattered to this rank's experts with
-    ``scatter_to_process_group_spmd(..., SPMDRank.get_rank())`` (a plain
-    ``scatter_to_tensor_model_parallel_region`` baked rank 0's slice into the trace: the port's
-    bug); down ``QuantizedRowParallel(E*I -> H)`` sums over experts and ranks (all-reduce).
-    """
-
-    def __init__(self, sdk, config, tp: int, dtype):
-        super().__init__()
-        self.sdk = sdk
-        self.num_experts, self.tp = config.num_experts, tp
-        self.inter = config.moe_intermediate_size
-        from transformers.activations import ACT2FN
-
-        self.act_fn = ACT2FN[config.hidden_activation]
-        h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
-        self.gate_up = sdk.QuantizedColumnParallel(h, e * 2 * i, gather_output=False, **_int8_kwargs(sdk, dtype))
-        self.down = sdk.QuantizedRowParallel(e * i, h, input_is_parallel=True, **_int8_kwargs(sdk, dtype))
-        self.rank = sdk.SPMDRank(world_size=tp)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        tokens = hidden_states.shape[0]
-        dense = torch.zeros(tokens, self.num_experts, dtype=torch.float32, device=hidden_states.device)
-        dense = dense.scatter(1, top_k_index, top_k_weights.float())
-        local = self.sdk.scatter_to_process_group_spmd(dense, partition_dim=1, rank=self.rank.get_rank())
-        gate, up = self.gate_up(hidden_states).view(tokens, self.num_experts // self.tp, 2 * self.inter).chunk(2, -1)
-        hidden = self.act_fn(gate) * up * local[..., None].to(gate.dtype)
-        return self.down(hidden.reshape(tokens, -1))
-
-
-def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype) -> None:
+def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:
     """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in place)."""
     from gemma_nb.neuron.lm_head import build_lm_head
+    from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, int8_kwargs
+    from gemma_nb.neuron.quant import patch_scale_dequantize
 
-    sdk = _import_sdk()
-    patch_scale_dequantize(sdk)
+    patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D [T, H]
+    experts_cls = NeuronDenseExperts if experts == "dense" else NeuronSparseExperts
     for layer in lm.model.layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -329,12 +309,13 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype) -> None:
         for name in ("gate_proj", "up_proj"):
             old = getattr(mlp, name)
             setattr(mlp, name, sdk.QuantizedColumnParallel(old.in_features, old.out_features, gather_output=False,
-                                                           **_int8_kwargs(sdk, dtype)))
+                                                           **int8_kwargs(sdk, dtype)))
         mlp.down_proj = sdk.QuantizedRowParallel(mlp.down_proj.in_features, mlp.down_proj.out_features,
-                                                 input_is_parallel=True, **_int8_kwargs(sdk, dtype))
-        layer.experts = NxDDenseExperts(sdk, config, tp, dtype)
+                                                 input_is_parallel=True, **int8_kwargs(sdk, dtype))
+        layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
+                                    int8=True, dtype=dtype, sdk=sdk, activation=config.hidden_activation)
     lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
-                               pad=config.vocab_size % tp != 0)
+                               pad=config.vocab_size % tp != 0, sdk=sdk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,12 +332,14 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     """A full (unsharded) checkpoint for ``NeuronGemma4``: names prefixed ``lm.``, squeezed to int8.
 
     - shared MLP gate/up/down and the lm_head (from the tied embedding): int8 + fp32 row scales;
-    - experts: gate_up [E, 2I, H] -> [E*2I, H]; down [E, H, I] -> permute -> [H, E*I]; int8 per row;
-      the SPMDRank tensor ``rank`` = arange(tp) (NxD's documented way to give each rank its id);
+    - experts: ``gemma_nb.neuron.moe.experts_checkpoint``: gate_up ``[E*2I, H]`` and down ``[H, E*I]``
+      in the rank-major layout for ``tp`` ranks (one layout for the dense and the sparse graph),
+      int8 per row;
     - the embedding is dropped (host side); ``layer_scalar`` buffers are kept (ModelBuilder loads
       parameters only: ``build_module`` copies them into the module by hand, as the port did).
     """
     from gemma_nb.neuron.lm_head import lm_head_state_dict
+    from gemma_nb.neuron.moe import experts_checkpoint
 
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
@@ -368,16 +351,39 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
             out.update(_quantized(f"lm.{name.removesuffix('.weight')}", tensor))
             continue
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
-        gate_up = hf_state[f"{base}.gate_up_proj"].reshape(e * 2 * i, h)
-        down = hf_state[f"{base}.down_proj"].permute(1, 0, 2).reshape(h, e * i)
-        out.update(_quantized(f"lm.{base}.gate_up", gate_up))
-        out.update(_quantized(f"lm.{base}.down", down))
-        out[f"lm.{base}.rank.rank"] = torch.arange(tp, dtype=torch.int32)
+        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], tp=tp,
+                                      prefix=f"lm.{base}.", dtype=dtype))
     out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
     return out
+
+
+def fill_layer_scalars(module: NeuronGemma4, hf_state: dict) -> None:
+    """Copy the ``layer_scalar`` buffers (which ModelBuilder does not load) into ``module``."""
+    for name, buffer in module.lm.named_buffers():
+        if name.endswith("layer_scalar") and name in hf_state:
+            buffer.copy_(hf_state[name])
+
+
+def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
+                experts: str = "dense", group=None) -> NeuronGemma4:
+    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it.
+
+    Built on meta (``init_on_device(meta)``), the full ``checkpoint`` (:func:`convert_checkpoint`)
+    sharded against it by the emulated ``shard_children``, built again for real under
+    ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
+    ``sdk``: ``gemma_nb.neuron.standins.cpu_sdk()``.
+    """
+    from gemma_nb.neuron import standins
+
+    def factory():
+        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
+
+    module = standins.load_rank_module(factory, checkpoint, build.tp_degree, rank, group,
+                                       not_in_checkpoint=KV_STATE_PREFIXES)
+    fill_layer_scalars(module, hf_state)
+    return module
 
 
 TEXT_PREFIXES = ("model.layers.", "model.norm.", "model.embed_tokens.", "lm_head.")
@@ -428,24 +434,28 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
     return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
 
 
-def build_module(config, build: NeuronBuildConfig):
+def build_module(config, build: NeuronBuildConfig, experts: str = "dense", sdk=None):
     """(module, aliases) for ModelBuilder: the NxD module with its layer_scalar buffers filled."""
-    module = NeuronGemma4(config, build, parallel=True)
-    state = read_hf_state(build.model_dir)
-    for name, buffer in module.lm.named_buffers():
-        if name.endswith("layer_scalar") and name in state:
-            buffer.copy_(state[name])
+    module = NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
+    fill_layer_scalars(module, read_hf_state(build.model_dir))
     return module, module.input_output_aliases()
 
 
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
-    """Trace, compile and save the two graphs; return (and write) the build record.
+    """Shard-check, trace, compile and save the graphs; return (and write) the build record.
 
-    Records the compiler workdir and flags, NEFF files and sizes, the saved artifact's size, the
-    compile wall time and the peak host RSS of this process *and its children* (neuronx-cc runs
-    as subprocesses: ``gemma_nb.hostmem``). The artifact is ``torch.jit.save`` of what
-    ``trace(initialize_model_weights=True)`` returns (weights included, as the port shipped it).
+    Graphs (``build.graph_keys()``): ``prefill`` (dense experts, S = bucket) and ``decode_dense``
+    and/or ``decode_sparse`` (S = 1), one ModelBuilder artifact sharing one set of sharded weights
+    (the experts' parameters are the same in both modules). ``builder.shard_checkpoint()`` runs
+    first, so a checkpoint that does not fit the module fails in seconds, not after the compile.
+    Records the graphs, the shard check's time, the compiler workdir and flags, NEFF files and
+    sizes, the saved artifact's size, the compile wall time and the peak host RSS of this process
+    *and its children* (neuronx-cc runs as subprocesses: ``gemma_nb.hostmem``). The artifact is
+    ``torch.jit.save`` of what ``trace(initialize_model_weights=True)`` returns (weights included,
+    as the port shipped it).
     """
+    import time
+
     from gemma_nb.hostmem import HostMemorySampler
 
     sdk = _import_sdk()
@@ -454,21 +464,27 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
 
     class GemmaInstance(sdk.BaseModelInstance):
-        def __init__(self):
+        def __init__(self, experts: str):
             super().__init__(module_cls=None, input_output_aliases={})
+            self.experts = experts
 
         def load_module(self):
-            self.module, aliases = build_module(config, build)
+            self.module, aliases = build_module(config, build, experts=self.experts)
             self.input_output_aliases = [aliases]
 
     def checkpoint_loader():
         return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
 
-    instance = GemmaInstance()
     builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
                                compiler_workdir=build.compiler_workdir)
-    builder.add("prefill", instance, [example_inputs(config, build, build.bucket)], compiler_args=build.compiler_args)
-    builder.add("decode", instance, [example_inputs(config, build, 1)], compiler_args=build.compiler_args)
+    graphs = build.graph_keys()
+    for key, experts in graphs.items():
+        tokens = build.bucket if key == "prefill" else 1
+        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],
+                    compiler_args=build.compiler_args)
+    started = time.perf_counter()
+    builder.shard_checkpoint()  # raises "expected shape ... but found ..." now, not after neuronx-cc
+    shard_check_s = time.perf_counter() - started
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
         traced = builder.trace(initialize_model_weights=True)
         artifact = out_dir / ARTIFACT_NAME
@@ -476,6 +492,8 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     neffs = sorted(Path(build.compiler_workdir).rglob("*.neff"))
     record = {
         "build": asdict(build),
+        "graphs": graphs,
+        "shard_check_s": shard_check_s,
         "compile_s": sampler.wall_s,
         "peak_host_rss_bytes": sampler.peak_rss_bytes,
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
@@ -503,6 +521,6 @@ def _sdk_versions() -> dict:
 
 __all__ = [
     "COMPILER_ARGS", "NeuronBuildConfig", "step_inputs", "onehot_update", "OneHotCache", "kv_state_shapes",
-    "NeuronGemma4", "NxDDenseExperts", "host_logits", "convert_checkpoint", "read_hf_state", "compile_neuron",
-    "patch_scale_dequantize",
+    "NeuronGemma4", "host_logits", "convert_checkpoint", "read_hf_state", "compile_neuron", "rank_module",
+    "fill_layer_scalars", "MASK_MIN", "EXPERT_MODES", "DECODE_EXPERTS", "KV_STATE_PREFIXES",
 ]

@@ -43,16 +43,6 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."
 
 
-def _import_nxd():
-    try:
-        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
-        from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype
-        from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel
-    except ImportError as error:
-        raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
-    return ColumnParallelLinear, QuantizedColumnParallel, QuantizationType, QuantizedDtype
-
-
 def lm_head_kwargs(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
                    pad: bool = False) -> dict:
     """The constructor arguments of the port's head, NxD enums named as strings (printable without the SDK).
@@ -72,22 +62,26 @@ def lm_head_kwargs(hidden_size: int, vocab_size: int, quantized: bool = True, dt
 
 
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
-                  pad: bool = False, tensor_model_parallel_group=None) -> nn.Module:
+                  pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
     """The port's lm_head for the traced graph: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear``.
 
-    Arguments as :func:`lm_head_kwargs`. Call it where NxD's tensor-parallel state exists (inside a
-    ModelBuilder trace, or after ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)``)
-    and register it as ``lm_head`` so :func:`untie_lm_head`'s keys match. With ``pad=True`` pass its
-    output through :func:`trim_padded_logits`.
+    Arguments as :func:`lm_head_kwargs`. ``sdk``: None imports neuronx-distributed
+    (``TargetError`` with the install hint if missing); ``gemma_nb.neuron.standins.cpu_sdk()`` gives
+    the cpu stand-ins. Call it where NxD's tensor-parallel state exists (inside a ModelBuilder
+    trace, after ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)``, or in
+    a stand-in ``model_parallel``) and register it as ``lm_head`` so :func:`untie_lm_head`'s keys
+    match. With ``pad=True`` pass its output through :func:`trim_padded_logits`.
     """
-    ColumnParallelLinear, QuantizedColumnParallel, QuantizationType, QuantizedDtype = _import_nxd()
+    from gemma_nb.neuron.moe import import_nxd
+
+    sdk = import_nxd() if sdk is None else sdk
     kwargs = lm_head_kwargs(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad)
     kwargs["tensor_model_parallel_group"] = tensor_model_parallel_group
     if not quantized:
-        return ColumnParallelLinear(**kwargs)
-    kwargs["quantized_dtype"] = QuantizedDtype.INT8
-    kwargs["quantization_type"] = QuantizationType.PER_CHANNEL_SYMMETRIC
-    return QuantizedColumnParallel(**kwargs)
+        return sdk.ColumnParallelLinear(**kwargs)
+    kwargs["quantized_dtype"] = sdk.QuantizedDtype.INT8
+    kwargs["quantization_type"] = sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
+    return sdk.QuantizedColumnParallel(**kwargs)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -130,11 +124,6 @@ def untie_lm_head(state_dict: dict, quantized: bool = True, embed_key: str = EMB
     return out
 
 
-def _out_of_place_scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    # The port's patch: NxD's version multiplies in place (``*=``), which broke its trace.
-    return (tensor.to(torch.float32) * scale.unsqueeze(len(scale.shape) - 1)).to(upcast_dtype)
-
-
 class _HeadOnly(nn.Module):
     """Just the head, registered as ``lm_head`` so the checkpoint keys are ``lm_head.weight`` / ``lm_head.scale``."""
 
@@ -164,9 +153,11 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
         from neuronx_distributed.utils.model_utils import init_on_device
     except ImportError as error:
         raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
+    from gemma_nb.neuron.quant import patch_scale_dequantize
+
     vocab_size, hidden_size = embed_weight.shape
     pad = vocab_size % tp != 0
-    quantization_layers.scale_dequantize = _out_of_place_scale_dequantize
+    patch_scale_dequantize(quantization_layers)
     example = torch.zeros(1, tokens, hidden_size, dtype=torch.bfloat16)
     with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
         traced = ModelBuilder(_HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")

@@ -89,6 +89,31 @@ def support_matrix_table():
     return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
 
 
+def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
+    """NxD's ``scale_dequantize`` for any output rank: the one patch this repo applies (out of place).
+
+    NxD 0.18 (``quantization/dequantize.py``) multiplies the fp32 output in place by
+    ``scale.unsqueeze(len(scale.shape) - 1)``: for a layer's ``scale.T [1, out]`` that is
+    ``[1, 1, out]``, which fits a 3-D ``[B, S, out]`` output but not a 2-D ``[T, out]`` one (the
+    routed experts' input, or a trial's): the in-place multiply raises. Here the same factor
+    loses its leading size-1 dims when it has more dims than the output, and the multiply is out
+    of place (the port's trace also broke on the in-place one). 3-D numbers equal NxD's exactly.
+    """
+    factor = scale.unsqueeze(len(scale.shape) - 1)
+    extra = factor.dim() - tensor.dim()
+    if extra > 0:
+        if any(size != 1 for size in factor.shape[:extra]):
+            raise ValueError(f"scale {tuple(scale.shape)} does not broadcast to the output {tuple(tensor.shape)}")
+        factor = factor.reshape(factor.shape[extra:])
+    return (tensor.to(torch.float32) * factor).to(upcast_dtype)
+
+
+def patch_scale_dequantize(quantization_layers) -> None:
+    """Point ``quantization_layers.scale_dequantize`` (NxD's module, or a stand-in's namespace) at
+    :func:`scale_dequantize`. NxD's quantized layers look the name up in that module at call time."""
+    quantization_layers.scale_dequantize = scale_dequantize
+
+
 def _import_sdk():
     try:
         import torch_neuronx  # noqa: F401
@@ -157,6 +182,9 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
 
     sdk = _import_sdk()
     NxDParallelState, _, _, _, QuantizedColumnParallel, ModelBuilder = sdk
+    from neuronx_distributed.quantization import quantization_layers
+
+    patch_scale_dequantize(quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.02
     x = torch.randn(tokens, in_features, generator=generator).to(torch.bfloat16)

@@ -22,6 +22,9 @@ from gemma_nb.tiny.corpus import FACTS, Fact, fact_prompts
 
 BUNDLED_ID = "gemma-nb/tiny-gemma4-moe"
 CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+# The second bundled checkpoint: heads, KV heads and experts that split over TP=2 as the 26B's do.
+BUNDLED_TP2_ID = "gemma-nb/tiny-gemma4-moe-tp2"
+TP2_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint_tp2"
 
 # The 26B-A4B's layer pattern: five sliding-window layers, then one global layer.
 SLIDING_PER_FULL = 5
@@ -43,6 +46,29 @@ TINY_DIMS: dict[str, Any] = dict(
     sliding_window=64,
     max_position_embeddings=512,
 )
+
+# Dimensions of the TP=2 checkpoint: the 26B's head counts (16 query heads; 8 KV heads in sliding
+# layers, 2 in global ones) so that TP=2 splits them 8 -> 4 and 2 -> 1 per rank as on the inf2
+# (the bundled checkpoint's 2 / 1 KV heads cannot split), its 5-sliding-1-full layer pattern, and
+# 32 experts top-2 (the 26B's 1/16 active ratio) whose intermediate size halves per rank.
+TP2_DIMS: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=2,
+    num_experts=32,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    sliding_window=64,
+    max_position_embeddings=512,
+)
+DIMS = {"tiny": TINY_DIMS, "tp2": TP2_DIMS}
+CHECKPOINT_DIRS = {"tiny": CHECKPOINT_DIR, "tp2": TP2_CHECKPOINT_DIR}
+BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
 
 # Architecture switches that make a Gemma4TextConfig a 26B-A4B look-alike. The transformers
 # defaults differ on several of them (hidden_size_per_layer_input=256 silently adds per-layer
@@ -194,6 +220,7 @@ def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.b
 
 
 __all__ = [
-    "BUNDLED_ID", "CHECKPOINT_DIR", "TINY_DIMS", "ARCHITECTURE", "FACTS", "Fact", "fact_prompts",
+    "BUNDLED_ID", "CHECKPOINT_DIR", "BUNDLED_TP2_ID", "TP2_CHECKPOINT_DIR", "TP2_DIMS", "DIMS", "BUNDLED_IDS",
+    "TINY_DIMS", "ARCHITECTURE", "FACTS", "Fact", "fact_prompts",
     "checkpoint_dir", "load_tiny", "default_layer_types", "random_gemma4_config", "random_gemma4_model",
 ]

@@ -1,11 +1,11 @@
-"""``python -m gemma_nb.tiny train [--seed N] [--max-epochs N] [--out DIR]``: rebuild the bundled checkpoint."""
+"""``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``: rebuild a bundled checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from gemma_nb.tiny import CHECKPOINT_DIR
+from gemma_nb.tiny import CHECKPOINT_DIRS, DIMS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,12 +15,15 @@ def main(argv: list[str] | None = None) -> None:
     train_cmd.add_argument("--seed", type=int, default=0)
     train_cmd.add_argument("--max-epochs", type=int, default=None)
     train_cmd.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-reproducible, and no thread oversubscription on a shared box)")
-    train_cmd.add_argument("--out", type=Path, default=CHECKPOINT_DIR, help="output folder (default: the bundled one)")
+    train_cmd.add_argument("--dims", choices=sorted(DIMS), default="tiny",
+                           help="tiny: the bundled checkpoint; tp2: the one whose heads and experts split over TP=2")
+    train_cmd.add_argument("--out", type=Path, default=None, help="output folder (default: the bundled one for --dims)")
     args = parser.parse_args(argv)
 
     from gemma_nb.tiny.train import TrainArgs, train
 
-    train_args = TrainArgs(seed=args.seed, threads=args.threads)
+    train_args = TrainArgs(seed=args.seed, threads=args.threads, dims=args.dims)
+    args.out = CHECKPOINT_DIRS[args.dims] if args.out is None else args.out
     if args.max_epochs is not None:
         train_args.max_epochs = args.max_epochs
     summary = train(train_args, out_dir=args.out)

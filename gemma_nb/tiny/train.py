@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gemma_nb.tiny import CHECKPOINT_DIR, TINY_DIMS, random_gemma4_config
+from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
 
 # Experts implementation used while training: transformers' grouped_mm (a sort + one matmul
@@ -41,6 +41,11 @@ class TrainArgs:
     balance_loss_weight: float = 0.01
     target_recall: float = 1.0
     threads: int = 1
+    dims: str = "tiny"  # a key of gemma_nb.tiny.DIMS: "tiny" (the bundled checkpoint) or "tp2"
+
+    def __post_init__(self) -> None:
+        if self.dims not in DIMS:
+            raise ValueError(f"dims={self.dims!r} is not one of {', '.join(DIMS)}")
 
 
 def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +64,9 @@ def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def tiny_config(tokenizer):
+def tiny_config(tokenizer, dims: str = "tiny"):
     return random_gemma4_config(
-        **TINY_DIMS,
+        **DIMS[dims],
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -133,7 +138,7 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer)
+    config = tiny_config(tokenizer, args.dims)
     model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
     model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
     input_ids, labels = sentence_batch(tokenizer)

@@ -1,0 +1,198 @@
+"""The neuron build's TP=2 graphs run on the cpu: two gloo ranks, the NxD stand-ins, greedy decode (05).
+
+What runs is this repo's own neuron code, unchanged: ``NeuronGemma4(parallel=True)`` with its NxD
+swaps, ``convert_checkpoint``, the one-hot KV state, ``step_inputs`` and ``NeuronStepRunner``. Only
+the NxD layers are replaced, by ``gemma_nb.neuron.standins`` (contracts read from
+neuronx-distributed 0.18), and each rank's weights come the way ModelBuilder makes them: the module
+built on the meta device, the full int8 checkpoint cut per rank by the emulated ``shard_children``.
+Every rank is a process (``gemma_nb.parallel.run_tp``), and ``gather_output`` / the row-parallel
+all-reduce are real gloo collectives.
+
+Per rank, one prefill graph (dense experts, the bucket's S tokens) and a decode graph (S = 1) with
+dense *or* sparse experts share one set of weights and one KV state, as one ModelBuilder artifact
+does: after every call the outputs are written back into the state as the modules'
+``input_output_aliases`` say (:class:`AliasedGraphs`), which is what the Neuron runtime does with
+aliased outputs. The greedy tokens are compared with the same module unsharded (TP=1, the same int8
+numbers, dense experts) in this process.
+
+Activations run in fp32 here so that a token flip can only come from the sharding; the graphs on
+the inf2 run in bf16 (``--auto-cast all``). This proves the repo's sharding, conversion, KV-state
+and graph code; the SDK's own layers, neuronx-cc, HBM and speed need an inf2.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gemma_nb.neuron.build import (
+    KV_STATE_PREFIXES, NeuronBuildConfig, convert_checkpoint, rank_module, read_hf_state, text_config,
+)
+from gemma_nb.neuron.deploy import NeuronStepRunner
+
+DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
+
+
+class AliasedGraphs:
+    """A prefill graph and a decode graph over one KV state, written back through the aliases.
+
+    ``prefill`` and ``decode``: ``NeuronGemma4`` modules holding the same weights (one artifact).
+    ``state`` maps each state parameter's name to its value on the "device"; before a call it is
+    copied into the called module's state parameters, after the call every output the module's
+    ``input_output_aliases()`` names replaces its state tensor (checked to match it in shape and
+    dtype, as aliasing requires). The graph is picked by the step's token count (the bucket:
+    prefill; 1: decode). Returns the logits, like a compiled graph.
+    """
+
+    def __init__(self, prefill, decode, bucket: int):
+        self.graphs = {"prefill": prefill, "decode": decode}
+        self.bucket = bucket
+        self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
+                      if name.startswith(KV_STATE_PREFIXES)}
+        self.calls = {"prefill": 0, "decode": 0}
+
+    def __call__(self, *inputs):
+        kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"
+        module = self.graphs[kind]
+        names = {id(p): name for name, p in module.named_parameters()}
+        with torch.no_grad():
+            for name, parameter in module.named_parameters():
+                if name in self.state:
+                    parameter.copy_(self.state[name])
+            outputs = module(*inputs)
+            for parameter, index in module.input_output_aliases().items():
+                name = names[id(parameter)]
+                if outputs[index].shape != self.state[name].shape or outputs[index].dtype != self.state[name].dtype:
+                    raise RuntimeError(f"output {index} {tuple(outputs[index].shape)} {outputs[index].dtype} cannot "
+                                       f"alias state {name} {tuple(self.state[name].shape)} {self.state[name].dtype}")
+                self.state[name] = outputs[index].detach().clone()
+        self.calls[kind] += 1
+        return outputs[0]
+
+
+def _setup(model_dir: str, tp: int, max_len: int, bucket: int):
+    from gemma_nb.deploy import model_skeleton
+    from gemma_nb.embedding import HostEmbedding
+
+    config = text_config(model_dir)
+    hf_state = read_hf_state(model_dir)
+    build = NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
+                              dtype="float32")
+    checkpoint = convert_checkpoint(hf_state, config, tp, dtype=torch.float32)
+    scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
+    embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
+    return config, hf_state, build, checkpoint, embed
+
+
+def _kv_heads(module, config) -> dict[str, int]:
+    """KV heads of this rank's state, per layer type (every layer of a type holds the same)."""
+    heads = {}
+    for layer_type, cache in zip(config.layer_types, module.k_cache):
+        heads.setdefault(layer_type, int(cache.shape[1]))
+    return heads
+
+
+def _onehot_state_ok(state: dict, last_position: int) -> bool:
+    """Every cache slot up to the last written position holds values, every later slot is still zero."""
+    for tensor in state.values():
+        written = tensor[0, :, : last_position + 1].abs().sum(dim=(0, 2))
+        untouched = tensor[0, :, last_position + 1:]
+        if not bool((written > 0).all()) or bool(untouched.abs().sum() != 0):
+            return False
+    return True
+
+
+def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens: int, sdk, rank: int = 0,
+               group=None, modes=("dense", "sparse")) -> dict:
+    """Greedy tokens per decode mode and prompt, with one rank's modules (a fresh KV state per prompt)."""
+    modules = {mode: rank_module(config, build, checkpoint, hf_state, rank, sdk, experts=mode, group=group)
+               for mode in {"dense", *modes}}
+    tokens, onehot_ok, calls = {}, True, {"prefill": 0, "decode": 0}
+    for mode in modes:
+        tokens[mode] = []
+        for ids in prompts_ids:
+            graphs = AliasedGraphs(modules["dense"], modules[mode], build.bucket)
+            runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
+            out = runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist()
+            tokens[mode].append(out)
+            # the bucket's padding slots are written by the prefill too, so check up to the bucket
+            onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
+            for kind, count in graphs.calls.items():
+                calls[kind] += count
+    return {"tokens": tokens, "kv_heads": _kv_heads(modules["dense"], config), "onehot_state_ok": onehot_ok,
+            "graph_calls": calls, "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
+
+
+def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
+                bucket: int) -> dict:
+    """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.parallel.run_tp``)."""
+    import torch.distributed as dist
+
+    from gemma_nb.neuron.standins import cpu_sdk
+
+    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
+    result = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
+                        dist.group.WORLD)
+    result["rank"] = rank
+    return result
+
+
+def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
+                 max_len: int = 32, bucket: int = 8, timeout_s: float = 300.0) -> dict:
+    """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model.
+
+    ``model_id`` defaults to ``gemma_nb.tiny.BUNDLED_TP2_ID`` (16 heads, 8 sliding / 2 global KV
+    heads: they split 8 -> 4 and 2 -> 1 at TP=2 like the 26B's; the first bundled checkpoint's 2 / 1
+    cannot). Returns ``tokens_equal_dense`` / ``tokens_equal_sparse`` (every rank's greedy tokens,
+    prefill dense, decode dense / sparse, equal to the TP=1 int8 reference's), ``ranks``,
+    ``ranks_agree``, ``kv_heads_per_rank`` and ``kv_heads_unsharded`` per layer type,
+    ``aliased_state_tensors``, ``onehot_state_ok`` (every rank), ``graph_calls`` (per rank), the
+    shapes used, the tokens, and ``wall_s``.
+    """
+    from transformers import AutoTokenizer
+
+    from gemma_nb.modelio import resolve_model_id
+    from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
+    from gemma_nb.parallel import run_tp
+    from gemma_nb.tiny import BUNDLED_TP2_ID
+
+    started = time.perf_counter()
+    model_id = BUNDLED_TP2_ID if model_id is None else model_id
+    model_dir = resolve_model_id(model_id)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts_ids = [tokenizer(p).input_ids for p in prompts]
+    config, hf_state, build, checkpoint, embed = _setup(model_dir, 1, max_len, bucket)
+    with model_parallel(1):
+        reference = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(),
+                               modes=("dense",))
+    del checkpoint
+    ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
+                   threads_per_rank=1, timeout_s=timeout_s)
+    expected = reference["tokens"]["dense"]
+    return {
+        "model_id": model_id,
+        "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
+        "tp": tp,
+        "ranks": len(ranks),
+        "activation_dtype": build.dtype,
+        "max_len": max_len,
+        "bucket": bucket,
+        "prompts": len(prompts_ids),
+        "new_tokens": new_tokens,
+        "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
+        "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
+        "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
+        "kv_heads_unsharded": reference["kv_heads"],
+        "kv_heads_per_rank": ranks[0]["kv_heads"],
+        "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
+        "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
+        "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks),
+        "graph_calls_per_rank": ranks[0]["graph_calls"],
+        "reference_tokens": expected,
+        "tokens_per_rank": [r["tokens"] for r in ranks],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "DEFAULT_PROMPTS"]

@@ -1,0 +1,157 @@
+"""The cpu stand-ins of neuronx-distributed keep the SDK's contracts, and the neuron build passes
+ModelBuilder's checkpoint path with them (the defects of issue 12: 1, 3, 4)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gemma_nb.neuron import build as B  # noqa: E402
+from gemma_nb.neuron import standins as S  # noqa: E402
+from gemma_nb.neuron.quant import patch_scale_dequantize, scale_dequantize  # noqa: E402
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
+
+# Heads, KV heads (4 sliding, 2 global) and experts that split at TP=2, at toy size.
+TP2_DIMS = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_global_key_value_heads=2,
+                num_experts=8, top_k_experts=2, moe_intermediate_size=32, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tp2_model():
+    model = random_gemma4_model(random_gemma4_config(**TP2_DIMS), seed=5, dtype=torch.float32)
+    checkpoint = B.convert_checkpoint(model.state_dict(), model.config, tp=2, dtype=torch.float32)
+    return model, checkpoint
+
+
+def _build(tp: int, dtype: str = "float32") -> B.NeuronBuildConfig:
+    return B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=tp, dtype=dtype)
+
+
+def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2, rank=1):
+        column = sdk.ColumnParallelLinear(16, 32, bias=False, gather_output=False)
+        row = sdk.RowParallelLinear(32, 16, bias=False, input_is_parallel=True)
+        qcol = sdk.QuantizedColumnParallel(16, 32, bias=False, gather_output=True, dtype=torch.bfloat16,
+                                           quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+                                           quantization_per_channel_axis=0)
+        qrow = sdk.QuantizedRowParallel(32, 16, bias=False, input_is_parallel=True,
+                                        quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        rank = sdk.SPMDRank(world_size=2)
+    tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
+    assert column.weight.shape == (16, 16) and tags(column.weight) == (True, 0, 1)
+    assert row.weight.shape == (16, 16) and tags(row.weight) == (True, 1, 1)
+    assert qcol.weight.dtype == torch.int8 and qcol.weight.shape == (16, 16) and tags(qcol.weight) == (True, 0, 1)
+    assert qcol.scale.dtype == torch.float32 and qcol.scale.shape == (16, 1) and tags(qcol.scale) == (True, 0, 1)
+    assert qrow.weight.shape == (16, 16) and tags(qrow.weight) == (True, 1, 1)
+    assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
+    assert rank.rank.dtype == torch.int32 and tags(rank.rank) == (True, 0, 1)
+    with pytest.raises(RuntimeError, match="need a parallel state"):
+        sdk.ColumnParallelLinear(16, 32)
+    with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
+        with S.model_parallel(4):
+            sdk.ColumnParallelLinear(16, 30)
+
+
+def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
+    sdk = S.cpu_sdk()
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = sdk.ColumnParallelLinear(4, 6, bias=False, gather_output=False, stride=3)
+            self.down = sdk.QuantizedRowParallel(6, 4, bias=False, input_is_parallel=True,
+                                                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+            self.norm = torch.nn.LayerNorm(4)
+
+    full = {"up.weight": torch.arange(24.0).reshape(6, 4), "down.weight": torch.arange(24, dtype=torch.int8).reshape(4, 6),
+            "down.scale": torch.ones(4, 1, dtype=torch.float64), "norm.weight": torch.ones(4), "extra": torch.ones(1)}
+    with S.model_parallel(2), S.init_on_meta():
+        module = Two()
+    assert module.up.weight.is_meta and module.up.weight.partition_stride == 3
+    shard = S.shard_checkpoint(module, full, rank=1, tp=2)
+    assert "extra" not in shard and torch.equal(shard["norm.weight"], full["norm.weight"])
+    assert torch.equal(shard["up.weight"], full["up.weight"][[1, 3, 5]])  # stride 3: every other chunk of 1 row
+    assert torch.equal(shard["down.weight"], full["down.weight"][:, 3:])
+    assert shard["down.scale"].dtype == torch.float32 and shard["down.scale"].shape == (4, 1)  # cast, replicated
+    with pytest.raises(RuntimeError, match=r"expected shape torch.Size\(\[4, 3\]\) for down.weight but found "
+                                           r"torch.Size\(\[4, 4\]\)"):
+        S.shard_checkpoint(module, dict(full, **{"down.weight": torch.zeros(4, 8, dtype=torch.int8)}), 0, 2)
+
+
+def test_meta_built_module_loads_every_ranks_shard(tp2_model):
+    """The test that would have caught defect 1: NeuronGemma4 built on meta as ModelBuilder builds it,
+    sharded by the emulated shard_children, every rank's shard fits, the NxD tags and fp32 scales
+    survive _materialize, and each rank's KV state holds half the heads."""
+    model, checkpoint = tp2_model
+    build = _build(2, "bfloat16")
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2), S.init_on_meta():
+        skeleton = B.NeuronGemma4(model.config, build, parallel=True, sdk=sdk)
+    scale = skeleton.lm.model.layers[0].mlp.gate_proj.scale
+    assert scale.is_meta and scale.dtype == torch.float32 and scale.tensor_model_parallel
+    for rank in range(2):
+        shard = S.shard_checkpoint(skeleton, checkpoint, rank, 2)
+        assert shard["lm.model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 128)  # 2 of 4 KV heads
+        module = B.rank_module(model.config, _build(2), checkpoint, model.state_dict(), rank, sdk)
+        assert [c.shape[1] for c in module.k_cache] == [2, 1]  # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
+    # What _materialize did before the fix: plain parameters, tags and fp32 scale lost -> whole tensors kept.
+    for module in skeleton.modules():
+        for name, tensor in list(module._parameters.items()):
+            if tensor is not None and tensor.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(tensor.shape, dtype=torch.bfloat16),
+                                                              requires_grad=False)
+    with pytest.raises(RuntimeError, match="expected shape .* but found"):
+        S.shard_checkpoint(skeleton, checkpoint, 0, 2)
+
+
+def test_scale_dequantize_patch_fits_2d_and_3d_like_the_sdk():
+    scale = torch.rand(6, 1) + 0.5  # a layer's per-channel scale [out, 1]; the layers pass scale.T
+    out_3d = torch.randn(1, 5, 6, dtype=torch.bfloat16)
+    out_2d = out_3d[0]
+    sdk_3d = S.sdk_scale_dequantize(out_3d.clone(), scale.T, torch.bfloat16)
+    assert torch.equal(scale_dequantize(out_3d, scale.T, torch.bfloat16), sdk_3d)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        S.sdk_scale_dequantize(out_2d.clone(), scale.T, torch.bfloat16)
+    assert torch.equal(scale_dequantize(out_2d, scale.T, torch.bfloat16), sdk_3d[0])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        scale_dequantize(out_2d, torch.rand(2, 3, 6), torch.float32)
+    sdk = S.cpu_sdk()
+    patch_scale_dequantize(sdk.quantization_layers)
+    assert sdk.quantization_layers.scale_dequantize is scale_dequantize
+    assert S.cpu_sdk().quantization_layers.scale_dequantize is S.sdk_scale_dequantize  # others untouched
+
+
+def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
+    model, _ = tp2_model
+    inputs = B.step_inputs(torch.zeros(1, 8, 128), list(range(8)), max_len=24, sliding_window=4)
+    for tensor in inputs:
+        if tensor.is_floating_point():
+            assert torch.isfinite(tensor.to(torch.bfloat16)).all()
+    scores = torch.randn(1, 24).to(torch.bfloat16) * 10  # one query's scores, every key masked
+    masked = scores + torch.full((1, 24), B.MASK_MIN, dtype=torch.bfloat16)
+    assert torch.isfinite(masked).all() and not torch.softmax(masked.float(), -1).isnan().any()
+    fp32_min = torch.full((1, 24), torch.finfo(torch.float32).min).to(torch.bfloat16)
+    assert torch.softmax((scores + fp32_min).float(), -1).isnan().all()  # why the old mask failed
+
+
+def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
+    """group=None at tp=2: one rank's shapes, collectives as identities (for lowering one rank's graph)."""
+    model, checkpoint = tp2_model
+    module = B.rank_module(model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse")
+    inputs = B.step_inputs(torch.randn(1, 1, 128), [0], 24, model.config.sliding_window)
+    with torch.no_grad():
+        logits, *state = module(*inputs)
+    assert logits.shape == (1, 1, 256)  # this rank's half of the vocab: no all-gather without a group
+    assert [s.shape[1] for s in state] == [2, 1, 2, 1]
+
+
+def test_decode_graph_options_are_recorded():
+    build = _build(2)
+    assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
+    both = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
+    assert both.graph_keys() == {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"}
+    with pytest.raises(ValueError, match="decode_experts='all' is not one of dense, sparse, both"):
+        B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="all")
