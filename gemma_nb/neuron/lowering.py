@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,13 +39,17 @@ from gemma_nb.paths import REPO_ROOT
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
-# Allowed |logits(XLA) - logits(eager)|, in units in the last place of the largest |logit|: XLA's
-# cpu backend fuses and reorders the same arithmetic, so bf16 graphs differ by a few bf16 roundings.
-TOLERANCE_ULPS = {torch.bfloat16: 8, torch.float32: 64}
+# Allowed |logits(XLA) - logits(eager)|. XLA's cpu backend fuses and reorders the same arithmetic
+# (and keeps some bf16 intermediates in fp32), so the two differ by rounding: in fp32 by a few ulps
+# of the largest logit; in bf16 by about as much as bf16 rounding itself moves the logits, measured
+# per graph as |eager in bf16 - eager in fp32| (the same module, built in fp32).
+FP32_TOLERANCE_ULPS = 64
+BF16_ROUNDING_FACTOR = 2
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
 PROMPT_TOKENS = 12   # real tokens in the padded prefill (the rest of the bucket is padding)
 DECODE_POSITION = 12  # where the decode step writes; cache slots before it hold seeded values
 SEED = 0
+TP_DEGREES = (1, 2)
 
 # One HLO instruction per line: "  [ROOT ]%name = <shape> opcode(operands), attributes".
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s+(.*)$")
@@ -88,15 +93,28 @@ def aten_fallbacks(counter_names) -> list[str]:
 def ulp(value: float, dtype: torch.dtype) -> float:
     """The spacing of ``dtype`` numbers at ``|value|`` (bf16: 7 stored mantissa bits, fp32: 23)."""
     if dtype not in MANTISSA_BITS:
-        raise ValueError(f"dtype {dtype} has no tolerance rule; use one of {', '.join(map(str, MANTISSA_BITS))}")
+        raise ValueError(f"dtype {dtype} is not one of {', '.join(map(str, MANTISSA_BITS))}")
     if value == 0:
         return 0.0
     return 2.0 ** (math.floor(math.log2(abs(value))) - MANTISSA_BITS[dtype])
 
 
-def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest |XLA - eager| accepted for logits ``reference``: ``TOLERANCE_ULPS`` ulps of its max."""
-    return TOLERANCE_ULPS[dtype] * ulp(float(reference.abs().max()), dtype)
+def tolerance(eager: torch.Tensor, dtype: torch.dtype, fp32_eager: torch.Tensor | None = None) -> float:
+    """The largest |XLA - eager| accepted for the logits ``eager`` of a ``dtype`` graph.
+
+    fp32: ``FP32_TOLERANCE_ULPS`` ulps of the largest |logit|. bf16: ``BF16_ROUNDING_FACTOR`` times
+    the bf16 rounding of this graph, ``max |eager - fp32_eager|`` (``fp32_eager``: the same module
+    built and run in fp32), plus one bf16 ulp of the largest |logit|.
+    """
+    largest = float(eager.abs().max())
+    if dtype == torch.float32:
+        return FP32_TOLERANCE_ULPS * ulp(largest, dtype)
+    if dtype != torch.bfloat16:
+        raise ValueError(f"dtype {dtype} has no tolerance rule; the graphs are built in bfloat16 or float32")
+    if fp32_eager is None:
+        raise ValueError("a bf16 graph's tolerance needs fp32_eager: the logits of the same module run in fp32")
+    rounding = float((eager.float() - fp32_eager.float()).abs().max())
+    return BF16_ROUNDING_FACTOR * rounding + ulp(largest, dtype)
 
 
 def lowered_cleanly(rows: list[dict]) -> bool:
@@ -152,7 +170,8 @@ def _first(outputs):
     return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
 
 
-def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
+def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, fp32_eager: torch.Tensor | None = None,
+               **labels) -> dict:
     """Run ``module(*inputs)`` eagerly on the cpu, then as one step on the XLA device; compare.
 
     The module and inputs are moved to the device and synced *before* the metrics are cleared, so
@@ -160,7 +179,8 @@ def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **lab
     The outputs are read back only after the counters are. Returns ``labels`` plus
     ``aten_fallbacks`` (op names), ``device_to_host_transfers``, ``xla_executions`` (graphs run by
     the step: 1 when it lowers to one graph), ``hlo_instructions``, ``gathers``, ``max_abs_diff``
-    of the first output (the logits) and the ``tolerance`` it is held to, and ``error``: None, or
+    of the first output (the logits) and the ``tolerance`` it is held to (:func:`tolerance`; a bf16
+    graph needs ``fp32_eager``, its logits in fp32), and ``error``: None, or
     the exception the XLA step raised (then the HLO and numeric fields are None).
     """
     torch_xla, metrics = _import_xla()
@@ -194,21 +214,24 @@ def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **lab
         row.update(hlo_counts(hlo))
         logits = outputs[0].cpu().float()
     row["max_abs_diff"] = float((logits - eager).abs().max())
-    row["tolerance"] = tolerance(eager, dtype)
+    row["tolerance"] = tolerance(eager, dtype, fp32_eager)
     return row
 
 
 # --------------------------------------------------------------------------------------------
 # The graphs ModelBuilder would trace, on the bundled checkpoint
 # --------------------------------------------------------------------------------------------
-def _tiny():
+def _tiny(model_dir: Path | str):
     from gemma_nb.neuron.build import NeuronBuildConfig, read_hf_state, text_config
-    from gemma_nb.tiny import CHECKPOINT_DIR
 
-    config = text_config(CHECKPOINT_DIR)
-    state = read_hf_state(CHECKPOINT_DIR)
-    build = NeuronBuildConfig(model_dir=str(CHECKPOINT_DIR), output_dir="unused")  # the shipped shapes
+    config = text_config(model_dir)
+    state = read_hf_state(model_dir)
+    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")  # the shipped shapes
     return config, state, build
+
+
+def _embedded(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
+    return state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
 
 
 def prefill_inputs(config, state: dict, build) -> tuple:
@@ -218,18 +241,23 @@ def prefill_inputs(config, state: dict, build) -> tuple:
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
     ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
-    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
-    return step_inputs(embeds, list(range(build.bucket)), build.max_len, config.sliding_window, PROMPT_TOKENS - 1)
+    return step_inputs(_embedded(config, state, ids), list(range(build.bucket)), build.max_len,
+                       config.sliding_window, PROMPT_TOKENS - 1)
 
 
 def decode_inputs(config, state: dict, build) -> tuple:
-    """One token at ``DECODE_POSITION``."""
+    """One seeded token at ``DECODE_POSITION``."""
     from gemma_nb.neuron.build import step_inputs
 
     generator = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(3, config.vocab_size, (1, 1), generator=generator)
-    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
-    return step_inputs(embeds, [DECODE_POSITION], build.max_len, config.sliding_window)
+    return step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
+
+
+def head_inputs(config, state: dict) -> tuple:
+    """The lm_head's input: one token's final hidden state ``[1, 1, H]`` in bf16 (seeded, unit RMS)."""
+    generator = torch.Generator().manual_seed(SEED + 3)
+    return (torch.randn(1, 1, config.hidden_size, generator=generator).to(torch.bfloat16),)
 
 
 def fill_cache(module) -> None:
@@ -240,45 +268,116 @@ def fill_cache(module) -> None:
             state.copy_(torch.randn(state.shape, generator=generator))
 
 
+def rank_graph_module(config, state: dict, build, tp: int, experts: str):
+    """Rank 0's ``NeuronGemma4`` at TP=``tp`` on the cpu stand-ins, loaded as ModelBuilder loads it.
+
+    ``group=None``: the layers hold one rank's shard shapes and the collectives are identities,
+    which is the graph one rank traces (ModelBuilder traces one SPMD graph for all ranks; the rank
+    is a tensor input, ``SPMDRank``).
+    """
+    from gemma_nb.neuron.build import convert_checkpoint, rank_module
+    from gemma_nb.neuron.standins import cpu_sdk
+
+    build = replace(build, tp_degree=tp)
+    checkpoint = convert_checkpoint(state, config, tp, dtype=getattr(torch, build.dtype))
+    return rank_module(config, build, checkpoint, state, 0, cpu_sdk(), experts=experts, group=None)
+
+
+class ShardedHead(torch.nn.Module):
+    """The graph's lm_head alone (``build_lm_head``: int8 ``QuantizedColumnParallel``, gathered), as
+    ``gemma_nb.neuron.lm_head.compile_lm_head`` traces it, on the stand-ins."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: int, sdk, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        from gemma_nb.neuron.lm_head import build_lm_head
+
+        self.vocab_size = vocab_size
+        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=True, dtype=dtype, pad=vocab_size % tp != 0,
+                                     sdk=sdk)
+
+    def forward(self, hidden):
+        from gemma_nb.neuron.lm_head import trim_padded_logits
+
+        return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
+
+
+def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
+    """Rank 0's ``ShardedHead`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
+    from gemma_nb.neuron.lm_head import lm_head_state_dict
+    from gemma_nb.neuron.standins import cpu_sdk, load_rank_module
+
+    sdk = cpu_sdk()
+    checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
+    return load_rank_module(lambda: ShardedHead(config.hidden_size, config.vocab_size, tp, sdk, dtype), checkpoint, tp, 0)
+
+
 def _cpu_module(config, state, build, experts: str):
-    """``NeuronGemma4(parallel=False)`` at TP=1 with ``gemma_nb.moe``'s ``experts`` swapped in."""
+    """``NeuronGemma4(parallel=False)`` at TP=1 with ``gemma_nb.moe``'s ``experts`` swapped in (the contrast)."""
     from gemma_nb.moe import swap_experts
     from gemma_nb.neuron.build import NeuronGemma4
 
     module = NeuronGemma4(config, build, parallel=False)
-    # The tiny checkpoint ties lm_head to the embedding and stores the table once.
+    # The bundled checkpoints tie lm_head to the embedding and store the table once.
     module.load_state({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
     if experts != "transformers":
         swap_experts(module.lm, experts)
     return module
 
 
-def shipped_graphs() -> list[dict]:
-    """Each graph the neuron build traces, lowered on the XLA cpu device: a list of :func:`lower_step` rows."""
-    config, state, build = _tiny()
+def _eager_logits(module, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return _first(module(*inputs)).float()
+
+
+def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> list[dict]:
+    """Each graph the neuron build traces, at each TP degree, lowered on the XLA cpu device.
+
+    Per TP degree: the prefill (dense experts, the bucket's tokens), the decode with the port's
+    dense experts, the decode with selective-loading sparse experts (one token each, over a
+    seeded KV state), and the sharded lm_head alone, all in the build's dtype (bf16), each
+    compared with its eager run and, for the tolerance, with the same module built in fp32.
+    ``model_dir`` defaults to the TP=2 tiny checkpoint (its KV heads split by 2). A list of
+    :func:`lower_step` rows.
+    """
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
+    fp32_build = replace(build, dtype="float32")
+    steps = {"prefill": prefill_inputs(config, state, build), "decode": decode_inputs(config, state, build)}
     rows = []
-    module = _cpu_module(config, state, build, "dense")
-    rows.append(lower_step(module, prefill_inputs(config, state, build), dtype,
-                           graph="prefill", tp=1, experts="dense", tokens=build.bucket))
-    module = _cpu_module(config, state, build, "dense")
-    fill_cache(module)
-    rows.append(lower_step(module, decode_inputs(config, state, build), dtype,
-                           graph="decode", tp=1, experts="dense", tokens=1))
+    for tp in tp_degrees:
+        for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
+            modules = [rank_graph_module(config, state, b, tp, experts) for b in (build, fp32_build)]
+            if graph == "decode":
+                for module in modules:
+                    fill_cache(module)
+            reference = _eager_logits(modules[1], steps[graph])
+            rows.append(lower_step(modules[0], steps[graph], dtype, reference, graph=graph, tp=tp, experts=experts,
+                                   tokens=steps[graph][0].shape[1]))
+        head, fp32_head = (rank_head_module(config, state, tp, d) for d in (dtype, torch.float32))
+        reference = _eager_logits(fp32_head, tuple(t.float() for t in head_inputs(config, state)))
+        rows.append(lower_step(head, head_inputs(config, state), dtype, reference, graph="lm_head", tp=tp,
+                               experts=None, tokens=1))
     return rows
 
 
-def contrast_graphs() -> list[dict]:
+def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     """What does not lower: the decode step with transformers' default experts, and with the cpu
-    ``gemma_nb.moe.SparseExperts`` (data-dependent indexing: host syncs). A row per case; an
-    exception in the XLA step (a fallback op failing on the cpu) is recorded as its ``error``."""
-    config, state, build = _tiny()
+    ``gemma_nb.moe.SparseExperts`` (data-dependent indexing: host syncs), at TP=1 on
+    ``NeuronGemma4(parallel=False)``. A row per case; an exception in the XLA step (a fallback op
+    failing on the cpu) is recorded as its ``error``."""
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
+    inputs = decode_inputs(config, state, build)
     rows = []
     for experts in ("transformers", "sparse"):
-        module = _cpu_module(config, state, build, experts)
-        fill_cache(module)
-        rows.append(lower_step(module, decode_inputs(config, state, build), dtype,
+        module, fp32_module = (_cpu_module(config, state, b, experts) for b in (build, replace(build, dtype="float32")))
+        for m in (module, fp32_module):
+            fill_cache(m)
+        rows.append(lower_step(module, inputs, dtype, _eager_logits(fp32_module, inputs),
                                graph="decode", tp=1, experts=f"{experts} (cpu)", tokens=1))
     return rows
 
@@ -295,13 +394,20 @@ def versions() -> dict:
     return found
 
 
-def report(contrast: bool = False) -> dict:
-    """Versions, the shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
-    _, _, build = _tiny()
-    out = {"versions": versions(), "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
-           "graphs": shipped_graphs()}
+def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
+    """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
+    from gemma_nb.neuron.build import NeuronBuildConfig
+    from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    model_dir = Path(model_dir or TP2_CHECKPOINT_DIR)
+    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    out = {"versions": versions(), "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
+           "checkpoint": model_dir.name,
+           "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
+           "graphs": shipped_graphs(model_dir, tp_degrees)}
     if contrast:
-        out["contrast"] = contrast_graphs()
+        out["contrast"] = contrast_graphs(model_dir)
     return out
 
 
@@ -311,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gemma_nb.neuron.lowering", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON (default: a text table)")
     parser.add_argument("--contrast", action="store_true", help="also lower the experts that do not lower")
+    parser.add_argument("--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)")
+    parser.add_argument("--tp", default=",".join(map(str, TP_DEGREES)), help="TP degrees, comma-separated")
     args = parser.parse_args(argv)
     _import_xla()  # fail at once, before building any model, outside the xla environment
-    result = report(contrast=args.contrast)
+    tp_degrees = tuple(int(t) for t in args.tp.split(","))
+    result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
