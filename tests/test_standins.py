@@ -50,6 +50,8 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     assert rank.rank.dtype == torch.int32 and tags(rank.rank) == (True, 0, 1)
     with pytest.raises(RuntimeError, match="need a parallel state"):
         sdk.ColumnParallelLinear(16, 32)
+    with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
+        sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30)
@@ -153,5 +155,7 @@ def test_decode_graph_options_are_recorded():
     assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
     both = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
     assert both.graph_keys() == {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"}
+    assert both.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}  # same shapes: last one wins
+    assert build.routed_graphs() == {"prefill": "prefill", "decode": "decode_dense"}
     with pytest.raises(ValueError, match="decode_experts='all' is not one of dense, sparse, both"):
         B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="all")

@@ -229,3 +229,29 @@ def test_training_script_is_deterministic(tmp_path):
     assert model.config._experts_implementation == "grouped_mm"  # transformers' default, not a training setting
     assert "_experts_implementation" not in (tmp_path / "a" / "config.json").read_text()
     assert not torch.are_deterministic_algorithms_enabled()  # global torch state restored
+
+
+# --- the TP=2 checkpoint ------------------------------------------------------------------
+
+def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
+    from gemma_nb.compile import layer_kv_heads
+    from gemma_nb.modelio import resolve_model_id
+    from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR, TP2_DIMS
+
+    folder = resolve_model_id(BUNDLED_TP2_ID)
+    assert folder == str(TP2_CHECKPOINT_DIR)
+    for name in (*CHECKPOINT_FILES, "README.md"):
+        assert (TP2_CHECKPOINT_DIR / name).is_file()
+    assert (TP2_CHECKPOINT_DIR / "model.safetensors").stat().st_size < 20e6
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = model.config
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert {heads for heads, _ in layer_kv_heads(config)} == {8, 2}  # 8 -> 4 and 2 -> 1 per rank at TP=2
+    assert config.num_attention_heads == 16 and config.num_experts % 2 == 0 and config.vocab_size % 2 == 0
+    assert config.moe_intermediate_size == TP2_DIMS["moe_intermediate_size"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    assert tokenizer.decode(greedy_generate(model, prompt, 2)[0, prompt.shape[1]:]) == "Paris ."
+    recorded = json.loads((TP2_CHECKPOINT_DIR / "training_args.json").read_text())
+    assert recorded["command"] == "python -m gemma_nb.tiny train --dims tp2"
+    assert recorded["args"]["dims"] == "tp2" and recorded["final_recall_fp32"] == 1.0

@@ -1,34 +1,40 @@
 """The port's compile on Inferentia2: NxD ModelBuilder (v1) at TP=2 with the int8 squeeze (SDK 2.31).
 
-NOT RUN HERE. The SDK parts are written against neuronx-distributed 0.19 / torch-neuronx 2.9
-(Neuron SDK 2.31); signatures read from aws-neuron/neuronx-distributed
-(``trace/model_builder.py``: ``ModelBuilder(router, tp_degree, checkpoint_loader, ...,
-compiler_workdir=...)``, ``.add(key, model_instance, example_inputs, compiler_args)``,
-``.trace(initialize_model_weights=True)``, ``BaseModelInstance(module_cls, input_output_aliases)``;
-``quantization/quantization_layers.py``; ``parallel_layers/layers.py``: ``SPMDRank``;
-``parallel_layers/mappings.py``: ``scatter_to_process_group_spmd``). Nothing from the SDK is
+Not run on an inf2 here. The SDK parts are written for neuronx-distributed 0.19 / torch-neuronx 2.9
+(Neuron SDK 2.31); their contracts were read in neuronx-distributed 0.18, the newest public source
+(aws-neuron/neuronx-distributed: ``trace/model_builder.py``: ``ModelBuilder(router, tp_degree,
+checkpoint_loader, ..., compiler_workdir=...)``, ``.add(key, model_instance, example_inputs,
+compiler_args)``, ``.shard_checkpoint()``, ``.trace(initialize_model_weights=True)``,
+``BaseModelInstance(module_cls, input_output_aliases)``; ``trace/trace.py``: ``shard_children``;
+``quantization/quantization_layers.py``; ``parallel_layers/layers.py``). Nothing from the SDK is
 imported at module import time; ``compile_neuron`` imports it and raises ``TargetError`` with the
-install hint when it is missing.
+install hint when it is missing. ``gemma_nb.neuron.standins`` holds cpu stand-ins of those NxD
+pieces, so the module below is also built, sharded and run at TP=2 on the cpu (two gloo ranks:
+``gemma_nb.neuron.emulate``); that proves this code, not the SDK.
 
-The recipe (FACTS §4a), as the traced module ``NeuronGemma4`` builds it:
+The recipe, as the traced module ``NeuronGemma4`` builds it:
 
 - transformers' own ``Gemma4ForCausalLM`` is traced, with submodules swapped in place:
   ``embed_tokens`` -> nothing (the host embeds, scale included: ``gemma_nb.embedding``);
   q/k/v ``ColumnParallelLinear(gather_output=False)``, o ``RowParallelLinear(input_is_parallel=True)``
   (at TP=2 the sliding layers' 8 KV heads become 4 per rank, the global layers' 2 become 1);
   shared MLP gate/up ``QuantizedColumnParallel``, down ``QuantizedRowParallel`` (int8 per channel);
-  routed experts ``NxDDenseExperts`` (all experts every token, this rank's half: the port's op);
+  routed experts ``gemma_nb.neuron.moe``'s dense module (every expert every token: the port's op)
+  or its selective-loading sparse module, both with the same rank-major int8 weights;
   lm_head ``QuantizedColumnParallel(gather_output=True)`` made from the embedding table
   (``gemma_nb.neuron.lm_head``). Router and norms stay, replicated; the final softcap runs on the host.
+  NxD's ``scale_dequantize`` is patched once (``gemma_nb.neuron.quant.patch_scale_dequantize``):
+  the experts' input is 2-D, which NxD's own version cannot take.
 - the KV cache is per-layer fp32 state ``[1, kv_heads/TP, MAX, head_dim]``, updated with a one-hot
   scatter and returned as aliased outputs (``input_output_aliases``), so it stays on the device;
 - inputs: fp32 embeddings ``[1, S, H]``, int64 positions ``[1, S]``, the one-hot ``[1, 1, MAX, S]``,
-  full and sliding additive masks ``[1, 1, S, MAX]``, and the index of the token whose logits to
-  return; S = the prefill bucket, or 1 for decode.
+  full and sliding additive masks ``[1, 1, S, MAX]`` (finite in bf16: ``MASK_MIN``), and the index
+  of the token whose logits to return; S = the prefill bucket, or 1 for decode.
+- one artifact: a dense prefill graph plus a dense and/or sparse decode graph
+  (``NeuronBuildConfig.decode_experts``), sharing one set of sharded weights.
 
-The cache, masks and inputs are plain torch: ``NeuronGemma4(config, build, parallel=False)`` runs
-the same module with transformers' own layers at TP=1 on the cpu, and ``tests/test_deploy.py``
-checks it decodes exactly like the eager model. Only the SDK layer swaps are untested here.
+``NeuronGemma4(config, build, parallel=False)`` runs the same module with transformers' own layers
+at TP=1 on the cpu, and ``tests/test_deploy.py`` checks it decodes exactly like the eager model.
 """
 
 from __future__ import annotations
@@ -82,6 +88,18 @@ class NeuronBuildConfig:
         """ModelBuilder key -> experts module of that graph: prefill is dense; decode as ``decode_experts``."""
         decode = EXPERT_MODES if self.decode_experts == "both" else (self.decode_experts,)
         return {"prefill": "dense", **{f"decode_{mode}": mode for mode in decode}}
+
+    def routed_graphs(self) -> dict[str, str]:
+        """Which graph ``model(*inputs)`` reaches for a prefill and for a decode step.
+
+        ModelBuilder's NxDModel routes a call by its input shapes (``input_shape_map`` in NxD
+        0.18's ``trace/model_builder.py``: one entry per shape, the last graph added wins), and the
+        two decode graphs take the same shapes: with ``decode_experts="both"`` the artifact holds
+        both decode NEFFs (their compile figures side by side) but a plain call reaches only the
+        sparse one. Compare the two decodes' speed with one artifact per decode option.
+        """
+        decode = [key for key in self.graph_keys() if key.startswith("decode_")]
+        return {"prefill": "prefill", "decode": decode[-1]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,6 +511,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     record = {
         "build": asdict(build),
         "graphs": graphs,
+        "routed_graphs": build.routed_graphs(),
         "shard_check_s": shard_check_s,
         "compile_s": sampler.wall_s,
         "peak_host_rss_bytes": sampler.peak_rss_bytes,

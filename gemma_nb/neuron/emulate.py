@@ -51,6 +51,7 @@ class AliasedGraphs:
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
                       if name.startswith(KV_STATE_PREFIXES)}
         self.calls = {"prefill": 0, "decode": 0}
+        self.logits: list[torch.Tensor] = []  # every call's logits output, for the comparison
 
     def __call__(self, *inputs):
         kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"
@@ -68,6 +69,7 @@ class AliasedGraphs:
                                        f"alias state {name} {tuple(self.state[name].shape)} {self.state[name].dtype}")
                 self.state[name] = outputs[index].detach().clone()
         self.calls[kind] += 1
+        self.logits.append(outputs[0][0, -1].detach().clone())
         return outputs[0]
 
 
@@ -108,19 +110,21 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
     """Greedy tokens per decode mode and prompt, with one rank's modules (a fresh KV state per prompt)."""
     modules = {mode: rank_module(config, build, checkpoint, hf_state, rank, sdk, experts=mode, group=group)
                for mode in {"dense", *modes}}
-    tokens, onehot_ok, calls = {}, True, {"prefill": 0, "decode": 0}
+    tokens, logits, onehot_ok, calls = {}, {}, True, {"prefill": 0, "decode": 0}
     for mode in modes:
-        tokens[mode] = []
+        tokens[mode], logits[mode] = [], []
         for ids in prompts_ids:
             graphs = AliasedGraphs(modules["dense"], modules[mode], build.bucket)
             runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
             out = runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist()
             tokens[mode].append(out)
+            logits[mode].append(torch.stack(graphs.logits)[:, : config.vocab_size])
             # the bucket's padding slots are written by the prefill too, so check up to the bucket
             onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
             for kind, count in graphs.calls.items():
                 calls[kind] += count
-    return {"tokens": tokens, "kv_heads": _kv_heads(modules["dense"], config), "onehot_state_ok": onehot_ok,
+    return {"tokens": tokens, "logits": {mode: torch.cat(values) for mode, values in logits.items()},
+            "kv_heads": _kv_heads(modules["dense"], config), "onehot_state_ok": onehot_ok,
             "graph_calls": calls, "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
 
 
@@ -147,8 +151,10 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     cannot). Returns ``tokens_equal_dense`` / ``tokens_equal_sparse`` (every rank's greedy tokens,
     prefill dense, decode dense / sparse, equal to the TP=1 int8 reference's), ``ranks``,
     ``ranks_agree``, ``kv_heads_per_rank`` and ``kv_heads_unsharded`` per layer type,
-    ``aliased_state_tensors``, ``onehot_state_ok`` (every rank), ``graph_calls`` (per rank), the
-    shapes used, the tokens, and ``wall_s``.
+    ``aliased_state_tensors``, ``onehot_state_ok`` (every rank), ``graph_calls_per_rank``,
+    ``max_abs_logit_diff_dense`` / ``_sparse`` (every step's logits before softcap, worst rank,
+    against the reference's; ``max_abs_logit_reference`` for scale), the shapes used, the
+    reference answers (up to ``<eos>``) and tokens, and ``wall_s``.
     """
     from transformers import AutoTokenizer
 
@@ -170,6 +176,12 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
                    threads_per_rank=1, timeout_s=timeout_s)
     expected = reference["tokens"]["dense"]
+
+    def logit_diff(mode: str) -> float:
+        return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
+
+    eos = config.eos_token_id
+    answers = [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected]
     return {
         "model_id": model_id,
         "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
@@ -183,12 +195,17 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
         "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
         "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
         "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
+        "max_abs_logit_diff_dense": logit_diff("dense"),
+        "max_abs_logit_diff_sparse": logit_diff("sparse"),
+        "max_abs_logit_reference": float(reference["logits"]["dense"].abs().max()),
         "kv_heads_unsharded": reference["kv_heads"],
         "kv_heads_per_rank": ranks[0]["kv_heads"],
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks),
         "graph_calls_per_rank": ranks[0]["graph_calls"],
+        "prompt_texts": list(prompts),
+        "reference_answers": answers,
         "reference_tokens": expected,
         "tokens_per_rank": [r["tokens"] for r in ranks],
         "wall_s": round(time.perf_counter() - started, 1),

@@ -1,13 +1,15 @@
 """The port's lm_head on Inferentia2: NxD column-parallel over the vocab, int8, gathered (SDK 2.31).
 
-NOT RUN HERE: written against neuronx-distributed 0.19 (Neuron SDK 2.31); the signatures were read
-from aws-neuron/neuronx-distributed (``quantization/quantization_layers.py``,
-``parallel_layers/layers.py``, ``quantization/quantization_config.py``). Nothing from the SDK is
-imported at module import time; :func:`build_lm_head` imports it and raises ``TargetError`` with
-the install hint when it is missing. The CPU twin, run for real under torch.distributed gloo, is
+Not run on an inf2 here: written for neuronx-distributed 0.19 (Neuron SDK 2.31); the signatures
+were read in neuronx-distributed 0.18, the newest public source (aws-neuron/neuronx-distributed:
+``quantization/quantization_layers.py``, ``parallel_layers/layers.py``,
+``quantization/quantization_config.py``). Nothing from the SDK is imported at module import time;
+:func:`build_lm_head` imports it and raises ``TargetError`` with the install hint when it is
+missing, or builds from ``sdk=gemma_nb.neuron.standins.cpu_sdk()``, the cpu stand-ins (notebook
+05's TP=2 emulation runs it so). The CPU twin, run for real under torch.distributed gloo, is
 ``gemma_nb.parallel.VocabParallelLMHead``.
 
-What the port did (FACTS §4a): the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
+What the port did: the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
 1.48 GB) for the lookup; the traced graph gets an lm_head built as
 
     QuantizedColumnParallel(input_size=H, output_size=V, bias=False, gather_output=True,

@@ -1,13 +1,16 @@
 """NxD's quantized dtypes on Inferentia2: what the SDK says it supports, and a trial per dtype (SDK 2.31).
 
-NOT RUN HERE: written against neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names, layer
-arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed
+Not run on an inf2 here: written for neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names,
+layer arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed 0.18
 (``src/neuronx_distributed/quantization/quantization_config.py``, ``quantization_layers.py``,
 ``dequantize.py``, ``trace/model_builder_v2.py``, ``trace/parallel_context.py``; the newest public
-snapshot is the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
+snapshot, the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
 import time: :func:`run_trials` imports it and raises ``TargetError`` when it is missing.
+:func:`scale_dequantize` is the one patch of NxD's dequantize this repo applies (the build, the
+lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.neuron.standins`` keeps
+NxD's own version, so the tests show why it is needed.
 
-``SDK_SUPPORT_MATRIX`` is what the sources and FACTS.md §4 say, for the cpu notebook to show.
+``SDK_SUPPORT_MATRIX`` is what the sources say, for the cpu notebook to show.
 :func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
 ``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
 scales), load weights quantized by ``gemma_nb.quant``, trace and compile it with ModelBuilder v2,

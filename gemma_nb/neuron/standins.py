@@ -200,11 +200,11 @@ mappings = SimpleNamespace(
 # --------------------------------------------------------------------------------------------
 # Layers (parallel_layers/layers.py)
 # --------------------------------------------------------------------------------------------
-def _check_unsupported(kwargs: dict, cls: str) -> None:
-    used = {k: v for k, v in kwargs.items() if v not in (None, False, 1, 0)}
+def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
+    """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
+    used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
     if used:
-        raise TypeError(f"the cpu stand-in {cls} does not implement {sorted(used)}; "
-                        "it keeps only what gemma_nb.neuron uses")
+        raise TypeError(f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses")
 
 
 def _padding(size: int, multiple: int) -> int:
@@ -230,8 +230,8 @@ class ColumnParallelLinear(BaseParallelLinear):
                  init_method=None, sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported(dict(unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
-                                skip_bias_add=skip_bias_add), "ColumnParallelLinear")
+        _check_unsupported("ColumnParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
+                           skip_bias_add=skip_bias_add)
         self.tensor_parallel_group = tensor_model_parallel_group or current_state()
         tp = self.tensor_parallel_group.tp
         self.input_size, self.gather_output, self.stride, self.dtype = input_size, gather_output, stride, dtype
@@ -270,8 +270,8 @@ class RowParallelLinear(BaseParallelLinear):
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported(dict(unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
-                                skip_bias_add=skip_bias_add, pad=pad), "RowParallelLinear")
+        _check_unsupported("RowParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
+                           skip_bias_add=skip_bias_add, pad=pad)
         self.tensor_parallel_group = tensor_model_parallel_group or current_state()
         tp = self.tensor_parallel_group.tp
         self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
@@ -377,8 +377,8 @@ class QuantizedColumnParallel(_QuantizedLinear):
                  scale_dtype: torch.dtype = torch.float32, tensor_model_parallel_group=None, pad: bool = False,
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported(dict(unsupported, bias=bias, sequence_parallel_enabled=sequence_parallel_enabled),
-                           "QuantizedColumnParallel")
+        _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
         self.tensor_parallel_group = tensor_model_parallel_group or current_state()
         tp = self.tensor_parallel_group.tp
         self.input_size, self.gather_output, self.stride, self.dtype = input_size, gather_output, stride, dtype
@@ -412,8 +412,8 @@ class QuantizedRowParallel(_QuantizedLinear):
                  scale_dtype: torch.dtype = torch.float32, tensor_model_parallel_group=None, pad: bool = False,
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported(dict(unsupported, bias=bias, pad=pad, sequence_parallel_enabled=sequence_parallel_enabled),
-                           "QuantizedRowParallel")
+        _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
         self.tensor_parallel_group = tensor_model_parallel_group or current_state()
         tp = self.tensor_parallel_group.tp
         self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
