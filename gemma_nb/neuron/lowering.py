@@ -114,6 +114,29 @@ def lowered_cleanly(rows: list[dict]) -> bool:
         and row.get("max_abs_diff_fp32", 0.0) <= row.get("tolerance_fp32", 0.0) for row in rows)
 
 
+def summary(report: dict) -> str:
+    """The report in sentences (deterministic: counts and pass/fail, no floats), for the notebook."""
+    rows, versions = report["graphs"], report["versions"]
+    clean = [row for row in rows if lowered_cleanly([row])]
+    tps = sorted({row["tp"] for row in rows})
+    text = (f"At torch {versions['torch']} / torch-xla {versions['torch-xla']}, **{len(clean)} of {len(rows)}** "
+            f"graphs (prefill, dense decode, sparse decode and the lm_head, at TP={' and '.join(map(str, tps))}) "
+            "lower to one XLA graph per step with no aten fallback and no device-to-host transfer, with logits "
+            f"equal to eager within {TOLERANCE_ULPS[torch.float32]} fp32 ulps of the largest logit (fp32 build) "
+            f"and {TOLERANCE_ULPS[torch.bfloat16]} bf16 ulps (bf16 build).")
+    failed = [f"{row['graph']} (tp={row['tp']}, {row['experts']})" for row in rows if row not in clean]
+    if failed:
+        text += f" **Not clean: {', '.join(failed)}** (see the tables)."
+    by_key = {(row["graph"], row["tp"], row["experts"]): row for row in rows}
+    extra = {tp: by_key[("decode", tp, "sparse")]["gathers"] - by_key[("decode", tp, "dense")]["gathers"]
+             for tp in tps if ("decode", tp, "sparse") in by_key and ("decode", tp, "dense") in by_key}
+    if extra:
+        counts = " and ".join(f"{n} at TP={tp}" for tp, n in extra.items())
+        text += (f" The selective-loading decode holds more gather instructions than the dense decode ({counts}): "
+                 "in every layer it gathers the routed experts' gate/up rows, their scales and their down columns.")
+    return text
+
+
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
     """The interpreter of the xla environment: ``$GEMMA_NB_XLA_PYTHON`` or ``<repo>/.venv-xla/bin/python``."""
     override = os.environ.get(XLA_PYTHON_ENV)
@@ -140,6 +163,40 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
         raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n"
                            f"{done.stderr[-3000:]}")
     return json.loads(done.stdout)
+
+
+# Column names of the notebook's tables: what each row field means, shortly.
+STRUCTURE_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "tokens": "tokens",
+                     "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "device-to-host transfers",
+                     "xla_executions": "XLA graphs run", "hlo_instructions": "HLO instructions", "gathers": "gathers"}
+NUMERIC_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "max_abs_diff": "|XLA - eager| bf16",
+                   "tolerance": "tolerance bf16", "bf16_rounding": "|eager bf16 - eager fp32|",
+                   "max_abs_diff_fp32": "|XLA - eager| fp32", "tolerance_fp32": "tolerance fp32"}
+CONTRAST_COLUMNS = {**STRUCTURE_COLUMNS, "error": "error"}
+
+
+def lowering_tables(report: dict):
+    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report for the notebook.
+
+    ``structure``: per graph, what the lowering did (deterministic for pinned versions); ``numbers``:
+    the logits' differences (these depend on the cpu's instruction set); ``contrast``: the experts
+    that do not lower (None when the report has no contrast rows). Fallback lists become text.
+    """
+    import pandas as pd  # the notebook's environment; the xla environment has no pandas
+
+    def frame(rows, columns):
+        table = pd.DataFrame(rows)[list(columns)].rename(columns=columns)
+        table["experts"] = table["experts"].fillna("-")
+        if "aten fallbacks" in table:
+            table["aten fallbacks"] = table["aten fallbacks"].map(lambda names: ", ".join(names) or "none")
+        return table
+
+    contrast = None
+    if report.get("contrast"):
+        contrast = frame(report["contrast"], CONTRAST_COLUMNS)
+        for column in ("HLO instructions", "gathers", "error"):  # None where the step failed
+            contrast[column] = contrast[column].map(lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v)
+    return frame(report["graphs"], STRUCTURE_COLUMNS), frame(report["graphs"], NUMERIC_COLUMNS), contrast
 
 
 # --------------------------------------------------------------------------------------------
