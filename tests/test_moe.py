@@ -275,3 +275,25 @@ def test_neuron_benchmark_times_any_loaded_deploy():
     table = neuron_moe.benchmark_deployed({"dense": "a", "sparse": "b"}, torch.tensor([[5, 6]]), new_tokens=3,
                                           repeats=1, load=Deployed)
     assert list(table.index) == ["dense", "sparse"] and table["decode_tok_s"].gt(0).all()
+
+
+def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
+    from types import SimpleNamespace
+
+    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import standins
+
+    reduced = []
+
+    def recording_reduce(tensor, process_group=None):
+        reduced.append(tensor.dtype)
+        return tensor
+
+    sdk = standins.cpu_sdk()
+    sdk.mappings = SimpleNamespace(**vars(sdk.mappings))
+    sdk.mappings.reduce_from_tensor_model_parallel_region = recording_reduce
+    with standins.model_parallel(1):
+        sparse = neuron_moe.NeuronSparseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.bfloat16)
+    index, weights = moe.random_routing(1, 16, 4, seed=1)
+    out = sparse(torch.randn(1, 64, dtype=torch.bfloat16), index, weights)
+    assert reduced == [torch.float32] and out.dtype == torch.bfloat16

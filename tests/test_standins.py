@@ -68,7 +68,8 @@ def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
                                                  quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
             self.norm = torch.nn.LayerNorm(4)
 
-    full = {"up.weight": torch.arange(24.0).reshape(6, 4), "down.weight": torch.arange(24, dtype=torch.int8).reshape(4, 6),
+    full = {"up.weight": torch.arange(24.0).reshape(6, 4),
+            "down.weight": torch.arange(24, dtype=torch.int8).reshape(4, 6),
             "down.scale": torch.ones(4, 1, dtype=torch.float64), "norm.weight": torch.ones(4), "extra": torch.ones(1)}
     with S.model_parallel(2), S.init_on_meta():
         module = Two()

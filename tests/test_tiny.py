@@ -255,3 +255,11 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     recorded = json.loads((TP2_CHECKPOINT_DIR / "training_args.json").read_text())
     assert recorded["command"] == "python -m gemma_nb.tiny train --dims tp2"
     assert recorded["args"]["dims"] == "tp2" and recorded["final_recall_fp32"] == 1.0
+
+
+def test_training_dims_are_named():
+    from gemma_nb.tiny.train import TrainArgs
+
+    assert TrainArgs(dims="tp2").dims == "tp2"
+    with pytest.raises(ValueError, match="dims='tp4' is not one of tiny, tp2"):
+        TrainArgs(dims="tp4")

@@ -114,7 +114,8 @@ class _RankMajorExperts(nn.Module):
         if intermediate_size % tp:
             raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}: each rank "
                              "holds an equal slice of every expert")
-        self.num_experts, self.hidden_size, self.intermediate_size, self.tp = num_experts, hidden_size, intermediate_size, tp
+        self.num_experts, self.hidden_size, self.tp = num_experts, hidden_size, tp
+        self.intermediate_size = intermediate_size
         self.local_inter = intermediate_size // tp
         self.int8 = int8
         self.act_fn = ACT2FN[activation]
@@ -153,7 +154,8 @@ class NeuronSparseExperts(_RankMajorExperts):
             scale = self.gate_up.scale.view(self.num_experts, 2, self.local_inter)[top_k_index]
             gate_up = (gate_up.float() * scale).to(dtype)
         hidden = self.act_fn(gate_up[:, :, 0]) * gate_up[:, :, 1] * top_k_weights[..., None].to(dtype)
-        columns = self.down.weight.view(hidden_size, self.num_experts, self.local_inter)[:, top_k_index]  # [H, T, K, I/tp]
+        # [H, T, K, I/tp]: the routed experts' columns of this rank's down slice
+        columns = self.down.weight.view(hidden_size, self.num_experts, self.local_inter)[:, top_k_index]
         partial = torch.einsum("tki,htki->th", hidden, columns.to(dtype))
         if self.int8:
             partial = (partial.float() * self.down.scale.T).to(dtype)

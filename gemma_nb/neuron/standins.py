@@ -289,7 +289,8 @@ class RowParallelLinear(BaseParallelLinear):
         output = F.linear(input_, self.weight)
         if self.reduce_output:
             dtype = output.dtype
-            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype), self.tensor_parallel_group).to(dtype)
+            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype), self.tensor_parallel_group)
+            output = output.to(dtype)
         return output + self.bias if self.bias is not None else output
 
 

@@ -1,4 +1,4 @@
-"""``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``: rebuild a bundled checkpoint."""
+"""``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``: train a checkpoint."""
 
 from __future__ import annotations
 
