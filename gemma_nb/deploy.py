@@ -194,9 +194,9 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
         return json.loads(marker.read_text())["figures"]
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=CHECKPOINT_DTYPE)
-    from gemma_nb.modelio import _quiet_loading
+    from gemma_nb.modelio import quiet_loading
 
-    with _quiet_loading():
+    with quiet_loading():
         model.save_pretrained(folder)
     figures = {
         "params": sum(p.numel() for p in model.parameters()),
@@ -210,10 +210,10 @@ def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> 
     """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from gemma_nb.modelio import _quiet_loading, resolve_model_id
+    from gemma_nb.modelio import quiet_loading, resolve_model_id
 
     source = resolve_model_id(str(checkpoint))
-    with _quiet_loading():
+    with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     return model.eval()
 

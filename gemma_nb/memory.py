@@ -138,27 +138,6 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
     return matrices * (out * row_bytes + fmt.matrix_scale_bytes)
 
 
-def format_table():
-    """The formats as a DataFrame: bits, block, scale bytes, and bytes per 1M weights of a 2816-wide row."""
-    import pandas as pd
-
-    rows = []
-    for f in FORMATS.values():
-        rows.append(
-            {
-                "dtype": f.name,
-                "bits": f.bits,
-                "block": f.block,
-                "scale_per_block_bytes": f.block_scale_bytes,
-                "scale_per_row_bytes": f.row_scale_bytes,
-                "scale_per_matrix_bytes": f.matrix_scale_bytes,
-                "bytes_per_weight_2816x2816": tensor_bytes((2816, 2816), f.name) / 2816**2,
-                "description": f.description,
-            }
-        )
-    return pd.DataFrame(rows)
-
-
 # --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------

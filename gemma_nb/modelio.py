@@ -100,7 +100,7 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_loading():
+def quiet_loading():
     """No tqdm bars while loading: notebooks would store their frozen text."""
     from transformers.utils import logging as hf_logging
 
@@ -111,9 +111,6 @@ def _quiet_loading():
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-quiet_loading = _quiet_loading
 
 
 def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -129,7 +126,7 @@ def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = to
     is_local = Path(source).is_dir()
     token = None if is_local else hf_token()
     try:
-        with _quiet_loading():
+        with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype, token=token, use_safetensors=True, trust_remote_code=False
@@ -142,3 +139,8 @@ def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = to
             f"could not load hub model {model_id!r} ({type(error).__name__}): {_HUB_HELP}"
         ) from None
     return model.to(device).eval(), tokenizer
+
+
+def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) of the bundled checkpoint (``gemma_nb.tiny``), loaded like any hub model, in eval mode."""
+    return load_model(BUNDLED_ID, dtype=dtype, device=device)

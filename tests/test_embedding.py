@@ -237,7 +237,7 @@ def test_verify_against_a_meta_device_model(tmp_path):
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def bundled(request):
-    from gemma_nb.tiny import load_tiny
+    from gemma_nb.modelio import load_tiny
 
     return load_tiny(dtype=request.param)
 

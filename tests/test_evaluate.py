@@ -110,7 +110,8 @@ def test_greedy_match_wants_one_sequence(model):
 
 
 def test_fact_recall_on_the_bundled_checkpoint():
-    from gemma_nb.tiny import FACTS, load_tiny
+    from gemma_nb.modelio import load_tiny
+    from gemma_nb.tiny import FACTS
 
     tiny, tokenizer = load_tiny()
     facts = [f for f in FACTS if f.subject in {"France", "Japan", "Brazil"}]
@@ -125,7 +126,7 @@ def test_fact_recall_on_the_bundled_checkpoint():
 
 
 def test_fact_recall_counts_wrong_answers():
-    from gemma_nb.tiny import load_tiny
+    from gemma_nb.modelio import load_tiny
     from gemma_nb.tiny.corpus import Fact
 
     tiny, tokenizer = load_tiny()

@@ -108,13 +108,6 @@ def checkpoint_dir() -> Path:
     return CHECKPOINT_DIR
 
 
-def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) of the bundled checkpoint, loaded like any hub model, in eval mode."""
-    from gemma_nb.modelio import load_model
-
-    return load_model(BUNDLED_ID, dtype=dtype, device=device)
-
-
 def default_layer_types(num_hidden_layers: int) -> list[str]:
     """The 26B's pattern (5 sliding, 1 full, repeated), with the last layer always full.
 
@@ -222,5 +215,5 @@ def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.b
 __all__ = [
     "BUNDLED_ID", "CHECKPOINT_DIR", "BUNDLED_TP2_ID", "TP2_CHECKPOINT_DIR", "TP2_DIMS", "DIMS", "BUNDLED_IDS",
     "TINY_DIMS", "ARCHITECTURE", "FACTS", "Fact", "fact_prompts",
-    "checkpoint_dir", "load_tiny", "default_layer_types", "random_gemma4_config", "random_gemma4_model",
+    "checkpoint_dir", "default_layer_types", "random_gemma4_config", "random_gemma4_model",
 ]

@@ -195,6 +195,3 @@ def build_tokenizer(facts=FACTS):
         padding_side="left", model_max_length=512,
     )
 
-
-def save_tokenizer(folder: Path, facts=FACTS) -> None:
-    build_tokenizer(facts).save_pretrained(folder)
