@@ -140,10 +140,6 @@ class NeuronArtifact:
         return list(self.manifest["graphs"])
 
     @property
-    def decode_graphs(self) -> list[str]:
-        return [g for g in self.graphs if g.startswith("decode")]
-
-    @property
     def decode_graph(self) -> str:
         """The decode graph a decode step runs (see ``routed_decode_graph``)."""
         return self.manifest["decode_graph"]
