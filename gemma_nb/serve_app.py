@@ -1,4 +1,4 @@
-"""The app of ``python -m gemma_nb serve``: the app factory, the engine and the three generation routes.
+"""The app of ``python -m gemma_nb serve``: the app factory, the engine, and the routers.
 
 ``create_app(load, model_name=...)`` builds the FastAPI app over a ``Runtime`` (``gemma_nb.serve``
 loads one); ``serve_in_thread(app)`` (``gemma_nb.serve_http``) runs it with uvicorn on a thread.
@@ -27,8 +27,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gemma_nb.generation import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
@@ -224,12 +225,12 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     ``allowed_hosts``: the Host names answered (None: any; ``LOOPBACK_HOSTS`` for a loopback bind).
     ``on_load_failure(error)`` is called on the loading thread if the model fails to load.
     ``step_delay_s`` sleeps after every token on the device thread (tests and demos only).
+    The routes come from four routers: ``status_router`` (health, metrics, models), ``chat_router``,
+    ``completions_router`` and ``generate_router``; each generation route starts through ``Served``.
     """
     load_fn = load if callable(load) and not hasattr(load, "prefill") else (lambda: load)
     metrics = ServerMetrics(queue_size)
     engine = Engine(load_fn, metrics, queue_size, step_delay_s, slot_watchdog_s, on_load_failure)
-    names = {model_name, *aliases}
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -241,78 +242,121 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout_s=body_timeout_s, allowed_hosts=allowed_hosts)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    served = Served(engine, model_name, aliases)
+    for router in (status_router(served, metrics), chat_router(served), completions_router(served),
+                   generate_router(served)):
+        app.include_router(router)
+    return app
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request, error: APIError):
-        return error.response()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, error: StarletteHTTPException):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind, headers=getattr(error, "headers", None))
+async def _api_error(_request, error: APIError):
+    return error.response()
 
-    async def body_of(request: Request, model):
+
+async def _http_error(_request, error: StarletteHTTPException):
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return error_response(error.status_code, str(error.detail), kind, headers=getattr(error, "headers", None))
+
+
+class Served:
+    """The served model as the generation routes see it: what every route checks before it starts.
+
+    ``body`` parses a request on the CPU pool and checks the model name and that the runtime is
+    loaded; ``sampling`` checks the prompt and ``max_tokens`` against the context;
+    ``generation`` builds the ``Generation`` that ``Engine.run`` starts.
+    """
+
+    def __init__(self, engine: Engine, model_name: str, aliases: Sequence[str] = ()):
+        self.engine, self.model_name = engine, model_name
+        self.names = {model_name, *aliases}
+        self.created = int(time.time())
+
+    async def body(self, request: Request, model):
         raw = await request.body()  # already read (and bounded) by GuardMiddleware
-        body = await engine.on_cpu(parse_request, raw, request.headers.get("content-type"), model)
-        if body.model is not None and body.model not in names:
-            raise APIError(404, f"model {excerpt(body.model)} is not served here; this server serves {model_name!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
-        return body, engine.require_runtime()
+        body = await self.engine.on_cpu(parse_request, raw, request.headers.get("content-type"), model)
+        if body.model is not None and body.model not in self.names:
+            raise APIError(404, f"model {excerpt(body.model)} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+        return body, self.engine.require_runtime()
 
-    def check_token_ids(ids: Sequence[int], param: str) -> None:
-        vocab = engine.vocab_size
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.engine.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
                            param=f"{param}.{bad}", code="invalid_value")
 
-    def sampling(body: _Sampling, runtime: Runtime, prompt_len: int, max_tokens: int | None, prompt_param: str) -> SamplingParams:
-        context = runtime.max_context
-        if prompt_len == 0:
-            raise APIError(400, "prompt is empty; send text or at least one token id", param=prompt_param,
-                           code="invalid_value")
-        if max_tokens is not None and max_tokens > context:
-            raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context of {context} tokens",
-                           param="max_tokens", code="invalid_value")
-        if prompt_len >= context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the context holds {context} "
-                           "(prompt + answer): shorten the prompt", param=prompt_param, code="context_length_exceeded")
-        longest = getattr(runtime, "max_prompt_tokens", None)
-        if longest is not None and prompt_len > longest:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the deployed prefill takes at most {longest}: "
-                           "shorten the prompt (or compile a larger prefill bucket)", param=prompt_param,
-                           code="context_length_exceeded")
-        if max_tokens is not None and prompt_len + max_tokens > context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens and max_tokens={max_tokens}: together "
-                           f"{prompt_len + max_tokens} exceed the context of {context}; lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        return SamplingParams(max_tokens=max_tokens or context - prompt_len, temperature=body.temperature,
-                              top_p=body.top_p, top_k=body.top_k, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos)
+    def generation(self, body: _Sampling, runtime: Runtime, prompt_ids: list[int], max_tokens: int | None,
+                   prompt_param: str, **options) -> Generation:
+        params = sampling_params(body, runtime, len(prompt_ids), max_tokens, prompt_param)
+        return Generation(runtime, prompt_ids, params, step_delay_s=self.engine.step_delay_s, **options)
 
-    def sse_events(first: dict | None, chunk: Callable[[Step], dict], usage: Callable[[], dict | None],
-                   generation: Generation):
-        def stream(steps: AsyncIterator[Step]) -> AsyncIterator[str]:
-            async def events():
-                try:
-                    if first is not None:
-                        yield _sse(first)
-                    async with contextlib.aclosing(steps):
-                        async for step in steps:
-                            yield _sse(chunk(step))  # one chunk per token, even if it adds no text
-                    if generation.finish_reason is not None:
-                        final = usage()
-                        if final is not None:
-                            yield _sse(final)
-                        yield "data: [DONE]\n\n"
-                except Exception as error:  # the stream has started: report in-band, then end it
-                    log.exception("generation failed")
-                    yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
-                                          "type": "server_error", "param": None, "code": None}})
-            return events()
-        return stream
 
-    @app.get("/health")
+def sampling_params(body: _Sampling, runtime: Runtime, prompt_len: int, max_tokens: int | None,
+                    prompt_param: str) -> SamplingParams:
+    """The request's sampling, after checking the prompt and ``max_tokens`` against the runtime's context."""
+    context = runtime.max_context
+    if prompt_len == 0:
+        raise APIError(400, "prompt is empty; send text or at least one token id", param=prompt_param,
+                       code="invalid_value")
+    if max_tokens is not None and max_tokens > context:
+        raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context of {context} tokens",
+                       param="max_tokens", code="invalid_value")
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the context holds {context} "
+                       "(prompt + answer): shorten the prompt", param=prompt_param, code="context_length_exceeded")
+    longest = getattr(runtime, "max_prompt_tokens", None)
+    if longest is not None and prompt_len > longest:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the deployed prefill takes at most {longest}: "
+                       "shorten the prompt (or compile a larger prefill bucket)", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens and max_tokens={max_tokens}: together "
+                       f"{prompt_len + max_tokens} exceed the context of {context}; lower max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingParams(max_tokens=max_tokens or context - prompt_len, temperature=body.temperature,
+                          top_p=body.top_p, top_k=body.top_k, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos)
+
+
+def sse_events(first: dict | None, chunk: Callable[[Step], dict], usage: Callable[[], dict | None],
+               generation: Generation) -> Callable[[AsyncIterator[Step]], AsyncIterator[str]]:
+    """How ``Engine.run`` turns a generation's steps into server-sent events: ``first`` (if any), one
+    ``chunk(step)`` per token, ``usage()`` (if not None) and ``[DONE]`` once it finished; an error
+    after the stream started is reported in-band."""
+    def stream(steps: AsyncIterator[Step]) -> AsyncIterator[str]:
+        async def events():
+            try:
+                if first is not None:
+                    yield _sse(first)
+                async with contextlib.aclosing(steps):
+                    async for step in steps:
+                        yield _sse(chunk(step))  # one chunk per token, even if it adds no text
+                if generation.finish_reason is not None:
+                    final = usage()
+                    if final is not None:
+                        yield _sse(final)
+                    yield "data: [DONE]\n\n"
+            except Exception as error:  # the stream has started: report in-band, then end it
+                log.exception("generation failed")
+                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
+                                      "type": "server_error", "param": None, "code": None}})
+        return events()
+    return stream
+
+
+# --------------------------------------------------------------------------------------------
+# The routers
+
+
+def status_router(served: Served, metrics: ServerMetrics) -> APIRouter:
+    """``/health``, ``/metrics`` (Prometheus) and ``/v1/models``: they answer while a generation runs."""
+    router = APIRouter()
+    engine = served.engine
+
+    @router.get("/health")
     async def health():
         if engine.status == "ok":
             return {"status": "ok"}
@@ -321,29 +365,36 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
             body["error"] = engine.error
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "gemma-nb"}]}
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
+                                            "owned_by": "gemma-nb"}]}
 
-    @app.post("/v1/chat/completions")
+    return router
+
+
+def chat_router(served: Served) -> APIRouter:
+    """``POST /v1/chat/completions`` (OpenAI chat; streamed as server-sent events with ``stream``)."""
+    router = APIRouter()
+    engine = served.engine
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
-        body, runtime = await body_of(request, ChatRequest)
+        body, runtime = await served.body(request, ChatRequest)
         messages = [m.model_dump() for m in body.messages]
         try:
             prompt_ids = await engine.on_cpu(chat_prompt_ids, runtime.tokenizer, messages)
         except ValueError as error:
             raise APIError(400, str(error)[:200], param="messages", code="invalid_value") from None
-        params = sampling(body, runtime, len(prompt_ids), body.max_completion_tokens or body.max_tokens, "messages")
-        generation = Generation(runtime, prompt_ids, params, strip_leading_space=True, step_delay_s=engine.step_delay_s)
+        generation = served.generation(body, runtime, prompt_ids, body.max_completion_tokens or body.max_tokens,
+                                       "messages", strip_leading_space=True)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": ident, "object": "chat.completion.chunk", "created": stamp, "model": model_name}
+        base = {"id": ident, "object": "chat.completion.chunk", "created": stamp, "model": served.model_name}
         if not body.stream:
             await engine.run(request, generation, arrival)
             return {**base, "object": "chat.completion",
@@ -362,10 +413,18 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                             generation)
         return await engine.run(request, generation, arrival, stream)
 
-    @app.post("/v1/completions")
+    return router
+
+
+def completions_router(served: Served) -> APIRouter:
+    """``POST /v1/completions`` (OpenAI completions: one prompt, text or token ids)."""
+    router = APIRouter()
+    engine = served.engine
+
+    @router.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()
-        body, runtime = await body_of(request, CompletionRequest)
+        body, runtime = await served.body(request, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -376,10 +435,10 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
             prompt_ids = list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"])
         else:
             prompt_ids = list(prompt)
-            check_token_ids(prompt_ids, "prompt")
-        params = sampling(body, runtime, len(prompt_ids), body.max_tokens, "prompt")
-        generation = Generation(runtime, prompt_ids, params, step_delay_s=engine.step_delay_s)
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
+            served.check_token_ids(prompt_ids, "prompt")
+        generation = served.generation(body, runtime, prompt_ids, body.max_tokens, "prompt")
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": served.model_name}
         if not body.stream:
             await engine.run(request, generation, arrival)
             return {**base, "choices": [{"index": 0, "text": generation.text, "logprobs": None,
@@ -392,21 +451,27 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                             generation)
         return await engine.run(request, generation, arrival, stream)
 
-    @app.post("/generate")
+    return router
+
+
+def generate_router(served: Served) -> APIRouter:
+    """``POST /generate``: the plain route (text in, text, token ids and tok/s out)."""
+    router = APIRouter()
+
+    @router.post("/generate")
     async def generate_endpoint(request: Request):
         arrival = time.perf_counter()
-        body, runtime = await body_of(request, GenerateRequest)
-        prompt_ids = list((await engine.on_cpu(runtime.tokenizer, body.prompt))["input_ids"])
-        params = sampling(body, runtime, len(prompt_ids), body.max_tokens, "prompt")
-        generation = Generation(runtime, prompt_ids, params, step_delay_s=engine.step_delay_s)
+        body, runtime = await served.body(request, GenerateRequest)
+        prompt_ids = list((await served.engine.on_cpu(runtime.tokenizer, body.prompt))["input_ids"])
+        generation = served.generation(body, runtime, prompt_ids, body.max_tokens, "prompt")
         started = time.perf_counter()
-        await engine.run(request, generation, arrival)
+        await served.engine.run(request, generation, arrival)
         seconds = time.perf_counter() - started
         return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
                 "prompt_tokens": len(prompt_ids), "finish_reason": generation.finish_reason,
                 "seconds": round(seconds, 4), "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}
 
-    return app
+    return router
 
 
 def _usage(generation: Generation) -> dict:
