@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from gemma_nb.quant import int8_matmul, quantize_int8_per_channel
@@ -355,20 +356,9 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
     ``world_size`` and is checked before anything starts.
     """
     tp = world_size if tp is None else tp
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
-    if tp != world_size:
-        raise ValueError(
-            f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
-            f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})"
-        )
-    if timeout_s <= 0 or collective_timeout_s <= 0:
-        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
+    _check_tp_job(world_size, tp, timeout_s, collective_timeout_s)
     _check_importable(fn)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -380,63 +370,89 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         )
         proc.start()
         procs.append(proc)
-
-    done: dict[int, dict] = {}
-    failures: list[tuple[int, str, str]] = []  # (rank, reason, traceback) in the order they arrived
+    reports = _RankReports(world_size)
     start = time.monotonic()
-    first_failure_at: float | None = None
+    try:
+        reports.collect(results, procs, start, timeout_s, failure_grace_s)
+    finally:
+        _stop_ranks(procs, results)
+    elapsed = time.monotonic() - start
+    missing = [r for r in range(world_size) if not reports.reported(r)]
+    if reports.failures or missing:
+        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, reports.failures, missing, timeout_s))
+    return [reports.done[r] for r in range(world_size)]
 
-    def reported(rank: int) -> bool:
-        return rank in done or any(r == rank for r, _, _ in failures)
 
-    def take(message) -> None:
-        nonlocal first_failure_at
+def _check_tp_job(world_size, tp, timeout_s: float, collective_timeout_s: float) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
+    if tp != world_size:
+        raise ValueError(
+            f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
+            f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})"
+        )
+    if timeout_s <= 0 or collective_timeout_s <= 0:
+        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
+
+
+class _RankReports:
+    """What the ranks reported: results by rank, and failures (rank, reason, traceback) as they arrived."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.done: dict[int, dict] = {}
+        self.failures: list[tuple[int, str, str]] = []
+        self.first_failure_at: float | None = None
+
+    def reported(self, rank: int) -> bool:
+        return rank in self.done or any(r == rank for r, _, _ in self.failures)
+
+    def fail(self, rank: int, reason: str, trace: str = "") -> None:
+        self.failures.append((rank, reason, trace))
+        self.first_failure_at = self.first_failure_at or time.monotonic()
+
+    def take(self, message) -> None:
         rank, status = message[0], message[1]
         if status == "ok":
-            done[rank] = pickle.loads(message[2])
+            self.done[rank] = pickle.loads(message[2])
         else:
-            failures.append((rank, message[2], message[3]))
-            first_failure_at = first_failure_at or time.monotonic()
+            self.fail(rank, message[2], message[3])
 
-    try:
-        while not all(reported(r) for r in range(world_size)):
+    def collect(self, results, procs, start: float, timeout_s: float, failure_grace_s: float) -> None:
+        """Read reports until every rank reported, ``failure_grace_s`` after the first failure, or ``timeout_s``."""
+        while not all(self.reported(r) for r in range(self.world_size)):
             try:
-                take(results.get(timeout=0.1))
+                self.take(results.get(timeout=0.1))
                 continue
             except queue_module.Empty:
                 pass
             for rank, proc in enumerate(procs):
-                if not proc.is_alive() and not reported(rank):
+                if not proc.is_alive() and not self.reported(rank):
                     # A rank that posted just before exiting: drain before calling it dead.
                     try:
                         while True:
-                            take(results.get(timeout=0.2))
+                            self.take(results.get(timeout=0.2))
                     except queue_module.Empty:
                         pass
-                    if not reported(rank):
-                        failures.append((rank, _exit_reason(proc.exitcode), ""))
-                        first_failure_at = first_failure_at or time.monotonic()
+                    if not self.reported(rank):
+                        self.fail(rank, _exit_reason(proc.exitcode))
             now = time.monotonic()
-            if first_failure_at is not None and now - first_failure_at > failure_grace_s:
+            if self.first_failure_at is not None and now - self.first_failure_at > failure_grace_s:
                 break
             if now - start > timeout_s:
                 break
-    finally:
-        for rank, proc in enumerate(procs):
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        results.close()
 
-    elapsed = time.monotonic() - start
-    missing = [r for r in range(world_size) if not reported(r)]
-    if failures or missing:
-        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, failures, missing, timeout_s))
-    return [done[r] for r in range(world_size)]
+
+def _stop_ranks(procs, results) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    results.close()
 
 
 # gloo's words when a collective lost its peer: a consequence of another rank's failure.
