@@ -264,40 +264,14 @@ def run(
     parameters = resolve_path_parameters(parameters or {})
     check_parameters(parameters, selected)
     final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for folder in remove_stale_staging(final):
-        print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
-    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    failed = final.with_name(f".{final.name}.failed")
-    if staging.exists():
-        shutil.rmtree(staging)
-    if only and final.exists():
-        _copy_previous(final, staging)
-    staging.mkdir(parents=True, exist_ok=True)
-
+    staging, failed = _staging_for(final, keep_previous=bool(only))
     previous_env = os.environ.get(OUTPUT_DIR_ENV)
     os.environ[OUTPUT_DIR_ENV] = str(staging)  # the kernels inherit it
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
-    results = []
     try:
-        for number, notebook in enumerate(selected, 1):
-            print(f"[{number}/{len(selected)}] {notebook.stem} (target {target})", file=sys.stderr, flush=True)
-            start = time.perf_counter()
-            try:
-                execute_one(notebook, staging, target, parameters, progress)
-            except Exception as error:  # papermill raises PapermillExecutionError with cell details
-                if failed.exists():
-                    shutil.rmtree(failed)
-                staging.rename(failed)
-                raise RunError(
-                    f"{_failure_message(notebook, error)}\n"
-                    f"The executed notebook with the error is in {display_path(failed)}/{notebook.name}; "
-                    f"{display_path(final)} was left as it was."
-                ) from error
-            _scrub_metadata(staging / notebook.name)
-            results.append(NotebookResult(notebook.stem, time.perf_counter() - start))
-            print(f"    done in {results[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+        results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
+                   for number in range(1, len(selected) + 1)]
         summary = write_summary(staging, target)
         write_report(staging, summary)
         _swap_in(staging, final)
@@ -313,3 +287,43 @@ def run(
         else:
             os.environ[OUTPUT_DIR_ENV] = previous_env
     return results
+
+
+def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
+    """A fresh staging folder beside ``final`` (holding a copy of ``final`` when ``keep_previous``),
+    and where a failed run's outputs go."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for folder in remove_stale_staging(final):
+        print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
+    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    failed = final.with_name(f".{final.name}.failed")
+    if staging.exists():
+        shutil.rmtree(staging)
+    if keep_previous and final.exists():
+        _copy_previous(final, staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging, failed
+
+
+def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path, final: Path, target: str,
+                  parameters: dict, progress: bool) -> NotebookResult:
+    """Execute notebook ``number`` (1-based) of ``selected`` into ``staging``; on an error, move the
+    staging folder to ``failed`` and raise RunError naming the notebook and cell."""
+    notebook = selected[number - 1]
+    print(f"[{number}/{len(selected)}] {notebook.stem} (target {target})", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        execute_one(notebook, staging, target, parameters, progress)
+    except Exception as error:  # papermill raises PapermillExecutionError with cell details
+        if failed.exists():
+            shutil.rmtree(failed)
+        staging.rename(failed)
+        raise RunError(
+            f"{_failure_message(notebook, error)}\n"
+            f"The executed notebook with the error is in {display_path(failed)}/{notebook.name}; "
+            f"{display_path(final)} was left as it was."
+        ) from error
+    _scrub_metadata(staging / notebook.name)
+    result = NotebookResult(notebook.stem, time.perf_counter() - start)
+    print(f"    done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
+    return result
