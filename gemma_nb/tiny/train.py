@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config
+from gemma_nb.evaluate import fact_recall
+from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config, random_gemma4_model
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
 
 # Experts implementation used while training: transformers' grouped_mm (a sort + one matmul
@@ -131,9 +132,6 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
 def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     from transformers import GenerationConfig
 
-    from gemma_nb.evaluate import fact_recall
-    from gemma_nb.tiny import random_gemma4_model
-
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -141,6 +139,39 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     config = tiny_config(tokenizer, args.dims)
     model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
     model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
+    epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
+    model.eval()
+    model.set_experts_implementation(None)  # back to transformers' default in the saved config
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    summary = {
+        "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
+        "args": asdict(args),
+        "epochs_run": epoch,
+        "steps_run": step,
+        "final_loss": round(epoch_loss, 4),
+        "final_recall_fp32": round(recall, 4),
+        "facts": len(FACTS),
+        "vocab_size": config.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "history": history,
+    }
+    (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _fit(model, tokenizer, args: TrainArgs, log, started: float):
+    """The training loop: AdamW plus the router-balance loss, recall checked every few epochs, stopping
+    at ``args.target_recall``. Returns (epochs, steps, last epoch's loss, recall, history)."""
     input_ids, labels = sentence_batch(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
@@ -175,30 +206,4 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
 
     for handle in balance.handles:
         handle.remove()
-    model.eval()
-    model.set_experts_implementation(None)  # back to transformers' default in the saved config
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        do_sample=False,
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    summary = {
-        "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
-        "args": asdict(args),
-        "epochs_run": epoch,
-        "steps_run": step,
-        "final_loss": round(epoch_loss, 4),
-        "final_recall_fp32": round(recall, 4),
-        "facts": len(FACTS),
-        "vocab_size": config.vocab_size,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(time.perf_counter() - started, 1),
-        "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "history": history,
-    }
-    (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return epoch, step, epoch_loss, recall, history
