@@ -175,13 +175,7 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     del checkpoint
     ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
                    threads_per_rank=1, timeout_s=timeout_s)
-    expected = reference["tokens"]["dense"]
-
-    def logit_diff(mode: str) -> float:
-        return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
-
-    eos = config.eos_token_id
-    answers = [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected]
+    expected, eos = reference["tokens"]["dense"], config.eos_token_id
     return {
         "model_id": model_id,
         "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
@@ -192,6 +186,23 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
         "bucket": bucket,
         "prompts": len(prompts_ids),
         "new_tokens": new_tokens,
+        **_compare_ranks(ranks, reference),
+        "prompt_texts": list(prompts),
+        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
+        "reference_tokens": expected,
+        "tokens_per_rank": [r["tokens"] for r in ranks],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
+    """Every rank's greedy tokens and logits against the unsharded reference's (see ``tp_emulation``)."""
+    expected = reference["tokens"]["dense"]
+
+    def logit_diff(mode: str) -> float:
+        return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
+
+    return {
         "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
         "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
         "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
@@ -204,11 +215,6 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks),
         "graph_calls_per_rank": ranks[0]["graph_calls"],
-        "prompt_texts": list(prompts),
-        "reference_answers": answers,
-        "reference_tokens": expected,
-        "tokens_per_rank": [r["tokens"] for r in ranks],
-        "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
