@@ -450,6 +450,31 @@ def build_module(config, build: NeuronBuildConfig, experts: str = "dense", sdk=N
     return module, module.input_output_aliases()
 
 
+def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
+    """A ModelBuilder at ``build.tp_degree`` with one model instance per graph (``graphs``: key ->
+    experts strategy), each traced with its own token count (the bucket for prefill, 1 for decode)."""
+
+    class GemmaInstance(sdk.BaseModelInstance):
+        def __init__(self, experts: str):
+            super().__init__(module_cls=None, input_output_aliases={})
+            self.experts = experts
+
+        def load_module(self):
+            self.module, aliases = build_module(config, build, experts=self.experts)
+            self.input_output_aliases = [aliases]
+
+    def checkpoint_loader():
+        return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
+
+    builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
+                               compiler_workdir=build.compiler_workdir)
+    for key, experts in graphs.items():
+        tokens = build.bucket if key == "prefill" else 1
+        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],
+                    compiler_args=build.compiler_args)
+    return builder
+
+
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
     """Shard-check, trace, compile and save the graphs; return (and write) the build record.
 
@@ -471,26 +496,8 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     config = text_config(build.model_dir)
     out_dir = Path(build.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    class GemmaInstance(sdk.BaseModelInstance):
-        def __init__(self, experts: str):
-            super().__init__(module_cls=None, input_output_aliases={})
-            self.experts = experts
-
-        def load_module(self):
-            self.module, aliases = build_module(config, build, experts=self.experts)
-            self.input_output_aliases = [aliases]
-
-    def checkpoint_loader():
-        return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
-
-    builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
-                               compiler_workdir=build.compiler_workdir)
     graphs = build.graph_keys()
-    for key, experts in graphs.items():
-        tokens = build.bucket if key == "prefill" else 1
-        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],
-                    compiler_args=build.compiler_args)
+    builder = model_builder(build, config, graphs, sdk)
     started = time.perf_counter()
     builder.shard_checkpoint()  # raises "expected shape ... but found ..." now, not after neuronx-cc
     shard_check_s = time.perf_counter() - started
