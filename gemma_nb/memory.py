@@ -784,6 +784,16 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
     if runtime_allowance_bytes is not None:
         sch = sch.with_allowance(runtime_allowance_bytes)
 
+    per_group, head_detail = _group_bytes(facts, sch, tp)
+    rows = _group_rows(per_group, sch, tp, head_detail) + _kv_and_allowance_rows(config, sch, tp, context_len, batch)
+    table = pd.DataFrame(rows)
+    table["gb_per_rank"] = table["bytes_per_rank"] / GB
+    table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
+    return Plan(facts.model_class, sch, tp, context_len, batch, table)
+
+
+def _group_bytes(facts, sch: Scheme, tp: int) -> tuple[dict[str, dict[str, int]], str]:
+    """Per group: whole-model ``params``, HBM ``bytes`` of one rank and ``host`` bytes; and the lm_head's detail."""
     per_group = {g: {"params": 0, "bytes": 0, "host": 0} for g in GROUPS}
     for rec in facts.records:
         group = rec.group
@@ -809,7 +819,11 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
         ranks = tp if sch.lm_head_sharded else 1
         per_group["lm_head"]["bytes"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, ranks)
         head_detail = "tied: a device copy of the embedding table; "
+    return per_group, head_detail
 
+
+def _group_rows(per_group, sch: Scheme, tp: int, head_detail: str) -> list[dict]:
+    """The plan's table rows for the weight groups: placement, dtype, bytes and a detail each."""
     rows = []
     for g in GROUPS:
         entry = per_group[g]
@@ -826,6 +840,12 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
             detail = "looked up on the host; 0 HBM"
         rows.append({"group": g, "dtype": sch.dtype(g), "placement": placement, "params": entry["params"],
                      "bytes_per_rank": entry["bytes"], "host_bytes": entry["host"], "detail": detail})
+    return rows
+
+
+def _kv_and_allowance_rows(config, sch: Scheme, tp: int, context_len: int, batch: int) -> list[dict]:
+    """The plan's last two rows: the KV cache and the runtime allowance."""
+    rows = []
     kv = kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype)
     rows.append({"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated",
                  "params": 0, "bytes_per_rank": kv, "host_bytes": 0,
@@ -835,10 +855,7 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
                  "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page"
                             if sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
                             else "allowance for runtime buffers (set by caller)")})
-    table = pd.DataFrame(rows)
-    table["gb_per_rank"] = table["bytes_per_rank"] / GB
-    table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
-    return Plan(facts.model_class, sch, tp, context_len, batch, table)
+    return rows
 
 
 def plans_table(plans: Iterable[Plan]):
