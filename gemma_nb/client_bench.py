@@ -29,7 +29,6 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
+
+from gemma_nb.ranks import free_port
 
 API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
 DEFAULT_PROMPT = "The capital of France is"
@@ -356,13 +357,6 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
 
 # --------------------------------------------------------------------------------------------
 # The project's own server, for the cpu reference run
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_healthy(base_url: str, timeout_s: float = 180.0, process: subprocess.Popen | None = None,

@@ -16,17 +16,16 @@ import torch
 import torch.distributed as dist
 
 from gemma_nb.parallel import (
-    TPJobError,
     VocabParallelLMHead,
     lm_head_job,
     logits_agreement,
-    run_tp,
     seeded_rows,
     seeded_table,
     softcap_logits,
     vocab_shard,
 )
 from gemma_nb.quant import Int8Linear, quantize_int8_per_channel
+from gemma_nb.ranks import TPJobError, run_tp
 
 HIDDEN = 64
 # Job wall-clock bounds: generous for a loaded 2-core box, far below "hangs forever".

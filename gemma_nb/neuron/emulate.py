@@ -5,7 +5,7 @@ swaps, ``convert_checkpoint``, the one-hot KV state, ``step_inputs`` and ``Neuro
 the NxD layers are replaced, by ``gemma_nb.neuron.standins`` (contracts read from
 neuronx-distributed 0.18), and each rank's weights come the way ModelBuilder makes them: the module
 built on the meta device, the full int8 checkpoint cut per rank by the emulated ``shard_children``.
-Every rank is a process (``gemma_nb.parallel.run_tp``), and ``gather_output`` / the row-parallel
+Every rank is a process (``gemma_nb.ranks.run_tp``), and ``gather_output`` / the row-parallel
 all-reduce are real gloo collectives.
 
 Per rank, one prefill graph (dense experts, the bucket's S tokens) and a decode graph (S = 1) with
@@ -130,7 +130,7 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
 
 def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
                 bucket: int) -> dict:
-    """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.parallel.run_tp``)."""
+    """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
     import torch.distributed as dist
 
     from gemma_nb.neuron.standins import cpu_sdk
@@ -160,7 +160,7 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
 
     from gemma_nb.modelio import resolve_model_id
     from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
-    from gemma_nb.parallel import run_tp
+    from gemma_nb.ranks import run_tp
     from gemma_nb.tiny import BUNDLED_TP2_ID
 
     started = time.perf_counter()

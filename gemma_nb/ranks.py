@@ -1,0 +1,220 @@
+"""Run a function on tensor-parallel ranks: real processes under ``torch.distributed`` (gloo).
+
+:func:`run_tp` starts ``world_size`` ranks with ``torch.multiprocessing`` (spawn), gloo on
+127.0.0.1 with a free port, timeouts on every collective, and returns each rank's result dict to
+the caller; a rank that raises or dies makes the call raise :class:`TPJobError` naming the rank
+and the reason, within a bounded time. Worker functions must be importable (defined in a module,
+not in a notebook) because spawn pickles them by name. Notebook 03 (``gemma_nb.parallel``'s jobs)
+and the neuron TP=2 emulation (``gemma_nb.neuron.emulate``) run on it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LOOPBACK = "127.0.0.1"
+
+
+class TPJobError(RuntimeError):
+    """A rank raised, died or hung; the message names each rank that failed and why, causes first."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago (for the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _check_importable(fn: Callable) -> None:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
+            "by name, so it must be a top-level function of an importable module (a notebook or script defines "
+            "its functions in __main__); move it into a module such as gemma_nb.parallel"
+        )
+
+
+def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int, results,
+               collective_timeout_s: float, threads: int) -> None:
+    """Entry point of one spawned rank: join the gloo group, run ``fn``, post its result or error."""
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend="gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        if not isinstance(result, dict):
+            raise TypeError(f"worker {fn.__qualname__} returned {type(result).__name__}; expected a dict")
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        results.put((rank, "ok", pickle.dumps(result)))
+    except BaseException as error:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, "error", f"{type(error).__name__}: {error}".strip(), traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} without reporting a result"
+
+
+def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, tp: int | None = None,
+           timeout_s: float = 300.0, collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0,
+           threads_per_rank: int | None = None) -> list[dict]:
+    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
+
+    Each rank is a spawned process with ``threads_per_rank`` torch threads (default: the cores split
+    evenly) in a gloo group on 127.0.0.1 whose collectives time out after ``collective_timeout_s``,
+    so a rank waiting on a dead or stuck peer raises instead of hanging. The parent waits at most
+    ``timeout_s``; after the first failure it gives the other ranks ``failure_grace_s`` to report,
+    then stops them and raises :class:`TPJobError` listing every failure, causes before the ranks
+    that merely lost their peer.
+    ``tp`` (default: ``world_size``) is the number of shards the job builds; it must equal
+    ``world_size`` and is checked before anything starts.
+    """
+    tp = world_size if tp is None else tp
+    _check_tp_job(world_size, tp, timeout_s, collective_timeout_s)
+    _check_importable(fn)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        proc = ctx.Process(
+            target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
+            args=(rank, fn, tuple(args), world_size, port, results, collective_timeout_s, threads),
+        )
+        proc.start()
+        procs.append(proc)
+    reports = _RankReports(world_size)
+    start = time.monotonic()
+    try:
+        reports.collect(results, procs, start, timeout_s, failure_grace_s)
+    finally:
+        _stop_ranks(procs, results)
+    elapsed = time.monotonic() - start
+    missing = [r for r in range(world_size) if not reports.reported(r)]
+    if reports.failures or missing:
+        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, reports.failures, missing, timeout_s))
+    return [reports.done[r] for r in range(world_size)]
+
+
+def _check_tp_job(world_size, tp, timeout_s: float, collective_timeout_s: float) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
+    if tp != world_size:
+        raise ValueError(
+            f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
+            f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})"
+        )
+    if timeout_s <= 0 or collective_timeout_s <= 0:
+        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
+
+
+class _RankReports:
+    """What the ranks reported: results by rank, and failures (rank, reason, traceback) as they arrived."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.done: dict[int, dict] = {}
+        self.failures: list[tuple[int, str, str]] = []
+        self.first_failure_at: float | None = None
+
+    def reported(self, rank: int) -> bool:
+        return rank in self.done or any(r == rank for r, _, _ in self.failures)
+
+    def fail(self, rank: int, reason: str, trace: str = "") -> None:
+        self.failures.append((rank, reason, trace))
+        self.first_failure_at = self.first_failure_at or time.monotonic()
+
+    def take(self, message) -> None:
+        rank, status = message[0], message[1]
+        if status == "ok":
+            self.done[rank] = pickle.loads(message[2])
+        else:
+            self.fail(rank, message[2], message[3])
+
+    def collect(self, results, procs, start: float, timeout_s: float, failure_grace_s: float) -> None:
+        """Read reports until every rank reported, ``failure_grace_s`` after the first failure, or ``timeout_s``."""
+        while not all(self.reported(r) for r in range(self.world_size)):
+            try:
+                self.take(results.get(timeout=0.1))
+                continue
+            except queue_module.Empty:
+                pass
+            for rank, proc in enumerate(procs):
+                if not proc.is_alive() and not self.reported(rank):
+                    # A rank that posted just before exiting: drain before calling it dead.
+                    try:
+                        while True:
+                            self.take(results.get(timeout=0.2))
+                    except queue_module.Empty:
+                        pass
+                    if not self.reported(rank):
+                        self.fail(rank, _exit_reason(proc.exitcode))
+            now = time.monotonic()
+            if self.first_failure_at is not None and now - self.first_failure_at > failure_grace_s:
+                break
+            if now - start > timeout_s:
+                break
+
+
+def _stop_ranks(procs, results) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    results.close()
+
+
+# gloo's words when a collective lost its peer: a consequence of another rank's failure.
+_PEER_LOSS = ("closed by peer", "reset by peer", "timed out", "broken pipe")
+
+
+def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
+                    missing: list[int], timeout_s: float) -> str:
+    """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
+    def is_consequence(reason: str) -> bool:
+        return any(words in reason.lower() for words in _PEER_LOSS)
+
+    causes = [f for f in failures if not is_consequence(f[1])]
+    consequences = [f for f in failures if is_consequence(f[1])]
+    lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]
+    lines += [f"  rank {rank}: {reason}" for rank, reason, _ in causes]
+    lines += [f"  rank {rank} (waiting on a failed or stuck peer): {reason}" for rank, reason, _ in consequences]
+    for rank in missing:
+        why = "after the failure above" if failures else f"at timeout_s={timeout_s:g}"
+        lines.append(f"  rank {rank} was still running (stuck?) and was stopped {why}")
+    traced = [(rank, trace) for rank, _, trace in causes + consequences if trace]
+    if traced:
+        lines.append(f"traceback of rank {traced[0][0]}:\n{traced[0][1].rstrip()}")
+    return "\n".join(lines)
