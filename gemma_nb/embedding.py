@@ -23,6 +23,9 @@ holding ``weight`` [vocab, hidden] with the scale as applied in its metadata (``
 ``probe_expected``) that ``from_file`` re-checks bit for bit, with no model on the host. The port
 shipped a bare ``embed_tokens.pt`` whose scale lived only in the deploy script, which is how it got
 lost.
+
+Notebook 06's comparison of the three host paths (unscaled, ``math.sqrt``, the module's scale) is
+``gemma_nb.embedding_scale``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ SCALE_KEY = "embed_scale"
 SCALE_DTYPE_KEY = "embed_scale_dtype"
 PROBE_IDS_KEY = "probe_ids"
 PROBE_EXPECTED_KEY = "probe_expected"
-HOST_PATHS = ("unscaled", "math_sqrt", "module_scale")
 DEFAULT_PROBE_TOKENS = 256
 
 
@@ -61,7 +63,7 @@ class EmbeddingFileNotFoundError(EmbeddingFileError, FileNotFoundError):
     """The embedding file does not exist (also a FileNotFoundError)."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -182,7 +184,7 @@ class HostEmbedding(nn.Module):
         metadata = {
             "format": FILE_FORMAT,
             SCALE_KEY: repr(self.scale.item()),
-            SCALE_DTYPE_KEY: _dtype_name(self.weight.dtype),
+            SCALE_DTYPE_KEY: dtype_name(self.weight.dtype),
             "vocab_size": str(self.weight.shape[0]),
             "hidden_size": str(self.weight.shape[1]),
         }
@@ -210,7 +212,7 @@ class HostEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
-        return f"vocab={vocab}, hidden={hidden}, scale={self.scale.item()!r}, dtype={_dtype_name(self.weight.dtype)}"
+        return f"vocab={vocab}, hidden={hidden}, scale={self.scale.item()!r}, dtype={dtype_name(self.weight.dtype)}"
 
 
 def _read_embedding_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -248,7 +250,7 @@ def _read_embedding_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str,
 def _check_table(name: str, weight: torch.Tensor, dtype: torch.dtype | None, shape) -> None:
     if weight.ndim != 2 or not weight.is_floating_point():
         raise EmbeddingFileError(
-            f"embedding file {name!r}: {WEIGHT_KEY!r} is {_dtype_name(weight.dtype)} of shape "
+            f"embedding file {name!r}: {WEIGHT_KEY!r} is {dtype_name(weight.dtype)} of shape "
             f"{tuple(weight.shape)}; expected a 2-D float table [vocab, hidden]"
         )
     if shape is not None and tuple(weight.shape) != tuple(shape):
@@ -258,8 +260,8 @@ def _check_table(name: str, weight: torch.Tensor, dtype: torch.dtype | None, sha
         )
     if dtype is not None and weight.dtype != dtype:
         raise EmbeddingFileError(
-            f"embedding file {name!r}: {WEIGHT_KEY!r} is {_dtype_name(weight.dtype)}, expected "
-            f"{_dtype_name(dtype)}; save the table from a model in {_dtype_name(dtype)} (the scale is "
+            f"embedding file {name!r}: {WEIGHT_KEY!r} is {dtype_name(weight.dtype)}, expected "
+            f"{dtype_name(dtype)}; save the table from a model in {dtype_name(dtype)} (the scale is "
             "rounded in the weight dtype, so casting after loading would not match the module)"
         )
 
@@ -276,10 +278,10 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
             )
         return _as_scale(scale, dtype)
     stored_dtype = metadata.get(SCALE_DTYPE_KEY)
-    if stored_dtype != _dtype_name(dtype):
+    if stored_dtype != dtype_name(dtype):
         raise EmbeddingFileError(
             f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
-            f"{_dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save"
+            f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save"
         )
     try:
         stored_scale = _as_scale(float(stored), dtype)
@@ -290,7 +292,7 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
     if scale is not None and not torch.equal(_as_scale(scale, dtype), stored_scale):
         raise EmbeddingScaleError(
             f"embedding file {name!r} stores {SCALE_KEY}={stored_scale.item()!r} but scale="
-            f"{_as_scale(scale, dtype).item()!r} was given ({_dtype_name(dtype)}); drop scale= to use the file's"
+            f"{_as_scale(scale, dtype).item()!r} was given ({dtype_name(dtype)}); drop scale= to use the file's"
         )
     return stored_scale
 
@@ -305,8 +307,8 @@ def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
         )
     if tuple(host.weight.shape) != tuple(weight.shape) or host.weight.dtype != weight.dtype:
         raise EmbeddingCheckError(
-            f"host embedding is {_dtype_name(host.weight.dtype)} {tuple(host.weight.shape)}, the model's "
-            f"{type(module).__name__} is {_dtype_name(weight.dtype)} {tuple(weight.shape)}; "
+            f"host embedding is {dtype_name(host.weight.dtype)} {tuple(host.weight.shape)}, the model's "
+            f"{type(module).__name__} is {dtype_name(weight.dtype)} {tuple(weight.shape)}; "
             "save the host table from the same model in the same dtype"
         )
     expected = module_scale(module)
@@ -314,49 +316,10 @@ def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
         hidden = weight.shape[1]
         raise EmbeddingScaleError(
             f"host embedding scale {host.scale.item()!r} differs from the model's embed_scale cast to "
-            f"{_dtype_name(weight.dtype)}, {expected.item()!r} (sqrt(hidden_size={hidden}) = {math.sqrt(hidden):.6f})"
+            f"{dtype_name(weight.dtype)}, {expected.item()!r} (sqrt(hidden_size={hidden}) = {math.sqrt(hidden):.6f})"
             + ("; looks unscaled." if host.scale.item() == 1.0 else ".")
             + " Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."
         )
-
-
-class UnscaledLookup(nn.Module):
-    """The story's first host path: a plain lookup, no scale (the bug)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight", weight.detach(), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids.to(self.weight.device), self.weight)
-
-
-class PythonFloatScaledLookup(nn.Module):
-    """``lookup(ids) * math.sqrt(hidden_size)``: right in fp32, one ulp off in bf16.
-
-    torch multiplies a low-precision tensor by a Python float at float32 precision and rounds the
-    product, whereas the module rounds the scale to the weight dtype first (bf16: 53.066 -> 53.0).
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight", weight.detach(), persistent=False)
-        self.scale = math.sqrt(weight.shape[1])
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
-
-
-def host_path(model: nn.Module, name: str) -> nn.Module:
-    """One of HOST_PATHS built from ``model``'s embedding table: ids -> inputs_embeds."""
-    weight = model.get_input_embeddings().weight
-    if name == "unscaled":
-        return UnscaledLookup(weight)
-    if name == "math_sqrt":
-        return PythonFloatScaledLookup(weight)
-    if name == "module_scale":
-        return HostEmbedding.from_model(model)
-    raise ValueError(f"host path {name!r} is not one of {', '.join(HOST_PATHS)}")
 
 
 def verify_host_path(
@@ -380,8 +343,8 @@ def verify_host_path(
         found = host(probe_ids).cpu()
         if found.shape != expected.shape or found.dtype != expected.dtype:
             raise EmbeddingCheckError(
-                f"host embedding gives {_dtype_name(found.dtype)} {tuple(found.shape)} for the probe ids, "
-                f"the model's {type(module).__name__} gives {_dtype_name(expected.dtype)} {tuple(expected.shape)}; "
+                f"host embedding gives {dtype_name(found.dtype)} {tuple(found.shape)} for the probe ids, "
+                f"the model's {type(module).__name__} gives {dtype_name(expected.dtype)} {tuple(expected.shape)}; "
                 "build the host table from the same model in the same dtype"
             )
         if torch.equal(found, expected):
@@ -395,7 +358,7 @@ def verify_host_path(
 
 def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     """Which scale was expected and found, how far apart the outputs are, and what that looks like."""
-    dtype = _dtype_name(expected.dtype)
+    dtype = dtype_name(expected.dtype)
     hidden = expected.shape[-1]
     expected32, found32, raw32 = expected.float(), found.float(), raw.float()
     max_abs = (expected32 - found32).abs().max().item()
@@ -409,9 +372,9 @@ def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     ]
     if abs(ratio - math.sqrt(hidden)) < 0.02 * math.sqrt(hidden):
         lines.append(f"Looks unscaled: the ratio ≈ sqrt(hidden_size) = {math.sqrt(hidden):.4f}.")
-    elif found_scale is None and abs(effective - expected_scale.item()) <= _ulp(expected_scale).item():
+    elif found_scale is None and abs(effective - expected_scale.item()) <= unit_in_last_place(expected_scale).item():
         lines.append(
-            f"The scale is right to within one {dtype} ulp ({_ulp(expected_scale).item():g}) but applied differently: "
+            f"The scale is right to within one {dtype} ulp ({unit_in_last_place(expected_scale).item():g}) but applied differently: "
             f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
             f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}."
         )
@@ -421,242 +384,13 @@ def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     return " ".join(lines)
 
 
-def _ulp(value: torch.Tensor) -> torch.Tensor:
+def unit_in_last_place(value: torch.Tensor) -> torch.Tensor:
     """The spacing of ``value``'s dtype at ``|value|`` (one unit in the last place)."""
     magnitude = value.abs()
     return torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
 
 
-class HostEmbeddedLM(nn.Module):
-    """The model as the slim deploy runs it: ids -> ``host`` on the cpu -> ``model(inputs_embeds=...)``.
-
-    ``model``'s own ``embed_tokens`` is never called, exactly as in the deploy where the embedding
-    lives on the host and the compiled graph starts at the decoder. Forward takes ``input_ids``
-    ([batch, seq]) plus any keyword the model takes (attention_mask, cache, ...) and returns the
-    model's output, so scoring code can treat it like the model fed ``input_ids``.
-    """
-
-    def __init__(self, model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]):
-        super().__init__()
-        self.model = model
-        self.host = host
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
-
-    def forward(self, input_ids: torch.Tensor, **kwargs):
-        inputs_embeds = self.host(input_ids).to(self.model.device)
-        if getattr(self.model.config, "hidden_size_per_layer_input", 0) and "per_layer_inputs" not in kwargs:
-            # Per-layer embeddings (not in the 26B) are looked up from ids; the model would otherwise
-            # try to recover ids by inverting embed_tokens, which fails for any host path but the exact one.
-            kwargs["per_layer_inputs"] = self.model.model.get_per_layer_inputs(input_ids.to(self.model.device))
-        return self.model(inputs_embeds=inputs_embeds, **kwargs)
-
-
-def host_path_model(model: nn.Module, name: str) -> HostEmbeddedLM:
-    """``model`` run from the inputs_embeds that host path ``name`` (one of HOST_PATHS) produces."""
-    return HostEmbeddedLM(model, host_path(model, name))
-
-
-def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """How sqrt(hidden_size) survives the module's float32 buffer and its cast to ``dtype``.
-
-    Returns dtype, sqrt_exact (float64), scale_float32 (the buffer), scale_in_dtype (what the
-    module multiplies by), ulp (the spacing of ``dtype`` at that value) and the rounding error
-    in absolute terms, in ulps and in percent.
-    """
-    exact = math.sqrt(hidden_size)
-    buffer = torch.tensor(exact, dtype=torch.float32)
-    cast = buffer.to(dtype)
-    ulp = _ulp(cast).item()
-    return {
-        "hidden_size": hidden_size,
-        "dtype": _dtype_name(dtype),
-        "sqrt_exact": exact,
-        "scale_float32": buffer.item(),
-        "scale_in_dtype": cast.item(),
-        "ulp": ulp,
-        "rounding_error": cast.item() - exact,
-        "rounding_error_ulps": (cast.item() - exact) / ulp,
-        "rounding_error_pct": 100.0 * (cast.item() - exact) / exact,
-    }
-
-
-def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor],
-                          probe_ids: torch.Tensor | None = None) -> dict:
-    """How ``host(ids)`` differs from ``embed_tokens(ids)`` element by element on ``probe_ids``.
-
-    Returns the share of elements that differ (%), the largest difference in units of the
-    reference element's ulp, the max |Δ| and the norm ratio reference/host.
-    """
-    module = model.get_input_embeddings()
-    if probe_ids is None:
-        probe_ids = default_probe_ids(module.weight.shape[0])
-    with torch.no_grad():
-        reference = module(probe_ids.to(module.weight.device)).cpu()
-        candidate = host(probe_ids).cpu()
-    delta = (candidate.double() - reference.double()).abs()
-    ulps = delta / _ulp(reference).double().clamp_min(torch.finfo(reference.dtype).tiny)
-    return {
-        "differ_pct": 100.0 * (candidate != reference).double().mean().item(),
-        "max_diff_ulps": ulps.max().item(),
-        "max_abs_diff": delta.max().item(),
-        "norm_ratio": (reference.double().norm() / candidate.double().norm()).item(),
-    }
-
-
-def self_check_table(model: nn.Module) -> "pd.DataFrame":
-    """Run the load-time self-check on each of HOST_PATHS: path, dtype, bit_exact, error, message."""
-    import pandas as pd
-
-    module = model.get_input_embeddings()
-    rows = []
-    for name in HOST_PATHS:
-        try:
-            verify_host_path(host_path(model, name), module)
-            error = None
-        except EmbeddingCheckError as caught:
-            error = caught
-        rows.append({"path": name, "dtype": _dtype_name(module.weight.dtype), "bit_exact": error is None,
-                     "error": type(error).__name__ if error else "", "message": str(error) if error else ""})
-    return pd.DataFrame(rows)
-
-
-def host_path_numerics(model: nn.Module, batches) -> "pd.DataFrame":
-    """Each of HOST_PATHS on ``model``: embedding differences and next-token agreement, no tokenizer.
-
-    ``batches``: token id batches ([B, S] LongTensor or a list of them) fed to the reference
-    (``model`` on ``input_ids``) and to each host path. Columns: path, dtype, norm_ratio,
-    differ_pct, max_diff_ulps, max_abs_diff (embeddings), top1_agreement, kl_mean (nats),
-    max_logit_diff.
-    """
-    import pandas as pd
-
-    from gemma_nb import evaluate
-
-    reference_logits = _ReferenceLogits(model)
-    rows = []
-    for name in HOST_PATHS:
-        host = host_path(model, name)
-        logits = evaluate.compare_logits(reference_logits, HostEmbeddedLM(model, host), batches)
-        rows.append({"path": name, "dtype": _dtype_name(model.get_input_embeddings().weight.dtype),
-                     **host_path_elementwise(model, host),
-                     "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
-                     "max_logit_diff": logits["max_abs_diff"]})
-    return pd.DataFrame(rows)
-
-
-class _ReferenceLogits:
-    """``model(input_ids).logits`` computed once per id batch: every host path compares against it."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.cache: dict = {}
-
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
-        if key not in self.cache:
-            self.cache[key] = self.model(input_ids=input_ids.to(self.model.device), use_cache=False).logits
-        return self.cache[key]
-
-
-def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
-                       steps: int = 8, facts=None, batches=None) -> "pd.DataFrame":
-    """Each of HOST_PATHS against ``model`` fed ``input_ids`` (the reference): one row per path.
-
-    The first row is the reference itself. Columns: path, dtype, greedy (greedy continuation of
-    ``prompt``, ``steps`` tokens), greedy_match, first_divergent_step (None when it matches),
-    fact_recall (0-1, over ``facts``, default the whole corpus), top1_agreement and kl_mean
-    (nats) and max_logit_diff over ``batches`` (default: the sentences of ``facts``), norm_ratio
-    (||embed_tokens(ids)|| / ||host(ids)||), differ_pct (share of embedding elements not
-    bit-equal to the module's) and max_diff_ulps (in units of the module output's ulp).
-    """
-    import pandas as pd
-
-    from gemma_nb import evaluate
-
-    if facts is None:
-        from gemma_nb.tiny import FACTS as facts
-    facts = list(facts)
-    if batches is None:
-        batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
-    dtype = _dtype_name(model.get_input_embeddings().weight.dtype)
-    reference_logits = _ReferenceLogits(model)
-    prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
-    reference_tokens = evaluate.greedy_generate(model, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
-    rows = [{
-        "path": "reference (input_ids)", "dtype": dtype, "greedy": tokenizer.decode(reference_tokens),
-        "greedy_match": True, "first_divergent_step": None,
-        "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0],
-        "top1_agreement": 1.0, "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0,
-        "max_diff_ulps": 0.0,
-    }]
-    for name in HOST_PATHS:
-        host = host_path(model, name)
-        candidate = HostEmbeddedLM(model, host)
-        tokens = evaluate.greedy_generate(candidate, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
-        first = next((i for i, (r, c) in enumerate(zip(reference_tokens, tokens)) if r != c), None)
-        logits = evaluate.compare_logits(reference_logits, candidate, batches)
-        elementwise = host_path_elementwise(model, host)
-        rows.append({
-            "path": name,
-            "dtype": dtype,
-            "greedy": tokenizer.decode(tokens),
-            "greedy_match": first is None,
-            "first_divergent_step": first,
-            "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0],
-            "top1_agreement": logits["top1_agreement"],
-            "kl_mean": logits["kl_mean"],
-            "max_logit_diff": logits["max_abs_diff"],
-            "norm_ratio": elementwise["norm_ratio"],
-            "differ_pct": elementwise["differ_pct"],
-            "max_diff_ulps": elementwise["max_diff_ulps"],
-        })
-    return pd.DataFrame(rows)
-
-
-def plot_host_paths(table: "pd.DataFrame", axes, hidden_size: int) -> None:
-    """Three panels from ``compare_host_paths`` rows (all dtypes): fact recall, top-1 agreement, norm ratio.
-
-    ``axes``: three matplotlib axes. The norm ratio is drawn on a log scale with sqrt(hidden_size)
-    as a reference line: an unscaled path sits on it, a correct one at 1.
-    """
-    import seaborn as sns
-
-    from gemma_nb.plots import reference_line
-
-    data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
-    panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement (%)"),
-              ("norm_ratio", "norm ratio, module / host (x)")]
-    for index, (ax, (column, label)) in enumerate(zip(axes, panels)):
-        sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax, legend=index == 0)
-        ax.set_xlabel("")
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=30)
-        for tick in ax.get_xticklabels():
-            tick.set_horizontalalignment("right")
-    axes[2].set_yscale("log")
-    # headroom above sqrt(H), where the unscaled bars end, for the reference line's label
-    axes[2].set_ylim(top=4 * math.sqrt(hidden_size))
-    reference_line(axes[2], math.sqrt(hidden_size), f"sqrt({hidden_size}) = {math.sqrt(hidden_size):.2f}")
-
-
 __all__ = [
-    "HOST_PATHS", "HostEmbedding", "UnscaledLookup", "PythonFloatScaledLookup", "HostEmbeddedLM",
-    "EmbeddingCheckError", "EmbeddingScaleError", "EmbeddingFileError", "EmbeddingFileNotFoundError",
-    "module_scale", "default_probe_ids", "host_path", "host_path_model", "verify_host_path",
-    "scale_rounding", "host_path_elementwise", "host_path_numerics", "self_check_table",
-    "compare_host_paths", "plot_host_paths",
+    "HostEmbedding", "EmbeddingCheckError", "EmbeddingScaleError", "EmbeddingFileError", "EmbeddingFileNotFoundError",
+    "module_scale", "default_probe_ids", "verify_host_path", "unit_in_last_place", "dtype_name",
 ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gemma_nb import embedding
+from gemma_nb import embedding, embedding_scale
 from gemma_nb.embedding import (
     EmbeddingCheckError,
     EmbeddingFileError,
@@ -65,14 +65,14 @@ def test_math_sqrt_path_is_exact_in_fp32_and_refused_in_bf16(tiny_random):
     precision by 11.3137 while the module multiplies by bf16(11.3137) = 11.3125: some products
     land one bf16 ulp apart, so the check must raise."""
     module = tiny_random.get_input_embeddings()
-    host = embedding.host_path(tiny_random, "math_sqrt")
+    host = embedding_scale.host_path(tiny_random, "math_sqrt")
     if module.weight.dtype == torch.float32:
         embedding.verify_host_path(host, module)
         return
     with pytest.raises(EmbeddingScaleError, match=r"right to within one bfloat16 ulp \(0\.0625\)") as caught:
         embedding.verify_host_path(host, module)
     assert "math.sqrt(128)" in str(caught.value) and "expected scale 11.3125" in str(caught.value)
-    diff = embedding.host_path_elementwise(tiny_random, host)
+    diff = embedding_scale.host_path_elementwise(tiny_random, host)
     assert diff["max_diff_ulps"] == 1.0
     assert 0.0 < diff["differ_pct"] < 50.0
 
@@ -81,14 +81,14 @@ def test_math_sqrt_path_at_26b_width(wide_bf16):
     module = wide_bf16.get_input_embeddings()
     assert module.embed_scale.to(torch.bfloat16).item() == 53.0
     with pytest.raises(EmbeddingScaleError, match=r"math\.sqrt\(2816\) = 53\.065997"):
-        embedding.verify_host_path(embedding.host_path(wide_bf16, "math_sqrt"), module)
-    unscaled = embedding.host_path_elementwise(wide_bf16, embedding.host_path(wide_bf16, "unscaled"))
+        embedding.verify_host_path(embedding_scale.host_path(wide_bf16, "math_sqrt"), module)
+    unscaled = embedding_scale.host_path_elementwise(wide_bf16, embedding_scale.host_path(wide_bf16, "unscaled"))
     assert unscaled["norm_ratio"] == pytest.approx(53.0, rel=1e-3)
     HostEmbedding.from_model(wide_bf16)  # the fix passes its own check
 
 
 def test_scale_rounding_of_the_26b_width():
-    rounding = embedding.scale_rounding(2816, torch.bfloat16)
+    rounding = embedding_scale.scale_rounding(2816, torch.bfloat16)
     assert rounding["sqrt_exact"] == math.sqrt(2816)
     assert rounding["scale_float32"] == torch.tensor(math.sqrt(2816)).item()
     assert rounding["dtype"] == "bfloat16" and rounding["scale_in_dtype"] == 53.0
@@ -100,8 +100,8 @@ def test_host_path_models_match_the_reference_only_when_exact(tiny_random):
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = tiny_random(input_ids=ids).logits
-        fixed = embedding.host_path_model(tiny_random, "module_scale")(ids).logits
-        unscaled = embedding.host_path_model(tiny_random, "unscaled")(ids).logits
+        fixed = embedding_scale.host_path_model(tiny_random, "module_scale")(ids).logits
+        unscaled = embedding_scale.host_path_model(tiny_random, "unscaled")(ids).logits
     assert torch.equal(fixed, reference)
     assert not torch.allclose(unscaled, reference, atol=1e-2)
 
@@ -113,8 +113,8 @@ def test_host_path_model_with_per_layer_inputs():
     ids = torch.arange(16).unsqueeze(0)
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        fixed = embedding.host_path_model(model, "module_scale")(ids).logits
-        embedding.host_path_model(model, "unscaled")(ids)  # runs; inverting the table would fail
+        fixed = embedding_scale.host_path_model(model, "module_scale")(ids).logits
+        embedding_scale.host_path_model(model, "unscaled")(ids)  # runs; inverting the table would fail
     assert torch.equal(fixed, reference)
 
 
@@ -189,7 +189,7 @@ def test_a_pickled_table_is_not_read(tmp_path):
 def test_bad_arguments(tiny_random):
     weight = tiny_random.get_input_embeddings().weight
     with pytest.raises(ValueError, match=r"host path 'scaled' is not one of unscaled, math_sqrt, module_scale"):
-        embedding.host_path(tiny_random, "scaled")
+        embedding_scale.host_path(tiny_random, "scaled")
     with pytest.raises(ValueError, match=r"scale=0 must be a positive finite number"):
         HostEmbedding(weight, scale=0)
     with pytest.raises(ValueError, match=r"weight must be a 2-D float tensor \[vocab, hidden\], got \(512,\)"):
@@ -248,7 +248,7 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     from gemma_nb.tiny import FACTS
 
     model, tokenizer = bundled
-    fixed = embedding.host_path_model(model, "module_scale")
+    fixed = embedding_scale.host_path_model(model, "module_scale")
     result = evaluate.greedy_match(model, fixed, "The capital of France is", steps=8, tokenizer=tokenizer)
     assert result["match"], result
     assert result["reference_text"].startswith("Paris .")
@@ -258,7 +258,7 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     batch = torch.tensor([p for p in prompts if len(p) == length])
     assert torch.equal(evaluate.greedy_generate(fixed, batch, 6), evaluate.greedy_generate(model, batch, 6))
 
-    unscaled = embedding.host_path_model(model, "unscaled")
+    unscaled = embedding_scale.host_path_model(model, "unscaled")
     broken = evaluate.greedy_match(model, unscaled, "The capital of France is", steps=8, tokenizer=tokenizer)
     assert not broken["match"] and not broken["candidate_text"].startswith("Paris")
 
@@ -268,12 +268,12 @@ def test_self_check_on_the_bundled_checkpoint(bundled, tmp_path):
     model, _ = bundled
     module = model.get_input_embeddings()
     with pytest.raises(EmbeddingScaleError, match="Looks unscaled"):
-        embedding.verify_host_path(embedding.host_path(model, "unscaled"), module)
+        embedding.verify_host_path(embedding_scale.host_path(model, "unscaled"), module)
     if module.weight.dtype == torch.bfloat16:
         with pytest.raises(EmbeddingScaleError, match="applied differently"):
-            embedding.verify_host_path(embedding.host_path(model, "math_sqrt"), module)
+            embedding.verify_host_path(embedding_scale.host_path(model, "math_sqrt"), module)
     else:
-        embedding.verify_host_path(embedding.host_path(model, "math_sqrt"), module)
+        embedding.verify_host_path(embedding_scale.host_path(model, "math_sqrt"), module)
     path = HostEmbedding.from_model(model).save(tmp_path / "embed_tokens.safetensors")
     deployed = HostEmbedding.from_file(path, dtype=module.weight.dtype, shape=tuple(module.weight.shape))
     ids = torch.arange(module.weight.shape[0]).unsqueeze(0)
