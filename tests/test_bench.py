@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gemma_nb import bench
+from gemma_nb import bench, decode_roofline
 from gemma_nb.hardware import DEVICES, GB, INSTANCES
 from gemma_nb.targets import torch_threads
 from gemma_nb.tiny import random_gemma4_config
@@ -134,15 +134,15 @@ def _by_hand_matrix_params(config):
 def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
     config = random_gemma4_config()  # 32 experts, top-2
     total_bf16, experts_bf16 = _by_hand_bf16_bytes(config)
-    dense = bench.decode_traffic(config, "bf16", "dense", tp=1)
-    sparse = bench.decode_traffic(config, "bf16", "sparse", tp=1)
+    dense = decode_roofline.decode_traffic(config, "bf16", "dense", tp=1)
+    sparse = decode_roofline.decode_traffic(config, "bf16", "sparse", tp=1)
     assert dense["bytes_per_token"] == total_bf16
     assert dense["bytes_per_token"] - sparse["bytes_per_token"] == experts_bf16 * (1 - 2 / 32)
     assert sparse["bytes_by_group"]["experts"] == experts_bf16 / 16
     # FLOPs: 2 per matrix weight used (vectors excluded), no context.
     assert dense["flops_per_token"] == 2 * _by_hand_matrix_params(config)
     assert dense["flops_per_token"] - sparse["flops_per_token"] == experts_bf16 * (1 - 2 / 32)
-    with_kv = bench.decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
+    with_kv = decode_roofline.decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
     from gemma_nb.memory import kv_cache_bytes
 
     assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(config, 1, 100, dtype="fp32")
@@ -156,7 +156,7 @@ def config_26b():
 
 
 def test_story_decode_reproduces_the_story_roofline_without_kv(config_26b):
-    story = bench.story_decode(config_26b, context_len=0)
+    story = decode_roofline.story_decode(config_26b, context_len=0)
     # The source's roofline (docs/sources.md, "inf2-roofline"): DenseExperts ~26.4 GB/token -> <= ~33 tok/s;
     # top-8 ~4.9 GB -> <= ~178 tok/s; upcast hypothesis ~118 GB -> ~7.5 tok/s; it leaves the KV cache out.
     assert story["kv_gb_per_token"] == 0.0
@@ -170,35 +170,35 @@ def test_story_decode_reproduces_the_story_roofline_without_kv(config_26b):
     assert story["measured_usd_per_m_tokens"] == pytest.approx(0.7582 / (6 * 3600) * 1e6)
     bandwidth = DEVICES["neuroncore_v2"].bandwidth_bytes_s
     assert story["dense_tok_s"] == pytest.approx(2 * bandwidth / (story["dense_gb_per_token"] * GB))
-    table = bench.hypotheses_table(story)
+    table = decode_roofline.hypotheses_table(story)
     assert table["status"].tolist().count("hypothesis") == 2
 
 
 def test_story_decode_counts_the_ports_fp32_kv_cache_by_default(config_26b):
-    story = bench.story_decode(config_26b)
+    story = decode_roofline.story_decode(config_26b)
     assert story["context_len"] == 512
     # 30 layers' fp32 K and V for 512 tokens, split by KV head over 2 ranks: 115.3 MB per rank
     assert story["kv_gb_per_token"] * GB / 2 == pytest.approx(115.34e6, rel=1e-4)
     assert story["dense_tok_s"] == pytest.approx(33.01, abs=0.01)
     assert story["sparse_tok_s"] == pytest.approx(169.18, abs=0.01)
-    without = bench.story_decode(config_26b, context_len=0)
+    without = decode_roofline.story_decode(config_26b, context_len=0)
     assert story["dense_gb_per_token"] - without["dense_gb_per_token"] == pytest.approx(story["kv_gb_per_token"])
 
 
 def test_context_sensitivity_falls_with_the_cache(config_26b):
-    table = bench.context_sensitivity(config_26b, [0, 512, 4096])
+    table = decode_roofline.context_sensitivity(config_26b, [0, 512, 4096])
     assert table["context_len"].tolist() == [0, 512, 4096]
     assert table["dense_tok_s"].is_monotonic_decreasing and table["sparse_tok_s"].is_monotonic_decreasing
     assert table["sparse_vs_dense_x"].is_monotonic_decreasing  # the cache takes a bigger share of sparse steps
-    assert table.loc[1, "sparse_tok_s"] == pytest.approx(bench.story_decode(config_26b)["sparse_tok_s"])
+    assert table.loc[1, "sparse_tok_s"] == pytest.approx(decode_roofline.story_decode(config_26b)["sparse_tok_s"])
     with pytest.raises(ValueError, match=r"context_lens \[-1\] must be whole numbers"):
-        bench.context_sensitivity(config_26b, [0, -1])
+        decode_roofline.context_sensitivity(config_26b, [0, -1])
     with pytest.raises(ValueError, match="context_lens is empty"):
-        bench.context_sensitivity(config_26b, [])
+        decode_roofline.context_sensitivity(config_26b, [])
 
 
 def test_roofline_table_prices_and_fit(config_26b):
-    table = bench.roofline(config_26b).set_index(["deployment", "experts"])
+    table = decode_roofline.roofline(config_26b).set_index(["deployment", "experts"])
     story_row = table.loc[("inf2.xlarge, int8 squeeze, TP=2", "dense")]
     assert story_row["fits"] and story_row["bound"] == "memory"
     assert story_row["usd_per_hour"] == INSTANCES["inf2.xlarge"].usd_per_hour
@@ -208,4 +208,4 @@ def test_roofline_table_prices_and_fit(config_26b):
     assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])  # no H200 price in the hardware table
     sparse_over_dense = (table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"])
     assert sparse_over_dense.between(4.0, 8.0).all()
-    assert bench.usd_per_million_tokens(None, 10.0) is None
+    assert decode_roofline.usd_per_million_tokens(None, 10.0) is None

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from gemma_nb import bench, memory
+from gemma_nb import decode_roofline, memory
 from gemma_nb.memory import load_gemma4_26b_config, tensor_bytes
 from gemma_nb.story import agrees_with_claim
 from gemma_nb.paths import OUTPUTS_DIR
@@ -126,7 +126,7 @@ def test_decode_roofline_counts_the_kv_cache(config):
     decode = metrics("07_decode_benchmark")
     context_len = decode["inf2_context_len"]
     assert context_len == 512 and decode["inf2_kv_gb_per_token"] > 0
-    story = bench.story_decode(config, context_len=context_len)
+    story = decode_roofline.story_decode(config, context_len=context_len)
     for key in ("dense_tok_s", "sparse_tok_s", "upcast_tok_s", "kv_gb_per_token"):
         assert decode[f"inf2_{key}"] == pytest.approx(story[key], rel=1e-12), key
 
