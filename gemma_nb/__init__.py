@@ -1,17 +1,31 @@
 """gemma-nb: the Gemma-4-26B-A4B on inf2.xlarge story, as code the notebooks import.
 
-Modules, one concern each (a notebook's title tells you which one it uses):
+Modules, one concern each. A notebook's title names its modules: the library a port would copy
+first, then the notebook's own experiment around it.
 
 - ``paths``, ``targets``, ``metrics``, ``plots``, ``display``, ``story``: the plumbing every notebook shares
-  (``display.setup_page`` sizes tables and figures for the page; ``docs/sources.md`` backs ``story``).
-- ``memory``, ``hardware``: parameter inventory, per-rank byte plans, instance catalog (01).
-- ``quant``: int8 / fp8 / fp4 weight formats (02).   ``parallel``: the sharded lm_head (03).
-- ``compile``, ``deploy``: export and slim deploy (04, 05).   ``embedding``: the scale fix (06).
-- ``moe``, ``bench``: dense vs sparse experts and the decode benchmark (07).
-- ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
+  (``paths`` finds the project from the working directory; ``targets.torch_threads`` is the one thread
+  limiter; ``story`` holds the claims with their ranges, ``docs/sources.md`` their sources).
+- 01 memory arithmetic: ``memory`` (inventory, per-rank byte plans), ``hardware`` (instances, devices).
+- 02 quantization: ``quant`` (the formats and quantizers), ``quant_eval`` (scoring a scheme).
+- 03 lm_head sharding: ``parallel`` (the vocab-parallel head and its jobs), ``ranks`` (``run_tp``:
+  real gloo ranks in processes).
+- 04 compile: ``export`` (the two exported steps, their runner and artifact format), ``compile_cost``
+  (the size sweep, its fits and boxes; ``python -m gemma_nb.compile_cost``), ``hostmem`` (RSS sampler).
+- 05 slim deploy: ``deploy`` (``python -m gemma_nb.deploy``).
+- 06 embedding scale: ``embedding`` (``HostEmbedding`` and its file), ``embedding_scale`` (the three host paths).
+- 07 decode benchmark: ``moe`` (dense vs sparse experts), ``bench`` (timing), ``decode_roofline`` (bytes
+  and FLOPs per token), ``client_bench`` (any OpenAI-compatible endpoint).
+- ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint, how answers are scored, how models load.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
-  the model; ``serve_app``, ``serve_http``, ``serve_schema`` answer HTTP; ``generation`` samples tokens).
+  the model; ``serve_app`` (app factory and routers), ``serve_http``, ``serve_schema`` answer HTTP;
+  ``generation`` samples tokens).
 - ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md).
+- ``neuron``: the same steps on the Neuron SDK (imported only for the neuron target).
+
+``python -m gemma_nb.compile_cost`` and ``python -m gemma_nb.deploy`` are the two commands a notebook
+starts in a fresh process (so their peak RSS is their own); each prints one JSON object on its last
+stdout line, as its module docstring documents.
 """
 
 __version__ = "0.1.0"
