@@ -30,6 +30,8 @@ import pandas as pd
 import torch
 
 from gemma_nb.hardware import GB
+from gemma_nb.memory import tensor_bytes
+from gemma_nb.moe import int8_linear
 
 EXPERT_MODES = ("dense", "sparse")
 
@@ -314,8 +316,6 @@ def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int
     ``dtype`` is a ``gemma_nb.memory`` format (``bf16``, ``int8`` with fp32 row scales, ...). At full
     size: dense bf16 1.52 GB, sparse bf16 95.2 MB, sparse int8 47.7 MB.
     """
-    from gemma_nb.memory import tensor_bytes
-
     check_experts_mode(experts)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
@@ -347,8 +347,6 @@ def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
 
 def _kernel_only(module, hidden_states, routes):
     """The K experts' matmuls alone, ids known in advance: no routing, checks, or combine."""
-    from gemma_nb.moe import int8_linear
-
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)

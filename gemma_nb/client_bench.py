@@ -42,7 +42,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import pandas as pd
 
+from gemma_nb import plots
+from gemma_nb.metrics import headline
 from gemma_nb.ranks import free_port
+from gemma_nb.tiny import BUNDLED_ID
 
 API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
 DEFAULT_PROMPT = "The capital of France is"
@@ -302,8 +305,6 @@ def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple
     external ``endpoint`` was measured (the port's container is the same deploy); the local
     server runs the tiny checkpoint, which answers a different question.
     """
-    from gemma_nb.metrics import headline
-
     if requests is None:
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
@@ -334,8 +335,6 @@ def inter_token_latencies(requests: pd.DataFrame) -> pd.DataFrame:
 
 def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     """Three panels: TTFT and ITL distributions per concurrency level, tok/s against concurrency."""
-    from gemma_nb import plots
-
     fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
     levels = sorted(requests["concurrency"].unique())
     gaps = inter_token_latencies(requests)
@@ -395,8 +394,6 @@ def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: s
     fails to start); the process is terminated (then killed) when the block ends. ``env`` adds
     environment variables (e.g. the API key, which is never passed on the command line).
     """
-    from gemma_nb.tiny import BUNDLED_ID
-
     port = free_port()
     command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
                "--runtime", runtime, "--host", "127.0.0.1", "--port", str(port), "--queue-size", str(queue_size),

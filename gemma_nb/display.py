@@ -26,6 +26,8 @@ import math
 import re
 from typing import Any, Iterable
 
+from gemma_nb import plots
+
 PAGE_WIDTH_PX = 1000
 CHAR_WIDTH_PX = 7.0
 CELL_PADDING_PX = 12.0
@@ -239,6 +241,5 @@ def setup_page() -> None:
     for kind in (pd.DataFrame, pd.Series):
         formatters["text/html"].for_type(kind, _html)
         formatters["text/plain"].for_type(kind, _plain)
-    from gemma_nb import plots
 
     plots.set_theme()

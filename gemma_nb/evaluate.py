@@ -20,6 +20,8 @@ from typing import Callable, Iterable, Sequence, Union
 import pandas as pd
 import torch
 
+from gemma_nb.tiny import FACTS
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 Model = Union[torch.nn.Module, LogitsFn]
 
@@ -136,9 +138,7 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
     ``prompt`` and ``answer`` strings (and optionally ``kind``, ``subject``) work. Columns: kind,
     subject, prompt, expected, generated, correct.
     """
-    if facts is None:
-        from gemma_nb.tiny import FACTS as facts
-    facts = list(facts)
+    facts = list(FACTS if facts is None else facts)
     if not facts:
         raise ValueError("facts is empty; pass at least one fact with .prompt and .answer, or None for the corpus")
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
@@ -164,8 +164,6 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
 def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
     """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
     if texts is None:
-        from gemma_nb.tiny import FACTS
-
         texts = [f.sentence for f in FACTS]
     token_lists = [tokenizer(t).input_ids for t in texts]
     return [torch.tensor([token_lists[i] for i in idx]) for idx in _grouped_by_length(token_lists).values()]

@@ -55,6 +55,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from gemma_nb.embedding import HostEmbedding
+from gemma_nb.metrics import write_json_atomic
+
 FORMAT = "gemma-nb.exported-steps/1"
 MANIFEST = "manifest.json"
 PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
@@ -455,8 +458,6 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     ``scheme``: the quantization scheme already applied to ``model`` (recorded, not applied).
     ``reference_tokens``: optional {"prompt": [...], "tokens": [...]} the deploy can check against.
     """
-    from gemma_nb.embedding import HostEmbedding
-
     shapes = shapes or StepShapes()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -497,7 +498,6 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
         "reference": reference_tokens,
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
     }
-    from gemma_nb.metrics import write_json_atomic
 
     write_json_atomic(folder / MANIFEST, manifest)
     return CompileReport(

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemma_nb import plots
 from gemma_nb.quant import int8_matmul, quantize_int8_per_channel
+from gemma_nb.story import CLAIMS
 
 DEFAULT_ALIGN_ROWS = 64
 # Rows quantized at once while building a shard: bounds the fp32 temporary to ~100 MB at H=2816.
@@ -416,9 +418,6 @@ def plot_bytes_per_holder(table, target: str, name: str = "03_lm_head_bytes_per_
     Dashed lines at the story's per-rank figures (replicated bf16 head, int8 sharded head).
     Returns the figure (saved through ``gemma_nb.plots.save_figure``).
     """
-    from gemma_nb import plots
-    from gemma_nb.story import CLAIMS
-
     claims = CLAIMS if claims is None else claims
     fig, ax = plots.subplots(figsize=(7.5, 4.2))
     holders = list(dict.fromkeys(table["holder"]))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gemma_nb import memory
 from gemma_nb.hardware import GB, INSTANCES, fits, get_instance
+from gemma_nb.story import CLAIMS
 
 DEFAULT_TP = 2
 DEFAULT_SCHEME = "int8_squeeze"
@@ -69,8 +70,6 @@ def host_needs(config) -> dict:
     the slim deploy keeps on the host; ``compile_disk_bytes`` twice the NEFF (26.7 GB for the 26B),
     scaled the same way: the compiler's workdir and the saved ``model.pt`` both hold it.
     """
-    from gemma_nb.story import CLAIMS
-
     reference = _bf16_weight_bytes(memory.load_gemma4_26b_config())
     ratio = _bf16_weight_bytes(config) / reference
     return {

@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 import sys
 
-from gemma_nb.hardware import GB, GiB, INSTANCES
+from gemma_nb import memory, planner
+from gemma_nb.hardware import GB, INSTANCES, GiB
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.story import CLAIMS
 
 RUNBOOK_PATH = REPO_ROOT / "docs" / "inf2.md"
 COMPILE_BOX, SERVE_BOX = "inf2.8xlarge", "inf2.xlarge"
@@ -25,9 +27,6 @@ HUB_ID = "google/gemma-4-26B-A4B-it"
 
 def figures() -> dict:
     """Every number the runbook states, computed from the catalog, the planner and the story's timings."""
-    from gemma_nb import memory, planner
-    from gemma_nb.story import CLAIMS
-
     config = memory.load_gemma4_26b_config()
     report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX,
                                  name="gemma4_26b_a4b.json")
