@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="OpenAI-compatible server for the deployed model (see --help)", add_help=False)
 
+    # The commands' modules are imported when a command is chosen, not at the top (the one documented
+    # exception to top-level imports here): `plan` answers without loading the server or papermill.
     from gemma_nb import planner, preflight, runbook
 
     planner.add_arguments(sub.add_parser("plan", help="will a Hugging Face causal LM fit an inf2? bytes per rank, $/h"))

@@ -32,8 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from gemma_nb import memory, planner
 from gemma_nb.hardware import GB, GiB
+from gemma_nb.neuron import sdk as neuron_sdk
+from gemma_nb.neuron.artifact import ArtifactError, read_artifact
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 
 REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
 STEPS = ("compile", "deploy")
@@ -79,9 +83,7 @@ def _rss() -> int:
 
 
 def _check_sdk():
-    from gemma_nb.neuron.sdk import check_sdk
-
-    return check_sdk()
+    return neuron_sdk.check_sdk()
 
 
 @dataclass
@@ -245,8 +247,6 @@ def model_folder_problem(folder: Path) -> str | None:
 
 
 def check_artifact(folder: str) -> Check:
-    from gemma_nb.neuron.artifact import ArtifactError, read_artifact
-
     try:
         artifact = read_artifact(folder)
     except ArtifactError as error:
@@ -260,9 +260,6 @@ def check_artifact(folder: str) -> Check:
 # --------------------------------------------------------------------------------------------
 def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
     """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
-    from gemma_nb import memory, planner
-    from gemma_nb.targets import local_model_dir
-
     checks, config_source = [], None
     if artifact and Path(artifact, "config.json").is_file():
         config_source = Path(artifact)
@@ -284,9 +281,6 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
 def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
     """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one."""
-    from gemma_nb import planner
-    from gemma_nb.targets import check_target_name, default_model_id
-
     check_target_name(target)
     system = system or System()
     step = step or ("deploy" if artifact else "compile")

@@ -83,15 +83,40 @@ from typing import Sequence
 
 import torch
 
+from gemma_nb import deploy, export
+from gemma_nb.export import new_kv_cache
+
 # The HTTP side (serve_http, serve_schema, serve_app) and the generation loop live in their own modules; their names are re-exported
 # here, so ``serve.create_app``, ``serve.Generation`` and ``serve.SamplingParams`` keep working.
-from gemma_nb.generation import (DETOKENIZE_CONTEXT_TOKENS, Generation, Runtime, SamplingParams, Step,  # noqa: F401
-                                 _held_back, chat_prompt_ids, generate, sample_token)
+from gemma_nb.generation import (  # noqa: F401
+    DETOKENIZE_CONTEXT_TOKENS,
+    Generation,
+    Runtime,
+    SamplingParams,
+    Step,
+    _held_back,
+    chat_prompt_ids,
+    generate,
+    sample_token,
+)
+from gemma_nb.modelio import hf_token, load_model, resolve_model_id
+from gemma_nb.neuron.build import host_logits, step_inputs
+from gemma_nb.neuron.deploy import slim_deploy
 from gemma_nb.serve_app import DEFAULT_QUEUE_SIZE, DEFAULT_SLOT_WATCHDOG_S, Engine, create_app  # noqa: F401
-from gemma_nb.serve_http import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_HOST,  # noqa: F401
-                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, serve_in_thread,
-                                 uvicorn_config)
+from gemma_nb.serve_http import (  # noqa: F401
+    API_KEY_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_HOST,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    LOOPBACK_HOSTS,
+    serve_in_thread,
+    uvicorn_config,
+)
 from gemma_nb.serve_schema import APIError, ChatRequest, CompletionRequest, GenerateRequest, error_response  # noqa: F401
+from gemma_nb.targets import TargetError, check_target, torch_device
+from gemma_nb.tiny import BUNDLED_ID
 
 DEFAULT_PORT = 8080
 
@@ -153,8 +178,6 @@ class DeployRuntime:
     """
 
     def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
-        from gemma_nb.export import new_kv_cache
-
         self.runner, self.tokenizer = runner, tokenizer
         self.max_context = _context_limit(max_context, runner.shapes.max_cache_len)
         self.max_prompt_tokens = min(runner.shapes.prefill_len, self.max_context - 1)
@@ -205,8 +228,6 @@ class NeuronDeployRuntime:
 
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
-        from gemma_nb.neuron.build import host_logits, step_inputs
-
         runner = self.runner
         inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
         return host_logits(runner.graph(*inputs), runner.config).reshape(-1)
@@ -261,9 +282,6 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
     seconds. ``"auto"`` is deploy on cpu, transformers on cuda. Compiling at start-up takes ~30 s
     for the tiny checkpoint on a busy 2-core box (notebook 04 measures how it grows).
     """
-    from gemma_nb.targets import check_target, torch_device
-    from gemma_nb.tiny import BUNDLED_ID
-
     check_target(target)
     model_id = model_id or BUNDLED_ID
     if runtime not in RUNTIMES:
@@ -281,7 +299,6 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
         if target != "cpu":
             raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.export; on {target} use --runtime transformers")
         return load_deploy_runtime(model_id, artifact=artifact, max_context=max_context, prefill_len=prefill_len)
-    from gemma_nb.modelio import load_model
 
     model, tokenizer = load_model(model_id, dtype=dtype, device=torch_device(target))
     return TransformersRuntime(model, tokenizer, max_context)
@@ -289,9 +306,6 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
 
 def compile_for_serving(model_id: str, folder: str, max_cache_len: int, prefill_len: int) -> None:
     """The deploy's artifact for ``model_id``: full model on the host, int8 squeeze, export (notebooks 04/05)."""
-    from gemma_nb import export
-    from gemma_nb import deploy
-
     model = deploy.load_full_model(model_id)
     deploy.int8_squeeze(model)
     shapes = export.StepShapes(max_cache_len=max_cache_len, prefill_len=min(prefill_len, max_cache_len))
@@ -300,8 +314,6 @@ def compile_for_serving(model_id: str, folder: str, max_cache_len: int, prefill_
 
 def _tokenizer_and_eos(model_id: str):
     from transformers import AutoTokenizer, GenerationConfig
-
-    from gemma_nb.modelio import hf_token, resolve_model_id
 
     source = resolve_model_id(model_id)
     token = None if os.path.isdir(source) else hf_token()
@@ -316,8 +328,6 @@ def _tokenizer_and_eos(model_id: str):
 def load_neuron_runtime(model_id: str, artifact: str, *, max_context: int | None = None) -> NeuronDeployRuntime:
     """The port's slim deploy on Inferentia2 (NOT RUN HERE): everything, tokenizer included, from the
     artifact folder (``gemma_nb.neuron.artifact``); ``model_id`` is only the served name."""
-    from gemma_nb.neuron.deploy import slim_deploy
-
     _, tokenizer, eos = _tokenizer_and_eos(artifact)
     runner, figures = slim_deploy(artifact)
     log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
@@ -332,8 +342,6 @@ def load_deploy_runtime(model_id: str, *, artifact: str | None = None, max_conte
     import tempfile
 
     from transformers import AutoConfig
-
-    from gemma_nb import deploy
 
     source, tokenizer, eos = _tokenizer_and_eos(model_id)
     if artifact is None:
@@ -358,8 +366,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemma_nb.tiny import BUNDLED_ID
-
     parser = argparse.ArgumentParser(
         prog="python -m gemma_nb serve",
         description="OpenAI-compatible server for the deployed model. The API key, if any, comes from the "
@@ -405,8 +411,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_arguments(args) -> None:
     """Raise ValueError for what would only fail later: bad numbers, a model or artifact that is not there."""
-    from gemma_nb.targets import check_target
-
     check_target(args.target)
     if args.queue_size < 1:
         raise ValueError(f"--queue-size {args.queue_size} must be at least 1")
@@ -430,8 +434,6 @@ def main(argv: list[str] | None = None) -> int:
     normal shutdown (Ctrl-C or SIGTERM).
     """
     import uvicorn
-
-    from gemma_nb.targets import TargetError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -19,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-import pandas as pd
-
 
 class UnknownClaim(KeyError, ValueError):
     """A claim key that is not in ``CLAIMS`` (a ``KeyError`` for lookups, a ``ValueError`` for arguments)."""
@@ -146,6 +144,8 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
     ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
     a claim needs a source before it can be compared.
     """
+    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
+
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():

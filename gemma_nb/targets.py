@@ -12,6 +12,9 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from gemma_nb import tiny
+from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
+
 TARGETS = ("cpu", "neuron", "cuda")
 
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
@@ -46,7 +49,8 @@ def check_target(target: str) -> str:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
         # Import the SDK now, in every process that runs the target (runner, each notebook kernel,
         # server): with transformers 5 this is where the transformers.utils.fx stand-in goes in,
-        # before any neuron code imports neuronx_distributed (gemma_nb.neuron.sdk).
+        # before any neuron code imports neuronx_distributed (gemma_nb.neuron.sdk). Imported here, not
+        # at the top: neuron.sdk is the SDK's gateway and itself imports this module (TargetError).
         from gemma_nb.neuron.sdk import FX_NOTE, check_sdk
 
         status = check_sdk()
@@ -79,23 +83,17 @@ def default_model_id(target: str) -> str:
     """The model a plain run uses: the bundled checkpoint, and on neuron its TP=2 twin (heads, KV
     heads and experts all divisible by 2), so the first run on a box is a minutes-long smoke run of
     the 26B's exact code path."""
-    from gemma_nb import tiny
-
     check_target_name(target)
     return tiny.BUNDLED_TP2_ID if target == "neuron" else tiny.BUNDLED_ID
 
 
 def model_for_target(model_id: str, target: str) -> str:
     """``model_id`` as the target runs it: the bundled id means the TP=2 twin on neuron."""
-    from gemma_nb.tiny import BUNDLED_ID
-
     return default_model_id(target) if model_id == BUNDLED_ID else model_id
 
 
 def local_model_dir(model_id: str) -> Path | None:
     """The local folder of ``model_id`` (the bundled ids' included), or None for a hub id."""
-    from gemma_nb.tiny import BUNDLED_IDS
-
     if model_id in BUNDLED_IDS:
         return BUNDLED_IDS[model_id]
     path = Path(model_id).expanduser()

@@ -25,6 +25,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
+from gemma_nb.deploy import model_skeleton
+from gemma_nb.embedding import HostEmbedding
+from gemma_nb.neuron.checkpoint import text_config, text_key
+from gemma_nb.paths import artifacts_dir
+
 FORMAT = "gemma-nb-neuron-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -46,10 +54,8 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list
     """Copy config and tokenizer files from the checkpoint folder and write the host embedding file.
 
     Returns the names written. The embedding is read from the checkpoint's safetensors alone (the
-    model is never built on the host: ``gemma_nb.neuron.deploy.export_host_embedding``).
+    model is never built on the host: ``export_host_embedding``).
     """
-    from gemma_nb.neuron.deploy import export_host_embedding
-
     model_dir, artifact_dir = Path(model_dir), Path(artifact_dir)
     if not (model_dir / CONFIG_FILE).is_file():
         raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
@@ -112,6 +118,19 @@ def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
     return manifest
 
 
+def export_host_embedding(model_dir: str | Path, path: str | Path):
+    """Write the host embedding file (table + scale) from a HF checkpoint, reading only that tensor."""
+    config = text_config(model_dir)
+    module = model_skeleton(config).get_input_embeddings()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
+                    weight = handle.get_tensor(key)
+                    return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
+    raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+
+
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
     """After the model and build record are saved: serving files, then the manifest. Returns the manifest."""
     write_serving_files(model_dir, artifact_dir)
@@ -150,8 +169,6 @@ class NeuronArtifact:
 
 def default_artifact_dir(target: str = "neuron") -> Path:
     """Where notebook 04 writes the artifact and notebooks 05 and 07 look for it by default."""
-    from gemma_nb.paths import artifacts_dir
-
     return artifacts_dir(target) / "04_neuron"
 
 
@@ -196,12 +213,11 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     if missing:
         raise ArtifactError(f"{folder.name}/{MANIFEST} lists no {', '.join(missing)}: compile again")
     record = json.loads((folder / BUILD_RECORD).read_text())
-    from gemma_nb.neuron.build import text_config
 
     return NeuronArtifact(folder, manifest, record, text_config(folder))
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
+__all__ = ["export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
            "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
            "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
            "artifact_labels", "routed_decode_graph"]

@@ -46,6 +46,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gemma_nb.export import check_exportable_config, layer_kv_heads
+from gemma_nb.neuron import standins
+from gemma_nb.neuron.artifact import finish_artifact
+from gemma_nb.neuron.checkpoint import TEXT_PREFIXES, read_hf_state, text_config, text_key  # noqa: F401 (build.* names)
+from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
+from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
+from gemma_nb.neuron.quant import patch_scale_dequantize
+from gemma_nb.neuron.sdk import import_sdk
+from gemma_nb.quant import quantize_int8_per_channel
 
 # The port's flags: transformer model type, everything auto-cast to bf16 (+ -O1).
 COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
@@ -164,8 +173,6 @@ class OneHotCache:
 
 def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
     """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
-    from gemma_nb.export import layer_kv_heads
-
     shapes = []
     for h, d in layer_kv_heads(config):
         if h % tp_degree:
@@ -199,8 +206,6 @@ class NeuronGemma4(nn.Module):
     def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
         super().__init__()
         from transformers import Gemma4ForCausalLM
-
-        from gemma_nb.export import check_exportable_config
 
         if experts not in EXPERT_MODES:
             raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}")
@@ -292,17 +297,11 @@ def host_logits(outputs, config) -> torch.Tensor:
 
 def _import_sdk():
     """The SDK namespace (NxD layers, mappings, ModelBuilder): ``gemma_nb.neuron.sdk.import_sdk``."""
-    from gemma_nb.neuron.sdk import import_sdk
-
     return import_sdk()
 
 
 def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:
     """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in place)."""
-    from gemma_nb.neuron.lm_head import build_lm_head
-    from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, int8_kwargs
-    from gemma_nb.neuron.quant import patch_scale_dequantize
-
     patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D [T, H]
     experts_cls = NeuronDenseExperts if experts == "dense" else NeuronSparseExperts
     for layer in lm.model.layers:
@@ -331,8 +330,6 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 # The checkpoint ModelBuilder shards: HF weights -> the traced module's names, int8 where squeezed
 # --------------------------------------------------------------------------------------------
 def _quantized(prefix: str, weight: torch.Tensor) -> dict:
-    from gemma_nb.quant import quantize_int8_per_channel
-
     q, scale = quantize_int8_per_channel(weight, axis=0, name=prefix)
     return {f"{prefix}.weight": q, f"{prefix}.scale": scale}
 
@@ -347,9 +344,6 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     - the embedding is dropped (host side); ``layer_scalar`` buffers are kept (ModelBuilder loads
       parameters only: ``build_module`` copies them into the module by hand, as the port did).
     """
-    from gemma_nb.neuron.lm_head import lm_head_state_dict
-    from gemma_nb.neuron.moe import experts_checkpoint
-
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
@@ -384,8 +378,6 @@ def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: di
     ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
     ``sdk``: ``gemma_nb.neuron.standins.cpu_sdk()``.
     """
-    from gemma_nb.neuron import standins
-
     def factory():
         return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
 
@@ -395,49 +387,9 @@ def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: di
     return module
 
 
-TEXT_PREFIXES = ("model.layers.", "model.norm.", "model.embed_tokens.", "lm_head.")
-
-
-def text_key(key: str) -> str | None:
-    """A checkpoint key in ``Gemma4ForCausalLM``'s names, or None for a non-text tensor.
-
-    The hub's Gemma-4 checkpoints are multimodal (``Gemma4ForConditionalGeneration``): the text
-    model's tensors are ``model.language_model.*``; vision and audio towers are dropped.
-    """
-    if key.startswith("model.language_model."):
-        key = "model." + key.removeprefix("model.language_model.")
-    return key if key.startswith(TEXT_PREFIXES) else None
-
-
-def read_hf_state(model_dir: str | Path) -> dict:
-    """The text model's tensors of a local HF checkpoint (``*.safetensors``), memory-mapped."""
-    from safetensors import safe_open
-
-    state = {}
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model")
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                name = text_key(key)
-                if name is not None:
-                    state[name] = handle.get_tensor(key)
-    if "model.embed_tokens.weight" not in state:
-        raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
-    return state
-
-
 # --------------------------------------------------------------------------------------------
 # The compile
 # --------------------------------------------------------------------------------------------
-def text_config(model_dir: str | Path):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch.Tensor, ...]:
     embeds = torch.zeros(1, tokens, config.hidden_size)
     return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
@@ -490,6 +442,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     """
     import time
 
+    # here, not at the top: the xla environment (.venv-xla) imports this module and has no psutil
     from gemma_nb.hostmem import HostMemorySampler
 
     sdk = _import_sdk()
@@ -521,7 +474,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "versions": _sdk_versions(),
     }
     (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
-    from gemma_nb.neuron.artifact import finish_artifact  # config, tokenizer, host embedding, manifest
 
     finish_artifact(build.model_dir, out_dir, record)
     return record

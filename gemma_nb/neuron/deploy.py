@@ -30,8 +30,12 @@ from typing import Callable
 
 import torch
 
+from gemma_nb.bench import time_runners
+from gemma_nb.deploy import host_embedding_for, model_skeleton
+from gemma_nb.hostmem import HostMemorySampler
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import host_logits, step_inputs
+from gemma_nb.neuron.sdk import import_sdk
 
 
 @dataclass
@@ -97,32 +101,11 @@ class CpuStateGraph:
         return outputs[0]
 
 
-def export_host_embedding(model_dir: str | Path, path: str | Path):
-    """Write the host embedding file (table + scale) from a HF checkpoint, reading only that tensor."""
-    from safetensors import safe_open
-
-    from gemma_nb.deploy import model_skeleton
-    from gemma_nb.embedding import HostEmbedding
-    from gemma_nb.neuron.build import text_config, text_key
-
-    config = text_config(model_dir)
-    module = model_skeleton(config).get_input_embeddings()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
-                    weight = handle.get_tensor(key)
-                    return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
-    raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
-
-
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores.
 
     Returns the graph callable ``NeuronStepRunner`` steps: inputs -> logits. ``release`` frees it.
     """
-    from gemma_nb.neuron.sdk import import_sdk
-
     import_sdk()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
@@ -156,9 +139,6 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
     ``neff_load_s`` (load + weights to the device), ``embedding_load_s``, ``peak_host_rss_bytes``
     (this process and children), ``embedding_bytes``, ``graphs`` (what the artifact holds).
     """
-    from gemma_nb.deploy import host_embedding_for, model_skeleton
-    from gemma_nb.hostmem import HostMemorySampler
-
     artifact = read_artifact(artifact_dir)
     embedding_path = artifact.path(HOST_EMBEDDING_FILE)
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
@@ -205,8 +185,6 @@ def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repea
     """
     import pandas as pd
 
-    from gemma_nb.bench import time_runners
-
     tables = []
     for name, folder in artifacts.items():
         runner, figures = slim_deploy(folder, load=load)
@@ -218,5 +196,5 @@ def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repea
     return pd.concat(tables)
 
 
-__all__ = ["NeuronStepRunner", "CpuStateGraph", "export_host_embedding", "load_artifact", "release", "slim_deploy",
+__all__ = ["NeuronStepRunner", "CpuStateGraph", "load_artifact", "release", "slim_deploy",
            "benchmark_artifacts", "deployed_answer"]

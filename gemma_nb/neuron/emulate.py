@@ -26,10 +26,21 @@ import time
 
 import torch
 
+from gemma_nb.deploy import model_skeleton
+from gemma_nb.embedding import HostEmbedding
+from gemma_nb.modelio import resolve_model_id
 from gemma_nb.neuron.build import (
-    KV_STATE_PREFIXES, NeuronBuildConfig, convert_checkpoint, rank_module, read_hf_state, text_config,
+    KV_STATE_PREFIXES,
+    NeuronBuildConfig,
+    convert_checkpoint,
+    rank_module,
+    read_hf_state,
+    text_config,
 )
 from gemma_nb.neuron.deploy import NeuronStepRunner
+from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
+from gemma_nb.ranks import run_tp
+from gemma_nb.tiny import BUNDLED_TP2_ID
 
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
 
@@ -74,9 +85,6 @@ class AliasedGraphs:
 
 
 def _setup(model_dir: str, tp: int, max_len: int, bucket: int):
-    from gemma_nb.deploy import model_skeleton
-    from gemma_nb.embedding import HostEmbedding
-
     config = text_config(model_dir)
     hf_state = read_hf_state(model_dir)
     build = NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
@@ -133,8 +141,6 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, n
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
     import torch.distributed as dist
 
-    from gemma_nb.neuron.standins import cpu_sdk
-
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
     result = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
                         dist.group.WORLD)
@@ -157,11 +163,6 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     reference answers (up to ``<eos>``) and tokens, and ``wall_s``.
     """
     from transformers import AutoTokenizer
-
-    from gemma_nb.modelio import resolve_model_id
-    from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
-    from gemma_nb.ranks import run_tp
-    from gemma_nb.tiny import BUNDLED_TP2_ID
 
     started = time.perf_counter()
     model_id = BUNDLED_TP2_ID if model_id is None else model_id

@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.quant import patch_scale_dequantize
 from gemma_nb.quant import quantize_int8_per_channel
 from gemma_nb.targets import NEURON_HELP, TargetError
 
@@ -74,8 +76,6 @@ def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dty
     a stand-in ``model_parallel``) and register it as ``lm_head`` so :func:`untie_lm_head`'s keys
     match. With ``pad=True`` pass its output through :func:`trim_padded_logits`.
     """
-    from gemma_nb.neuron.moe import import_nxd
-
     sdk = import_nxd() if sdk is None else sdk
     kwargs = lm_head_kwargs(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad)
     kwargs["tensor_model_parallel_group"] = tensor_model_parallel_group
@@ -155,7 +155,6 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
         from neuronx_distributed.utils.model_utils import init_on_device
     except ImportError as error:
         raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
-    from gemma_nb.neuron.quant import patch_scale_dequantize
 
     vocab_size, hidden_size = embed_weight.shape
     pad = vocab_size % tp != 0

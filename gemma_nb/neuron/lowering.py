@@ -38,7 +38,20 @@ from pathlib import Path
 
 import torch
 
+from gemma_nb.moe import swap_experts
+from gemma_nb.neuron.build import (
+    NeuronBuildConfig,
+    NeuronGemma4,
+    convert_checkpoint,
+    rank_module,
+    read_hf_state,
+    step_inputs,
+    text_config,
+)
+from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict, trim_padded_logits
+from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
@@ -278,8 +291,6 @@ def _lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **la
 # The graphs ModelBuilder would trace, on the bundled checkpoint
 # --------------------------------------------------------------------------------------------
 def _tiny(model_dir: Path | str):
-    from gemma_nb.neuron.build import NeuronBuildConfig, read_hf_state, text_config
-
     config = text_config(model_dir)
     state = read_hf_state(model_dir)
     build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")  # the shipped shapes
@@ -292,8 +303,6 @@ def _embedded(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
 
 def prefill_inputs(config, state: dict, build) -> tuple:
     """The prefill bucket: ``PROMPT_TOKENS`` seeded token ids padded to ``build.bucket``, embedded as the host does."""
-    from gemma_nb.neuron.build import step_inputs
-
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
     ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
@@ -303,8 +312,6 @@ def prefill_inputs(config, state: dict, build) -> tuple:
 
 def decode_inputs(config, state: dict, build) -> tuple:
     """One seeded token at ``DECODE_POSITION``."""
-    from gemma_nb.neuron.build import step_inputs
-
     generator = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(3, config.vocab_size, (1, 1), generator=generator)
     return step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
@@ -331,9 +338,6 @@ def rank_graph_module(config, state: dict, build, tp: int, experts: str):
     which is the graph one rank traces (ModelBuilder traces one SPMD graph for all ranks; the rank
     is a tensor input, ``SPMDRank``).
     """
-    from gemma_nb.neuron.build import convert_checkpoint, rank_module
-    from gemma_nb.neuron.standins import cpu_sdk
-
     build = replace(build, tp_degree=tp)
     checkpoint = convert_checkpoint(state, config, tp, dtype=getattr(torch, build.dtype))
     return rank_module(config, build, checkpoint, state, 0, cpu_sdk(), experts=experts, group=None)
@@ -345,23 +349,17 @@ class ShardedHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: int, sdk, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        from gemma_nb.neuron.lm_head import build_lm_head
 
         self.vocab_size = vocab_size
         self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=True, dtype=dtype, pad=vocab_size % tp != 0,
                                      sdk=sdk)
 
     def forward(self, hidden):
-        from gemma_nb.neuron.lm_head import trim_padded_logits
-
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
 
 
 def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
     """Rank 0's ``ShardedHead`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
-    from gemma_nb.neuron.lm_head import lm_head_state_dict
-    from gemma_nb.neuron.standins import cpu_sdk, load_rank_module
-
     sdk = cpu_sdk()
     checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
     return load_rank_module(lambda: ShardedHead(config.hidden_size, config.vocab_size, tp, sdk, dtype),
@@ -370,9 +368,6 @@ def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bf
 
 def _cpu_module(config, state, build, experts: str):
     """``NeuronGemma4(parallel=False)`` at TP=1 with ``gemma_nb.moe``'s ``experts`` swapped in (the contrast)."""
-    from gemma_nb.moe import swap_experts
-    from gemma_nb.neuron.build import NeuronGemma4
-
     module = NeuronGemma4(config, build, parallel=False)
     # The bundled checkpoints tie lm_head to the embedding and store the table once.
     module.load_state({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
@@ -403,8 +398,6 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     of the row) and in fp32 (the exact comparison, :func:`lower_in_both_dtypes`). ``model_dir``
     defaults to the TP=2 tiny checkpoint (its KV heads split by 2). A list of rows.
     """
-    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
-
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {"prefill": prefill_inputs(config, state, build), "decode": decode_inputs(config, state, build)}
@@ -431,8 +424,6 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     ``gemma_nb.moe.SparseExperts`` (data-dependent indexing: host syncs), at TP=1 on
     ``NeuronGemma4(parallel=False)``. A row per case; an exception in the XLA step (a fallback op
     failing on the cpu) is recorded as its ``error``."""
-    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
-
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     inputs = decode_inputs(config, state, build)
@@ -458,10 +449,6 @@ def versions() -> dict:
 
 def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
-    from gemma_nb.neuron.build import NeuronBuildConfig
-    from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION
-    from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
-
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
     build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
     out = {"versions": versions(), "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",

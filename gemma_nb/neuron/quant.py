@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from gemma_nb import quant
+from gemma_nb.neuron.sdk import import_sdk
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed, src/neuronx_distributed/quantization/"
 
@@ -141,8 +143,6 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
     +-240 range; fp4 as MXFP4 (E2M1 nibbles, two per byte, viewed as uint16 = four per element,
     E8M0 uint8 scales per block of 32). Runs anywhere (no SDK).
     """
-    from gemma_nb import quant
-
     if dtype_name == "INT8":
         q, scale = quant.quantize_int8_per_channel(weight, name="trial.weight")
         return {"layer.weight": q, "layer.scale": scale}, quant.dequantize_int8(q, scale)
@@ -169,8 +169,6 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
     even if an earlier one fails. Raises ``TargetError`` at once if the SDK is not installed.
     """
     import pandas as pd
-
-    from gemma_nb.neuron.sdk import import_sdk
 
     sdk = import_sdk()
     NxDParallelState, QuantizedColumnParallel = sdk.NxDParallelState, sdk.QuantizedColumnParallel

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from gemma_nb.tiny import CHECKPOINT_DIRS, DIMS
+from gemma_nb.tiny.train import TrainArgs, train
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,8 +20,6 @@ def main(argv: list[str] | None = None) -> None:
                            help="tiny: the bundled checkpoint; tp2: the one whose heads and experts split over TP=2")
     train_cmd.add_argument("--out", type=Path, default=None, help="output folder (default: the bundled one for --dims)")
     args = parser.parse_args(argv)
-
-    from gemma_nb.tiny.train import TrainArgs, train
 
     train_args = TrainArgs(seed=args.seed, threads=args.threads, dims=args.dims)
     args.out = CHECKPOINT_DIRS[args.dims] if args.out is None else args.out

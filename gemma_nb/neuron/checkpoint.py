@@ -1,0 +1,49 @@
+"""Reading a Hugging Face Gemma-4 checkpoint folder for the neuron build: its text config and tensors.
+
+The hub's Gemma-4 checkpoints are multimodal; the build, the artifact and the deploy read only the
+text model: ``text_config`` (its config), ``text_key`` (a tensor name in ``Gemma4ForCausalLM``'s
+names, or None for a vision/audio tower's), ``read_hf_state`` (the text tensors, memory-mapped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import safe_open
+from transformers import AutoConfig
+
+TEXT_PREFIXES = ("model.layers.", "model.norm.", "model.embed_tokens.", "lm_head.")
+
+
+def text_key(key: str) -> str | None:
+    """A checkpoint key in ``Gemma4ForCausalLM``'s names, or None for a non-text tensor.
+
+    The hub's Gemma-4 checkpoints are multimodal (``Gemma4ForConditionalGeneration``): the text
+    model's tensors are ``model.language_model.*``; vision and audio towers are dropped.
+    """
+    if key.startswith("model.language_model."):
+        key = "model." + key.removeprefix("model.language_model.")
+    return key if key.startswith(TEXT_PREFIXES) else None
+
+
+def read_hf_state(model_dir: str | Path) -> dict:
+    """The text model's tensors of a local HF checkpoint (``*.safetensors``), memory-mapped."""
+    state = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                name = text_key(key)
+                if name is not None:
+                    state[name] = handle.get_tensor(key)
+    if "model.embed_tokens.weight" not in state:
+        raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
+    return state
+
+
+def text_config(model_dir: str | Path):
+    """The text model's config of a checkpoint or artifact folder (the language model of a multimodal one)."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
