@@ -15,7 +15,7 @@ XLA_VENV := .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla run test test-unit test-xla test-notebooks lab clean-venv
+.PHONY: install xla run lint test test-unit test-xla test-notebooks lab clean-venv
 
 install: $(STAMP)
 
@@ -40,8 +40,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP) $(XLA_STAMP)
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## Unit tests, the XLA lowering checks, then nbval re-executes the committed reference run.
-test: test-unit test-xla test-notebooks
+## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, then nbval re-executes the reference run.
+test: lint test-unit test-xla test-notebooks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gemma_nb tests
 
 # tests/xla is collected only where torch_xla imports (tests/conftest.py), i.e. in .venv-xla.
 test-unit: $(STAMP)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 import torch

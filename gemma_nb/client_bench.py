@@ -33,10 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -66,7 +66,7 @@ class Endpoint:
     prefix: str  # the path in front of /chat/completions, e.g. "/v1"
 
     @classmethod
-    def parse(cls, base_url: str) -> "Endpoint":
+    def parse(cls, base_url: str) -> Endpoint:
         parts = urlsplit(base_url.strip())
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(

@@ -25,8 +25,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import pandas as pd
@@ -130,7 +130,7 @@ def fit_linear(x, y) -> dict:
     return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2)}
 
 
-def fit_linear_multi(features: Mapping[str, "object"], y) -> dict:
+def fit_linear_multi(features: Mapping[str, object], y) -> dict:
     """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)

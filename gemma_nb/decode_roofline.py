@@ -11,8 +11,8 @@ of the measured 6 tok/s.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import pandas as pd
 import seaborn as sns

@@ -24,7 +24,8 @@ from __future__ import annotations
 import html.parser
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from gemma_nb import plots
 

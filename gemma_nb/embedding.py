@@ -31,8 +31,8 @@ Notebook 06's comparison of the three host paths (unscaled, ``math.sqrt``, the m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +123,7 @@ class HostEmbedding(nn.Module):
         self.probe_expected: torch.Tensor | None = None
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "HostEmbedding":
+    def from_model(cls, model: nn.Module) -> HostEmbedding:
         """The host embedding of ``model`` (a Gemma-4 causal LM, or its embedding module itself).
 
         Uses the module's own table and its ``embed_scale`` cast to the weight dtype, never a
@@ -149,7 +149,7 @@ class HostEmbedding(nn.Module):
         scale: float | torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         shape: tuple[int, int] | None = None,
-    ) -> "HostEmbedding":
+    ) -> HostEmbedding:
         """Load an embedding file written by ``save`` (safetensors: ``weight`` + scale in metadata).
 
         ``scale``: only needed for a file without scale metadata; if both are present they must

@@ -12,7 +12,7 @@ module (bits, ulps, logits, answers), ``scale_rounding`` shows the bf16 rounding
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pandas as pd
 import seaborn as sns

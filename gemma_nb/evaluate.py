@@ -15,7 +15,7 @@ every step (no cache), which is exact and cheap at the sizes used here.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd
 import torch
@@ -23,7 +23,7 @@ import torch
 from gemma_nb.tiny import FACTS
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
-Model = Union[torch.nn.Module, LogitsFn]
+Model = torch.nn.Module | LogitsFn
 
 
 def _is_hf_model(model) -> bool:

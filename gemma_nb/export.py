@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 import torch
 

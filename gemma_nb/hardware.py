@@ -15,8 +15,9 @@ the hardware) and ``budget="story"`` (16 GB = 16e9 bytes, the write-up's arithme
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 GB = 10**9
 GiB = 2**30

@@ -117,7 +117,7 @@ class HostMemorySampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def start(self) -> "HostMemorySampler":
+    def start(self) -> HostMemorySampler:
         if self._thread is not None:
             raise RuntimeError("this HostMemorySampler was already started; make a new one per measurement")
         self._t0 = time.perf_counter()
@@ -126,7 +126,7 @@ class HostMemorySampler:
         self._thread.start()
         return self
 
-    def stop(self) -> "HostMemorySampler":
+    def stop(self) -> HostMemorySampler:
         if self._thread is None:
             raise RuntimeError("stop() before start(): use the sampler as a context manager")
         self._stop.set()
@@ -135,7 +135,7 @@ class HostMemorySampler:
         self.wall_s = time.perf_counter() - self._t0
         return self
 
-    def __enter__(self) -> "HostMemorySampler":
+    def __enter__(self) -> HostMemorySampler:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -11,8 +11,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from gemma_nb.paths import metrics_dir
 from gemma_nb.story import get_claim

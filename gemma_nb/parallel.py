@@ -32,11 +32,14 @@ on the host after the gather, outside the compiled graph (:func:`softcap_logits`
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -192,7 +195,7 @@ class VocabParallelLMHead(nn.Module):
     @classmethod
     def from_rows(cls, rows_fn: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int,
                   tp: int, rank: int, group=None, align_rows: int = DEFAULT_ALIGN_ROWS,
-                  chunk_rows: int = DEFAULT_CHUNK_ROWS, dtype: torch.dtype = torch.bfloat16) -> "VocabParallelLMHead":
+                  chunk_rows: int = DEFAULT_CHUNK_ROWS, dtype: torch.dtype = torch.bfloat16) -> VocabParallelLMHead:
         """Build rank ``rank``'s shard, reading only its own rows through ``rows_fn(a, b)``."""
         shard = vocab_shard(vocab_size, tp, rank, align_rows)
         q, scale = quantize_rows(rows_fn, shard.start, shard.stop, hidden_size,
@@ -201,7 +204,7 @@ class VocabParallelLMHead(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, tp: int, rank: int, group=None,
-                    align_rows: int = DEFAULT_ALIGN_ROWS, dtype: torch.dtype = torch.bfloat16) -> "VocabParallelLMHead":
+                    align_rows: int = DEFAULT_ALIGN_ROWS, dtype: torch.dtype = torch.bfloat16) -> VocabParallelLMHead:
         """Build a shard from a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
         if weight.dim() != 2:
             raise ValueError(f"weight must be [vocab, hidden]; got shape {tuple(weight.shape)}")
@@ -330,7 +333,7 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         rss1 = _rss_bytes()
         replicated_bytes = replicated.numel() * replicated.element_size()
         token = hidden[:1]
-        bf16_ms = _median_ms(lambda: bf16_head_logits(token, replicated), max(1, repeats // 2), sync=True)
+        bf16_ms = _median_ms(functools.partial(bf16_head_logits, token, replicated), max(1, repeats // 2), sync=True)
         del replicated
         gc.collect()
 
@@ -385,14 +388,12 @@ def head_inputs(model, input_ids_batches: Sequence[torch.Tensor]) -> tuple[torch
     return torch.cat(hidden), torch.cat(logits)
 
 
-def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> "pd.DataFrame":
+def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.DataFrame:
     """Where each copy of the tied table lives and its bytes, before and after, from measured tensors.
 
     ``results``: the :func:`full_size_job` dicts, one per rank. ``host_embedding``: the table the
     host keeps for the lookup. Rows: (state, holder, copy, dtype, bytes, gb).
     """
-    import pandas as pd
-
     host_bytes = host_embedding.numel() * host_embedding.element_size()
     host_dtype = str(host_embedding.dtype).replace("torch.", "")
     rows = []
@@ -444,10 +445,8 @@ def plot_bytes_per_holder(table, target: str, name: str = "03_lm_head_bytes_per_
     return fig
 
 
-def shard_plan(vocab_size: int, tp: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> "pd.DataFrame":
+def shard_plan(vocab_size: int, tp: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> pd.DataFrame:
     """Which rows each rank holds (one row per rank): start, stop, real rows, padding rows."""
-    import pandas as pd
-
     shards = [vocab_shard(vocab_size, tp, r, align_rows) for r in range(tp)]
     return pd.DataFrame([{"rank": s.rank, "start": s.start, "stop": s.stop, "real_rows": s.real_rows,
                           "pad_rows": s.pad_rows, "rows_per_rank": s.rows_per_rank} for s in shards])

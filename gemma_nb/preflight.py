@@ -28,9 +28,9 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
 from gemma_nb import memory, planner
 from gemma_nb.hardware import GB, GiB

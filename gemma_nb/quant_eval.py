@@ -20,6 +20,7 @@ from torch import nn
 from gemma_nb import evaluate, memory, quant
 from gemma_nb.tiny import FACTS
 
+
 @torch.no_grad()
 def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length (no padding).

@@ -17,8 +17,9 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -24,9 +24,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path

@@ -79,7 +79,7 @@ import logging
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -24,8 +24,8 @@ import logging
 import time
 import uuid
 import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,8 +34,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gemma_nb.generation import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
 from gemma_nb.serve_http import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, GuardMiddleware, ServerMetrics
-from gemma_nb.serve_schema import (APIError, ChatRequest, CompletionRequest, GenerateRequest, _Sampling,
-                                   error_response, excerpt, parse_request)
+from gemma_nb.serve_schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    _Sampling,
+    error_response,
+    excerpt,
+    parse_request,
+)
 
 DEFAULT_QUEUE_SIZE = 8
 DEFAULT_SLOT_WATCHDOG_S = 900.0
@@ -52,7 +60,7 @@ log = logging.getLogger("gemma_nb.serve")
 class _Slot:
     """A queue place, released exactly once however the request ends."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Engine):
         self._engine, self.since = engine, time.monotonic()
         engine._slots.add(self)
 

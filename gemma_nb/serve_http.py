@@ -17,8 +17,9 @@ import hmac
 import logging
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
+from fastapi import FastAPI
 from fastapi.responses import Response
 
 from gemma_nb.serve_schema import error_response, excerpt

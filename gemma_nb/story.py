@@ -16,8 +16,8 @@ verdict ("holds", "does not hold") from it. An unknown claim key raises ``Unknow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 class UnknownClaim(KeyError, ValueError):

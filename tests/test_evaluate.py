@@ -9,7 +9,6 @@ import torch
 from gemma_nb.evaluate import as_logits_fn, compare_logits, fact_recall, greedy_generate, greedy_match
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

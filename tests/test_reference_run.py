@@ -14,9 +14,8 @@ import pytest
 
 from gemma_nb import decode_roofline, memory
 from gemma_nb.memory import load_gemma4_26b_config, tensor_bytes
-from gemma_nb.story import agrees_with_claim
 from gemma_nb.paths import OUTPUTS_DIR
-from gemma_nb.story import CLAIMS
+from gemma_nb.story import CLAIMS, agrees_with_claim
 
 METRICS_DIR = OUTPUTS_DIR / "cpu" / "metrics"
 NOTEBOOKS = ["01_memory_arithmetic", "02_quantization", "03_lm_head_sharding", "04_compile", "05_slim_deploy",

@@ -153,8 +153,8 @@ def test_deploy_runtime_steps_match_greedy_decoding(tiny):
     The runner here is ``eager_runner`` (the un-exported device body; export equals it token for
     token, tested with the compile module): same prefill bucket, cache and positions as the deploy.
     """
-    from gemma_nb.export import StepShapes, eager_runner
     from gemma_nb.evaluate import greedy_generate
+    from gemma_nb.export import StepShapes, eager_runner
 
     model, tokenizer = load_model(BUNDLED_ID)  # a copy: eager_runner switches its experts to grouped_mm
     runtime = serve.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)

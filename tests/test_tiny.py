@@ -12,8 +12,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma4ForCausalLM
 from gemma_nb.evaluate import compare_logits, fact_recall, greedy_generate
 from gemma_nb.modelio import load_tiny
 from gemma_nb.tiny import (
-    BUNDLED_ID, FACTS, TINY_DIMS, checkpoint_dir, default_layer_types, fact_prompts,
-    random_gemma4_config, random_gemma4_model,
+    BUNDLED_ID,
+    FACTS,
+    TINY_DIMS,
+    checkpoint_dir,
+    default_layer_types,
+    fact_prompts,
+    random_gemma4_config,
+    random_gemma4_model,
 )
 from gemma_nb.tiny.corpus import COUNTRIES, build_tokenizer
 

@@ -24,9 +24,9 @@ run it on the cpu variant of the traced module (``gemma_nb.neuron.build.NeuronGe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -121,7 +121,7 @@ def load_artifact(artifact_dir: str | Path):
     return graph
 
 
-def release(runner: "NeuronStepRunner") -> None:
+def release(runner: NeuronStepRunner) -> None:
     """Drop a deployed model so its NeuronCore memory can be reused (one 26B build fills 2 x 16 GiB)."""
     import gc
 

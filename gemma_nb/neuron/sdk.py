@@ -31,8 +31,8 @@ import importlib
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from gemma_nb.targets import NEURON_HELP, TargetError
 

@@ -9,7 +9,6 @@ Names are ASCII so the word-level tokenizer sees each name the same way everywhe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)  # ids 0, 1, 2, 3: Gemma's pad/eos/bos ids
