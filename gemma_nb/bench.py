@@ -571,7 +571,7 @@ def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
 
 def _kernel_only(module, hidden_states, routes):
     """The K experts' matmuls alone, ids known in advance: no routing, checks, or combine."""
-    from gemma_nb.moe import int8_linear
+    from gemma_nb.experts import int8_linear
 
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
@@ -600,7 +600,7 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
     - ``<prefix>:gather_copy``: ``gate_up_proj[idx]`` and ``down_proj[idx]`` alone, what
       ``selection="gather"`` adds before its matmuls (only with ``gather=True``).
 
-    The kernel path calls ``moe.int8_linear`` for int8 (the fused cpu kernel where usable).
+    The kernel path calls ``experts.int8_linear`` for int8 (the fused cpu kernel where usable).
     """
     steps = {
         f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemma_nb.quant import int8_matmul, quantize_int8_per_channel
+from gemma_nb.formats import int8_matmul, quantize_int8_per_channel
 
 DEFAULT_ALIGN_ROWS = 64
 # Rows quantized at once while building a shard: bounds the fp32 temporary to ~100 MB at H=2816.
@@ -144,7 +144,7 @@ def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop:
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows ``[start, stop)`` of a table read through ``rows_fn(a, b) -> [b - a, hidden]``.
 
-    Quantized chunk by chunk with ``gemma_nb.quant.quantize_int8_per_channel`` (per row, so chunking
+    Quantized chunk by chunk with ``gemma_nb.formats.quantize_int8_per_channel`` (per row, so chunking
     changes nothing) into preallocated ``q int8 [out_rows, hidden]`` and ``scale fp32 [out_rows, 1]``;
     rows past ``stop - start`` (padding) stay zero.
     """
@@ -171,7 +171,7 @@ class VocabParallelLMHead(nn.Module):
 
     Buffers: ``qweight int8 [rows_per_rank, hidden]`` and ``scale fp32 [rows_per_rank, 1]`` (padding
     rows zero). ``forward(hidden [..., H]) -> logits [..., vocab_size]`` in ``hidden.dtype``: the
-    local logits of this rank's real rows through ``gemma_nb.quant.int8_matmul`` (NxD's order:
+    local logits of this rank's real rows through ``gemma_nb.formats.int8_matmul`` (NxD's order:
     upcast the int8 weight to the activation dtype, matmul, times the fp32 scale), padding columns
     ``-inf``, all-gathered over ``group`` and trimmed to the vocab. ``dtype`` is the activation dtype
     the matmul runs in (NxD's ``dtype``; bf16 as in the port); the hidden state is cast to it. With

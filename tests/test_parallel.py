@@ -26,7 +26,8 @@ from gemma_nb.parallel import (
     softcap_logits,
     vocab_shard,
 )
-from gemma_nb.quant import Int8Linear, quantize_int8_per_channel
+from gemma_nb.formats import quantize_int8_per_channel
+from gemma_nb.quant import Int8Linear
 
 HIDDEN = 64
 # Job wall-clock bounds: generous for a loaded 2-core box, far below "hangs forever".

@@ -331,7 +331,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 # The checkpoint ModelBuilder shards: HF weights -> the traced module's names, int8 where squeezed
 # --------------------------------------------------------------------------------------------
 def _quantized(prefix: str, weight: torch.Tensor) -> dict:
-    from gemma_nb.quant import quantize_int8_per_channel
+    from gemma_nb.formats import quantize_int8_per_channel
 
     q, scale = quantize_int8_per_channel(weight, axis=0, name=prefix)
     return {f"{prefix}.weight": q, f"{prefix}.scale": scale}
