@@ -3,10 +3,13 @@
 Modules, one concern each (a notebook's title tells you which one it uses):
 
 - ``paths``, ``targets``, ``metrics``, ``plots``, ``story``: the plumbing every notebook shares.
+- ``formats``: the weight formats (bf16, int8, fp8, MXFP4, NVFP4), their bytes and quantizer: one
+  registry the planner and the quantizers read (01, 02).
 - ``memory``, ``hardware``: parameter inventory, per-rank byte plans, instance catalog (01).
-- ``quant``: int8 / fp8 / fp4 weight formats (02).   ``parallel``: the sharded lm_head (03).
+- ``quant``: quantized linears and schemes on a model (02).   ``parallel``: the sharded lm_head (03).
+- ``experts``: the routed experts, one family: dense or sparse, float, int8 or quantized (02, 05, 07).
 - ``compile``, ``deploy``: export and slim deploy (04, 05).   ``embedding``: the scale fix (06).
-- ``moe``, ``bench``: dense vs sparse experts and the decode benchmark (07).
+- ``moe``, ``bench``: swapping experts into a model, and the decode benchmark (07).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint and how answers are scored.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
   the model; ``serve_app``, ``serve_http``, ``serve_schema`` answer HTTP; ``generation`` samples tokens).
