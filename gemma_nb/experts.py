@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb.formats import QuantizedTensor, int8_matmul, quantize, register_quantized, registered_quantized
+from gemma_nb.formats import (
+    QuantizedTensor,
+    int8_matmul,
+    quantize,
+    register_quantized,
+    registered_quantized,
+    scale_rows,
+)
 
 SELECTIONS = ("view", "gather")
 # "fused": torch._weight_int8pack_mm on the cpu; "upcast": a copy of each weight in the activation
@@ -141,11 +148,6 @@ def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tenso
     """``act_fn(gate) * up`` for ``gate_up`` holding gate then up along ``dim`` (transformers' order)."""
     gate, up = gate_up.chunk(2, dim=dim)
     return act_fn(gate) * up
-
-
-def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 matmul's output times its fp32 per-row ``scale``, in fp32, cast to ``dtype`` (NxD's order)."""
-    return (out.float() * scale).to(dtype)
 
 
 def int8_gather_upcast(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, act_fn):

@@ -111,8 +111,12 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
         raise ValueError(f"q must be a 2-D int8 tensor [out, in]; got {q.dtype} of shape {tuple(q.shape)}")
     if scale.shape != (q.shape[0], 1):
         raise ValueError(f"scale must have shape [out, 1] = {(q.shape[0], 1)}; got {tuple(scale.shape)}")
-    out = torch.nn.functional.linear(x, q.to(x.dtype))
-    return (out.float() * scale.reshape(-1).float()).to(x.dtype)
+    return scale_rows(torch.nn.functional.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
+
+
+def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 matmul's output times its per-row ``scale``, in fp32, cast to ``dtype`` (NxD's order)."""
+    return (out.float() * scale.float()).to(dtype)
 
 
 

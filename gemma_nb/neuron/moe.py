@@ -33,8 +33,8 @@ weights are sharded once for every graph) can hold a dense prefill graph and a s
   slice, so each rank reads ``K x 3 x H x I/tp`` int8 weights per token; the partial sums are
   all-reduced in fp32, as NxD's RowParallelLinear reduces (``reduce_dtype=torch.float32``).
 
-The math is ``gemma_nb.experts``' (``dense_router_weights``, ``gated``, ``scale_rows``, the same
-functions the cpu experts use); only the weights' home differs: NxD's parallel layers here.
+The math is the cpu experts' (``gemma_nb.experts.dense_router_weights`` and ``gated``,
+``gemma_nb.formats.scale_rows``); only the weights' home differs: NxD's parallel layers here.
 
 Prefill keeps the dense module (blockwise kernels are prefill-only and unavailable on inf2); the
 decode graph takes either (``gemma_nb.neuron.build.NeuronBuildConfig.decode_experts``).
@@ -54,8 +54,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from gemma_nb.experts import dense_router_weights, gated, scale_rows
-from gemma_nb.formats import quantize_int8_per_channel
+from gemma_nb.experts import dense_router_weights, gated
+from gemma_nb.formats import quantize_int8_per_channel, scale_rows
 
 
 def import_nxd() -> SimpleNamespace:
