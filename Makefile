@@ -37,9 +37,10 @@ test-notebooks: $(STAMP)
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
 	status=$$?; rm -rf $$scratch; exit $$status
 
-## JupyterLab on notebooks/ with the package importable.
+## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
+## Notebooks run here write to outputs/interactive/, never over the reference run.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 clean-venv:
 	rm -rf $(VENV)

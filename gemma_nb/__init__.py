@@ -2,7 +2,8 @@
 
 Modules, one concern each (a notebook's title tells you which one it uses):
 
-- ``paths``, ``targets``, ``metrics``, ``plots``, ``story``: the plumbing every notebook shares.
+- ``paths``, ``targets``, ``metrics``, ``plots``, ``display``, ``story``: the plumbing every notebook shares
+  (``display.setup_page`` sizes tables and figures for the page; ``docs/sources.md`` backs ``story``).
 - ``formats``: the weight formats (bf16, int8, fp8, MXFP4, NVFP4), their bytes and quantizer: one
   registry the planner and the quantizers read (01, 02).
 - ``memory``, ``hardware``: parameter inventory, per-rank byte plans, instance catalog (01).

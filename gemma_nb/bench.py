@@ -34,6 +34,7 @@ import pandas as pd
 import torch
 
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
+from gemma_nb.memory import SHIPPED_CONTEXT_LEN
 
 EXPERT_MODES = ("dense", "sparse")
 
@@ -447,8 +448,11 @@ def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | 
 
 
 def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
-             context_len: int = 0) -> pd.DataFrame:
+             context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Predicted batch-1 decode speed of ``config`` on each deployment, dense vs sparse experts.
+
+    Every step also reads the KV cache of ``context_len`` tokens (default: the port's static
+    512-token cache, in each scheme's KV dtype, fp32 for the port's builds).
 
     Per row: ``gb_per_token`` (per rank), ``gflop_per_token`` (per rank), ``memory_ms`` =
     bytes / bandwidth, ``compute_ms`` = FLOPs / bf16 peak (int8 weights are upcast to bf16 for the
@@ -483,10 +487,12 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
 
 
 def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, scheme: str = "int8_squeeze",
-                 device: str = "neuroncore_v2") -> dict:
+                 device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
     """The story's decode figures on inf2.xlarge, computed, with the hypotheses for its 6 tok/s.
 
-    Returns per-chip bytes (both ranks) and tok/s: ``dense_gb_per_token`` / ``dense_tok_s`` (the
+    Each step reads the weights it uses plus the KV cache of ``context_len`` tokens (default the
+    port's static 512-token fp32 cache, which a static graph reads in full whatever the prompt's
+    length; ``kv_gb_per_token`` says how much). Returns per-chip bytes (both ranks) and tok/s: ``dense_gb_per_token`` / ``dense_tok_s`` (the
     DenseExperts roofline), ``sparse_*`` (top-k gather), ``upcast_gb_per_token`` /
     ``upcast_tok_s`` (HYPOTHESIS: each step the int8 experts are upcast to a bf16 copy in HBM and
     read again: 1 + 2 + 2 bytes per expert weight), ``compute_bound_tok_s`` (FLOPs / peak: what
@@ -500,14 +506,16 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
     facts = model_facts(config)
     bandwidth = DEVICES[device].bandwidth_bytes_s
     peak = DEVICES[device].bf16_flops
-    dense = decode_traffic(config, scheme, "dense", tp)
-    sparse = decode_traffic(config, scheme, "sparse", tp)
+    dense = decode_traffic(config, scheme, "dense", tp, context_len)
+    sparse = decode_traffic(config, scheme, "sparse", tp, context_len)
     # The int8 experts are still read once; the bf16 copy is written, then read by the matmul.
     experts_bf16 = float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
     upcast = dense["bytes_per_token"] + 2 * experts_bf16
     measured = CLAIMS["decode_tok_s"].value if measured_tok_s is None else measured_tok_s
     price = INSTANCES[STORY_INSTANCE].usd_per_hour
     out = {
+        "context_len": context_len,
+        "kv_gb_per_token": tp * dense["bytes_by_group"]["kv_cache"] / GB,
         "dense_gb_per_token": tp * dense["bytes_per_token"] / GB,
         "sparse_gb_per_token": tp * sparse["bytes_per_token"] / GB,
         "upcast_gb_per_token": tp * upcast / GB,
@@ -529,6 +537,41 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
         out[f"{key}_answer_500_tokens_s"] = 500.0 / rate
         out[f"{key}_usd_per_m_tokens"] = usd_per_million_tokens(price, rate)
     return out
+
+
+def context_sensitivity(config, context_lens: Sequence[int], **story_kwargs) -> pd.DataFrame:
+    """``story_decode`` at each KV-cache length: how much the roofline depends on the context.
+
+    One row per ``context_len``: ``kv_gb_per_token`` (per chip), ``dense_tok_s``, ``sparse_tok_s``
+    and their ratio ``sparse_vs_dense_x``. The cache grows with every token while the weights stay,
+    so the sparse path, which reads fewer weight bytes, loses a larger share of its speed to it.
+    """
+    if not context_lens:
+        raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
+    bad = [n for n in context_lens if int(n) != n or n < 0]
+    if bad:
+        raise ValueError(f"context_lens {bad} must be whole numbers of tokens >= 0")
+    rows = []
+    for context_len in context_lens:
+        story = story_decode(config, context_len=int(context_len), **story_kwargs)
+        rows.append({"context_len": int(context_len), "kv_gb_per_token": story["kv_gb_per_token"],
+                     "dense_tok_s": story["dense_tok_s"], "sparse_tok_s": story["sparse_tok_s"],
+                     "sparse_vs_dense_x": story["sparse_tok_s"] / story["dense_tok_s"]})
+    return pd.DataFrame(rows)
+
+
+def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | None = None) -> None:
+    """Predicted tokens/s against the KV-cache length, dense vs sparse experts (log x axis)."""
+    from gemma_nb.plots import reference_line
+
+    for column, label in (("dense_tok_s", "DenseExperts"), ("sparse_tok_s", "sparse top-k")):
+        ax.plot(table["context_len"].clip(lower=1), table[column], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV-cache length read per step (tokens, log scale; 0 drawn at 1)")
+    ax.set_ylabel("tokens/s, bandwidth roofline")
+    ax.legend(loc="upper right", fontsize=9)
+    if marked_context_len is not None:
+        reference_line(ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x")
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
@@ -688,31 +731,33 @@ def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, 
     """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts (log scale)."""
     import seaborn as sns
 
-    from gemma_nb.plots import reference_line
-
     priced = table.dropna(subset=["usd_per_m_tokens"])
     sns.barplot(data=priced, y="deployment", x="usd_per_m_tokens", hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
-        ax.bar_label(container, fmt="$%.2f", fontsize=8, padding=2)
+        ax.bar_label(container, fmt="$%.2f", fontsize=9, padding=2)
     ax.set_xlabel("$ per million tokens (one stream, batch 1, at the bandwidth roofline)")
     ax.set_ylabel("")
-    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if reference_usd is not None:
-        reference_line(ax, reference_usd, reference_label, axis="x")
+    _reference_in_legend(ax, reference_usd, reference_label)
 
 
 def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
     import seaborn as sns
 
-    from gemma_nb.plots import reference_line
-
     sns.barplot(data=table, y="deployment", x="tok_s", hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
-        ax.bar_label(container, fmt="%.0f", fontsize=8, padding=2)
+        ax.bar_label(container, fmt="%.0f", fontsize=9, padding=2)
     ax.set_xscale("log")
     ax.set_xlabel("tokens/s, batch 1, bandwidth roofline (log scale)")
     ax.set_ylabel("")
-    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if reference_tok_s is not None:
-        reference_line(ax, reference_tok_s, reference_label, axis="x")
+    _reference_in_legend(ax, reference_tok_s, reference_label)
+
+
+def _reference_in_legend(ax, value: float | None, label: str) -> None:
+    """A dashed vertical line at the story's figure, named in the legend (a label on the line would sit on the bars).
+
+    The legend goes outside the axes, on the right: inside, it would cover the longest bars' labels.
+    """
+    if value is not None:
+        ax.axvline(value, color="0.25", linestyle="--", linewidth=1.2, label=label)
+    ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)

@@ -335,7 +335,7 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     """Three panels: TTFT and ITL distributions per concurrency level, tok/s against concurrency."""
     from gemma_nb import plots
 
-    fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(13, 3.8))
+    fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
     levels = sorted(requests["concurrency"].unique())
     gaps = inter_token_latencies(requests)
     ttft = [requests.loc[requests["concurrency"] == c, "ttft_ms"].to_numpy() for c in levels]

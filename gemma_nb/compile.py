@@ -17,7 +17,7 @@ On the cpu target the same shape of artifact is made with ``torch.export``:
   decode program share one cache owned by the caller, like the port's aliased device states.
 - The routed experts run through transformers' ``grouped_mm`` implementation: the default
   ``eager`` experts loop over the experts that were hit, which is data-dependent control flow that
-  ``torch.export`` cannot trace (FACTS §3).
+  ``torch.export`` cannot trace (docs/sources.md: transformers-gemma4).
 - ``StepRunner.generate`` is the greedy loop over the two steps. transformers'
   ``TorchExportableModuleWithStaticCache.generate`` feeds each generated token at position
   ``len(tokens)`` instead of ``len(tokens) - 1`` (one too far), so its output drifts from eager
@@ -428,6 +428,20 @@ def save_weights(weights: Mapping[str, torch.Tensor], path: str | Path, config_s
     return Path(path)
 
 
+def experts_implementation(model: nn.Module) -> str:
+    """What computes the routed experts in ``model``'s steps, as the manifest records it.
+
+    A module that replaced transformers' ``Gemma4TextExperts`` is named by its class (the slim
+    deploy's ``Int8Experts``, which reads only the routed experts on a one-token step); transformers'
+    own experts by ``config._experts_implementation`` (``grouped_mm``, ``batched_mm``, ``eager``).
+    """
+    names = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")}
+    replaced = sorted(names - {"Gemma4TextExperts"})
+    if replaced:
+        return ", ".join(replaced)
+    return str(getattr(model.config, "_experts_implementation", None))
+
+
 def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | None = None,
                   scheme: str | None = None, reference_tokens: dict | None = None) -> CompileReport:
     """Export ``model``'s two steps and write the artifact folder (see the module docstring).
@@ -466,7 +480,7 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
         "config": json.loads(config.to_json_string(use_diff=False)),
         "dtype": _dtype_name(_float_dtype(weights)),
         "scheme": scheme,
-        "experts_implementation": config._experts_implementation,
+        "experts_implementation": experts_implementation(model),
         "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
         "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},

@@ -2,7 +2,7 @@
 
 Gemma-4's ``Gemma4TextScaledWordEmbedding`` returns ``embedding(ids) * embed_scale.to(weight.dtype)``
 with ``embed_scale = sqrt(hidden_size)`` (53.066 for the 26B's 2816), and the model's forward does
-*not* rescale ``inputs_embeds`` (FACTS §3). A deploy that looks tokens up on the host and feeds
+*not* rescale ``inputs_embeds`` (docs/sources.md: transformers-gemma4). A deploy that looks tokens up on the host and feeds
 ``inputs_embeds`` must therefore apply that scale itself, and apply it the way the module does:
 
 - no scale at all (the story's first deploy: a plain ``nn.Embedding``) makes every embedding
@@ -638,14 +638,18 @@ def plot_host_paths(table: "pd.DataFrame", axes, hidden_size: int) -> None:
     from gemma_nb.plots import reference_line
 
     data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
-    panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement with reference (%)"),
-              ("norm_ratio", "||embed_tokens(ids)|| / ||host(ids)|| (x)")]
+    panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement (%)"),
+              ("norm_ratio", "norm ratio, module / host (x)")]
     for index, (ax, (column, label)) in enumerate(zip(axes, panels)):
         sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax, legend=index == 0)
         ax.set_xlabel("")
         ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=20)
+        ax.tick_params(axis="x", labelrotation=30)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
     axes[2].set_yscale("log")
+    # headroom above sqrt(H), where the unscaled bars end, for the reference line's label
+    axes[2].set_ylim(top=4 * math.sqrt(hidden_size))
     reference_line(axes[2], math.sqrt(hidden_size), f"sqrt({hidden_size}) = {math.sqrt(hidden_size):.2f}")
 
 

@@ -397,7 +397,9 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
     if fmt.name == "mxfp4":
         # OCP MX: shared exponent = floor(log2(absmax)) - emax(E2M1) = floor(log2(absmax)) - 2;
         # a block whose absmax lies in (6, 8) x 2^e saturates to +-6 x 2^e, as in the spec.
-        exponent = torch.floor(torch.log2(block_absmax)) - 2
+        # floor(log2(x)) read exactly off the float's exponent (frexp: x = m * 2^e, 0.5 <= m < 1):
+        # torch.log2 rounds to the nearest float, so an fp32 a few ulps below 2^k gives k, not k - 1.
+        exponent = (torch.frexp(block_absmax).exponent - 1).float() - 2
         exponent = torch.where(block_absmax > 0, exponent, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
         scale_code = (exponent + E8M0_BIAS).to(torch.uint8)
         effective = e8m0_to_float(scale_code)

@@ -1,13 +1,14 @@
 """Instances and accelerators: what each box offers, and whether a memory plan fits it.
 
-Two tables (figures from shared/FACTS.md §5; AWS and Google spec sheets, and what was measured):
+Two tables (each figure's source is described in docs/sources.md: inferentia2-arch, inf2-instances,
+ec2-pricing, tpu-v6e, h200):
 
 - ``INSTANCES``: the inf2 family (chips, NeuronCores, vCPU, host RAM, HBM, on-demand $/h).
 - ``DEVICES``: accelerators for roofline estimates (HBM bytes, bandwidth, peak bf16 / int8 throughput,
   $/h). ``"this_cpu"`` is a placeholder filled by measurement (``measured_cpu``), never typed in.
 
 GB vs GiB. AWS specifies Inferentia2 HBM as 32 GiB per chip, i.e. **16 GiB = 17.18 GB per
-NeuronCore**. The story (FACTS §1) says "16 GB per core". Both are kept: ``budget="spec"`` (16 GiB,
+NeuronCore**. The story (docs/sources.md: port-review) says "16 GB per core". Both are kept: ``budget="spec"`` (16 GiB,
 the hardware) and ``budget="story"`` (16 GB = 16e9 bytes, the write-up's arithmetic). Tables show GB
 (10^9 bytes) unless a column says ``gib``.
 """
@@ -54,7 +55,7 @@ class Instance:
         raise ValueError(f"budget {budget!r} is not one of {', '.join(BUDGETS)}")
 
 
-# FACTS §5 (AWS inf2 pricing page, us-east-1 on-demand).
+# docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand $/h).
 INSTANCES: dict[str, Instance] = {
     i.name: i
     for i in (
@@ -123,16 +124,16 @@ DEVICES: dict[str, Device] = {
     for d in (
         Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA,
                int8_ops=380 * TERA, usd_per_hour=None,
-               source="FACTS §5 (AWS Inferentia2 spec: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
+               source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
         Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA,
                int8_ops=190 * TERA, usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
                source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
         Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA,
                int8_ops=None, usd_per_hour=2.70,
-               source="FACTS §5 (Google TPU v6e: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
+               source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
         Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA,
                int8_ops=None, usd_per_hour=None,
-               source="FACTS §5 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
+               source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
         Device("this_cpu", hbm_bytes=None, bandwidth_bytes_s=None, bf16_flops=None, int8_ops=None,
                usd_per_hour=None, source="filled by measurement: see measured_cpu()"),
     )

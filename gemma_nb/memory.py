@@ -534,7 +534,7 @@ RUNTIME_MICROCODE_BYTES = 96 * 2**20
 SCRATCHPAD_PAGE_BYTES = 512 * 2**20
 DEFAULT_RUNTIME_ALLOWANCE_BYTES = RUNTIME_MICROCODE_BYTES + SCRATCHPAD_PAGE_BYTES
 
-SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (FACTS §4a)
+SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/sources.md: port-recipe)
 
 
 @dataclass(frozen=True)
@@ -548,7 +548,7 @@ class Scheme:
     ``lm_head_sharded``: vocab-parallel head (ColumnParallel, gather_output=True) vs a full copy per rank.
     A tied head on the device is its own copy of the embedding table (a separate device parameter).
     ``embedding_on_device``: False = looked up on the host (the port's slim deploy), 0 HBM.
-    ``kv_dtype``: the KV cache's dtype; the port's static KV buffers were fp32 (FACTS §4a).
+    ``kv_dtype``: the KV cache's dtype; the port's static KV buffers were fp32 (docs/sources.md: port-recipe).
     ``runtime_allowance_bytes``: explicit per-core allowance for runtime buffers (see
     ``DEFAULT_RUNTIME_ALLOWANCE_BYTES``: a documented floor).
     """

@@ -52,6 +52,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; metrics are for every reader, like any output file
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle, indent=2, sort_keys=False)
             handle.write("\n")

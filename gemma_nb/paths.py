@@ -3,6 +3,9 @@
 Notebooks never build paths themselves. The runner points ``GEMMA_NB_OUTPUT_DIR`` at a
 temporary folder (moved into ``outputs/<target>/`` only when every notebook succeeded), and
 ``make test`` points it at a scratch folder so nbval never rewrites the committed reference run.
+Without that variable (a notebook opened from ``notebooks/`` in JupyterLab, a script) outputs go
+to ``outputs/interactive/<target>/`` (git-ignored): trying a parameter by hand never changes the
+reference run in ``outputs/cpu/``.
 """
 
 from __future__ import annotations
@@ -15,15 +18,20 @@ REPO_ROOT = PACKAGE_DIR.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 OUTPUT_DIR_ENV = "GEMMA_NB_OUTPUT_DIR"
+INTERACTIVE_DIR = OUTPUTS_DIR / "interactive"
 
 
 def output_dir(target: str) -> Path:
-    """The folder a notebook run for ``target`` writes into (created if missing)."""
+    """The folder a notebook run for ``target`` writes into (created if missing).
+
+    ``GEMMA_NB_OUTPUT_DIR`` when set (the runner, ``make test``), else the scratch folder
+    ``outputs/interactive/<target>/``; never the committed ``outputs/<target>/`` directly.
+    """
     from gemma_nb.targets import check_target_name
 
     check_target_name(target)
     override = os.environ.get(OUTPUT_DIR_ENV)
-    folder = Path(override) if override else OUTPUTS_DIR / target
+    folder = Path(override) if override else INTERACTIVE_DIR / target
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -22,12 +22,23 @@ def set_theme() -> None:
     sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
     matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
     matplotlib.rcParams["figure.dpi"] = 100
+    # the inline backend saves with bbox_inches="tight": no extra margin, so 10 in stay 1,000 px
+    matplotlib.rcParams["savefig.pad_inches"] = 0.0
+
+
+# A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
+# Wider, the browser scales it down and its 10 pt labels become unreadable.
+MAX_WIDTH_IN = 10.0
 
 
 def subplots(*args, **kwargs):
-    """``plt.subplots`` with the project theme applied first."""
+    """``plt.subplots`` with the project theme applied first; ``figsize`` at most 10 inches wide."""
     set_theme()
     kwargs.setdefault("layout", "constrained")
+    width = kwargs.get("figsize", matplotlib.rcParams["figure.figsize"])[0]
+    if width > MAX_WIDTH_IN:
+        raise ValueError(f"figsize width {width} in is wider than the page ({MAX_WIDTH_IN:g} in = 1,000 px at "
+                         "100 dpi); stack the panels in rows instead")
     return plt.subplots(*args, **kwargs)
 
 

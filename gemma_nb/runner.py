@@ -216,16 +216,23 @@ def write_report(staging: Path, summary: dict) -> Path:
         "",
     ]
     figures = sorted((staging / "figures").glob("*.png")) if (staging / "figures").exists() else []
-    for name, payload in summary["notebooks"].items():
+    # One section per executed notebook; a notebook that writes several metrics files (07 writes
+    # 07_endpoint_benchmark.json beside its own) gets them all, each under its own table.
+    for notebook in sorted(staging.glob("*.ipynb")):
+        name, prefix = notebook.stem, notebook.stem[:2] + "_"
         lines += [f"## {name}", "", f"Notebook: [{name}.ipynb]({name}.ipynb)", ""]
-        rows = payload.get("headline", [])
-        if rows:
-            lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|"]
-            for row in rows:
-                claimed = _format_value(row["claimed"]) if "claimed" in row else ""
-                lines.append(f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | {claimed} |")
-            lines.append("")
-        for fig in (f for f in figures if f.stem.startswith(name[:2] + "_")):
+        files = sorted((k for k in summary["notebooks"] if k.startswith(prefix)), key=lambda k: (k != name, k))
+        for key in files:
+            rows = summary["notebooks"][key].get("headline", [])
+            if key != name:
+                lines += [f"Also written: `metrics/{key}.json`", ""]
+            if rows:
+                lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|"]
+                for row in rows:
+                    claimed = _format_value(row["claimed"]) if "claimed" in row else ""
+                    lines.append(f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | {claimed} |")
+                lines.append("")
+        for fig in (f for f in figures if f.stem.startswith(prefix)):
             lines += [f"![{fig.stem}](figures/{fig.name})", ""]
     path = staging / "REPORT.md"
     path.write_text("\n".join(lines))

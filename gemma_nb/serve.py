@@ -57,10 +57,11 @@ Behaviour worth knowing:
   end-of-sequence token under ``ignore_eos``, or text held back for a possible stop string), so a
   client can time every token.
 
-The model sits behind a small protocol, ``gemma_nb.generation.Runtime`` (a tokenizer,
-``prefill(prompt_ids)`` and ``decode(token_id)`` returning next-token logits). ``DeployRuntime``
-drives the slim deploy of notebook 05 (``gemma_nb.deploy``: host embedding, int8-squeezed
-compiled steps, all experts per token as the port ran them) one token at a time. It is the default on the cpu target:
+The model sits behind a small protocol, ``gemma_nb.generation.Runtime`` (a tokenizer, ``prefill(prompt_ids)`` and
+``decode(token_id)`` returning next-token logits). ``DeployRuntime`` drives the slim deploy of
+notebook 05 (``gemma_nb.deploy``: host embedding, int8-squeezed compiled steps; its one-token
+decode step reads only the routed experts, ``Int8Experts``, unlike the port's DenseExperts) one
+token at a time. It is the default on the cpu target:
 ``--artifact <folder>`` serves a compiled folder, and without one the checkpoint is compiled into
 a temporary folder while ``/health`` says "loading" (~30 s for the tiny checkpoint).
 ``TransformersRuntime`` (``--runtime transformers``; the default on cuda) wraps any transformers

@@ -154,14 +154,15 @@ def config_26b():
     return load_gemma4_26b_config()
 
 
-def test_story_decode_reproduces_the_facts_roofline(config_26b):
-    story = bench.story_decode(config_26b)
-    # FACTS §5: DenseExperts ~26.4 GB/token -> <= ~33 tok/s; top-8 ~4.9 GB -> <= ~178 tok/s;
-    # upcast hypothesis ~118 GB -> ~7.5 tok/s; ~46 GFLOP/token of expert work.
+def test_story_decode_reproduces_the_story_roofline_without_kv(config_26b):
+    story = bench.story_decode(config_26b, context_len=0)
+    # The source's roofline (docs/sources.md, "inf2-roofline"): DenseExperts ~26.4 GB/token -> <= ~33 tok/s;
+    # top-8 ~4.9 GB -> <= ~178 tok/s; upcast hypothesis ~118 GB -> ~7.5 tok/s; it leaves the KV cache out.
+    assert story["kv_gb_per_token"] == 0.0
     assert story["dense_gb_per_token"] == pytest.approx(26.4, abs=0.1)
-    assert story["dense_tok_s"] == pytest.approx(33.3, abs=0.1)
+    assert story["dense_tok_s"] == pytest.approx(33.29, abs=0.01)
     assert story["sparse_gb_per_token"] == pytest.approx(4.97, abs=0.05)
-    assert story["sparse_tok_s"] == pytest.approx(177.0, abs=1.0)
+    assert story["sparse_tok_s"] == pytest.approx(177.0, abs=0.1)
     assert story["upcast_gb_per_token"] == pytest.approx(117.8, abs=0.2)
     assert story["upcast_tok_s"] == pytest.approx(7.47, abs=0.02)
     assert story["expert_flops_waste_x"] == 16.0
@@ -172,6 +173,29 @@ def test_story_decode_reproduces_the_facts_roofline(config_26b):
     assert table["status"].tolist().count("hypothesis") == 2
 
 
+def test_story_decode_counts_the_ports_fp32_kv_cache_by_default(config_26b):
+    story = bench.story_decode(config_26b)
+    assert story["context_len"] == 512
+    # 30 layers' fp32 K and V for 512 tokens, split by KV head over 2 ranks: 115.3 MB per rank
+    assert story["kv_gb_per_token"] * GB / 2 == pytest.approx(115.34e6, rel=1e-4)
+    assert story["dense_tok_s"] == pytest.approx(33.01, abs=0.01)
+    assert story["sparse_tok_s"] == pytest.approx(169.18, abs=0.01)
+    without = bench.story_decode(config_26b, context_len=0)
+    assert story["dense_gb_per_token"] - without["dense_gb_per_token"] == pytest.approx(story["kv_gb_per_token"])
+
+
+def test_context_sensitivity_falls_with_the_cache(config_26b):
+    table = bench.context_sensitivity(config_26b, [0, 512, 4096])
+    assert table["context_len"].tolist() == [0, 512, 4096]
+    assert table["dense_tok_s"].is_monotonic_decreasing and table["sparse_tok_s"].is_monotonic_decreasing
+    assert table["sparse_vs_dense_x"].is_monotonic_decreasing  # the cache takes a bigger share of sparse steps
+    assert table.loc[1, "sparse_tok_s"] == pytest.approx(bench.story_decode(config_26b)["sparse_tok_s"])
+    with pytest.raises(ValueError, match=r"context_lens \[-1\] must be whole numbers"):
+        bench.context_sensitivity(config_26b, [0, -1])
+    with pytest.raises(ValueError, match="context_lens is empty"):
+        bench.context_sensitivity(config_26b, [])
+
+
 def test_roofline_table_prices_and_fit(config_26b):
     table = bench.roofline(config_26b).set_index(["deployment", "experts"])
     story_row = table.loc[("inf2.xlarge, int8 squeeze, TP=2", "dense")]
@@ -180,7 +204,7 @@ def test_roofline_table_prices_and_fit(config_26b):
     assert story_row["usd_per_m_tokens"] == pytest.approx(0.7582 / (story_row["tok_s"] * 3600) * 1e6)
     assert not table.loc[("inf2.xlarge, bf16, TP=2", "dense"), "fits"]  # 26 GB per rank > 16 GiB
     assert table.loc[("TPU v6e x2, bf16, TP=2", "sparse"), "usd_per_hour"] == pytest.approx(5.40)
-    assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])  # no H200 price in FACTS
+    assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])  # no H200 price in the hardware table
     sparse_over_dense = (table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"])
     assert sparse_over_dense.between(4.0, 8.0).all()
     assert bench.usd_per_million_tokens(None, 10.0) is None

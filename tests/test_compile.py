@@ -103,6 +103,12 @@ def test_eager_experts_are_switched_to_a_traceable_implementation():
 
 
 # ---- bad artifacts: each names the file and what was expected --------------------------------
+def test_manifest_names_transformers_experts_by_their_implementation(built, tiny):
+    folder, _ = built
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["experts_implementation"] == C.experts_implementation(tiny) == tiny.config._experts_implementation
+
+
 @pytest.mark.parametrize("name", ["tp0_weights.safetensors", "decode.pt2", "manifest.json"])
 def test_missing_file(copy, name):
     (copy / name).unlink()

@@ -66,6 +66,8 @@ def test_slim_and_naive_give_the_reference_tokens(checkpoint, compiled):
     assert all(p.is_meta for p in slim.skeleton.parameters())
     assert slim.artifact.weights["model.layers.0.experts.gate_up_proj"].dtype == torch.int8
     assert slim.artifact.manifest["scheme"] == "int8_squeeze"
+    # the manifest names what runs the experts: the deploy's Int8Experts, not transformers' default
+    assert slim.artifact.manifest["experts_implementation"] == "Int8Experts"
     assert result["exported_decode_ms"] > 0 and result["eager_decode_ms"] > 0
 
 

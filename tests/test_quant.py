@@ -204,6 +204,30 @@ def test_mxfp4_representable_blocks_round_trip_exactly(data):
     assert torch.equal(quantize(weight, "mxfp4").dequantize(), weight)
 
 
+def test_mxfp4_shared_exponent_is_exact_just_below_a_power_of_two():
+    # fp32 0.25 - 1 ulp: log2 rounds to -2.0, but floor(log2) is -3, so the OCP MX shared exponent is
+    # -3 - emax(E2M1) = -5: E8M0 code 127 - 5 = 122 (X = 2^-5), not 123 (bf16 weights cannot hit this)
+    just_below = torch.nextafter(torch.tensor(0.25), torch.tensor(0.0))
+    weight = torch.zeros(1, 32)
+    weight[0, 5] = just_below
+    qt = quantize(weight, "mxfp4")
+    assert int(qt.scale[0, 0]) == 122
+    assert float(formats.e8m0_to_float(qt.scale)[0, 0]) == 2.0**-5
+
+
+@FAST
+@given(st.integers(-100, 100), st.integers(1, 64))
+def test_mxfp4_shared_exponent_matches_the_exact_floor_log2(power, ulps_below):
+    # a block maximum a few fp32 ulps below 2^power has floor(log2) = power - 1
+    value = torch.tensor(2.0**power, dtype=torch.float32)
+    for _ in range(ulps_below):
+        value = torch.nextafter(value, torch.tensor(0.0))
+    weight = torch.zeros(1, 32)
+    weight[0, 0] = -value
+    code = int(quantize(weight, "mxfp4").scale[0, 0])
+    assert code == max(0, min(254, formats.E8M0_BIAS + (power - 1) - 2))
+
+
 @FAST
 @given(st.data())
 def test_nvfp4_representable_blocks_round_trip_exactly(data):

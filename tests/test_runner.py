@@ -69,7 +69,9 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     assert [r.name for r in results] == ["01_first", "02_second"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["notebooks"]["02_second"]["metrics"] == {"answer": 42}
-    assert "| answer | 42 | x |" in (out / "REPORT.md").read_text()
+    report = (out / "REPORT.md").read_text()
+    assert "| answer | 42 | x |" in report
+    assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 01_first", "## 02_second"]
     executed = nbformat.read(out / "01_first.ipynb", as_version=4)
     assert "ran cpu" in executed.cells[-1].outputs[0]["text"]
     assert executed.metadata["papermill"]["output_path"] == "01_first.ipynb"  # no machine paths
@@ -183,3 +185,15 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
     assert process.returncode != 0 and "Terminated: stopped by signal SIGTERM" in stderr
     assert (out / "REPORT.md").read_text() == "previous run"
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_path):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    body = SAVE_METRICS.format(stem="07_first") + "\n" + SAVE_METRICS.format(stem="07_extra").replace("'answer'", "'extra'")
+    _write_notebook(folder, "07_first.ipynb", body)
+    out = tmp_path / "out"
+    runner.run("cpu", output_dir=out, notebooks_dir=folder, progress=False)
+    report = (out / "REPORT.md").read_text()
+    assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 07_first"]
+    assert "Also written: `metrics/07_extra.json`" in report and "| extra | 42 | x |" in report

@@ -12,7 +12,7 @@ install hint when it is missing. ``gemma_nb.neuron.standins`` holds cpu stand-in
 pieces, so the module below is also built, sharded and run at TP=2 on the cpu (two gloo ranks:
 ``gemma_nb.neuron.emulate``); that proves this code, not the SDK.
 
-The recipe, as the traced module ``NeuronGemma4`` builds it:
+The recipe (docs/sources.md: port-recipe), as the traced module ``NeuronGemma4`` builds it:
 
 - transformers' own ``Gemma4ForCausalLM`` is traced, with submodules swapped in place:
   ``embed_tokens`` -> nothing (the host embeds, scale included: ``gemma_nb.embedding``);

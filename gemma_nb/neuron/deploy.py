@@ -2,7 +2,7 @@
 
 NOT RUN HERE. Written against neuronx-distributed 0.19 (Neuron SDK 2.31); read from
 aws-neuron/neuronx-distributed ``trace/spmd.py`` (``NxDModel.initialize_with_saved_weights(
-start_rank_tensor)``) and ``trace/model_builder.py``. The flow (FACTS §4a):
+start_rank_tensor)``) and ``trace/model_builder.py``. The flow (docs/sources.md: port-recipe):
 
 1. ``import neuronx_distributed.trace.model_builder`` *before* ``torch.jit.load``: it registers the
    TorchScript classes (``neuron::SPMDModel``) the saved artifact refers to;

@@ -9,7 +9,7 @@ missing, or builds from ``sdk=gemma_nb.neuron.standins.cpu_sdk()``, the cpu stan
 05's TP=2 emulation runs it so). The CPU twin, run for real under torch.distributed gloo, is
 ``gemma_nb.parallel.VocabParallelLMHead``.
 
-What the port did: the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
+What the port did (docs/sources.md: port-recipe): the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
 1.48 GB) for the lookup; the traced graph gets an lm_head built as
 
     QuantizedColumnParallel(input_size=H, output_size=V, bias=False, gather_output=True,

@@ -21,7 +21,7 @@ weights are sharded once for every graph) can hold a dense prefill graph and a s
   (rank, expert, gate|up, i) and ``down``'s columns (rank, expert, i), so the contiguous TP split
   gives rank r the ``I/tp`` slice ``[r I/tp, (r+1) I/tp)`` of *every* expert. The rows are a
   permutation of transformers' ``gate_up_proj``; at tp=1 the layout is transformers' own.
-- ``NeuronDenseExperts`` (the port's op: every expert, every token): ``gate_up(x)`` gives
+- ``NeuronDenseExperts`` (the port's op, docs/sources.md: port-recipe; every expert, every token): ``gate_up(x)`` gives
   ``[T, E, 2, I/tp]``; the dense router weights ``[T, E]`` (zero outside the top-k) scale the
   hidden ``[T, E, I/tp]``; ``down`` contracts it and all-reduces the partial sums over ranks in
   the output dtype (NxD's QuantizedRowParallel). The port split whole experts over ranks instead

@@ -10,7 +10,7 @@ import time: :func:`run_trials` imports it and raises ``TargetError`` when it is
 lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.neuron.standins`` keeps
 NxD's own version, so the tests show why it is needed.
 
-``SDK_SUPPORT_MATRIX`` is what the sources say, for the cpu notebook to show.
+``SDK_SUPPORT_MATRIX`` is what the NxD sources and the write-up say (docs/sources.md: nxd-source, port-review), for the cpu notebook to show.
 :func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
 ``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
 scales), load weights quantized by ``gemma_nb.formats``, trace and compile it with ModelBuilder v2,
@@ -51,7 +51,7 @@ SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
         "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
         "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
         "(in place: the port monkey-patched an out-of-place version to trace).",
-        "FACTS §1, §4, §4a; quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
+        "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
     ),
     SdkSupport(
         "F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
@@ -59,7 +59,7 @@ SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
         "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
         "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
         "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
-        "FACTS §4; quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
+        "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
     ),
     SdkSupport(
         "F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
@@ -75,7 +75,7 @@ SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
         "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
         "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
         "the MX paths live under experimental/quantization/microscaling.",
-        "FACTS §1, §4; dequantize.py (blockwise_scale_dequantize), quantization_config.py "
+        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
         "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
     ),
 )

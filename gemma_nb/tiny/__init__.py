@@ -1,7 +1,7 @@
 """The bundled tiny Gemma-4 MoE checkpoint, and random Gemma-4 models of any size.
 
 The checkpoint under ``checkpoint/`` is transformers' own ``Gemma4ForCausalLM`` with the
-26B-A4B's architecture (FACTS §2/§3) at toy dimensions: a dense shared MLP *and* 32 routed
+26B-A4B's architecture (docs/sources.md: gemma4-model-card, transformers-gemma4) at toy dimensions: a dense shared MLP *and* 32 routed
 experts (top-2, the 26B's 1/16 active ratio) in every layer, sliding + full attention with
 ``attention_k_eq_v``, tied embeddings scaled by sqrt(hidden_size), final logit softcapping,
 no per-layer embeddings. It was trained on the facts in ``corpus.py`` by
@@ -72,7 +72,7 @@ BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
 
 # Architecture switches that make a Gemma4TextConfig a 26B-A4B look-alike. The transformers
 # defaults differ on several of them (hidden_size_per_layer_input=256 silently adds per-layer
-# embeddings; final_logit_softcapping=None; attention_k_eq_v=False): see FACTS §2 "Pitfalls".
+# embeddings; final_logit_softcapping=None; attention_k_eq_v=False): see gemma_nb/configs/SOURCES.md (the pitfalls).
 ARCHITECTURE: dict[str, Any] = dict(
     enable_moe_block=True,
     attention_k_eq_v=True,

@@ -1,0 +1,180 @@
+"""The reference run's conclusions, under test (as microsoft/recommenders tests its notebooks).
+
+Reads what the committed run in ``outputs/cpu/metrics/`` recorded and asserts the conclusions the
+notebooks draw from it, so a regenerated run that quietly changes a conclusion fails here: every
+headline that carries a claim has the notebook's verdict on it, the full-size byte figures are the
+planner's, the int8 squeeze keeps the greedy answers, sparse beats dense by >= 12x, the slim deploy
+stays under 0.35 of the naive one's host RSS, and the decode roofline counts the KV cache.
+"""
+
+import json
+import math
+
+import pytest
+
+from gemma_nb import bench, memory
+from gemma_nb.memory import agrees_with_claim, load_gemma4_26b_config, tensor_bytes
+from gemma_nb.paths import OUTPUTS_DIR
+from gemma_nb.story import CLAIMS
+
+METRICS_DIR = OUTPUTS_DIR / "cpu" / "metrics"
+NOTEBOOKS = ["01_memory_arithmetic", "02_quantization", "03_lm_head_sharding", "04_compile", "05_slim_deploy",
+             "06_embedding_scale", "07_decode_benchmark"]
+
+
+def load(notebook: str) -> dict:
+    path = METRICS_DIR / f"{notebook}.json"
+    assert path.exists(), f"{path.name} missing: regenerate the reference run (make run)"
+    return json.loads(path.read_text())
+
+
+def metrics(notebook: str) -> dict:
+    return load(notebook)["metrics"]
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_gemma4_26b_config()
+
+
+# The verdict each notebook words from the values (``memory.agrees_with_claim``: within the
+# write-up's own rounding, or inside a range it quoted): True = "holds", False = "differs".
+VERDICTS = {
+    ("01_memory_arithmetic", "total_params_b"): True,
+    ("01_memory_arithmetic", "active_params_b"): True,
+    ("01_memory_arithmetic", "experts_bf16_gb"): True,
+    # 93.24%: the non-embedding share, which the write-up rounded; 01 says so instead of "holds"
+    ("01_memory_arithmetic", "experts_share_pct"): False,
+    ("01_memory_arithmetic", "experts_share_all_weights_pct"): True,
+    ("01_memory_arithmetic", "experts_int8_gb_per_rank"): True,
+    ("01_memory_arithmetic", "int8_experts_non_expert_gb"): True,   # "the 3-4 GB is there"
+    ("01_memory_arithmetic", "int8_experts_gap_gb"): False,         # the int8-experts build fits on paper
+    ("01_memory_arithmetic", "lm_head_released_gb_per_rank"): True,
+    ("01_memory_arithmetic", "final_residency_gb_per_rank"): False,  # above 12-13 GB in GB (inside it in GiB)
+    ("02_quantization", "experts_int8_gb_per_rank"): True,
+    ("03_lm_head_sharding", "lm_head_bf16_gb_per_rank"): True,
+    ("03_lm_head_sharding", "lm_head_int8_sharded_gb_per_rank"): True,
+    ("03_lm_head_sharding", "lm_head_released_gb_per_rank"): True,
+    ("03_lm_head_sharding", "host_embedding_gb"): True,
+    ("05_slim_deploy", "host_embedding_gb"): True,
+    ("06_embedding_scale", "embed_scale"): True,
+    ("07_decode_benchmark", "dense_roofline_tok_s"): True,     # 33.0 with the 512-token KV cache
+    ("07_decode_benchmark", "sparse_roofline_tok_s"): False,   # 169, not 178: the write-up left the cache out
+    ("07_decode_benchmark", "upcast_hypothesis_tok_s"): True,
+}
+# Measured on the machine that ran, set against the story's figure by direction, not by rounding.
+MEASURED_BELOW_CLAIM = {
+    ("04_compile", "compile_peak_host_gb"),   # torch.export's lower bound, far below the port's 180 GB
+    ("04_compile", "compile_minutes"),
+    ("07_decode_benchmark", "dense_flops_waste_x"),  # measured speedup, at most the ideal E/K = 16
+}
+
+
+def test_every_notebook_wrote_its_metrics():
+    assert {p.stem for p in METRICS_DIR.glob("*.json")} >= set(NOTEBOOKS)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_claimed_headlines_agree_with_the_story_as_the_notebook_says(notebook):
+    for row in load(notebook)["headline"]:
+        if "claim" not in row:
+            continue
+        key = (notebook, row["claim"])
+        assert row["claimed"] == CLAIMS[row["claim"]].value, f"{key}: recorded claim differs from gemma_nb.story"
+        assert key in VERDICTS or key in MEASURED_BELOW_CLAIM, f"{key}: a new claimed headline needs its verdict here"
+        if key in VERDICTS:
+            assert agrees_with_claim(row["claim"], row["value"]) is VERDICTS[key], (
+                f"{key}: {row['value']} against the claimed {row['claimed']} changed the notebook's verdict")
+        else:
+            assert row["value"] < row["claimed"], key
+
+
+def test_full_size_byte_figures_are_the_planners(config):
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    quant = metrics("02_quantization")
+    assert quant["full_size_layer_matches_planner"] is True
+    for fmt, stored in quant["full_size_layer_bytes"].items():
+        assert stored == E * (tensor_bytes((2 * I, H), fmt) + tensor_bytes((H, I), fmt)), fmt
+    arithmetic = metrics("01_memory_arithmetic")
+    tp, context_len = arithmetic["tp"], arithmetic["context_len"]
+    assert sum(arithmetic["params_by_group"].values()) == 25_233_141_760
+    for scheme, gb in arithmetic["gb_per_rank_by_scheme"].items():
+        assert gb == pytest.approx(memory.plan(config, tp, scheme, context_len).total_gb, rel=1e-12), scheme
+    head = metrics("03_lm_head_sharding")
+    assert head["replicated_bf16_bytes_per_rank"] == memory.plan(config, 2, "bf16", 0).bytes("lm_head")
+    assert head["int8_shard_bytes_per_rank"] == memory.plan(config, 2, "int8_squeeze", 0).bytes("lm_head")
+    assert head["released_bytes_per_rank"] == head["replicated_bf16_bytes_per_rank"] - head["int8_shard_bytes_per_rank"]
+    assert head["full_size_bit_exact"] is True
+
+
+def test_int8_squeeze_keeps_the_greedy_answers():
+    quant = metrics("02_quantization")
+    assert quant["int8_squeeze_greedy_mismatches"] == 0
+    assert quant["scores_by_scheme"]["int8_squeeze"]["greedy_match"] == 1.0
+    assert quant["scores_by_scheme"]["int8_squeeze"]["fact_recall"] == quant["reference_fact_recall"]
+
+
+def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
+    decode = metrics("07_decode_benchmark")
+    assert decode["bf16_sparse_vs_dense_x"] >= 12.0
+    assert decode["int8_sparse_vs_dense_x"] >= 12.0
+    assert decode["bundled_same_tokens"] is True
+
+
+def test_decode_roofline_counts_the_kv_cache(config):
+    decode = metrics("07_decode_benchmark")
+    context_len = decode["inf2_context_len"]
+    assert context_len == 512 and decode["inf2_kv_gb_per_token"] > 0
+    story = bench.story_decode(config, context_len=context_len)
+    for key in ("dense_tok_s", "sparse_tok_s", "upcast_tok_s", "kv_gb_per_token"):
+        assert decode[f"inf2_{key}"] == pytest.approx(story[key], rel=1e-12), key
+
+
+def test_slim_deploy_needs_at_most_035_of_the_naive_host_memory():
+    deploy = metrics("05_slim_deploy")
+    ratio = deploy["slim"]["peak_rss_bytes"] / deploy["naive"]["peak_rss_bytes"]
+    assert ratio <= 0.35
+    assert deploy["tokens_match"] == {"slim": True, "naive": True}
+    assert deploy["bundled_slim_deploy_matches_reference"] is True
+
+
+def test_exported_steps_match_eager():
+    assert metrics("04_compile")["tiny"]["greedy_match_all"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# Enabled at merge: the XLA lowering check of notebook 04 and the TP=2 emulation of notebook 05
+# land on other branches. Until their metrics keys exist in the reference run these two skip; the
+# lead removes the skipif marks once the regenerated run has them.
+# ------------------------------------------------------------------------------------------------
+
+def _has(notebook: str, key: str) -> bool:
+    path = METRICS_DIR / f"{notebook}.json"
+    return path.exists() and key in json.loads(path.read_text())["metrics"]
+
+
+def _count(value) -> int:
+    return len(value) if isinstance(value, (list, dict)) else int(value)
+
+
+@pytest.mark.skipif(not _has("04_compile", "xla_lowering"), reason="enabled at merge: 04's xla_lowering not in the run yet")
+def test_xla_lowering_of_the_neuron_graphs_is_clean():
+    rows = metrics("04_compile")["xla_lowering"]
+    assert rows, "xla_lowering is empty"
+    for row in rows:
+        assert {"graph", "tp", "experts", "aten_fallbacks", "device_to_host_transfers", "hlo_instructions",
+                "max_abs_diff"} <= set(row), row
+        assert row["hlo_instructions"] > 0, row
+        assert row["max_abs_diff"] is not None and math.isfinite(row["max_abs_diff"]), row
+    dense = [row for row in rows if row["experts"] == "dense"]
+    assert {row["graph"] for row in dense} >= {"prefill", "decode"}
+    for row in dense:  # the port's graphs: every op lowers, no host round trip
+        assert _count(row["aten_fallbacks"]) == 0, row
+        assert _count(row["device_to_host_transfers"]) == 0, row
+
+
+@pytest.mark.skipif(not _has("05_slim_deploy", "tp2_emulation"), reason="enabled at merge: 05's tp2_emulation not in the run yet")
+def test_tp2_emulation_gives_the_same_tokens():
+    emulation = metrics("05_slim_deploy")["tp2_emulation"]
+    assert emulation["tokens_equal_dense"] is True
+    assert emulation["tokens_equal_sparse"] is True
