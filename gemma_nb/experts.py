@@ -187,8 +187,6 @@ def int8_dense_upcast(x, router_weights, gate_up, gate_up_scale, down, down_scal
 # Weights: shared float tensors, int8 + fp32 scales, or a QuantizedTensor of any format
 # --------------------------------------------------------------------------------------------
 
-WEIGHTS = ("float", "int8", "quantized")
-
 
 def _check_stacked(gate_up_shape, down_shape) -> tuple[int, int, int]:
     """``(E, H, I)`` of stacked ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; ValueError if they do not fit."""
@@ -324,7 +322,7 @@ class RoutedExperts(nn.Module):
     nbytes = weight_bytes
 
     def expert_weights(self, expert, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``expert``'s float ``gate_up [2I, H]`` and ``down [H, I]`` in ``dtype`` (float or quantized weights)."""
+        """Expert ``expert``'s float ``gate_up [2I, H]`` and ``down [H, I]`` (quantized: dequantized to ``dtype``)."""
         if self.weights == "quantized":
             return self.gate_up[expert].dequantize(dtype), self.down[expert].dequantize(dtype)
         return self.gate_up_proj[expert], self.down_proj[expert]
@@ -334,7 +332,9 @@ class RoutedExperts(nn.Module):
         if not self.int8:
             gate_up, down = self.expert_weights(expert, x.dtype)
             return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
-        kernel_scales = (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert]) if self.fused else (None,) * 2
+        kernel_scales = (None, None)
+        if self.fused:
+            kernel_scales = (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert])
         gate_up = int8_linear(x, self.gate_up_proj[expert], kernel_scales[0], self.gate_up_scale[expert], self.fused)
         return int8_linear(gated(gate_up, self.act_fn), self.down_proj[expert], kernel_scales[1],
                            self.down_scale[expert], self.fused)
