@@ -198,7 +198,7 @@ def _error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict[str, float]
 
 
 def _quantize_experts(layers, fmt: str):
-    """Every layer's ``Gemma4TextExperts`` -> ``QuantizedExperts``: (originals, replacements) per layer."""
+    """Every layer's ``Gemma4TextExperts`` -> ``QuantizedExperts``; yields ((weight, quantized) pairs, stored bytes)."""
     for layer_name, layer in layers:
         experts = getattr(layer, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj"):
@@ -210,7 +210,7 @@ def _quantize_experts(layers, fmt: str):
 
 
 def _quantize_linears(model, layers, group: str, fmt: str):
-    """Every linear of ``group`` -> ``Int8Linear`` / ``QuantizedLinear``: ((weight, quantized),), stored bytes."""
+    """Every linear of ``group`` -> ``Int8Linear`` / ``QuantizedLinear``; yields as :func:`_quantize_experts`."""
     if group == "lm_head":
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
@@ -253,7 +253,10 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
     for group, fmt in groups.items():
         params = stored = 0
         errors = [] if measure_error else None
-        replaced = _quantize_experts(layers, fmt) if group == "experts" else _quantize_linears(model, layers, group, fmt)
+        if group == "experts":
+            replaced = _quantize_experts(layers, fmt)
+        else:
+            replaced = _quantize_linears(model, layers, group, fmt)
         for pairs, nbytes in replaced:
             stored += nbytes
             for weight, quantized in pairs:
@@ -296,8 +299,9 @@ def _full_size_experts_check(experts, formats, tokens, top_k, seed):
     dtype = experts.gate_up_proj.dtype
     hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
     index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
-    # transformers' eager loop on the float weights (QuantizedExperts' order, float weights)
-    reference = SparseExperts.from_experts(experts).grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
+    # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
+    float_experts = SparseExperts.from_experts(experts)
+    reference = float_experts.grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
     rows, seconds = [], {}
     for fmt in formats:
         weight_format(fmt)
