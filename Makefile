@@ -1,5 +1,7 @@
 # Two commands on a fresh machine (Python 3.11 + git): `make run`, `make test`.
-# Each creates .venv if it is missing and installs the package with its pinned dependencies.
+# Each creates .venv if it is missing and installs the package with its pinned dependencies, and
+# .venv-xla: the Neuron SDK 2.31's torch + torch-xla (envs/xla/requirements.txt), where notebook 04
+# and tests/xla lower the neuron graphs to XLA on the cpu.
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
@@ -9,10 +11,24 @@ TARGET ?= cpu
 ONLY ?=
 # The cpu environment takes the CPU build of torch; other targets bring their own torch.
 EXTRAS ?= cpu,dev
+XLA_VENV := .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install run test test-unit test-notebooks lab clean-venv
+.PHONY: install xla run test test-unit test-xla test-notebooks lab clean-venv
 
 install: $(STAMP)
+
+## The xla environment: pinned torch 2.9.0 / torch-xla 2.9.0 / transformers, the package without its
+## notebook dependencies (--no-deps; envs/xla/requirements.txt lists what the lowering imports).
+xla: $(XLA_STAMP)
+
+$(XLA_STAMP): envs/xla/requirements.txt pyproject.toml
+	@test -x $(XLA_PY) || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install --quiet --upgrade pip
+	$(XLA_PY) -m pip install --quiet -r envs/xla/requirements.txt
+	$(XLA_PY) -m pip install --quiet --no-deps -e .
+	@touch $(XLA_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,17 +37,21 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 ## Execute every notebook for TARGET (default cpu) into outputs/$(TARGET)/.
-run: $(STAMP)
+run: $(STAMP) $(XLA_STAMP)
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## Unit tests, then nbval re-executes the committed reference run and compares its outputs.
-test: test-unit test-notebooks
+## Unit tests, the XLA lowering checks, then nbval re-executes the committed reference run.
+test: test-unit test-xla test-notebooks
 
+# tests/xla is collected only where torch_xla imports (tests/conftest.py), i.e. in .venv-xla.
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/ -q
 
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla -q -p no:cacheprovider
+
 # nbval writes the metrics/figures of its re-run into a scratch folder, never over outputs/cpu.
-test-notebooks: $(STAMP)
+test-notebooks: $(STAMP) $(XLA_STAMP)
 	@scratch=$$(mktemp -d) && \
 	GEMMA_NB_OUTPUT_DIR=$$scratch $(PY) -m pytest --nbval outputs/cpu/ \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
@@ -43,4 +63,4 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(XLA_VENV)

@@ -12,3 +12,14 @@ def one_thread():
 
     with torch_threads(1):
         yield
+
+
+# tests/xla lower the neuron graphs with torch-xla: collected only in the xla environment
+# (`make test-xla`, .venv-xla), never in the main one, which has no torch_xla.
+def _has_torch_xla() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+collect_ignore = [] if _has_torch_xla() else ["xla"]
