@@ -171,8 +171,8 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
 
 # Column names of the notebook's tables: what each row field means, shortly.
 STRUCTURE_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "tokens": "tokens",
-                     "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "device-to-host transfers",
-                     "xla_executions": "XLA graphs run", "hlo_instructions": "HLO instructions", "gathers": "gathers"}
+                     "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "to-host transfers",
+                     "xla_executions": "XLA graphs", "hlo_instructions": "HLO ops", "gathers": "gathers"}
 NUMERIC_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "max_abs_diff": "|XLA - eager| bf16",
                    "tolerance": "tolerance bf16", "bf16_rounding": "|eager bf16 - eager fp32|",
                    "max_abs_diff_fp32": "|XLA - eager| fp32", "tolerance_fp32": "tolerance fp32"}
@@ -198,7 +198,7 @@ def lowering_tables(report: dict):
     contrast = None
     if report.get("contrast"):
         contrast = frame(report["contrast"], CONTRAST_COLUMNS)
-        for column in ("HLO instructions", "gathers", "error"):  # None where the step failed
+        for column in (STRUCTURE_COLUMNS["hlo_instructions"], "gathers", "error"):  # None where the step failed
             contrast[column] = contrast[column].map(
                 lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v)
     return frame(report["graphs"], STRUCTURE_COLUMNS), frame(report["graphs"], NUMERIC_COLUMNS), contrast
