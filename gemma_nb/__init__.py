@@ -5,17 +5,21 @@ first, then the notebook's own experiment around it.
 
 - ``paths``, ``targets``, ``metrics``, ``plots``, ``display``, ``story``: the plumbing every notebook shares
   (``paths`` finds the project from the working directory; ``targets.torch_threads`` is the one thread
-  limiter; ``story`` holds the claims with their ranges, ``docs/sources.md`` their sources).
+  limiter; ``display.setup_page`` sizes tables and figures for the page; ``story`` holds the claims
+  with their ranges, ``docs/sources.md`` their sources).
+- ``formats``: the weight formats (bf16, int8, fp8, MXFP4, NVFP4), their bytes and quantizer: one
+  registry the planner and the quantizers read (01, 02).
+- ``experts``: the routed experts, one family: dense or sparse, float, int8 or quantized (02, 05, 07).
 - 01 memory arithmetic: ``memory`` (inventory, per-rank byte plans), ``hardware`` (instances, devices).
-- 02 quantization: ``quant`` (the formats and quantizers), ``quant_eval`` (scoring a scheme).
+- 02 quantization: ``quant`` (quantized linears and schemes on a model), ``quant_eval`` (scoring a scheme).
 - 03 lm_head sharding: ``parallel`` (the vocab-parallel head and its jobs), ``ranks`` (``run_tp``:
   real gloo ranks in processes).
 - 04 compile: ``export`` (the two exported steps, their runner and artifact format), ``compile_cost``
   (the size sweep, its fits and boxes; ``python -m gemma_nb.compile_cost``), ``hostmem`` (RSS sampler).
 - 05 slim deploy: ``deploy`` (``python -m gemma_nb.deploy``).
 - 06 embedding scale: ``embedding`` (``HostEmbedding`` and its file), ``embedding_scale`` (the three host paths).
-- 07 decode benchmark: ``moe`` (dense vs sparse experts), ``bench`` (timing), ``decode_roofline`` (bytes
-  and FLOPs per token), ``client_bench`` (any OpenAI-compatible endpoint).
+- 07 decode benchmark: ``moe`` (swapping experts into a model), ``bench`` (timing), ``decode_roofline``
+  (bytes and FLOPs per token), ``client_bench`` (any OpenAI-compatible endpoint).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint, how answers are scored, how models load.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
   the model; ``serve_app`` (app factory and routers), ``serve_http``, ``serve_schema`` answer HTTP;

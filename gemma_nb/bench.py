@@ -32,7 +32,7 @@ import torch
 
 from gemma_nb.hardware import GB
 from gemma_nb.memory import tensor_bytes
-from gemma_nb.moe import int8_linear
+from gemma_nb.experts import int8_linear
 
 EXPERT_MODES = ("dense", "sparse")
 
@@ -375,7 +375,7 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
     - ``<prefix>:gather_copy``: ``gate_up_proj[idx]`` and ``down_proj[idx]`` alone, what
       ``selection="gather"`` adds before its matmuls (only with ``gather=True``).
 
-    The kernel path calls ``moe.int8_linear`` for int8 (the fused cpu kernel where usable).
+    The kernel path calls ``experts.int8_linear`` for int8 (the fused cpu kernel where usable).
     """
     steps = {
         f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),

@@ -16,8 +16,8 @@ peak RSS (``gemma_nb.hostmem``) and its cold start (process start -> first token
 
 The squeeze on the cpu (``int8_squeeze``): the ``int8_squeeze`` scheme of ``gemma_nb.quant``
 (int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
-embedding stay float), with the experts run as ``Int8Experts``: static shapes, which
-``torch.export`` can trace (``quant.QuantizedExperts``' eager loop over the routed experts cannot).
+embedding stay float), with the experts run as ``gemma_nb.experts.Int8Experts``: a few vectorised
+ops that ``torch.export`` traces (``QuantizedExperts``' loop over the routed experts cannot be).
 
 Command (what ``measure_deploy`` and ``measure_compile`` run in a fresh interpreter)::
 
@@ -44,119 +44,28 @@ import torch
 from torch import nn
 
 from gemma_nb import export
+from gemma_nb.experts import Int8Experts
+from gemma_nb.quant import apply_scheme
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
 HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
 DEPLOY_KINDS = ("slim", "naive")
-EXPERT_CHUNK = 16  # experts upcast at once in Int8Experts' prefill path
-
-
-class Int8Experts(nn.Module):
-    """Routed experts on int8 per-channel weights, in a few vectorised ops that ``torch.export`` traces.
-
-    Buffers (the artifact's weights): ``gate_up_proj`` int8 [E, 2I, H], ``gate_up_scale`` fp32
-    [E, 2I, 1], ``down_proj`` int8 [E, H, I], ``down_scale`` fp32 [E, H, 1]. Same forward as
-    ``Gemma4TextExperts``. Each matmul follows NxD's int8 order: weight upcast to the activation
-    dtype, matmul, fp32 scale on the output.
-
-    - one token (decode): gather the K routed experts' int8 weights (static shape [K, ...]) and
-      run them as one batched matmul: only K/E of the weights are read;
-    - several tokens (prefill): every expert on every token, combined with dense router weights
-      that are zero outside each token's top-k (the port's DenseExperts), as two big matmuls.
-
-    ``gemma_nb.moe``'s classes do the same with a Python loop per expert, which export unrolls
-    into a graph E times larger; this module keeps the cpu artifact's programs small.
-    """
-
-    def __init__(self, gate_up, gate_up_scale, down, down_scale, act_fn):
-        super().__init__()
-        self.num_experts, two_i, self.hidden_dim = gate_up.shape
-        self.intermediate_dim = two_i // 2
-        self.act_fn = act_fn
-        self.register_buffer("gate_up_proj", gate_up)
-        self.register_buffer("gate_up_scale", gate_up_scale.float())
-        self.register_buffer("down_proj", down)
-        self.register_buffer("down_scale", down_scale.float())
-
-    @classmethod
-    def from_quantized(cls, experts) -> "Int8Experts":
-        """Built on a ``gemma_nb.quant.QuantizedExperts`` (int8, as ``apply_scheme`` makes): its tensors, not a copy."""
-        if experts.fmt != "int8":
-            raise ValueError(f"experts quantized to {experts.fmt!r}; Int8Experts takes int8 (the squeeze's format)")
-        return cls(experts.gate_up.data, experts.gate_up.scale, experts.down.data, experts.down.scale, experts.act_fn)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        dtype = hidden_states.dtype
-        if hidden_states.shape[0] == 1:
-            index = top_k_index[0]  # [K]
-            gate_up = torch.matmul(self.gate_up_proj[index].to(dtype), hidden_states[0, :, None])  # [K, 2I, 1]
-            gate, up = (gate_up.float() * self.gate_up_scale[index]).to(dtype).chunk(2, dim=1)
-            hidden = self.act_fn(gate) * up  # [K, I, 1]
-            out = (torch.matmul(self.down_proj[index].to(dtype), hidden).float() * self.down_scale[index])[..., 0]
-            return (top_k_weights[0, :, None].float() * out).sum(0, keepdim=True).to(dtype)  # [1, H]
-        tokens = hidden_states.shape[0]
-        weights = torch.zeros(tokens, self.num_experts, dtype=torch.float32).scatter(1, top_k_index, top_k_weights.float())
-        out = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32)
-        # Upcast EXPERT_CHUNK experts at a time: the float copy of all experts would be a
-        # transient as large as the layer's int8 weights times 4.
-        for first in range(0, self.num_experts, EXPERT_CHUNK):
-            chunk = slice(first, min(first + EXPERT_CHUNK, self.num_experts))
-            out += self._dense(hidden_states, weights[:, chunk], chunk)
-        return out.to(dtype)  # [T, H]
-
-    def _dense(self, x, weights, chunk):
-        """Experts ``chunk`` on every token of ``x`` [T, H], weighted by dense router ``weights`` [T, e]."""
-        dtype, tokens, experts = x.dtype, x.shape[0], weights.shape[1]
-        gate_up = x @ self.gate_up_proj[chunk].reshape(experts * 2 * self.intermediate_dim, -1).to(dtype).T
-        gate_up = (gate_up.float() * self.gate_up_scale[chunk].reshape(1, -1)).to(dtype)
-        gate, up = gate_up.reshape(tokens, experts, 2 * self.intermediate_dim).chunk(2, dim=-1)
-        hidden = (self.act_fn(gate) * up).transpose(0, 1)  # [e, T, I]
-        out = torch.bmm(hidden, self.down_proj[chunk].to(dtype).transpose(1, 2)).float()
-        out = out * self.down_scale[chunk].transpose(1, 2)  # [e, T, H]
-        return (out * weights.T[:, :, None]).sum(0)
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, int8"
 
 
 def int8_squeeze(model: nn.Module):
     """Quantize ``model`` in place with the port's int8 squeeze; return bytes per group.
 
-    The groups and format come from the scheme (``gemma_nb.quant.resolve_scheme("int8_squeeze")``:
-    experts, shared MLP and lm_head in int8 per output channel); the weights are quantized with
-    ``gemma_nb.quant``'s quantizer (``Int8Linear``, and per expert ``gemma_nb.moe.quantize_experts_int8``),
-    the tie between lm_head and embedding is broken (the host keeps the float table), and the
-    experts run as ``Int8Experts``. ``quant.apply_scheme`` does the same and also measures every
-    group's quantization error, which a deploy does not need (it is most of its time).
+    ``gemma_nb.quant.apply_scheme(model, "int8_squeeze")`` (int8 per output channel for the experts,
+    the shared MLP and an untied lm_head; the host keeps the float embedding table) without its
+    error measurement, which a deploy does not need (it is most of its time); then the experts run
+    as ``gemma_nb.experts.Int8Experts`` on the same int8 tensors, so that ``torch.export`` can trace
+    them. Returns group, format, params and stored_bytes per quantized group.
     """
-    import pandas as pd
-
-    from gemma_nb.moe import quantize_experts_int8
-    from gemma_nb.quant import Int8Linear, resolve_scheme
-
-    groups = resolve_scheme(SQUEEZE)
-    if set(groups.values()) != {"int8"} or set(groups) != {"experts", "shared_mlp", "lm_head"}:
-        raise ValueError(f"scheme {SQUEEZE!r} resolves to {groups}; int8_squeeze expects int8 experts, shared_mlp, lm_head")
-    stored = {group: [0, 0] for group in groups}  # params, bytes
+    report = apply_scheme(model, SQUEEZE, measure_error=False)
     for layer in model.model.layers:
-        experts = layer.experts
-        gate_up, gate_up_scale = quantize_experts_int8(experts.gate_up_proj.detach(), "gate_up_proj")
-        down, down_scale = quantize_experts_int8(experts.down_proj.detach(), "down_proj")
-        layer.experts = Int8Experts(gate_up, gate_up_scale, down, down_scale, experts.act_fn)
-        stored["experts"][0] += experts.gate_up_proj.numel() + experts.down_proj.numel()
-        stored["experts"][1] += sum(t.numel() * t.element_size() for t in (gate_up, gate_up_scale, down, down_scale))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            linear = getattr(layer.mlp, name)
-            quantized = Int8Linear.from_linear(linear, name=name)
-            setattr(layer.mlp, name, quantized)
-            stored["shared_mlp"][0] += linear.weight.numel()
-            stored["shared_mlp"][1] += quantized.nbytes
-    head = Int8Linear.from_weight(model.lm_head.weight, name="lm_head.weight")
-    stored["lm_head"] = [model.lm_head.weight.numel(), head.nbytes]
-    model.lm_head = head
-    model.config.tie_word_embeddings = False
-    return pd.DataFrame([{"group": g, "format": "int8", "params": p, "stored_bytes": b} for g, (p, b) in stored.items()])
+        layer.experts = Int8Experts.from_quantized(layer.experts)
+    return report[["group", "format", "params", "stored_bytes"]]
 
 
 # --------------------------------------------------------------------------------------------

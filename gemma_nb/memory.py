@@ -14,9 +14,9 @@ Three questions, one function each (notebook 01):
   device), plus the KV cache and an explicit, labelled ``runtime_allowance``.
 - ``hardware.fits(plan, instance)``: headroom per NeuronCore (see ``gemma_nb.hardware``).
 
-Byte formulas (``tensor_bytes``) are public so ``gemma_nb.quant`` can check that the stored bytes of
-a quantized layer equal the planner's figure exactly. Sizes are in bytes; ``_gb`` columns are
-10^9 bytes.
+The formats and their byte formula (``tensor_bytes``) are ``gemma_nb.formats``', the registry the
+quantizers read too, so the stored bytes of a quantized layer equal the planner's figure exactly
+(tested). Sizes are in bytes; ``_gb`` columns are 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from gemma_nb.formats import FORMATS, PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, GiB, INSTANCES, fits, get_instance
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -46,96 +47,6 @@ GROUPS = (
 # Groups TP can split. Router, norms and scale vectors stay replicated (the port kept them so).
 SHARDABLE_GROUPS = ("experts", "attention", "shared_mlp")
 PLAN_ROWS = GROUPS + ("kv_cache", "runtime_allowance")
-
-
-# --------------------------------------------------------------------------------------------
-# Weight formats and their byte formulas
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How one weight matrix ``[out, in]`` is stored.
-
-    ``bits``: bits per stored element. ``block``: elements per shared scale along the *input* axis
-    (fp4 formats; rows are padded up to whole blocks). ``block_scale_bytes``: bytes per block scale.
-    ``row_scale_bytes``: bytes per output row (per-channel int8/fp8: one fp32 scale, the
-    ``[out, 1]`` layout NxD's quantized layers use). ``matrix_scale_bytes``: bytes per matrix
-    (NVFP4's per-tensor fp32 scale).
-    """
-
-    name: str
-    bits: int
-    description: str
-    block: int | None = None
-    block_scale_bytes: int = 0
-    row_scale_bytes: int = 0
-    matrix_scale_bytes: int = 0
-
-    @property
-    def quantized(self) -> bool:
-        return bool(self.block or self.row_scale_bytes or self.matrix_scale_bytes)
-
-
-FORMATS: dict[str, WeightFormat] = {
-    f.name: f
-    for f in (
-        WeightFormat("fp32", 32, "IEEE float32"),
-        WeightFormat("bf16", 16, "bfloat16"),
-        WeightFormat("fp16", 16, "IEEE float16"),
-        WeightFormat("fp8", 8, "fp8 e4m3, per-output-channel fp32 scale [out, 1]", row_scale_bytes=4),
-        WeightFormat("int8", 8, "int8 symmetric, per-output-channel fp32 scale [out, 1]", row_scale_bytes=4),
-        WeightFormat("mxfp4", 4, "OCP MXFP4: e2m1 values, one E8M0 (1-byte) scale per 32 inputs",
-                     block=32, block_scale_bytes=1),
-        WeightFormat("nvfp4", 4, "NVFP4: e2m1 values, one e4m3 (1-byte) scale per 16 inputs + one fp32 per matrix",
-                     block=16, block_scale_bytes=1, matrix_scale_bytes=4),
-    )
-}
-PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
-
-
-def get_format(dtype: str) -> WeightFormat:
-    """The ``WeightFormat`` named ``dtype``; ValueError listing the known names otherwise."""
-    if dtype not in FORMATS:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
-    return FORMATS[dtype]
-
-
-def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
-    """Stored bytes of one tensor in format ``dtype``, scales included.
-
-    ``shape``: a weight ``[out, in]``, a stack of them ``[E, out, in]`` (each of the E matrices is
-    quantized on its own: scales per expert per row), or an int / 1-D shape for a vector (plain
-    dtypes only). With ``n = ceil(in / block)``::
-
-        fp32 / bf16 / fp16   numel * 4 / 2 / 2
-        int8, fp8            out * in + 4 * out                  (fp32 scale per output row)
-        mxfp4                out * (n * 32 / 2) + out * n        (1-byte E8M0 scale per block of 32)
-        nvfp4                out * (n * 16 / 2) + out * n + 4    (e4m3 per block of 16, fp32 per matrix)
-
-    times E for a stack. A quantized format given a vector raises ValueError: scales are defined
-    per output row of a matrix, and vectors (norm weights, biases) stay in a plain dtype.
-    """
-    fmt = get_format(dtype)
-    dims = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {dims} has a negative dimension")
-    if not fmt.quantized:
-        return math.prod(dims) * fmt.bits // 8
-    if len(dims) < 2:
-        raise ValueError(
-            f"{dtype} stores matrices [out, in] with per-row or per-block scales; got shape {dims}: "
-            f"keep vectors (norms, biases) in one of {', '.join(PLAIN_DTYPES)}"
-        )
-    *stack, out, inp = dims
-    matrices = math.prod(stack)
-    if fmt.block:
-        blocks = -(-inp // fmt.block)
-        row_bytes = blocks * fmt.block * fmt.bits // 8 + blocks * fmt.block_scale_bytes
-    else:
-        row_bytes = inp * fmt.bits // 8
-    row_bytes += fmt.row_scale_bytes
-    return matrices * (out * row_bytes + fmt.matrix_scale_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,7 +480,7 @@ def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
     """
     _check_plain(dtype, "KV cache")
     check_tp(config, tp)
-    per_elem = FORMATS[dtype].bits // 8
+    per_elem = FORMATS[dtype].element_bits // 8
     return sum(2 * _kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim * per_elem
                for layer in model_facts(config).attention_layers if layer.kv_heads)
 
@@ -584,7 +495,7 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
     _check_context(context_len, batch)
     _check_plain(dtype, "KV cache")
     check_tp(config, tp)
-    per_elem = FORMATS[dtype].bits // 8
+    per_elem = FORMATS[dtype].element_bits // 8
     total = 0
     for layer in model_facts(config).attention_layers:
         if not layer.kv_heads:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemma_nb import plots
-from gemma_nb.quant import int8_matmul, quantize_int8_per_channel
+from gemma_nb.formats import int8_matmul, quantize_int8_per_channel
 from gemma_nb.story import CLAIMS
 
 DEFAULT_ALIGN_ROWS = 64
@@ -138,7 +138,7 @@ def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop:
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows ``[start, stop)`` of a table read through ``rows_fn(a, b) -> [b - a, hidden]``.
 
-    Quantized chunk by chunk with ``gemma_nb.quant.quantize_int8_per_channel`` (per row, so chunking
+    Quantized chunk by chunk with ``gemma_nb.formats.quantize_int8_per_channel`` (per row, so chunking
     changes nothing) into preallocated ``q int8 [out_rows, hidden]`` and ``scale fp32 [out_rows, 1]``;
     rows past ``stop - start`` (padding) stay zero.
     """
@@ -165,7 +165,7 @@ class VocabParallelLMHead(nn.Module):
 
     Buffers: ``qweight int8 [rows_per_rank, hidden]`` and ``scale fp32 [rows_per_rank, 1]`` (padding
     rows zero). ``forward(hidden [..., H]) -> logits [..., vocab_size]`` in ``hidden.dtype``: the
-    local logits of this rank's real rows through ``gemma_nb.quant.int8_matmul`` (NxD's order:
+    local logits of this rank's real rows through ``gemma_nb.formats.int8_matmul`` (NxD's order:
     upcast the int8 weight to the activation dtype, matmul, times the fp32 scale), padding columns
     ``-inf``, all-gathered over ``group`` and trimmed to the vocab. ``dtype`` is the activation dtype
     the matmul runs in (NxD's ``dtype``; bf16 as in the port); the hidden state is cast to it. With
@@ -248,7 +248,7 @@ def _check_group(shard: VocabShard, group) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world size "
-            f"{shard.tp}: build it inside a worker started by gemma_nb.parallel.run_tp (or use tp=1)"
+            f"{shard.tp}: build it inside a worker started by gemma_nb.ranks.run_tp (or use tp=1)"
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != shard.tp or rank != shard.rank:

@@ -32,7 +32,8 @@ def compiled(checkpoint, tmp_path_factory):
 
 
 def test_int8_experts_equal_quantized_experts_and_squeeze_equals_apply_scheme():
-    from gemma_nb.quant import QuantizedExperts, apply_scheme
+    from gemma_nb.experts import Int8Experts, QuantizedExperts
+    from gemma_nb.quant import apply_scheme
 
     reference = random_gemma4_model(random_gemma4_config(**DIMS), seed=1, dtype=torch.float32)
     squeezed = random_gemma4_model(random_gemma4_config(**DIMS), seed=1, dtype=torch.float32)
@@ -41,7 +42,7 @@ def test_int8_experts_equal_quantized_experts_and_squeeze_equals_apply_scheme():
     assert set(report["group"]) == {"experts", "shared_mlp", "lm_head"}
     experts = reference.model.layers[0].experts
     assert isinstance(experts, QuantizedExperts)
-    ours = D.Int8Experts.from_quantized(experts)
+    ours = Int8Experts.from_quantized(experts)
     torch.manual_seed(0)
     for tokens in (1, 5):  # decode (gather) and prefill (dense, chunked) paths
         x = torch.randn(tokens, 128)

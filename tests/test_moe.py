@@ -7,9 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from gemma_nb import experts as E
 from gemma_nb import moe
 from gemma_nb.evaluate import greedy_generate
-from gemma_nb.quant import dequantize_int8
+from gemma_nb.formats import dequantize_int8
 from gemma_nb.tiny import BUNDLED_ID, random_gemma4_config
 
 NEW_TOKENS = 16
@@ -56,14 +57,14 @@ def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bun
     model, prompts = bundled
     layers = moe.experts_modules(model)
     originals = [(module.gate_up_proj, module.down_proj) for _, _, module in layers]
-    int8_modules = [moe.SparseExperts.from_experts(module, int8=True) for _, _, module in layers]
+    int8_modules = [E.SparseExperts.from_experts(module, int8=True) for _, _, module in layers]
     try:
         # Reference: transformers' experts on q * scale (what int8 weights mean), fp32 activations.
         for (_, _, module), quantized in zip(layers, int8_modules):
             module.gate_up_proj = torch.nn.Parameter(dequantize_int8(quantized.gate_up_proj, quantized.gate_up_scale))
             module.down_proj = torch.nn.Parameter(dequantize_int8(quantized.down_proj, quantized.down_scale))
         reference = _generate(model, prompts)
-        for kind in (moe.SparseExperts, moe.DenseExperts):
+        for kind in (E.SparseExperts, E.DenseExperts):
             for (parent, name, _), quantized in zip(layers, int8_modules):
                 setattr(parent, name, kind.sharing(quantized, compute_dtype=torch.float32))
             for got, want in zip(_generate(model, prompts), reference):
@@ -120,9 +121,9 @@ def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer,
     scale = exact.abs().max().item()
     bf16_eps = 2.0**-8
     outputs = {}
-    for name, module in (("dense", moe.DenseExperts.from_experts(experts)),
-                         ("sparse", moe.SparseExperts.from_experts(experts)),
-                         ("gather", moe.SparseExperts.from_experts(experts, selection="gather"))):
+    for name, module in (("dense", E.DenseExperts.from_experts(experts)),
+                         ("sparse", E.SparseExperts.from_experts(experts)),
+                         ("gather", E.SparseExperts.from_experts(experts, selection="gather"))):
         out = module(x, index, weights)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
         # Two bf16 roundings inside each expert (gate/up and down outputs) plus the final cast.
@@ -133,11 +134,11 @@ def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer,
 
 def test_int8_fused_kernel_matches_the_upcast_reference(mid_layer):
     config, experts = mid_layer
-    fused = moe.SparseExperts.from_experts(experts, int8=True)
-    upcast = moe.SparseExperts.sharing(fused, int8_kernel="upcast")
-    dense = moe.DenseExperts.sharing(fused)
+    fused = E.SparseExperts.from_experts(experts, int8=True)
+    upcast = E.SparseExperts.sharing(fused, int8_kernel="upcast")
+    dense = E.DenseExperts.sharing(fused)
     x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
-    assert moe.int8pack_usable(x, fused.gate_up_proj[0])
+    assert E.int8pack_usable(x, fused.gate_up_proj[0])
     index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=5)
     want = upcast(x, index, weights).float()
     scale = want.abs().max().item()
@@ -153,7 +154,7 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
     config = random_gemma4_config(num_hidden_layers=1, hidden_size=256, moe_intermediate_size=64,
                                   num_experts=32, top_k_experts=4)
     experts = moe.random_experts(config, seed=2)
-    module = moe.SparseExperts.from_experts(experts, int8=int8, selection=selection)
+    module = E.SparseExperts.from_experts(experts, int8=int8, selection=selection)
     x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
     index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=0)
     program = torch.export.export(module, (x, index, weights))
@@ -166,7 +167,7 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
 
 def test_bad_inputs_name_the_problem(mid_layer):
     config, experts = mid_layer
-    module = moe.SparseExperts.from_experts(experts)
+    module = E.SparseExperts.from_experts(experts)
     x = torch.randn(2, config.hidden_size, dtype=torch.bfloat16)
     index, weights = moe.random_routing(2, config.num_experts, 8)
     too_many = torch.arange(65).repeat(2, 1)
@@ -181,21 +182,21 @@ def test_bad_inputs_name_the_problem(mid_layer):
     with pytest.raises(ValueError, match="expert id 64"):
         module(x, torch.full_like(index, 64), weights)
     with pytest.raises(ValueError, match="down_proj has shape"):
-        moe.DenseExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
+        E.DenseExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
     with pytest.raises(ValueError, match="'bogus' is not one of transformers, dense"):
         moe.make_experts(experts, "bogus")
     with pytest.raises(ValueError, match="selection 'copy'"):
-        moe.SparseExperts.from_experts(experts, selection="copy")
+        E.SparseExperts.from_experts(experts, selection="copy")
     with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
         moe.random_routing(1, 8, 9)
 
 
 def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
     q = torch.zeros(8, 40, dtype=torch.int8)
-    assert not moe.int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
-    assert not moe.int8pack_usable(torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8))
-    assert not moe.int8pack_usable(torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8))
-    assert moe.int8pack_usable(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8))
+    assert not E.int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
+    assert not E.int8pack_usable(torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8))
+    assert not E.int8pack_usable(torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8))
+    assert E.int8pack_usable(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("int8", [True, False])
@@ -231,7 +232,7 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8
     assert shapes["dense"] == shapes["sparse"]
     assert shapes["dense"]["gate_up.weight"] == ((16 * 2 * 16, 64), torch.int8 if int8 else torch.float32)
     assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
-    reference = moe.SparseExperts.from_experts(experts)(x, index, weights)
+    reference = E.SparseExperts.from_experts(experts)(x, index, weights)
     tolerance = 0.02 * reference.abs().max().item() if int8 else 1e-5
     assert (outputs["sparse"] - reference).abs().max().item() <= tolerance
     with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by tp=3"):

@@ -24,7 +24,8 @@ from gemma_nb.parallel import (
     softcap_logits,
     vocab_shard,
 )
-from gemma_nb.quant import Int8Linear, quantize_int8_per_channel
+from gemma_nb.formats import quantize_int8_per_channel
+from gemma_nb.quant import Int8Linear
 from gemma_nb.ranks import TPJobError, run_tp
 
 HIDDEN = 64

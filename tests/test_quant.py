@@ -13,13 +13,10 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import memory, quant  # noqa: E402
-from gemma_nb.quant import (  # noqa: E402
-    FORMATS,
+from gemma_nb import formats, memory, quant  # noqa: E402
+from gemma_nb.experts import QuantizedExperts  # noqa: E402
+from gemma_nb.formats import (  # noqa: E402
     FP4_E2M1_VALUES,
-    Int8Linear,
-    QuantizedExperts,
-    apply_scheme,
     dequantize_int8,
     int8_matmul,
     pack_fp4,
@@ -28,6 +25,8 @@ from gemma_nb.quant import (  # noqa: E402
     unpack_fp4,
     unpack_fp4_codes,
 )
+from gemma_nb.formats import QUANTIZED_FORMATS as FORMATS  # noqa: E402
+from gemma_nb.quant import Int8Linear, apply_scheme  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -83,7 +82,7 @@ def test_int8_zero_row_outlier_and_port_formula():
     weight[1] = 0.0
     weight[2, 5] = 1e6  # one huge outlier: its row collapses to {0, +127}, other rows unaffected
     q, scale = quantize_int8_per_channel(weight)
-    assert scale[1, 0] == quant.INT8_MIN_SCALE and int(q[1].abs().sum()) == 0
+    assert scale[1, 0] == formats.INT8_MIN_SCALE and int(q[1].abs().sum()) == 0
     assert torch.equal(dequantize_int8(q, scale)[1], torch.zeros(64))
     assert q[2, 5] == 127 and int((q[2] != 0).sum()) == 1
     clean, clean_scale = quantize_int8_per_channel(weight[[0, 3]])
@@ -114,7 +113,7 @@ def test_int8_axes_and_stacks():
 def test_quantize_int8_equals_the_port_quantizer_even_in_small_chunks(monkeypatch):
     weight = torch.randn(2, 48, 40, dtype=torch.bfloat16)
     q, scale = quantize_int8_per_channel(weight, axis=1)
-    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 7 * 40)  # chunks cut across the two experts
+    monkeypatch.setattr(formats, "CHUNK_ELEMENTS", 7 * 40)  # chunks cut across the two experts
     qt = quantize(weight, "int8")
     assert torch.equal(qt.data, q) and torch.equal(qt.scale, scale)
 
@@ -161,17 +160,17 @@ def test_fp4_codes_pack_and_unpack_round_trip():
     assert torch.equal(unpack_fp4(packed), torch.tensor(FP4_E2M1_VALUES))
     every_byte = torch.arange(256, dtype=torch.uint8)
     assert torch.equal(pack_fp4(unpack_fp4_codes(every_byte)), every_byte)
-    assert torch.equal(quant.e2m1_codes(torch.tensor(FP4_E2M1_VALUES))[:8], codes[:8])
+    assert torch.equal(formats.e2m1_codes(torch.tensor(FP4_E2M1_VALUES))[:8], codes[:8])
     with pytest.raises(ValueError, match="odd number"):
         pack_fp4(torch.zeros(3, dtype=torch.uint8))
 
 
 def test_e2m1_rounding_ties_to_even_and_saturates():
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    assert quant.round_to_e2m1(midpoints).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
-    assert quant.round_to_e2m1(-midpoints).tolist() == [0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
-    assert quant.round_to_e2m1(torch.tensor([7.0, -1e9, 0.26, -0.2])).tolist() == [6.0, -6.0, 0.5, 0.0]
-    assert quant.e2m1_codes(torch.tensor([-0.2, -0.0])).tolist() == [0, 0]  # never a negative-zero code
+    assert formats.round_to_e2m1(midpoints).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert formats.round_to_e2m1(-midpoints).tolist() == [0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
+    assert formats.round_to_e2m1(torch.tensor([7.0, -1e9, 0.26, -0.2])).tolist() == [6.0, -6.0, 0.5, 0.0]
+    assert formats.e2m1_codes(torch.tensor([-0.2, -0.0])).tolist() == [0, 0]  # never a negative-zero code
 
 
 @FAST
@@ -213,7 +212,7 @@ def test_mxfp4_shared_exponent_is_exact_just_below_a_power_of_two():
     weight[0, 5] = just_below
     qt = quantize(weight, "mxfp4")
     assert int(qt.scale[0, 0]) == 122
-    assert float(quant.e8m0_to_float(qt.scale)[0, 0]) == 2.0**-5
+    assert float(formats.e8m0_to_float(qt.scale)[0, 0]) == 2.0**-5
 
 
 @FAST
@@ -226,7 +225,7 @@ def test_mxfp4_shared_exponent_matches_the_exact_floor_log2(power, ulps_below):
     weight = torch.zeros(1, 32)
     weight[0, 0] = -value
     code = int(quantize(weight, "mxfp4").scale[0, 0])
-    assert code == max(0, min(254, quant.E8M0_BIAS + (power - 1) - 2))
+    assert code == max(0, min(254, formats.E8M0_BIAS + (power - 1) - 2))
 
 
 @FAST
@@ -252,14 +251,14 @@ def test_fp4_error_bound_on_gaussian_weights(fmt):
     qt = quantize(weight, fmt)
     blocks = qt.format.block_size
     if fmt == "mxfp4":
-        step = quant.e8m0_to_float(qt.scale)  # top binade step is 2 x scale; saturation adds up to 2 x scale
+        step = formats.e8m0_to_float(qt.scale)  # top binade step is 2 x scale; saturation adds up to 2 x scale
         bound = 2 * step
     else:
         step = qt.scale.float() * qt.global_scale
         bound = step  # half the top step (2 x scale); e4m3 rounding of the block scale adds < 6 x 2^-4
     error = (qt.dequantize() - weight).abs().unflatten(-1, (-1, blocks))
     assert bool((error <= bound.unsqueeze(-1) * (1 + 1e-6)).all())
-    assert 0.05 < quant.quantization_error(weight, qt)["rel_error"] < 0.15
+    assert 0.05 < formats.quantization_error(weight, qt)["rel_error"] < 0.15
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -304,7 +303,7 @@ def test_stored_bytes_equal_the_planner_formula(fmt, experts, rows, cols):
 def test_chunking_does_not_change_the_result(fmt, monkeypatch):
     weight = torch.randn(3, 16, 64, dtype=torch.bfloat16)
     whole = quantize(weight, fmt)
-    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 5 * 64)
+    monkeypatch.setattr(formats, "CHUNK_ELEMENTS", 5 * 64)
     chunked = quantize(weight, fmt)
     assert torch.equal(whole.data, chunked.data)
     assert torch.equal(whole.scale.view(torch.uint8), chunked.scale.view(torch.uint8))

@@ -39,7 +39,7 @@ from torch import nn
 
 from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.neuron.quant import patch_scale_dequantize
-from gemma_nb.quant import quantize_int8_per_channel
+from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.targets import NEURON_HELP, TargetError
 
 # transformers' Gemma4ForCausalLM names the tied table this; the traced graph calls its head lm_head.
@@ -95,7 +95,7 @@ def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefi
     """Checkpoint entries for the untied head, made from the tied embedding table ``[V, H]``.
 
     int8: ``{prefix}weight`` int8 ``[V, H]`` and ``{prefix}scale`` fp32 ``[V, 1]`` from
-    ``gemma_nb.quant.quantize_int8_per_channel`` (the port's quantizer: absmax(row)/127, floor
+    ``gemma_nb.formats.quantize_int8_per_channel`` (the port's quantizer: absmax(row)/127, floor
     1e-8, round, clamp to +-127). bf16: ``{prefix}weight`` as bf16. Full, unsharded tensors:
     ModelBuilder's sharding splits both along dim 0 per rank. Pure torch, runs anywhere.
     """

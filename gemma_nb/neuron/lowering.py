@@ -421,7 +421,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     """What does not lower: the decode step with transformers' default experts, and with the cpu
-    ``gemma_nb.moe.SparseExperts`` (data-dependent indexing: host syncs), at TP=1 on
+    ``gemma_nb.experts.SparseExperts`` (data-dependent indexing: host syncs), at TP=1 on
     ``NeuronGemma4(parallel=False)``. A row per case; an exception in the XLA step (a fallback op
     failing on the cpu) is recorded as its ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)

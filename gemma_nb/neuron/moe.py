@@ -33,6 +33,9 @@ weights are sharded once for every graph) can hold a dense prefill graph and a s
   slice, so each rank reads ``K x 3 x H x I/tp`` int8 weights per token; the partial sums are
   all-reduced in fp32, as NxD's RowParallelLinear reduces (``reduce_dtype=torch.float32``).
 
+The math is the cpu experts' (``gemma_nb.experts.dense_router_weights`` and ``gated``,
+``gemma_nb.formats.scale_rows``); only the weights' home differs: NxD's parallel layers here.
+
 Prefill keeps the dense module (blockwise kernels are prefill-only and unavailable on inf2); the
 decode graph takes either (``gemma_nb.neuron.build.NeuronBuildConfig.decode_experts``).
 
@@ -51,9 +54,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from gemma_nb.quant import quantize_int8_per_channel
-
-MODES = ("dense", "sparse")
+from gemma_nb.experts import dense_router_weights, gated
+from gemma_nb.formats import quantize_int8_per_channel, scale_rows
 
 
 def import_nxd() -> SimpleNamespace:
@@ -81,11 +83,6 @@ def _row(sdk, input_size, output_size, int8, dtype):
         return sdk.RowParallelLinear(input_size, output_size, bias=False, input_is_parallel=True, dtype=dtype)
     # QuantizedRowParallel's per-channel fp32 scale is [out, 1], replicated on every rank.
     return sdk.QuantizedRowParallel(input_size, output_size, input_is_parallel=True, **int8_kwargs(sdk, dtype))
-
-
-def _dense_router_weights(top_k_index, top_k_weights, num_experts):
-    dense = torch.zeros(top_k_index.shape[0], num_experts, dtype=torch.float32, device=top_k_index.device)
-    return dense.scatter(1, top_k_index, top_k_weights.float())
 
 
 class _RankMajorExperts(nn.Module):
@@ -119,9 +116,9 @@ class NeuronDenseExperts(_RankMajorExperts):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         tokens = hidden_states.shape[0]
-        weights = _dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E]
-        gate_up = self.gate_up(hidden_states).view(tokens, self.num_experts, 2, self.local_inter)
-        hidden = self.act_fn(gate_up[:, :, 0]) * gate_up[:, :, 1] * weights[..., None].to(gate_up.dtype)
+        weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E]
+        gate_up = self.gate_up(hidden_states).view(tokens, self.num_experts, 2 * self.local_inter)
+        hidden = gated(gate_up, self.act_fn) * weights[..., None].to(gate_up.dtype)
         return self.down(hidden.reshape(tokens, self.num_experts * self.local_inter))  # all-reduced [T, H]
 
 
@@ -134,17 +131,17 @@ class NeuronSparseExperts(_RankMajorExperts):
             raise ValueError(f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: selective loading is "
                              "the decode path; compile prefill with NeuronDenseExperts")
         dtype, hidden_size = hidden_states.dtype, self.hidden_size
-        rows = self.gate_up.weight.view(self.num_experts, 2, self.local_inter, hidden_size)[top_k_index]
-        gate_up = torch.einsum("th,tkcih->tkci", hidden_states, rows.to(dtype))  # [T, K, 2, I/tp]
+        rows = self.gate_up.weight.view(self.num_experts, 2 * self.local_inter, hidden_size)[top_k_index]
+        gate_up = torch.einsum("th,tkih->tki", hidden_states, rows.to(dtype))  # [T, K, 2 I/tp]
         if self.int8:  # NxD's order: matmul in the activation dtype, then the fp32 row scale
-            scale = self.gate_up.scale.view(self.num_experts, 2, self.local_inter)[top_k_index]
-            gate_up = (gate_up.float() * scale).to(dtype)
-        hidden = self.act_fn(gate_up[:, :, 0]) * gate_up[:, :, 1] * top_k_weights[..., None].to(dtype)
+            gate_up = scale_rows(gate_up, self.gate_up.scale.view(self.num_experts, 2 * self.local_inter)[top_k_index],
+                                 dtype)
+        hidden = gated(gate_up, self.act_fn) * top_k_weights[..., None].to(dtype)
         # [H, T, K, I/tp]: the routed experts' columns of this rank's down slice
         columns = self.down.weight.view(hidden_size, self.num_experts, self.local_inter)[:, top_k_index]
         partial = torch.einsum("tki,htki->th", hidden, columns.to(dtype))
         if self.int8:
-            partial = (partial.float() * self.down.scale.T).to(dtype)
+            partial = scale_rows(partial, self.down.scale.T, dtype)
         # fp32 all-reduce, as NxD's RowParallelLinear (reduce_dtype=torch.float32)
         return self.reduce(partial.float(), process_group=self.down.tensor_parallel_group).to(dtype)
 
@@ -185,7 +182,7 @@ def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tp: 
     module's path (e.g. ``"layers.3.experts."``). ``{prefix}gate_up.weight [E*2I, H]`` and
     ``{prefix}down.weight [H, E*I]`` in the rank-major layout (:func:`rank_major_gate_up`,
     :func:`rank_major_down`); int8 with fp32 ``scale`` ``[E*2I, 1]`` / ``[H, 1]`` from
-    ``gemma_nb.quant.quantize_int8_per_channel``, or ``dtype`` weights with ``int8=False``.
+    ``gemma_nb.formats.quantize_int8_per_channel``, or ``dtype`` weights with ``int8=False``.
     """
     experts, two_inter, hidden = gate_up_proj.shape
     inter = two_inter // 2
@@ -196,23 +193,3 @@ def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tp: 
     out = _linear_entries(f"{prefix}gate_up.", rank_major_gate_up(gate_up_proj, tp), int8, dtype)
     out.update(_linear_entries(f"{prefix}down.", rank_major_down(down_proj, tp), int8, dtype))
     return out
-
-
-def swap_in_neuron_experts(model: nn.Module, mode: str, tp: int = 2, int8: bool = True,
-                           dtype: torch.dtype = torch.bfloat16, sdk=None) -> nn.Module:
-    """Replace each layer's ``experts`` of a transformers Gemma-4 model with the NxD module for ``mode``.
-
-    Call it where NxD's parallel state exists (inside the ModelBuilder model factory, or a
-    stand-in ``model_parallel``); the weights come from ``experts_checkpoint``. Returns ``model``.
-    """
-    from gemma_nb.moe import experts_modules
-
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-    cls = NeuronDenseExperts if mode == "dense" else NeuronSparseExperts
-    activation = getattr(model.config, "hidden_activation", "gelu_pytorch_tanh")
-    for parent, name, module in experts_modules(model):
-        experts, two_inter, hidden = module.gate_up_proj.shape
-        setattr(parent, name, cls(experts, hidden, two_inter // 2, tp, int8=int8, dtype=dtype, sdk=sdk,
-                                  activation=activation))
-    return model

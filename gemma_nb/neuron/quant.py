@@ -13,7 +13,7 @@ NxD's own version, so the tests show why it is needed.
 ``SDK_SUPPORT_MATRIX`` is what the NxD sources and the write-up say (docs/sources.md: nxd-source, port-review), for the cpu notebook to show.
 :func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
 ``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
-scales), load weights quantized by ``gemma_nb.quant``, trace and compile it with ModelBuilder v2,
+scales), load weights quantized by ``gemma_nb.formats``, trace and compile it with ModelBuilder v2,
 run it, compare with the cpu result, and record per dtype the stage it reached and the error text.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from gemma_nb import quant
+from gemma_nb import formats
 from gemma_nb.neuron.sdk import import_sdk
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed, src/neuronx_distributed/quantization/"
@@ -139,20 +139,20 @@ def _layer_kwargs(dtype_name: str, sdk) -> dict:
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial.
 
-    Quantized on the cpu by ``gemma_nb.quant``: int8 per-channel; fp8 per-channel with Neuron's
+    Quantized on the cpu by ``gemma_nb.formats``: int8 per-channel; fp8 per-channel with Neuron's
     +-240 range; fp4 as MXFP4 (E2M1 nibbles, two per byte, viewed as uint16 = four per element,
     E8M0 uint8 scales per block of 32). Runs anywhere (no SDK).
     """
     if dtype_name == "INT8":
-        q, scale = quant.quantize_int8_per_channel(weight, name="trial.weight")
-        return {"layer.weight": q, "layer.scale": scale}, quant.dequantize_int8(q, scale)
+        q, scale = formats.quantize_int8_per_channel(weight, name="trial.weight")
+        return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
     if dtype_name == "F8E4M3":
-        # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.quant's OCP fp8
+        # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.formats's OCP fp8
         scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
         q = (weight / scale).clamp(-NEURON_FP8_MAX, NEURON_FP8_MAX).to(torch.float8_e4m3fn)
         return {"layer.weight": q, "layer.scale": scale}, q.float() * scale
     if dtype_name == "F4E2M1FN_X4":
-        qt = quant.quantize(weight, "mxfp4", name="trial.weight")
+        qt = formats.quantize(weight, "mxfp4", name="trial.weight")
         if qt.data.shape[-1] % 2:
             raise ValueError(f"input size {weight.shape[-1]} must be a multiple of 4 to view fp4 bytes as uint16")
         return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()

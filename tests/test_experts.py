@@ -1,0 +1,84 @@
+"""gemma_nb.experts: one family, so its strategies agree where they share math; one format registry."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gemma_nb import experts as E  # noqa: E402
+from gemma_nb import formats, memory, moe, quant  # noqa: E402
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def layer():
+    config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
+                                  num_experts=16, top_k_experts=4)
+    return config, moe.random_experts(config, seed=7, dtype=torch.float32)
+
+
+def test_int8_experts_are_the_sparse_gather_and_dense_upcast_strategies_bit_for_bit(layer):
+    config, float_experts = layer
+    sparse = E.SparseExperts.from_experts(float_experts, int8=True, int8_kernel="upcast", selection="gather",
+                                          compute_dtype=torch.float32)
+    dense = E.DenseExperts.sharing(sparse)
+    deploy = E.Int8Experts.from_quantized(sparse)
+    assert deploy.gate_up_proj.data_ptr() == sparse.gate_up_proj.data_ptr()  # shared, not copied
+    x = torch.randn(3, 64)
+    index, weights = moe.random_routing(3, 16, 4, seed=2)
+    assert torch.equal(deploy(x[:1], index[:1], weights[:1]), sparse(x[:1], index[:1], weights[:1]))
+    assert torch.equal(deploy(x, index, weights), dense(x, index, weights))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "mxfp4", "nvfp4"])
+def test_every_strategy_runs_on_every_quantized_format(layer, fmt):
+    config, float_experts = layer
+    quantized = E.QuantizedExperts.from_experts(float_experts, fmt)
+    x = torch.randn(5, 64)
+    index, weights = moe.random_routing(5, 16, 4, seed=3)
+    want = quantized(x, index, weights)
+    for cls in (E.DenseExperts, E.SparseExperts):
+        got = cls.sharing(quantized)(x, index, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
+    assert quantized.nbytes == sum(formats.tensor_bytes(shape, fmt) for shape in (quantized.gate_up.shape,
+                                                                                 quantized.down.shape))
+    with pytest.raises(ValueError, match=f"selection 'gather' needs float or int8 weights, not {fmt}"):
+        E.SparseExperts.sharing(quantized, selection="gather")
+
+
+def test_dense_router_weights_put_the_top_k_weights_in_place():
+    index = torch.tensor([[2, 0], [1, 3]])
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]], dtype=torch.bfloat16)
+    dense = E.dense_router_weights(index, weights, 4)
+    assert dense.dtype == torch.float32
+    assert dense.tolist() == [[0.25, 0.0, 0.75, 0.0], [0.0, 0.5, 0.0, 0.5]]
+
+
+def test_one_format_registry_for_the_planner_and_the_quantizers():
+    assert memory.FORMATS is formats.FORMATS
+    assert list(quant.FORMATS) == ["int8", "fp8", "mxfp4", "nvfp4"]
+    assert all(quant.FORMATS[name] is formats.get_format(name) for name in quant.FORMATS)
+    assert [name for name, f in formats.FORMATS.items() if not f.quantized] == ["fp32", "bf16", "fp16"]
+    int8, nvfp4 = formats.get_format("int8"), formats.get_format("nvfp4")
+    assert (int8.row_scale_bytes, int8.block_scale_bytes, int8.matrix_scale_bytes) == (4, 0, 0)
+    assert (nvfp4.row_scale_bytes, nvfp4.block_scale_bytes, nvfp4.matrix_scale_bytes) == (0, 1, 4)
+    with pytest.raises(ValueError, match="weight format 'bf16' is not one of int8, fp8, mxfp4, nvfp4"):
+        formats.weight_format("bf16")
+
+
+def test_apply_scheme_without_error_measurement_stores_the_same_bytes():
+    config = random_gemma4_config(num_hidden_layers=2, num_experts=8, top_k_experts=2)
+    measured = random_gemma4_model(config, seed=1, dtype=torch.float32)
+    quick = random_gemma4_model(config, seed=1, dtype=torch.float32)
+    full = quant.apply_scheme(measured, "int8_squeeze")
+    fast = quant.apply_scheme(quick, "int8_squeeze", measure_error=False)
+    assert fast["stored_bytes"].tolist() == full["stored_bytes"].tolist()
+    assert fast["params"].tolist() == full["params"].tolist()
+    assert all(math.isnan(v) for v in fast["rel_error"]) and not any(math.isnan(v) for v in full["rel_error"])
+    assert torch.equal(quick.model.layers[0].experts.gate_up.data, measured.model.layers[0].experts.gate_up.data)
