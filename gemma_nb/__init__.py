@@ -10,7 +10,8 @@ first, then the notebook's own experiment around it.
 - ``formats``: the weight formats (bf16, int8, fp8, MXFP4, NVFP4), their bytes and quantizer: one
   registry the planner and the quantizers read (01, 02).
 - ``experts``: the routed experts, one family: dense or sparse, float, int8 or quantized (02, 05, 07).
-- 01 memory arithmetic: ``memory`` (inventory, per-rank byte plans), ``hardware`` (instances, devices).
+- 01 memory arithmetic: ``memory`` (inventory, per-rank byte plans), ``hardware`` (instances, devices),
+  ``memory_figures`` (the story's memory figures computed, and the plots).
 - 02 quantization: ``quant`` (quantized linears and schemes on a model), ``quant_eval`` (scoring a scheme).
 - 03 lm_head sharding: ``parallel`` (the vocab-parallel head and its jobs), ``ranks`` (``run_tp``:
   real gloo ranks in processes).

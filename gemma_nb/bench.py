@@ -30,9 +30,9 @@ from typing import Any
 import pandas as pd
 import torch
 
+from gemma_nb.experts import int8_linear
 from gemma_nb.hardware import GB
 from gemma_nb.memory import tensor_bytes
-from gemma_nb.experts import int8_linear
 
 EXPERT_MODES = ("dense", "sparse")
 

@@ -37,15 +37,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import nn
 
-from gemma_nb import export
+from gemma_nb import export, memory
+from gemma_nb.embedding import HostEmbedding
+from gemma_nb.evaluate import greedy_generate
 from gemma_nb.experts import Int8Experts
+from gemma_nb.hostmem import run_measured, self_peak_rss_bytes
+from gemma_nb.modelio import model_skeleton, quiet_loading, resolve_model_id
+from gemma_nb.plots import reference_line
 from gemma_nb.quant import apply_scheme
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
@@ -95,15 +101,12 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
     A folder already holding the same ``dims`` and ``seed`` (``gemma_nb_random.json``) is reused.
     Returns params (unique parameters) and checkpoint_bytes.
     """
-    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
-
     folder = Path(folder)
     marker = folder / CHECKPOINT_MARKER
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
         return json.loads(marker.read_text())["figures"]
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=CHECKPOINT_DTYPE)
-    from gemma_nb.modelio import quiet_loading
 
     with quiet_loading():
         model.save_pretrained(folder)
@@ -118,8 +121,6 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
 def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
     """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
     from transformers import AutoModelForCausalLM
-
-    from gemma_nb.modelio import quiet_loading, resolve_model_id
 
     source = resolve_model_id(str(checkpoint))
     with quiet_loading():
@@ -176,8 +177,6 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
     """Load ``checkpoint`` in full precision, squeeze it, decode the reference tokens eagerly,
     compile it into ``folder`` and time the exported decode step against the eager one.
     """
-    from gemma_nb.evaluate import greedy_generate
-
     step_shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -193,14 +192,6 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
 # --------------------------------------------------------------------------------------------
 # The two deploys
 # --------------------------------------------------------------------------------------------
-def model_skeleton(config) -> nn.Module:
-    """The model's structure on the meta device: every module, no weight memory."""
-    from transformers import Gemma4ForCausalLM
-
-    with torch.device("meta"):
-        return Gemma4ForCausalLM(config).eval()
-
-
 def host_embedding_for(skeleton: nn.Module, path: Path):
     """The host table from ``path``, its scale checked against the skeleton's own embedding module.
 
@@ -208,8 +199,6 @@ def host_embedding_for(skeleton: nn.Module, path: Path):
     weight dtype in forward; on the meta device it has no value, so it is rebuilt from the
     module's ``scalar_embed_scale`` exactly as its constructor builds it.
     """
-    from gemma_nb.embedding import HostEmbedding
-
     module = skeleton.get_input_embeddings()
     scale = torch.tensor(module.scalar_embed_scale)
     return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))
@@ -245,8 +234,6 @@ class NaiveDeploy:
         int8_squeeze(self.model)
 
     def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        from gemma_nb.evaluate import greedy_generate
-
         return greedy_generate(self.model, input_ids, max_new_tokens)
 
 
@@ -254,7 +241,6 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
     """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
     if kind not in DEPLOY_KINDS:
         raise ValueError(f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}")
-    from gemma_nb.hostmem import self_peak_rss_bytes
 
     start = time.perf_counter()
     deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
@@ -277,8 +263,6 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
     ``cold_start_s``: from just before the process is started to its first generated token
     (interpreter start, imports, load, prefill), what a fresh instance pays before it can answer.
     """
-    from gemma_nb.hostmem import run_measured
-
     job = {"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens}
     started = time.time()
     run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
@@ -293,8 +277,6 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
 def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                     shapes: Mapping | None = None, interval_s: float = 0.05, timeout_s: float = 600.0) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
-    from gemma_nb.hostmem import run_measured
-
     job = {"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
            "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}
     run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
@@ -342,8 +324,6 @@ def host_budget_26b(config) -> dict:
     naive: the whole checkpoint read (bf16) and the full-precision model built from it (fp32);
     slim: the embedding table (bf16 [vocab, hidden]), the only weights the host keeps.
     """
-    from gemma_nb import memory
-
     params = memory.param_summary(config)["total_params"]
     return {
         "naive: model in fp32": 4 * params / 1e9,
@@ -365,8 +345,6 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
 
 def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_peak_gb: float) -> None:
     """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
-    from gemma_nb.plots import reference_line
-
     names = list(budget)
     ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
     ax.set_xscale("log")
@@ -380,8 +358,6 @@ def main(argv: list[str]) -> None:
     """``python -m gemma_nb.deploy '<job json>'``: one deploy or compile (the module docstring's JSON contract)."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
-        from gemma_nb.hostmem import self_peak_rss_bytes
-
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
         result["self_peak_rss_bytes"] = self_peak_rss_bytes()
     else:

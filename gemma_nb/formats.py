@@ -31,14 +31,13 @@ raise ValueError naming the tensor; all-zero rows dequantize to zeros.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
 
 from gemma_nb.targets import torch_threads
-
 
 INT8_QMAX = 127
 # The port's quantizer floors the scale so an all-zero row gives scale 1e-8 and q = 0, never NaN.
@@ -278,7 +277,7 @@ class QuantizedTensor:
         tensors = [self.data, self.scale] + ([self.global_scale] if self.global_scale is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def __getitem__(self, index: int) -> "QuantizedTensor":
+    def __getitem__(self, index: int) -> QuantizedTensor:
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
         if len(self.shape) < 3:
             raise ValueError(f"{self.name!r} has shape {self.shape}; only stacked [E, out, in] weights can be indexed")

@@ -17,18 +17,24 @@ Three questions, one function each (notebook 01):
 The formats and their byte formula (``tensor_bytes``) are ``gemma_nb.formats``', the registry the
 quantizers read too, so the stored bytes of a quantized layer equal the planner's figure exactly
 (tested). Sizes are in bytes; ``_gb`` columns are 10^9 bytes.
+
+One concern in one module (~800 lines): the planner's byte arithmetic, from the config's inventory
+through the KV cache to a plan per rank and its fit; ``python -m gemma_nb plan`` and notebook 01
+read the same functions. Notebook 01's own figures (``story_figures``, the plots) are
+``gemma_nb.memory_figures``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from gemma_nb.formats import FORMATS, PLAIN_DTYPES, get_format, tensor_bytes
-from gemma_nb.hardware import GB, GiB, INSTANCES, fits, get_instance
+from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 GEMMA4_26B_CONFIG_PATH = CONFIGS_DIR / "gemma4_26b_a4b.json"
@@ -581,7 +587,7 @@ class Scheme:
     def dtype(self, group: str) -> str:
         return self.dtypes.get(group, self.default_dtype)
 
-    def with_allowance(self, runtime_allowance_bytes: int) -> "Scheme":
+    def with_allowance(self, runtime_allowance_bytes: int) -> Scheme:
         return replace(self, runtime_allowance_bytes=int(runtime_allowance_bytes))
 
 
@@ -828,98 +834,3 @@ def fit_table(config, schemes: Iterable[str | Scheme] = tuple(SCHEMES), instance
                          "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
                          "headroom_gb": fit.headroom_gb, "fits": fit.fits, "usd_per_hour": inst.usd_per_hour})
     return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------------
-
-
-def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = None) -> None:
-    """Stacked bars (seaborn): GB per rank per group, one bar per plan; ``budgets``: label -> GB lines."""
-    import pandas as pd
-    import seaborn as sns
-
-    from gemma_nb.plots import reference_line
-
-    long = pd.concat([p.table.assign(scheme=p.scheme.name) for p in plans], ignore_index=True)
-    long = long[long["bytes_per_rank"] > 0]
-    order = [g for g in PLAN_ROWS if g in set(long["group"])]
-    sns.histplot(data=long, x="scheme", weights="gb_per_rank", hue="group", hue_order=order, multiple="stack",
-                 discrete=True, shrink=0.75, ax=ax, palette="colorblind", linewidth=0.5, edgecolor="white", alpha=0.9)
-    sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1.0), title="group", frameon=False)
-    for x, p in enumerate(plans):
-        ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, 2), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=9)
-    ax.set_xlabel(f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)")
-    ax.set_ylabel("HBM per rank (GB)")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
-    for label, value in (budgets or {}).items():
-        reference_line(ax, value, label)
-
-
-def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
-    """Instance x scheme heatmap of headroom per NeuronCore (GB); rows: instance, TP degree, on-demand $/hour."""
-    import seaborn as sns
-
-    labelled = table.assign(row=[f"{i}  TP={t}  ${p:.2f}/h" for i, t, p in
-                                 zip(table["instance"], table["tp"], table["usd_per_hour"])])
-    grid = labelled.pivot(index="row", columns="scheme", values=value)
-    grid = grid.loc[list(dict.fromkeys(labelled["row"])), list(dict.fromkeys(labelled["scheme"]))]
-    limit = float(abs(grid).max().max()) or 1.0
-    sns.heatmap(grid, annot=True, fmt="+.1f", cmap="RdYlGn", center=0.0, vmin=-limit, vmax=limit,
-                cbar_kws={"label": "headroom (GB)"}, ax=ax, linewidths=0.5)
-    ax.set_xlabel("scheme")
-    ax.set_ylabel("")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
-
-
-# --------------------------------------------------------------------------------------------
-# The story's memory figures, computed
-# --------------------------------------------------------------------------------------------
-
-
-def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
-                  instance: str = "inf2.xlarge") -> dict[str, float]:
-    """Every memory figure of the write-up, computed from ``config``; keys are ``gemma_nb.story`` claim keys.
-
-    GB = 10^9 bytes. "Per rank" figures come from ``plan`` at ``tp`` with a ``context_len`` KV cache:
-    ``int8_experts_gap_gb`` is how far the int8-experts build overflows the story's 16 GB per core
-    (negative: it fits on paper, with the default runtime allowance); ``int8_experts_non_expert_gb``
-    is everything in HBM per rank in that build except the experts themselves (attention, shared
-    MLP, replicated lm_head, router, norms, KV cache and the default runtime allowance);
-    ``final_residency_gb_per_rank`` is the int8_squeeze build's weights plus KV cache (no runtime
-    allowance). ``experts_share_pct`` is the share of non-embedding
-    weights (the sense in which "93%" holds); ``experts_share_all_weights_pct`` of all weights.
-    ``active_params_b`` counts the embedding table as active (the model card's convention);
-    ``active_params_port_card_b`` leaves it out.
-    """
-    summary = param_summary(config)
-    bf16 = plan(config, tp, "bf16", context_len)
-    int8_experts = plan(config, tp, "int8_experts", context_len)
-    squeeze = plan(config, tp, "int8_squeeze", context_len)
-    experts_int8 = int8_experts.bytes("experts")
-    return {
-        "total_params_b": summary["total_params"] / 1e9,
-        "active_params_b": summary["active_params"] / 1e9,
-        "active_params_port_card_b": summary["active_params_excl_embeddings"] / 1e9,
-        "experts_bf16_gb": tensor_bytes(summary["experts_params"], "bf16") / GB,
-        "experts_share_pct": summary["experts_share_non_embedding_pct"],
-        "experts_share_all_weights_pct": summary["experts_share_pct"],
-        "experts_bf16_gb_per_rank": bf16.gb("experts"),
-        "experts_int8_gb_per_rank": experts_int8 / GB,
-        "int8_experts_gap_gb": (int8_experts.total_bytes - get_instance(instance).budget_bytes("story")) / GB,
-        "int8_experts_non_expert_gb": (int8_experts.total_bytes - experts_int8) / GB,
-        "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"),
-        "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
-        "lm_head_released_gb_per_rank": (int8_experts.bytes("lm_head") - squeeze.bytes("lm_head")) / GB,
-        "shared_mlp_int8_saving_gb_per_rank": (int8_experts.bytes("shared_mlp") - squeeze.bytes("shared_mlp")) / GB,
-        "final_residency_gb_per_rank": (squeeze.total_bytes - squeeze.bytes("runtime_allowance")) / GB,
-        "hbm_per_core_gb": get_instance(instance).hbm_per_core_bytes / GB,
-        "host_embedding_gb": squeeze.table.set_index("group").loc["embeddings", "host_bytes"] / GB,
-        "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes_per_token(config, tp, "bf16")),
-    }

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
@@ -144,3 +145,11 @@ def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = to
 def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) of the bundled checkpoint (``gemma_nb.tiny``), loaded like any hub model, in eval mode."""
     return load_model(BUNDLED_ID, dtype=dtype, device=device)
+
+
+def model_skeleton(config) -> nn.Module:
+    """The model's structure on the meta device: every module, no weight memory."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        return Gemma4ForCausalLM(config).eval()

@@ -15,7 +15,7 @@ the routed experts on quantized weights (``QuantizedExperts``) in ``gemma_nb.exp
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.float())
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
+    def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> Int8Linear:
         """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
         if weight.dim() != 2:
             raise ValueError(f"{name!r} has shape {tuple(weight.shape)}; Int8Linear needs a 2-D weight [out, in]")
@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
         return cls(quantized.data, quantized.scale)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, name: str = "linear") -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, name: str = "linear") -> Int8Linear:
         if getattr(linear, "bias", None) is not None:
             raise ValueError(f"{name!r} has a bias; Int8Linear covers the bias-free linears Gemma-4 uses")
         return cls.from_weight(linear.weight, name=f"{name}.weight")
@@ -80,7 +80,7 @@ class Int8Linear(nn.Module):
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * self.scale.element_size()
 
     @property
-    def quantized(self) -> "QuantizedTensor":
+    def quantized(self) -> QuantizedTensor:
         """The same weight as a :class:`QuantizedTensor` (format ``int8``), sharing storage."""
         return QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape), name="int8_linear")
 

@@ -7,8 +7,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import export  # noqa: E402
 from gemma_nb import deploy as D  # noqa: E402
+from gemma_nb import export  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 

@@ -218,7 +218,7 @@ def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp
 
 def test_verify_against_a_meta_device_model(tmp_path):
     """The slim deploy holds only the structure (meta weights); the scale buffer stays real."""
-    from gemma_nb.deploy import model_skeleton
+    from gemma_nb.modelio import model_skeleton
 
     config = random_gemma4_config(num_hidden_layers=1, vocab_size=256)
     model = random_gemma4_model(config, dtype=torch.float32)

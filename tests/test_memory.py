@@ -15,7 +15,7 @@ from transformers import (
     ViTConfig,
 )
 
-from gemma_nb import memory, story
+from gemma_nb import memory, memory_figures, story
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.memory import GROUPS, Scheme, inventory, plan, tensor_bytes
 
@@ -276,7 +276,7 @@ def test_gemma4_26b_story_bytes(gemma26b):
     assert squeeze.bytes("shared_mlp") == 30 * (2 * (1056 * 2816 + 4 * 1056) + 2816 * 1056 + 4 * 2816)
     assert first.bytes("kv_cache") == 2 * 112_640 * 512  # fp32 buffers
     assert squeeze.bytes("runtime_allowance") == memory.DEFAULT_RUNTIME_ALLOWANCE_BYTES == 608 * 2**20
-    figures = memory.story_figures(gemma26b)
+    figures = memory_figures.story_figures(gemma26b)
     assert figures["lm_head_released_gb_per_rank"] == pytest.approx(1.107, abs=1e-3)
     assert figures["shared_mlp_int8_saving_gb_per_rank"] == pytest.approx(0.267, abs=1e-3)
     assert figures["experts_bf16_gb"] == pytest.approx(45.676, abs=1e-3)
@@ -406,7 +406,7 @@ def test_claim_range_and_agreement(gemma26b):
     assert story.claim_range("lm_head_bf16_gb_per_rank") == (1.47, 1.49)
     assert story.claim_range("int8_experts_gap_gb") == (3.0, 4.0)            # quoted as "~3-4 GB"
     assert story.claim_range("final_residency_gb_per_rank") == (12.0, 13.0)  # quoted as "~12-13 GB"
-    figures = memory.story_figures(gemma26b)
+    figures = memory_figures.story_figures(gemma26b)
     for key in ("total_params_b", "experts_bf16_gb", "experts_int8_gb_per_rank", "int8_experts_non_expert_gb",
                 "lm_head_released_gb_per_rank", "shared_mlp_int8_saving_gb_per_rank"):
         assert story.agrees_with_claim(key, figures[key]), key

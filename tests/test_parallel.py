@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.parallel import (
     VocabParallelLMHead,
     lm_head_job,
@@ -24,7 +25,6 @@ from gemma_nb.parallel import (
     softcap_logits,
     vocab_shard,
 )
-from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.quant import Int8Linear
 from gemma_nb.ranks import TPJobError, run_tp
 

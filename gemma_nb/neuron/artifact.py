@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gemma_nb.deploy import model_skeleton
 from gemma_nb.embedding import HostEmbedding
+from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.checkpoint import text_config, text_key
 from gemma_nb.paths import artifacts_dir
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
+from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron import standins
 from gemma_nb.neuron.artifact import finish_artifact
 from gemma_nb.neuron.checkpoint import TEXT_PREFIXES, read_hf_state, text_config, text_key  # noqa: F401 (build.* names)
@@ -54,7 +55,6 @@ from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
 from gemma_nb.neuron.sdk import import_sdk
-from gemma_nb.formats import quantize_int8_per_channel
 
 # The port's flags: transformer model type, everything auto-cast to bf16 (+ -O1).
 COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"

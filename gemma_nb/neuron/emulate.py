@@ -26,9 +26,8 @@ import time
 
 import torch
 
-from gemma_nb.deploy import model_skeleton
 from gemma_nb.embedding import HostEmbedding
-from gemma_nb.modelio import resolve_model_id
+from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron.build import (
     KV_STATE_PREFIXES,
     NeuronBuildConfig,

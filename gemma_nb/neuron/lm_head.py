@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.neuron.quant import patch_scale_dequantize
-from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.targets import NEURON_HELP, TargetError
 
 # transformers' Gemma4ForCausalLM names the tied table this; the traced graph calls its head lm_head.

@@ -56,12 +56,11 @@ from torch import nn
 
 from gemma_nb.experts import dense_router_weights, gated
 from gemma_nb.formats import quantize_int8_per_channel, scale_rows
+from gemma_nb.neuron.sdk import import_sdk
 
 
 def import_nxd() -> SimpleNamespace:
     """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install hint."""
-    from gemma_nb.neuron.sdk import import_sdk
-
     return import_sdk()
 
 
