@@ -1,7 +1,9 @@
-"""Every claim names its sources, and every source it names is described in docs/sources.md."""
+"""Every claim names its sources (described in docs/sources.md) and its range; an unknown claim is one error."""
 
 import re
 import subprocess
+
+import pytest
 
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS, source_keys
@@ -35,3 +37,22 @@ def test_the_repo_cites_only_its_own_sources_document():
         if path.suffix in {".py", ".md", ".ipynb", ".cfg"} and path.exists():
             offenders += [f"{name}: {line.strip()[:80]}" for line in path.read_text().splitlines() if pattern.search(line)]
     assert not offenders, offenders
+
+
+def test_an_unknown_claim_is_one_error_everywhere():
+    """story, metrics and the verdicts raise the same UnknownClaim: a KeyError and a ValueError."""
+    from gemma_nb.metrics import headline
+    from gemma_nb.story import UnknownClaim, agrees_with_claim, claim_range, compare
+
+    for call in (lambda: compare({"not_a_claim": 1.0}), lambda: headline("x", 1.0, "GB", claim="not_a_claim"),
+                 lambda: claim_range("not_a_claim"), lambda: agrees_with_claim("not_a_claim", 1.0)):
+        with pytest.raises(UnknownClaim, match="'not_a_claim' is not in gemma_nb.story.CLAIMS") as info:
+            call()
+        assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+
+
+def test_every_claim_range_is_written_out_and_holds_its_value():
+    for key, claim in CLAIMS.items():
+        low, high = claim.within
+        assert low <= claim.value <= high and low < high, key
+    assert CLAIMS["int8_experts_gap_gb"].within == (3.0, 4.0)  # the write-up's "~3-4 GB", not parsed from the text
