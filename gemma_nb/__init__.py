@@ -22,9 +22,9 @@ first, then the notebook's own experiment around it.
 - 07 decode benchmark: ``moe`` (swapping experts into a model), ``bench`` (timing), ``decode_roofline``
   (bytes and FLOPs per token), ``client_bench`` (any OpenAI-compatible endpoint).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint, how answers are scored, how models load.
-- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` loads
-  the model; ``serve_app`` (app factory and routers), ``serve_http``, ``serve_schema`` answer HTTP;
-  ``generation`` samples tokens).
+- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` is the
+  command; ``runtimes`` load the model; ``serve_app`` (app factory and routers), ``serve_http``,
+  ``serve_schema`` answer HTTP; ``generation`` samples tokens).
 - ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md).
 - ``neuron``: the same steps on the Neuron SDK (imported only for the neuron target).
 
