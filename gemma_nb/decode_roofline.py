@@ -274,8 +274,8 @@ def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, 
 def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
     sns.barplot(data=table, y="deployment", x="tok_s", hue="experts", ax=ax, palette="colorblind")
-    for container in ax.containers:
-        ax.bar_label(container, fmt="%.0f", fontsize=9, padding=2)
+    for container in ax.containers:  # two significant figures below 10 tok/s: 0.3 is not "0"
+        ax.bar_label(container, fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}", fontsize=9, padding=2)
     ax.set_xscale("log")
     ax.set_xlabel("tokens/s, batch 1, bandwidth roofline (log scale)")
     ax.set_ylabel("")
