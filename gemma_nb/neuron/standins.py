@@ -211,6 +211,19 @@ def _padding(size: int, multiple: int) -> int:
     return (-size) % multiple
 
 
+def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_output: bool, dtype, stride: int,
+                  pad: bool, group) -> int:
+    """The sizes both column-parallel stand-ins set, as NxD's do: the padded output and this rank's
+    share of it (``output_size_per_partition``). Returns the TP degree."""
+    layer.tensor_parallel_group = group or current_state()
+    tp = layer.tensor_parallel_group.tp
+    layer.input_size, layer.gather_output, layer.stride, layer.dtype = input_size, gather_output, stride, dtype
+    layer.pad, layer.pad_size = pad, _padding(output_size, tp) if pad else 0
+    layer.output_size = output_size + layer.pad_size
+    layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
+    return tp
+
+
 class BaseParallelLinear(nn.Module):
     """Shared by the stand-in linear layers: the captured parallel state and the tagged weight."""
 
@@ -232,12 +245,8 @@ class ColumnParallelLinear(BaseParallelLinear):
         super().__init__()
         _check_unsupported("ColumnParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
                            skip_bias_add=skip_bias_add)
-        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
-        tp = self.tensor_parallel_group.tp
-        self.input_size, self.gather_output, self.stride, self.dtype = input_size, gather_output, stride, dtype
-        self.pad, self.pad_size = pad, _padding(output_size, tp) if pad else 0
-        self.output_size = output_size + self.pad_size
-        self.output_size_per_partition = _divide(self.output_size, tp, "output_size")
+        tp = _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad,
+                           tensor_model_parallel_group)
         self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
         if bias:
             size = self.output_size if gather_output else self.output_size_per_partition
@@ -380,12 +389,7 @@ class QuantizedColumnParallel(_QuantizedLinear):
         super().__init__()
         _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
-        tp = self.tensor_parallel_group.tp
-        self.input_size, self.gather_output, self.stride, self.dtype = input_size, gather_output, stride, dtype
-        self.pad, self.pad_size = pad, _padding(output_size, tp) if pad else 0
-        self.output_size = output_size + self.pad_size
-        self.output_size_per_partition = _divide(self.output_size, tp, "output_size")
+        _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
         self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, scale_dtype)
         self.register_parameter("bias", None)
