@@ -53,12 +53,10 @@ test-unit: $(STAMP)
 test-xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla -q -p no:cacheprovider
 
-# nbval writes the metrics/figures of its re-run into a scratch folder, never over outputs/cpu.
+# nbval re-executes the reference run under other cpu kernels, two notebooks at a time, into scratch
+# folders, never over outputs/cpu (tests/check_notebooks.py says how).
 test-notebooks: $(STAMP) $(XLA_STAMP)
-	@scratch=$$(mktemp -d) && \
-	GEMMA_NB_OUTPUT_DIR=$$scratch $(PY) -m pytest --nbval outputs/cpu/ \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
-	status=$$?; rm -rf $$scratch; exit $$status
+	$(PY) tests/check_notebooks.py
 
 ## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
 ## Notebooks run here write to outputs/interactive/, never over the reference run.

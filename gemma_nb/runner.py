@@ -19,6 +19,7 @@ import ast
 import difflib
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
-from gemma_nb.targets import check_target
+from gemma_nb.targets import REFERENCE_KERNELS, check_target
 
 
 class RunError(RuntimeError):
@@ -192,7 +193,7 @@ def write_summary(staging: Path, target: str) -> dict:
     notebooks = {}
     for path in sorted((staging / "metrics").glob("*.json")):
         notebooks[path.stem] = json.loads(path.read_text())
-    summary = {"target": target, "notebooks": notebooks}
+    summary = {"target": target, "kernels": reference_kernels(), "notebooks": notebooks}
     write_json_atomic(staging / "summary.json", summary)
     return summary
 
@@ -265,8 +266,9 @@ def run(
     check_parameters(parameters, selected)
     final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
     staging, failed = _staging_for(final, keep_previous=bool(only))
-    previous_env = os.environ.get(OUTPUT_DIR_ENV)
-    os.environ[OUTPUT_DIR_ENV] = str(staging)  # the kernels inherit it
+    kernel_env = {OUTPUT_DIR_ENV: str(staging), **reference_kernels()}  # the kernels inherit it
+    previous_env = {name: os.environ.get(name) for name in kernel_env}
+    os.environ.update(kernel_env)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
@@ -282,11 +284,18 @@ def run(
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-        if previous_env is None:
-            os.environ.pop(OUTPUT_DIR_ENV, None)
-        else:
-            os.environ[OUTPUT_DIR_ENV] = previous_env
+        for name, value in previous_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return results
+
+
+def reference_kernels() -> dict[str, str]:
+    """The environment that pins the notebooks' cpu kernels (``targets.REFERENCE_KERNELS``) on x86-64;
+    elsewhere none (the variables name x86 instruction sets)."""
+    return dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}
 
 
 def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:

@@ -17,6 +17,14 @@ from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
 
+# The cpu kernels of every reference run, on any x86-64 machine with AVX2: torch's own vector kernels,
+# MKL's code path (conditional numerical reproducibility), oneDNN's instruction set and the default
+# thread count, so that the floats a run computes do not depend on which CPU made it (CONTRIBUTING).
+# `make test` re-executes the run under CHECK_KERNELS, another set that every x86-64 machine has, and
+# requires the same checked outputs: what nbval compares must not depend on the kernels that made it.
+REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}
+CHECK_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
+
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 NEURON_HELP = (
     "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "

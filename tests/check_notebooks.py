@@ -1,0 +1,66 @@
+"""`make test-notebooks`: nbval re-executes the reference run (outputs/cpu) under other cpu kernels.
+
+Every kernel starts with ``gemma_nb.targets.CHECK_KERNELS``, a kernel set other than the one the
+reference run was made with (``REFERENCE_KERNELS``), so an output that depends on the CPU's kernels
+fails here, on any machine. Two pytest processes run at once, one per group of notebooks; a notebook
+that reads what an earlier one wrote (05 reads 04's export) is in that one's group, after it. Each
+group writes into its own scratch folder, never over outputs/cpu.
+
+    python tests/check_notebooks.py            # every notebook
+    python tests/check_notebooks.py 02 06      # some, in one process
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "outputs" / "cpu"
+GROUPS = (("02", "03", "06", "01"), ("04", "05", "07"))
+sys.path.insert(0, str(REPO))
+
+from gemma_nb.targets import CHECK_KERNELS  # noqa: E402
+
+
+def notebooks(numbers) -> list[str]:
+    found = []
+    for number in numbers:
+        matches = sorted(REFERENCE.glob(f"{number}_*.ipynb"))
+        if not matches:
+            raise SystemExit(f"no notebook {number}_*.ipynb in {REFERENCE.relative_to(REPO)}: run `make run` first")
+        found += [str(m.relative_to(REPO)) for m in matches]
+    return found
+
+
+def start(numbers, scratch: str) -> subprocess.Popen:
+    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch}
+    command = [sys.executable, "-m", "pytest", "--nbval", *notebooks(numbers), "-q", "-p", "no:cacheprovider",
+               "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(group, process: subprocess.Popen, started: float) -> tuple[str, int]:
+    output, _ = process.communicate()
+    seconds = time.perf_counter() - started
+    return f"--- notebooks {' '.join(group)}: exit {process.returncode} after {seconds:.0f} s\n{output}", process.returncode
+
+
+def main(argv: list[str]) -> int:
+    groups = [tuple(argv)] if argv else GROUPS
+    kernels = " ".join(f"{k}={v}" for k, v in CHECK_KERNELS.items())
+    print(f"nbval over {' | '.join(' '.join(g) for g in groups)}, with {kernels}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(len(groups)) as pool:
+        started = time.perf_counter()
+        runs = [pool.submit(finish, group, start(group, f"{scratch}/{i}"), started) for i, group in enumerate(groups)]
+        results = [run.result() for run in runs]
+    for text, _ in results:
+        print(text, flush=True)
+    return next((code for _, code in results if code), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
