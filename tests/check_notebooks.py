@@ -4,7 +4,8 @@ Every kernel starts with ``gemma_nb.targets.CHECK_KERNELS``, a kernel set other 
 reference run was made with (``REFERENCE_KERNELS``), so an output that depends on the CPU's kernels
 fails here, on any machine. Two pytest processes run at once, one per group of notebooks; a notebook
 that reads what an earlier one wrote (05 reads 04's export) is in that one's group, after it. Each
-group writes into its own scratch folder, never over outputs/cpu.
+group writes into its own scratch folder, never over outputs/cpu. The kernels also see a made-up
+``HF_TOKEN``: it must appear in no output (nbval compares them) and no file the notebooks write.
 
     python tests/check_notebooks.py            # every notebook
     python tests/check_notebooks.py 02 06      # some, in one process
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "outputs" / "cpu"
 GROUPS = (("02", "03", "06", "01"), ("04", "05", "07"))
+FAKE_TOKEN = "hf_fakeTOKENforTESTSnotREAL0123456789"
 sys.path.insert(0, str(REPO))
 
 from gemma_nb.targets import CHECK_KERNELS  # noqa: E402
@@ -37,16 +39,25 @@ def notebooks(numbers) -> list[str]:
 
 
 def start(numbers, scratch: str) -> subprocess.Popen:
-    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch}
+    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "pytest", "--nbval", *notebooks(numbers), "-q", "-p", "no:cacheprovider",
                "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(group, process: subprocess.Popen, started: float) -> tuple[str, int]:
+def token_leaks(scratch: str, output: str) -> list[str]:
+    """Where the made-up token shows up: the pytest output, or files under ``scratch``."""
+    leaks = ["pytest output"] if FAKE_TOKEN in output else []
+    return leaks + [str(p) for p in Path(scratch).rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
+
+
+def finish(group, process: subprocess.Popen, scratch: str, started: float) -> tuple[str, int]:
     output, _ = process.communicate()
     seconds = time.perf_counter() - started
-    return f"--- notebooks {' '.join(group)}: exit {process.returncode} after {seconds:.0f} s\n{output}", process.returncode
+    status, leaks = process.returncode, token_leaks(scratch, output)
+    if leaks:
+        status, output = status or 1, output + f"\nHF_TOKEN leaked into: {', '.join(leaks)}\n"
+    return f"--- notebooks {' '.join(group)}: exit {status} after {seconds:.0f} s\n{output}", status
 
 
 def main(argv: list[str]) -> int:
@@ -55,7 +66,8 @@ def main(argv: list[str]) -> int:
     print(f"nbval over {' | '.join(' '.join(g) for g in groups)}, with {kernels}", flush=True)
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(len(groups)) as pool:
         started = time.perf_counter()
-        runs = [pool.submit(finish, group, start(group, f"{scratch}/{i}"), started) for i, group in enumerate(groups)]
+        folders = [f"{scratch}/{i}" for i in range(len(groups))]
+        runs = [pool.submit(finish, group, start(group, folder), folder, started) for group, folder in zip(groups, folders)]
         results = [run.result() for run in runs]
     for text, _ in results:
         print(text, flush=True)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,6 @@ import torch
 
 from gemma_nb import modelio
 from gemma_nb.modelio import BUNDLED_ID, ModelNotFoundError, hf_token, load_model, resolve_model_id
-from gemma_nb.paths import NOTEBOOKS_DIR, REPO_ROOT
 from gemma_nb.tiny import checkpoint_dir
 
 FAKE_TOKEN = "hf_fakeTOKENforTESTSnotREAL0123456789"
@@ -96,38 +92,3 @@ def test_load_model_returns_eval_model_and_tokenizer():
     assert model.dtype == torch.bfloat16
     assert type(model).__name__ == "Gemma4ForCausalLM"
     assert tokenizer("The capital of France is").input_ids[0] == tokenizer.bos_token_id
-
-
-NOTEBOOK_CANDIDATES = ("06_embedding_scale.ipynb", "02_quantization.ipynb", "01_memory_arithmetic.ipynb")
-
-
-def _first_notebook() -> Path | None:
-    for name in NOTEBOOK_CANDIDATES:
-        found = sorted(NOTEBOOKS_DIR.glob(name[:3] + "*.ipynb"))
-        if found:
-            return found[0]
-    return None
-
-
-def test_hf_token_never_reaches_outputs(tmp_path):
-    """Run a notebook with a fake HF_TOKEN set; the token must appear in no file it wrote."""
-    notebook = _first_notebook()
-    if notebook is None:
-        pytest.skip(f"none of {', '.join(NOTEBOOK_CANDIDATES)} exists in notebooks/ yet")
-    out = tmp_path / "outputs"
-    out.mkdir()
-    # One torch thread: the notebook's models are tiny, and two threads oversubscribe a busy box.
-    env = {**os.environ, "HF_TOKEN": FAKE_TOKEN, "GEMMA_NB_OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    executed = out / notebook.name
-    run = subprocess.run(
-        [sys.executable, "-m", "papermill", str(notebook), str(executed), "--cwd", str(NOTEBOOKS_DIR),
-         "--no-progress-bar", "-k", "python3"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert FAKE_TOKEN not in run.stdout + run.stderr
-    written = [p for p in out.rglob("*") if p.is_file()]
-    assert executed in written and len(written) > 1  # the notebook and what it saved
-    leaks = [p for p in written if FAKE_TOKEN.encode() in p.read_bytes()]
-    assert leaks == []
