@@ -15,9 +15,13 @@ XLA_VENV := .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla run lint test test-unit test-xla test-notebooks lab clean-venv
+.PHONY: install xla envs run lint test test-unit test-xla test-notebooks lab clean-venv
 
 install: $(STAMP)
+
+## Both environments, installed side by side (pip spends most of its time unpacking wheels).
+envs:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(XLA_STAMP)
 
 ## The xla environment: pinned torch 2.9.0 / torch-xla 2.9.0 / transformers, the package without its
 ## notebook dependencies (--no-deps; envs/xla/requirements.txt lists what the lowering imports).
@@ -37,18 +41,20 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 ## Execute every notebook for TARGET (default cpu) into outputs/$(TARGET)/.
-run: $(STAMP) $(XLA_STAMP)
+run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
 ## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, then nbval re-executes the reference run.
-test: lint test-unit test-xla test-notebooks
+test: envs
+	@$(MAKE) --no-print-directory lint test-unit test-xla test-notebooks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma_nb tests
 
 # tests/xla is collected only where torch_xla imports (tests/conftest.py), i.e. in .venv-xla.
+# Two workers, each test file on one of them (its module fixtures are built once).
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/ -q
+	$(PY) -m pytest tests/ -q -n 2 --dist loadfile
 
 test-xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla -q -p no:cacheprovider
