@@ -110,7 +110,7 @@ def _quantization_notes(raw: dict) -> list[str]:
 
 
 def _tower_notes(full, text, fields: tuple[str, ...], towers: int) -> list[str]:
-    if text is full:
+    if text is full or not towers:
         return []
     names = ", ".join(fields) or "its non-text modules"
     return [f"{names}: a multimodal config ({type(full).__name__}). The plan is its language model "
