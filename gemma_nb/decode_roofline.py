@@ -1,16 +1,13 @@
 """The decode roofline of notebook 07 (decode benchmark): bytes and FLOPs per step, modelled, at any batch.
 
-``gemma_nb.bench`` measures; this module models. ``step_costs(config, scheme, tp, context_len)``
-splits what a decode step reads and computes per rank (from ``gemma_nb.memory.plan``) into the
-part every step pays once (non-expert weights), the routed experts, and the KV cache per stream;
-``batch_step`` scales them to B streams for a decode path (``BATCH_PATHS``: all experts, each
-distinct routed expert once, or NxD's rule), with the expected distinct experts of B uniformly
-routed tokens, ``expected_distinct_experts``. ``roofline`` (batch 1), ``batch_roofline`` (any B)
-and ``batch_limits`` (the most streams whose KV cache fits beside the weights) turn that into
-tokens/s and $ per million tokens over ``DEPLOYMENTS``; ``python -m gemma_nb plan`` calls the
-same functions. A step is no faster than ``max(bytes / bandwidth, FLOPs / peak)``.
-``story_decode`` puts the story's figures beside the model's, ``context_sensitivity`` moves the
-KV cache, ``hypotheses_table`` weighs the explanations of the measured 6 tok/s.
+``gemma_nb.bench`` measures; this module models. ``step_costs`` splits a decode step's reads and
+FLOPs per rank (from ``gemma_nb.memory.plan``) into the non-expert weights, the routed experts and
+each stream's KV cache; ``batch_step`` scales them to B streams on a decode path (``BATCH_PATHS``),
+with ``expected_distinct_experts`` for B uniformly routed tokens. ``roofline`` (batch 1),
+``batch_roofline``, ``batch_limits`` (the most streams whose KV cache fits beside the weights) and
+``batch_summary`` give tokens/s and $ per million tokens over ``DEPLOYMENTS``; ``python -m gemma_nb
+plan`` calls the same functions. A step is no faster than ``max(bytes / bandwidth, FLOPs / peak)``.
+``story_decode``, ``context_sensitivity`` and ``hypotheses_table`` weigh the port's 6 tok/s.
 """
 
 from __future__ import annotations
@@ -322,12 +319,6 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
             "largest_batch_if_low": largest_batch(costs, hbm, allowance.low_bytes)}
 
 
-def batch_grid(largest: int | None, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[int]:
-    """``batches`` up to ``largest`` (all of them when unbounded), plus ``largest`` itself."""
-    grid = [b for b in batches if largest is None or b <= largest]
-    return sorted(set(grid) | ({largest} if largest else set()))
-
-
 def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                    context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
     """``step_speed`` for every deployment, decode path and batch in ``batches``, one row each.
@@ -344,13 +335,9 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
             for batch in batches:
                 speed = step_speed(costs, deployment, int(batch), path)
                 rows.append({"deployment": deployment.name, **speed, "gb_per_step": speed["bytes"] / GB,
-                             "fits": _within(batch, limits["largest_batch"]),
-                             "fits_if_low": _within(batch, limits["largest_batch_if_low"])})
+                             "fits": limits["largest_batch"] is None or batch <= limits["largest_batch"],
+                             "fits_if_low": limits["largest_batch_if_low"] is None or batch <= limits["largest_batch_if_low"]})
     return pd.DataFrame(rows)
-
-
-def _within(batch: int, largest: int | None) -> bool:
-    return largest is None or batch <= largest
 
 
 def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
@@ -479,8 +466,6 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=["explanation", "status", "gb_per_token", "tok_s"])
     table["x_measured"] = table["tok_s"] / measured
     return table
-
-
 
 
 def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, reference_label: str = "") -> None:

@@ -57,7 +57,11 @@ JSON_DOC = {
     "runtime_allowance": "low_gb, high_gb and source of the allowance",
     "host": "host RAM and disk for the compile and the deploy, scaled from the port's 26B",
     "decode": "the roofline's basis: device, context_len, experts, expected distinct experts per batch used",
-    "instances": "per instance: fits, verdict, headroom, replicas, $/h, reason, decode predictions",
+    "instances": "per instance: fits, verdict, used_gb, budget_gb, headroom_gb, headroom_gb_if_low, replicas "
+                 "(cores // TP), host_ram_gb, usd_per_hour, reason, and decode (null with too few cores): "
+                 "largest_batch (allowance's high end), largest_batch_if_low, and batch_1, at_largest_batch, "
+                 "at_largest_batch_if_low, each with batch and, for dense and sparse, tok_s (the whole box), "
+                 "tok_s_per_stream, usd_per_m_tokens, step_ms, bound",
     "cheapest_fit": "instance and $/h of the cheapest whose verdict is fits, or null",
     "advice": "when nothing fits: the cheapest change that does, or why none can",
 }

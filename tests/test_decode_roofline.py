@@ -1,7 +1,6 @@
 """The decode model across batch: expected distinct experts, bytes and FLOPs per step, the largest batch."""
 
 import pytest
-import torch
 
 from gemma_nb import decode_roofline, memory, moe
 from gemma_nb.decode_roofline import Deployment, batch_step, expected_distinct_experts, step_costs
@@ -117,9 +116,3 @@ def test_batch_roofline_rows_and_fit_flags(config_26b):
 def test_non_neuron_devices_get_no_runtime_allowance():
     assert decode_roofline.DEPLOYMENTS[0].runtime_allowance() == memory.inferred_runtime_allowance()
     assert decode_roofline.DEPLOYMENTS[4].runtime_allowance().high_bytes == 0
-
-
-def test_batch_grid():
-    assert decode_roofline.batch_grid(12) == [1, 2, 4, 8, 12]
-    assert decode_roofline.batch_grid(None)[-1] == 64 and decode_roofline.batch_grid(0) == []
-    assert torch.tensor(decode_roofline.batch_grid(64)).tolist() == list(BATCHES)

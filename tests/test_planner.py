@@ -241,6 +241,8 @@ def test_json_keys_and_exit_codes_are_documented():
     for key in planner.JSON_KEYS:
         assert f"`{key}`" in section, key
     assert "| 1 | does not fit" in section and "| 3 | marginal" in section
+    window = memory.inferred_runtime_allowance()
+    assert f"more than the {window.low_bytes / 1e9:.2f} GB" in section and f"at most the\n{window.high_bytes / 1e9:.2f} GB" in section
     parser = __import__("gemma_nb.__main__", fromlist=["build_parser"]).build_parser()
     text = parser._subparsers._group_actions[0].choices["plan"].format_help()
     assert "3 marginal" in text and all(key in text for key in planner.JSON_KEYS)
