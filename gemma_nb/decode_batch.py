@@ -277,16 +277,17 @@ def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
 
 def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
     """What ``deployment`` decodes (tokens/s, all streams) and costs ($ per million tokens) for one
-    stream and for the most that fit at each end of the runtime allowance; columns per decode path."""
+    stream and for the most that fit at each end of the runtime allowance; columns (path, metric)."""
     rows = summary[summary["deployment"] == deployment].set_index("path")
     if rows.empty:
         raise ValueError(f"deployment {deployment!r} is not in the summary; it has {', '.join(summary['deployment'].unique())}")
     cases = {"one stream": ("b1", 1),
              "all that fit, runtime takes the most": ("at_largest", rows.iloc[0]["largest_batch"]),
              "all that fit, runtime takes the least": ("if_low", rows.iloc[0]["largest_batch_if_low"])}
-    table = pd.DataFrame([{"streams": streams, **{f"{path}_{what}": row[f"{what}_{suffix}"] for path, row in rows.iterrows()
-                                                  for what in ("tok_s", "usd_per_m")}}
+    table = pd.DataFrame([{("", "streams"): streams, **{(path, what): row[f"{what}_{suffix}"] for path, row in rows.iterrows()
+                                                         for what in ("tok_s", "usd_per_m")}}
                           for suffix, streams in cases.values()], index=list(cases))
+    table.columns = pd.MultiIndex.from_tuples(table.columns)
     table.index.name = deployment
     return table
 
@@ -294,6 +295,14 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------
+
+def _batch_axis(ax, batches, label: str) -> None:
+    """A log-2 batch axis labelled 1, 2, 4, ... rather than 2^0, 2^1, ..."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({int(b) for b in batches})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel(label)
+
 
 PATH_LABELS = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
                "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
@@ -305,8 +314,7 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     _ = ax.plot(distinct.index, distinct["uniform_full_size"], "o", color="#0173b2", label="uniform routing (drawn)")
     _ = ax.plot(distinct.index, distinct["real_full_size"], "s-", color="#de8f05", label="bundled checkpoint's router")
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch B (streams per decode step, log scale)")
+    _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
     ax.set_ylabel(f"distinct experts per layer (of {num_experts})")
     ax.legend(loc="upper left", fontsize=8)
 
@@ -320,9 +328,8 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
         group = rows[rows["dtype"] == dtype].sort_values("batch")
         _ = ax.plot(group["batch"], group[f"{path}_tok_s"], "o-", color=color, label=f"{path} {dtype}, measured")
         _ = ax.plot(group["batch"], 1000.0 * group["batch"] / group[f"{path}_floor_ms"], "--", color=color, linewidth=1)
-    ax.set_xscale("log", base=2)
+    _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
     ax.set_yscale("log")
-    ax.set_xlabel("batch B (tokens per layer step, log scale)")
     ax.set_ylabel("layer tokens/s (log; dashed: bandwidth ceiling)")
     ax.legend(loc="lower right", fontsize=8)
 
@@ -347,9 +354,8 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
         _ = ax.axvspan(low + 0.5, top, color="0.6", alpha=0.35, linewidth=0, label="KV cache does not fit")
     if reference is not None:
         _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
-    ax.set_xscale("log", base=2)
+    _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
     ax.set_yscale("log")
-    ax.set_xlabel("batch B (streams, log scale)")
     ax.set_ylabel({"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
     if legend:
         ax.legend(loc=legend, fontsize=8)

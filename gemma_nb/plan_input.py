@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModel
+
 from gemma_nb import memory
 
 
@@ -69,8 +72,6 @@ def read_config(path: str | Path) -> PlanInput:
 
 def towers_params(full_config, text_config) -> int:
     """Parameters of a multimodal model outside its language model (vision, audio, projectors), on meta."""
-    import torch
-    from transformers import AutoModel
 
     def count(config) -> int:
         with torch.device("meta"):

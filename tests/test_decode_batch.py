@@ -143,7 +143,7 @@ def test_metrics_sections():
     assert set(squeeze["paths"]) == {"dense", "sparse", "nxd_rule"}
     assert bf16["largest_batch"] == 0 and bf16["paths"]["sparse"]["usd_per_m_if_low"] is None
     cost = decode_batch.cost_table(summary, "inf2.xlarge, int8 squeeze, TP=2")
-    assert cost["streams"].tolist() == [1, 1, 12]
-    assert cost.loc["one stream", "sparse_usd_per_m"] == squeeze["paths"]["sparse"]["usd_per_m_b1"]
+    assert cost[("", "streams")].tolist() == [1, 1, 12]
+    assert cost.loc["one stream", ("sparse", "usd_per_m")] == squeeze["paths"]["sparse"]["usd_per_m_b1"]
     with pytest.raises(ValueError, match="deployment 'inf3' is not in the summary"):
         decode_batch.cost_table(summary, "inf3")
