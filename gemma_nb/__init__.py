@@ -20,12 +20,14 @@ first, then the notebook's own experiment around it.
 - 05 slim deploy: ``deploy`` (``python -m gemma_nb.deploy``).
 - 06 embedding scale: ``embedding`` (``HostEmbedding`` and its file), ``embedding_scale`` (the three host paths).
 - 07 decode benchmark: ``moe`` (swapping experts into a model), ``bench`` (timing), ``decode_roofline``
-  (bytes and FLOPs per token), ``client_bench`` (any OpenAI-compatible endpoint).
+  (bytes and FLOPs per decode step at any batch, the planner's decode model too), ``decode_batch``
+  (the batch sweep: real routing, timings, crossovers), ``client_bench`` (any OpenAI-compatible endpoint).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint, how answers are scored, how models load.
 - ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` is the
   command; ``runtimes`` load the model; ``serve_app`` (app factory and routers), ``serve_http``,
   ``serve_schema`` answer HTTP; ``generation`` samples tokens).
-- ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md).
+- ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md);
+  ``plan_input`` reads a config for ``plan`` and names what it cannot model.
 - ``neuron``: the same steps on the Neuron SDK (imported only for the neuron target).
 
 ``python -m gemma_nb.compile_cost`` and ``python -m gemma_nb.deploy`` are the two commands a notebook

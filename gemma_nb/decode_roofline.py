@@ -1,12 +1,13 @@
-"""The decode roofline of notebook 07 (decode benchmark): bytes and FLOPs per token, modelled.
+"""The decode roofline of notebook 07 (decode benchmark): bytes and FLOPs per step, modelled, at any batch.
 
-``gemma_nb.bench`` measures; this module models, batch 1 decode: ``decode_traffic(config, scheme,
-experts)`` counts the bytes every decode step must read (per rank) and its FLOPs, from
-``gemma_nb.memory.plan``; ``roofline`` turns them into tokens/s and $ per million tokens over
-``DEPLOYMENTS`` (devices from ``gemma_nb.hardware``). A step can be no faster than
-``max(bytes / bandwidth, FLOPs / peak)``. ``story_decode`` puts the story's figures beside the
-model's, ``context_sensitivity`` moves the KV cache, ``hypotheses_table`` weighs the explanations
-of the measured 6 tok/s.
+``gemma_nb.bench`` measures; this module models. ``step_costs`` splits a decode step's reads and
+FLOPs per rank (from ``gemma_nb.memory.plan``) into the non-expert weights, the routed experts and
+each stream's KV cache; ``batch_step`` scales them to B streams on a decode path (``BATCH_PATHS``),
+with ``expected_distinct_experts`` for B uniformly routed tokens. ``roofline`` (batch 1),
+``batch_roofline``, ``batch_limits`` (the most streams whose KV cache fits beside the weights) and
+``batch_summary`` give tokens/s and $ per million tokens over ``DEPLOYMENTS``; ``python -m gemma_nb
+plan`` calls the same functions. A step is no faster than ``max(bytes / bandwidth, FLOPs / peak)``.
+``story_decode``, ``context_sensitivity`` and ``hypotheses_table`` weigh the port's 6 tok/s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import seaborn as sns
 
 from gemma_nb.bench import EXPERT_MODES, check_experts_mode
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
-from gemma_nb.memory import SHIPPED_CONTEXT_LEN, model_facts, plan
+from gemma_nb.memory import (
+    SHIPPED_CONTEXT_LEN,
+    RuntimeAllowance,
+    inferred_runtime_allowance,
+    model_facts,
+    plan,
+)
 from gemma_nb.plots import reference_line
 from gemma_nb.story import CLAIMS
 
@@ -28,51 +35,154 @@ from gemma_nb.story import CLAIMS
 READ_GROUPS = ("router", "shared_mlp", "attention", "norms", "lm_head", "other")
 MATMUL_GROUPS = ("router", "shared_mlp", "attention", "lm_head")
 
+# Decode paths at batch B: "dense" runs all E experts (the port's DenseExperts, NxD's
+# forward_all_experts); "sparse" reads each distinct routed expert once per step (a grouped
+# gather); "nxd_rule" is NxD's choice: forward_selective_loading, which gathers each token's K
+# experts (B x K expert reads, repeats included) while B x K / E < the threshold, else all experts.
+BATCH_PATHS = ("dense", "sparse", "nxd_rule")
+# NxD 0.18 modules/moe/model_utils.py DEFAULT_SELECTIVE_LOADING_THRESHOLD (docs/sources.md: nxd-source).
+SELECTIVE_LOADING_THRESHOLD = 1.0
 
-def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1,
-                   context_len: int = 0) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1).
 
-    Bytes come from ``gemma_nb.memory.plan(config, tp, scheme, context_len)``: every group a step
-    uses in full (attention, shared MLP, router, norms, lm_head), the routed experts in full
-    (``dense``) or ``top_k / E`` of them (``sparse``; assumes each expert is split across ranks,
-    as NxD Inference shards the intermediate dimension, so the 8 routed experts load every rank
-    evenly), plus the KV cache of ``context_len`` tokens. FLOPs: 2 per weight of every matrix used,
-    plus attention over the context (4 x context x heads x head_dim per layer), divided by ``tp``.
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts per layer in a step of ``batch`` tokens, each routed to ``top_k``
+    of ``num_experts`` uniformly at random: E (1 - (1 - K/E)^B). 8.0, 15.5, 29.1, 51.6, 82.4, 111.8,
+    125.9 at B = 1, 2, 4, ... 64 for E = 128, K = 8. 0 for a dense model (E = 0)."""
+    _check_batch(batch)
+    if not num_experts:
+        return 0.0
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+    if batch == 1:
+        return float(top_k)  # exact: the formula's floating point would round it
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def selective_loading(num_experts: int, top_k: int, batch: int) -> bool:
+    """NxD's decode rule: selective loading while ``batch * top_k / num_experts`` < the threshold."""
+    return bool(num_experts) and batch * top_k / num_experts < SELECTIVE_LOADING_THRESHOLD
+
+
+def check_batch_path(path: str) -> None:
+    if path not in BATCH_PATHS:
+        raise ValueError(f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}")
+
+
+def _check_batch(batch) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be an integer >= 1 (streams decoded together)")
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """One decode step's costs per rank, split so each part scales with the batch its own way.
+
+    Bytes: ``fixed_bytes`` (the non-expert weights, read once per step whatever the batch),
+    ``experts_bytes`` (every routed expert on this rank), ``kv_bytes_per_stream`` (one stream's KV
+    cache at ``context_len``). FLOPs per token: ``fixed_flops_per_token`` (non-expert matmuls and
+    attention over the context), ``experts_flops_per_token`` (all E experts). ``weights_bytes``:
+    resident weights per rank; ``bytes_by_group``: the batch-1 reads by group, all experts.
     """
-    check_experts_mode(experts)
+
+    scheme: str
+    tp: int
+    context_len: int
+    num_experts: int
+    top_k: int
+    fixed_bytes: float
+    experts_bytes: float
+    kv_bytes_per_stream: float
+    fixed_flops_per_token: float
+    experts_flops_per_token: float
+    weights_bytes: float
+    bytes_by_group: Mapping[str, float]
+
+
+def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0) -> StepCosts:
+    """``StepCosts`` of ``config`` under ``scheme`` at TP degree ``tp``, from ``memory.plan``.
+
+    Experts are assumed split across ranks evenly (NxD Inference shards their intermediate
+    dimension), so a routed expert loads every rank alike. FLOPs: 2 per matrix weight, plus
+    attention over the context (4 x context x heads x head_dim per layer), divided by ``tp``.
+    """
     facts = model_facts(config)
     the_plan = plan(config, tp, scheme, context_len=context_len)
     table = the_plan.table.set_index("group")
-    fraction = facts.top_k / facts.num_experts if experts == "sparse" else 1.0
-    by_group = {group: float(table.loc[group, "bytes_per_rank"]) for group in READ_GROUPS}
-    by_group["experts"] = float(table.loc["experts", "bytes_per_rank"]) * fraction
-    by_group["kv_cache"] = float(table.loc["kv_cache", "bytes_per_rank"])
+    by_group = {group: float(table.loc[group, "bytes_per_rank"]) for group in (*READ_GROUPS, "experts", "kv_cache")}
     # Matrices only: the router's scale vectors and the norms cost ~1 FLOP per element, not 2.
     matmul_params = sum(float(rec.numel) for rec in facts.records
                         if not rec.is_buffer and len(rec.shape) >= 2 and rec.group in MATMUL_GROUPS)
     if facts.tied and facts.lm_head_shape is not None:
         matmul_params += float(facts.lm_head_shape[0] * facts.lm_head_shape[1])
-    matmul_params += float(table.loc["experts", "params"]) * fraction
     attention_flops = sum(4.0 * context_len * layer.q_heads * layer.head_dim for layer in facts.attention_layers)
+    return StepCosts(
+        scheme=the_plan.scheme.name, tp=tp, context_len=context_len,
+        num_experts=facts.num_experts, top_k=facts.top_k,
+        fixed_bytes=sum(by_group[group] for group in READ_GROUPS),
+        experts_bytes=by_group["experts"], kv_bytes_per_stream=by_group["kv_cache"],
+        fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
+        experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
+        weights_bytes=float(the_plan.weights_bytes), bytes_by_group=by_group,
+    )
+
+
+def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
+    """Bytes and FLOPs per rank of one decode step of ``batch`` streams on decode ``path``.
+
+    ``experts_read``: expert weight sets read per layer (E; the expected distinct count; or NxD's
+    B x K while selective loading); ``experts_computed_per_token``: experts each token runs.
+    """
+    _check_batch(batch)
+    check_batch_path(path)
+    experts, top_k = costs.num_experts, costs.top_k
+    if not experts:
+        read = computed = 0.0
+    elif path == "dense" or (path == "nxd_rule" and not selective_loading(experts, top_k, batch)):
+        read, computed = float(experts), float(experts)
+    elif path == "sparse":
+        read, computed = expected_distinct_experts(experts, top_k, batch), float(top_k)
+    else:
+        read, computed = float(batch * top_k), float(top_k)
+    share = (lambda n: n / experts) if experts else (lambda n: 0.0)
     return {
-        "scheme": the_plan.scheme.name,
+        "batch": batch, "path": path, "experts_read": read, "experts_computed_per_token": computed,
+        "bytes": costs.fixed_bytes + costs.experts_bytes * share(read) + costs.kv_bytes_per_stream * batch,
+        "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed)),
+    }
+
+
+def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1,
+                   context_len: int = 0) -> dict:
+    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1, ``batch_step``).
+
+    ``experts``: ``dense`` (all routed experts in full) or ``sparse`` (``top_k / E`` of them),
+    plus every group a step uses in full and the KV cache of ``context_len`` tokens.
+    """
+    check_experts_mode(experts)
+    costs = step_costs(config, scheme, tp, context_len)
+    step = batch_step(costs, 1, experts)
+    by_group = dict(costs.bytes_by_group)
+    by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
+    return {
+        "scheme": costs.scheme,
         "experts": experts,
         "tp": tp,
         "context_len": context_len,
-        "bytes_per_token": sum(by_group.values()),
-        "flops_per_token": (2.0 * matmul_params + attention_flops) / tp,
-        "weights_bytes_per_rank": float(the_plan.weights_bytes),
+        "bytes_per_token": step["bytes"],
+        "flops_per_token": step["flops"],
+        "weights_bytes_per_rank": costs.weights_bytes,
         "bytes_by_group": by_group,
     }
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """The 26B served on ``ranks`` devices of one kind, tensor-parallel, with one weight scheme.
+    """The model served on ``ranks`` devices of one kind, tensor-parallel, with one weight scheme.
 
     ``device``: a key of ``gemma_nb.hardware.DEVICES`` or a ``Device`` (e.g. ``measured_cpu``).
-    ``usd_per_hour``: for the whole deployment; ``None`` = the device's $/h x ranks (``None`` if unknown).
+    ``usd_per_hour``: for the whole deployment; ``None`` = the device's $/h x ranks x replicas
+    (``None`` if unknown). ``replicas``: copies of the model serving side by side on the box (data
+    parallel; ``plan`` puts cores // TP on an inf2), which multiply its tokens/s.
     """
 
     name: str
@@ -80,6 +190,7 @@ class Deployment:
     ranks: int
     scheme: str
     usd_per_hour: float | None = None
+    replicas: int = 1
 
     def resolved_device(self) -> Device:
         if isinstance(self.device, Device):
@@ -92,9 +203,17 @@ class Deployment:
         if self.usd_per_hour is not None:
             return self.usd_per_hour
         per_device = self.resolved_device().usd_per_hour
-        return None if per_device is None else per_device * self.ranks
+        return None if per_device is None else per_device * self.ranks * self.replicas
+
+    def runtime_allowance(self) -> RuntimeAllowance:
+        """HBM per rank the device's runtime takes besides weights and KV cache: on a NeuronCore,
+        notebook 01's inferred window (``memory.inferred_runtime_allowance``); elsewhere none is modelled."""
+        if self.resolved_device().name in NEURON_DEVICES:
+            return inferred_runtime_allowance()
+        return RuntimeAllowance(0, 0, "none modelled for this device")
 
 
+NEURON_DEVICES = ("neuroncore_v2", "inferentia2_chip")
 STORY_INSTANCE = "inf2.xlarge"
 DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("inf2.xlarge, int8 squeeze, TP=2", "neuroncore_v2", 2, "int8_squeeze",
@@ -108,10 +227,32 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
 
 
 def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | None:
-    """$ per 10^6 tokens for one stream decoding at ``tok_s`` on a box costing ``usd_per_hour``."""
+    """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in all."""
     if usd_per_hour is None or not tok_s or tok_s <= 0:
         return None
     return usd_per_hour / (tok_s * 3600.0) * 1e6
+
+
+def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
+    """One decode step of ``batch`` streams per replica on ``deployment``: time, tokens/s, $ per 10^6 tokens.
+
+    ``memory_ms`` = bytes / bandwidth, ``compute_ms`` = FLOPs / bf16 peak (int8 weights are upcast
+    for the matmul, as NxD does; 0 when the device has no FLOP figure), ``step_ms`` the larger;
+    ``tok_s`` = every replica's streams per second, ``tok_s_per_stream`` = one user's rate.
+    """
+    device = deployment.resolved_device()
+    if not device.bandwidth_bytes_s:
+        raise ValueError(f"device {device.name!r} has no bandwidth figure; measure it (hardware.measured_cpu)")
+    step = batch_step(costs, batch, path)
+    memory_ms = 1000.0 * step["bytes"] / device.bandwidth_bytes_s
+    compute_ms = 1000.0 * step["flops"] / device.bf16_flops if device.bf16_flops else 0.0
+    step_ms = max(memory_ms, compute_ms)
+    tok_s = deployment.replicas * batch * 1000.0 / step_ms
+    price = deployment.price()
+    return {**step, "memory_ms": memory_ms, "compute_ms": compute_ms, "step_ms": step_ms,
+            "bound": "memory" if memory_ms >= compute_ms else "compute", "tok_s": tok_s,
+            "tok_s_per_stream": 1000.0 / step_ms, "usd_per_hour": price,
+            "usd_per_m_tokens": usd_per_million_tokens(price, tok_s)}
 
 
 def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
@@ -121,35 +262,104 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
     Every step also reads the KV cache of ``context_len`` tokens (default: the port's static
     512-token cache, in each scheme's KV dtype, fp32 for the port's builds).
 
-    Per row: ``gb_per_token`` (per rank), ``gflop_per_token`` (per rank), ``memory_ms`` =
-    bytes / bandwidth, ``compute_ms`` = FLOPs / bf16 peak (int8 weights are upcast to bf16 for the
-    matmul, as NxD does), ``bound`` (the larger), ``tok_s`` = 1000 / max(...), ``fits`` (weights +
-    KV per rank within the device memory), ``usd_per_hour``, ``usd_per_m_tokens``. An upper bound:
-    real steps add kernel launches, collectives and the host loop.
+    Per row: ``gb_per_token`` (per rank), ``gflop_per_token`` (per rank), ``memory_ms``,
+    ``compute_ms``, ``bound`` (the larger), ``tok_s`` = 1000 / max(...), ``fits`` (weights + KV
+    per rank within the device memory), ``usd_per_hour``, ``usd_per_m_tokens`` (``step_speed``).
+    An upper bound: real steps add kernel launches, collectives and the host loop.
     """
     rows = []
     for deployment in deployments:
         device = deployment.resolved_device()
-        if not device.bandwidth_bytes_s:
-            raise ValueError(f"device {device.name!r} has no bandwidth figure; measure it (hardware.measured_cpu)")
         for mode in experts:
-            traffic = decode_traffic(config, deployment.scheme, mode, deployment.ranks, context_len)
-            memory_ms = 1000.0 * traffic["bytes_per_token"] / device.bandwidth_bytes_s
-            compute_ms = 1000.0 * traffic["flops_per_token"] / device.bf16_flops if device.bf16_flops else 0.0
-            tok_s = 1000.0 / max(memory_ms, compute_ms)
-            resident = traffic["weights_bytes_per_rank"] + traffic["bytes_by_group"]["kv_cache"]
-            price = deployment.price()
+            check_experts_mode(mode)
+            costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
+            speed = step_speed(costs, deployment, 1, mode)
+            resident = costs.weights_bytes + costs.kv_bytes_per_stream
             rows.append({
                 "deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
                 "scheme": deployment.scheme, "experts": mode,
-                "gb_per_token": traffic["bytes_per_token"] / GB,
-                "gflop_per_token": traffic["flops_per_token"] / 1e9,
-                "memory_ms": memory_ms, "compute_ms": compute_ms,
-                "bound": "memory" if memory_ms >= compute_ms else "compute",
-                "tok_s": tok_s,
+                "gb_per_token": speed["bytes"] / GB, "gflop_per_token": speed["flops"] / 1e9,
+                "memory_ms": speed["memory_ms"], "compute_ms": speed["compute_ms"], "bound": speed["bound"],
+                "tok_s": speed["tok_s"],
                 "fits": None if device.hbm_bytes is None else bool(resident <= device.hbm_bytes),
-                "usd_per_hour": price, "usd_per_m_tokens": usd_per_million_tokens(price, tok_s),
+                "usd_per_hour": speed["usd_per_hour"], "usd_per_m_tokens": speed["usd_per_m_tokens"],
             })
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Beyond one stream: how many fit, and what each batch decodes and costs
+# --------------------------------------------------------------------------------------------
+
+
+def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: int) -> int | None:
+    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``.
+
+    0 when the weights alone do not leave room for one stream; ``None`` when there is no KV cache
+    (``context_len`` 0: HBM sets no limit on the batch).
+    """
+    free = int(hbm_bytes_per_rank) - int(costs.weights_bytes) - int(allowance_bytes)
+    kv = int(costs.kv_bytes_per_stream)
+    if kv == 0:
+        return None if free >= 0 else 0
+    return max(0, free // kv)
+
+
+def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAllowance | None = None,
+                 hbm_bytes_per_rank: int | None = None) -> dict:
+    """The largest batch at both ends of the runtime allowance: ``largest_batch`` with the most
+    the runtime may take (``allowance.high_bytes``: every stream then fits), ``largest_batch_if_low``
+    with the least. ``hbm_bytes_per_rank``: default the device's memory."""
+    allowance = allowance or deployment.runtime_allowance()
+    hbm = deployment.resolved_device().hbm_bytes if hbm_bytes_per_rank is None else hbm_bytes_per_rank
+    if hbm is None:
+        raise ValueError(f"device {deployment.resolved_device().name!r} has no memory figure: pass hbm_bytes_per_rank")
+    return {"kv_gb_per_stream": costs.kv_bytes_per_stream / GB, "runtime_allowance_gb": allowance.high_bytes / GB,
+            "largest_batch": largest_batch(costs, hbm, allowance.high_bytes),
+            "largest_batch_if_low": largest_batch(costs, hbm, allowance.low_bytes)}
+
+
+def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                   context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+    """``step_speed`` for every deployment, decode path and batch in ``batches``, one row each.
+
+    ``fits``: the batch's KV cache fits beside the weights with the most runtime memory the
+    allowance allows (``batch_limits``); ``fits_if_low`` with the least. Columns as ``step_speed``
+    plus ``deployment``, ``gb_per_step`` (per rank).
+    """
+    rows = []
+    for deployment in deployments:
+        costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
+        limits = batch_limits(costs, deployment)
+        for path in paths:
+            for batch in batches:
+                speed = step_speed(costs, deployment, int(batch), path)
+                rows.append({"deployment": deployment.name, **speed, "gb_per_step": speed["bytes"] / GB,
+                             "fits": limits["largest_batch"] is None or batch <= limits["largest_batch"],
+                             "fits_if_low": limits["largest_batch_if_low"] is None or batch <= limits["largest_batch_if_low"]})
+    return pd.DataFrame(rows)
+
+
+def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
+                  paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+    """Per deployment and decode path: one stream, and the most streams that fit (both allowance ends).
+
+    Columns: ``largest_batch`` / ``largest_batch_if_low`` (``batch_limits``), ``tok_s_b1``,
+    ``usd_per_m_b1``, ``tok_s_at_largest`` / ``usd_per_m_at_largest`` (at ``largest_batch``),
+    ``tok_s_if_low`` / ``usd_per_m_if_low`` (at ``largest_batch_if_low``); NaN where none fits.
+    """
+    rows = []
+    for deployment in deployments:
+        costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
+        limits = batch_limits(costs, deployment)
+        for path in paths:
+            row = {"deployment": deployment.name, "path": path, **limits}
+            for suffix, batch in (("b1", 1), ("at_largest", limits["largest_batch"]),
+                                  ("if_low", limits["largest_batch_if_low"])):
+                speed = step_speed(costs, deployment, batch, path) if batch else {}
+                row[f"tok_s_{suffix}"] = speed.get("tok_s", float("nan"))
+                row[f"usd_per_m_{suffix}"] = speed.get("usd_per_m_tokens", float("nan"))
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -256,8 +466,6 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=["explanation", "status", "gb_per_token", "tok_s"])
     table["x_measured"] = table["tok_s"] / measured
     return table
-
-
 
 
 def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, reference_label: str = "") -> None:

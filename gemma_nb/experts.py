@@ -449,6 +449,14 @@ class SparseExperts(RoutedExperts):
             out = self.grouped(x, top_k_index, top_k_weights)
         return out.to(out_dtype)
 
+    def experts_read(self, top_k_index: torch.Tensor) -> int:
+        """Expert weight sets a forward on ``top_k_index [T, K]`` reads: T x K on the decode path
+        (a repeated expert is read again for each of its tokens), each distinct expert once on the grouped path."""
+        tokens, top_k = top_k_index.shape
+        if tokens * top_k < self.num_experts:
+            return tokens * top_k
+        return int(top_k_index.unique().numel())
+
     def _expert_id(self, top_k_index: torch.Tensor, t: int, k: int):
         expert = top_k_index[t, k].item()
         torch._check(expert >= 0)

@@ -149,6 +149,7 @@ class AttentionLayer:
     kv_heads: int  # heads this layer writes to the cache (0: reuses another layer's cache)
     head_dim: int
     sliding_window: int | None
+    latent_dim: int = 0  # MLA: values per token cached as one compressed latent, whole on every rank
 
 
 @dataclass(frozen=True)
@@ -171,12 +172,16 @@ _COLUMN_NAMES = {"q_proj", "qkv_proj", "c_attn", "query_key_value", "gate_proj",
                  "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h", "query", "key", "value"}
 _ROW_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "down_proj", "w2", "fc2", "fc_out", "dense_4h_to_h"}
 _KV_NAMES = {"k_proj", "v_proj"}
+# MLA's down-projections to the shared latent: every rank computes the whole latent (not split).
+_REPLICATED_NAMES = {"kv_a_proj_with_mqa", "q_a_proj"}
 
 
 def _split_for(module_name: str, leaf: str, ndim: int) -> str:
     """TP split of a linear's weight or bias from the module's short name."""
     if module_name in _KV_NAMES:
         return "kv"
+    if module_name in _REPLICATED_NAMES:
+        return "none"
     if module_name in _ROW_NAMES:
         return "in" if leaf == "weight" and ndim >= 2 else "none"
     if module_name in _COLUMN_NAMES or ndim >= 2:
@@ -250,6 +255,8 @@ def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
     """Per-layer KV geometry read off the built modules (handles Gemma-4's per-layer head_dim/KV heads)."""
     from torch import nn
 
+    if getattr(config, "kv_lora_rank", None):
+        return _mla_layers(config)
     layers = []
     for _, mod in model.named_modules():
         q_proj = getattr(mod, "q_proj", None)
@@ -269,6 +276,15 @@ def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return tuple(AttentionLayer(None, heads, kv, head_dim, None) for _ in range(config.num_hidden_layers))
+
+
+def _mla_layers(config) -> tuple[AttentionLayer, ...]:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent of ``kv_lora_rank``
+    plus the shared rope key (``qk_rope_head_dim``) per layer per token, as vLLM and SGLang keep it."""
+    head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    return tuple(AttentionLayer(None, config.num_attention_heads, 0, head_dim, None, latent)
+                 for _ in range(config.num_hidden_layers))
 
 
 def _moe_sizes(config, records: Iterable[ParamRecord]) -> tuple[int, int]:
@@ -440,6 +456,7 @@ def tp_problem(config, tp: int) -> str | None:
     (replicated to one head per rank, as NxD does for GQA when TP exceeds the KV heads). Stacked
     experts must divide by ``tp`` (whole experts per rank).
     """
+    _check_tp_int(tp)
     facts = model_facts(config)
     for layer in facts.attention_layers:
         if layer.q_heads % tp:
@@ -482,13 +499,19 @@ def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
 
     Both K and V count on every layer that writes the cache, including Gemma-4's global layers with
     ``attention_k_eq_v`` (HF applies different norms to K and V, so both are stored). Layers that
-    reuse another layer's cache (``num_kv_shared_layers``) add nothing.
+    reuse another layer's cache (``num_kv_shared_layers``) add nothing. MLA layers (DeepSeek) cache
+    their compressed latent instead, the same on every rank.
     """
     _check_plain(dtype, "KV cache")
     check_tp(config, tp)
     per_elem = FORMATS[dtype].element_bits // 8
-    return sum(2 * _kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim * per_elem
-               for layer in model_facts(config).attention_layers if layer.kv_heads)
+    return sum(_layer_kv_values(layer, tp) * per_elem for layer in model_facts(config).attention_layers)
+
+
+def _layer_kv_values(layer: AttentionLayer, tp: int) -> int:
+    """Cached values per token per rank of one layer: K and V heads on this rank, or MLA's latent."""
+    heads = 2 * _kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim if layer.kv_heads else 0
+    return heads + layer.latent_dim
 
 
 def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16",
@@ -504,10 +527,8 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
     per_elem = FORMATS[dtype].element_bits // 8
     total = 0
     for layer in model_facts(config).attention_layers:
-        if not layer.kv_heads:
-            continue
         tokens = min(context_len, layer.sliding_window) if cap_sliding and layer.sliding_window else context_len
-        total += 2 * _kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim * per_elem * tokens
+        total += _layer_kv_values(layer, tp) * per_elem * tokens
     return total * batch
 
 
@@ -812,6 +833,51 @@ def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: st
         window["allowance_if_short_by_bytes"] = allowance
         window["fitting_overflow_then_bytes"] = fitting_static + allowance - int(budget_bytes)
     return window
+
+
+@dataclass(frozen=True)
+class RuntimeAllowance:
+    """HBM per NeuronCore the Neuron runtime takes besides weights and KV cache: a window or one value.
+
+    ``low_bytes < allowance <= high_bytes`` (the window notebook 01 infers), or ``low == high``
+    (a value the caller gave). A plan that fits with ``high_bytes`` fits whatever the runtime took
+    inside the window; one that fails with ``low_bytes`` fails whatever it took.
+    """
+
+    low_bytes: int
+    high_bytes: int
+    source: str
+
+    @property
+    def is_window(self) -> bool:
+        return self.low_bytes != self.high_bytes
+
+
+def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
+    """The runtime allowance that reproduces the port's two builds on a 16 GiB core (notebook 01).
+
+    ``allowance_window`` of the 26B at TP=2 with its 512-token fp32 KV cache: the int8-experts
+    build must fail (allowance above ``min_to_fail``) and the int8 squeeze must fit (at most
+    ``max_to_fit``). ``python -m gemma_nb plan`` assumes this window for every model.
+    """
+    key = int(budget_bytes)
+    if key not in _INFERRED:
+        window = allowance_window(load_gemma4_26b_config(), "int8_experts", "int8_squeeze", 2, SHIPPED_CONTEXT_LEN,
+                                  budget_bytes=key)
+        _INFERRED[key] = RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
+                                          "inferred from the port's failed int8-experts and fitting int8-squeeze builds "
+                                          "(notebook 01)")
+    return _INFERRED[key]
+
+
+_INFERRED: dict[int, RuntimeAllowance] = {}
+
+
+def given_runtime_allowance(gb: float) -> RuntimeAllowance:
+    """One allowance, in GB (10^9 bytes) per NeuronCore; ValueError unless a finite number >= 0."""
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
+        raise ValueError(f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)")
+    return RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
 
 
 def largest_tp(config, neuron_cores: int) -> int:

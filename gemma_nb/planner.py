@@ -1,61 +1,81 @@
-"""``python -m gemma_nb plan CONFIG``: will this Hugging Face causal LM fit an inf2, at what TP, for how much?
+"""``python -m gemma_nb plan CONFIG``: will this Hugging Face causal LM fit an inf2, how fast will it decode, for how much?
 
 Notebook 01's memory planner (``gemma_nb.memory``) for any causal-LM ``config.json`` (a file or a
-model folder; no weights are read): the model is built on the meta device, every parameter is
-classified into a group (routed experts, router, dense/shared MLP, attention, norms, embedding,
-lm_head, ...), and a placement scheme (``memory.SCHEMES``: dtype per group, what TP shards, where
-the embedding and lm_head live) gives the bytes per rank; plus the KV cache for a context length
-and the runtime allowance. Each instance of the catalog (``gemma_nb.hardware``) is checked at the
-TP degree, one rank per NeuronCore, with its on-demand $/h; the cheapest that fits is named.
+model folder; no weights are read; ``gemma_nb.plan_input`` reads it and names what it cannot
+model): the model is built on the meta device, every parameter is classified into a group
+(routed experts, router, dense/shared MLP, attention, norms, embedding, lm_head, ...), and a
+placement scheme (``memory.SCHEMES``) gives the bytes per rank; plus the KV cache for a context
+length and the Neuron runtime's allowance, by default the window notebook 01 infers from the
+port's two builds (``memory.inferred_runtime_allowance``; ``--runtime-allowance GB`` sets one).
+Each instance of the catalog (``gemma_nb.hardware``) is judged at the TP degree, one rank per
+NeuronCore: fits (whatever the runtime took inside the window), marginal (only if it took little),
+or does not fit; with its decode roofline at batch 1 and at the most streams whose KV cache fits,
+dense and sparse experts (``gemma_nb.decode_roofline``, notebook 07's model), and $ per million tokens.
 
 Host RAM for the two steps, from the same config: the compile and the deploy peaks the port
 measured for the 26B (``gemma_nb.story``: 180 GB and 11 GB) scaled by this model's bf16 weight
 bytes over the 26B's. A scaling of two measurements, not a measurement: ``preflight`` compares the
-box against it. ``--json`` prints ``plan_report``'s dict, whose keys are stable.
+box against it. ``--json`` prints ``plan_report``'s dict, keys in ``JSON_KEYS`` (``--help`` lists them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from gemma_nb import memory
-from gemma_nb.hardware import GB, INSTANCES, fits, get_instance
+from gemma_nb import decode_roofline, memory
+from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
+from gemma_nb.plan_input import read_config
 from gemma_nb.story import CLAIMS
 
 DEFAULT_TP = 2
 DEFAULT_SCHEME = "int8_squeeze"
-JSON_KEYS = ("config", "model_class", "scheme", "tp", "context_len", "budget", "instance", "fits",
-             "total_bytes_per_rank", "total_gb_per_rank", "budget_gb_per_core", "headroom_gb", "groups",
-             "kv_cache_gb_per_rank", "runtime_allowance_gb", "host", "instances", "cheapest_fit")
-
-
-def config_path(path: str | Path) -> Path:
-    """``path`` itself if it is a file, else ``path/config.json``; ValueError saying what to pass."""
-    path = Path(path)
-    candidate = path / "config.json" if path.is_dir() else path
-    if not candidate.is_file():
-        raise ValueError(f"no config file at {str(path)!r}: pass a config.json or a model folder holding one "
-                         "(no weights needed; e.g. gemma_nb/configs/gemma4_26b_a4b.json)")
-    return candidate
+NEURON_DEVICE = "neuroncore_v2"
+FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
+EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
+JSON_DOC = {
+    "config": "the config file's name",
+    "model_class": "the transformers class built on the meta device",
+    "scheme": "placement scheme (memory.SCHEMES)",
+    "tp": "tensor-parallel degree, one rank per NeuronCore",
+    "context_len": "KV-cache tokens per stream",
+    "budget": "HBM per core: spec (16 GiB) or story (16 GB)",
+    "instance": "the instance judged (--instance, else the cheapest that fits, else the cheapest marginal), or null",
+    "fits": "true only when the judged instance's verdict is fits",
+    "verdict": "fits | marginal | does not fit, on the judged instance",
+    "total_bytes_per_rank": "weights + KV cache + runtime allowance (its high end) per rank",
+    "total_gb_per_rank": "the same in GB (10^9 bytes)",
+    "budget_gb_per_core": "HBM per NeuronCore of the judged instance",
+    "headroom_gb": "budget - total per core, with the allowance's high end (negative: short)",
+    "headroom_gb_if_low": "the same with the allowance's low end (equal to headroom_gb for a given allowance)",
+    "groups": "per group: dtype, placement, params, bytes_per_rank, gb_per_rank, host_bytes",
+    "params": "total and active parameters, with and without the input embedding; towers left out",
+    "notes": "what the plan cannot model exactly, each naming its config field",
+    "kv_cache_gb_per_rank": "KV cache of one stream per rank",
+    "runtime_allowance_gb": "the allowance counted in the totals (the window's high end)",
+    "runtime_allowance": "low_gb, high_gb and source of the allowance",
+    "host": "host RAM and disk for the compile and the deploy, scaled from the port's 26B",
+    "decode": "the roofline's basis: device, context_len, experts, expected distinct experts per batch used",
+    "instances": "per instance: fits, verdict, used_gb, budget_gb, headroom_gb, headroom_gb_if_low, replicas "
+                 "(cores // TP), host_ram_gb, usd_per_hour, reason, and decode (null with too few cores): "
+                 "largest_batch (allowance's high end), largest_batch_if_low, and batch_1, at_largest_batch, "
+                 "at_largest_batch_if_low, each with batch and, for dense and sparse, tok_s (the whole box), "
+                 "tok_s_per_stream, usd_per_m_tokens, step_ms, bound",
+    "cheapest_fit": "instance and $/h of the cheapest whose verdict is fits, or null",
+    "advice": "when nothing fits: the cheapest change that does, or why none can",
+}
+JSON_KEYS = tuple(JSON_DOC)
+# Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
+NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
 
 
 def load_any_config(path: str | Path):
     """The causal-LM text config of a ``config.json`` (file or folder). Multimodal: its text model.
 
-    Refuses, with the fix, a file that is not JSON, has no ``model_type``, or is not a causal LM.
+    Refuses, with the fix, a file that is not a JSON object, has no ``model_type``, or is not a causal LM.
     """
-    file = config_path(path)
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file.name} is not JSON ({error}): pass a Hugging Face config.json") from None
-    config = memory.load_config(raw)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config:
-        config = text  # a multimodal checkpoint (e.g. the hub's Gemma-4): plan its language model
-    memory.check_causal_lm_config(config)
-    return config
+    return read_config(path).config
 
 
 def _bf16_weight_bytes(config) -> int:
@@ -84,112 +104,315 @@ def host_needs(config) -> dict:
     }
 
 
+def param_counts(config, towers_params: int = 0) -> dict:
+    """Total and active parameters of the text model, with and without the input embedding table.
+
+    ``active`` follows the model cards (``memory.param_summary``: everything but the routed experts,
+    plus top_k / E of them); ``*_excl_input_embedding`` drop the input table (a lookup, not
+    compute; when the lm_head is tied to it, the table goes too). ``towers``: multimodal parameters
+    left out of the plan; ``total_with_towers`` adds them back.
+    """
+    summary = memory.param_summary(config)
+    table = summary["embeddings_params"] + summary["per_layer_embeddings_params"]
+    return {"total": summary["total_params"], "total_excl_input_embedding": summary["total_params"] - table,
+            "active": summary["active_params"], "active_excl_input_embedding": summary["active_params"] - table,
+            "towers": int(towers_params), "total_with_towers": summary["total_params"] + int(towers_params),
+            "num_experts": summary["num_experts"], "top_k": summary["top_k"], "tied_lm_head": summary["tied"]}
+
+
+def judge(fit, allowance: memory.RuntimeAllowance) -> tuple[str, int | None]:
+    """(verdict, headroom bytes with the allowance's low end) for a ``hardware.fits`` result at its high end."""
+    if fit.headroom_bytes is None:
+        return NO_FIT, None
+    if_low = fit.headroom_bytes + allowance.high_bytes - allowance.low_bytes
+    if fit.headroom_bytes >= 0:
+        return FITS, if_low
+    # The window is open at its low end: a plan with no room there fails, as the int8-experts build did.
+    return (MARGINAL if allowance.is_window and if_low > 0 else NO_FIT), if_low
+
+
+def _speeds(costs, deployment, batch: int | None) -> dict | None:
+    """Per experts mode, the roofline's tok/s (whole box), tok/s per stream, $ per 10^6 tokens at ``batch``."""
+    if not batch:
+        return None
+    out = {"batch": batch}
+    for mode in decode_roofline.EXPERT_MODES:
+        speed = decode_roofline.step_speed(costs, deployment, batch, mode)
+        out[mode] = {key: speed[key] for key in ("tok_s", "tok_s_per_stream", "usd_per_m_tokens", "step_ms", "bound")}
+    return out
+
+
+def instance_decode(costs, instance: str, tp: int, scheme: str, budget: str, allowance) -> dict | None:
+    """Decode predictions on one instance: batch 1 and the largest batch, dense and sparse (``None``: too few cores).
+
+    The instance runs ``cores // tp`` replicas side by side; tokens/s and $ per million tokens are
+    the whole box's, ``tok_s_per_stream`` one user's.
+    """
+    inst = get_instance(instance)
+    if tp > inst.neuron_cores:
+        return None
+    deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
+                                            replicas=inst.neuron_cores // tp)
+    limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
+    return {"replicas": deployment.replicas, "largest_batch": limits["largest_batch"],
+            "largest_batch_if_low": limits["largest_batch_if_low"], "batch_1": _speeds(costs, deployment, 1),
+            "at_largest_batch": _speeds(costs, deployment, limits["largest_batch"]),
+            "at_largest_batch_if_low": _speeds(costs, deployment, limits["largest_batch_if_low"])}
+
+
+def _instance_rows(the_plan, costs, scheme: str, tp: int, budget: str, allowance) -> list[dict]:
+    rows = []
+    for inst in INSTANCES.values():
+        fit = fits(the_plan, inst, budget)
+        verdict, if_low = judge(fit, allowance)
+        rows.append({"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
+                     "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
+                     "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
+                     "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
+                     "reason": fit.reason, "decode": instance_decode(costs, inst.name, tp, scheme, budget, allowance)})
+    return rows
+
+
+def _decode_basis(costs, rows: list[dict]) -> dict:
+    batches = sorted({1} | {row["decode"][key] for row in rows if row["decode"]
+                            for key in ("largest_batch", "largest_batch_if_low") if row["decode"][key]})
+    device = DEVICES[NEURON_DEVICE]
+    return {"device": NEURON_DEVICE, "bandwidth_gb_s_per_core": device.bandwidth_bytes_s / GB,
+            "bf16_tflops_per_core": device.bf16_flops / 1e12, "context_len": costs.context_len,
+            "num_experts": costs.num_experts, "top_k": costs.top_k,
+            "kv_gb_per_stream_per_rank": costs.kv_bytes_per_stream / GB,
+            "expected_distinct_experts": {str(b): decode_roofline.expected_distinct_experts(costs.num_experts, costs.top_k, b)
+                                          for b in batches},
+            "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed experts in full (dense) "
+                     "or their expected distinct count (sparse), and every stream's KV cache; no faster than "
+                     "max(bytes / bandwidth, FLOPs / bf16 peak) per NeuronCore"}
+
+
 def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, context_len: int = memory.SHIPPED_CONTEXT_LEN,
-                instance: str | None = None, budget: str = "spec", name: str = "") -> dict:
+                instance: str | None = None, budget: str = "spec", name: str = "",
+                allowance: memory.RuntimeAllowance | None = None, notes=(), towers_params: int = 0) -> dict:
     """The plan as a dict with the keys in ``JSON_KEYS`` (bytes, and GB = 10^9 bytes).
 
     ``instance``: judge this one; default the cheapest instance that fits (``None`` if none does).
-    Raises ValueError naming the fix for an unknown scheme or instance, or a TP the heads, KV heads
-    or experts do not divide.
+    ``allowance``: default ``memory.inferred_runtime_allowance()``. Raises ValueError naming the
+    fix for an unknown scheme or instance, or a TP the heads, KV heads or experts do not divide.
     """
     if instance is not None:
         get_instance(instance)
     memory.get_scheme(scheme)
-    plan = memory.plan(config, tp, scheme, context_len)
-    table = plan.table.set_index("group")
-    rows = [fits(plan, inst, budget) for inst in INSTANCES.values()]
-    fitting = sorted((f for f in rows if f.fits), key=lambda f: f.usd_per_hour)
-    cheapest = fitting[0] if fitting else None
-    chosen = next(f for f in rows if f.instance == instance) if instance else cheapest
-    groups = {
-        group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
-                "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
-                "host_bytes": int(row["host_bytes"])}
-        for group, row in table.iterrows()
-    }
+    allowance = allowance or memory.inferred_runtime_allowance()
+    the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
+    costs = decode_roofline.step_costs(config, scheme, tp, context_len)
+    rows = _instance_rows(the_plan, costs, scheme, tp, budget, allowance)
+    fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
+    marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
+    best = (fitting or marginal or [None])[0]
+    chosen = next(row for row in rows if row["instance"] == instance) if instance else best
+    table = the_plan.table.set_index("group")
     return {
-        "config": name,
-        "model_class": plan.model_class,
-        "scheme": plan.scheme.name,
-        "tp": tp,
-        "context_len": context_len,
-        "budget": budget,
-        "instance": chosen.instance if chosen else None,
-        "fits": bool(chosen.fits) if chosen else False,
-        "total_bytes_per_rank": plan.total_bytes,
-        "total_gb_per_rank": plan.total_gb,
-        "budget_gb_per_core": chosen.budget_bytes / GB if chosen else None,
-        "headroom_gb": chosen.headroom_gb if chosen else None,
-        "groups": groups,
-        "kv_cache_gb_per_rank": plan.gb("kv_cache"),
-        "runtime_allowance_gb": plan.gb("runtime_allowance"),
-        "host": host_needs(config),
-        "instances": [
-            {"instance": f.instance, "neuron_cores": f.neuron_cores, "fits": f.fits, "used_gb": f.used_bytes / GB,
-             "budget_gb": f.budget_bytes / GB, "headroom_gb": f.headroom_gb, "replicas": f.replicas,
-             "host_ram_gb": get_instance(f.instance).host_ram_bytes / GB, "usd_per_hour": f.usd_per_hour,
-             "reason": f.reason}
-            for f in rows
-        ],
-        "cheapest_fit": ({"instance": cheapest.instance, "usd_per_hour": cheapest.usd_per_hour} if cheapest else None),
+        "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
+        "context_len": context_len, "budget": budget, "instance": chosen["instance"] if chosen else None,
+        "fits": bool(chosen and chosen["fits"]), "verdict": chosen["verdict"] if chosen else NO_FIT,
+        "total_bytes_per_rank": the_plan.total_bytes, "total_gb_per_rank": the_plan.total_gb,
+        "budget_gb_per_core": chosen["budget_gb"] if chosen else None,
+        "headroom_gb": chosen["headroom_gb"] if chosen else None,
+        "headroom_gb_if_low": chosen["headroom_gb_if_low"] if chosen else None,
+        "groups": {group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
+                           "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
+                           "host_bytes": int(row["host_bytes"])} for group, row in table.iterrows()},
+        "params": param_counts(config, towers_params), "notes": list(notes),
+        "kv_cache_gb_per_rank": the_plan.gb("kv_cache"), "runtime_allowance_gb": allowance.high_bytes / GB,
+        "runtime_allowance": {"low_gb": allowance.low_bytes / GB, "high_gb": allowance.high_bytes / GB,
+                              "source": allowance.source},
+        "host": host_needs(config), "decode": _decode_basis(costs, rows), "instances": rows,
+        "cheapest_fit": ({"instance": fitting[0]["instance"], "usd_per_hour": fitting[0]["usd_per_hour"]} if fitting else None),
+        "advice": None if fitting else advice(config, scheme, tp, context_len, budget, allowance),
     }
+
+
+def _cheapest_fitting(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> tuple[float, str] | None:
+    the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
+    options = [(inst.usd_per_hour, inst.name) for inst in INSTANCES.values()
+               if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
+    return min(options) if options else None
+
+
+def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
+    """What to change when nothing fits: the cheapest (TP, scheme) NxD can load that fits an inf2, or why none does.
+
+    Only TP degrees the model's heads, KV heads and experts allow on the largest inf2 are tried, and
+    only schemes whose formats NxD loads (``NXD_FORMATS``); never the combination already asked for.
+    """
+    most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
+    degrees = memory.valid_tp_degrees(config, most_cores)
+    schemes = [name for name, sch in memory.SCHEMES.items()
+               if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)]
+    options = []
+    for degree in degrees:
+        for name in schemes:
+            found = (degree, name) != (tp, scheme) and _cheapest_fitting(config, name, degree, context_len, budget, allowance)
+            if found:
+                flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "",
+                                             f"--scheme {name}" if name != scheme else "") if f)
+                options.append((found[0], name != scheme, degree, flags, found[1]))
+    if options:
+        usd, _, _, flags, instance = min(options)
+        return f"Try {flags}: it fits {instance} (${usd:.4f}/h), the cheapest change that does."
+    lightest = min(schemes, key=lambda name: (memory.plan(config, degrees[-1], name, context_len).total_bytes,
+                                              name != DEFAULT_SCHEME))
+    need = memory.plan(config, degrees[-1], lightest, context_len, runtime_allowance_bytes=allowance.high_bytes).total_gb
+    return (f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts allow on "
+            f"{most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, needs {need:.2f} GB per "
+            f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB.")
 
 
 def format_report(report: dict) -> str:
-    """The plan as text: groups per rank, instances, verdict, host RAM per step."""
+    """The plan as text: parameters, groups per rank, instances and decode, verdict, notes, host RAM."""
+    return "\n".join([*_format_header(report), *_format_groups(report), *_format_instances(report),
+                      *_format_decode(report), *_format_verdict(report)])
+
+
+def _format_header(report: dict) -> list[str]:
+    params, allowance = report["params"], report["runtime_allowance"]
     lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
-             f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)", ""]
-    lines.append(f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}")
+             f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
+             f"parameters: {params['total'] / 1e9:.3f}B total ({params['total_excl_input_embedding'] / 1e9:.3f}B without "
+             f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
+             f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
+             + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else "")]
+    if allowance["low_gb"] != allowance["high_gb"]:
+        lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
+                     f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)")
+    else:
+        lines.append(f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
+    return [*lines, *(f"note: {note}" for note in report["notes"]), ""]
+
+
+def _format_groups(report: dict) -> list[str]:
+    lines = [f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
     for group, row in report["groups"].items():
         if row["bytes_per_rank"] or row["host_bytes"]:
             where = f"{row['gb_per_rank']:12.3f}" if row["placement"] != "host" else f"{'(host)':>12}"
             lines.append(f"  {group:<22}{row['dtype']:<7}{row['placement']:<12}{where}")
-    lines.append(f"  {'total':<41}{report['total_gb_per_rank']:12.3f}")
-    lines += ["", f"  {'instance':<15}{'cores':>6}{'fits':>6}{'headroom GB':>13}{'$/h':>9}"]
+    return [*lines, f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", ""]
+
+
+def _format_instances(report: dict) -> list[str]:
+    lines = [f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
     for row in report["instances"]:
         headroom = "-" if row["headroom_gb"] is None else f"{row['headroom_gb']:+.2f}"
-        lines.append(f"  {row['instance']:<15}{row['neuron_cores']:>6}{'yes' if row['fits'] else 'no':>6}"
-                     f"{headroom:>13}{row['usd_per_hour']:>9.4f}")
-    lines.append("")
+        if row["headroom_gb_if_low"] is not None and row["headroom_gb_if_low"] != row["headroom_gb"]:
+            headroom += f" to {row['headroom_gb_if_low']:+.2f}"
+        lines.append(f"  {row['instance']:<15}{row['neuron_cores']:>6}  {row['verdict']:<13}{headroom:>16}"
+                     f"{row['usd_per_hour']:>9.4f}")
+    return [*lines, ""]
+
+
+def _format_decode(report: dict) -> list[str]:
+    basis = report["decode"]
+    lines = [f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
+             f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
+             f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}"]
+    starred = False
+    for row in report["instances"]:
+        decode = row["decode"]
+        if decode is None or row["verdict"] == NO_FIT:
+            lines.append(f"  {row['instance']:<15}{'-':>9}  does not fit: {row['reason']}")
+            continue
+        shown = set()
+        for key, mark in (("batch_1", ""), ("at_largest_batch", ""), ("at_largest_batch_if_low", "*")):
+            speeds = decode[key]
+            if speeds is None or speeds["batch"] in shown:
+                continue
+            shown.add(speeds["batch"])
+            starred = starred or bool(mark)
+            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{_usd(speeds[mode]['usd_per_m_tokens']):>8}"
+                            for mode in ("dense", "sparse"))
+            streams = f"{speeds['batch'] * decode['replicas']}{mark}"
+            lines.append(f"  {row['instance'] if key == 'batch_1' else '':<15}{streams:>9}{cells}")
+    if starred:
+        lines.append("  * only if the runtime takes the low end of its allowance")
+    if basis["num_experts"]:
+        distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
+        lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
+    return [*lines, ""]
+
+
+def _usd(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _format_verdict(report: dict) -> list[str]:
+    lines = []
     if report["instance"] is None:
-        lines.append(f"does not fit any instance at TP={report['tp']}: try a larger TP (--tp), an int8 scheme "
-                     "(--scheme int8_squeeze) or a shorter context (--context)")
+        lines.append(f"does not fit any instance at TP={report['tp']}. {report['advice']}")
     else:
-        verdict = "fits" if report["fits"] else "does NOT fit"
-        lines.append(f"{verdict} {report['instance']} ({report['budget_gb_per_core']:.2f} GB per NeuronCore, "
-                     f"headroom {report['headroom_gb']:+.2f} GB)")
+        row = next(r for r in report["instances"] if r["instance"] == report["instance"])
+        words = {FITS: "fits", MARGINAL: "MARGINAL on", NO_FIT: "does NOT fit"}[row["verdict"]]
+        if row["headroom_gb"] is None:
+            lines.append(f"{words} {row['instance']}: {row['reason']}")
+        else:
+            lines.append(f"{words} {row['instance']} ({row['budget_gb']:.2f} GB per NeuronCore, headroom "
+                         f"{row['headroom_gb']:+.2f} GB" + (f", {row['headroom_gb_if_low']:+.2f} GB if the runtime takes "
+                                                           "the window's least" if row["verdict"] == MARGINAL else "") + ")")
     if report["cheapest_fit"]:
         cheapest = report["cheapest_fit"]
         lines.append(f"cheapest that fits: {cheapest['instance']} at ${cheapest['usd_per_hour']:.4f}/h")
+    elif report["instance"] is not None:
+        lines.append(f"nothing fits. {report['advice']}")
     host = report["host"]
     lines.append(f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} GB, "
                  f"deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding {host['host_embedding_bytes'] / GB:.2f} GB)")
-    return "\n".join(lines)
+    return lines
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a TP degree), else an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _epilog() -> str:
+    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
+    return (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
+            f"its inferred allowance)\n\n--json keys:\n{keys}")
 
 
 def add_arguments(parser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
     parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
     parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} "
                                                          "(default: the cheapest that fits)")
     parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
-    parser.add_argument("--tp", type=int, default=DEFAULT_TP, help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
+    parser.add_argument("--tp", type=positive_int, default=DEFAULT_TP,
+                        help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
     parser.add_argument("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
-                        help=f"KV-cache length in tokens (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
+                        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
     parser.add_argument("--budget", default="spec", choices=("spec", "story"),
                         help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (the write-up)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys)")
+    parser.add_argument("--runtime-allowance", type=float, default=None, metavar="GB",
+                        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (keys below)")
 
 
 def main(args) -> int:
-    """``python -m gemma_nb plan``; exit 0 if the plan fits the judged instance, 1 if not, 2 on bad input."""
+    """``python -m gemma_nb plan``; exit 0 fits, 1 does not fit, 3 marginal on the judged instance, 2 on bad input."""
     import sys
 
     try:
-        config = load_any_config(args.config)
-        report = plan_report(config, args.scheme, args.tp, args.context, args.instance, args.budget,
-                             name=Path(args.config).name)
+        source = read_config(args.config)
+        allowance = None if args.runtime_allowance is None else memory.given_runtime_allowance(args.runtime_allowance)
+        report = plan_report(source.config, args.scheme, args.tp, args.context, args.instance, args.budget,
+                             name=Path(args.config).name, allowance=allowance, notes=source.notes,
+                             towers_params=source.towers_params)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0 if report["fits"] else 1
+    return EXIT_CODES[report["verdict"]]

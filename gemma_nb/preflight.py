@@ -328,7 +328,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--artifact", default=None, help="a compiled artifact folder to check (implies --step deploy)")
     parser.add_argument("--step", default=None, choices=STEPS, help="which host budget to check (default: compile "
                                                                     "without --artifact, deploy with it)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")
 
 
 def main(args) -> int:

@@ -42,6 +42,9 @@ def figures() -> dict:
         "per_rank_gb": report["total_gb_per_rank"],
         "hbm_per_core_gb": report["budget_gb_per_core"],
         "headroom_gb": report["headroom_gb"],
+        "headroom_gb_if_low": report["headroom_gb_if_low"],
+        "allowance_low_gb": report["runtime_allowance"]["low_gb"],
+        "allowance_high_gb": report["runtime_allowance"]["high_gb"],
         "fits": report["fits"],
         "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
         "compile_host_gb": host["compile_bytes"] / GB,
@@ -109,9 +112,10 @@ measured ones (`gemma_nb.story`); GB = 10^9 bytes.
 | tiny smoke run (step 4) | either | not measured here | the box's $/h |
 
 The planner's figures for the 26B (`python -m gemma_nb plan gemma_nb/configs/gemma4_26b_a4b.json`):
-{f['per_rank_gb']:.2f} GB per NeuronCore at TP=2 with the int8 squeeze and a 512-token KV cache,
-against {f['hbm_per_core_gb']:.2f} GB (16 GiB) per core: headroom {f['headroom_gb']:+.2f} GB; the cheapest
-instance that fits is the {f['cheapest']}. Host RAM, the port's measured peaks scaled by the planner:
+{f['per_rank_gb']:.2f} GB per NeuronCore at TP=2 with the int8 squeeze and a 512-token KV cache, runtime
+allowance included, against {f['hbm_per_core_gb']:.2f} GB (16 GiB) per core: headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB,
+as the Neuron runtime takes {f['allowance_high_gb']:.2f} to {f['allowance_low_gb']:.2f} GB per core (the window notebook 01 infers
+from the port's failed and shipped builds); the cheapest instance that fits is the {f['cheapest']}. Host RAM, the port's measured peaks scaled by the planner:
 the compile needs ~{f['compile_host_gb']:.0f} GB (the {COMPILE_BOX} has {f['compile_ram_gib']:g} GiB: add at least
 {f['compile_swap_gib']} GiB of swap), the deploy ~{f['deploy_host_gb']:.0f} GB (the {SERVE_BOX} has
 {f['serve_ram_gib']:g} GiB{': no swap needed by this scaling' if not f['serve_swap_gib'] else f": add {f['serve_swap_gib']} GiB of swap"}; `preflight` checks the box you have).

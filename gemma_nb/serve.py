@@ -193,6 +193,10 @@ def _check_arguments(args) -> None:
                         ("--head-timeout-s", args.head_timeout_s), ("--slot-watchdog-s", args.slot_watchdog_s)):
         if not value > 0:
             raise ValueError(f"{flag} {value} must be positive")
+    if args.max_context is not None and args.max_context < 1:
+        raise ValueError(f"--max-context {args.max_context} must be at least 1 (tokens of KV cache per request)")
+    if args.prefill_len < 1:
+        raise ValueError(f"--prefill-len {args.prefill_len} must be at least 1 (tokens per compiled prefill)")
     if args.artifact is not None and not os.path.isdir(args.artifact):
         raise ValueError(f"--artifact {args.artifact}: no such folder; pass the folder the compile step wrote")
     if args.model_id.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(args.model_id)):

@@ -170,3 +170,100 @@ def test_tp2_emulation_gives_the_same_tokens():
     assert emulation["tokens_equal_sparse"] is True
     assert emulation["ranks"] == 2 and emulation["ranks_agree"] is True
     assert emulation["kv_heads_per_rank"] == {"sliding_attention": 4, "full_attention": 1}
+
+
+# Notebook 07 beyond one stream: the batch sweep (sections 8) and the roofline across batch (9)
+# ------------------------------------------------------------------------------------------------
+
+def test_the_batch_sweep_covers_every_batch_source_and_dtype():
+    batch = metrics("07_decode_benchmark")["batch"]
+    assert batch["batches"] == [1, 2, 4, 8, 16, 32, 64]
+    for source in ("uniform", "real"):
+        for dtype in ("bf16", "int8"):
+            rows = batch["by_source"][source][dtype]
+            assert [row["batch"] for row in rows] == batch["batches"], (source, dtype)
+            for row in rows:
+                assert row["dense_p50_ms"] > 0 and row["sparse_p50_ms"] > 0
+                assert row["dense_tok_s"] == pytest.approx(1000 * row["batch"] / row["dense_p50_ms"])
+
+
+def test_the_batch_sweeps_bytes_are_the_models(config):
+    E, H, I, K = config.num_experts, config.hidden_size, config.moe_intermediate_size, config.top_k_experts
+    batch = metrics("07_decode_benchmark")["batch"]
+    for source, by_dtype in batch["by_source"].items():
+        for dtype, rows in by_dtype.items():
+            per_expert = E * (tensor_bytes((2 * I, H), dtype) + tensor_bytes((H, I), dtype)) // E
+            for row in rows:
+                b = row["batch"]
+                assert row["dense_experts_read"] == E and row["dense_gb"] == pytest.approx(E * per_expert / 1e9)
+                # SparseExperts: each token's K experts while B x K < E, then each distinct expert once
+                expected_read = b * K if b * K < E else row["distinct_experts"]
+                assert row["sparse_experts_read"] == expected_read, (source, dtype, b)
+                assert row["sparse_gb"] == pytest.approx(expected_read * per_expert / 1e9)
+                assert row["distinct_experts"] <= min(b * K, E)
+    uniform = {row["batch"]: row["distinct_experts"] for row in batch["by_source"]["uniform"]["int8"]}
+    for b, count in uniform.items():  # a handful of routings per batch: the union is near the formula
+        assert count == pytest.approx(decode_roofline.expected_distinct_experts(E, K, b), rel=0.15), b
+
+
+def test_the_real_router_needs_fewer_experts_than_uniform_routing():
+    distinct = metrics("07_decode_benchmark")["batch"]["distinct_experts"]
+    assert distinct["1"]["real_vs_uniform"] == 1.0 and distinct["2"]["real_vs_uniform"] < 1.0
+    for b in ("4", "8", "16", "32", "64"):
+        assert distinct[b]["real_vs_uniform"] < 0.95, b
+        assert distinct[b]["uniform"] == pytest.approx(distinct[b]["formula"], rel=0.03), b
+
+
+def test_crossovers_predicted_and_measured():
+    batch = metrics("07_decode_benchmark")["batch"]
+    assert batch["crossover_predicted"] == {"bytes_this_sparse": None, "bytes_selective_loading": 16, "nxd_rule": 16}
+    for source, by_dtype in batch["by_source"].items():
+        for dtype, rows in by_dtype.items():
+            first = next((row["batch"] for row in rows if row["dense_p50_ms"] <= row["sparse_p50_ms"]), None)
+            assert batch["crossover_measured"][dtype][source] == first, (dtype, source)
+            # Timing-dependent, with room: at one stream sparse wins by far on any cpu that reads memory
+            assert rows[0]["dense_p50_ms"] / rows[0]["sparse_p50_ms"] >= 5.0, (dtype, source)
+
+
+def test_the_batch_roofline_is_the_models(config):
+    recorded = metrics("07_decode_benchmark")["batch_roofline"]
+    summary = decode_roofline.batch_summary(config, decode_roofline.DEPLOYMENTS, 512)
+    assert set(recorded) == {d.name for d in decode_roofline.DEPLOYMENTS}
+    for _, row in summary.iterrows():
+        deployment = recorded[row["deployment"]]
+        assert deployment["largest_batch"] == row["largest_batch"]
+        for key, value in deployment["paths"][row["path"]].items():
+            assert value == (None if math.isnan(row[key]) else pytest.approx(row[key], rel=1e-12)), (row["deployment"], key)
+    inf2 = recorded["inf2.xlarge, int8 squeeze, TP=2"]
+    assert (inf2["largest_batch"], inf2["largest_batch_if_low"]) == (1, 12)
+    assert recorded["inf2.xlarge, bf16, TP=2"]["largest_batch_if_low"] == 0
+
+
+def test_notebook_07s_cost_conclusions_are_the_metrics():
+    """The prices typed in notebook 07's markdown (section 9 and What we learned) are the reference run's."""
+    inf2 = metrics("07_decode_benchmark")["batch_roofline"]["inf2.xlarge, int8 squeeze, TP=2"]
+    paths, streams = inf2["paths"], inf2["largest_batch_if_low"]
+    notebook = json.loads((OUTPUTS_DIR / "cpu" / "07_decode_benchmark.ipynb").read_text())
+    prose = [" ".join("".join(c["source"]).split()) for c in notebook["cells"] if c["cell_type"] == "markdown"]
+    section_9 = next(text for text in prose if text.startswith("One inf2.xlarge with the int8 squeeze"))
+    learned = next(text for text in prose if text.startswith("- (8)"))
+    money = lambda value: f"${value:.2f}"  # noqa: E731
+    for text in (section_9, learned):
+        assert f"{money(paths['sparse']['usd_per_m_b1'])} per million tokens" in text
+        assert f"{money(paths['dense']['usd_per_m_b1'])} with DenseExperts" in text
+        assert f"{streams} streams" in text and f"{money(paths['sparse']['usd_per_m_if_low'])}" in text
+        assert f"{money(paths['dense']['usd_per_m_if_low'])}" in text and "one stream is all that fits" in text
+    assert f"{money(paths['nxd_rule']['usd_per_m_if_low'])} under NxD's rule" in section_9
+    assert f"reads {streams * 8} experts' weights" in section_9
+    assert f"about {decode_roofline.expected_distinct_experts(128, 8, streams):.0f} distinct" in section_9
+    sparse_tok_s = paths["sparse"]["tok_s_if_low"]
+    assert f"{sparse_tok_s:.0f} tokens/s in all is still {sparse_tok_s / streams:.0f} tokens/s" in section_9
+    assert inf2["largest_batch"] == 1
+
+
+def test_notebook_01_shows_the_planners_allowance():
+    recorded = metrics("01_memory_arithmetic")
+    window = memory.inferred_runtime_allowance()
+    assert recorded["planner_runtime_allowance_gb"] == {"low": window.low_bytes / 1e9, "high": window.high_bytes / 1e9}
+    spec = recorded["allowance_window_gb"]["spec"]
+    assert (spec["min_to_fail_gb"], spec["max_to_fit_gb"]) == (window.low_bytes / 1e9, window.high_bytes / 1e9)

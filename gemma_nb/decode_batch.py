@@ -1,0 +1,394 @@
+"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed two ways.
+
+A decode step of B streams routes B tokens; the experts it must read are the union of their top-k.
+Two routing sources: ``uniform_routes`` (each token's K experts uniformly at random, whose union
+``decode_roofline.expected_distinct_experts`` predicts) and ``RealRouting``, the bundled
+checkpoint's own router on the fact prompts (``capture_real_routing``). The tiny checkpoint has 4
+MoE layers of 32 experts, top-2: a token's choices across its 4 layers, numbered
+``layer x 32 + expert``, are 8 of 128 ids, the 26B layer's shape, and under uniform routing their
+union follows the same formula (2/32 = 8/128), so the real router's skew can be replayed on the
+full-size layer. ``time_batch_sweep`` times the experts modules of ``gemma_nb.experts`` at every B
+with ``gemma_nb.bench.time_steps``; ``batch_table`` adds bytes, bandwidth floors and tokens/s,
+``crossovers`` and ``verdict_table`` say where dense overtakes sparse, measured and predicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from gemma_nb import bench, moe
+from gemma_nb.decode_roofline import expected_distinct_experts, selective_loading
+from gemma_nb.evaluate import greedy_generate
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+SOURCES = ("uniform", "real")
+
+
+@dataclass(frozen=True)
+class RealRouting:
+    """The router's choices for decode-step tokens: ``index [N, L, K]`` expert ids per layer,
+    ``weights [N, L, K]``, ``prompt [N]`` which prompt each token continues; ``num_experts`` per layer."""
+
+    index: torch.Tensor
+    weights: torch.Tensor
+    prompt: torch.Tensor
+    num_experts: int
+
+    @property
+    def layers(self) -> int:
+        return self.index.shape[1]
+
+    def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Row numbers of ``batch`` tokens from ``batch`` different prompts (B streams, one token each)."""
+        numbers = self.prompt.unique()
+        if batch > len(numbers):
+            raise ValueError(f"batch {batch} needs {batch} different prompts; the routing holds {len(numbers)}")
+        chosen = numbers[torch.randperm(len(numbers), generator=generator)[:batch]]
+        rows = [torch.nonzero(self.prompt == p).flatten() for p in chosen.tolist()]
+        return torch.stack([r[torch.randint(len(r), (1,), generator=generator)] for r in rows]).flatten()
+
+
+@torch.inference_mode()
+def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: int = 3) -> RealRouting:
+    """Greedy-decode ``new_tokens`` tokens after each prompt, then record which experts every layer's
+    router picks for each token a decode step feeds back (the ``new_tokens`` generated ones).
+
+    ``prompt`` numbers follow ``prompts``' order; prompts of one length run as one batch (no padding).
+    """
+    found = moe.experts_modules(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no routed experts to record")
+    seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in found]
+    hooks = [module.register_forward_pre_hook(lambda _m, args, n=n: seen[n].append((args[1].clone(), args[2].clone())))
+             for n, (_, _, module) in enumerate(found)]
+    token_lists = [tokenizer(text).input_ids for text in prompts]
+    index, weights, prompt = [], [], []
+    try:
+        for length in sorted({len(tokens) for tokens in token_lists}):
+            numbers = [n for n, tokens in enumerate(token_lists) if len(tokens) == length]
+            ids = greedy_generate(model, torch.tensor([token_lists[n] for n in numbers]), new_tokens + 1)
+            for calls in seen:
+                calls.clear()
+            model(input_ids=ids[:, :length + new_tokens], use_cache=False)
+            shape = (len(numbers), length + new_tokens, -1)
+            fed_back = [tuple(t.reshape(shape)[:, length:] for t in calls[0]) for calls in seen]  # per layer: [P, n, K] x 2
+            index.append(torch.stack([f[0] for f in fed_back], dim=2).flatten(0, 1))
+            weights.append(torch.stack([f[1] for f in fed_back], dim=2).flatten(0, 1))
+            prompt.append(torch.tensor(numbers).repeat_interleave(new_tokens))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return RealRouting(torch.cat(index), torch.cat(weights).float(), torch.cat(prompt), found[0][2].num_experts)
+
+
+def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``rows`` as routings of one ``num_experts``-expert, top-``top_k`` layer: id = layer x E_tiny + expert.
+
+    Weights are each layer's router weights divided by the layer count (they sum to 1 again).
+    ValueError unless layers x experts and layers x K match the target layer (128 and 8 for the 26B).
+    """
+    if real.layers * real.num_experts != num_experts or real.layers * real.index.shape[2] != top_k:
+        raise ValueError(f"{real.layers} layers x {real.num_experts} experts, top-{real.index.shape[2]}, do not make one "
+                         f"{num_experts}-expert top-{top_k} layer; route the bundled checkpoint (4 x 32, top-2)")
+    offset = (torch.arange(real.layers) * real.num_experts)[None, :, None]
+    index = (real.index[rows] + offset).reshape(len(rows), top_k)
+    return index.long(), (real.weights[rows] / real.layers).reshape(len(rows), top_k)
+
+
+def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` routings of ``batch`` tokens, each token's top-k uniformly at random (``moe.random_routing``)."""
+    return [moe.random_routing(batch, num_experts, top_k, seed=seed * 10_000 + batch * 100 + i) for i in range(count)]
+
+
+def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top_k: int,
+                seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` routings of ``batch`` real tokens from different prompts, on the full-size layer's ids."""
+    generator = torch.Generator().manual_seed(seed * 10_000 + batch)
+    return [full_size_routes(real, real.sample(batch, generator), num_experts, top_k) for _ in range(count)]
+
+
+def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: int = 200, seed: int = 0) -> pd.DataFrame:
+    """Distinct experts per layer for B tokens: the uniform formula, uniform draws, and the real router.
+
+    Per batch (rows) at the checkpoint's own size (E experts per layer, top-K) and on the 26B
+    layer's ids (all layers together): ``formula``, ``uniform`` (mean over ``draws`` random
+    routings), ``real`` (mean over ``draws`` draws of B tokens from different prompts, averaged
+    over layers), ``real_vs_uniform`` = real / formula.
+    """
+    experts, top_k = real.num_experts, real.index.shape[2]
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for batch in batches:
+        uniform = [moe.random_routing(batch, experts, top_k, seed=seed * 10_000 + batch * 1_000 + d)[0].unique().numel()
+                   for d in range(draws)]
+        real_counts = [_distinct_per_layer(real.index[real.sample(batch, generator)], experts).mean() for _ in range(draws)]
+        formula = expected_distinct_experts(experts, top_k, batch)
+        rows.append({"batch": batch, "formula": formula, "uniform": sum(uniform) / draws,
+                     "real": float(torch.stack(real_counts).mean()),
+                     "real_vs_uniform": float(torch.stack(real_counts).mean()) / formula})
+    table = pd.DataFrame(rows).set_index("batch")
+    for column in ("formula", "uniform", "real"):
+        table[f"{column}_full_size"] = table[column] * real.layers
+    return table
+
+
+def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``index [B, L, K]`` -> distinct experts per layer ``[L]`` (float)."""
+    hit = torch.zeros(index.shape[1], num_experts, dtype=torch.bool)
+    hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True)
+    return hit.sum(dim=1).float()
+
+
+def steps_at(batch: int, steps_at_batch_1: int) -> int:
+    """Timed steps at ``batch``: ``steps_at_batch_1 // batch``, at least 1 (a dense step at B = 64 takes seconds)."""
+    return max(1, steps_at_batch_1 // batch)
+
+
+def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
+                     hidden_size: int, batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8,
+                     dense_sources: Sequence[str] = ("uniform",), device: str = "cpu", seed: int = 0) -> pd.DataFrame:
+    """p50 step time of every layer at every batch, for each routing source, with ``bench.time_steps``.
+
+    ``layers``: name -> experts module (``"dense bf16"``, ``"sparse int8"``, ...: the name's first
+    word is the path, its last the dtype). ``routes``: source -> ``fn(batch, count)`` giving
+    ``count`` routings. Dense layers are timed only under ``dense_sources``: DenseExperts computes
+    every expert for every token, so routing changes only the zeros of its router weights, not its
+    work. One warm-up step where more than one step is timed. Rows: ``batch``, ``source``,
+    ``layer``, ``path``, ``dtype``, ``p50_ms``, ``min_ms``, ``steps``, ``experts_read`` (weight sets
+    the module reads per step, repeats included) and ``distinct_experts`` (the routings' union), means
+    over the timed steps.
+    """
+    rows = []
+    for batch in batches:
+        steps = steps_at(batch, steps_at_batch_1)
+        warmup = 1 if steps > 1 else 0
+        x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(seed + batch)).to(torch.bfloat16).to(device)
+        by_source = {source: make(batch, steps + warmup) for source, make in routes.items()}
+        candidates, read = {}, {}
+        for source, chosen in by_source.items():
+            for name, module in layers.items():
+                if name.startswith("dense") and source not in dense_sources:
+                    continue
+                key = f"{name} | {source}"
+                candidates[key] = bench.layer_steps({key: module}, x, [(i.to(device), w.to(device)) for i, w in chosen])[key]
+                read[key] = (_experts_read(module, chosen[warmup:]),
+                             sum(index.unique().numel() for index, _ in chosen[warmup:]) / steps)
+        timings = bench.time_steps(candidates, steps=steps, repeats=1, warmup=warmup, device=device)
+        for key in candidates:
+            name, source = key.split(" | ")
+            rows.append({"batch": batch, "source": source, "layer": name, "path": name.split()[0], "dtype": name.split()[-1],
+                         "p50_ms": timings.p50_ms(key), "min_ms": timings.min_ms(key), "steps": steps,
+                         "experts_read": read[key][0], "distinct_experts": read[key][1]})
+    return pd.DataFrame(rows)
+
+
+def _experts_read(module, chosen) -> float:
+    """Mean expert weight sets the module reads per step over the timed routings."""
+    if hasattr(module, "experts_read"):
+        return sum(module.experts_read(index) for index, _ in chosen) / len(chosen)
+    return float(module.num_experts)
+
+
+def batch_table(sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_bytes_s: float) -> pd.DataFrame:
+    """Per routing source, dtype and batch: experts and bytes read, p50 step ms, floor, tokens/s, dense and sparse.
+
+    ``expert_bytes``: dtype -> bytes of one expert's weights (``bench.moe_layer_bytes(..., "sparse")
+    / K``). Dense rows under a source that was not timed for dense reuse the uniform timing (see
+    ``time_batch_sweep``). Columns per path ``p``: ``p_experts_read``, ``p_gb``, ``p_floor_ms``,
+    ``p_p50_ms``, ``p_tok_s`` (B tokens per step / p50), ``p_x_floor``; ``distinct_experts`` (the
+    timed routings' union); ``sparse_vs_dense_x`` = dense / sparse p50.
+    """
+    rows = []
+    for (source, dtype, batch), group in sweep.groupby(["source", "dtype", "batch"], sort=False):
+        by_path = group.set_index("path")
+        if "dense" not in by_path.index:
+            uniform = sweep[(sweep["source"] == "uniform") & (sweep["dtype"] == dtype) & (sweep["batch"] == batch)]
+            by_path = pd.concat([by_path, uniform.set_index("path").loc[["dense"]]])
+        row = {"source": source, "dtype": dtype, "batch": batch,
+               "distinct_experts": by_path.loc["sparse", "distinct_experts"]}
+        for path in ("dense", "sparse"):
+            read, p50 = by_path.loc[path, "experts_read"], by_path.loc[path, "p50_ms"]
+            nbytes = read * expert_bytes[dtype]
+            floor = bench.floor_ms(nbytes, bandwidth_bytes_s)
+            row.update({f"{path}_experts_read": read, f"{path}_gb": nbytes / 1e9, f"{path}_floor_ms": floor,
+                        f"{path}_p50_ms": p50, f"{path}_tok_s": 1000.0 * batch / p50, f"{path}_x_floor": p50 / floor})
+        row["sparse_vs_dense_x"] = row["dense_p50_ms"] / row["sparse_p50_ms"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def first_batch(batches: Sequence[int], condition: Sequence[bool]) -> int | None:
+    """The first batch where ``condition`` holds, or ``None``."""
+    return next((b for b, ok in zip(batches, condition) if ok), None)
+
+
+def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
+    """Where dense is no slower than sparse: measured per dtype and source, and predicted from bytes.
+
+    ``measured``: dtype -> source -> the first B whose dense p50 <= sparse p50 (``None``: none in
+    the sweep). ``bytes_this_sparse``: the first B whose dense bytes <= this sparse path's
+    (``SparseExperts``: B x K reads below B x K = E, then each distinct expert once).
+    ``bytes_selective_loading``: the same for NxD's per-token selective loading (B x K reads at
+    every B). ``nxd_rule``: where NxD switches to all experts (B x K / E >= its threshold).
+    """
+    batches = sorted(table["batch"].unique().tolist())
+    measured = {dtype: {source: first_batch(group["batch"].tolist(), (group["dense_p50_ms"] <= group["sparse_p50_ms"]).tolist())
+                        for source, group in by_dtype.sort_values("batch").groupby("source", sort=False)}
+                for dtype, by_dtype in table.groupby("dtype", sort=False)}
+    uniform = table[table["source"] == "uniform"].drop_duplicates("batch").sort_values("batch")
+    return {"measured": measured, "batches": batches,
+            "bytes_this_sparse": first_batch(uniform["batch"].tolist(),
+                                             (uniform["dense_experts_read"] <= uniform["sparse_experts_read"]).tolist()),
+            "bytes_selective_loading": first_batch(batches, [num_experts <= b * top_k for b in batches]),
+            "nxd_rule": first_batch(batches, [not selective_loading(num_experts, top_k, b) for b in batches])}
+
+
+def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> pd.DataFrame:
+    """This run's findings about batch decode, each computed from the tables: finding, value, basis."""
+    largest = max(cross["batches"])
+    said = lambda b: f"B = {b}" if b is not None else f"none up to B = {largest}"  # noqa: E731
+    rows = [(f"dense no slower than sparse ({dtype}, {source} routing), measured", said(b), "p50 step times, this cpu")
+            for dtype, by_source in cross["measured"].items() for source, b in by_source.items()]
+    rows += [("the same, predicted from bytes for this sparse path", said(cross["bytes_this_sparse"]),
+              "each distinct expert read once from B x K = E on"),
+             ("the same, predicted from bytes for per-token selective loading", said(cross["bytes_selective_loading"]),
+              "B x K expert reads per step (NxD's forward_selective_loading)"),
+             ("NxD's rule switches to all experts at", said(cross["nxd_rule"]), "B x K / E >= 1.0")]
+    for dtype in table["dtype"].unique():
+        ratios = table[(table["source"] == "uniform") & (table["dtype"] == dtype)].set_index("batch")["sparse_vs_dense_x"]
+        rows.append((f"sparse's lead over dense ({dtype}), B = {ratios.index[0]} -> {ratios.index[-1]}",
+                     f"{ratios.iloc[0]:.1f}x -> {ratios.iloc[-1]:.1f}x", "dense p50 / sparse p50, uniform routing"))
+    dense = table[(table["source"] == "uniform")].groupby("dtype")
+    for dtype, group in dense:
+        group = group.set_index("batch")
+        rows.append((f"dense {dtype} step, B = {group.index[-1]} vs B = {group.index[0]}",
+                     f"{group['dense_p50_ms'].iloc[-1] / group['dense_p50_ms'].iloc[0]:.1f}x",
+                     "same bytes read; the extra time is compute"))
+    for batch in (16, largest):
+        if batch in distinct.index:
+            rows.append((f"distinct experts at B = {batch}, real router vs uniform",
+                         f"{distinct.loc[batch, 'real_vs_uniform']:.2f}x", "bundled checkpoint, fact prompts"))
+    return pd.DataFrame(rows, columns=["finding", "value", "basis"])
+
+
+def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
+    """What ``deployment`` decodes (tokens/s, all streams) and costs ($ per million tokens) for one
+    stream and for the most that fit at each end of the runtime allowance; columns (path, metric)."""
+    rows = summary[summary["deployment"] == deployment].set_index("path")
+    if rows.empty:
+        raise ValueError(f"deployment {deployment!r} is not in the summary; it has {', '.join(summary['deployment'].unique())}")
+    cases = {"one stream": ("b1", 1),
+             "all that fit, runtime takes the most": ("at_largest", rows.iloc[0]["largest_batch"]),
+             "all that fit, runtime takes the least": ("if_low", rows.iloc[0]["largest_batch_if_low"])}
+    table = pd.DataFrame([{("", "streams"): streams, **{(path, what): row[f"{what}_{suffix}"] for path, row in rows.iterrows()
+                                                         for what in ("tok_s", "usd_per_m")}}
+                          for suffix, streams in cases.values()], index=list(cases))
+    table.columns = pd.MultiIndex.from_tuples(table.columns)
+    table.index.name = deployment
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------------
+
+def _batch_axis(ax, batches, label: str) -> None:
+    """A log-2 batch axis labelled 1, 2, 4, ... rather than 2^0, 2^1, ..."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({int(b) for b in batches})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel(label)
+
+
+PATH_LABELS = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
+               "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
+
+
+def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
+    """Distinct experts per step on the 26B layer's ids vs batch: formula, uniform draws, real router."""
+    _ = ax.plot(distinct.index, distinct["formula_full_size"], color="0.3", label="E (1 - (1 - K/E)^B)")
+    _ = ax.plot(distinct.index, distinct["uniform_full_size"], "o", color="#0173b2", label="uniform routing (drawn)")
+    _ = ax.plot(distinct.index, distinct["real_full_size"], "s-", color="#de8f05", label="bundled checkpoint's router")
+    _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
+    _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
+    ax.set_ylabel(f"distinct experts per layer (of {num_experts})")
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
+    """One full-size layer on this machine: measured tokens/s (points) and bandwidth ceiling (dashed) vs batch."""
+    colors = {"dense bf16": "#0173b2", "sparse bf16": "#de8f05", "dense int8": "#029e73", "sparse int8": "#d55e00"}
+    rows = table[table["source"] == source]
+    for name, color in colors.items():
+        path, dtype = name.split()
+        group = rows[rows["dtype"] == dtype].sort_values("batch")
+        _ = ax.plot(group["batch"], group[f"{path}_tok_s"], "o-", color=color, label=f"{path} {dtype}, measured")
+        _ = ax.plot(group["batch"], 1000.0 * group["batch"] / group[f"{path}_floor_ms"], "--", color=color, linewidth=1)
+    _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
+    ax.set_yscale("log")
+    ax.set_ylabel("layer tokens/s (log; dashed: bandwidth ceiling)")
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
+                        reference_label: str = "", legend: str | None = "best") -> None:
+    """One deployment's roofline vs batch per decode path (``rows`` of ``decode_roofline.batch_roofline``).
+
+    ``metric``: ``tok_s`` (the deployment's tokens/s, all streams) or ``usd_per_m_tokens``. Shaded:
+    batches whose KV cache fits only if the runtime takes little (light), or never (darker), from
+    ``limits``. ``legend``: its location, or ``None`` for none.
+    """
+    for path, group in rows.groupby("path", sort=False):
+        group = group.sort_values("batch")
+        _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])
+    top = rows["batch"].max()
+    low, high = limits["largest_batch_if_low"], limits["largest_batch"]
+    if high is not None and high < top and (low is None or low > high):
+        _ = ax.axvspan(high + 0.5, min(low + 0.5, top) if low is not None else top, color="0.85", alpha=0.6,
+                       linewidth=0, label="KV cache fits only if the runtime takes little")
+    if low is not None and low < top:
+        _ = ax.axvspan(low + 0.5, top, color="0.6", alpha=0.35, linewidth=0, label="KV cache does not fit")
+    if reference is not None:
+        _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
+    _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
+    ax.set_yscale("log")
+    ax.set_ylabel({"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
+    if legend:
+        ax.legend(loc=legend, fontsize=8)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+BATCH_METRIC_COLUMNS = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb",
+                        "dense_floor_ms", "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")
+
+
+def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> dict:
+    """The ``batch`` section of notebook 07's metrics: per source, dtype and batch, and the crossovers."""
+    by_source = {source: {dtype: [{"batch": int(row["batch"]), **{c: float(row[c]) for c in BATCH_METRIC_COLUMNS}}
+                                  for _, row in group.sort_values("batch").iterrows()]
+                          for dtype, group in rows.groupby("dtype", sort=False)}
+                 for source, rows in table.groupby("source", sort=False)}
+    return {"batches": cross["batches"], "by_source": by_source,
+            "distinct_experts": {int(b): {k: float(v) for k, v in row.items()} for b, row in distinct.iterrows()},
+            "crossover_measured": cross["measured"],
+            "crossover_predicted": {key: cross[key] for key in ("bytes_this_sparse", "bytes_selective_loading", "nxd_rule")}}
+
+
+def roofline_metrics(summary: pd.DataFrame) -> dict:
+    """The ``batch_roofline`` section: per deployment, the largest batches and per path tok/s and $/M."""
+    out = {}
+    for deployment, rows in summary.groupby("deployment", sort=False):
+        first = rows.iloc[0]
+        out[deployment] = {key: (None if pd.isna(first[key]) else int(first[key])) if key.startswith("largest") else float(first[key])
+                           for key in ("largest_batch", "largest_batch_if_low", "kv_gb_per_stream", "runtime_allowance_gb")}
+        out[deployment]["paths"] = {row["path"]: {key: (None if pd.isna(row[key]) else float(row[key]))
+                                                  for key in row.index if key.startswith(("tok_s", "usd_per_m"))}
+                                    for _, row in rows.iterrows()}
+    return out
