@@ -160,10 +160,10 @@ def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str,
     work. One warm-up step where more than one step is timed. Rows: ``batch``, ``source``,
     ``layer``, ``path``, ``dtype``, ``p50_ms``, ``min_ms``, ``steps``, ``experts_read`` (weight sets
     the module reads per step, repeats included) and ``distinct_experts`` (the routings' union), means
-    over the timed steps.
+    over the timed steps. Under ``GEMMA_NB_TIMING=smoke`` only the first two batches are timed.
     """
     rows = []
-    for batch in batches:
+    for batch in batches[:2] if bench.smoke_timing() else batches:
         steps = steps_at(batch, steps_at_batch_1)
         warmup = 1 if steps > 1 else 0
         x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(seed + batch)).to(torch.bfloat16).to(device)

@@ -5,7 +5,8 @@ reference run was made with (``REFERENCE_KERNELS``), so an output that depends o
 fails here, on any machine. Two pytest processes run at once, one per group of notebooks; a notebook
 that reads what an earlier one wrote (05 reads 04's export) is in that one's group, after it. Each
 group writes into its own scratch folder, never over outputs/cpu. The kernels also see a made-up
-``HF_TOKEN``: it must appear in no output (nbval compares them) and no file the notebooks write.
+``HF_TOKEN``: it must appear in no output (nbval compares them) and no file the notebooks write. And
+``GEMMA_NB_TIMING=smoke``: nbval compares no timing, so every timing loop runs once (``gemma_nb.bench``).
 
     python tests/check_notebooks.py            # every notebook
     python tests/check_notebooks.py 02 06      # some, in one process
@@ -39,7 +40,8 @@ def notebooks(numbers) -> list[str]:
 
 
 def start(numbers, scratch: str) -> subprocess.Popen:
-    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_OFFLINE": "1",
+           "GEMMA_NB_TIMING": "smoke"}
     command = [sys.executable, "-m", "pytest", "--nbval", *notebooks(numbers), "-q", "-p", "no:cacheprovider",
                "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

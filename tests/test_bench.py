@@ -15,6 +15,17 @@ from gemma_nb.targets import torch_threads
 from gemma_nb.tiny import random_gemma4_config
 
 
+def test_smoke_timing_runs_every_loop_once(monkeypatch):
+    calls = []
+    monkeypatch.setenv(bench.TIMING_ENV, "smoke")
+    timings = bench.time_steps({"a": calls.append, "b": calls.append}, steps=3, repeats=4, warmup=2)
+    assert calls == [0, 0] and len(timings.steps) == 2
+    assert bench.measure_bandwidth(2**20, repeats=5)["nbytes"] == 2**20
+    monkeypatch.setenv(bench.TIMING_ENV, "quick")
+    with pytest.raises(ValueError, match="GEMMA_NB_TIMING='quick' is not one of full, smoke"):
+        bench.time_steps({"a": calls.append}, steps=1, repeats=1)
+
+
 def test_time_steps_interleaves_and_summarises():
     calls = []
 
