@@ -1,8 +1,7 @@
-"""One generation over a loaded model: prompts, sampling, and token-by-token decoding with stop strings.
+"""One generation over a loaded model: the ``Runtime`` protocol, chat prompts, sampling, stop strings.
 
-The server (``gemma_nb.serve_app``) and notebook 05 drive a model through the small ``Runtime``
-protocol below; ``Generation`` produces one token per ``step()`` so a caller can stream, time and
-stop between tokens. ``generate(runtime, prompt, max_tokens)`` runs one to the end.
+``Generation.step()`` produces one token, so the server can stream, time and stop between tokens;
+``generate(runtime, prompt, max_tokens)`` runs one to the end (notebook 05 uses it without a server).
 """
 
 from __future__ import annotations
@@ -15,24 +14,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+from jinja2 import TemplateError
 
 # Prompt tokens decoded together with the answer so a word keeps its leading space (" Paris").
 DETOKENIZE_CONTEXT_TOKENS = 4
+# torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class Runtime(Protocol):
-    """What the server needs from a loaded model. One decoding session at a time.
+    """A loaded model, one decoding session at a time.
 
-    ``prefill(prompt_ids)`` starts a new sequence (dropping any previous one) and returns the
-    logits for the token after the prompt, a float tensor [vocab]. ``decode(token_id)`` appends
-    one token and returns the logits for the next one. ``max_context`` is the most positions the
-    model holds (prompt + generated tokens).
+    ``prefill(prompt_ids)`` starts a sequence (dropping any previous one) and returns the logits
+    [vocab] of the token after the prompt; ``decode(token_id)`` appends one token and returns the
+    next logits. ``max_context`` counts prompt + generated positions. A runtime whose prefill has a
+    fixed bucket also sets ``max_prompt_tokens``.
     """
 
     tokenizer: Any
     max_context: int
     eos_token_ids: frozenset[int]
-    # Optional: a runtime whose prefill has a fixed bucket sets max_prompt_tokens (read with getattr).
 
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor: ...
 
@@ -40,37 +41,18 @@ class Runtime(Protocol):
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of a chat: the tokenizer's chat template if it has one, else the fallback.
-
-    Fallback (tokenizers without a template, like the bundled word-level one): the messages'
-    text contents joined with newlines, tokenized as a plain prompt (with BOS).
-    """
-    texts = [_message_text(m) for m in messages]
+    """Token ids of a chat (``role``, ``content`` a string or text parts): the tokenizer's chat template,
+    or, for a tokenizer without one (the bundled word-level one), the contents joined by newlines."""
+    texts = [m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
+             for m in messages]
     if getattr(tokenizer, "chat_template", None):
         conversation = [{"role": m["role"], "content": t} for m, t in zip(messages, texts)]
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except TemplateError as error:  # e.g. roles that do not alternate: the client's to fix
+            raise ValueError(f"the model's chat template refuses these messages: {error}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n".join(t for t in texts if t))["input_ids"])
-
-
-def _message_text(message: dict) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    # OpenAI content parts: [{"type": "text", "text": ...}, ...]; only text is understood here.
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"message content part of type {kind!r} is not supported; send text parts only")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
-
-
-# torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -100,21 +82,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One token id from next-token ``logits`` [vocab] under ``params``."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    # In float64 (where 5e-324 is not 0) and shifted so the best score is 0 before dividing: a tiny
-    # temperature then sends the others to -inf instead of overflowing all to inf (softmax NaN).
+    # In float64 and shifted so the best score is 0 before dividing: a tiny temperature then sends
+    # the others to -inf instead of overflowing all to inf (softmax NaN).
     scores = logits.double()
     scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, -math.inf)
+        scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], -math.inf)
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        probs = torch.softmax(sorted_scores, dim=-1)
         # Drop a token once the ones before it already cover top_p; the first always stays.
-        drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, -math.inf))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 
 @dataclass
@@ -130,8 +110,8 @@ class Step:
 class Generation:
     """One request's decoding session over a ``Runtime``; ``step()`` produces one token.
 
-    Holds back text that might be the start of a stop string (so a stop string is never streamed)
-    and text ending in a half-decoded character. Not thread-safe: one caller at a time.
+    Holds back text that might start a stop string (a stop string is never streamed) and a
+    half-decoded character. Not thread-safe: one caller at a time.
     """
 
     runtime: Runtime
@@ -144,9 +124,8 @@ class Generation:
     _emitted: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
-        tokenizer = self.runtime.tokenizer
         self._context = self.prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:]
-        self._context_text = tokenizer.decode(self._context, skip_special_tokens=True)
+        self._context_text = self.runtime.tokenizer.decode(self._context, skip_special_tokens=True)
         self._generator = torch.Generator()
         if self.params.seed is None:
             self._generator.seed()
@@ -160,10 +139,8 @@ class Generation:
 
     def _decoded(self) -> str:
         full = self.runtime.tokenizer.decode(self._context + self.token_ids, skip_special_tokens=True)
-        if full.startswith(self._context_text):
-            text = full[len(self._context_text):]
-        else:  # a tokenizer that merges across the boundary: keep the common prefix's tail
-            text = full[len(os.path.commonprefix([full, self._context_text])):]
+        # A tokenizer that merges across the boundary keeps only the common prefix's tail.
+        text = full[len(os.path.commonprefix([full, self._context_text])):]
         return text.lstrip() if self.strip_leading_space else text
 
     def _visible(self, text: str) -> tuple[str, bool]:
@@ -173,10 +150,7 @@ class Generation:
     def step(self) -> Step:
         if self.finish_reason is not None:
             raise RuntimeError(f"generation already finished ({self.finish_reason})")
-        if self.token_ids:
-            logits = self.runtime.decode(self.token_ids[-1])
-        else:
-            logits = self.runtime.prefill(self.prompt_ids)
+        logits = self.runtime.decode(self.token_ids[-1]) if self.token_ids else self.runtime.prefill(self.prompt_ids)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # tests and demos: emulate a slower device
         token = sample_token(logits, self.params, self._generator)
@@ -187,7 +161,7 @@ class Generation:
         elif len(self.token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None:
-            text = text[: len(text) - _held_back(text, self.params.stop)]
+            text = text[: len(text) - held_back(text, self.params.stop)]
         delta = text[self._emitted:]
         self._emitted = max(self._emitted, len(text))
         return Step(token, delta, self.finish_reason)
@@ -197,26 +171,19 @@ class Generation:
             yield self.step()
 
 
-def _held_back(text: str, stops: Sequence[str]) -> int:
+def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters to keep unsent: a possible stop-string start or a partial character."""
     hold = 1 if text.endswith("\ufffd") else 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                hold = max(hold, n)
-                break
+        hold = max(hold, next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0))
     return hold
 
 
 def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling) -> Generation:
-    """Run one generation to the end without a server; returns the finished ``Generation``.
-
-    ``generate(runtime, "The capital of France is", 4).text`` -> ``" Paris ."`` on the bundled checkpoint.
-    """
+    """Run one generation to the end; ``generate(runtime, "The capital of France is", 4).text`` is
+    ``" Paris ."`` on the bundled checkpoint."""
     ids = list(runtime.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     generation = Generation(runtime, ids, SamplingParams(max_tokens=max_tokens, **sampling))
     for _ in generation:
         pass
     return generation
-
-

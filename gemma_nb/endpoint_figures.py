@@ -1,0 +1,65 @@
+"""Notebook 07's endpoint benchmark as metrics and a figure (the measurement: ``gemma_nb.serving.client_bench``)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from gemma_nb import plots
+from gemma_nb.metrics import headline
+from gemma_nb.serving.client_bench import summarize
+
+
+def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
+    """(metrics, headline rows) for ``save_metrics`` from a ``benchmark_endpoint`` table.
+
+    The story's decode speed (``decode_tok_s``, 6 tok/s) is attached as the claim only when an
+    external ``endpoint`` was measured (the port's container is the same deploy); the local
+    server runs the tiny checkpoint, which answers a different question.
+    """
+    if requests is None:
+        return {"measured": False, "endpoint": endpoint or None}, []
+    summary = summarize(requests).set_index("concurrency")
+    lowest, highest = summary.index.min(), summary.index.max()
+    metrics = {
+        "measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
+        "requests_per_level": int(summary["requests"].iloc[0]),
+        "max_tokens": int(requests["completion_tokens"].max()),
+        "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()} for c, row in summary.iterrows()},
+        "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
+        "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"]),
+    }
+    rows = [
+        headline("endpoint TTFT p50, 1 client", round(summary.loc[lowest, "ttft_ms_p50"], 1), "ms"),
+        headline("endpoint ITL p50, 1 client", round(summary.loc[lowest, "itl_ms_p50"], 2), "ms"),
+        headline("endpoint decode speed, 1 client", round(summary.loc[lowest, "tok_s_per_request"], 1), "tok/s",
+                 claim="decode_tok_s" if endpoint else None),
+        headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s"),
+    ]
+    return metrics, rows
+
+
+def inter_token_latencies(requests: pd.DataFrame) -> pd.DataFrame:
+    """Every gap between streamed tokens, long format: columns concurrency, itl_ms."""
+    rows = [(level, gap) for level, gaps in zip(requests["concurrency"], requests["itl_ms"]) for gap in gaps]
+    return pd.DataFrame(rows, columns=["concurrency", "itl_ms"])
+
+
+def plot_benchmark(requests: pd.DataFrame, title: str = ""):
+    """Three panels: TTFT and ITL distributions per concurrency level, tok/s against concurrency."""
+    fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
+    levels = sorted(requests["concurrency"].unique())
+    gaps = inter_token_latencies(requests)
+    ttft = [requests.loc[requests["concurrency"] == c, "ttft_ms"].to_numpy() for c in levels]
+    itl = [gaps.loc[gaps["concurrency"] == c, "itl_ms"].to_numpy() for c in levels]
+    _ = ax_ttft.boxplot(ttft, tick_labels=[str(c) for c in levels])
+    _ = ax_ttft.set(xlabel="concurrent requests", ylabel="time to first token (ms)", title="TTFT")
+    _ = ax_itl.boxplot(itl, tick_labels=[str(c) for c in levels], showfliers=False)
+    _ = ax_itl.set(xlabel="concurrent requests", ylabel="inter-token latency (ms)", title="ITL (outliers hidden)")
+    summary = summarize(requests)
+    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_total"], marker="o", label="all clients together")
+    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client")
+    _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, None))
+    _ = ax_tok.legend()
+    if title:
+        _ = fig.suptitle(title)
+    return fig

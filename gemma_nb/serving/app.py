@@ -1,0 +1,478 @@
+"""The app of ``python -m gemma_nb serve``: ``create_app(load, model_name=...)`` over a ``Runtime``.
+
+A request meets, in order, each refusing before the next step costs anything:
+
+1. ``Gate``, the one ASGI middleware: a head over 16 KiB (431), Content-Length with
+   Transfer-Encoding (400), a body declared over the limit (413), a full queue (429): all before the
+   body is read. It then bounds the body in size and time as it arrives (413, 408), holds the
+   request's queue slot until its response has ended, and counts every response in ``/metrics``.
+2. Starlette's ``TrustedHostMiddleware`` (loopback binds: DNS rebinding); FastAPI parses the body
+   into the route's pydantic model (``schema``); FastAPI's ``HTTPBearer`` checks the API key.
+3. The route tokenizes on a small CPU pool; ``Engine.steps`` waits in line (FIFO) for the one device
+   thread and generates token by token. A client that leaves, while waiting or between tokens,
+   frees its place at once, streaming or not.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from gemma_nb.serving import schema
+from gemma_nb.serving.generation import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
+from gemma_nb.serving.schema import APIError, error_response
+
+API_KEY_ENV = "GEMMA_NB_API_KEY"
+DEFAULT_QUEUE_SIZE, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS_CAP = 8, 256, 1024
+DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: a 128k-token prompt as text is well under 1 MB
+DEFAULT_BODY_TIMEOUT_S, DEFAULT_SLOT_WATCHDOG_S = 30.0, 900.0
+MAX_HEAD_BYTES = 16 * 1024
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+ENDPOINTS = (*GENERATION_PATHS, "/v1/models", "/health", "/metrics")
+RETRY_AFTER_S, CPU_WORKERS, WAIT_POLL_S = 1, 2, 0.1
+CLOSE = {"Connection": "close"}
+ERRORS = {status: {"model": schema.ErrorBody, "description": why} for status, why in (
+    (400, "invalid request (error.param names the field)"), (401, "missing or wrong API key"),
+    (404, "model not served here"), (408, "body too slow"), (413, "body too large"), (415, "body not JSON"),
+    (429, "queue full; see Retry-After"), (503, "model loading, or it failed to load"))}
+STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}}},
+                  "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]"}}
+
+log = logging.getLogger("gemma_nb.serve")
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, in a registry of their own (one per app)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gemma_nb_requests", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r)
+        self.refused = Counter("gemma_nb_http_refused", "requests uvicorn refused before the app: malformed HTTP "
+                               "(400) or over --limit-concurrency (503)", ["reason"], registry=r)
+        self.prompt_tokens = Counter("gemma_nb_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("gemma_nb_generated_tokens", "tokens generated (sampled)", registry=r)
+        self.disconnects = Counter("gemma_nb_client_disconnects", "requests given up because the client left", registry=r)
+        self.ttft = Histogram("gemma_nb_time_to_first_token_seconds", "request arrival to first token",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.itl = Histogram("gemma_nb_time_per_output_token_seconds", "time between consecutive tokens",
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.queue_depth = Gauge("gemma_nb_queue_depth", "requests admitted and not finished (the generating one included)", registry=r)
+        self.queue_capacity = Gauge("gemma_nb_queue_capacity", "most requests admitted at once (--queue-size)", registry=r)
+        self.slots_overdue = Gauge("gemma_nb_slots_overdue", "queue slots held longer than --slot-watchdog-s: a hung request", registry=r)
+        self.oldest_slot = Gauge("gemma_nb_oldest_slot_seconds", "age of the oldest held queue slot (0 if none)", registry=r)
+        self.ready = Gauge("gemma_nb_model_ready", "1 once the model is loaded and warmed up", registry=r)
+
+
+class Engine:
+    """Owns the runtime, its one device thread, the CPU pool, the queue slots and the turn (FIFO)."""
+
+    def __init__(self, load: Callable[[], Runtime], metrics: ServerMetrics, queue_size: int, step_delay_s: float = 0.0,
+                 slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S, on_load_failure: Callable[[str], None] | None = None):
+        if queue_size < 1:
+            raise ValueError(f"queue_size={queue_size} must be at least 1 (the generating request counts)")
+        self._load, self.metrics, self.queue_size, self.step_delay_s = load, metrics, queue_size, step_delay_s
+        self._on_load_failure, self.runtime, self.vocab_size = on_load_failure, None, None
+        self.status, self.error = "loading", None
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
+        self._cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
+        self._turn = asyncio.Lock()
+        self.slots: dict[object, float] = {}  # admitted request -> when
+
+        def ages() -> list[float]:
+            return [time.monotonic() - since for since in list(self.slots.values())]
+
+        metrics.queue_depth.set_function(lambda: len(self.slots))
+        metrics.queue_capacity.set(queue_size)
+        metrics.slots_overdue.set_function(lambda: sum(age > slot_watchdog_s for age in ages()))
+        metrics.oldest_slot.set_function(lambda: max(ages(), default=0.0))
+
+    def start(self) -> None:
+        self._device.submit(self._load_and_warm_up)  # /health says 'loading' until it is done
+
+    def _load_and_warm_up(self) -> None:
+        started = time.perf_counter()
+        try:
+            runtime = self._load()
+            ids = list(runtime.tokenizer("warm up")["input_ids"])
+            self.vocab_size = int(runtime.prefill(ids).numel())  # the ids a prompt may hold
+            for _ in Generation(runtime, ids, SamplingParams(max_tokens=2, ignore_eos=True)):
+                pass
+            self.runtime, self.status = runtime, "ok"
+            self.metrics.ready.set(1)
+            log.info("model loaded and warmed up in %.1f s", time.perf_counter() - started)
+        except Exception as error:  # reported by /health and every generation request
+            self.status, self.error = "error", f"{type(error).__name__}: {error}"
+            log.exception("model failed to load")
+            if self._on_load_failure is not None:
+                self._on_load_failure(self.error)
+
+    def shutdown(self) -> None:
+        for pool in (self._device, self._cpu):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def on_cpu(self, fn: Callable, *args):
+        """``fn(*args)`` on the CPU pool: tokenizing stays off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def _wait_turn(self, request: Request) -> bool:
+        """Wait in line for the device; False, with the place given up, if the client leaves first."""
+        acquire, got = asyncio.ensure_future(self._turn.acquire()), False
+        try:
+            while not got:
+                got = bool((await asyncio.wait([acquire], timeout=WAIT_POLL_S))[0])
+                if not got and await request.is_disconnected():
+                    return False
+            return True
+        finally:
+            if not got:  # gave up, or cancelled: the turn must never stay taken
+                acquire.cancel()
+                acquire.add_done_callback(lambda done: done.cancelled() or self._turn.release())
+
+    async def steps(self, request: Request, generation: Generation, arrival: float) -> AsyncIterator[Step]:
+        """Wait for the device, then run ``generation`` one token per step, until it ends or the client leaves."""
+        turn, previous = False, arrival
+        try:
+            turn = await self._wait_turn(request)
+            self.metrics.prompt_tokens.inc(len(generation.prompt_ids) if turn else 0)
+            while turn and generation.finish_reason is None and not await request.is_disconnected():
+                step = await asyncio.get_running_loop().run_in_executor(self._device, generation.step)
+                now = time.perf_counter()
+                (self.metrics.itl if generation.token_ids[1:] else self.metrics.ttft).observe(now - previous)
+                previous = now
+                self.metrics.generated_tokens.inc()
+                yield step
+            if generation.finish_reason is None:  # the client left, while waiting or between tokens
+                self._client_left(generation)
+        except (asyncio.CancelledError, GeneratorExit):  # Starlette cancels a stream whose client hung up
+            if generation.finish_reason is None:
+                self._client_left(generation)
+            raise
+        finally:
+            if turn:
+                self._turn.release()
+
+    def _client_left(self, generation: Generation) -> None:
+        self.metrics.disconnects.inc()
+        log.info("client left after %d tokens; its request was given up", len(generation.token_ids))
+
+
+class Gate:
+    """The one middleware: what no library refuses as this server needs (see the module docstring)."""
+
+    def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
+        self.app, self.engine, self.max_body_bytes, self.body_timeout_s = app, engine, max_body_bytes, body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint, started = scope["path"] if scope["path"] in ENDPOINTS else "other", False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.engine.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        queued = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
+        refusal = self._refusal(scope, queued)
+        if refusal is not None:
+            return await refusal(scope, receive, counted)
+        slot, slots = object(), self.engine.slots
+        if queued:
+            slots[slot] = time.monotonic()  # held until the response has ended, however it ends
+        try:
+            await self.app(scope, self._bounded(receive), counted)
+        except Exception as error:
+            log.exception("request %s %s failed", scope["method"], scope["path"])
+            if started:
+                raise  # mid-stream: nothing to do but close the connection
+            await error_response(500, f"the server failed on this request ({type(error).__name__}); see its log",
+                                 "server_error")(scope, receive, counted)
+        finally:
+            slots.pop(slot, None)
+
+    def _refusal(self, scope, queued: bool) -> Response | None:
+        headers = dict(scope["headers"])
+        head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        if head > MAX_HEAD_BYTES:
+            return error_response(431, f"the request head is {head:,} bytes; this server takes at most {MAX_HEAD_BYTES:,}",
+                                  code="head_too_large", headers=CLOSE)
+        if declared and b"transfer-encoding" in headers:
+            return error_response(400, "the request has both Content-Length and Transfer-Encoding, so its body's length "
+                                  "is ambiguous; send one of them", code="ambiguous_length", headers=CLOSE)
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return error_response(413, f"the request body is {int(declared):,} bytes; this server takes at most "
+                                  f"{self.max_body_bytes:,} (--max-body-bytes)", code="body_too_large", headers=CLOSE)
+        if queued and len(self.engine.slots) >= self.engine.queue_size:
+            return error_response(429, f"the server is busy: {len(self.engine.slots)} requests are queued or running "
+                                  f"(queue size {self.engine.queue_size}); retry after {RETRY_AFTER_S} s",
+                                  "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
+
+    def _bounded(self, receive):
+        """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408 past the deadline."""
+        deadline, size, done = time.monotonic() + self.body_timeout_s, 0, False
+
+        async def bounded():
+            nonlocal size, done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                raise HTTPException(413, f"the request body is over {self.max_body_bytes:,} bytes (--max-body-bytes)")
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        return bounded
+
+
+class Served:
+    """What every generation route checks and builds before it runs: model name, runtime, prompt, sampling."""
+
+    def __init__(self, engine: Engine, model_name: str, aliases: Sequence[str], max_tokens: int):
+        self.engine, self.model_name, self.max_tokens = engine, model_name, max_tokens
+        self.names, self.created = {model_name, *aliases}, int(time.time())
+
+    def runtime(self, model: str | None) -> Runtime:
+        engine = self.engine
+        if model is not None and model not in self.names:
+            raise APIError(404, f"model {schema.excerpt(model)} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+        if engine.status != "ok":
+            raise APIError(503, "the model is still loading; retry when GET /health says ok" if engine.status == "loading"
+                           else f"the model failed to load ({engine.error}); see the server log", "service_unavailable",
+                           code=f"model_{'loading' if engine.status == 'loading' else 'load_failed'}",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        return engine.runtime
+
+    async def tokens(self, runtime: Runtime, text: str) -> list[int]:
+        return list((await self.engine.on_cpu(runtime.tokenizer, text))["input_ids"])
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
+                           param=f"{param}.{bad}", code="invalid_value")
+
+    def generation(self, body, runtime: Runtime, prompt_ids: list[int], max_tokens: int | None, param: str,
+                   **options) -> Generation:
+        """The request's ``Generation``, after checking the prompt and ``max_tokens`` against the context."""
+        context, count, longest = runtime.max_context, len(prompt_ids), getattr(runtime, "max_prompt_tokens", None)
+        if count == 0:
+            raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")
+        if count >= context or (longest is not None and count > longest):
+            where = f"the context holds {context} (prompt + answer)" if count >= context else \
+                f"the deployed prefill takes at most {longest} (compile a larger prefill bucket)"
+            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten the prompt", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and count + max_tokens > context:
+            raise APIError(400, f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
+                           f"exceed the context of {context}; lower max_tokens", param="max_tokens", code="context_length_exceeded")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = SamplingParams(max_tokens=max_tokens or min(self.max_tokens, context - count), temperature=body.temperature,
+                                top_p=body.top_p, top_k=body.top_k, stop=stop, seed=None if body.seed is None else body.seed % 2**64,
+                                ignore_eos=body.ignore_eos)
+        return Generation(runtime, prompt_ids, params, step_delay_s=self.engine.step_delay_s, **options)
+
+    async def finish(self, request: Request, generation: Generation, arrival: float) -> None:
+        async with contextlib.aclosing(self.engine.steps(request, generation, arrival)) as steps:
+            async for _ in steps:
+                pass
+
+    async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
+        """The OpenAI answer: one JSON object, or with ``stream`` a response of server-sent chunks."""
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        if not body.stream:
+            await self.finish(request, generation, arrival)
+            key, value = ("message", {"role": "assistant", "content": generation.text}) if chat else ("text", generation.text)
+            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": _usage(generation),
+                    "choices": [{"index": 0, key: value, "logprobs": None, "finish_reason": generation.finish_reason}]}
+        options = body.stream_options or schema.StreamOptions()
+        base["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str, reason: str | None, role: bool = False) -> dict:
+            content = ({"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat
+                       else {"text": text})
+            payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
+            if options.include_usage:
+                payload["usage"] = _usage(generation) if options.continuous_usage_stats else None
+            return payload
+
+        async def events():
+            try:
+                if chat:
+                    yield _sse(chunk("", None, role=True))
+                async with contextlib.aclosing(self.engine.steps(request, generation, arrival)) as steps:
+                    async for step in steps:
+                        yield _sse(chunk(step.text, step.finish_reason))  # one chunk per token, even without text
+                if generation.finish_reason is not None:
+                    if options.include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(generation)})
+                    yield "data: [DONE]\n\n"
+            except Exception as error:  # the stream has started: report in-band, then end it
+                log.exception("generation failed")
+                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
+                                      "type": "server_error", "param": None, "code": None}})
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _usage(generation: Generation) -> dict:
+    prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _key_check(api_key: str):
+    bearer, key = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"), api_key.encode()
+
+    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return [Depends(require_key)]
+
+
+def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliases: Sequence[str] = (),
+               queue_size: int = DEFAULT_QUEUE_SIZE, api_key: str | None = None, metrics_need_key: bool = False,
+               max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
+               step_delay_s: float = 0.0, on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI app serving the runtime that ``load()`` returns (or an already loaded one).
+
+    ``model_name`` is what ``/v1/models`` lists; requests may name it or one of ``aliases``. ``api_key``
+    (None: open) guards every route but ``/health``, and ``/metrics`` only with ``metrics_need_key``.
+    ``max_tokens`` is the default answer length, ``max_tokens_cap`` the most a request may ask.
+    ``allowed_hosts``: the Host names answered (None: any). ``on_load_failure(error)`` is called on
+    the loading thread if the model fails to load; ``step_delay_s`` slows every token (tests, demos).
+    """
+    if not 1 <= max_tokens <= max_tokens_cap:
+        raise ValueError(f"max_tokens={max_tokens} must be between 1 and max_tokens_cap={max_tokens_cap}")
+    metrics = ServerMetrics()
+    engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), metrics, queue_size,
+                    step_delay_s, slot_watchdog_s, on_load_failure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
+                  strict_content_type=False)  # a body without Content-Type is read as JSON
+    app.state.engine, app.state.metrics = engine, metrics
+    if allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
+    app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    models = {path: schema.served(model, max_tokens_cap, lambda: engine.vocab_size) for path, model in zip(
+        GENERATION_PATHS, (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest))}
+    fields = {path: sorted(set(model.model_fields) - set(schema.UNSUPPORTED)) for path, model in models.items()}
+
+    async def api_error(_request, error: APIError):
+        return error.response()
+
+    async def invalid(request: Request, error: RequestValidationError):
+        return schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)).response()
+
+    async def http_error(_request, error: HTTPException):
+        status = error.status_code
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}.get(status)
+        return error_response(status, str(error.detail), "not_found_error" if status == 404 else "invalid_request_error",
+                              code=code, headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
+
+    for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error)):
+        app.add_exception_handler(kind, handler)
+    def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
+        if engine.status != "ok":
+            app.openapi_schema = None
+        return FastAPI.openapi(app)
+
+    app.openapi = openapi
+    keyed = _key_check(api_key) if api_key else []
+    _routes(app, Served(engine, model_name, aliases, max_tokens), models, keyed, keyed if metrics_need_key else [])
+    return app
+
+
+def _routes(app: FastAPI, served: Served, models: dict, keyed: list, metrics_keyed: list) -> None:
+    engine = served.engine
+
+    @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
+             responses={503: {"model": schema.Health, "description": "not ready"}})
+    async def health():
+        body = {"status": engine.status, **({"error": engine.error} if engine.error else {})}
+        return body if engine.status == "ok" else JSONResponse(body, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed, responses={401: ERRORS[401]})
+    async def prometheus_metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=schema.ModelList, dependencies=keyed, responses={401: ERRORS[401]})
+    async def list_models():
+        card = {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "gemma-nb"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS},
+              dependencies=keyed)
+    async def chat_completions(body: models["/v1/chat/completions"], request: Request):
+        arrival, runtime = time.perf_counter(), served.runtime(body.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.model_dump()["content"]}
+                    for m in body.messages]
+        try:
+            ids = await engine.on_cpu(chat_prompt_ids, runtime.tokenizer, messages)
+        except ValueError as error:
+            raise APIError(400, str(error)[:200], param="messages", code="invalid_value") from None
+        generation = served.generation(body, runtime, ids, body.max_completion_tokens or body.max_tokens, "messages",
+                                       strip_leading_space=True)
+        return await served.reply(request, body, generation, arrival, chat=True)
+
+    @app.post("/v1/completions", response_model=schema.Completion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
+    async def completions(body: models["/v1/completions"], request: Request):
+        arrival, runtime = time.perf_counter(), served.runtime(body.model)
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        if isinstance(prompt, str):
+            ids = await served.tokens(runtime, prompt)
+        else:
+            ids = list(prompt)
+            served.check_token_ids(ids, "prompt")
+        generation = served.generation(body, runtime, ids, body.max_tokens, "prompt")
+        return await served.reply(request, body, generation, arrival, chat=False)
+
+    @app.post("/generate", response_model=schema.Generated, responses=ERRORS, dependencies=keyed)
+    async def generate(body: models["/generate"], request: Request):
+        runtime = served.runtime(body.model)
+        ids = await served.tokens(runtime, body.prompt)
+        generation = served.generation(body, runtime, ids, body.max_tokens, "prompt")
+        started = time.perf_counter()
+        await served.finish(request, generation, started)
+        seconds = time.perf_counter() - started
+        return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
+                "prompt_tokens": len(ids), "finish_reason": generation.finish_reason, "seconds": round(seconds, 4),
+                "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}

@@ -1,0 +1,219 @@
+"""The model behind the server, one runtime per way of running it (each a ``generation.Runtime``).
+
+- ``DeployRuntime``: the slim deploy of notebook 05 (host embedding, int8-squeezed exported steps of
+  ``gemma_nb.export``; the one-token decode reads only the routed experts). The cpu default.
+- ``TransformersRuntime``: any transformers causal LM, eager; starts in seconds; the cuda default.
+- ``NeuronDeployRuntime``: the port's NxD deploy on an inf2 (``gemma_nb.neuron.deploy``), from one
+  artifact folder; written against its cpu-tested graph interface, NOT RUN here on Inferentia2.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+from gemma_nb import export
+from gemma_nb.embedding import HostEmbedding
+from gemma_nb.experts import Int8Experts
+from gemma_nb.modelio import hf_token, load_model, model_skeleton, resolve_model_id
+from gemma_nb.neuron.build import host_logits, step_inputs
+from gemma_nb.neuron.deploy import slim_deploy
+from gemma_nb.quant import apply_scheme
+from gemma_nb.targets import check_target, torch_device
+from gemma_nb.tiny import BUNDLED_ID
+
+RUNTIMES = ("auto", "deploy", "transformers")
+DEFAULT_PREFILL_LEN = 128  # the port's shipped build: prefill bucket 128, KV cache 512
+SQUEEZE = "int8_squeeze"  # the port's scheme (gemma_nb.quant): int8 experts, shared MLP and lm_head
+
+log = logging.getLogger("gemma_nb.serve")
+
+
+def _context_limit(requested: int | None, model_limit: int | None) -> int:
+    if model_limit is None and requested is None:
+        raise ValueError("the model does not say how long its context is: pass max_context (--max-context N)")
+    if requested is None:
+        return int(model_limit)
+    if requested < 2:
+        raise ValueError(f"max_context={requested} is too small: a prompt and one new token need at least 2")
+    if model_limit is not None and requested > model_limit:
+        raise ValueError(f"max_context={requested} exceeds the model's {model_limit} positions; "
+                         f"pass --max-context {model_limit} or less")
+    return int(requested)
+
+
+class _Runtime:
+    def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
+        self.tokenizer, self.max_context = tokenizer, max_context
+        sources = [eos_token_ids, tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
+
+    def _padded(self, prompt_ids: Sequence[int], bucket: int) -> torch.Tensor:
+        if not 0 < len(prompt_ids) <= self.max_prompt_tokens:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}")
+        padded = torch.full((1, bucket), self.runner.pad_token_id, dtype=torch.long)
+        padded[0, :len(prompt_ids)] = torch.tensor(list(prompt_ids))
+        return padded
+
+
+class TransformersRuntime(_Runtime):
+    """A transformers causal LM (``model(input_ids, cache=...)``) with its own KV cache."""
+
+    def __init__(self, model, tokenizer, max_context: int | None = None):
+        from transformers import DynamicCache
+
+        limit = getattr(model.config, "max_position_embeddings", None) or max_context
+        super().__init__(tokenizer, _context_limit(max_context, limit),
+                         getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self.model, self._device = model, next(model.parameters()).device
+        self._new_cache, self._cache = (lambda: DynamicCache(config=model.config)), None
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
+        return self.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
+
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        self._cache = self._new_cache()
+        return self._forward(list(prompt_ids))
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        if self._cache is None:
+            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
+        return self._forward([token_id])
+
+
+class DeployRuntime(_Runtime):
+    """The slim deploy's ``export.StepRunner`` (host embedding -> compiled prefill / decode), one step at a
+    time so the server can sample, stream and stop between tokens; prefill on a fixed bucket."""
+
+    def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
+        super().__init__(tokenizer, _context_limit(max_context, runner.shapes.max_cache_len), eos_token_ids)
+        self.runner, self.max_prompt_tokens = runner, min(runner.shapes.prefill_len, self.max_context - 1)
+        self._kv, self._position = None, 0
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        runner, padded = self.runner, self._padded(prompt_ids, self.runner.shapes.prefill_len)
+        self._kv = export.new_kv_cache(runner.kv_shapes, runner.dtype)
+        logits = runner.prefill(runner.weights, self._kv, runner.embed(padded), torch.tensor([0]),
+                                torch.tensor([len(prompt_ids) - 1]))
+        self._position = len(prompt_ids)  # where the first generated token goes
+        return logits.float().reshape(-1)
+
+    @torch.inference_mode()
+    def decode(self, token_id: int) -> torch.Tensor:
+        runner = self.runner
+        if self._kv is None:
+            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
+        if self._position >= runner.shapes.max_cache_len:
+            raise ValueError(f"the KV cache of {runner.shapes.max_cache_len} positions is full")
+        logits = runner.decode(runner.weights, self._kv, runner.embed(torch.tensor([[int(token_id)]])),
+                               torch.tensor([self._position]), torch.tensor([0]))
+        self._position += 1
+        return logits.float().reshape(-1)
+
+
+class NeuronDeployRuntime(_Runtime):
+    """The port's deploy on Inferentia2 (``neuron.deploy.NeuronStepRunner``), one step at a time; its KV
+    cache is device state each step updates in place. NOT RUN HERE on an inf2: the tests drive it over
+    the cpu variant of the traced module (``neuron.deploy.CpuStateGraph``)."""
+
+    def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
+        super().__init__(tokenizer, _context_limit(max_context, runner.max_len), eos_token_ids)
+        self.runner, self.max_prompt_tokens, self._position = runner, min(runner.bucket, self.max_context - 1), None
+
+    @torch.inference_mode()
+    def _step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+        runner = self.runner
+        inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
+        return host_logits(runner.graph(*inputs), runner.config).reshape(-1)
+
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        # Padding slots are rewritten by later decode steps before any query can see them.
+        logits = self._step(self._padded(prompt_ids, self.runner.bucket), list(range(self.runner.bucket)), len(prompt_ids) - 1)
+        self._position = len(prompt_ids)
+        return logits
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        if self._position is None:
+            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
+        logits = self._step(torch.tensor([[int(token_id)]]), [self._position], 0)
+        self._position += 1
+        return logits
+
+
+def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
+                 runtime: str = "auto", artifact: str | None = None, prefill_len: int = DEFAULT_PREFILL_LEN,
+                 dtype: torch.dtype = torch.float32):
+    """Load ``model_id`` for ``target``: ``"deploy"`` serves the compiled ``artifact`` folder (or compiles
+    ``model_id`` into a temporary one first, ~30 s for the tiny checkpoint), ``"transformers"`` the model
+    as transformers loads it; ``"auto"`` is deploy on cpu, transformers on cuda; neuron needs ``artifact``."""
+    check_target(target)
+    model_id = model_id or BUNDLED_ID
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if target == "neuron":
+        if runtime == "transformers" or artifact is None:
+            raise ValueError("the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
+                             "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too")
+        _, tokenizer, eos = _tokenizer_and_eos(artifact)
+        runner, figures = slim_deploy(artifact)
+        log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
+        return NeuronDeployRuntime(runner, tokenizer, max_context, eos_token_ids=eos)
+    if runtime == "auto":
+        runtime = "deploy" if target == "cpu" else "transformers"
+    if runtime == "transformers":
+        model, tokenizer = load_model(model_id, dtype=dtype, device=torch_device(target))
+        return TransformersRuntime(model, tokenizer, max_context)
+    if target != "cpu":
+        raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.export; on {target} use --runtime transformers")
+    source, tokenizer, eos = _tokenizer_and_eos(model_id)
+    if artifact is None:
+        artifact = tempfile.mkdtemp(prefix="gemma-nb-serve-")
+        atexit.register(shutil.rmtree, artifact, ignore_errors=True)
+        compile_for_serving(model_id, artifact, max_context, prefill_len)
+    return DeployRuntime(slim_runner(artifact), tokenizer, max_context, eos_token_ids=eos)
+
+
+def compile_for_serving(model_id: str, folder: str, max_context: int | None, prefill_len: int) -> None:
+    """The deploy's artifact for ``model_id`` (notebooks 04/05): full model on the host, int8 squeeze, export."""
+    started = time.perf_counter()
+    model, _ = load_model(model_id)
+    cache_len = _context_limit(max_context, getattr(model.config, "max_position_embeddings", None))
+    apply_scheme(model, SQUEEZE, measure_error=False)
+    for layer in model.model.layers:  # the squeeze's int8 tensors as experts torch.export traces
+        layer.experts = Int8Experts.from_quantized(layer.experts)
+    shapes = export.StepShapes(max_cache_len=cache_len, prefill_len=min(prefill_len, cache_len))
+    export.compile_model(model, folder, shapes, scheme=SQUEEZE)
+    log.info("compiled %s for the slim deploy in %.1f s", model_id, time.perf_counter() - started)
+
+
+def slim_runner(folder: str) -> export.StepRunner:
+    """The slim deploy of an artifact folder: programs and mmapped weights, the embedding table on the host
+    with the scale of the model's own embedding module (rebuilt on the meta device, where it has no value)."""
+    artifact = export.load_artifact(folder)
+    module = model_skeleton(artifact.config()).get_input_embeddings()
+    host = HostEmbedding.from_file(export.host_embedding_path(folder), scale=torch.tensor(module.scalar_embed_scale),
+                                   shape=tuple(module.weight.shape))
+    return artifact.runner(host)
+
+
+def _tokenizer_and_eos(model_id: str):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    source = resolve_model_id(model_id)
+    token = None if os.path.isdir(source) else hf_token()
+    tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)
+    try:  # Gemma's chat models also end a turn with <end_of_turn>, listed in generation_config.json
+        eos = GenerationConfig.from_pretrained(source, token=token).eos_token_id
+    except OSError:
+        eos = None
+    return source, tokenizer, eos
