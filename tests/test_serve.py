@@ -17,12 +17,12 @@ import openai
 import pytest
 import torch
 
+from gemma_nb.endpoint_bench import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
 from gemma_nb.serving import generation as G
 from gemma_nb.serving import runtimes as R
 from gemma_nb.serving import serve
-from gemma_nb.serving.client_bench import local_server, wait_until_healthy
 from gemma_nb.tiny import BUNDLED_ID
 
 FRANCE = [{"role": "user", "content": "The capital of France is"}]
@@ -127,7 +127,7 @@ def test_sample_token():
     wide = G.SamplingParams(max_tokens=1, temperature=1.0, top_k=2)
     draws = [G.sample_token(logits, wide, torch.Generator().manual_seed(s)) for s in range(40)]
     assert set(draws) == {1, 2}
-    with pytest.raises(ValueError, match="max_tokens=0 must be a positive integer"):
+    with pytest.raises(AssertionError):  # requests are checked by the server's models; this is inside
         G.SamplingParams(max_tokens=0)
 
 

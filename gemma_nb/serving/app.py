@@ -1,16 +1,12 @@
 """The app of ``python -m gemma_nb serve``: ``create_app(load, model_name=...)`` over a ``Runtime``.
 
-A request meets, in order, each refusing before the next step costs anything:
-
-1. ``Gate``, the one ASGI middleware: a head over 16 KiB (431), Content-Length with
-   Transfer-Encoding (400), a body declared over the limit (413), a full queue (429): all before the
-   body is read. It then bounds the body in size and time as it arrives (413, 408), holds the
-   request's queue slot until its response has ended, and counts every response in ``/metrics``.
-2. Starlette's ``TrustedHostMiddleware`` (loopback binds: DNS rebinding); FastAPI parses the body
-   into the route's pydantic model (``schema``); FastAPI's ``HTTPBearer`` checks the API key.
-3. The route tokenizes on a small CPU pool; ``Engine.steps`` waits in line (FIFO) for the one device
-   thread and generates token by token. A client that leaves, while waiting or between tokens,
-   frees its place at once, streaming or not.
+A request meets, in order, each refusing before the next costs anything: ``Gate``, the one ASGI
+middleware (a head over 16 KiB: 431; Content-Length with Transfer-Encoding: 400; a body declared
+over the limit: 413; a full queue: 429, all before the body is read; then the body bounded in size
+and time as it arrives: 413, 408); Starlette's ``TrustedHostMiddleware``; FastAPI parsing the body
+into the route's pydantic model (``schema``) and ``HTTPBearer`` checking the key; tokenizing on a
+CPU pool; then ``Engine.steps``, in line (FIFO) for the one device thread. A client that leaves,
+while waiting or between tokens, frees its place at once. ``Gate`` counts every response.
 """
 
 import asyncio
@@ -51,7 +47,7 @@ ERRORS = {status: {"model": schema.ErrorBody, "description": why} for status, wh
     (429, "queue full; see Retry-After"), (503, "model loading, or it failed to load"))}
 STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}}},
-                  "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]"}}
+    "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]"}}
 
 log = logging.getLogger("gemma_nb.serve")
 
@@ -79,23 +75,21 @@ class ServerMetrics:
 
 
 class Engine:
-    """Owns the runtime, its one device thread, the CPU pool, the queue slots and the turn (FIFO)."""
+    """The served model: its runtime, one device thread, a CPU pool, the queue slots and the turn at the device
+    (FIFO); and what every generation route checks and builds before it runs."""
 
-    def __init__(self, load: Callable[[], Runtime], metrics: ServerMetrics, queue_size: int, step_delay_s: float = 0.0,
-                 slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S, on_load_failure: Callable[[str], None] | None = None):
+    def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
+                 step_delay_s: float, slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
         if queue_size < 1:
             raise ValueError(f"queue_size={queue_size} must be at least 1 (the generating request counts)")
-        self._load, self.metrics, self.queue_size, self.step_delay_s = load, metrics, queue_size, step_delay_s
-        self._on_load_failure, self.runtime, self.vocab_size = on_load_failure, None, None
-        self.status, self.error = "loading", None
+        self._load, self.metrics, self.queue_size, self.step_delay_s = load, ServerMetrics(), queue_size, step_delay_s
+        self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
+        metrics = self.metrics
+        self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
         self._cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
-        self._turn = asyncio.Lock()
-        self.slots: dict[object, float] = {}  # admitted request -> when
-
-        def ages() -> list[float]:
-            return [time.monotonic() - since for since in list(self.slots.values())]
-
+        self._turn, self.slots = asyncio.Lock(), {}  # slots: admitted request -> since when
+        ages = lambda: [time.monotonic() - since for since in list(self.slots.values())]  # noqa: E731
         metrics.queue_depth.set_function(lambda: len(self.slots))
         metrics.queue_capacity.set(queue_size)
         metrics.slots_overdue.set_function(lambda: sum(age > slot_watchdog_s for age in ages()))
@@ -125,8 +119,7 @@ class Engine:
         for pool in (self._device, self._cpu):
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def on_cpu(self, fn: Callable, *args):
-        """``fn(*args)`` on the CPU pool: tokenizing stays off the event loop."""
+    async def on_cpu(self, fn: Callable, *args):  # tokenizing stays off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def _wait_turn(self, request: Request) -> bool:
@@ -170,9 +163,83 @@ class Engine:
         self.metrics.disconnects.inc()
         log.info("client left after %d tokens; its request was given up", len(generation.token_ids))
 
+    def ready(self, model: str | None) -> Runtime:
+        loading = self.status == "loading"
+        if model is not None and model not in self.names:
+            raise APIError(404, f"model {schema.excerpt(model)} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+        if self.status != "ok":
+            raise APIError(503, "the model is still loading; retry when GET /health says ok" if loading else
+                           f"the model failed to load ({self.error}); see the server log", "service_unavailable",
+                           code="model_loading" if loading else "model_load_failed", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.runtime
+
+    async def tokens(self, runtime: Runtime, text: str) -> list[int]:
+        return list((await self.on_cpu(runtime.tokenizer, text))["input_ids"])
+
+    def generation(self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options) -> Generation:
+        """The request's ``Generation``, after checking the prompt and ``max_tokens`` against the context."""
+        context, count, longest = runtime.max_context, len(ids), getattr(runtime, "max_prompt_tokens", None)
+        if count == 0:
+            raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")
+        if count >= context or (longest is not None and count > longest):
+            where = f"the context holds {context} (prompt + answer)" if count >= context else \
+                f"the deployed prefill takes at most {longest} (compile a larger prefill bucket)"
+            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten the prompt", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and count + max_tokens > context:
+            raise APIError(400, f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
+                           f"exceed the context of {context}; lower max_tokens", param="max_tokens", code="context_length_exceeded")
+        params = SamplingParams(max_tokens=max_tokens or min(self.max_tokens, context - count), temperature=body.temperature,
+                                top_p=body.top_p, top_k=body.top_k, stop=(body.stop,) if isinstance(body.stop, str) else
+                                tuple(body.stop or ()), seed=None if body.seed is None else body.seed % 2**64,
+                                ignore_eos=body.ignore_eos)
+        return Generation(runtime, ids, params, step_delay_s=self.step_delay_s, **options)
+
+    async def finish(self, request: Request, generation: Generation, arrival: float) -> None:
+        async with contextlib.aclosing(self.steps(request, generation, arrival)) as steps:
+            async for _ in steps:
+                pass
+
+    async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
+        """The OpenAI answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
+        base, usage = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                       "model": self.model_name}, body.stream_options or schema.StreamOptions()
+        if not body.stream:
+            await self.finish(request, generation, arrival)
+            key, value = ("message", {"role": "assistant", "content": generation.text}) if chat else ("text", generation.text)
+            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": _usage(generation),
+                    "choices": [{"index": 0, key: value, "logprobs": None, "finish_reason": generation.finish_reason}]}
+        base["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str, reason: str | None, role: bool = False) -> str:
+            content = {"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat else {"text": text}
+            payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
+            if usage.include_usage:
+                payload["usage"] = _usage(generation) if usage.continuous_usage_stats else None
+            return _sse(payload)
+
+        async def events():
+            try:
+                if chat:
+                    yield chunk("", None, role=True)
+                async with contextlib.aclosing(self.steps(request, generation, arrival)) as steps:
+                    async for step in steps:
+                        yield chunk(step.text, step.finish_reason)  # one chunk per token, even without text
+                if generation.finish_reason is not None:
+                    yield _sse({**base, "choices": [], "usage": _usage(generation)}) if usage.include_usage else ""
+                    yield "data: [DONE]\n\n"
+            except Exception as error:  # the stream has started: report in-band, then end it
+                log.exception("generation failed")
+                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
+                                      "type": "server_error", "param": None, "code": None}})
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
 
 class Gate:
-    """The one middleware: what no library refuses as this server needs (see the module docstring)."""
+    """The one middleware: what no library refuses as this server needs (the module docstring says what)."""
 
     def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
         self.app, self.engine, self.max_body_bytes, self.body_timeout_s = app, engine, max_body_bytes, body_timeout_s
@@ -190,8 +257,7 @@ class Gate:
             await send(message)
 
         queued = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
-        refusal = self._refusal(scope, queued)
-        if refusal is not None:
+        if (refusal := self._refusal(scope, queued)) is not None:
             return await refusal(scope, receive, counted)
         slot, slots = object(), self.engine.slots
         if queued:
@@ -210,8 +276,8 @@ class Gate:
     def _refusal(self, scope, queued: bool) -> Response | None:
         headers = dict(scope["headers"])
         head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-        declared = headers.get(b"content-length", b"")
-        if head > MAX_HEAD_BYTES:
+        declared, engine = headers.get(b"content-length", b""), self.engine
+        if head > MAX_HEAD_BYTES:  # h11 caps only a head that arrives in pieces
             return error_response(431, f"the request head is {head:,} bytes; this server takes at most {MAX_HEAD_BYTES:,}",
                                   code="head_too_large", headers=CLOSE)
         if declared and b"transfer-encoding" in headers:
@@ -220,10 +286,10 @@ class Gate:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return error_response(413, f"the request body is {int(declared):,} bytes; this server takes at most "
                                   f"{self.max_body_bytes:,} (--max-body-bytes)", code="body_too_large", headers=CLOSE)
-        if queued and len(self.engine.slots) >= self.engine.queue_size:
-            return error_response(429, f"the server is busy: {len(self.engine.slots)} requests are queued or running "
-                                  f"(queue size {self.engine.queue_size}); retry after {RETRY_AFTER_S} s",
-                                  "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if queued and len(engine.slots) >= engine.queue_size:
+            return error_response(429, f"the server is busy: {len(engine.slots)} requests are queued or running (queue "
+                                  f"size {engine.queue_size}); retry after {RETRY_AFTER_S} s", "rate_limit_error",
+                                  code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         return None
 
     def _bounded(self, receive):
@@ -247,100 +313,6 @@ class Gate:
         return bounded
 
 
-class Served:
-    """What every generation route checks and builds before it runs: model name, runtime, prompt, sampling."""
-
-    def __init__(self, engine: Engine, model_name: str, aliases: Sequence[str], max_tokens: int):
-        self.engine, self.model_name, self.max_tokens = engine, model_name, max_tokens
-        self.names, self.created = {model_name, *aliases}, int(time.time())
-
-    def runtime(self, model: str | None) -> Runtime:
-        engine = self.engine
-        if model is not None and model not in self.names:
-            raise APIError(404, f"model {schema.excerpt(model)} is not served here; this server serves "
-                           f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
-        if engine.status != "ok":
-            raise APIError(503, "the model is still loading; retry when GET /health says ok" if engine.status == "loading"
-                           else f"the model failed to load ({engine.error}); see the server log", "service_unavailable",
-                           code=f"model_{'loading' if engine.status == 'loading' else 'load_failed'}",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        return engine.runtime
-
-    async def tokens(self, runtime: Runtime, text: str) -> list[int]:
-        return list((await self.engine.on_cpu(runtime.tokenizer, text))["input_ids"])
-
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        vocab = self.engine.vocab_size
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
-                           param=f"{param}.{bad}", code="invalid_value")
-
-    def generation(self, body, runtime: Runtime, prompt_ids: list[int], max_tokens: int | None, param: str,
-                   **options) -> Generation:
-        """The request's ``Generation``, after checking the prompt and ``max_tokens`` against the context."""
-        context, count, longest = runtime.max_context, len(prompt_ids), getattr(runtime, "max_prompt_tokens", None)
-        if count == 0:
-            raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")
-        if count >= context or (longest is not None and count > longest):
-            where = f"the context holds {context} (prompt + answer)" if count >= context else \
-                f"the deployed prefill takes at most {longest} (compile a larger prefill bucket)"
-            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten the prompt", param=param,
-                           code="context_length_exceeded")
-        if max_tokens is not None and count + max_tokens > context:
-            raise APIError(400, f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
-                           f"exceed the context of {context}; lower max_tokens", param="max_tokens", code="context_length_exceeded")
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        params = SamplingParams(max_tokens=max_tokens or min(self.max_tokens, context - count), temperature=body.temperature,
-                                top_p=body.top_p, top_k=body.top_k, stop=stop, seed=None if body.seed is None else body.seed % 2**64,
-                                ignore_eos=body.ignore_eos)
-        return Generation(runtime, prompt_ids, params, step_delay_s=self.engine.step_delay_s, **options)
-
-    async def finish(self, request: Request, generation: Generation, arrival: float) -> None:
-        async with contextlib.aclosing(self.engine.steps(request, generation, arrival)) as steps:
-            async for _ in steps:
-                pass
-
-    async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
-        """The OpenAI answer: one JSON object, or with ``stream`` a response of server-sent chunks."""
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": self.model_name}
-        if not body.stream:
-            await self.finish(request, generation, arrival)
-            key, value = ("message", {"role": "assistant", "content": generation.text}) if chat else ("text", generation.text)
-            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": _usage(generation),
-                    "choices": [{"index": 0, key: value, "logprobs": None, "finish_reason": generation.finish_reason}]}
-        options = body.stream_options or schema.StreamOptions()
-        base["object"] = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str, reason: str | None, role: bool = False) -> dict:
-            content = ({"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat
-                       else {"text": text})
-            payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
-            if options.include_usage:
-                payload["usage"] = _usage(generation) if options.continuous_usage_stats else None
-            return payload
-
-        async def events():
-            try:
-                if chat:
-                    yield _sse(chunk("", None, role=True))
-                async with contextlib.aclosing(self.engine.steps(request, generation, arrival)) as steps:
-                    async for step in steps:
-                        yield _sse(chunk(step.text, step.finish_reason))  # one chunk per token, even without text
-                if generation.finish_reason is not None:
-                    if options.include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(generation)})
-                    yield "data: [DONE]\n\n"
-            except Exception as error:  # the stream has started: report in-band, then end it
-                log.exception("generation failed")
-                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
-                                      "type": "server_error", "param": None, "code": None}})
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 def _usage(generation: Generation) -> dict:
     prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -350,7 +322,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _key_check(api_key: str):
+def _key_check(api_key: str) -> list:
     bearer, key = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"), api_key.encode()
 
     async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
@@ -366,35 +338,31 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
                step_delay_s: float = 0.0, on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
-    """The FastAPI app serving the runtime that ``load()`` returns (or an already loaded one).
+    """The app serving the runtime ``load()`` returns (or a loaded one), as ``model_name`` (or ``aliases``).
 
-    ``model_name`` is what ``/v1/models`` lists; requests may name it or one of ``aliases``. ``api_key``
-    (None: open) guards every route but ``/health``, and ``/metrics`` only with ``metrics_need_key``.
-    ``max_tokens`` is the default answer length, ``max_tokens_cap`` the most a request may ask.
-    ``allowed_hosts``: the Host names answered (None: any). ``on_load_failure(error)`` is called on
-    the loading thread if the model fails to load; ``step_delay_s`` slows every token (tests, demos).
+    ``api_key`` (None: open) guards every route but ``/health``, and ``/metrics`` with ``metrics_need_key``;
+    ``allowed_hosts`` (None: any) are the Host names answered; ``on_load_failure(error)`` is called if the
+    model fails to load; ``step_delay_s`` slows every token (tests, demos).
     """
     if not 1 <= max_tokens <= max_tokens_cap:
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and max_tokens_cap={max_tokens_cap}")
-    metrics = ServerMetrics()
-    engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), metrics, queue_size,
-                    step_delay_s, slot_watchdog_s, on_load_failure)
+    engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
+                    queue_size, max_tokens, step_delay_s, slot_watchdog_s, on_load_failure)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
         yield
         engine.shutdown()
-
     app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
                   strict_content_type=False)  # a body without Content-Type is read as JSON
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics = engine, engine.metrics
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    models = {path: schema.served(model, max_tokens_cap, lambda: engine.vocab_size) for path, model in zip(
-        GENERATION_PATHS, (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest))}
-    fields = {path: sorted(set(model.model_fields) - set(schema.UNSUPPORTED)) for path, model in models.items()}
+    models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
+              for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
+    fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
 
     async def api_error(_request, error: APIError):
         return error.response()
@@ -410,6 +378,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
     for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error)):
         app.add_exception_handler(kind, handler)
+
     def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
         if engine.status != "ok":
             app.openapi_schema = None
@@ -417,12 +386,11 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
     app.openapi = openapi
     keyed = _key_check(api_key) if api_key else []
-    _routes(app, Served(engine, model_name, aliases, max_tokens), models, keyed, keyed if metrics_need_key else [])
+    _routes(app, engine, *models, keyed, keyed if metrics_need_key else [])
     return app
 
 
-def _routes(app: FastAPI, served: Served, models: dict, keyed: list, metrics_keyed: list) -> None:
-    engine = served.engine
+def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list, metrics_keyed: list) -> None:  # noqa: N803
 
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
@@ -436,43 +404,41 @@ def _routes(app: FastAPI, served: Served, models: dict, keyed: list, metrics_key
 
     @app.get("/v1/models", response_model=schema.ModelList, dependencies=keyed, responses={401: ERRORS[401]})
     async def list_models():
-        card = {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "gemma-nb"}
+        card = {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS},
-              dependencies=keyed)
-    async def chat_completions(body: models["/v1/chat/completions"], request: Request):
-        arrival, runtime = time.perf_counter(), served.runtime(body.model)
+    @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
+    async def chat_completions(body: Chat, request: Request):
+        arrival, runtime = time.perf_counter(), engine.ready(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.model_dump()["content"]}
                     for m in body.messages]
         try:
             ids = await engine.on_cpu(chat_prompt_ids, runtime.tokenizer, messages)
         except ValueError as error:
             raise APIError(400, str(error)[:200], param="messages", code="invalid_value") from None
-        generation = served.generation(body, runtime, ids, body.max_completion_tokens or body.max_tokens, "messages",
+        generation = engine.generation(body, runtime, ids, body.max_completion_tokens or body.max_tokens, "messages",
                                        strip_leading_space=True)
-        return await served.reply(request, body, generation, arrival, chat=True)
+        return await engine.reply(request, body, generation, arrival, chat=True)
 
     @app.post("/v1/completions", response_model=schema.Completion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
-    async def completions(body: models["/v1/completions"], request: Request):
-        arrival, runtime = time.perf_counter(), served.runtime(body.model)
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-        if isinstance(prompt, str):
-            ids = await served.tokens(runtime, prompt)
-        else:
-            ids = list(prompt)
-            served.check_token_ids(ids, "prompt")
-        generation = served.generation(body, runtime, ids, body.max_tokens, "prompt")
-        return await served.reply(request, body, generation, arrival, chat=False)
+    async def completions(body: Completions, request: Request):
+        arrival, runtime, prompt = time.perf_counter(), engine.ready(body.model), body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        ids = await engine.tokens(runtime, prompt) if isinstance(prompt, str) else prompt
+        if (bad := next((i for i, t in enumerate(ids) if t >= engine.vocab_size), None)) is not None:
+            raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 to {engine.vocab_size - 1})",
+                           param=f"prompt.{bad}", code="invalid_value")
+        generation = engine.generation(body, runtime, ids, body.max_tokens, "prompt")
+        return await engine.reply(request, body, generation, arrival, chat=False)
 
     @app.post("/generate", response_model=schema.Generated, responses=ERRORS, dependencies=keyed)
-    async def generate(body: models["/generate"], request: Request):
-        runtime = served.runtime(body.model)
-        ids = await served.tokens(runtime, body.prompt)
-        generation = served.generation(body, runtime, ids, body.max_tokens, "prompt")
+    async def generate(body: Generate, request: Request):
+        runtime = engine.ready(body.model)
+        generation = engine.generation(body, runtime, await engine.tokens(runtime, body.prompt), body.max_tokens, "prompt")
         started = time.perf_counter()
-        await served.finish(request, generation, started)
+        await engine.finish(request, generation, started)
         seconds = time.perf_counter() - started
         return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
-                "prompt_tokens": len(ids), "finish_reason": generation.finish_reason, "seconds": round(seconds, 4),
-                "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}
+                "prompt_tokens": len(generation.prompt_ids), "finish_reason": generation.finish_reason,
+                "seconds": round(seconds, 4), "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}

@@ -1,7 +1,10 @@
-"""One generation over a loaded model: the ``Runtime`` protocol, chat prompts, sampling, stop strings.
+"""One generation over a loaded model (a ``Runtime``): chat prompts, sampling, stop strings.
 
-``Generation.step()`` produces one token, so the server can stream, time and stop between tokens;
+``Generation.step()`` makes one token, so the server can stream, time and stop between tokens;
 ``generate(runtime, prompt, max_tokens)`` runs one to the end (notebook 05 uses it without a server).
+A runtime holds one sequence: ``prefill(prompt_ids)`` starts it and returns the logits [vocab] of the
+next token, ``decode(token_id)`` appends one and returns the next logits; ``max_context`` counts prompt
+and answer, and a fixed prefill bucket also sets ``max_prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -18,19 +21,9 @@ from jinja2 import TemplateError
 
 # Prompt tokens decoded together with the answer so a word keeps its leading space (" Paris").
 DETOKENIZE_CONTEXT_TOKENS = 4
-# torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class Runtime(Protocol):
-    """A loaded model, one decoding session at a time.
-
-    ``prefill(prompt_ids)`` starts a sequence (dropping any previous one) and returns the logits
-    [vocab] of the token after the prompt; ``decode(token_id)`` appends one token and returns the
-    next logits. ``max_context`` counts prompt + generated positions. A runtime whose prefill has a
-    fixed bucket also sets ``max_prompt_tokens``.
-    """
-
     tokenizer: Any
     max_context: int
     eos_token_ids: frozenset[int]
@@ -43,16 +36,15 @@ class Runtime(Protocol):
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of a chat (``role``, ``content`` a string or text parts): the tokenizer's chat template,
     or, for a tokenizer without one (the bundled word-level one), the contents joined by newlines."""
-    texts = [m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
-             for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        conversation = [{"role": m["role"], "content": t} for m, t in zip(messages, texts)]
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except TemplateError as error:  # e.g. roles that do not alternate: the client's to fix
-            raise ValueError(f"the model's chat template refuses these messages: {error}") from None
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer("\n".join(t for t in texts if t))["input_ids"])
+    texts = [m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]) for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer("\n".join(t for t in texts if t))["input_ids"])
+    try:
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": t} for m, t in zip(messages, texts)],
+                                             tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:  # e.g. roles that do not alternate: the client's to fix
+        raise ValueError(f"the model's chat template refuses these messages: {error}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass(frozen=True)
@@ -67,15 +59,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
-        if not (0.0 <= self.temperature <= 2.0):
-            raise ValueError(f"temperature={self.temperature} must be in [0, 2]; 0 is greedy")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed={self.seed} is outside the 64-bit range [{SEED_MIN}, {SEED_MAX}]")
+    def __post_init__(self):  # the server's request models check these for clients
+        assert self.max_tokens >= 1 and 0 <= self.temperature <= 2 and 0 < self.top_p <= 1, self
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
@@ -100,7 +85,6 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 @dataclass
 class Step:
     """One generated token: its id, the new text it made visible, and why generation ended (if it did)."""
-
     token_id: int
     text: str
     finish_reason: Literal["stop", "length"] | None = None
@@ -108,11 +92,8 @@ class Step:
 
 @dataclass
 class Generation:
-    """One request's decoding session over a ``Runtime``; ``step()`` produces one token.
-
-    Holds back text that might start a stop string (a stop string is never streamed) and a
-    half-decoded character. Not thread-safe: one caller at a time.
-    """
+    """One request's decoding over a ``Runtime``, a token per ``step()``. Text that might start a stop
+    string, or ends in half a character, is held back (a stop string is never streamed)."""
 
     runtime: Runtime
     prompt_ids: list[int]
@@ -148,8 +129,7 @@ class Generation:
         return (text[:cut], True) if cut >= 0 else (text, False)
 
     def step(self) -> Step:
-        if self.finish_reason is not None:
-            raise RuntimeError(f"generation already finished ({self.finish_reason})")
+        assert self.finish_reason is None, "generation already finished"
         logits = self.runtime.decode(self.token_ids[-1]) if self.token_ids else self.runtime.prefill(self.prompt_ids)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # tests and demos: emulate a slower device
@@ -180,7 +160,7 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
 
 def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling) -> Generation:
-    """Run one generation to the end; ``generate(runtime, "The capital of France is", 4).text`` is
+    """Run one generation to the end: ``generate(runtime, "The capital of France is", 4).text`` is
     ``" Paris ."`` on the bundled checkpoint."""
     ids = list(runtime.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     generation = Generation(runtime, ids, SamplingParams(max_tokens=max_tokens, **sampling))

@@ -1,10 +1,8 @@
-"""The model behind the server, one runtime per way of running it (each a ``generation.Runtime``).
-
-- ``DeployRuntime``: the slim deploy of notebook 05 (host embedding, int8-squeezed exported steps of
-  ``gemma_nb.export``; the one-token decode reads only the routed experts). The cpu default.
-- ``TransformersRuntime``: any transformers causal LM, eager; starts in seconds; the cuda default.
-- ``NeuronDeployRuntime``: the port's NxD deploy on an inf2 (``gemma_nb.neuron.deploy``), from one
-  artifact folder; written against its cpu-tested graph interface, NOT RUN here on Inferentia2.
+"""The model behind the server, one ``generation.Runtime`` per way of running it: ``DeployRuntime``, the
+slim deploy of notebook 05 (host embedding, int8-squeezed exported steps; the cpu default);
+``TransformersRuntime``, any transformers causal LM (starts in seconds; the cuda default);
+``NeuronDeployRuntime``, the port's NxD deploy on an inf2 (written against its cpu-tested graph
+interface, NOT RUN here on Inferentia2).
 """
 
 from __future__ import annotations
@@ -37,16 +35,12 @@ log = logging.getLogger("gemma_nb.serve")
 
 
 def _context_limit(requested: int | None, model_limit: int | None) -> int:
-    if model_limit is None and requested is None:
+    if requested is None and model_limit is None:
         raise ValueError("the model does not say how long its context is: pass max_context (--max-context N)")
-    if requested is None:
-        return int(model_limit)
-    if requested < 2:
-        raise ValueError(f"max_context={requested} is too small: a prompt and one new token need at least 2")
-    if model_limit is not None and requested > model_limit:
-        raise ValueError(f"max_context={requested} exceeds the model's {model_limit} positions; "
-                         f"pass --max-context {model_limit} or less")
-    return int(requested)
+    if requested is not None and not 2 <= requested <= (model_limit or requested):
+        raise ValueError(f"max_context={requested}: a prompt and one new token need at least 2, and the model holds "
+                         f"{model_limit} positions; pass --max-context between 2 and {model_limit}")
+    return int(model_limit if requested is None else requested)
 
 
 class _Runtime:
@@ -54,13 +48,6 @@ class _Runtime:
         self.tokenizer, self.max_context = tokenizer, max_context
         sources = [eos_token_ids, tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
-
-    def _padded(self, prompt_ids: Sequence[int], bucket: int) -> torch.Tensor:
-        if not 0 < len(prompt_ids) <= self.max_prompt_tokens:
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}")
-        padded = torch.full((1, bucket), self.runner.pad_token_id, dtype=torch.long)
-        padded[0, :len(prompt_ids)] = torch.tensor(list(prompt_ids))
-        return padded
 
 
 class TransformersRuntime(_Runtime):
@@ -85,69 +72,65 @@ class TransformersRuntime(_Runtime):
         return self._forward(list(prompt_ids))
 
     def decode(self, token_id: int) -> torch.Tensor:
-        if self._cache is None:
-            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
+        assert self._cache is not None, "decode() before prefill()"
         return self._forward([token_id])
 
 
-class DeployRuntime(_Runtime):
-    """The slim deploy's ``export.StepRunner`` (host embedding -> compiled prefill / decode), one step at a
-    time so the server can sample, stream and stop between tokens; prefill on a fixed bucket."""
+class _Stepped(_Runtime):
+    """A compiled deploy stepped one token at a time, so the server can sample, stream and stop between
+    tokens: the prompt padded to the fixed prefill ``bucket``, then one token per decode step."""
 
-    def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
-        super().__init__(tokenizer, _context_limit(max_context, runner.shapes.max_cache_len), eos_token_ids)
-        self.runner, self.max_prompt_tokens = runner, min(runner.shapes.prefill_len, self.max_context - 1)
-        self._kv, self._position = None, 0
+    def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
+        super().__init__(tokenizer, context, eos_token_ids)
+        self.runner, self.bucket, self.max_prompt_tokens, self._position = runner, bucket, min(bucket, context - 1), None
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        runner, padded = self.runner, self._padded(prompt_ids, self.runner.shapes.prefill_len)
-        self._kv = export.new_kv_cache(runner.kv_shapes, runner.dtype)
-        logits = runner.prefill(runner.weights, self._kv, runner.embed(padded), torch.tensor([0]),
-                                torch.tensor([len(prompt_ids) - 1]))
+        if not 0 < len(prompt_ids) <= self.max_prompt_tokens:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}")
+        padded = torch.full((1, self.bucket), self.runner.pad_token_id, dtype=torch.long)
+        padded[0, :len(prompt_ids)] = torch.tensor(list(prompt_ids))
+        # Padding slots are rewritten by later decode steps before any query can see them.
+        logits = self._run(padded, 0, len(prompt_ids) - 1, prefill=True)
         self._position = len(prompt_ids)  # where the first generated token goes
         return logits.float().reshape(-1)
 
     @torch.inference_mode()
     def decode(self, token_id: int) -> torch.Tensor:
-        runner = self.runner
-        if self._kv is None:
-            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
-        if self._position >= runner.shapes.max_cache_len:
-            raise ValueError(f"the KV cache of {runner.shapes.max_cache_len} positions is full")
-        logits = runner.decode(runner.weights, self._kv, runner.embed(torch.tensor([[int(token_id)]])),
-                               torch.tensor([self._position]), torch.tensor([0]))
+        assert self._position is not None, "decode() before prefill()"
+        logits = self._run(torch.tensor([[int(token_id)]]), self._position, 0, prefill=False)
         self._position += 1
         return logits.float().reshape(-1)
 
 
-class NeuronDeployRuntime(_Runtime):
-    """The port's deploy on Inferentia2 (``neuron.deploy.NeuronStepRunner``), one step at a time; its KV
-    cache is device state each step updates in place. NOT RUN HERE on an inf2: the tests drive it over
-    the cpu variant of the traced module (``neuron.deploy.CpuStateGraph``)."""
+class DeployRuntime(_Stepped):
+    """The slim deploy's ``export.StepRunner``: the host embedding, then a compiled prefill or decode step."""
 
-    def __init__(self, runner, tokenizer, max_context: int | None = None, eos_token_ids=None):
-        super().__init__(tokenizer, _context_limit(max_context, runner.max_len), eos_token_ids)
-        self.runner, self.max_prompt_tokens, self._position = runner, min(runner.bucket, self.max_context - 1), None
+    def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
+        super().__init__(runner, tokenizer, _context_limit(max_context, runner.shapes.max_cache_len),
+                         runner.shapes.prefill_len, eos_token_ids)
 
-    @torch.inference_mode()
-    def _step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
         runner = self.runner
+        if prefill:
+            self._kv = export.new_kv_cache(runner.kv_shapes, runner.dtype)
+        elif start >= runner.shapes.max_cache_len:
+            raise ValueError(f"the KV cache of {runner.shapes.max_cache_len} positions is full")
+        step = runner.prefill if prefill else runner.decode
+        return step(runner.weights, self._kv, runner.embed(ids), torch.tensor([start]), torch.tensor([last_index]))
+
+
+class NeuronDeployRuntime(_Stepped):
+    """The port's ``neuron.deploy.NeuronStepRunner`` (its KV cache is device state); NOT RUN HERE on an inf2,
+    the tests drive it over the cpu variant of the traced module (``neuron.deploy.CpuStateGraph``)."""
+
+    def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
+        super().__init__(runner, tokenizer, _context_limit(max_context, runner.max_len), runner.bucket, eos_token_ids)
+
+    def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
+        runner, positions = self.runner, list(range(self.bucket)) if prefill else [start]
         inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
-        return host_logits(runner.graph(*inputs), runner.config).reshape(-1)
-
-    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        # Padding slots are rewritten by later decode steps before any query can see them.
-        logits = self._step(self._padded(prompt_ids, self.runner.bucket), list(range(self.runner.bucket)), len(prompt_ids) - 1)
-        self._position = len(prompt_ids)
-        return logits
-
-    def decode(self, token_id: int) -> torch.Tensor:
-        if self._position is None:
-            raise RuntimeError("decode() before prefill(): start a sequence with prefill(prompt_ids)")
-        logits = self._step(torch.tensor([[int(token_id)]]), [self._position], 0)
-        self._position += 1
-        return logits
+        return host_logits(runner.graph(*inputs), runner.config)
 
 
 def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
@@ -164,10 +147,7 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
         if runtime == "transformers" or artifact is None:
             raise ValueError("the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
                              "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too")
-        _, tokenizer, eos = _tokenizer_and_eos(artifact)
-        runner, figures = slim_deploy(artifact)
-        log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
-        return NeuronDeployRuntime(runner, tokenizer, max_context, eos_token_ids=eos)
+        return load_neuron_runtime(artifact, max_context)
     if runtime == "auto":
         runtime = "deploy" if target == "cpu" else "transformers"
     if runtime == "transformers":
@@ -175,35 +155,39 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
         return TransformersRuntime(model, tokenizer, max_context)
     if target != "cpu":
         raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.export; on {target} use --runtime transformers")
-    source, tokenizer, eos = _tokenizer_and_eos(model_id)
     if artifact is None:
         artifact = tempfile.mkdtemp(prefix="gemma-nb-serve-")
         atexit.register(shutil.rmtree, artifact, ignore_errors=True)
         compile_for_serving(model_id, artifact, max_context, prefill_len)
-    return DeployRuntime(slim_runner(artifact), tokenizer, max_context, eos_token_ids=eos)
+    return DeployRuntime(slim_runner(artifact), *_tokenizer_and_eos(model_id), max_context=max_context)
+
+
+def load_neuron_runtime(artifact: str, max_context: int | None = None) -> NeuronDeployRuntime:
+    """The port's slim deploy on Inferentia2 (NOT RUN HERE): everything, tokenizer included, from the artifact."""
+    runner, figures = slim_deploy(artifact)
+    log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
+    return NeuronDeployRuntime(runner, *_tokenizer_and_eos(artifact), max_context=max_context)
 
 
 def compile_for_serving(model_id: str, folder: str, max_context: int | None, prefill_len: int) -> None:
     """The deploy's artifact for ``model_id`` (notebooks 04/05): full model on the host, int8 squeeze, export."""
-    started = time.perf_counter()
-    model, _ = load_model(model_id)
+    started, (model, _) = time.perf_counter(), load_model(model_id)
     cache_len = _context_limit(max_context, getattr(model.config, "max_position_embeddings", None))
     apply_scheme(model, SQUEEZE, measure_error=False)
     for layer in model.model.layers:  # the squeeze's int8 tensors as experts torch.export traces
         layer.experts = Int8Experts.from_quantized(layer.experts)
-    shapes = export.StepShapes(max_cache_len=cache_len, prefill_len=min(prefill_len, cache_len))
-    export.compile_model(model, folder, shapes, scheme=SQUEEZE)
+    export.compile_model(model, folder, export.StepShapes(max_cache_len=cache_len, prefill_len=min(prefill_len, cache_len)),
+                         scheme=SQUEEZE)
     log.info("compiled %s for the slim deploy in %.1f s", model_id, time.perf_counter() - started)
 
 
 def slim_runner(folder: str) -> export.StepRunner:
-    """The slim deploy of an artifact folder: programs and mmapped weights, the embedding table on the host
-    with the scale of the model's own embedding module (rebuilt on the meta device, where it has no value)."""
+    """An artifact's programs and mmapped weights, the embedding table on the host with the scale of the
+    model's own embedding module (rebuilt on the meta device, where the buffer has no value)."""
     artifact = export.load_artifact(folder)
     module = model_skeleton(artifact.config()).get_input_embeddings()
-    host = HostEmbedding.from_file(export.host_embedding_path(folder), scale=torch.tensor(module.scalar_embed_scale),
-                                   shape=tuple(module.weight.shape))
-    return artifact.runner(host)
+    return artifact.runner(HostEmbedding.from_file(export.host_embedding_path(folder), shape=tuple(module.weight.shape),
+                                                   scale=torch.tensor(module.scalar_embed_scale)))
 
 
 def _tokenizer_and_eos(model_id: str):
@@ -213,7 +197,6 @@ def _tokenizer_and_eos(model_id: str):
     token = None if os.path.isdir(source) else hf_token()
     tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)
     try:  # Gemma's chat models also end a turn with <end_of_turn>, listed in generation_config.json
-        eos = GenerationConfig.from_pretrained(source, token=token).eos_token_id
+        return tokenizer, GenerationConfig.from_pretrained(source, token=token).eos_token_id
     except OSError:
-        eos = None
-    return source, tokenizer, eos
+        return tokenizer, None

@@ -74,8 +74,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class TextFormat(_Strict):
-    type: Literal["text"]
+TextFormat = create_model("TextFormat", __base__=_Strict, type=Literal["text"])
 
 
 def _only(value) -> Any:  # a bare Literal[1] would take true, Literal[False] would take 0
@@ -98,9 +97,8 @@ _Unsupported = create_model("_Unsupported", __base__=_Strict, **{name: (
     None if kind is None else kind | None, Field(None, description="not supported: only its do-nothing value")) for name, kind in UNSUPPORTED.items()})
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)")
+StreamOptions = create_model("StreamOptions", __base__=_Strict, include_usage=(bool, False), continuous_usage_stats=(
+    bool, Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)")))
 
 
 class _Sampling(_Strict):
@@ -120,15 +118,10 @@ class _OpenAIRequest(_Sampling, _Unsupported):
     user: Text | None = Field(None, description="accepted, not used")
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: NonEmpty
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is read as system")
-    content: NonEmpty | Annotated[list[TextPart], Field(min_length=1)]
-    name: Text | None = Field(None, description="accepted, not used")
+TextPart = create_model("TextPart", __base__=_Strict, type=Literal["text"], text=NonEmpty)
+Message = create_model("Message", __base__=_Strict, content=NonEmpty | Annotated[list[TextPart], Field(min_length=1)],
+                       role=(Literal["system", "developer", "user", "assistant"], Field(description="developer is read as system")),
+                       name=(Text | None, Field(None, description="accepted, not used")))
 
 
 class ChatRequest(_OpenAIRequest):

@@ -1,10 +1,7 @@
-"""``python -m gemma_nb serve``: the deployed model behind an OpenAI-compatible API (FastAPI + uvicorn).
+"""``python -m gemma_nb serve``: the command, and uvicorn with its own limits for the connections.
 
-    python -m gemma_nb serve --target cpu --port 8080      # the bundled checkpoint, slim deploy
-
-uvicorn owns the connections (``uvicorn_config``: keep-alive timeout, ``--limit-concurrency``, the h11
-head cap), the app the rest (``gemma_nb.serving.app``). Exit status: 2 for bad arguments, 1 if the
-model fails to load (the server stops at once), 0 after Ctrl-C or SIGTERM.
+Exit status: 2 for bad arguments, 1 if the model fails to load (the server stops at once), 0 after
+Ctrl-C or SIGTERM. ``serve_in_thread(app)`` runs an app the same way on a thread (tests).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from gemma_nb.targets import TargetError, check_target
 from gemma_nb.tiny import BUNDLED_ID
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY = "127.0.0.1", 8080, 5, 64
-# uvicorn refuses these itself (plain text, the app never sees them) and has no hook but its log.
+# uvicorn answers these itself (plain text; the app never sees them) and has no hook but its log.
 UVICORN_REFUSALS = {"Invalid HTTP request received.": "invalid_http", "Exceeded concurrency limit.": "concurrency_limit"}
 
 log = logging.getLogger("gemma_nb.serve")
@@ -36,34 +33,34 @@ log = logging.getLogger("gemma_nb.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gemma_nb serve", description="OpenAI-compatible server for the deployed "
-                                f"model. The API key, if any, comes from {served.API_KEY_ENV} in the environment (never a flag).")
+                                f"model. An API key, if any, comes from {served.API_KEY_ENV} in the environment.")
     add = p.add_argument
     add("--target", default="cpu", help="cpu (default), neuron or cuda")
-    add("--model-id", default=BUNDLED_ID, help=f"local folder or hub id (default: {BUNDLED_ID})")
+    add("--model-id", default=BUNDLED_ID, help="local folder or hub id (default: %(default)s)")
     add("--served-model-name", default=None, help="the name /v1/models lists (default: --model-id)")
-    add("--host", default=DEFAULT_HOST, help="interface to bind (default 127.0.0.1: loopback only; see the README for a proxy)")
-    add("--port", type=int, default=DEFAULT_PORT, help="default 8080, as the port's container")
-    add("--runtime", choices=RUNTIMES, default="auto", help="deploy: notebook 05's slim deploy (int8 squeeze, compiled "
-        "steps); transformers: the model as transformers loads it (default auto: deploy on cpu, transformers on cuda)")
-    add("--artifact", default=None, help="a compiled artifact folder: gemma_nb.export's for the cpu slim deploy (without "
-        "it the model is compiled at start-up), gemma_nb.neuron.build's on neuron (required there; it holds the tokenizer)")
-    add("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN, help="prefill bucket when compiling at start-up: the longest prompt")
+    add("--host", default=DEFAULT_HOST, help="interface to bind (default %(default)s: loopback; see the README's proxy)")
+    add("--port", type=int, default=DEFAULT_PORT, help="default %(default)s, as the port's container")
+    add("--runtime", choices=RUNTIMES, default="auto", help="deploy: notebook 05's slim deploy; transformers: the "
+        "model as transformers loads it (default auto: deploy on cpu, transformers on cuda)")
+    add("--artifact", default=None, help="compiled artifact folder: gemma_nb.export's for the cpu deploy (else compiled "
+        "at start-up), gemma_nb.neuron.build's on neuron (required; it holds the tokenizer)")
+    add("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN, help="prefill bucket when compiling at start-up")
     add("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype for --runtime transformers")
-    add("--max-context", type=int, default=None, help="context in tokens, prompt + answer (default: the model's own)")
-    add("--queue-size", type=int, default=served.DEFAULT_QUEUE_SIZE, help="most requests admitted at once, the generating "
+    add("--max-context", type=int, default=None, help="context in tokens, prompt + answer (default: the model's)")
+    add("--queue-size", type=int, default=served.DEFAULT_QUEUE_SIZE, help="requests admitted at once, the generating "
         "one included; more get 429 (default %(default)s)")
-    add("--max-tokens", type=int, default=served.DEFAULT_MAX_TOKENS, help="answer length when a request gives none (default %(default)s)")
-    add("--max-tokens-cap", type=int, default=served.DEFAULT_MAX_TOKENS_CAP, help="most tokens a request may ask for (default %(default)s)")
-    add("--max-body-bytes", type=int, default=served.DEFAULT_MAX_BODY_BYTES, help="largest request body (default %(default)s)")
-    add("--body-timeout-s", type=float, default=served.DEFAULT_BODY_TIMEOUT_S, help="a body must arrive within this (default %(default)s)")
-    add("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, help="idle connections close after this (default %(default)s)")
-    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
-        help="uvicorn's: connections or requests at once, more get 503 (default %(default)s)")
+    add("--max-tokens", type=int, default=served.DEFAULT_MAX_TOKENS, help="answer length if a request sets none (%(default)s)")
+    add("--max-tokens-cap", type=int, default=served.DEFAULT_MAX_TOKENS_CAP, help="most a request may ask (%(default)s)")
+    add("--max-body-bytes", type=int, default=served.DEFAULT_MAX_BODY_BYTES, help="largest request body (%(default)s)")
+    add("--body-timeout-s", type=float, default=served.DEFAULT_BODY_TIMEOUT_S, help="time for a body to arrive (%(default)s)")
+    add("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, help="idle connections close (%(default)s)")
+    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="uvicorn's: connections or requests "
+        "at once; more get 503 (default %(default)s)")
     add("--allowed-host", action="append", default=[], metavar="NAME",
-        help="on a loopback bind, answer this Host name too (repeatable; localhost, 127.0.0.1 and [::1] always)")
-    add("--metrics-require-key", action="store_true", help="/metrics needs the API key too (it does anyway beyond loopback)")
+        help="on a loopback bind, answer this Host too (repeatable; localhost, 127.0.0.1, [::1] always)")
+    add("--metrics-require-key", action="store_true", help="/metrics needs the API key too (always beyond loopback)")
     add("--slot-watchdog-s", type=float, default=served.DEFAULT_SLOT_WATCHDOG_S,
-        help="gemma_nb_slots_overdue counts queue slots held longer than this (default %(default)s)")
+        help="gemma_nb_slots_overdue counts queue slots held longer (%(default)s)")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -73,10 +70,10 @@ def _check_arguments(args) -> None:
     check_target(args.target)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
-    for flag in ("queue_size", "max_tokens", "max_tokens_cap", "max_body_bytes", "body_timeout_s", "keep_alive_timeout_s",
+    for name in ("queue_size", "max_tokens", "max_tokens_cap", "max_body_bytes", "body_timeout_s", "keep_alive_timeout_s",
                  "limit_concurrency", "slot_watchdog_s"):
-        if not getattr(args, flag) >= 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+        if not getattr(args, name) >= 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     if args.max_tokens > args.max_tokens_cap:
         raise ValueError(f"--max-tokens {args.max_tokens} is over --max-tokens-cap {args.max_tokens_cap}")
     if args.artifact is not None and not os.path.isdir(args.artifact):
@@ -86,9 +83,10 @@ def _check_arguments(args) -> None:
 
 
 def _is_loopback(host: str) -> bool:
-    with contextlib.suppress(ValueError):
+    try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    return False
+    except ValueError:
+        return False
 
 
 def uvicorn_config(app, *, keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -119,12 +117,9 @@ def counting_refusals(metrics: served.ServerMetrics):
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, host: str = DEFAULT_HOST, port: int = 0, ready_timeout_s: float = 120.0, **config):
-    """Serve ``app`` with uvicorn on a background thread; yields the base URL (``http://host:port``).
-
-    ``port=0`` picks a free port. Waits until uvicorn listens (poll ``/health`` for the model) and stops
-    the server on exit. ``config``: ``uvicorn_config``'s limits.
-    """
+def serve_in_thread(app, host: str = DEFAULT_HOST, port: int = 0, **config):
+    """Serve ``app`` on a thread; yields ``http://host:port`` once uvicorn listens (poll ``/health`` for the
+    model). ``port=0`` picks a free port; ``config``: ``uvicorn_config``'s limits."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -132,9 +127,8 @@ def serve_in_thread(app, host: str = DEFAULT_HOST, port: int = 0, ready_timeout_
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn")
     with counting_refusals(app.state.metrics):
         thread.start()
-        deadline = time.monotonic() + ready_timeout_s
         while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
+            if not thread.is_alive():
                 raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]}")
             time.sleep(0.02)
         try:
@@ -154,11 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TargetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    api_key, loopback = os.environ.get(served.API_KEY_ENV) or None, _is_loopback(args.host)
+    api_key, server, failure, loopback = os.environ.get(served.API_KEY_ENV) or None, None, [], _is_loopback(args.host)
     if not loopback and api_key is None:
-        log.warning("binding %s without an API key: anyone who can reach this port can use the model (set %s)",
+        log.warning("binding %s without an API key: anyone who can reach it can use the model (set %s)",
                     args.host, served.API_KEY_ENV)
-    server, failure = None, []
 
     def stop_on_failure(error: str) -> None:
         failure.append(error)
@@ -169,20 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         return load_runtime(args.target, args.model_id, max_context=args.max_context, runtime=args.runtime,
                             artifact=args.artifact, prefill_len=args.prefill_len, dtype=getattr(torch, args.dtype))
 
-    name = args.served_model_name or args.model_id
     app = served.create_app(
-        load, model_name=name, aliases=sorted({args.model_id, os.path.basename(os.path.normpath(args.model_id))}),
-        queue_size=args.queue_size, api_key=api_key, metrics_need_key=args.metrics_require_key or not loopback,
-        max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout_s, allowed_hosts=[*served.LOOPBACK_HOSTS, *args.allowed_host] if loopback else None,
-        slot_watchdog_s=args.slot_watchdog_s, on_load_failure=stop_on_failure)
-    log.info("serving %s (target %s) on http://%s:%d/v1 ; API key %s", name, args.target, args.host, args.port,
-             f"required ({served.API_KEY_ENV} is set)" if api_key else "not required")
+        load, model_name=args.served_model_name or args.model_id, queue_size=args.queue_size, api_key=api_key,
+        aliases=sorted({args.model_id, os.path.basename(os.path.normpath(args.model_id))}), max_tokens=args.max_tokens,
+        max_tokens_cap=args.max_tokens_cap, metrics_need_key=args.metrics_require_key or not loopback,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, slot_watchdog_s=args.slot_watchdog_s,
+        allowed_hosts=[*served.LOOPBACK_HOSTS, *args.allowed_host] if loopback else None, on_load_failure=stop_on_failure)
+    log.info("serving %s on http://%s:%d/v1 ; API key %s", args.model_id, args.host, args.port,
+             "required" if api_key else "not required")
     server = uvicorn.Server(uvicorn_config(app, keep_alive_timeout_s=args.keep_alive_timeout_s, host=args.host,
                                            port=args.port, limit_concurrency=args.limit_concurrency, log_level=args.log_level,
                                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
-    if failure:  # failed before the server object existed
-        server.should_exit = True
+    server.should_exit = bool(failure)  # failed before the server object existed
     with counting_refusals(app.state.metrics):
         server.run()
     if failure:
