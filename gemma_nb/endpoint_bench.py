@@ -1,6 +1,5 @@
-"""Notebook 07's endpoint benchmark: which server it measures, its metrics and its figure.
-
-The measuring is ``gemma_nb.serving.client_bench``. ``local_server()`` runs this project's server
+"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level, its
+metrics and its figure. The measuring is ``gemma_nb.serving.client_bench``. ``local_server()`` runs this project's server
 (``python -m gemma_nb serve``) on a free loopback port in a subprocess, so that the cpu reference run
 measures a real server, not a mock; ``wait_until_healthy`` polls its ``/health``.
 """
@@ -21,21 +20,41 @@ import pandas as pd
 
 from gemma_nb import plots
 from gemma_nb.metrics import headline
+from gemma_nb.paths import artifacts_dir
 from gemma_nb.ranks import free_port
-from gemma_nb.serving.client_bench import EndpointError, base_url, benchmark_endpoint, summarize
+from gemma_nb.serving.client_bench import EndpointError, base_url, benchmark_endpoint, percentile
 from gemma_nb.tiny import BUNDLED_ID
 
 
 def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
                      **benchmark_kwargs) -> pd.DataFrame | None:
     """Notebook 07's run: ``endpoint`` if given, else (cpu, cuda) this project's server on loopback for
-    ``model_id``; None on neuron without an endpoint (serve the port's container and pass its URL)."""
+    ``model_id`` (``runtime="deploy"``: the slim deploy of the artifact notebook 04 compiled, ``04_tiny``);
+    None on neuron without an endpoint (serve the port's container and pass its URL)."""
     if endpoint:
         return benchmark_endpoint(endpoint, **benchmark_kwargs)
     if target == "neuron":
         return None
-    with local_server(target, model_id, runtime=runtime) as url:
+    artifact = ["--artifact", str(artifacts_dir(target) / "04_tiny")] if runtime == "deploy" else []
+    with local_server(target, model_id, runtime=runtime, extra_args=artifact) as url:
         return benchmark_endpoint(url, **benchmark_kwargs)
+
+
+def summarize(requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per concurrency level: TTFT and ITL percentiles, per-request and aggregate tok/s.
+
+    ``tok_s_per_request`` is the median decode rate one client sees; ``tok_s_total`` every token of the
+    level over its wall time. One generation at a time keeps ``tok_s_total`` flat while TTFT grows with
+    the queue; a batching server raises ``tok_s_total`` instead.
+    """
+    rows = []
+    for level, group in requests.groupby("concurrency", sort=True):
+        gaps = [g for gaps in group["itl_ms"] for g in gaps]
+        rows.append({"concurrency": int(level), "requests": len(group), "ttft_ms_p50": percentile(group["ttft_ms"], 50),
+                     "ttft_ms_p90": percentile(group["ttft_ms"], 90), "itl_ms_p50": percentile(gaps, 50),
+                     "itl_ms_p90": percentile(gaps, 90), "tok_s_per_request": float(group["decode_tok_s"].median()),
+                     "tok_s_total": float(group["completion_tokens"].sum() / group["level_wall_s"].iloc[0])})
+    return pd.DataFrame(rows)
 
 
 def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
@@ -122,9 +141,9 @@ def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: s
                  extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
     """Run ``python -m gemma_nb serve`` on a free loopback port; yields its base URL (``.../v1``).
 
-    ``runtime``: the server's ``--runtime`` ("transformers" starts in seconds; the cpu default compiles
-    the slim deploy first). Its log goes to a temporary file, shown if it fails to start; the process is
-    terminated (then killed) when the block ends. ``env`` adds environment variables (e.g. the API key).
+    ``runtime``: the server's ``--runtime`` (``extra_args`` may add ``--artifact``). Its log goes to a
+    temporary file, shown if it fails to start; the process is terminated (then killed) when the block
+    ends. ``env`` adds environment variables (e.g. the API key, never a flag).
     """
     port = free_port()
     command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,

@@ -13,7 +13,6 @@ from gemma_nb.serving import app as served
 from gemma_nb.serving import client_bench
 from gemma_nb.serving.client_bench import EndpointError
 from gemma_nb.serving.runtimes import TransformersRuntime
-from gemma_nb.serving.serve import serve_in_thread
 from gemma_nb.tiny import BUNDLED_ID
 
 
@@ -27,7 +26,7 @@ def test_base_url():
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serve_in_thread):
     model, tokenizer = load_model(BUNDLED_ID)
     app = served.create_app(TransformersRuntime(model, tokenizer), model_name=BUNDLED_ID)
     with serve_in_thread(app) as root:
@@ -50,7 +49,7 @@ def test_benchmark_endpoint_rows_and_summary(server):
     assert (requests["completion_tokens"] == 6).all()  # ignore_eos: fixed-length answers
     assert requests["itl_ms"].map(len).eq(5).all()
     assert (requests["ttft_ms"] > 0).all() and (requests["itl_ms_p90"] >= requests["itl_ms_p50"]).all()
-    summary = client_bench.summarize(requests)
+    summary = endpoint_bench.summarize(requests)
     assert list(summary.columns) == ["concurrency", "requests", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50",
                                      "itl_ms_p90", "tok_s_per_request", "tok_s_total"]
     assert list(summary["requests"]) == [2, 2] and (summary["tok_s_total"] > 0).all()
@@ -65,7 +64,7 @@ def test_benchmark_endpoint_rows_and_summary(server):
 def test_measure_endpoint_and_its_metrics(server):
     requests = endpoint_bench.measure_endpoint(server, concurrency=(1, 2), requests_per_level=2, max_tokens=4)
     metrics, rows = endpoint_bench.endpoint_metrics(requests, endpoint=server)
-    summary = client_bench.summarize(requests).set_index("concurrency")
+    summary = endpoint_bench.summarize(requests).set_index("concurrency")
     assert metrics["by_concurrency"][2]["tok_s_total"] == summary.loc[2, "tok_s_total"]
     assert metrics["ttft_growth_x"] == summary.loc[2, "ttft_ms_p50"] / summary.loc[1, "ttft_ms_p50"]
     assert [r.get("claim") for r in rows] == [None, None, "decode_tok_s", None]

@@ -110,13 +110,12 @@ def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
                                   "routed_graphs": {"decode": "decode_sparse"}}) == "decode_sparse"
 
 
-def test_server_answers_from_the_artifact_alone(moved_artifact, monkeypatch):
+def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact, monkeypatch):
     import openai
 
     from gemma_nb.endpoint_bench import wait_until_healthy
     from gemma_nb.serving.app import create_app
     from gemma_nb.serving.runtimes import load_neuron_runtime
-    from gemma_nb.serving.serve import serve_in_thread
 
     folder, _ = moved_artifact
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)

@@ -40,9 +40,9 @@ def new_runtime(tiny) -> R.TransformersRuntime:
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def server(serve_in_thread, tiny):
     app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=8)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         yield root
 
@@ -251,13 +251,13 @@ def test_metrics_count_requests_and_tokens(client, server):
 
 
 @pytest.fixture
-def slow_server(tiny):
+def slow_server(serve_in_thread, tiny):
     """A server whose device takes 50 ms per token, with a chosen queue size."""
     servers = []
 
     def start(queue_size: int, **options) -> str:
         app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=queue_size, step_delay_s=0.05, **options)
-        context = serve.serve_in_thread(app)
+        context = serve_in_thread(app)
         root = context.__enter__()
         servers.append(context)
         wait_until_healthy(root + "/v1", timeout_s=60)
@@ -306,7 +306,7 @@ def test_client_that_disconnects_frees_its_slot(slow_server):
     assert metric(root, "gemma_nb_generated_tokens_total") < 20  # 200 had the client stayed
 
 
-def test_health_says_loading_until_the_model_is_warm(tiny):
+def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
     release = threading.Event()
 
     def load():
@@ -314,7 +314,7 @@ def test_health_says_loading_until_the_model_is_warm(tiny):
         return new_runtime(tiny)
 
     app = served.create_app(load, model_name=BUNDLED_ID)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         health = httpx.get(root + "/health")
         assert health.status_code == 503 and health.json() == {"status": "loading"}
         early = httpx.post(root + "/v1/chat/completions", json={"messages": FRANCE})
@@ -437,19 +437,19 @@ def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, s
         httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=httpx.Timeout(5, read=0.5))
 
 
-def test_metrics_are_open_on_loopback_unless_the_key_is_required(tiny):
+def test_metrics_are_open_on_loopback_unless_the_key_is_required(serve_in_thread, tiny):
     key = "k" * 24
     for need_key, status in ((False, 200), (True, 401)):
         app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, api_key=key, metrics_need_key=need_key)
-        with serve.serve_in_thread(app) as root:
+        with serve_in_thread(app) as root:
             assert httpx.get(root + "/metrics").status_code == status
             assert httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
             assert httpx.get(root + "/v1/models").status_code == 401
 
 
-def test_openapi_documents_bodies_errors_and_the_key(tiny):
+def test_openapi_documents_bodies_errors_and_the_key(serve_in_thread, tiny):
     app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, api_key="k" * 24)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         document = httpx.get(root + "/openapi.json").json()
     chat, schemas = document["paths"]["/v1/chat/completions"]["post"], document["components"]["schemas"]

@@ -80,10 +80,10 @@ def runtime():
 
 
 @pytest.fixture(scope="module")
-def server(runtime):
+def server(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=2, body_timeout_s=0.5,
                             allowed_hosts=[*served.LOOPBACK_HOSTS, "gemma.internal"])
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         yield root
 
@@ -330,9 +330,9 @@ def test_5_host_allow_list(server):
     assert metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400") == before + 4
 
 
-def test_5_bearer_scheme_is_case_insensitive(runtime):
+def test_5_bearer_scheme_is_case_insensitive(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID, api_key="k" * 24)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         for scheme in ("Bearer", "bearer", "BEARER"):
             assert httpx.get(root + "/v1/models", headers={"Authorization": f"{scheme} {'k' * 24}"}).status_code == 200
@@ -353,9 +353,9 @@ def test_5_a_slow_body_gets_408(server):
     assert 0.4 < waited < 5
 
 
-def test_5_slot_watchdog_counts_overdue_slots(runtime):
+def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05, slot_watchdog_s=0.2)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         assert metric(root, "gemma_nb_slots_overdue") == 0
         ask = {"messages": FRANCE, "max_tokens": 40, "ignore_eos": True, "stream": True}
@@ -458,9 +458,9 @@ def test_content_length_with_transfer_encoding_is_refused(server):
     assert answer.count(b"HTTP/1.1") == 1
 
 
-def test_uvicorn_refusals_are_counted(runtime):
+def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID)
-    with serve.serve_in_thread(app, limit_concurrency=3) as root:
+    with serve_in_thread(app, limit_concurrency=3) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")  # uvicorn's own, plain text
         host, port = root.removeprefix("http://").split(":")
@@ -475,10 +475,10 @@ def test_uvicorn_refusals_are_counted(runtime):
         assert metric(root, "gemma_nb_http_refused_total", reason="concurrency_limit") == 1
 
 
-def test_a_pipelined_long_request_keeps_its_response(runtime):
+def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, runtime):
     """No timer of the server's (keep-alive here, 1 s) cuts a request that has arrived and is running."""
     app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05)
-    with serve.serve_in_thread(app, keep_alive_timeout_s=1) as root:
+    with serve_in_thread(app, keep_alive_timeout_s=1) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         body = json.dumps({"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": True}).encode()
         two = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -487,10 +487,10 @@ def test_a_pipelined_long_request_keeps_its_response(runtime):
     assert answer.count(b"HTTP/1.1 200") == 2 and b'"tokens":40' in answer, answer[-300:]
 
 
-def test_admission_comes_before_the_body_is_parsed_or_tokenized(runtime):
+def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread, runtime):
     """With the queue full, 3.9 MB bodies under the limit get 429 without being parsed or tokenized."""
     app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=1, step_delay_s=0.05)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         long = {"prompt": "The capital of France is", "max_tokens": 60, "ignore_eos": True}
         holder = threading.Thread(target=lambda: post(root, "/v1/completions", long), daemon=True)

@@ -14,7 +14,6 @@ import torch
 from gemma_nb.endpoint_bench import wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
-from gemma_nb.serving import serve
 from gemma_nb.serving.runtimes import TransformersRuntime
 from gemma_nb.tiny import BUNDLED_ID
 
@@ -22,12 +21,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "schemathesis-" + "k" * 16
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation():
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thread):
     torch.manual_seed(0)
     # Answers of at most 4 tokens keep each generated request cheap; the limits are otherwise the defaults.
     app = served.create_app(TransformersRuntime(*load_model(BUNDLED_ID)), model_name=BUNDLED_ID, api_key=KEY,
                             max_tokens=4, max_tokens_cap=4, allowed_hosts=served.LOOPBACK_HOSTS)
-    with serve.serve_in_thread(app) as root:
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{root}/openapi.json", "--checks", "all",

@@ -41,10 +41,9 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 ENDPOINTS = (*GENERATION_PATHS, "/v1/models", "/health", "/metrics")
 RETRY_AFTER_S, CPU_WORKERS, WAIT_POLL_S = 1, 2, 0.1
 CLOSE = {"Connection": "close"}
-ERRORS = {status: {"model": schema.ErrorBody, "description": why} for status, why in (
-    (400, "invalid request (error.param names the field)"), (401, "missing or wrong API key"),
-    (404, "model not served here"), (408, "body too slow"), (413, "body too large"), (415, "body not JSON"),
-    (429, "queue full; see Retry-After"), (503, "model loading, or it failed to load"))}
+ERRORS = {status: {"model": schema.ErrorBody, "description": why} for status, why in ((400, "invalid (error.param names the field)"),
+          (401, "no or wrong API key"), (404, "model not served here"), (408, "body too slow"), (413, "body too large"),
+          (415, "body not JSON"), (429, "queue full; see Retry-After"), (503, "model loading, or it failed to load"))}
 STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}}},
     "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]"}}
@@ -58,15 +57,13 @@ class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("gemma_nb_requests", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r)
-        self.refused = Counter("gemma_nb_http_refused", "requests uvicorn refused before the app: malformed HTTP "
-                               "(400) or over --limit-concurrency (503)", ["reason"], registry=r)
+        self.refused = Counter("gemma_nb_http_refused", "refused by uvicorn: malformed (400), over --limit-concurrency (503)", ["reason"], registry=r)
         self.prompt_tokens = Counter("gemma_nb_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("gemma_nb_generated_tokens", "tokens generated (sampled)", registry=r)
         self.disconnects = Counter("gemma_nb_client_disconnects", "requests given up because the client left", registry=r)
-        self.ttft = Histogram("gemma_nb_time_to_first_token_seconds", "request arrival to first token",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
-        self.itl = Histogram("gemma_nb_time_per_output_token_seconds", "time between consecutive tokens",
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        seconds = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("gemma_nb_time_to_first_token_seconds", "request arrival to first token", buckets=seconds, registry=r)
+        self.itl = Histogram("gemma_nb_time_per_output_token_seconds", "time between consecutive tokens", buckets=seconds, registry=r)
         self.queue_depth = Gauge("gemma_nb_queue_depth", "requests admitted and not finished (the generating one included)", registry=r)
         self.queue_capacity = Gauge("gemma_nb_queue_capacity", "most requests admitted at once (--queue-size)", registry=r)
         self.slots_overdue = Gauge("gemma_nb_slots_overdue", "queue slots held longer than --slot-watchdog-s: a hung request", registry=r)
@@ -166,8 +163,8 @@ class Engine:
     def ready(self, model: str | None) -> Runtime:
         loading = self.status == "loading"
         if model is not None and model not in self.names:
-            raise APIError(404, f"model {schema.excerpt(model)} is not served here; this server serves "
-                           f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(404, f"model {schema.excerpt(model)} is not served here; it serves {self.model_name!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
         if self.status != "ok":
             raise APIError(503, "the model is still loading; retry when GET /health says ok" if loading else
                            f"the model failed to load ({self.error}); see the server log", "service_unavailable",
@@ -183,10 +180,8 @@ class Engine:
         if count == 0:
             raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")
         if count >= context or (longest is not None and count > longest):
-            where = f"the context holds {context} (prompt + answer)" if count >= context else \
-                f"the deployed prefill takes at most {longest} (compile a larger prefill bucket)"
-            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten the prompt", param=param,
-                           code="context_length_exceeded")
+            where = f"the context holds {context}" if count >= context else f"the deployed prefill takes at most {longest}"
+            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten it", param=param, code="context_length_exceeded")
         if max_tokens is not None and count + max_tokens > context:
             raise APIError(400, f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
                            f"exceed the context of {context}; lower max_tokens", param="max_tokens", code="context_length_exceeded")
@@ -215,9 +210,7 @@ class Engine:
         def chunk(text: str, reason: str | None, role: bool = False) -> str:
             content = {"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat else {"text": text}
             payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
-            if usage.include_usage:
-                payload["usage"] = _usage(generation) if usage.continuous_usage_stats else None
-            return _sse(payload)
+            return _sse({**payload, "usage": _usage(generation) if usage.continuous_usage_stats else None} if usage.include_usage else payload)
 
         async def events():
             try:
@@ -278,18 +271,17 @@ class Gate:
         head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         declared, engine = headers.get(b"content-length", b""), self.engine
         if head > MAX_HEAD_BYTES:  # h11 caps only a head that arrives in pieces
-            return error_response(431, f"the request head is {head:,} bytes; this server takes at most {MAX_HEAD_BYTES:,}",
-                                  code="head_too_large", headers=CLOSE)
+            return error_response(431, f"the request head is {head:,} bytes; at most {MAX_HEAD_BYTES:,}", code="head_too_large", headers=CLOSE)
         if declared and b"transfer-encoding" in headers:
-            return error_response(400, "the request has both Content-Length and Transfer-Encoding, so its body's length "
-                                  "is ambiguous; send one of them", code="ambiguous_length", headers=CLOSE)
+            return error_response(400, "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send one",
+                                  code="ambiguous_length", headers=CLOSE)
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return error_response(413, f"the request body is {int(declared):,} bytes; this server takes at most "
-                                  f"{self.max_body_bytes:,} (--max-body-bytes)", code="body_too_large", headers=CLOSE)
+            return error_response(413, f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} (--max-body-bytes)",
+                                  code="body_too_large", headers=CLOSE)
         if queued and len(engine.slots) >= engine.queue_size:
-            return error_response(429, f"the server is busy: {len(engine.slots)} requests are queued or running (queue "
-                                  f"size {engine.queue_size}); retry after {RETRY_AFTER_S} s", "rate_limit_error",
-                                  code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size "
+                                  f"{engine.queue_size}); retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
         return None
 
     def _bounded(self, receive):

@@ -53,7 +53,7 @@ def served_model(url: str, api_key: str | None = None, timeout_s: float = 10.0) 
         return None
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
@@ -81,7 +81,7 @@ def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None,
     if not times:
         raise EndpointError(f"{base_url(url)}/chat/completions streamed no text; is it an OpenAI-compatible server?")
     gaps, tokens, span = [1e3 * gap for gap in np.diff(times)], usage or len(times), times[-1] - times[0]
-    return {"ttft_ms": 1e3 * times[0], "itl_ms": gaps, "itl_ms_p50": _percentile(gaps, 50), "itl_ms_p90": _percentile(gaps, 90),
+    return {"ttft_ms": 1e3 * times[0], "itl_ms": gaps, "itl_ms_p50": percentile(gaps, 50), "itl_ms_p90": percentile(gaps, 90),
             "completion_tokens": tokens, "e2e_s": time.perf_counter() - started,
             "decode_tok_s": (tokens - 1) / span if span > 0 and tokens > 1 else float("nan"), "text": "".join(pieces),
             "finish_reason": finish}
@@ -94,7 +94,7 @@ def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFA
     """``requests_per_level`` streamed chat completions (at least one per client) at each concurrency level.
 
     One row per request: concurrency, request, ``stream_chat``'s timings, level_wall_s (the level's wall
-    time, for ``summarize``). ``model`` defaults to the first id of ``/v1/models``. Greedy (temperature 0).
+    time, for ``endpoint_bench.summarize``). ``model`` defaults to the first id of ``/v1/models``. Greedy (temperature 0).
     """
     levels = [int(c) for c in concurrency]
     if not levels or any(c < 1 for c in levels):
@@ -116,21 +116,4 @@ def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFA
             timings = list(pool.map(one, range(max(requests_per_level, level))))
         wall = time.perf_counter() - started
         rows += [{"concurrency": level, "request": index, **timing, "level_wall_s": wall} for index, timing in enumerate(timings)]
-    return pd.DataFrame(rows)
-
-
-def summarize(requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per concurrency level: TTFT and ITL percentiles, per-request and aggregate tok/s.
-
-    ``tok_s_per_request`` is the median decode rate one client sees; ``tok_s_total`` every token of the
-    level over its wall time. One generation at a time keeps ``tok_s_total`` flat while TTFT grows with
-    the queue; a batching server raises ``tok_s_total`` instead.
-    """
-    rows = []
-    for level, group in requests.groupby("concurrency", sort=True):
-        gaps = [g for gaps in group["itl_ms"] for g in gaps]
-        rows.append({"concurrency": int(level), "requests": len(group), "ttft_ms_p50": _percentile(group["ttft_ms"], 50),
-                     "ttft_ms_p90": _percentile(group["ttft_ms"], 90), "itl_ms_p50": _percentile(gaps, 50),
-                     "itl_ms_p90": _percentile(gaps, 90), "tok_s_per_request": float(group["decode_tok_s"].median()),
-                     "tok_s_total": float(group["completion_tokens"].sum() / group["level_wall_s"].iloc[0])})
     return pd.DataFrame(rows)

@@ -1,5 +1,5 @@
 """The model behind the server, one ``generation.Runtime`` per way of running it: ``DeployRuntime``, the
-slim deploy of notebook 05 (host embedding, int8-squeezed exported steps; the cpu default);
+slim deploy of notebook 05 (host embedding, int8-squeezed exported steps, from notebook 04's artifact);
 ``TransformersRuntime``, any transformers causal LM (starts in seconds; the cuda default);
 ``NeuronDeployRuntime``, the port's NxD deploy on an inf2 (written against its cpu-tested graph
 interface, NOT RUN here on Inferentia2).
@@ -7,29 +7,21 @@ interface, NOT RUN here on Inferentia2).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Sequence
 
 import torch
 
 from gemma_nb import export
 from gemma_nb.embedding import HostEmbedding
-from gemma_nb.experts import Int8Experts
 from gemma_nb.modelio import hf_token, load_model, model_skeleton, resolve_model_id
 from gemma_nb.neuron.build import host_logits, step_inputs
 from gemma_nb.neuron.deploy import slim_deploy
-from gemma_nb.quant import apply_scheme
 from gemma_nb.targets import check_target, torch_device
 from gemma_nb.tiny import BUNDLED_ID
 
 RUNTIMES = ("auto", "deploy", "transformers")
-DEFAULT_PREFILL_LEN = 128  # the port's shipped build: prefill bucket 128, KV cache 512
-SQUEEZE = "int8_squeeze"  # the port's scheme (gemma_nb.quant): int8 experts, shared MLP and lm_head
 
 log = logging.getLogger("gemma_nb.serve")
 
@@ -134,11 +126,10 @@ class NeuronDeployRuntime(_Stepped):
 
 
 def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
-                 runtime: str = "auto", artifact: str | None = None, prefill_len: int = DEFAULT_PREFILL_LEN,
-                 dtype: torch.dtype = torch.float32):
-    """Load ``model_id`` for ``target``: ``"deploy"`` serves the compiled ``artifact`` folder (or compiles
-    ``model_id`` into a temporary one first, ~30 s for the tiny checkpoint), ``"transformers"`` the model
-    as transformers loads it; ``"auto"`` is deploy on cpu, transformers on cuda; neuron needs ``artifact``."""
+                 runtime: str = "auto", artifact: str | None = None, dtype: torch.dtype = torch.float32):
+    """Load ``model_id`` for ``target``: ``"deploy"`` serves the slim deploy of a compiled ``artifact`` folder
+    (notebook 04 writes ``artifacts/04_tiny``), ``"transformers"`` the model as transformers loads it; ``"auto"``
+    is deploy when an artifact is given on cpu, else transformers. Neuron serves its NxD ``artifact``."""
     check_target(target)
     model_id = model_id or BUNDLED_ID
     if runtime not in RUNTIMES:
@@ -148,17 +139,12 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
             raise ValueError("the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
                              "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too")
         return load_neuron_runtime(artifact, max_context)
-    if runtime == "auto":
-        runtime = "deploy" if target == "cpu" else "transformers"
-    if runtime == "transformers":
+    if runtime == "transformers" or (runtime == "auto" and (target != "cpu" or artifact is None)):
         model, tokenizer = load_model(model_id, dtype=dtype, device=torch_device(target))
         return TransformersRuntime(model, tokenizer, max_context)
-    if target != "cpu":
-        raise ValueError(f"runtime 'deploy' runs the cpu artifact of gemma_nb.export; on {target} use --runtime transformers")
-    if artifact is None:
-        artifact = tempfile.mkdtemp(prefix="gemma-nb-serve-")
-        atexit.register(shutil.rmtree, artifact, ignore_errors=True)
-        compile_for_serving(model_id, artifact, max_context, prefill_len)
+    if target != "cpu" or artifact is None:
+        raise ValueError("runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
+                         f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})")
     return DeployRuntime(slim_runner(artifact), *_tokenizer_and_eos(model_id), max_context=max_context)
 
 
@@ -167,18 +153,6 @@ def load_neuron_runtime(artifact: str, max_context: int | None = None) -> Neuron
     runner, figures = slim_deploy(artifact)
     log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
     return NeuronDeployRuntime(runner, *_tokenizer_and_eos(artifact), max_context=max_context)
-
-
-def compile_for_serving(model_id: str, folder: str, max_context: int | None, prefill_len: int) -> None:
-    """The deploy's artifact for ``model_id`` (notebooks 04/05): full model on the host, int8 squeeze, export."""
-    started, (model, _) = time.perf_counter(), load_model(model_id)
-    cache_len = _context_limit(max_context, getattr(model.config, "max_position_embeddings", None))
-    apply_scheme(model, SQUEEZE, measure_error=False)
-    for layer in model.model.layers:  # the squeeze's int8 tensors as experts torch.export traces
-        layer.experts = Int8Experts.from_quantized(layer.experts)
-    export.compile_model(model, folder, export.StepShapes(max_cache_len=cache_len, prefill_len=min(prefill_len, cache_len)),
-                         scheme=SQUEEZE)
-    log.info("compiled %s for the slim deploy in %.1f s", model_id, time.perf_counter() - started)
 
 
 def slim_runner(folder: str) -> export.StepRunner:

@@ -1,7 +1,7 @@
 """``python -m gemma_nb serve``: the command, and uvicorn with its own limits for the connections.
 
 Exit status: 2 for bad arguments, 1 if the model fails to load (the server stops at once), 0 after
-Ctrl-C or SIGTERM. ``serve_in_thread(app)`` runs an app the same way on a thread (tests).
+Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ import contextlib
 import ipaddress
 import logging
 import os
-import socket
 import sys
-import threading
-import time
 
 import torch
 import uvicorn
 
 from gemma_nb.serving import app as served
-from gemma_nb.serving.runtimes import DEFAULT_PREFILL_LEN, RUNTIMES, load_runtime
+from gemma_nb.serving.runtimes import RUNTIMES, load_runtime
 from gemma_nb.targets import TargetError, check_target
 from gemma_nb.tiny import BUNDLED_ID
 
@@ -40,11 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default=None, help="the name /v1/models lists (default: --model-id)")
     add("--host", default=DEFAULT_HOST, help="interface to bind (default %(default)s: loopback; see the README's proxy)")
     add("--port", type=int, default=DEFAULT_PORT, help="default %(default)s, as the port's container")
-    add("--runtime", choices=RUNTIMES, default="auto", help="deploy: notebook 05's slim deploy; transformers: the "
-        "model as transformers loads it (default auto: deploy on cpu, transformers on cuda)")
-    add("--artifact", default=None, help="compiled artifact folder: gemma_nb.export's for the cpu deploy (else compiled "
-        "at start-up), gemma_nb.neuron.build's on neuron (required; it holds the tokenizer)")
-    add("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN, help="prefill bucket when compiling at start-up")
+    add("--runtime", choices=RUNTIMES, default="auto", help="deploy: notebook 05's slim deploy of --artifact; transformers: "
+        "the model as transformers loads it (default auto: deploy if --artifact is given on cpu, else transformers)")
+    add("--artifact", default=None, help="compiled artifact folder: gemma_nb.export's for the cpu deploy (notebook 04 "
+        "writes outputs/cpu/artifacts/04_tiny), gemma_nb.neuron.build's on neuron (required; it holds the tokenizer)")
     add("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype for --runtime transformers")
     add("--max-context", type=int, default=None, help="context in tokens, prompt + answer (default: the model's)")
     add("--queue-size", type=int, default=served.DEFAULT_QUEUE_SIZE, help="requests admitted at once, the generating "
@@ -116,29 +112,6 @@ def counting_refusals(metrics: served.ServerMetrics):
         logger.setLevel(level)
 
 
-@contextlib.contextmanager
-def serve_in_thread(app, host: str = DEFAULT_HOST, port: int = 0, **config):
-    """Serve ``app`` on a thread; yields ``http://host:port`` once uvicorn listens (poll ``/health`` for the
-    model). ``port=0`` picks a free port; ``config``: ``uvicorn_config``'s limits."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn_config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn")
-    with counting_refusals(app.state.metrics):
-        thread.start()
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]}")
-            time.sleep(0.02)
-        try:
-            yield f"http://{host}:{sock.getsockname()[1]}"
-        finally:
-            server.should_exit = True
-            thread.join(timeout=10)
-            sock.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m gemma_nb serve``; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -160,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load():
         return load_runtime(args.target, args.model_id, max_context=args.max_context, runtime=args.runtime,
-                            artifact=args.artifact, prefill_len=args.prefill_len, dtype=getattr(torch, args.dtype))
+                            artifact=args.artifact, dtype=getattr(torch, args.dtype))
 
     app = served.create_app(
         load, model_name=args.served_model_name or args.model_id, queue_size=args.queue_size, api_key=api_key,
