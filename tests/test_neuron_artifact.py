@@ -114,12 +114,13 @@ def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact,
     import openai
 
     from gemma_nb.endpoint_bench import wait_until_healthy
+    from gemma_nb.serving import runtimes
     from gemma_nb.serving.app import create_app
-    from gemma_nb.serving.runtimes import load_neuron_runtime
 
     folder, _ = moved_artifact
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
-    runtime = load_neuron_runtime(str(folder))
+    monkeypatch.setattr(runtimes, "check_target", lambda target: target)  # the SDK is stood in for
+    runtime = runtimes.load_runtime("neuron", artifact=str(folder))
     app = create_app(runtime, model_name="tiny-on-inf2", queue_size=2)
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)

@@ -1,7 +1,6 @@
-"""Serving the deployed model: ``python -m gemma_nb serve`` and a client benchmark of any such server.
+"""Serving the deployed model (``python -m gemma_nb serve``) and benchmarking any such server.
 
-``generation`` (one generation over a ``Runtime``: sampling, stop strings), ``runtimes`` (the slim
-deploy, transformers, the neuron deploy), ``schema`` (request and response bodies, errors), ``app``
-(``create_app``: admission, the queue, the routes), ``serve`` (the command, uvicorn's limits,
-``serve_in_thread``), ``client_bench`` (TTFT, ITL and tok/s of any OpenAI-compatible endpoint).
+``runtimes`` (slim deploy, transformers, neuron; one generation: sampling, stop strings), ``schema``
+(bodies, errors), ``app`` (admission, queue, routes), ``serve`` (the command, uvicorn's limits),
+``client_bench`` (TTFT, ITL and tok/s of any OpenAI-compatible endpoint).
 """

@@ -1,12 +1,11 @@
-"""The app of ``python -m gemma_nb serve``: ``create_app(load, model_name=...)`` over a ``Runtime``.
+"""``create_app(load, model_name=...)``: the app of ``python -m gemma_nb serve`` over a ``Runtime``.
 
-A request meets, in order, each refusing before the next costs anything: ``Gate``, the one ASGI
-middleware (a head over 16 KiB: 431; Content-Length with Transfer-Encoding: 400; a body declared
-over the limit: 413; a full queue: 429, all before the body is read; then the body bounded in size
-and time as it arrives: 413, 408); Starlette's ``TrustedHostMiddleware``; FastAPI parsing the body
-into the route's pydantic model (``schema``) and ``HTTPBearer`` checking the key; tokenizing on a
-CPU pool; then ``Engine.steps``, in line (FIFO) for the one device thread. A client that leaves,
-while waiting or between tokens, frees its place at once. ``Gate`` counts every response.
+A request meets, each refusing before the next costs anything: ``Gate``, the one ASGI middleware (a
+head over 16 KiB: 431, Content-Length with Transfer-Encoding: 400, a declared body over the limit: 413,
+a full queue: 429, before the body is read; then the body bounded in size and time: 413, 408);
+Starlette's ``TrustedHostMiddleware``; FastAPI's parsing into the route's model (``schema``) and
+``HTTPBearer``; tokenizing on a CPU pool; ``Engine.steps``, in line (FIFO) for the one device thread.
+A client that leaves, while waiting or between tokens, frees its place at once.
 """
 
 import asyncio
@@ -28,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gemma_nb.serving import schema
-from gemma_nb.serving.generation import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
+from gemma_nb.serving.runtimes import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
 from gemma_nb.serving.schema import APIError, error_response
 
 API_KEY_ENV = "GEMMA_NB_API_KEY"
@@ -72,16 +71,14 @@ class ServerMetrics:
 
 
 class Engine:
-    """The served model: its runtime, one device thread, a CPU pool, the queue slots and the turn at the device
-    (FIFO); and what every generation route checks and builds before it runs."""
+    """The served model: its runtime, a device thread, a CPU pool, the queue slots, the turn at the device."""
 
     def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
                  step_delay_s: float, slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
         if queue_size < 1:
             raise ValueError(f"queue_size={queue_size} must be at least 1 (the generating request counts)")
-        self._load, self.metrics, self.queue_size, self.step_delay_s = load, ServerMetrics(), queue_size, step_delay_s
+        self._load, self.metrics, self.queue_size, self.step_delay_s = load, (metrics := ServerMetrics()), queue_size, step_delay_s
         self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
-        metrics = self.metrics
         self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
         self._cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
@@ -91,9 +88,6 @@ class Engine:
         metrics.queue_capacity.set(queue_size)
         metrics.slots_overdue.set_function(lambda: sum(age > slot_watchdog_s for age in ages()))
         metrics.oldest_slot.set_function(lambda: max(ages(), default=0.0))
-
-    def start(self) -> None:
-        self._device.submit(self._load_and_warm_up)  # /health says 'loading' until it is done
 
     def _load_and_warm_up(self) -> None:
         started = time.perf_counter()
@@ -111,10 +105,6 @@ class Engine:
             log.exception("model failed to load")
             if self._on_load_failure is not None:
                 self._on_load_failure(self.error)
-
-    def shutdown(self) -> None:
-        for pool in (self._device, self._cpu):
-            pool.shutdown(wait=False, cancel_futures=True)
 
     async def on_cpu(self, fn: Callable, *args):  # tokenizing stays off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -171,9 +161,6 @@ class Engine:
                            code="model_loading" if loading else "model_load_failed", headers={"Retry-After": str(RETRY_AFTER_S)})
         return self.runtime
 
-    async def tokens(self, runtime: Runtime, text: str) -> list[int]:
-        return list((await self.on_cpu(runtime.tokenizer, text))["input_ids"])
-
     def generation(self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options) -> Generation:
         """The request's ``Generation``, after checking the prompt and ``max_tokens`` against the context."""
         context, count, longest = runtime.max_context, len(ids), getattr(runtime, "max_prompt_tokens", None)
@@ -191,26 +178,22 @@ class Engine:
                                 ignore_eos=body.ignore_eos)
         return Generation(runtime, ids, params, step_delay_s=self.step_delay_s, **options)
 
-    async def finish(self, request: Request, generation: Generation, arrival: float) -> None:
-        async with contextlib.aclosing(self.steps(request, generation, arrival)) as steps:
-            async for _ in steps:
-                pass
-
     async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
-        """The OpenAI answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
+        """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
         base, usage = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                        "model": self.model_name}, body.stream_options or schema.StreamOptions()
         if not body.stream:
-            await self.finish(request, generation, arrival)
+            async for _ in self.steps(request, generation, arrival):  # run out, it closes itself
+                pass
             key, value = ("message", {"role": "assistant", "content": generation.text}) if chat else ("text", generation.text)
-            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": _usage(generation),
+            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": generation.usage(),
                     "choices": [{"index": 0, key: value, "logprobs": None, "finish_reason": generation.finish_reason}]}
         base["object"] = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str, reason: str | None, role: bool = False) -> str:
             content = {"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat else {"text": text}
             payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
-            return _sse({**payload, "usage": _usage(generation) if usage.continuous_usage_stats else None} if usage.include_usage else payload)
+            return _sse({**payload, "usage": generation.usage() if usage.continuous_usage_stats else None} if usage.include_usage else payload)
 
         async def events():
             try:
@@ -220,12 +203,11 @@ class Engine:
                     async for step in steps:
                         yield chunk(step.text, step.finish_reason)  # one chunk per token, even without text
                 if generation.finish_reason is not None:
-                    yield _sse({**base, "choices": [], "usage": _usage(generation)}) if usage.include_usage else ""
+                    yield _sse({**base, "choices": [], "usage": generation.usage()}) if usage.include_usage else ""
                     yield "data: [DONE]\n\n"
             except Exception as error:  # the stream has started: report in-band, then end it
                 log.exception("generation failed")
-                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log",
-                                      "type": "server_error", "param": None, "code": None}})
+                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log", "type": "server_error"}})
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -279,9 +261,8 @@ class Gate:
             return error_response(413, f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} (--max-body-bytes)",
                                   code="body_too_large", headers=CLOSE)
         if queued and len(engine.slots) >= engine.queue_size:
-            return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size "
-                                  f"{engine.queue_size}); retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+            return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
+                                  f" retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         return None
 
     def _bounded(self, receive):
@@ -305,11 +286,6 @@ class Gate:
         return bounded
 
 
-def _usage(generation: Generation) -> dict:
-    prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -330,12 +306,10 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
                step_delay_s: float = 0.0, on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
-    """The app serving the runtime ``load()`` returns (or a loaded one), as ``model_name`` (or ``aliases``).
-
-    ``api_key`` (None: open) guards every route but ``/health``, and ``/metrics`` with ``metrics_need_key``;
-    ``allowed_hosts`` (None: any) are the Host names answered; ``on_load_failure(error)`` is called if the
-    model fails to load; ``step_delay_s`` slows every token (tests, demos).
-    """
+    """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``). ``api_key``
+    (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts`` (None:
+    any) are the Host names answered; ``on_load_failure(error)`` is called if the load fails; ``step_delay_s``
+    slows every token (tests, demos)."""
     if not 1 <= max_tokens <= max_tokens_cap:
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and max_tokens_cap={max_tokens_cap}")
     engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
@@ -343,9 +317,10 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        engine.start()
+        engine._device.submit(engine._load_and_warm_up)  # /health says 'loading' until it is done
         yield
-        engine.shutdown()
+        for pool in (engine._device, engine._cpu):
+            pool.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
                   strict_content_type=False)  # a body without Content-Type is read as JSON
     app.state.engine, app.state.metrics = engine, engine.metrics
@@ -356,20 +331,17 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
               for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
     fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
 
-    async def api_error(_request, error: APIError):
-        return error.response()
+    async def http_error(_request, error: HTTPException):  # APIError's, and Starlette's own (404, 405) as OpenAI's errors
+        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
+        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
+                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
+                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
 
     async def invalid(request: Request, error: RequestValidationError):
-        return schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)).response()
+        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
 
-    async def http_error(_request, error: HTTPException):
-        status = error.status_code
-        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}.get(status)
-        return error_response(status, str(error.detail), "not_found_error" if status == 404 else "invalid_request_error",
-                              code=code, headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
-
-    for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error)):
-        app.add_exception_handler(kind, handler)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
 
     def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
         if engine.status != "ok":
@@ -396,8 +368,7 @@ def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: li
 
     @app.get("/v1/models", response_model=schema.ModelList, dependencies=keyed, responses={401: ERRORS[401]})
     async def list_models():
-        card = {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}]}
 
     @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def chat_completions(body: Chat, request: Request):
@@ -414,10 +385,9 @@ def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: li
 
     @app.post("/v1/completions", response_model=schema.Completion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def completions(body: Completions, request: Request):
-        arrival, runtime, prompt = time.perf_counter(), engine.ready(body.model), body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        ids = await engine.tokens(runtime, prompt) if isinstance(prompt, str) else prompt
+        arrival, runtime = time.perf_counter(), engine.ready(body.model)
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        ids = list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"]) if isinstance(prompt, str) else prompt
         if (bad := next((i for i, t in enumerate(ids) if t >= engine.vocab_size), None)) is not None:
             raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 to {engine.vocab_size - 1})",
                            param=f"prompt.{bad}", code="invalid_value")
@@ -427,9 +397,11 @@ def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: li
     @app.post("/generate", response_model=schema.Generated, responses=ERRORS, dependencies=keyed)
     async def generate(body: Generate, request: Request):
         runtime = engine.ready(body.model)
-        generation = engine.generation(body, runtime, await engine.tokens(runtime, body.prompt), body.max_tokens, "prompt")
+        ids = list((await engine.on_cpu(runtime.tokenizer, body.prompt))["input_ids"])
+        generation = engine.generation(body, runtime, ids, body.max_tokens, "prompt")
         started = time.perf_counter()
-        await engine.finish(request, generation, started)
+        async for _ in engine.steps(request, generation, started):
+            pass
         seconds = time.perf_counter() - started
         return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
                 "prompt_tokens": len(generation.prompt_ids), "finish_reason": generation.finish_reason,

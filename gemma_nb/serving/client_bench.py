@@ -1,12 +1,9 @@
-"""Benchmark any OpenAI-compatible endpoint from the client side, with the ``openai`` client (notebook 07).
+"""Benchmark any OpenAI-compatible endpoint from the client side with the ``openai`` client (notebook 07).
 
-``benchmark_endpoint(url)`` streams greedy chat completions at a few concurrency levels and times
-what a user sees: time to first token (TTFT), the gaps between tokens (ITL), tokens per second; of
-this project's server, the port's container on inf2 (``http://<instance>:8080/v1``) or vLLM. A
-streamed chunk carrying ``content`` is one token (the role chunk excepted), as this server and vLLM
-send them; ``usage.completion_tokens`` replaces the count when the server reports it. Requests ask
-for ``ignore_eos`` (vLLM's field, and this server's) so every answer has ``max_tokens`` tokens. The
-API key comes from ``GEMMA_NB_API_KEY`` or ``OPENAI_API_KEY`` in the environment, never a parameter.
+``benchmark_endpoint(url)`` streams greedy chat completions at a few concurrency levels and times what
+a user sees (TTFT, the gaps between tokens, tok/s): of this server, the port's container on inf2 or vLLM.
+A chunk with ``content`` is a token (``usage`` corrects the count); ``ignore_eos`` (vLLM's field) fixes the
+length. The API key comes from ``GEMMA_NB_API_KEY`` or ``OPENAI_API_KEY`` in the environment.
 """
 
 from __future__ import annotations
@@ -91,11 +88,8 @@ def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFA
                        concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests_per_level: int = 4,
                        max_tokens: int = 32, ignore_eos: bool = True, warmup: bool = True,
                        api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
-    """``requests_per_level`` streamed chat completions (at least one per client) at each concurrency level.
-
-    One row per request: concurrency, request, ``stream_chat``'s timings, level_wall_s (the level's wall
-    time, for ``endpoint_bench.summarize``). ``model`` defaults to the first id of ``/v1/models``. Greedy (temperature 0).
-    """
+    """``requests_per_level`` greedy streamed chats (one per client at least) at each level, one row each: concurrency,
+    request, ``stream_chat``'s timings, level_wall_s (the level's wall time). ``model``: the first of ``/v1/models``."""
     levels = [int(c) for c in concurrency]
     if not levels or any(c < 1 for c in levels):
         raise ValueError(f"concurrency={list(concurrency)!r}; expected positive integers such as (1, 2, 4)")

@@ -1,9 +1,8 @@
-"""What the server accepts and answers: pydantic bodies (so ``/openapi.json`` documents them), and errors.
+"""What the server accepts and answers: pydantic bodies (``/openapi.json`` documents them), and errors.
 
-Requests are strict (``true`` is not a number, ``"10"`` not an integer); an unknown field is refused
-by name. OpenAI options not implemented here accept only the value that asks for nothing (``"n": 1``,
-``"tools": []``) and are refused by name otherwise. Errors are OpenAI's ``{"error": {message, type,
-param, code}}``, quoting at most a short excerpt of what was sent.
+Strict (``true`` is not a number, ``"10"`` not an integer), unknown fields refused by name; OpenAI options
+not implemented here take only the value that asks for nothing (``"n": 1``). Errors are OpenAI's
+``{"error": {message, type, param, code}}``, quoting at most a short excerpt of what was sent.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from starlette.exceptions import HTTPException
 
 EXCERPT_CHARS = 40
 TOKEN_ID_MAX = 2**31 - 1  # only ids a tokenizer could produce; the route checks them against the vocabulary
@@ -25,13 +25,13 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                         status_code=status, headers=headers)
 
 
-class APIError(Exception):
-    """An error answered as ``error_response(status, message, ...)``."""
+class APIError(HTTPException):
+    """An error answered as ``error_response(status, message, ...)``, by the app's handler of HTTPException."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.response = lambda: error_response(status, message, type_, param, code, headers)
+        super().__init__(status, message, headers)
+        self.type, self.param, self.code = type_, param, code
 
 
 def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
@@ -61,13 +61,12 @@ def _boolean(value):  # 0 is not false
     return value
 
 
-Text = Annotated[str, AfterValidator(_encodable)]
-NonEmpty = Annotated[Text, Field(min_length=1)]
-def Int(**limits) -> Any:  # noqa: N802 (a type)
-    """An integer within ``limits`` (``ge``, ``le``), documented as such."""
+def Int(**limits) -> Any:  # noqa: N802 (a type): an integer within ``limits`` (``ge``, ``le``), documented as such
     return Annotated[int, Field(**limits), BeforeValidator(_integral)]
 
 
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmpty = Annotated[Text, Field(min_length=1)]
 
 
 class _Strict(BaseModel):
@@ -129,8 +128,7 @@ class ChatRequest(_OpenAIRequest):
     max_completion_tokens: Int(ge=1) | None = Field(None, description="OpenAI's newer name of max_tokens")
 
 
-def _prompt(**token_id) -> Any:
-    """Text, token ids, or one text in a list."""
+def _prompt(**token_id) -> Any:  # text, token ids, or one text in a list
     token_ids = Annotated[list[Int(ge=0, le=TOKEN_ID_MAX, **token_id)], Field(min_length=1)]
     return NonEmpty | token_ids | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
 
@@ -145,8 +143,7 @@ class GenerateRequest(_Sampling):
 
 
 def served(model: type[BaseModel], cap: int, vocab_size: Callable[[], int | None]) -> type[BaseModel]:
-    """``model`` as one server takes it: ``max_tokens`` up to ``cap``; token ids documented up to the
-    vocabulary once the model has loaded (the route checks them)."""
+    """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids documented up to the vocabulary."""
     fields = {name: (Int(ge=1, le=cap) | None, Field(None, description=f"default: the server's --max-tokens; at most {cap}"))
               for name in ("max_tokens", "max_completion_tokens") if name in model.model_fields}
     if model is CompletionRequest:
@@ -187,15 +184,12 @@ def _param(loc: tuple) -> str | None:
 
 
 def validation_error(error: RequestValidationError, content_type: str | None, fields=()) -> APIError:
-    """The most specific problem in a request body, as a 400 naming the field (415 for a body not JSON).
-
-    Of a union's alternatives (a prompt as text or as token ids) the one that got furthest into
-    the value is the one the client meant: ``[-1]`` is a bad token id, not a bad string.
-    """
+    """The most specific problem in a body as a 400 naming the field (415: not JSON). Of a union's alternatives,
+    the one that got furthest into the value is what the client meant: ``[-1]`` is a bad token id, not a bad string."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
-        return APIError(415, f"Content-Type {excerpt(media)} is not supported; send the body as JSON with "
-                        "'Content-Type: application/json'", code="unsupported_media_type")
+        return APIError(415, f"Content-Type {excerpt(media)} is not supported; send JSON ('Content-Type: application/json')",
+                        code="unsupported_media_type")
     # A list too long or short says the most (a list of two prompts); max keeps the first of equals.
     first = max(error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"])))
     param, kind, loc = _param(first["loc"]), first["type"], first["loc"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -29,34 +30,27 @@ log = logging.getLogger("gemma_nb.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gemma_nb serve", description="OpenAI-compatible server for the deployed "
-                                f"model. An API key, if any, comes from {served.API_KEY_ENV} in the environment.")
+    p = argparse.ArgumentParser(prog="python -m gemma_nb serve", description=f"OpenAI-compatible server ({served.API_KEY_ENV}: the API key)")
     add = p.add_argument
     add("--target", default="cpu", help="cpu (default), neuron or cuda")
     add("--model-id", default=BUNDLED_ID, help="local folder or hub id (default: %(default)s)")
     add("--served-model-name", default=None, help="the name /v1/models lists (default: --model-id)")
     add("--host", default=DEFAULT_HOST, help="interface to bind (default %(default)s: loopback; see the README's proxy)")
     add("--port", type=int, default=DEFAULT_PORT, help="default %(default)s, as the port's container")
-    add("--runtime", choices=RUNTIMES, default="auto", help="deploy: notebook 05's slim deploy of --artifact; transformers: "
-        "the model as transformers loads it (default auto: deploy if --artifact is given on cpu, else transformers)")
-    add("--artifact", default=None, help="compiled artifact folder: gemma_nb.export's for the cpu deploy (notebook 04 "
-        "writes outputs/cpu/artifacts/04_tiny), gemma_nb.neuron.build's on neuron (required; it holds the tokenizer)")
+    add("--runtime", choices=RUNTIMES, default="auto", help="deploy (the slim deploy of --artifact) or transformers (auto: deploy with --artifact on cpu)")
+    add("--artifact", default=None, help="the compiled folder: notebook 04's (outputs/cpu/artifacts/04_tiny), or on neuron its NxD one (required)")
     add("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype for --runtime transformers")
     add("--max-context", type=int, default=None, help="context in tokens, prompt + answer (default: the model's)")
-    add("--queue-size", type=int, default=served.DEFAULT_QUEUE_SIZE, help="requests admitted at once, the generating "
-        "one included; more get 429 (default %(default)s)")
+    add("--queue-size", type=int, default=served.DEFAULT_QUEUE_SIZE, help="requests admitted at once, the running one included (%(default)s)")
     add("--max-tokens", type=int, default=served.DEFAULT_MAX_TOKENS, help="answer length if a request sets none (%(default)s)")
     add("--max-tokens-cap", type=int, default=served.DEFAULT_MAX_TOKENS_CAP, help="most a request may ask (%(default)s)")
     add("--max-body-bytes", type=int, default=served.DEFAULT_MAX_BODY_BYTES, help="largest request body (%(default)s)")
     add("--body-timeout-s", type=float, default=served.DEFAULT_BODY_TIMEOUT_S, help="time for a body to arrive (%(default)s)")
     add("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, help="idle connections close (%(default)s)")
-    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="uvicorn's: connections or requests "
-        "at once; more get 503 (default %(default)s)")
-    add("--allowed-host", action="append", default=[], metavar="NAME",
-        help="on a loopback bind, answer this Host too (repeatable; localhost, 127.0.0.1, [::1] always)")
+    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="uvicorn's: connections at once, more get 503 (%(default)s)")
+    add("--allowed-host", action="append", default=[], metavar="NAME", help="on loopback, answer this Host too (repeatable)")
     add("--metrics-require-key", action="store_true", help="/metrics needs the API key too (always beyond loopback)")
-    add("--slot-watchdog-s", type=float, default=served.DEFAULT_SLOT_WATCHDOG_S,
-        help="gemma_nb_slots_overdue counts queue slots held longer (%(default)s)")
+    add("--slot-watchdog-s", type=float, default=served.DEFAULT_SLOT_WATCHDOG_S, help="gemma_nb_slots_overdue: slots held longer (%(default)s)")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -98,7 +92,7 @@ def counting_refusals(metrics: served.ServerMetrics):
     logger = logging.getLogger("uvicorn.error")
     level, shown = logger.level, logger.getEffectiveLevel()
 
-    def count(record: logging.LogRecord) -> bool:
+    def count(record: logging.LogRecord) -> bool:  # uvicorn logs each at warning; shown only at the chosen level
         if (reason := UVICORN_REFUSALS.get(record.getMessage())) is not None:
             metrics.refused.labels(reason).inc()
         return record.levelno >= shown
@@ -131,18 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True  # uvicorn checks it every 0.1 s
 
-    def load():
-        return load_runtime(args.target, args.model_id, max_context=args.max_context, runtime=args.runtime,
-                            artifact=args.artifact, dtype=getattr(torch, args.dtype))
-
+    load = functools.partial(load_runtime, args.target, args.model_id, max_context=args.max_context, runtime=args.runtime,
+                             artifact=args.artifact, dtype=getattr(torch, args.dtype))
     app = served.create_app(
         load, model_name=args.served_model_name or args.model_id, queue_size=args.queue_size, api_key=api_key,
         aliases=sorted({args.model_id, os.path.basename(os.path.normpath(args.model_id))}), max_tokens=args.max_tokens,
         max_tokens_cap=args.max_tokens_cap, metrics_need_key=args.metrics_require_key or not loopback,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, slot_watchdog_s=args.slot_watchdog_s,
         allowed_hosts=[*served.LOOPBACK_HOSTS, *args.allowed_host] if loopback else None, on_load_failure=stop_on_failure)
-    log.info("serving %s on http://%s:%d/v1 ; API key %s", args.model_id, args.host, args.port,
-             "required" if api_key else "not required")
+    log.info("serving %s on http://%s:%d/v1 ; API key %s", args.model_id, args.host, args.port, "required" if api_key else "not required")
     server = uvicorn.Server(uvicorn_config(app, keep_alive_timeout_s=args.keep_alive_timeout_s, host=args.host,
                                            port=args.port, limit_concurrency=args.limit_concurrency, log_level=args.log_level,
                                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
