@@ -80,8 +80,8 @@ class Engine:
         self._load, self.metrics, self.queue_size, self.step_delay_s = load, (metrics := ServerMetrics()), queue_size, step_delay_s
         self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
         self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
-        self._cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
+        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
+        self.cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
         self._turn, self.slots = asyncio.Lock(), {}  # slots: admitted request -> since when
         ages = lambda: [time.monotonic() - since for since in list(self.slots.values())]  # noqa: E731
         metrics.queue_depth.set_function(lambda: len(self.slots))
@@ -89,7 +89,7 @@ class Engine:
         metrics.slots_overdue.set_function(lambda: sum(age > slot_watchdog_s for age in ages()))
         metrics.oldest_slot.set_function(lambda: max(ages(), default=0.0))
 
-    def _load_and_warm_up(self) -> None:
+    def load_and_warm_up(self) -> None:
         started = time.perf_counter()
         try:
             runtime = self._load()
@@ -107,7 +107,7 @@ class Engine:
                 self._on_load_failure(self.error)
 
     async def on_cpu(self, fn: Callable, *args):  # tokenizing stays off the event loop
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     async def _wait_turn(self, request: Request) -> bool:
         """Wait in line for the device; False, with the place given up, if the client leaves first."""
@@ -130,7 +130,7 @@ class Engine:
             turn = await self._wait_turn(request)
             self.metrics.prompt_tokens.inc(len(generation.prompt_ids) if turn else 0)
             while turn and generation.finish_reason is None and not await request.is_disconnected():
-                step = await asyncio.get_running_loop().run_in_executor(self._device, generation.step)
+                step = await asyncio.get_running_loop().run_in_executor(self.device, generation.step)
                 now = time.perf_counter()
                 (self.metrics.itl if generation.token_ids[1:] else self.metrics.ttft).observe(now - previous)
                 previous = now
@@ -317,9 +317,9 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        engine._device.submit(engine._load_and_warm_up)  # /health says 'loading' until it is done
+        engine.device.submit(engine.load_and_warm_up)  # /health says 'loading' until it is done
         yield
-        for pool in (engine._device, engine._cpu):
+        for pool in (engine.device, engine.cpu):
             pool.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
                   strict_content_type=False)  # a body without Content-Type is read as JSON
