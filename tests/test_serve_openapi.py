@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "schemathesis-" + "k" * 16
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thread):
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thread, tmp_path):
     torch.manual_seed(0)
     # Answers of at most 4 tokens keep each generated request cheap; the limits are otherwise the defaults.
     app = served.create_app(TransformersRuntime(*load_model(BUNDLED_ID)), model_name=BUNDLED_ID, api_key=KEY,
@@ -32,7 +32,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thr
             [sys.executable, "-m", "schemathesis.cli", "run", f"{root}/openapi.json", "--checks", "all",
              "--header", f"Authorization: Bearer {KEY}", "--phases", "fuzzing", "--max-examples", "80", "--seed", "21",
              "--workers", "1", "--no-color"],
-            capture_output=True, text=True, timeout=300)
+            capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache goes there, not in the repo
         fuzzed = served_requests(app)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
