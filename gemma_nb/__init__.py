@@ -21,11 +21,14 @@ first, then the notebook's own experiment around it.
 - 06 embedding scale: ``embedding`` (``HostEmbedding`` and its file), ``embedding_scale`` (the three host paths).
 - 07 decode benchmark: ``moe`` (swapping experts into a model), ``bench`` (timing), ``decode_roofline``
   (bytes and FLOPs per decode step at any batch, the planner's decode model too), ``decode_batch``
-  (the batch sweep: real routing, timings, crossovers), ``client_bench`` (any OpenAI-compatible endpoint).
+  (the batch sweep: real routing, timings, crossovers), ``endpoint_bench`` (which server the endpoint
+  section measures, its summary, metrics and figure).
 - ``tiny``, ``evaluate``, ``modelio``: the bundled checkpoint, how answers are scored, how models load.
-- ``runner``, ``serve``: ``python -m gemma_nb run`` and ``python -m gemma_nb serve`` (``serve`` is the
-  command; ``runtimes`` load the model; ``serve_app`` (app factory and routers), ``serve_http``,
-  ``serve_schema`` answer HTTP; ``generation`` samples tokens).
+- ``runner``: ``python -m gemma_nb run``.
+- ``serving``: ``python -m gemma_nb serve`` and the client benchmark, one sub-package: ``serving.runtimes``
+  (the model behind it, and one generation: sampling, stop strings), ``serving.schema`` (request and
+  response bodies, errors), ``serving.app`` (admission, the queue, the routes), ``serving.serve`` (the
+  command, uvicorn's limits), ``serving.client_bench`` (TTFT, ITL, tok/s of any OpenAI-compatible endpoint).
 - ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md);
   ``plan_input`` reads a config for ``plan`` and names what it cannot model.
 - ``neuron``: the same steps on the Neuron SDK (imported only for the neuron target).

@@ -20,7 +20,7 @@ def _parse_parameter(pair: list[str]) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser (``serve`` parses its own arguments: ``gemma_nb.serve.build_parser``)."""
+    """The top-level parser (``serve`` parses its own arguments: ``gemma_nb.serving.serve.build_parser``)."""
     parser = argparse.ArgumentParser(prog="python -m gemma_nb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
-        from gemma_nb.serve import main as serve_main
+        from gemma_nb.serving.serve import main as serve_main
 
         return serve_main(rest)
     if rest:

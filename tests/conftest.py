@@ -1,5 +1,10 @@
 """Fixtures shared by the test files."""
 
+import contextlib
+import socket
+import threading
+import time
+
 import pytest
 
 
@@ -23,3 +28,37 @@ def _has_torch_xla() -> bool:
 
 
 collect_ignore = [] if _has_torch_xla() else ["xla"]
+
+
+# The server's tests run its app in-process: uvicorn on a thread, with the CLI's limits.
+@contextlib.contextmanager
+def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
+    """Serve ``app`` on a thread; yields ``http://host:port`` once uvicorn listens (poll ``/health`` for the
+    model). ``port=0`` picks a free port; ``config``: ``uvicorn_config``'s limits."""
+    import uvicorn  # here: the xla environment runs tests/xla without the server's dependencies
+
+    from gemma_nb.serving import serve
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(serve.uvicorn_config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn")
+    with serve.counting_refusals(app.state.metrics):
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.02)
+        try:
+            yield f"http://{host}:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve_in_thread():
+    """``serve_in_thread(app, **limits)``: a context manager yielding the base URL of ``app`` served on a thread."""
+    return serve_app

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gemma_nb import serve
+from gemma_nb.serving import serve
 from gemma_nb.__main__ import main as cli
 
 
@@ -14,7 +14,7 @@ def test_preflight_refuses_tp_zero(capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--max-context", "-5"], "--max-context -5 must be at least 1"),
-    (["--prefill-len", "0"], "--prefill-len 0 must be at least 1"),
+    (["--queue-size", "0"], "--queue-size 0 must be at least 1"),
 ])
 def test_serve_checks_its_sizes_before_the_server_starts(monkeypatch, capsys, flags, message):
     import uvicorn

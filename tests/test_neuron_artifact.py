@@ -110,17 +110,19 @@ def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
                                   "routed_graphs": {"decode": "decode_sparse"}}) == "decode_sparse"
 
 
-def test_server_answers_from_the_artifact_alone(moved_artifact, monkeypatch):
+def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact, monkeypatch):
     import openai
 
-    from gemma_nb import serve
-    from gemma_nb.client_bench import wait_until_healthy
+    from gemma_nb.endpoint_bench import wait_until_healthy
+    from gemma_nb.serving import runtimes
+    from gemma_nb.serving.app import create_app
 
     folder, _ = moved_artifact
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
-    runtime = serve.load_neuron_runtime("tiny-on-inf2", str(folder))
-    app = serve.create_app(runtime, model_name="tiny-on-inf2", queue_size=2)
-    with serve.serve_in_thread(app) as root:
+    monkeypatch.setattr(runtimes, "check_target", lambda target: target)  # the SDK is stood in for
+    runtime = runtimes.load_runtime("neuron", artifact=str(folder))
+    app = create_app(runtime, model_name="tiny-on-inf2", queue_size=2)
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="tiny-on-inf2", temperature=0, max_tokens=8,

@@ -38,7 +38,7 @@ def _commands(text):
 
 
 def test_every_command_in_the_runbook_exists():
-    from gemma_nb.serve import build_parser as serve_parser
+    from gemma_nb.serving.serve import build_parser as serve_parser
 
     commands = _commands(runbook.render())
     assert {c[0] for c in commands} == {"preflight", "run", "plan", "serve"}

@@ -1,9 +1,9 @@
 """The OpenAI-compatible server: a real uvicorn on a loopback port, driven by the official client.
 
-Most tests share one in-process server (uvicorn on a thread) over the bundled checkpoint; the
-queue and disconnect tests get servers of their own with a per-token delay, so that requests
-overlap deterministically; one test runs ``python -m gemma_nb serve`` itself in a subprocess
-with an API key from the environment.
+Most tests share one in-process server (uvicorn on a thread, default limits) over the bundled
+checkpoint; the queue and disconnect tests get servers of their own with a per-token delay, so that
+requests overlap deterministically; one test runs ``python -m gemma_nb serve`` itself in a
+subprocess with an API key from the environment.
 """
 
 import asyncio
@@ -17,9 +17,12 @@ import openai
 import pytest
 import torch
 
-from gemma_nb import serve
-from gemma_nb.client_bench import local_server, wait_until_healthy
+from gemma_nb.endpoint_bench import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
+from gemma_nb.serving import app as served
+from gemma_nb.serving import runtimes as G
+from gemma_nb.serving import runtimes as R
+from gemma_nb.serving import serve
 from gemma_nb.tiny import BUNDLED_ID
 
 FRANCE = [{"role": "user", "content": "The capital of France is"}]
@@ -31,15 +34,15 @@ def tiny():
     return load_model(BUNDLED_ID)
 
 
-def new_runtime(tiny) -> serve.TransformersRuntime:
+def new_runtime(tiny) -> R.TransformersRuntime:
     model, tokenizer = tiny
-    return serve.TransformersRuntime(model, tokenizer)  # a KV cache of its own per server
+    return R.TransformersRuntime(model, tokenizer)  # a KV cache of its own per server
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    app = serve.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=8)
-    with serve.serve_in_thread(app) as root:
+def server(serve_in_thread, tiny):
+    app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=8)
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         yield root
 
@@ -116,35 +119,31 @@ def test_sampling_parameters_are_honoured(client):
 
 def test_sample_token():
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
-    greedy = serve.SamplingParams(max_tokens=1)
-    assert serve.sample_token(logits, greedy) == 1
+    greedy = G.SamplingParams(max_tokens=1)
+    assert G.sample_token(logits, greedy) == 1
     # top_p below the top token's probability keeps the argmax only.
-    narrow = serve.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.3)
-    assert {serve.sample_token(logits, narrow, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
-    wide = serve.SamplingParams(max_tokens=1, temperature=1.0, top_k=2)
-    draws = [serve.sample_token(logits, wide, torch.Generator().manual_seed(s)) for s in range(40)]
+    narrow = G.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.3)
+    assert {G.sample_token(logits, narrow, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+    wide = G.SamplingParams(max_tokens=1, temperature=1.0, top_k=2)
+    draws = [G.sample_token(logits, wide, torch.Generator().manual_seed(s)) for s in range(40)]
     assert set(draws) == {1, 2}
-    with pytest.raises(ValueError, match="max_tokens=0 must be a positive integer"):
-        serve.SamplingParams(max_tokens=0)
 
 
 def test_stop_string_is_never_streamed(tiny):
     runtime = new_runtime(tiny)
     ids = runtime.tokenizer("The capital of France is").input_ids
     # Stop on "s ." : "Paris ." contains it, so the text ends at "Pari" and nothing past it streams.
-    generation = serve.Generation(runtime, ids, serve.SamplingParams(max_tokens=8, stop=("s .",)))
+    generation = G.Generation(runtime, ids, G.SamplingParams(max_tokens=8, stop=("s .",)))
     deltas = [step.text for step in generation]
     assert "".join(deltas) == generation.text == " Pari" and generation.finish_reason == "stop"
-    assert serve._held_back("Paris", ("s .",)) == 1 and serve._held_back("Pari", ("s .",)) == 0
+    assert G.held_back("Paris", ("s .",)) == 1 and G.held_back("Pari", ("s .",)) == 0
 
 
 def test_chat_fallback_joins_message_contents(tiny):
     _, tokenizer = tiny
     assert not tokenizer.chat_template
     messages = [{"role": "system", "content": "The capital of"}, {"role": "user", "content": [{"type": "text", "text": "France is"}]}]
-    assert serve.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
-    with pytest.raises(ValueError, match="'image_url' is not supported"):
-        serve.chat_prompt_ids(tokenizer, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert G.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
 
 
 def test_deploy_runtime_steps_match_greedy_decoding(tiny):
@@ -157,11 +156,11 @@ def test_deploy_runtime_steps_match_greedy_decoding(tiny):
     from gemma_nb.export import StepShapes, eager_runner
 
     model, tokenizer = load_model(BUNDLED_ID)  # a copy: eager_runner switches its experts to grouped_mm
-    runtime = serve.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)
+    runtime = R.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)
     assert (runtime.max_context, runtime.max_prompt_tokens) == (64, 16)
     ids = tokenizer("The capital of Brazil is").input_ids
     expected = greedy_generate(tiny[0], torch.tensor([ids]), 12)[0, len(ids):].tolist()
-    generation = serve.generate(runtime, ids, 12, ignore_eos=True)
+    generation = G.generate(runtime, ids, 12, ignore_eos=True)
     assert generation.token_ids == expected and generation.text.startswith(" Brasilia .")
     with pytest.raises(ValueError, match="the compiled prefill takes 1 to 16"):
         runtime.prefill(list(range(4, 21)))
@@ -178,14 +177,14 @@ def test_neuron_runtime_steps_match_the_neuron_runner(tiny):
     module = NeuronGemma4(model.config, build, parallel=False)
     module.load_state(model.state_dict())
     runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8)
-    runtime = serve.NeuronDeployRuntime(runner, tokenizer)
+    runtime = R.NeuronDeployRuntime(runner, tokenizer)
     for country, capital in (("Japan", "Tokyo"), ("Kenya", "Nairobi")):  # the 2nd prefill overwrites the cache
         ids = tokenizer(f"The capital of {country} is").input_ids
         expected = greedy_generate(model, torch.tensor([ids]), 5)[0, len(ids):].tolist()
-        generation = serve.generate(runtime, ids, 5, ignore_eos=True)
+        generation = G.generate(runtime, ids, 5, ignore_eos=True)
         assert generation.token_ids == expected and generation.text.startswith(f" {capital} .")
     with pytest.raises(ValueError, match="runtime 'nope' is not one of auto, deploy, transformers"):
-        serve.load_runtime("cpu", runtime="nope")
+        R.load_runtime("cpu", runtime="nope")
 
 
 # ---------------------------------------------------------------- errors
@@ -202,6 +201,8 @@ BAD_REQUESTS = {
     "unknown model": (json.dumps({"model": "gpt-4o", "messages": FRANCE}), 404, "model"),
     "two choices": (json.dumps({"messages": FRANCE, "n": 2}), 400, "n"),
     "temperature 3": (json.dumps({"messages": FRANCE, "temperature": 3}), 400, "temperature"),
+    "an image part": (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+                      400, "messages.0.content.0.type"),
 }
 
 
@@ -248,13 +249,13 @@ def test_metrics_count_requests_and_tokens(client, server):
 
 
 @pytest.fixture
-def slow_server(tiny):
+def slow_server(serve_in_thread, tiny):
     """A server whose device takes 50 ms per token, with a chosen queue size."""
     servers = []
 
-    def start(queue_size: int) -> str:
-        app = serve.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=queue_size, step_delay_s=0.05)
-        context = serve.serve_in_thread(app)
+    def start(queue_size: int, **options) -> str:
+        app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=queue_size, step_delay_s=0.05, **options)
+        context = serve_in_thread(app)
         root = context.__enter__()
         servers.append(context)
         wait_until_healthy(root + "/v1", timeout_s=60)
@@ -303,15 +304,15 @@ def test_client_that_disconnects_frees_its_slot(slow_server):
     assert metric(root, "gemma_nb_generated_tokens_total") < 20  # 200 had the client stayed
 
 
-def test_health_says_loading_until_the_model_is_warm(tiny):
+def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
     release = threading.Event()
 
     def load():
         release.wait(timeout=30)
         return new_runtime(tiny)
 
-    app = serve.create_app(load, model_name=BUNDLED_ID)
-    with serve.serve_in_thread(app) as root:
+    app = served.create_app(load, model_name=BUNDLED_ID)
+    with serve_in_thread(app) as root:
         health = httpx.get(root + "/health")
         assert health.status_code == 503 and health.json() == {"status": "loading"}
         early = httpx.post(root + "/v1/chat/completions", json={"messages": FRANCE})
@@ -328,13 +329,13 @@ def test_health_says_loading_until_the_model_is_warm(tiny):
 def test_cli_server_requires_the_api_key_from_the_environment():
     key = "test-key-" + "x" * 16
     # --runtime transformers starts in seconds; the default on cpu compiles the slim deploy first.
-    with local_server(runtime="transformers", queue_size=2, env={serve.API_KEY_ENV: key}) as base_url:
+    with local_server(runtime="transformers", queue_size=2, env={served.API_KEY_ENV: key}) as base_url:
         root = base_url[: -len("/v1")]
         assert httpx.get(root + "/health").status_code == 200  # open for health checks
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             response = httpx.post(base_url + "/chat/completions", json={"messages": FRANCE}, headers=headers)
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(root + "/metrics").status_code == 401
+        assert httpx.get(root + "/metrics").status_code == 200  # open on loopback, for scrapers
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
@@ -350,3 +351,115 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--queue-size 0 must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve.main(["--api-key", "secret"])  # no such flag: keys come from the environment only
+
+
+# ---------------------------------------------------------------- what OpenAI clients send
+
+
+def test_message_names_and_the_developer_role_are_accepted(client):
+    messages = [{"role": "developer", "content": "The capital of", "name": "setup"},
+                {"role": "user", "content": "France is", "name": "ada"}]
+    reply = client.chat.completions.create(model=BUNDLED_ID, messages=messages, temperature=0, max_tokens=8)
+    # developer is read as system; the fallback joins the contents: the same prompt as FRANCE.
+    assert reply.choices[0].message.content == "Paris ." and reply.usage.prompt_tokens == 6
+
+
+def test_continuous_usage_stats_put_the_usage_on_every_chunk(server):
+    """aiperf and vLLM's clients ask for the running usage on each chunk."""
+    body = {"messages": FRANCE, "temperature": 0, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=30) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 3]  # role chunk, 3 tokens, final usage
+    assert all(c["usage"]["prompt_tokens"] == 6 for c in chunks) and chunks[-1]["choices"] == []
+
+
+def test_empty_prompts_are_refused_alike(server):
+    for path, body, param in (("/v1/completions", {"prompt": ""}, "prompt"), ("/v1/completions", {"prompt": []}, "prompt"),
+                              ("/v1/completions", {"prompt": [""]}, "prompt.0"), ("/generate", {"prompt": ""}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages.0.content")):
+        response = httpx.post(server + path, json=body)
+        assert response.status_code == 400, (path, body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "at least 1" in error["message"], error
+
+
+# ---------------------------------------------------------------- bounded answers
+
+
+def test_a_request_without_max_tokens_gets_the_default_not_the_whole_context(client):
+    reply = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == served.DEFAULT_MAX_TOKENS == 256  # not 512 - 6
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_max_tokens_above_the_cap_is_refused(slow_server):
+    root = slow_server(2, max_tokens=4, max_tokens_cap=16)
+    ok = httpx.post(root + "/v1/completions", json={"prompt": "The capital of Japan is", "ignore_eos": True}).json()
+    assert ok["usage"]["completion_tokens"] == 4  # the server's default
+    error = httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 17}).json()["error"]
+    assert error["param"] == "max_tokens" and "less than or equal to 16" in error["message"]
+    with pytest.raises(ValueError, match="max_tokens=32 must be between 1 and max_tokens_cap=16"):
+        served.create_app(lambda: None, model_name="x", max_tokens=32, max_tokens_cap=16)
+
+
+# ---------------------------------------------------------------- departed clients, /metrics, the OpenAPI document
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, stream):
+    root = slow_server(2)
+    long = {"prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": True}  # >= 10 s at 50 ms a token
+    holder = threading.Thread(target=lambda: httpx.post(root + "/v1/completions", json=long, timeout=60), daemon=True)
+    holder.start()
+    deadline = time.perf_counter() + 10
+    while metric(root, "gemma_nb_generated_tokens_total") < 1:
+        assert time.perf_counter() < deadline
+        time.sleep(0.02)
+    queued = {"prompt": "The capital of Japan is", "max_tokens": 4, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):  # it waits behind the long one: the client gives up
+        with httpx.stream("POST", root + "/v1/completions", json=queued, timeout=httpx.Timeout(5, read=0.5)) as response:
+            for _ in response.iter_lines():
+                pass
+    assert metric(root, "gemma_nb_queue_depth") >= 1
+    deadline = time.perf_counter() + 2  # a poll of the queue (0.1 s), long before the 200 tokens end
+    while metric(root, "gemma_nb_queue_depth") != 1:
+        assert time.perf_counter() < deadline, "the departed client still holds its slot"
+        time.sleep(0.05)
+    assert metric(root, "gemma_nb_client_disconnects_total") == 1
+    with pytest.raises(httpx.ReadTimeout):  # its place is free: a newcomer is queued behind the long one, not refused
+        httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=httpx.Timeout(5, read=0.5))
+
+
+def test_metrics_are_open_on_loopback_unless_the_key_is_required(serve_in_thread, tiny):
+    key = "k" * 24
+    for need_key, status in ((False, 200), (True, 401)):
+        app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, api_key=key, metrics_need_key=need_key)
+        with serve_in_thread(app) as root:
+            assert httpx.get(root + "/metrics").status_code == status
+            assert httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            assert httpx.get(root + "/v1/models").status_code == 401
+
+
+def test_openapi_documents_bodies_errors_and_the_key(serve_in_thread, tiny):
+    app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, api_key="k" * 24)
+    with serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        document = httpx.get(root + "/openapi.json").json()
+    chat, schemas = document["paths"]["/v1/chat/completions"]["post"], document["components"]["schemas"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatRequest"}
+    request = schemas["ChatRequest"]
+    assert {"messages", "max_tokens", "temperature", "stream_options", "n"} <= set(request["properties"])
+    assert request["required"] == ["messages"] and request["additionalProperties"] is False
+    assert request["properties"]["temperature"]["maximum"] == 2
+    for status in ("400", "401", "404", "413", "415", "429", "503"):
+        assert chat["responses"][status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["security"] == [{"HTTPBearer": []}] and document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    prompt_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]
+    assert prompt_ids["maximum"] == 481 and "security" not in document["paths"]["/health"]["get"]

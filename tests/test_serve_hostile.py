@@ -1,15 +1,17 @@
-"""The server against hostile input (issue 14): every reproduction, a bounded fuzz test, the body limit.
+"""The server against hostile input: every reproduction, a bounded fuzz test, the body and head limits.
 
 One in-process uvicorn server on a loopback port (queue of 2, so that a leaked slot shows after
 two requests) over the bundled checkpoint, with faults that a test can inject into the tokenizer
 or the model; the body-limit test runs ``python -m gemma_nb serve`` itself and watches its RSS.
 """
 
+import contextlib
 import http.client
 import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -18,9 +20,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gemma_nb import serve
-from gemma_nb.client_bench import local_server, wait_until_healthy
+from gemma_nb.endpoint_bench import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
+from gemma_nb.serving import app as served
+from gemma_nb.serving import serve
+from gemma_nb.serving.runtimes import TransformersRuntime
 from gemma_nb.tiny import BUNDLED_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,12 +38,13 @@ VALID = {
 
 
 class FaultyTokenizer:
-    """The real tokenizer, except that encoding raises while ``faults`` holds "tokenize"."""
+    """The real tokenizer, except that encoding raises while ``faults`` holds "tokenize"; counts its calls."""
 
     def __init__(self, tokenizer, faults: set):
-        self._tokenizer, self._faults = tokenizer, faults
+        self._tokenizer, self._faults, self.calls = tokenizer, faults, 0
 
     def __call__(self, *args, **kwargs):
+        self.calls += 1
         if "tokenize" in self._faults:
             raise RuntimeError("injected tokenizer fault")
         return self._tokenizer(*args, **kwargs)
@@ -48,7 +53,7 @@ class FaultyTokenizer:
         return getattr(self._tokenizer, name)
 
 
-class FaultyRuntime(serve.TransformersRuntime):
+class FaultyRuntime(TransformersRuntime):
     """The bundled model; ``faults`` may hold "prefill" or "decode" to make that step raise once."""
 
     def __init__(self, model, tokenizer):
@@ -75,10 +80,10 @@ def runtime():
 
 
 @pytest.fixture(scope="module")
-def server(runtime):
-    app = serve.create_app(runtime, model_name=BUNDLED_ID, queue_size=2, body_timeout_s=0.5,
-                           allowed_hosts=[*serve.LOOPBACK_HOSTS, "gemma.internal"])
-    with serve.serve_in_thread(app) as root:
+def server(serve_in_thread, runtime):
+    app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=2, body_timeout_s=0.5,
+                            allowed_hosts=[*served.LOOPBACK_HOSTS, "gemma.internal"])
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         yield root
 
@@ -118,17 +123,18 @@ def assert_still_serving(root: str) -> None:
 # ---------------------------------------------------------------- 1. no leaked queue slots
 
 
-def test_1_bad_seeds_and_token_ids_do_not_leak_queue_slots(server):
+def test_1_refusals_after_admission_do_not_leak_queue_slots(server):
     for _ in range(9):  # the queue holds 2: a leak would turn the valid request below into a 429
-        error = error_of(post(server, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
-                              '"seed": 1180591620717411303424}'), 400, "seed")
-        assert "1180591620717411303424" in error["message"]
+        error = error_of(post(server, "/v1/completions", {"prompt": [2, 10**6]}), 400, "prompt.1")
+        assert "1000000 is not a token id" in error["message"]
     for prompt in ([-1], [2**70]):
         error_of(post(server, "/v1/completions", {"prompt": prompt}), 400, "prompt.0")
     assert_still_serving(server)
-    # The 64-bit seed range itself is honoured: 2**64 - 1 and -2**63 are fine.
-    for seed in (2**64 - 1, -(2**63)):
-        assert post(server, "/v1/chat/completions", {"messages": FRANCE, "max_tokens": 2, "seed": seed}).status_code == 200
+    # Any integer seeds the sampler (modulo 2**64): 2**70 and 2**70 + 2**64 draw alike.
+    hot = {"messages": FRANCE, "max_tokens": 6, "temperature": 2.0, "ignore_eos": True}
+    texts = [post(server, "/v1/chat/completions", {**hot, "seed": seed}).json()["choices"][0]["message"]["content"]
+             for seed in (2**70, 2**70 + 2**64, -(2**63))]
+    assert texts[0] == texts[1]
 
 
 def test_every_failure_path_releases_the_slot(server, runtime):
@@ -317,14 +323,16 @@ def test_5_host_allow_list(server):
     port = server.rsplit(":", 1)[1]
     for host in (f"localhost:{port}", f"LOCALHOST:{port}", "127.0.0.1", f"[::1]:{port}", "gemma.internal:80"):
         assert httpx.get(server + "/health", headers={"Host": host}).status_code == 200, host
-    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example"):
-        error = error_of(httpx.get(server + "/v1/models", headers={"Host": host}), 400, "Host")
-        assert error["code"] == "invalid_host"
+    before = metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400")
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example", "[::2]"):
+        response = httpx.get(server + "/v1/models", headers={"Host": host})  # Starlette's TrustedHostMiddleware
+        assert response.status_code == 400 and response.text == "Invalid host header", host
+    assert metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400") == before + 4
 
 
-def test_5_bearer_scheme_is_case_insensitive(runtime):
-    app = serve.create_app(runtime, model_name=BUNDLED_ID, api_key="k" * 24)
-    with serve.serve_in_thread(app) as root:
+def test_5_bearer_scheme_is_case_insensitive(serve_in_thread, runtime):
+    app = served.create_app(runtime, model_name=BUNDLED_ID, api_key="k" * 24)
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         for scheme in ("Bearer", "bearer", "BEARER"):
             assert httpx.get(root + "/v1/models", headers={"Authorization": f"{scheme} {'k' * 24}"}).status_code == 200
@@ -345,9 +353,9 @@ def test_5_a_slow_body_gets_408(server):
     assert 0.4 < waited < 5
 
 
-def test_5_slot_watchdog_counts_overdue_slots(runtime):
-    app = serve.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05, slot_watchdog_s=0.2)
-    with serve.serve_in_thread(app) as root:
+def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, runtime):
+    app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05, slot_watchdog_s=0.2)
+    with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         assert metric(root, "gemma_nb_slots_overdue") == 0
         ask = {"messages": FRANCE, "max_tokens": 40, "ignore_eos": True, "stream": True}
@@ -420,26 +428,79 @@ def test_fuzz_leaves_the_server_serving(server):
     assert_still_serving(server)
 
 
-def test_5_a_slow_request_head_is_cut_off(runtime):
-    app = serve.create_app(runtime, model_name=BUNDLED_ID)
-    with serve.serve_in_thread(app, head_timeout_s=1.0) as root:
+# ---------------------------------------------------------------- the HTTP layer: heads, framing, uvicorn's refusals
+
+
+def raw(root: str, data: bytes, timeout_s: float = 10.0) -> bytes:
+    """Send ``data`` on a fresh connection in one write; everything the server answers until it closes."""
+    host, port = root.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_a_head_over_16_kib_in_one_packet_is_refused(server):
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"x" * 60_000 + b"\r\n\r\n"
+    answer = raw(server, head)
+    assert answer.startswith(b"HTTP/1.1 431") and b'"code":"head_too_large"' in answer, answer[:200]
+
+
+def test_content_length_with_transfer_encoding_is_refused(server):
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    answer = raw(server, request)  # read to the end: the server closes the connection
+    assert answer.startswith(b"HTTP/1.1 400") and b'"code":"ambiguous_length"' in answer, answer[:200]
+    assert answer.count(b"HTTP/1.1") == 1
+
+
+def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
+    app = served.create_app(runtime, model_name=BUNDLED_ID)
+    with serve_in_thread(app, limit_concurrency=3) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
+        assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")  # uvicorn's own, plain text
         host, port = root.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=0.2) as sock:
-            started, closed = time.perf_counter(), False
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-            for _ in range(50):  # a header line every 0.2 s, never the blank line that ends the head
-                try:
-                    closed = sock.recv(1) == b""
-                except TimeoutError:
-                    pass
-                if closed:
-                    break
-                sock.sendall(b"X-Slow: 1\r\n")
-        assert closed
-        assert 0.9 < time.perf_counter() - started < 5
-        # A keep-alive connection gets a fresh deadline for each request head: two requests 0.6 s apart pass.
-        with httpx.Client() as client:
-            assert client.get(root + "/health").status_code == 200
-            time.sleep(0.6)
-            assert client.get(root + "/health").status_code == 200
+        idle = [socket.create_connection((host, int(port))) for _ in range(3)]
+        try:
+            assert httpx.get(root + "/health").status_code == 503  # over --limit-concurrency
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.2)  # the server notices the closed connections
+        assert metric(root, "gemma_nb_http_refused_total", reason="invalid_http") == 1
+        assert metric(root, "gemma_nb_http_refused_total", reason="concurrency_limit") == 1
+
+
+def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, runtime):
+    """No timer of the server's (keep-alive here, 1 s) cuts a request that has arrived and is running."""
+    app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05)
+    with serve_in_thread(app, keep_alive_timeout_s=1) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": True}).encode()
+        two = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        answer = raw(root, two, timeout_s=30)  # the second takes >= 2 s
+    assert answer.count(b"HTTP/1.1 200") == 2 and b'"tokens":40' in answer, answer[-300:]
+
+
+def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread, runtime):
+    """With the queue full, 3.9 MB bodies under the limit get 429 without being parsed or tokenized."""
+    app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=1, step_delay_s=0.05)
+    with serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        long = {"prompt": "The capital of France is", "max_tokens": 60, "ignore_eos": True}
+        holder = threading.Thread(target=lambda: post(root, "/v1/completions", long), daemon=True)
+        holder.start()
+        while metric(root, "gemma_nb_generated_tokens_total") < 1:
+            time.sleep(0.02)
+        calls, big = runtime.tokenizer.calls, json.dumps({"prompt": "France " * 557_000})
+        assert 3_800_000 < len(big) < served.DEFAULT_MAX_BODY_BYTES
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: post(root, "/v1/completions", big), range(12)))
+        assert [a.status_code for a in answers] == [429] * 12 and answers[0].json()["error"]["code"] == "queue_full"
+        assert runtime.tokenizer.calls == calls  # nothing was tokenized
+        holder.join(timeout=30)

@@ -1,0 +1,167 @@
+"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level, its
+metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``). ``local_server()`` runs this
+project's server (``python -m gemma_nb serve``) on a free loopback port in a subprocess, so the cpu
+reference run measures a real server, not a mock; ``wait_until_healthy`` polls its ``/health``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import pandas as pd
+
+from gemma_nb import plots
+from gemma_nb.metrics import headline
+from gemma_nb.paths import artifacts_dir
+from gemma_nb.ranks import free_port
+from gemma_nb.serving.client_bench import EndpointError, base_url, benchmark_endpoint, percentile
+from gemma_nb.tiny import BUNDLED_ID
+
+
+def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
+                     **benchmark_kwargs) -> pd.DataFrame | None:
+    """Notebook 07's run: ``endpoint`` if given, else (cpu, cuda) this project's server on loopback for
+    ``model_id`` (``runtime="deploy"``: the slim deploy of the artifact notebook 04 compiled, ``04_tiny``);
+    None on neuron without an endpoint (serve the port's container and pass its URL)."""
+    if endpoint:
+        return benchmark_endpoint(endpoint, **benchmark_kwargs)
+    if target == "neuron":
+        return None
+    artifact = ["--artifact", str(artifacts_dir(target) / "04_tiny")] if runtime == "deploy" else []
+    with local_server(target, model_id, runtime=runtime, extra_args=artifact) as url:
+        return benchmark_endpoint(url, **benchmark_kwargs)
+
+
+def summarize(requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per concurrency level: TTFT and ITL percentiles, per-request and aggregate tok/s.
+
+    ``tok_s_per_request`` is the median decode rate one client sees; ``tok_s_total`` every token of the
+    level over its wall time. One generation at a time keeps ``tok_s_total`` flat while TTFT grows with
+    the queue; a batching server raises ``tok_s_total`` instead.
+    """
+    rows = []
+    for level, group in requests.groupby("concurrency", sort=True):
+        gaps = [g for gaps in group["itl_ms"] for g in gaps]
+        rows.append({"concurrency": int(level), "requests": len(group), "ttft_ms_p50": percentile(group["ttft_ms"], 50),
+                     "ttft_ms_p90": percentile(group["ttft_ms"], 90), "itl_ms_p50": percentile(gaps, 50),
+                     "itl_ms_p90": percentile(gaps, 90), "tok_s_per_request": float(group["decode_tok_s"].median()),
+                     "tok_s_total": float(group["completion_tokens"].sum() / group["level_wall_s"].iloc[0])})
+    return pd.DataFrame(rows)
+
+
+def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
+    """(metrics, headline rows) for ``save_metrics`` from a ``benchmark_endpoint`` table.
+
+    The story's decode speed (``decode_tok_s``, 6 tok/s) is attached as the claim only when an
+    external ``endpoint`` was measured (the port's container is the same deploy); the local
+    server runs the tiny checkpoint, which answers a different question.
+    """
+    if requests is None:
+        return {"measured": False, "endpoint": endpoint or None}, []
+    summary = summarize(requests).set_index("concurrency")
+    lowest, highest = summary.index.min(), summary.index.max()
+    metrics = {
+        "measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
+        "requests_per_level": int(summary["requests"].iloc[0]),
+        "max_tokens": int(requests["completion_tokens"].max()),
+        "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()} for c, row in summary.iterrows()},
+        "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
+        "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"]),
+    }
+    rows = [
+        headline("endpoint TTFT p50, 1 client", round(summary.loc[lowest, "ttft_ms_p50"], 1), "ms"),
+        headline("endpoint ITL p50, 1 client", round(summary.loc[lowest, "itl_ms_p50"], 2), "ms"),
+        headline("endpoint decode speed, 1 client", round(summary.loc[lowest, "tok_s_per_request"], 1), "tok/s",
+                 claim="decode_tok_s" if endpoint else None),
+        headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s"),
+    ]
+    return metrics, rows
+
+
+def inter_token_latencies(requests: pd.DataFrame) -> pd.DataFrame:
+    """Every gap between streamed tokens, long format: columns concurrency, itl_ms."""
+    rows = [(level, gap) for level, gaps in zip(requests["concurrency"], requests["itl_ms"]) for gap in gaps]
+    return pd.DataFrame(rows, columns=["concurrency", "itl_ms"])
+
+
+def plot_benchmark(requests: pd.DataFrame, title: str = ""):
+    """Three panels: TTFT and ITL distributions per concurrency level, tok/s against concurrency."""
+    fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
+    levels = sorted(requests["concurrency"].unique())
+    gaps = inter_token_latencies(requests)
+    ttft = [requests.loc[requests["concurrency"] == c, "ttft_ms"].to_numpy() for c in levels]
+    itl = [gaps.loc[gaps["concurrency"] == c, "itl_ms"].to_numpy() for c in levels]
+    _ = ax_ttft.boxplot(ttft, tick_labels=[str(c) for c in levels])
+    _ = ax_ttft.set(xlabel="concurrent requests", ylabel="time to first token (ms)", title="TTFT")
+    _ = ax_itl.boxplot(itl, tick_labels=[str(c) for c in levels], showfliers=False)
+    _ = ax_itl.set(xlabel="concurrent requests", ylabel="inter-token latency (ms)", title="ITL (outliers hidden)")
+    summary = summarize(requests)
+    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_total"], marker="o", label="all clients together")
+    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client")
+    _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, None))
+    _ = ax_tok.legend()
+    if title:
+        _ = fig.suptitle(title)
+    return fig
+
+
+def wait_until_healthy(url: str, timeout_s: float = 180.0, process: subprocess.Popen | None = None,
+                       log_path: Path | None = None) -> float:
+    """Poll ``GET /health`` (beside ``/v1``) until it answers 200; returns the seconds waited.
+
+    Raises ``TimeoutError`` after ``timeout_s``, or ``EndpointError`` at once if ``process`` exits (with
+    the tail of its log) or the server reports that its model failed to load.
+    """
+    health, started = base_url(url).removesuffix("/v1") + "/health", time.perf_counter()
+    while True:
+        if process is not None and process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
+            raise EndpointError(f"the server exited with status {process.returncode} before it was healthy:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError, ValueError):  # not listening yet, or not JSON
+            response = httpx.get(health, timeout=2.0)
+            if response.status_code == 200:
+                return time.perf_counter() - started
+            if response.json().get("status") == "error":
+                raise EndpointError(f"{health} reports that the model failed to load: {response.json().get('error')}")
+        if time.perf_counter() - started > timeout_s:
+            raise TimeoutError(f"{health} did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", queue_size: int = 8,
+                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
+    """Run ``python -m gemma_nb serve`` on a free loopback port; yields its base URL (``.../v1``).
+
+    ``runtime``: the server's ``--runtime`` (``extra_args`` may add ``--artifact``). Its log goes to a
+    temporary file, shown if it fails to start; the process is terminated (then killed) when the block
+    ends. ``env`` adds environment variables (e.g. the API key, never a flag).
+    """
+    port = free_port()
+    command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
+               "--runtime", runtime, "--port", str(port), "--queue-size", str(queue_size), "--log-level", "warning",
+               *extra_args]
+    with tempfile.TemporaryDirectory(prefix="gemma-nb-serve-") as folder:
+        log_path = Path(folder) / "server.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        url = f"http://127.0.0.1:{port}/v1"
+        try:
+            wait_until_healthy(url, ready_timeout_s, process, log_path)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)

@@ -1,0 +1,113 @@
+"""Benchmark any OpenAI-compatible endpoint from the client side with the ``openai`` client (notebook 07).
+
+``benchmark_endpoint(url)`` streams greedy chat completions at a few concurrency levels and times what
+a user sees (TTFT, the gaps between tokens, tok/s): of this server, the port's container on inf2 or vLLM.
+A chunk with ``content`` is a token (``usage`` corrects the count); ``ignore_eos`` (vLLM's field) fixes the
+length. The API key comes from ``GEMMA_NB_API_KEY`` or ``OPENAI_API_KEY`` in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import numpy as np
+import openai
+import pandas as pd
+
+API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_CONCURRENCY = (1, 2, 4)
+
+
+class EndpointError(RuntimeError):
+    """The endpoint answered with an error, could not be reached, or did not stream in OpenAI's format."""
+
+
+def base_url(url: str) -> str:
+    """``url`` as an OpenAI base URL ending in ``/v1`` (a bare ``http://host:8080`` means its ``/v1``)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint {url!r} is not an http(s) URL; expected an OpenAI-compatible base URL "
+                         "such as http://127.0.0.1:8080/v1")
+    path = parts.path.rstrip("/")
+    return f"{parts.scheme}://{parts.netloc}{path if path.endswith('/v1') else path + '/v1'}"
+
+
+def _client(url: str, api_key: str | None, timeout_s: float) -> openai.OpenAI:
+    key = api_key or next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+    return openai.OpenAI(base_url=base_url(url), api_key=key or "none", max_retries=0, timeout=timeout_s)
+
+
+def served_model(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
+    """The first model id ``GET /v1/models`` lists, or None if the server has no such endpoint."""
+    try:
+        return _client(url, api_key, timeout_s).models.list().data[0].id
+    except (openai.APIError, IndexError):
+        return None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None, max_tokens: int = 32,
+                temperature: float = 0.0, ignore_eos: bool = True, api_key: str | None = None,
+                timeout_s: float = 300.0) -> dict:
+    """One streamed chat completion, timed chunk by chunk: ttft_ms, itl_ms (the gaps between tokens),
+    itl_ms_p50, itl_ms_p90, completion_tokens, e2e_s, decode_tok_s (after the first token), text, finish_reason."""
+    times, pieces, usage, finish, started = [], [], None, None, time.perf_counter()
+    try:
+        stream = _client(url, api_key, timeout_s).chat.completions.create(
+            model=model or openai.omit, messages=list(messages), max_tokens=max_tokens, temperature=temperature, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ignore_eos else None)
+        for chunk in stream:
+            usage = chunk.usage.completion_tokens if chunk.usage else usage
+            for choice in chunk.choices:
+                if choice.delta.content is not None and choice.delta.role is None:
+                    times.append(time.perf_counter() - started)
+                    pieces.append(choice.delta.content)
+                finish = choice.finish_reason or finish
+    except openai.APIStatusError as error:
+        raise EndpointError(f"{base_url(url)}/chat/completions answered {error.status_code}: {error.message}") from None
+    except openai.APIError as error:
+        raise EndpointError(f"{base_url(url)}/chat/completions failed: {error}") from None
+    if not times:
+        raise EndpointError(f"{base_url(url)}/chat/completions streamed no text; is it an OpenAI-compatible server?")
+    gaps, tokens, span = [1e3 * gap for gap in np.diff(times)], usage or len(times), times[-1] - times[0]
+    return {"ttft_ms": 1e3 * times[0], "itl_ms": gaps, "itl_ms_p50": percentile(gaps, 50), "itl_ms_p90": percentile(gaps, 90),
+            "completion_tokens": tokens, "e2e_s": time.perf_counter() - started,
+            "decode_tok_s": (tokens - 1) / span if span > 0 and tokens > 1 else float("nan"), "text": "".join(pieces),
+            "finish_reason": finish}
+
+
+def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFAULT_PROMPT,
+                       concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests_per_level: int = 4,
+                       max_tokens: int = 32, ignore_eos: bool = True, warmup: bool = True,
+                       api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
+    """``requests_per_level`` greedy streamed chats (one per client at least) at each level, one row each: concurrency,
+    request, ``stream_chat``'s timings, level_wall_s (the level's wall time). ``model``: the first of ``/v1/models``."""
+    levels = [int(c) for c in concurrency]
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"concurrency={list(concurrency)!r}; expected positive integers such as (1, 2, 4)")
+    if requests_per_level < 1:
+        raise ValueError(f"requests_per_level={requests_per_level} must be at least 1")
+    model = model or served_model(url, api_key)
+
+    def one(_index: int) -> dict:
+        return stream_chat(url, [{"role": "user", "content": prompt}], model=model, max_tokens=max_tokens,
+                           ignore_eos=ignore_eos, api_key=api_key, timeout_s=timeout_s)
+
+    if warmup:
+        one(-1)
+    rows = []
+    for level in levels:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=level) as pool:
+            timings = list(pool.map(one, range(max(requests_per_level, level))))
+        wall = time.perf_counter() - started
+        rows += [{"concurrency": level, "request": index, **timing, "level_wall_s": wall} for index, timing in enumerate(timings)]
+    return pd.DataFrame(rows)
