@@ -2,7 +2,7 @@
 
 What runs is this repo's own neuron code, unchanged: ``NeuronGemma4(parallel=True)`` with its NxD
 swaps, ``convert_checkpoint``, the one-hot KV state, ``step_inputs`` and ``NeuronStepRunner``. Only
-the NxD layers are replaced, by ``gemma_nb.neuron.standins`` (contracts read from
+the NxD layers are replaced, by ``gemma_nb.rehearsal.standins`` (contracts read from
 neuronx-distributed 0.18), and each rank's weights come the way ModelBuilder makes them: the module
 built on the meta device, the full int8 checkpoint cut per rank by the emulated ``shard_children``.
 Every rank is a process (``gemma_nb.ranks.run_tp``), and ``gather_output`` / the row-parallel
@@ -31,17 +31,35 @@ from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron.build import (
     KV_STATE_PREFIXES,
     NeuronBuildConfig,
+    NeuronGemma4,
     convert_checkpoint,
-    rank_module,
+    fill_layer_scalars,
     read_hf_state,
     text_config,
 )
 from gemma_nb.neuron.deploy import NeuronStepRunner
-from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
 from gemma_nb.ranks import run_tp
+from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module, model_parallel
 from gemma_nb.tiny import BUNDLED_TP2_ID
 
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
+
+
+def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
+                experts: str = "dense", group=None) -> NeuronGemma4:
+    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it.
+
+    Built on meta (``init_on_device(meta)``), the full ``checkpoint`` (``convert_checkpoint``)
+    sharded against it by the emulated ``shard_children``, built again for real under
+    ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
+    ``sdk``: ``gemma_nb.rehearsal.standins.cpu_sdk()``.
+    """
+    def factory():
+        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
+
+    module = load_rank_module(factory, checkpoint, build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
+    fill_layer_scalars(module, hf_state)
+    return module
 
 
 class AliasedGraphs:
@@ -218,4 +236,4 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
     }
 
 
-__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "DEFAULT_PROMPTS"]
+__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "rank_module", "DEFAULT_PROMPTS"]

@@ -15,10 +15,10 @@ helpers (:func:`hlo_counts`, :func:`aten_fallbacks`, :func:`tolerance`) and
 :func:`run_in_xla_env` are plain Python and run in the main environment, where notebook 04 calls
 the check as a subprocess. From the command line, in ``.venv-xla``:
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma_nb.neuron.lowering --json [--contrast]
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma_nb.rehearsal.lowering --json [--contrast]
 
 The graphs (:func:`shipped_graphs`) are ``gemma_nb.neuron.build``'s own modules with the NxD layers
-replaced by the cpu stand-ins of ``gemma_nb.neuron.standins`` (contracts read from
+replaced by the cpu stand-ins of ``gemma_nb.rehearsal.standins`` (contracts read from
 neuronx-distributed 0.18; they prove this repo's code, not the SDK's layers), loaded from the
 bundled TP=2 tiny checkpoint (``gemma-nb/tiny-gemma4-moe-tp2``: its KV heads split by 2) as
 ModelBuilder shards it, at the shipped build's shapes (``NeuronBuildConfig``: prefill bucket 128,
@@ -43,14 +43,14 @@ from gemma_nb.neuron.build import (
     NeuronBuildConfig,
     NeuronGemma4,
     convert_checkpoint,
-    rank_module,
     read_hf_state,
     step_inputs,
     text_config,
 )
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict, trim_padded_logits
-from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.rehearsal.emulate import rank_module
+from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
@@ -171,7 +171,7 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
     ``{"versions": {...}, "shapes": {...}, "graphs": [row, ...], "contrast": [row, ...]}``; a row is
     :func:`lower_step`'s dict. Raises RuntimeError with the subprocess's stderr if it fails.
     """
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.neuron.lowering", "--json"]
+    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"]
     if contrast:
         command.append("--contrast")
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
@@ -227,7 +227,7 @@ def _import_xla():
         import torch_xla.debug.metrics as metrics
     except ImportError as error:
         raise ImportError(f"cannot import torch_xla ({error}): run the lowering check in the xla environment "
-                          f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.neuron.lowering)") from None
+                          f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.rehearsal.lowering)") from None
     return torch_xla, metrics
 
 
@@ -463,7 +463,7 @@ def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degre
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m gemma_nb.neuron.lowering", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON (default: a text table)")
     parser.add_argument("--contrast", action="store_true", help="also lower the experts that do not lower")
     parser.add_argument("--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)")
