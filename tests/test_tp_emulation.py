@@ -8,8 +8,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb.neuron import build as B  # noqa: E402
-from gemma_nb.neuron import emulate as E  # noqa: E402
-from gemma_nb.neuron import standins as S  # noqa: E402
+from gemma_nb.rehearsal import emulate as E  # noqa: E402
+from gemma_nb.rehearsal import standins as S  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 

@@ -76,21 +76,18 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list
 
 def graphs_of(record: dict) -> list[str]:
     """The graph keys a build holds: ``record["graphs"]`` when the build lists them, else the
-    prefill and one decode graph (the port's pair), or the pairs ``build.decode_experts`` names."""
+    prefill and the decode graph ``build.decode_experts`` names (or the port's plain pair)."""
     if record.get("graphs"):
         return list(record["graphs"])
     choice = (record.get("build") or {}).get("decode_experts")
     if choice in ("dense", "sparse"):
         return ["prefill", f"decode_{choice}"]
-    if choice == "both":
-        return ["prefill", "decode_dense", "decode_sparse"]
     return ["prefill", "decode"]
 
 
 def routed_decode_graph(record: dict) -> str:
-    """The decode graph a call with decode shapes reaches: ModelBuilder routes by input shapes, so
-    of two decode graphs (``decode_experts="both"``) only the last added is reachable
-    (``build.routed_graphs()``); the record says which when it can."""
+    """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes:
+    ``build.routed_graphs()``); the record says which when it can."""
     routed = (record.get("routed_graphs") or {}).get("decode")
     return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from gemma_nb.neuron import lowering  # noqa: E402
+from gemma_nb.rehearsal import lowering  # noqa: E402
 
 GRAPHS = [(graph, tp, experts) for tp in (1, 2) for graph, experts in
           (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse"), ("lm_head", None))]
