@@ -194,8 +194,8 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     """The NxD swaps with the cpu stand-ins at TP=1: the module's state-dict names and shapes are
     exactly the ones convert_checkpoint writes, and the model decodes close to the eager one."""
     from gemma_nb.neuron import build as B
-    from gemma_nb.rehearsal import standins
     from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+    from gemma_nb.rehearsal import standins
 
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32)
     build = B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=1,

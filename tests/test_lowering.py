@@ -23,7 +23,8 @@ ENTRY %IrToHlo.20 (p0.1: f32[8,4], p1.2: s64[2]) -> (f32[4]) {
   %p0.1 = f32[8,4]{1,0} parameter(0)
   %p1.2 = s64[2]{0} parameter(1)
   %reshape.3 = s64[2,1]{1,0} reshape(s64[2]{0} %p1.2)
-  %gather.4 = f32[2,4]{1,0} gather(f32[8,4]{1,0} %p0.1, s64[2,1]{1,0} %reshape.3), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}
+  %gather.4 = f32[2,4]{1,0} gather(f32[8,4]{1,0} %p0.1, s64[2,1]{1,0} %reshape.3), offset_dims={1}, \
+collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}
   %pair.5 = (f32[2,4]{1,0}, s64[2]{0}) tuple(f32[2,4]{1,0} %gather.4, s64[2]{0} %p1.2)
   %get-tuple-element.6 = f32[2,4]{1,0} get-tuple-element((f32[2,4]{1,0}, s64[2]{0}) %pair.5), index=0
   %constant.7 = f32[] constant(0)

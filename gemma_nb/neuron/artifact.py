@@ -11,8 +11,9 @@ with its size, so a truncated copy is caught at load, not as a wrong answer):
                               (gemma_nb.embedding.HostEmbedding: checked bit for bit at load)
     config.json               the model config (the deploy builds its structure on the meta device)
     tokenizer files           tokenizer.json / tokenizer_config.json / ..., generation_config.json
-    manifest.json             format name and version, graphs (prefill and which decode graphs, and
-                              the one a decode step reaches), shapes, files with sizes
+    manifest.json             format name and version, graphs (the prefill and the decode graph a
+                              decode step reaches), shapes, the SDK it was built with ("emulated SDK"
+                              in make rehearse), versions, files with sizes
 
 ``write_serving_files`` + ``write_manifest`` (both called by ``finish_artifact``) make a compiled
 folder complete; ``read_artifact`` validates one and returns what a deploy needs.
@@ -108,6 +109,7 @@ def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
         "tp_degree": build.get("tp_degree"),
         "max_len": build.get("max_len"),
         "bucket": build.get("bucket"),
+        "sdk": record.get("sdk", "Neuron SDK"),
         "versions": record.get("versions", {}),
         "files": files,
     }

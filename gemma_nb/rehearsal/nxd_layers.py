@@ -23,7 +23,6 @@ sums, not the model's).
 from __future__ import annotations
 
 import contextlib
-import enum
 from dataclasses import dataclass
 from types import SimpleNamespace
 

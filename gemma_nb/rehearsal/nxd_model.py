@@ -70,17 +70,16 @@ def _swapped(module: nn.Module, tensors: dict):
 
 
 class _Graph(nn.Module):
-    """What is traced: ``forward(weights, states, *inputs)`` runs the held module on those tensors."""
+    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module on those tensors."""
 
     def __init__(self, module: nn.Module, weight_names: list[str], state_names: list[str]):
         super().__init__()
         self._held = [module]  # not a submodule: its own parameters must not be saved with the graph
-        self.weight_names, self.state_names = weight_names, state_names
+        self.names = weight_names + state_names
 
-    def forward(self, weights: list[torch.Tensor], states: list[torch.Tensor], *inputs):
-        tensors = dict(zip(self.weight_names, weights)) | dict(zip(self.state_names, states))
-        with _swapped(self._held[0], tensors):
-            outputs = self._held[0](*inputs)
+    def forward(self, *tensors):
+        with _swapped(self._held[0], dict(zip(self.names, tensors))):
+            outputs = self._held[0](*tensors[len(self.names):])
         return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
@@ -101,8 +100,8 @@ def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int
     graph = _Graph(module.eval(), weight_names, state_names)
     with torch.no_grad(), spmd.tracing(tp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.jit.trace(graph, (weights, states, *example_inputs), strict=False, check_trace=False)
-        outputs = graph(weights, states, *example_inputs)
+        program = torch.jit.trace(graph, (*weights, *states, *example_inputs), strict=False, check_trace=False)
+        outputs = graph(*weights, *states, *example_inputs)
     spec = {"weights": {n: _meta(parameters[n]) for n in weight_names},
             "states": {n: _meta(parameters[n]) for n in state_names},
             "inputs": [_meta(t) for t in example_inputs], "outputs": len(outputs),
@@ -178,8 +177,8 @@ class EmulatedNxDModel:
 
         def job(rank):
             with torch.no_grad():
-                return graph["program"]([self.weights[rank][n] for n in weight_names],
-                                        [self.states[rank][n] for n in state_names], *inputs)
+                return graph["program"](*[self.weights[rank][n] for n in weight_names],
+                                        *[self.states[rank][n] for n in state_names], *inputs)
 
         per_rank = spmd.run_on_cores([lambda rank=rank: job(rank) for rank in range(self.tp)])
         aliases = {int(index): state for index, state in graph["spec"]["aliases"].items()}

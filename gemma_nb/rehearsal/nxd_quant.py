@@ -163,7 +163,7 @@ class QuantizedColumnParallel(_QuantizedLinear):
                  stride: int = 1, quantization_per_channel_axis: int | None = None,
                  scale_dtype=torch.float32, tensor_model_parallel_group=None, pad: bool = False,
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
-                 **unsupported):
+                 block_axis=None, block_size=None, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
                            sequence_parallel_enabled=sequence_parallel_enabled)
@@ -200,7 +200,7 @@ class QuantizedRowParallel(_QuantizedLinear):
                  stride: int = 1, quantization_per_channel_axis: int | None = None, reduce_output: bool = True,
                  scale_dtype=torch.float32, tensor_model_parallel_group=None, pad: bool = False,
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
-                 **unsupported):
+                 block_axis=None, block_size=None, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
                            sequence_parallel_enabled=sequence_parallel_enabled)

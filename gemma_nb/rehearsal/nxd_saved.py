@@ -4,7 +4,7 @@ No ``from __future__ import annotations`` here: ``torch.jit.script`` needs the a
 annotations as objects, in ``typing``'s names (torch 2.9 reads no builtin generics there).
 """
 
-from typing import Dict, List
+from typing import Dict, List  # noqa: UP035 (TorchScript reads these names)
 
 import torch
 from torch import nn
