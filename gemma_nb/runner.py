@@ -5,7 +5,8 @@ notebook succeeded, so a failed or interrupted run (Ctrl-C or SIGTERM) never des
 outputs. A failed run is kept as ``outputs/.<target>.failed/`` for inspection; the temporary
 folder of a run whose process died without cleaning up (``kill -9``) is removed by the next run.
 ``--only`` reruns some notebooks on top of a copy of the previous outputs (later notebooks read
-what earlier ones wrote).
+what earlier ones wrote); the files under ``artifacts/`` (compiled models, tens of GB for the 26B)
+are hard links in that copy, not copies.
 
 Parameters (``-p NAME VALUE``) must be ones the selected notebooks declare in their
 ``parameters`` cell: a typo is an error, not a warning papermill prints and the run ignores.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemma_nb.metrics import write_json_atomic
-from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
+from gemma_nb.paths import ARTIFACTS, NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
 from gemma_nb.targets import check_target
 
 
@@ -142,12 +143,27 @@ def _raise_terminated(signum, _frame):
 
 
 def _copy_previous(previous: Path, staging: Path) -> None:
-    """Start a partial run from a full copy of the previous outputs.
+    """Start a partial run from the previous outputs: files under ``artifacts/`` hard-linked, the rest copied.
 
-    A copy, not hard links: notebooks rewrite files in place (figures, executed copies), and a
-    shared inode would let a failed partial run change the outputs it was meant to protect.
+    Notebooks rewrite their figures, metrics and executed copies in place, so those are copied: a
+    shared inode would let a failed partial run change the outputs it was meant to protect. The
+    artifacts are what a second copy cannot afford (the 26B's compiled model is ~27 GB per build,
+    twice on a serving box that has room for it once): every writer of an artifact folder starts it
+    afresh (``gemma_nb.paths.fresh_dir``), so a linked file is replaced, never written through.
+    A filesystem without hard links gets copies.
     """
-    shutil.copytree(previous, staging)
+    artifacts = previous / ARTIFACTS
+
+    def link_or_copy(source, target):
+        if Path(source).is_relative_to(artifacts):
+            try:
+                os.link(source, target)
+                return target
+            except OSError:
+                pass
+        return shutil.copy2(source, target)
+
+    shutil.copytree(previous, staging, copy_function=link_or_copy)
 
 
 def _scrub_metadata(executed: Path) -> None:

@@ -57,6 +57,7 @@ from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
 from gemma_nb.neuron.sdk import import_sdk
+from gemma_nb.paths import fresh_dir
 
 # The dense build keeps the port's flags (transformer model type, everything auto-cast to bf16, -O1), so
 # notebook 07 compares the port's build with the fix. The sparse build takes NxD's own default,
@@ -445,7 +446,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     artifact is ``torch.jit.save`` of what ``trace(initialize_model_weights=True)`` returns (weights
     included, as the port shipped it).
     """
-    import shutil
     import time
 
     # here, not at the top: the xla environment (.venv-xla) imports this module and has no psutil
@@ -453,10 +453,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
 
     sdk = _import_sdk()
     config = text_config(build.model_dir)
-    out_dir = Path(build.output_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    out_dir = fresh_dir(build.output_dir)
     graphs = build.graph_keys()
     builder = model_builder(build, config, graphs, sdk)
     started = time.perf_counter()

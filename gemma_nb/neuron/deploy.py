@@ -56,7 +56,8 @@ class NeuronStepRunner:
     pad_token_id: int = 0
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
-    def _call(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+        """One graph call for token ``ids`` [1, S] at ``positions``: the host logits [1, V] of ``last_index``."""
         inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
         return host_logits(self.graph(*inputs), self.config)
 
@@ -75,12 +76,12 @@ class NeuronStepRunner:
         start = time.perf_counter()
         # Padding slots (positions prompt..bucket-1) are rewritten by the decode steps before any
         # query can see them: the masks only open slots at or before the query's position.
-        tokens = [int(self._call(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
+        tokens = [int(self.step(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
         self.step_times_s.append(time.perf_counter() - start)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             start = time.perf_counter()
             position = prompt + len(tokens) - 1
-            tokens.append(int(self._call(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
+            tokens.append(int(self.step(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
             self.step_times_s.append(time.perf_counter() - start)
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 
