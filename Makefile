@@ -15,7 +15,7 @@ XLA_VENV := .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla run lint test test-unit test-xla test-notebooks lab clean-venv
+.PHONY: install xla run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
 
 install: $(STAMP)
 
@@ -40,8 +40,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP) $(XLA_STAMP)
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, then nbval re-executes the reference run.
-test: lint test-unit test-xla test-notebooks
+## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, nbval re-executes the reference run, the rehearsal.
+test: lint test-unit test-xla test-notebooks rehearse
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma_nb tests
@@ -59,6 +59,21 @@ test-notebooks: $(STAMP) $(XLA_STAMP)
 	GEMMA_NB_OUTPUT_DIR=$$scratch $(PY) -m pytest --nbval outputs/cpu/ \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -q -p no:cacheprovider; \
 	status=$$?; rm -rf $$scratch; exit $$status
+
+## The rehearsal environment: .venv-xla (the SDK's torch 2.9.0 and torch-xla) plus the notebooks' packages, installed
+## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept), and the
+## openai client the rehearsal asks the server with. The stamp holds the install's seconds (rehearsal.json reports them).
+REHEARSE_STAMP := $(XLA_VENV)/.rehearsal-env
+rehearse-env: $(REHEARSE_STAMP)
+
+$(REHEARSE_STAMP): $(XLA_STAMP) envs/neuron/notebooks.txt envs/neuron/install.sh
+	@start=$$(date +%s); PYTHON=$(XLA_PY) sh envs/neuron/install.sh openai==3.57.0 && \
+		echo $$(( $$(date +%s) - start )) > $(REHEARSE_STAMP)
+
+## The runbook (docs/inf2.md) run in order against the emulated Neuron SDK, at the SDK's torch; writes
+## outputs/neuron-rehearsal/rehearsal.json (gemma_nb/rehearsal/rehearse.py).
+rehearse: $(REHEARSE_STAMP)
+	$(XLA_PY) -m gemma_nb.rehearsal
 
 ## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
 ## Notebooks run here write to outputs/interactive/, never over the reference run.

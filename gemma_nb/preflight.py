@@ -294,10 +294,15 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
     return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
 
 
-def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
+def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one."""
+    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one.
+
+    ``artifact``: an artifact folder, or several (each build's), each checked against its manifest.
+    """
     check_target_name(target)
+    artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
+    artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
     if step not in STEPS:
@@ -315,8 +320,8 @@ def run_checks(target: str, model_id: str | None = None, artifact: str | None = 
     need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))
     checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need(config, step)))
-    if artifact:
-        checks.append(check_artifact(artifact))
+    for folder in artifacts:
+        checks.append(check_artifact(str(folder)))
     return checks
 
 
@@ -350,7 +355,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="neuron", help="neuron (default) or cpu")
     parser.add_argument("--model-id", default=None, help="the checkpoint folder (or hub id) to compile or serve "
                                                          "(default: the target's bundled checkpoint)")
-    parser.add_argument("--artifact", default=None, help="a compiled artifact folder to check (implies --step deploy)")
+    parser.add_argument("--artifact", action="append", default=None,
+                        help="a compiled artifact folder to check (implies --step deploy); repeat it for each build")
     parser.add_argument("--step", default=None, choices=STEPS, help="which host budget to check (default: compile "
                                                                     "without --artifact, deploy with it)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")

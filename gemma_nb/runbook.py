@@ -43,7 +43,7 @@ COMMANDS = {
                  f"python -m gemma_nb preflight --target neuron --model-id {MODEL_DIR}"],
     "compile": [f"python -m gemma_nb run --target neuron --only 04 -p neuron_model_dir {MODEL_DIR}"],
     "copy": [f"rsync -a --partial --exclude compiler_workdir {OUTPUTS}/ <serving-box>:gemma-nb/{OUTPUTS}/",
-             *(f"python -m gemma_nb preflight --target neuron --artifact {folder}" for folder in ARTIFACT_DIRS.values())],
+             "python -m gemma_nb preflight --target neuron " + " ".join(f"--artifact {f}" for f in ARTIFACT_DIRS.values())],
     "benchmark": ["python -m gemma_nb run --target neuron --only 05,07"],
     "serve": ["export GEMMA_NB_API_KEY=<a key>      # required by clients once set; never pass it as a flag",
               f"python -m gemma_nb serve --target neuron --artifact {ARTIFACT_DIRS['sparse']} --host 0.0.0.0 --port 8080"],

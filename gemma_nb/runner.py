@@ -31,7 +31,7 @@ from pathlib import Path
 
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import ARTIFACTS, NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
-from gemma_nb.targets import check_target
+from gemma_nb.targets import CPU_MEASUREMENT_TAG, check_target, measures_cpu
 
 
 class RunError(RuntimeError):
@@ -190,8 +190,11 @@ def _failure_message(notebook: Path, error: Exception) -> str:
 
 
 def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, progress: bool) -> None:
+    """Run one notebook with papermill; on a target that does not measure the cpu (``measures_cpu``)
+    the cells tagged ``CPU_MEASUREMENT_TAG`` are skipped (nbclient's ``skip_cells_with_tag``)."""
     import papermill
 
+    skip = {} if measures_cpu(target) else {"skip_cells_with_tag": CPU_MEASUREMENT_TAG}
     papermill.execute_notebook(
         str(notebook),
         str(staging / notebook.name),
@@ -200,6 +203,7 @@ def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, pr
         kernel_name="python3",
         progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False,
         log_output=False,
+        **skip,
     )
 
 

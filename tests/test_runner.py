@@ -216,3 +216,28 @@ def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path
     assert (staging / "metrics" / "05_slim_deploy.json").stat().st_ino != (final / "metrics" / "05_slim_deploy.json").stat().st_ino
     (fresh_dir(linked.parent) / "model.pt").write_bytes(b"rebuilt")
     assert model.read_bytes() == b"compiled model"
+
+
+def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
+    """A neuron run spends its time on the device: the cpu measurements are skipped, the rest runs."""
+    from gemma_nb.targets import CPU_MEASUREMENT_TAG
+
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell('target = "cpu"')
+    params.metadata["tags"] = ["parameters"]
+    measured = nbformat.v4.new_code_cell("raise RuntimeError('a cpu measurement ran on ' + target)")
+    measured.metadata["tags"] = [CPU_MEASUREMENT_TAG]
+    nb.cells = [params, measured, nbformat.v4.new_code_cell("print('ran', target)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    source = tmp_path / "04_x.ipynb"
+    nbformat.write(nb, source)
+    for target in ("neuron", "cpu"):
+        staging = tmp_path / target
+        staging.mkdir()
+        if target == "cpu":
+            with pytest.raises(Exception, match="a cpu measurement ran on cpu"):
+                runner.execute_one(source, staging, target, {}, progress=False)
+            continue
+        runner.execute_one(source, staging, target, {}, progress=False)
+        executed = nbformat.read(staging / source.name, as_version=4)
+        assert executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]

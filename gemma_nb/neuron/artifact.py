@@ -166,9 +166,23 @@ class NeuronArtifact:
         return self.folder / name
 
 
-def default_artifact_dir(target: str = "neuron") -> Path:
-    """Where notebook 04 writes the artifact and notebooks 05 and 07 look for it by default."""
-    return artifacts_dir(target) / "04_neuron"
+DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
+
+
+def default_artifact_dir(target: str = "neuron", decode_experts: str = "dense") -> Path:
+    """Where notebook 04 writes the artifact of a decode path (``04_neuron_dense``, ``04_neuron_sparse``)."""
+    if decode_experts not in DECODE_PATHS:
+        raise ValueError(f"decode_experts={decode_experts!r} is not one of {', '.join(DECODE_PATHS)}")
+    return artifacts_dir(target) / f"04_neuron_{decode_experts}"
+
+
+def built_artifacts(target: str = "neuron") -> list[Path]:
+    """The artifact folders notebook 04 wrote for ``target``, dense first; ``ArtifactError`` when none."""
+    folders = [default_artifact_dir(target, d) for d in DECODE_PATHS if default_artifact_dir(target, d).is_dir()]
+    if not folders:
+        raise ArtifactError(f"no artifact under {artifacts_dir(target).name}/: run notebook 04 on the neuron target "
+                            "first (python -m gemma_nb run --target neuron --only 04), or pass -p neuron_artifacts")
+    return folders
 
 
 def artifact_labels(folders) -> dict[str, Path]:
@@ -216,7 +230,7 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     return NeuronArtifact(folder, manifest, record, text_config(folder))
 
 
-__all__ = ["export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
+__all__ = ["DECODE_PATHS", "built_artifacts", "export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
            "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
            "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
            "artifact_labels", "routed_decode_graph"]

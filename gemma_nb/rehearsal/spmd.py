@@ -11,8 +11,9 @@ Outside a rank thread a collective raises, except while a program is being trace
 
 ``Cores`` is the per-process device: ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (default 2, an
 inf2.xlarge) of ``GEMMA_NB_EMULATED_HBM_BYTES`` each (default 16 GiB). Loading a model allocates
-its weights and state on every core it uses; an allocation past the budget raises the runtime's
-allocation failure. Memory is given back only by closing the runtime (:func:`close_runtime`,
+its weights and state on every core it uses, plus ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` (default 0)
+for what the runtime holds per loaded model (its NEFF's scratchpad, I/O tensors, collectives
+buffers); an allocation past the budget raises the runtime's allocation failure. Memory is given back only by closing the runtime (:func:`close_runtime`,
 ``torch.classes.neuron.Runtime().unsafe_close()`` on the box, as NxD's own tests do between models)
 or by the process ending: dropping the Python references does not free it.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 HBM_ENV = "GEMMA_NB_EMULATED_HBM_BYTES"
+RUNTIME_ENV = "GEMMA_NB_EMULATED_RUNTIME_BYTES"
 CORES_ENV = "GEMMA_NB_EMULATED_NEURON_CORES"
 DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
 DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
@@ -161,13 +163,15 @@ class Cores:
 
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
+    runtime_bytes: int = 0  # per loaded model and core
     held: dict = field(default_factory=dict)  # model id -> bytes per core (list)
     models: list = field(default_factory=list)  # loaded models, told when the runtime closes
 
     @classmethod
     def from_env(cls) -> Cores:
         return cls(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
-                   hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)))
+                   hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
+                   runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
 
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
@@ -181,6 +185,7 @@ class Cores:
         self.release(model)  # initialising a loaded model again replaces its allocation
         per_core = [0] * self.count
         for rank, need in enumerate(bytes_per_core):
+            need += self.runtime_bytes
             core = start_rank + rank
             if self.used(core) + need > self.hbm_bytes:
                 raise AllocationError(
