@@ -104,9 +104,9 @@ def disk_needs(config, record: dict) -> dict:
 
     ``record``: ``rehearsal.json`` (``make rehearse``: both builds of the bundled TP=2 checkpoint,
     their artifact files and compiler workdir on disk, and that checkpoint's device weight and
-    embedding bytes). Each build is scaled to ``config``: ``model.pt`` and the compiler workdir (the
-    sharded weights) by the device weight bytes, the host embedding file by the embedding table,
-    the small files as measured. Returns ``builds`` (per decode path: ``artifact_bytes``,
+    embedding table bytes). Each build is scaled to ``config``: ``model.pt`` and the compiler workdir
+    (the sharded weights) by the device weight bytes, the host embedding file by the embedding table
+    (bf16 from the hub), the small files as measured. Returns ``builds`` (per decode path: ``artifact_bytes``,
     ``compiler_workdir_bytes``), ``checkpoint_bytes`` (the text weights in bf16),
     ``compile_disk_bytes`` (checkpoint + every build and its workdir) and ``serve_disk_bytes``
     (every build's artifact folder, the workdir left behind).

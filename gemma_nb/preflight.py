@@ -187,7 +187,9 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m in devices if c)
     emulated = " (emulated NeuronCores)" if _emulated_devices(text) else ""
-    detail = f"{cores} NeuronCores{emulated}, {hbm_per_core / GiB:.3g} GiB HBM per core"
+    hbm_gib = hbm_per_core / GiB
+    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:.1f} GiB HBM per core" if hbm_gib >= 1 else \
+        f"{cores} NeuronCores{emulated}, {hbm_gib:.3g} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")

@@ -171,7 +171,8 @@ def _launch_install_preflight(f: dict) -> str:
 - AMI: the AWS "{DLAMI}" **of the Neuron SDK 2.31 release**, picked by name and
   release: the Neuron SDK 2.31 driver, runtime, `neuron-ls`, and a virtual environment at
   `/opt/aws_neuronx_venv_pytorch_2_9`. Later Neuron DLAMIs no longer ship torch-neuronx for PyTorch 2.9
-  (2.32 dropped it; PyTorch 2.9 images are not published after 2.31), and the newest AMI is not the one.
+  (2.32 dropped it; PyTorch 2.9 images are not published after 2.31: `docs/sources.md`, `neuron-dlami`),
+  so the newest AMI is not the one.
 - Compile box: {COMPILE_BOX}, an EBS volume of at least {f['compile_disk_gb']} GB: the checkpoint's text
   weights in bf16 ({f['checkpoint_gb']:.1f} GB; the hub folder also holds the vision and audio towers: add their
   size), {_disk_words(f)}, and the swap file, plus the AMI's own root

@@ -20,11 +20,12 @@ from gemma_nb.neuron import build as B  # noqa: E402
 from gemma_nb.neuron import deploy as ND  # noqa: E402
 from gemma_nb.neuron import sdk  # noqa: E402
 from gemma_nb.rehearsal import nxd_model, spmd  # noqa: E402
-from gemma_nb.rehearsal.rehearse import SDK_PATH  # noqa: E402
+from gemma_nb.neuron.runs import SMOKE_SHAPES  # noqa: E402
+from gemma_nb.rehearsal.rehearse import SDK_PATH, emulated_hbm_bytes  # noqa: E402
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-MAX_LEN, BUCKET = 32, 8
+MAX_LEN, BUCKET = SMOKE_SHAPES["max_len"], SMOKE_SHAPES["bucket"]  # the smoke run's shapes
 EMULATED_MODULES = ("neuronx_distributed", "torch_neuronx", sdk.FX_MODULE)
 
 
@@ -113,6 +114,31 @@ def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, 
         graph(*B.example_inputs(B.text_config(TP2_CHECKPOINT_DIR), B.NeuronBuildConfig("m", "o", max_len=MAX_LEN,
                                                                                       bucket=BUCKET), 1))
     assert ND.load_artifact(root / "sparse").model.nxd_model.loaded
+
+
+def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, emulated_sdk):
+    """As one 26B build fills most of a real NeuronCore, one smoke build fills most of an emulated one."""
+    from gemma_nb import memory, planner
+
+    root, _ = builds
+    hbm, runtime = emulated_hbm_bytes()
+    spmd._CORES = spmd.Cores(hbm_bytes=hbm, runtime_bytes=runtime)
+    try:
+        ND.load_artifact(root / "dense")
+        assert spmd.cores().used(0) <= hbm  # preflight's plan fits it too:
+        assert memory.plan(B.text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME).total_bytes <= hbm
+        with pytest.raises(spmd.AllocationError, match="status=4 Allocation Failure"):
+            ND.load_artifact(root / "sparse")
+    finally:
+        spmd.close_runtime()
+
+
+def test_the_emulation_is_not_importable_outside_the_rehearsal():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import neuronx_distributed"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 1 and "No module named 'neuronx_distributed'" in done.stderr
 
 
 def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds, cores):

@@ -156,6 +156,7 @@ def builds_record(serving: Path) -> dict:
         compiled = json.loads((SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text())
         builds[artifact.record["build"]["decode_experts"]] = {
             "decode_experts": artifact.record["build"]["decode_experts"], "routed_graphs": artifact.record["routed_graphs"],
+            "routed_by_the_emulated_runtime": routed(folder),
             "graphs": artifact.graphs, "compiler_args": artifact.record["build"]["compiler_args"], "sdk": artifact.record["sdk"],
             "artifact_files_bytes": artifact.manifest["files"], "artifact_bytes": sum(artifact.manifest["files"].values()),
             "compiler_workdir_bytes": compiled["compiler_workdir_bytes"], "answer": answers[folder.name]}
@@ -175,13 +176,32 @@ def built_artifacts_in(folder: Path, built_artifacts) -> list[Path]:
 
 
 def scale_figures() -> dict:
-    """What the planner scales the builds by (``planner.disk_needs``), for the smoke run's checkpoint."""
-    from gemma_nb.neuron.checkpoint import text_config
+    """What the planner scales the builds by (``planner.disk_needs``), for the smoke run's checkpoint:
+    its device weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)."""
+    from gemma_nb.neuron.checkpoint import read_hf_state, text_config
     from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 
     config = text_config(TP2_CHECKPOINT_DIR)
+    table = read_hf_state(TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight")
+    table = table["model.embed_tokens.weight"]
     return {"model_id": BUNDLED_TP2_ID, "scale": {"device_weight_bytes": planner.device_weight_bytes(config),
-                                                  "embedding_table_bytes": 2 * config.vocab_size * config.hidden_size}}
+                                                  "embedding_table_bytes": table.numel() * table.element_size()}}
+
+
+def routed(folder: Path) -> dict:
+    """The graph the emulated runtime's router reaches in ``folder``'s ``model.pt`` for a prefill and a
+    decode call (measured, beside the build record's ``routed_graphs``)."""
+    import torch
+
+    from gemma_nb.neuron.artifact import read_artifact
+    from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
+    from gemma_nb.rehearsal import nxd_model
+
+    artifact = read_artifact(folder)
+    build = NeuronBuildConfig(**artifact.record["build"])
+    executor = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt")))
+    return {kind: executor.nxd_model.router(example_inputs(artifact.config, build, tokens))[0]
+            for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
 
 
 def disk_drift(record: dict, committed: dict | None) -> list[str]:
