@@ -137,14 +137,14 @@ measured ones (`gemma_nb.story`); GB = 10^9 bytes.
 
 | step | box | time | cost |
 |---|---|---|---|
-| compile the 26B twice: the port's dense decode and the sparse fix | {COMPILE_BOX} (${f['compile_usd_h']:.4f}/h) | {f['builds']} x {f['compile_min']:g} min (the port's, per build) | ${f['compile_usd']:.2f} |
+| compile the 26B twice (dense decode, sparse) | {COMPILE_BOX} (${f['compile_usd_h']:.4f}/h) | {f['builds']} x {f['compile_min']:g} min (the port's) | ${f['compile_usd']:.2f} |
 | cold start: fresh instance to ready | {SERVE_BOX} (${f['serve_usd_h']:.4f}/h) | {f['cold_start_s']:g} s, of which NEFF load {f['neff_load_s']:g} s | ${f['cold_start_usd']:.2f} |
-| the longest answer the shipped build holds ({f['answer_tokens']} tokens) at the port's {f['decode_tok_s']:g} tok/s (DenseExperts) | {SERVE_BOX} | {f['answer_s']:.0f} s | ${f['usd_per_m_tokens']:.2f} per million tokens |
+| longest answer, {f['answer_tokens']} tokens, at {f['decode_tok_s']:g} tok/s (DenseExperts) | {SERVE_BOX} | {f['answer_s']:.0f} s | ${f['usd_per_m_tokens']:.2f} per M tokens |
 | serving, a whole day | {SERVE_BOX} | 24 h | ${f['serve_day_usd']:.2f} |
 | tiny smoke run (step 4) | either | not measured here | the box's $/h |
 
-The shipped build's KV cache holds {f['max_len']} tokens, a full prefill bucket {f['bucket']} of them: an answer has
-at most {f['answer_tokens']} tokens (the write-up's 500-token answer in {f['answer_500_s']:.0f} s would need a longer cache).
+The longest answer is the shipped build's: its KV cache holds {f['max_len']} tokens, a full prefill bucket
+{f['bucket']} of them, so an answer has at most {f['answer_tokens']} tokens (the write-up's 500-token answer in {f['answer_500_s']:.0f} s would need a longer cache).
 
 The planner's figures for the 26B (`python -m gemma_nb plan gemma_nb/configs/gemma4_26b_a4b.json`):
 {f['per_rank_gb']:.2f} GB per NeuronCore at TP=2 with the int8 squeeze and a 512-token KV cache,

@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from gemma_nb.neuron import build as B  # noqa: E402
 from gemma_nb.neuron import deploy as ND  # noqa: E402
 from gemma_nb.neuron import sdk  # noqa: E402
-from gemma_nb.rehearsal import nxd_model, spmd  # noqa: E402
 from gemma_nb.neuron.runs import SMOKE_SHAPES  # noqa: E402
+from gemma_nb.rehearsal import nxd_model, spmd  # noqa: E402
 from gemma_nb.rehearsal.rehearse import SDK_PATH, emulated_hbm_bytes  # noqa: E402
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR  # noqa: E402
 

@@ -29,7 +29,7 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
     # 180 GB on a 128 GiB box: 42.6 GB = 39.7 GiB short
     assert f["compile_swap_gib"] == 40 and f["serve_swap_gib"] == 0
     text = runbook.render()
-    for stated in (f"${f['compile_usd']:.2f}", f"${f['cold_start_usd']:.2f}", f"${f['usd_per_m_tokens']:.2f} per million",
+    for stated in (f"${f['compile_usd']:.2f}", f"${f['cold_start_usd']:.2f}", f"${f['usd_per_m_tokens']:.2f} per M tokens",
                    f"{f['per_rank_gb']:.2f} GB per NeuronCore", f"headroom {f['headroom_gb']:+.2f} GB"):
         assert stated in text
 
