@@ -1,36 +1,38 @@
 """NxDModel, its saved artifact and torch.jit.load, emulated on the emulated NeuronCores.
 
-Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py``, ``trace/spmd.py``,
-``trace/model_builder_v2.py``, ``trace/nxd_model/nxd_model.py``, ``trace/functions.py``:
+Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py`` (``build_nxd_model``),
+``trace/spmd.py`` (``NxDModel``, ``StateInitializer``), ``trace/nxd_model/nxd_model.py``:
+``NxDModel`` routes a call by its inputs' shapes, ``str([list(t.shape) for t in inputs])``, one entry
+per traced shape, the last graph added winning; an unknown shape is a ``ValueError`` naming the known
+ones; a call before ``initialize`` / ``initialize_with_saved_weights`` raises "This model is not
+initialized". The device state (the aliased parameters) starts at zeros on every rank; aliased
+outputs stay on the device as that state, the others come back (rank 0's).
 
-- v1 ``ModelBuilder(router, tp_degree, checkpoint_loader, compiler_workdir=...)``: ``add(key,
-  instance, example_inputs, compiler_args)`` completes the flags as NxD's
-  ``append_default_compiler_flags`` does (``--auto-cast=none`` when there is none, a warning for any
-  other value, ``-O1``, ``--verbose=35``); ``shard_checkpoint(serialize_path)`` loads the first
-  instance under ``init_on_device(meta, force_custom_init_on_device=True)`` and cuts the
-  checkpoint per rank (``gemma_nb.rehearsal.sharding``), writing ``tp{rank}_sharded_checkpoint.safetensors``;
-  ``trace(initialize_model_weights=True)`` empties the workdir, loads every instance (its
-  ``load_module``) and traces it, shards the checkpoint into the workdir, builds the NxDModel,
-  initialises it with those weights **on the NeuronCores** and returns the executor, which
-  ``torch.jit.save`` writes with the weights inside.
-- ``NxDModel`` routes a call by its inputs' shapes, ``str([list(t.shape) for t in inputs])``, one
-  entry per traced shape, the last graph added winning; an unknown shape is a ``ValueError`` naming
-  the known ones; a call before ``initialize`` / ``initialize_with_saved_weights`` raises "This
-  model is not initialized". Aliased outputs stay on the device as state; the others come back.
-- v2 ``ModelBuilder(model).trace(args, kwargs, tag).compile(...) -> NxDModel`` with
-  ``set_weights(per-rank checkpoints)``, ``to_neuron()``, ``model(*args)`` ("Model not initialized.
-  Call set_weights() followed by to_neuron()" before), and ``shard_checkpoint(checkpoint, model)``.
+Where the emulated SDK differs from the Neuron SDK (the layers' own differences are listed in
+``gemma_nb.rehearsal.standins``):
 
-What differs, by necessity: no HLO, no neuronx-cc and no NEFF. A graph is the module traced with
-``torch.jit.trace`` (weights and state as inputs, buffers as constants, the collectives as
-``nxd_emulated::*`` ops) and run by ``gemma_nb.rehearsal.spmd`` on one thread per core. The saved
-artifact is a TorchScript archive holding those programs and each rank's weights; the real SDK's
-archive holds NEFFs inside ``torch.classes.neuron.SPMDModel`` objects, which a Python emulation
-cannot define, so importing the emulated ``neuronx_distributed.trace.model_builder`` (what the
-deploy does before ``torch.jit.load`` on the box, to register those classes) makes
-``torch.jit.load`` return the emulated executor for such an archive; without that import the
-archive does not load at all (its ops are unknown), as on the box. The input dtypes a graph was
-traced with are enforced (assumed of the runtime, not read in the source).
+6. No HLO, no neuronx-cc, no NEFF: a graph is the module traced with ``torch.jit.trace`` (weights and
+   state as inputs, buffers as constants, collectives as ``nxd_emulated::*`` ops) and run by
+   ``gemma_nb.rehearsal.spmd`` on one thread per core, on the cpu, in the module's own dtype. So no
+   compiler flag has an effect (``--auto-cast`` included; notebook 05's bf16 router check casts the
+   softmax itself), and nothing here says the HLO compiles, fits or runs fast.
+7. The saved ``model.pt`` is a TorchScript archive of those programs and each rank's weights; the
+   real one holds NEFFs in ``torch.classes.neuron.SPMDModel`` objects, C++ classes a Python
+   emulation cannot define. Importing the emulated ``neuronx_distributed.trace.model_builder`` (the
+   import the deploy makes before ``torch.jit.load`` on the box, to register those classes) makes
+   ``torch.jit.load`` return the emulated executor for such an archive; without the import the
+   archive does not load (its ops are unknown), as on the box. Likewise importing the emulated
+   ``torch_neuronx`` sets ``torch.classes.neuron.Runtime``.
+8. Input dtypes: a call with another dtype than the graph was traced with raises (assumed of the
+   runtime, not read in the source; it is what caught the int64 positions).
+9. HBM: a per-process count of each loaded model's weights, state and the runtime's per-model
+   allowance (the planner's), freed only by ``Runtime().unsafe_close()`` or the process's end; the
+   real runtime's allocation is the compiler's and the driver's, and whether dropping every
+   reference unloads a model is not documented (NxD's tests close the runtime between models, as
+   this repository's deploy does).
+10. ModelBuilder: no bucketing, priority model, weight layout optimisation or dry run (each raises
+    ``TypeError`` when asked for); v2 only as the lm_head and the trials use it.
+11. ``neuron-ls --json-output`` is a script printing the emulated cores (``"emulated": true``).
 """
 
 from __future__ import annotations
