@@ -243,9 +243,8 @@ def test_training_script_is_deterministic(tmp_path):
 def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     from gemma_nb.export import layer_kv_heads
     from gemma_nb.modelio import resolve_model_id
-    from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR, TP2_DIMS
-
     from gemma_nb.neuron.checkpoint import read_hf_state, text_config
+    from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR, TP2_DIMS
     from gemma_nb.tiny.hub_layout import INDEX_FILE
 
     folder = resolve_model_id(BUNDLED_TP2_ID)

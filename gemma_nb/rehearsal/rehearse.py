@@ -146,12 +146,12 @@ class Rehearsal:
 
 def builds_record(serving: Path) -> dict:
     """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the compile box, answer."""
-    from gemma_nb.neuron.artifact import built_artifacts, read_artifact
+    from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
 
     answers = {row["build"]: row["completion"]
                for row in json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"]["neuron"]}
     builds = {}
-    for folder in built_artifacts_in(serving, built_artifacts):
+    for folder in (serving / "artifacts" / f"04_neuron_{decode}" for decode in DECODE_PATHS):
         artifact = read_artifact(folder)
         compiled = json.loads((SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text())
         builds[artifact.record["build"]["decode_experts"]] = {
@@ -161,18 +161,6 @@ def builds_record(serving: Path) -> dict:
             "artifact_files_bytes": artifact.manifest["files"], "artifact_bytes": sum(artifact.manifest["files"].values()),
             "compiler_workdir_bytes": compiled["compiler_workdir_bytes"], "answer": answers[folder.name]}
     return builds
-
-
-def built_artifacts_in(folder: Path, built_artifacts) -> list[Path]:
-    previous = os.environ.get("GEMMA_NB_OUTPUT_DIR")
-    os.environ["GEMMA_NB_OUTPUT_DIR"] = str(folder)
-    try:
-        return built_artifacts("neuron")
-    finally:
-        if previous is None:
-            os.environ.pop("GEMMA_NB_OUTPUT_DIR")
-        else:
-            os.environ["GEMMA_NB_OUTPUT_DIR"] = previous
 
 
 def scale_figures() -> dict:
