@@ -66,12 +66,16 @@ def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
 
 
 def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
-    """The subprocesses' environment: the emulated SDK on the path, the budget, no hub access."""
+    """The subprocesses' environment: the emulated SDK on the path, the budget, one cpu thread per torch
+    op, no hub access, and the API key the server asks for (the runbook's ``export GEMMA_NB_API_KEY``)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join([str(SDK_PATH / "bin"), env.get("PATH", "")])
     env.update({"GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
-                "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY})
+                "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY,
+                # the emulated NeuronCores are threads of one process: each computes on one cpu thread (the
+                # tiny graphs run ~3x faster so on a 2-core box than with torch's two threads per op)
+                "OMP_NUM_THREADS": "1"})
     return env
 
 
