@@ -15,13 +15,14 @@ XLA_VENV := .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla envs run lint test test-unit test-xla test-notebooks lab clean-venv
+.PHONY: install xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
 
 install: $(STAMP)
 
-## Both environments, installed side by side (pip spends most of its time unpacking wheels).
+## Both environments (the xla one with the rehearsal's packages), installed side by side: pip spends
+## most of its time unpacking wheels.
 envs:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(XLA_STAMP)
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(REHEARSE_STAMP)
 
 ## The xla environment: pinned torch 2.9.0 / torch-xla 2.9.0 / transformers, the package without its
 ## notebook dependencies (--no-deps; envs/xla/requirements.txt lists what the lowering imports).
@@ -44,9 +45,9 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, then nbval re-executes the reference run.
+## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, nbval re-executes the reference run, the rehearsal.
 test: envs
-	@$(MAKE) --no-print-directory lint test-unit test-xla test-notebooks
+	@$(MAKE) --no-print-directory lint test-unit test-xla test-notebooks rehearse
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma_nb tests
@@ -63,6 +64,21 @@ test-xla: $(XLA_STAMP)
 # folders, never over outputs/cpu (tests/check_notebooks.py says how).
 test-notebooks: $(STAMP) $(XLA_STAMP)
 	$(PY) tests/check_notebooks.py
+
+## The rehearsal environment: .venv-xla (the SDK's torch 2.9.0 and torch-xla) plus the notebooks' packages, installed
+## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept), and the
+## openai client the rehearsal asks the server with. The stamp holds the install's seconds (rehearsal.json reports them).
+REHEARSE_STAMP := $(XLA_VENV)/.rehearsal-env
+rehearse-env: $(REHEARSE_STAMP)
+
+$(REHEARSE_STAMP): $(XLA_STAMP) envs/neuron/notebooks.txt envs/neuron/install.sh
+	@start=$$(date +%s); PYTHON=$(XLA_PY) sh envs/neuron/install.sh openai==3.57.0 && \
+		echo $$(( $$(date +%s) - start )) > $(REHEARSE_STAMP)
+
+## The runbook (docs/inf2.md) run in order against the emulated Neuron SDK, at the SDK's torch; writes
+## outputs/neuron-rehearsal/rehearsal.json (gemma_nb/rehearsal/rehearse.py).
+rehearse: $(REHEARSE_STAMP)
+	$(XLA_PY) -m gemma_nb.rehearsal
 
 ## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
 ## Notebooks run here write to outputs/interactive/, never over the reference run.

@@ -32,6 +32,8 @@ first, then the notebook's own experiment around it.
 - ``planner``, ``preflight``, ``runbook``: ``python -m gemma_nb plan | preflight | runbook`` (docs/inf2.md);
   ``plan_input`` reads a config for ``plan`` and names what it cannot model.
 - ``neuron``: the same steps on the Neuron SDK (imported only for the neuron target).
+- ``rehearsal``: the neuron steps on a cpu: NxD stand-ins, an emulation of the SDK surface, the TP=2 and
+  XLA checks, and ``make rehearse`` (``python -m gemma_nb.rehearsal``); ``neuron`` never imports it.
 
 ``python -m gemma_nb.compile_cost`` and ``python -m gemma_nb.deploy`` are the two commands a notebook
 starts in a fresh process (so their peak RSS is their own); each prints one JSON object on its last

@@ -49,6 +49,7 @@ from gemma_nb.evaluate import greedy_generate
 from gemma_nb.experts import Int8Experts
 from gemma_nb.hostmem import run_measured, self_peak_rss_bytes
 from gemma_nb.modelio import model_skeleton, quiet_loading, resolve_model_id
+from gemma_nb.paths import fresh_dir
 from gemma_nb.plots import reference_line
 from gemma_nb.quant import apply_scheme
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
@@ -108,6 +109,7 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
         return json.loads(marker.read_text())["figures"]
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=CHECKPOINT_DTYPE)
 
+    fresh_dir(folder)
     with quiet_loading():
         model.save_pretrained(folder)
     figures = {

@@ -55,6 +55,7 @@ from torch import nn
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.metrics import write_json_atomic
+from gemma_nb.paths import fresh_dir
 
 FORMAT = "gemma-nb.exported-steps/1"
 MANIFEST = "manifest.json"
@@ -457,8 +458,7 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     ``reference_tokens``: optional {"prompt": [...], "tokens": [...]} the deploy can check against.
     """
     shapes = shapes or StepShapes()
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = fresh_dir(folder)  # a partial run hard-links the previous artifacts: never write through one
     config = model.config
     sha = config_fingerprint(config)
 

@@ -68,9 +68,28 @@ def figures_dir(target: str) -> Path:
     return _sub(target, "figures")
 
 
+ARTIFACTS = "artifacts"
+
+
 def artifacts_dir(target: str) -> Path:
-    """Large files a later notebook reads (exported programs, weights). Not committed."""
-    return _sub(target, "artifacts")
+    """Large files a later notebook reads (exported programs, weights). Not committed.
+
+    A partial run (``run --only``) hard-links them from the previous run: write an artifact folder
+    with :func:`fresh_dir`, never into an existing file.
+    """
+    return _sub(target, ARTIFACTS)
+
+
+def fresh_dir(folder: Path | str) -> Path:
+    """``folder``, emptied (removed and created again): what an artifact writer starts from, so that
+    no file hard-linked from a previous run is written through."""
+    import shutil
+
+    folder = Path(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
 
 
 def display_path(path: Path | str) -> str:

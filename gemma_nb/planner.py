@@ -15,7 +15,10 @@ dense and sparse experts (``gemma_nb.decode_roofline``, notebook 07's model), an
 Host RAM for the two steps, from the same config: the compile and the deploy peaks the port
 measured for the 26B (``gemma_nb.story``: 180 GB and 11 GB) scaled by this model's bf16 weight
 bytes over the 26B's. A scaling of two measurements, not a measurement: ``preflight`` compares the
-box against it. ``--json`` prints ``plan_report``'s dict, keys in ``JSON_KEYS`` (``--help`` lists them).
+box against it. Disk for the two boxes (:func:`disk_needs`): what ``make rehearse`` measured on disk
+for the bundled TP=2 checkpoint's two builds (``docs/rehearsal.json``), scaled to this model by its
+device weight bytes and its embedding table. ``--json`` prints ``plan_report``'s dict, keys in
+``JSON_KEYS`` (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from pathlib import Path
 
 from gemma_nb import decode_roofline, memory
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
+from gemma_nb.paths import REPO_ROOT
 from gemma_nb.plan_input import read_config
 from gemma_nb.story import CLAIMS
+
+REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehearse's record, committed
 
 DEFAULT_TP = 2
 DEFAULT_SCHEME = "int8_squeeze"
@@ -87,8 +93,7 @@ def host_needs(config) -> dict:
 
     ``compile_bytes`` = the story's 180 GB compile peak x (this model's bf16 bytes / the 26B's);
     ``deploy_bytes`` likewise from the 11 GB deploy peak; ``host_embedding_bytes`` the bf16 table
-    the slim deploy keeps on the host; ``compile_disk_bytes`` twice the NEFF (26.7 GB for the 26B),
-    scaled the same way: the compiler's workdir and the saved ``model.pt`` both hold it.
+    the slim deploy keeps on the host.
     """
     reference = _bf16_weight_bytes(memory.load_gemma4_26b_config())
     ratio = _bf16_weight_bytes(config) / reference
@@ -97,10 +102,52 @@ def host_needs(config) -> dict:
         "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
         "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
         "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-        # the NEFF sits in the compiler workdir and again inside model.pt: twice the port's 26.7 GB, scaled
-        "compile_disk_bytes": int(2 * CLAIMS["neff_gb"].value * GB * ratio),
-        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB, NEFF 26.7 GB) "
-                 "scaled by bf16 weight bytes",
+        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes",
+    }
+
+
+def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
+    """Bytes of weights on all NeuronCores together (every rank's shard): what a compiled artifact holds."""
+    table = memory.plan(config, tp, scheme).table.set_index("group")
+    weights = table.drop(index=[g for g in ("kv_cache", "runtime_allowance") if g in table.index])
+    return tp * int(weights["bytes_per_rank"].sum())
+
+
+def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:
+    """``make rehearse``'s record (``rehearsal.json``), or None where there is none."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def disk_needs(config, record: dict) -> dict:
+    """Disk (bytes) for the compile box and the serving box, from a rehearsal's measured builds.
+
+    ``record``: ``rehearsal.json`` (``make rehearse``: both builds of the bundled TP=2 checkpoint,
+    their artifact files and compiler workdir on disk, and that checkpoint's device weight and
+    embedding table bytes). Each build is scaled to ``config``: ``model.pt`` and the compiler workdir
+    (the sharded weights) by the device weight bytes, the host embedding file by the embedding table
+    (bf16 from the hub), the small files as measured. Returns ``builds`` (per decode path: ``artifact_bytes``,
+    ``compiler_workdir_bytes``), ``checkpoint_bytes`` (the text weights in bf16),
+    ``compile_disk_bytes`` (checkpoint + every build and its workdir) and ``serve_disk_bytes``
+    (every build's artifact folder, the workdir left behind).
+    """
+    scale = record["scale"]
+    device = device_weight_bytes(config) / scale["device_weight_bytes"]
+    embedding = 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]
+    builds = {}
+    for name, build in record["builds"].items():
+        files = build["artifact_files_bytes"]
+        scaled = sum(size * (device if file == "model.pt" else embedding if file == "embed_tokens.safetensors" else 1)
+                     for file, size in files.items())
+        builds[name] = {"artifact_bytes": int(scaled), "compiler_workdir_bytes": int(build["compiler_workdir_bytes"] * device)}
+    checkpoint = _bf16_weight_bytes(config)
+    return {
+        "builds": builds,
+        "checkpoint_bytes": checkpoint,
+        "compile_disk_bytes": checkpoint + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
+        "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
+        "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, scaled by "
+                 "device weight bytes and the embedding table",
     }
 
 

@@ -7,18 +7,20 @@ blocker and its fix. Checks, in order:
    transformers-5 ``transformers.utils.fx`` problem is detected, worked around and said, never
    reported as "SDK missing");
 2. ``versions``: installed Neuron packages against the pins in ``envs/neuron/requirements.txt``
-   (a difference is a warning: the pins are what the repo was written against);
+   (a difference is a warning: the pins are what the repo was written against; a local version
+   label, ``2.9.0.2.15.32035+0f2a1b3c`` as the Neuron wheels report, is not a difference);
 3. ``neuron_cores``: NeuronCores and HBM per core from ``neuron-ls --json-output``, against the TP
    degree and the planner's bytes per rank;
 4. ``host_memory``: RAM + swap against what the step needs (``compile`` or ``deploy``: the
    planner's host figures, ``gemma_nb.planner.host_needs``, plus this process's own RSS);
-5. ``disk``: free space where the artifact goes, against what a compile writes;
+5. ``disk``: free space where the outputs go, against what the step writes (the planner's scaling of
+   ``make rehearse``'s measured builds, ``docs/rehearsal.json``: the runbook's figure);
 6. ``model``: the model folder complete (config, tokenizer, every shard the safetensors index
    names), or, for a hub id, HF_TOKEN set (its value is never printed);
 7. ``artifact``: the artifact folder valid against its manifest (``gemma_nb.neuron.artifact``).
 
-``--target cpu`` skips the neuron checks. Every system query goes through ``System``, so the tests
-run each check on fakes.
+``--target cpu`` skips the neuron checks. With ``make rehearse``'s emulated SDK every neuron check
+says "emulated". Every system query goes through ``System``, so the tests run each check on fakes.
 """
 
 from __future__ import annotations
@@ -125,10 +127,17 @@ def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
     return pins
 
 
-def check_versions(system: System, pins: Mapping[str, str] | None = None) -> Check:
+def public_version(version: str | None) -> str | None:
+    """A version without its local label (``+...``): what a pin names."""
+    return None if version is None else version.split("+", 1)[0]
+
+
+def check_versions(system: System, pins: Mapping[str, str] | None = None, emulated: bool = False) -> Check:
+    if emulated:
+        return Check("versions", SKIP, "emulated SDK: no Neuron wheels here; the versions are checked on the box")
     pins = pinned_versions() if pins is None else pins
     found = {name: system.package_version(name) for name in pins}
-    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if found[n] != v]
+    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if public_version(found[n]) != v]
     if not differ:
         return Check("versions", OK, f"{len(pins)} packages as pinned in envs/neuron/requirements.txt")
     return Check("versions", WARN, "; ".join(differ),
@@ -177,7 +186,10 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
     if not cores:
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m in devices if c)
-    detail = f"{cores} NeuronCores, {hbm_per_core / GiB:.1f} GiB HBM per core"
+    emulated = " (emulated NeuronCores)" if _emulated_devices(text) else ""
+    hbm_gib = hbm_per_core / GiB
+    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:.1f} GiB HBM per core" if hbm_gib >= 1 else \
+        f"{cores} NeuronCores{emulated}, {hbm_gib:.3g} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
@@ -185,6 +197,11 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
                      "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG")
     return Check("neuron_cores", OK, detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""))
+
+
+def _emulated_devices(text: str) -> bool:
+    devices = json.loads(text)
+    return isinstance(devices, list) and any(d.get("emulated") for d in devices if isinstance(d, dict))
 
 
 def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
@@ -208,7 +225,8 @@ def check_disk(system: System, path: str, need_bytes: int) -> Check:
     detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
     if free >= need_bytes:
         return Check("disk", OK, detail)
-    return Check("disk", FAIL, detail, "grow the EBS volume (the runbook uses 500 GB) or point --artifact elsewhere")
+    return Check("disk", FAIL, detail, f"grow the EBS volume to at least {-(-need_bytes // GB)} GB (the runbook's "
+                 "figure for this step, docs/inf2.md step 1) or point --artifact elsewhere")
 
 
 def check_model(system: System, model_id: str) -> Check:
@@ -278,10 +296,15 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
     return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
 
 
-def run_checks(target: str, model_id: str | None = None, artifact: str | None = None, step: str | None = None,
+def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one."""
+    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one.
+
+    ``artifact``: an artifact folder, or several (each build's), each checked against its manifest.
+    """
     check_target_name(target)
+    artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
+    artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
     if step not in STEPS:
@@ -291,17 +314,26 @@ def run_checks(target: str, model_id: str | None = None, artifact: str | None = 
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)
-        checks += [sdk, check_versions(system) if sdk.status == OK else Check("versions", SKIP, "SDK not importable"),
-                   check_neuron_cores(system, tp, bytes_per_rank)]
+        emulated = sdk.detail.startswith("emulated SDK")
+        checks += [sdk, check_versions(system, emulated=emulated) if sdk.status == OK
+                   else Check("versions", SKIP, "SDK not importable"), check_neuron_cores(system, tp, bytes_per_rank)]
     checks += model_checks
     needs = planner.host_needs(config) if config is not None else None
     need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))
-    disk_need = needs["compile_disk_bytes"] if needs is not None and step == "compile" else 0
-    checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need))
-    if artifact:
-        checks.append(check_artifact(artifact))
+    checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need(config, step)))
+    for folder in artifacts:
+        checks.append(check_artifact(str(folder)))
     return checks
+
+
+def disk_need(config, step: str, record: dict | None = None) -> int:
+    """What ``step`` writes for ``config`` (``planner.disk_needs`` of the rehearsal record; 0 without one)."""
+    record = planner.rehearsal_record() if record is None else record
+    if config is None or record is None:
+        return 0
+    needs = planner.disk_needs(config, record)
+    return needs["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
 
 
 def first_blocker(checks: list[Check]) -> Check | None:
@@ -325,7 +357,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="neuron", help="neuron (default) or cpu")
     parser.add_argument("--model-id", default=None, help="the checkpoint folder (or hub id) to compile or serve "
                                                          "(default: the target's bundled checkpoint)")
-    parser.add_argument("--artifact", default=None, help="a compiled artifact folder to check (implies --step deploy)")
+    parser.add_argument("--artifact", action="append", default=None,
+                        help="a compiled artifact folder to check (implies --step deploy); repeat it for each build")
     parser.add_argument("--step", default=None, choices=STEPS, help="which host budget to check (default: compile "
                                                                     "without --artifact, deploy with it)")
     parser.add_argument("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")

@@ -5,7 +5,7 @@
 the caller; a rank that raises or dies makes the call raise :class:`TPJobError` naming the rank
 and the reason, within a bounded time. Worker functions must be importable (defined in a module,
 not in a notebook) because spawn pickles them by name. Notebook 03 (``gemma_nb.parallel``'s jobs)
-and the neuron TP=2 emulation (``gemma_nb.neuron.emulate``) run on it.
+and the neuron TP=2 emulation (``gemma_nb.rehearsal.emulate``) run on it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ notebook succeeded, so a failed or interrupted run (Ctrl-C or SIGTERM) never des
 outputs. A failed run is kept as ``outputs/.<target>.failed/`` for inspection; the temporary
 folder of a run whose process died without cleaning up (``kill -9``) is removed by the next run.
 ``--only`` reruns some notebooks on top of a copy of the previous outputs (later notebooks read
-what earlier ones wrote).
+what earlier ones wrote); the files under ``artifacts/`` (compiled models, tens of GB for the 26B)
+are hard links in that copy, not copies.
 
 Parameters (``-p NAME VALUE``) must be ones the selected notebooks declare in their
 ``parameters`` cell: a typo is an error, not a warning papermill prints and the run ignores.
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemma_nb.metrics import write_json_atomic
-from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
-from gemma_nb.targets import REFERENCE_KERNELS, check_target
+from gemma_nb.paths import ARTIFACTS, NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
+from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, check_target, measures_cpu
 
 
 class RunError(RuntimeError):
@@ -143,12 +144,27 @@ def _raise_terminated(signum, _frame):
 
 
 def _copy_previous(previous: Path, staging: Path) -> None:
-    """Start a partial run from a full copy of the previous outputs.
+    """Start a partial run from the previous outputs: files under ``artifacts/`` hard-linked, the rest copied.
 
-    A copy, not hard links: notebooks rewrite files in place (figures, executed copies), and a
-    shared inode would let a failed partial run change the outputs it was meant to protect.
+    Notebooks rewrite their figures, metrics and executed copies in place, so those are copied: a
+    shared inode would let a failed partial run change the outputs it was meant to protect. The
+    artifacts are what a second copy cannot afford (the 26B's compiled model is ~27 GB per build,
+    twice on a serving box that has room for it once): every writer of an artifact folder starts it
+    afresh (``gemma_nb.paths.fresh_dir``), so a linked file is replaced, never written through.
+    A filesystem without hard links gets copies.
     """
-    shutil.copytree(previous, staging)
+    artifacts = previous / ARTIFACTS
+
+    def link_or_copy(source, target):
+        if Path(source).is_relative_to(artifacts):
+            try:
+                os.link(source, target)
+                return target
+            except OSError:
+                pass
+        return shutil.copy2(source, target)
+
+    shutil.copytree(previous, staging, copy_function=link_or_copy)
 
 
 def _scrub_metadata(executed: Path) -> None:
@@ -175,8 +191,11 @@ def _failure_message(notebook: Path, error: Exception) -> str:
 
 
 def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, progress: bool) -> None:
+    """Run one notebook with papermill; on a target that does not measure the cpu (``measures_cpu``)
+    the cells tagged ``CPU_MEASUREMENT_TAG`` are skipped (nbclient's ``skip_cells_with_tag``)."""
     import papermill
 
+    skip = {} if measures_cpu(target) else {"skip_cells_with_tag": CPU_MEASUREMENT_TAG}
     papermill.execute_notebook(
         str(notebook),
         str(staging / notebook.name),
@@ -185,6 +204,7 @@ def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, pr
         kernel_name="python3",
         progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False,
         log_output=False,
+        **skip,
     )
 
 

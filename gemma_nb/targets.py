@@ -78,6 +78,19 @@ def check_target(target: str) -> str:
     return target
 
 
+# Cells tagged so are the notebooks' cpu measurements (sweeps, timings, cpu deploys, quantization
+# quality, the TP=2 gloo emulation): the runner skips them on the neuron target (measures_cpu).
+CPU_MEASUREMENT_TAG = "cpu-measurement"
+
+
+def measures_cpu(target: str) -> bool:
+    """Whether a run for ``target`` executes the notebooks' cpu measurements (cells tagged
+    ``CPU_MEASUREMENT_TAG``): every target but neuron. A neuron run spends its time on the device
+    and skips them; the committed cpu reference run (``outputs/cpu/``) holds them. Each notebook
+    says so above its first such cell."""
+    return check_target_name(target) != "neuron"
+
+
 def torch_device(target: str) -> str:
     """The torch device string the cpu and cuda targets compute on.
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gemma_nb.serving import serve
 from gemma_nb.__main__ import main as cli
+from gemma_nb.serving import serve
 
 
 def test_preflight_refuses_tp_zero(capsys):

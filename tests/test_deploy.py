@@ -145,27 +145,34 @@ def test_neuron_module_cpu_variant_decodes_like_eager():
 
 
 def test_neuron_checkpoint_layout_reproduces_the_experts():
-    """convert_checkpoint's rank-major experts: each rank's contiguous half holds the I/2 slice of every
-    expert, and the dense-experts math summed over the two ranks equals transformers' experts."""
+    """convert_checkpoint's experts: NxD's expert-major int8 layout ([E, H, 2I] and [E, I, H], one fp32
+    scale per expert and output channel), the same for any TP degree; the stride-2 split gives each
+    rank its slice of the gate half and of the up half, and the math summed over two ranks equals
+    transformers' experts."""
     from transformers.activations import ACT2FN
 
     from gemma_nb.neuron.build import convert_checkpoint
+    from gemma_nb.rehearsal.sharding import local_slice
 
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), seed=2, dtype=torch.float32)
     config = model.config
     state = convert_checkpoint(model.state_dict(), config, tp=2)
     assert state["lm.lm_head.weight"].dtype == torch.int8 and "lm.model.embed_tokens.weight" not in state
     assert state["lm.model.layers.0.mlp.gate_proj.weight"].dtype == torch.int8
-    assert not any(key.endswith(".rank") for key in state)  # rank-major: no rank id in the graph
+    assert not any(key.endswith(".rank") for key in state)  # no rank id in the graph
     e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     base = "lm.model.layers.0.experts"
-    gate_up = state[f"{base}.gate_up.weight"].float() * state[f"{base}.gate_up.scale"]  # [E*2I, H]
-    down = state[f"{base}.down.weight"].float() * state[f"{base}.down.scale"]  # [H, E*I]
+    assert state[f"{base}.gate_up.weight"].shape == (e, h, 2 * i) and state[f"{base}.gate_up.scale"].shape == (e, 1, 2 * i)
+    assert state[f"{base}.down.weight"].shape == (e, i, h) and state[f"{base}.down.scale"].shape == (e, 1, h)
+    assert {k: v.shape for k, v in convert_checkpoint(model.state_dict(), config, tp=1).items()} == \
+        {k: v.shape for k, v in state.items()}
+    gate_up = state[f"{base}.gate_up.weight"].float() * state[f"{base}.gate_up.scale"]  # [E, H, 2I]
+    down = state[f"{base}.down.weight"].float() * state[f"{base}.down.scale"]  # [E, I, H]
     source = model.model.layers[0].experts
-    for rank in range(2):  # rank 1's gate rows of expert 3 are rows I/2..I of that expert's gate
-        rows = gate_up.chunk(2, dim=0)[rank].view(e, 2, i // 2, h)
-        expected = source.gate_up_proj[3, rank * i // 2:(rank + 1) * i // 2]
-        assert (rows[3, 0] - expected).abs().max() <= expected.abs().max() / 100
+    for rank in range(2):  # rank 1's gate columns of expert 3 are gate rows I/2..I of that expert
+        mine = local_slice(gate_up, rank, 2, dim=2, stride=2)
+        expected = source.gate_up_proj[3, rank * i // 2:(rank + 1) * i // 2].T
+        assert (mine[3, :, : i // 2] - expected).abs().max() <= expected.abs().max() / 100
     torch.manual_seed(0)
     x = torch.randn(3, h)
     index = torch.stack([torch.randperm(e)[: config.top_k_experts] for _ in range(3)])
@@ -173,19 +180,22 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
     dense = torch.zeros(3, e).scatter(1, index, weights)
     ours = 0
     for rank in range(2):
-        gate_up_rank = (x @ gate_up.chunk(2, dim=0)[rank].T).view(3, e, 2, i // 2)
-        hidden = ACT2FN[config.hidden_activation](gate_up_rank[:, :, 0]) * gate_up_rank[:, :, 1] * dense[..., None]
-        ours = ours + hidden.reshape(3, e * i // 2) @ down.chunk(2, dim=1)[rank].T
+        gate, up = (torch.einsum("th,ehi->eti", x, local_slice(gate_up, rank, 2, dim=2, stride=2))).chunk(2, dim=-1)
+        hidden = ACT2FN[config.hidden_activation](gate) * up  # [E, T, I/2]
+        out = torch.einsum("eti,eih->eth", hidden, local_slice(down, rank, 2, dim=1, stride=1))
+        ours = ours + (out * dense.T[..., None]).sum(0)
     expected = source(x, index, weights)
     assert (ours - expected).norm() / expected.norm() < 0.02
+    with pytest.raises(ValueError, match="moe_intermediate_size=64 is not divisible by tp=3"):
+        convert_checkpoint(model.state_dict(), config, tp=3)
 
 
 def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     """The NxD swaps with the cpu stand-ins at TP=1: the module's state-dict names and shapes are
     exactly the ones convert_checkpoint writes, and the model decodes close to the eager one."""
     from gemma_nb.neuron import build as B
-    from gemma_nb.neuron import standins
     from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+    from gemma_nb.rehearsal import standins
 
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32)
     build = B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=1,
@@ -209,7 +219,7 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
 
 
 def test_hub_checkpoint_keys_map_to_the_text_model():
-    from gemma_nb.neuron.build import text_key
+    from gemma_nb.neuron.checkpoint import text_key
 
     assert text_key("model.language_model.layers.3.experts.down_proj") == "model.layers.3.experts.down_proj"
     assert text_key("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"

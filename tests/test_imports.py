@@ -74,3 +74,13 @@ def test_every_module_imports_in_a_fresh_interpreter_in_random_orders():
         done = subprocess.run([sys.executable, "-c", script, json.dumps(order)], capture_output=True, text=True,
                               env=env, timeout=300)
         assert done.returncode == 0, f"order (seed {seed}) starting {order[:5]}:\n{done.stderr[-3000:]}"
+
+
+def test_the_neuron_package_never_imports_the_rehearsal():
+    """gemma_nb.rehearsal imports gemma_nb.neuron to prove it; the other way round would ship the
+    emulation into the box's code path."""
+    for path in (PACKAGE_DIR / "neuron").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(name.startswith("gemma_nb.rehearsal") for name in imported), path.name

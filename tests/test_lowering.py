@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma_nb.neuron import lowering
+from gemma_nb.rehearsal import lowering
 
 # A small HLO module in torch-xla's text form: a reduction sub-computation and an entry with a
 # gather, a tuple-shaped instruction and the ROOT tuple.
@@ -23,7 +23,8 @@ ENTRY %IrToHlo.20 (p0.1: f32[8,4], p1.2: s64[2]) -> (f32[4]) {
   %p0.1 = f32[8,4]{1,0} parameter(0)
   %p1.2 = s64[2]{0} parameter(1)
   %reshape.3 = s64[2,1]{1,0} reshape(s64[2]{0} %p1.2)
-  %gather.4 = f32[2,4]{1,0} gather(f32[8,4]{1,0} %p0.1, s64[2,1]{1,0} %reshape.3), offset_dims={1}, slice_sizes={1,4}
+  %gather.4 = f32[2,4]{1,0} gather(f32[8,4]{1,0} %p0.1, s64[2,1]{1,0} %reshape.3), offset_dims={1}, \
+collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}
   %pair.5 = (f32[2,4]{1,0}, s64[2]{0}) tuple(f32[2,4]{1,0} %gather.4, s64[2]{0} %p1.2)
   %get-tuple-element.6 = f32[2,4]{1,0} get-tuple-element((f32[2,4]{1,0}, s64[2]{0}) %pair.5), index=0
   %constant.7 = f32[] constant(0)
@@ -41,10 +42,33 @@ def test_hlo_opcodes_reads_every_instruction_of_every_computation():
 
 
 def test_hlo_counts_counts_instructions_and_gathers():
-    assert lowering.hlo_counts(HLO) == {"hlo_instructions": 12, "gathers": 1}
+    assert lowering.hlo_counts(HLO) == {"hlo_instructions": 12, "gathers": 1, "weight_gathers": 1,
+                                        "weight_gathers_leading_axis": 1}
     two_gathers = HLO.replace("%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) tuple(",
                               "%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) gather(")
     assert lowering.hlo_counts(two_gathers)["gathers"] == 2
+
+
+# torch-xla's text of the two ways of picking K=2 experts' down weights out of a stacked int8 tensor:
+# expert-major [E, I, H] (whole experts, the leading axis) and the [H, E, I] view indexed on its middle axis.
+LEADING = ("  %gather.7 = s8[2,16,128]{2,1,0} gather(s8[32,16,128]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
+           "offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,16,128}")
+MIDDLE = ("  %gather.9 = s8[128,2,16]{2,1,0} gather(s8[128,32,16]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
+          "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={128,1,16}")
+ACTIVATION = ("  %gather.5 = bf16[1,1,128]{2,1,0} gather(bf16[1,1,128]{2,1,0} %convert.5314, s32[1,1]{1,0} %c.18), "
+              "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1,128}")
+
+
+def test_hlo_gathers_tell_whole_experts_on_the_leading_axis_from_a_middle_axis_gather():
+    text = "\n".join(["ENTRY %e (p74.781: s8[32,16,128]) -> s8[] {", "  %p74.781 = s8[32,16,128]{2,1,0} parameter(0)",
+                      LEADING, MIDDLE, ACTIVATION, "}"])
+    leading, middle, activation = lowering.hlo_gathers(text)
+    assert leading == {"operand_shape": [32, 16, 128], "of_parameter": True, "start_index_map": [0],
+                       "slice_sizes": [1, 16, 128]}
+    assert lowering.takes_whole_leading_slices(leading) and not lowering.takes_whole_leading_slices(middle)
+    assert middle["start_index_map"] == [1] and not activation["of_parameter"]
+    counts = lowering.hlo_counts(text)
+    assert (counts["gathers"], counts["weight_gathers"], counts["weight_gathers_leading_axis"]) == (3, 2, 1)
 
 
 def test_hlo_counts_rejects_text_that_is_not_hlo():

@@ -199,29 +199,26 @@ def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
     assert E.int8pack_usable(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8))
 
 
-@pytest.mark.parametrize("int8", [True, False])
-def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8):
+def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     """The NxD experts on the cpu stand-ins: one checkpoint, split across 2 ranks by the emulated
     ModelBuilder, each rank's partial output (no collective: group=None) summed as the all-reduce
-    would: dense and sparse hold the same parameters and give the same output, equal to the layer."""
+    would: dense and sparse hold the same parameters (NxD's expert-fused int8 layers, expert-major)
+    and give the same output, equal to the layer."""
     from gemma_nb.neuron import moe as neuron_moe
-    from gemma_nb.neuron import standins
-    from gemma_nb.neuron.quant import patch_scale_dequantize
+    from gemma_nb.rehearsal import standins
 
     config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
-                                  num_experts=16, top_k_experts=4)
+                                  num_experts=16, top_k_experts=3)
     experts = moe.random_experts(config, seed=3, dtype=torch.float32)
     x = torch.randn(3, 64)
-    index, weights = moe.random_routing(3, 16, 4, seed=1)
+    index, weights = moe.random_routing(3, 16, 3, seed=1)
     tp = 2
-    checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, tp=tp, int8=int8,
-                                               dtype=torch.float32)
+    checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj)
     sdk = standins.cpu_sdk()
-    patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D
     outputs, shapes = {}, {}
     for mode, cls in (("dense", neuron_moe.NeuronDenseExperts), ("sparse", neuron_moe.NeuronSparseExperts)):
         def factory():
-            return cls(16, 64, 32, tp, int8=int8, dtype=torch.float32, sdk=sdk)
+            return cls(16, 64, 32, tp, dtype=torch.float32, sdk=sdk)
 
         total = 0
         for rank in range(tp):
@@ -230,28 +227,32 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse(int8
             total = total + module(x, index, weights)
         outputs[mode] = total
     assert shapes["dense"] == shapes["sparse"]
-    assert shapes["dense"]["gate_up.weight"] == ((16 * 2 * 16, 64), torch.int8 if int8 else torch.float32)
+    assert shapes["dense"]["gate_up.weight"] == ((16, 64, 2 * 16), torch.int8)
+    assert shapes["dense"]["gate_up.scale"] == ((16, 1, 2 * 16), torch.float32)
+    assert shapes["dense"]["down.weight"] == ((16, 16, 64), torch.int8)
+    assert shapes["dense"]["down.scale"] == ((16, 1, 64), torch.float32)  # replicated on every rank
     assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
     reference = E.SparseExperts.from_experts(experts)(x, index, weights)
-    tolerance = 0.02 * reference.abs().max().item() if int8 else 1e-5
-    assert (outputs["sparse"] - reference).abs().max().item() <= tolerance
-    with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by tp=3"):
-        neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj, tp=3)
+    assert (outputs["sparse"] - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
+    with standins.model_parallel(3), pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by tp=3"):
+        neuron_moe.NeuronDenseExperts(16, 64, 32, 3, sdk=sdk)
 
 
-def test_sparse_experts_refuse_a_prefill_and_the_sdk_dequantize_needs_the_patch():
+def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
+    """Selective loading is the decode path (tokens x top_k < experts, NxD's rule); the expert-fused
+    layers' 4-D outputs take NxD's own in-place scale_dequantize, unpatched."""
     from gemma_nb.neuron import moe as neuron_moe
-    from gemma_nb.neuron import standins
+    from gemma_nb.rehearsal import standins
 
     sdk = standins.cpu_sdk()  # unpatched: NxD 0.18's in-place scale_dequantize
     with standins.model_parallel(1):
         dense = neuron_moe.NeuronDenseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.float32)
         sparse = neuron_moe.NeuronSparseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.float32)
     index, weights = moe.random_routing(4, 16, 4, seed=1)
-    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
-        dense(torch.randn(4, 64), index, weights)  # 2-D [T, H] input, as transformers' experts get it
+    assert dense(torch.randn(4, 64), index, weights).shape == (4, 64)
     with pytest.raises(ValueError, match="4 tokens x top_k 4 >= 16 experts"):
         sparse(torch.randn(4, 64), index, weights)
+    assert sparse(torch.randn(3, 64), index[:3], weights[:3]).shape == (3, 64)
 
 
 def test_neuron_modules_say_the_sdk_is_missing():
@@ -267,7 +268,7 @@ def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
     from types import SimpleNamespace
 
     from gemma_nb.neuron import moe as neuron_moe
-    from gemma_nb.neuron import standins
+    from gemma_nb.rehearsal import standins
 
     reduced = []
 

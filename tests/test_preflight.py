@@ -42,6 +42,16 @@ def test_versions_against_the_pins():
     assert "neuronx-distributed-inference" not in P.pinned_versions()
 
 
+def test_a_neuron_wheel_s_local_version_label_is_the_pinned_version():
+    pins = {"torch-neuronx": "2.9.0.2.15.32035", "neuronx-cc": "2.26.6360.0"}
+    local = {"torch-neuronx": "2.9.0.2.15.32035+0f2a1b3c", "neuronx-cc": "2.26.6360.0+df09d4f4"}
+    assert P.check_versions(fake_system(package_version=local.get), pins).status == P.OK
+    other = P.check_versions(fake_system(package_version=lambda n: "2.26.1.0+ab" if n == "neuronx-cc" else local[n]), pins)
+    assert other.status == P.WARN and other.detail == "neuronx-cc 2.26.1.0+ab (pinned 2.26.6360.0)"
+    emulated = P.check_versions(fake_system(package_version=lambda n: None), pins, emulated=True)
+    assert emulated.status == P.SKIP and emulated.detail.startswith("emulated SDK")
+
+
 def test_neuron_cores_and_hbm_per_core():
     ok = P.check_neuron_cores(fake_system(), tp=2, bytes_per_rank=int(14e9))
     assert ok.status == P.OK and ok.detail.startswith("2 NeuronCores, 16.0 GiB HBM per core")
@@ -73,8 +83,22 @@ def test_disk_of_a_folder_not_made_yet(tmp_path):
 
 
 def test_disk():
-    assert P.check_disk(fake_system(disk_free=lambda p: 10 * GB), "/data", int(53.4e9)).status == P.FAIL
+    short = P.check_disk(fake_system(disk_free=lambda p: 10 * GB), "/data", int(53.4e9))
+    assert short.status == P.FAIL and short.fix.startswith("grow the EBS volume to at least 54 GB (the runbook's figure")
     assert P.check_disk(fake_system(), "/data", int(53.4e9)).status == P.OK
+
+
+def test_the_disk_checked_is_the_runbook_s_figure_for_the_step():
+    from gemma_nb import planner, runbook
+    from gemma_nb.memory import load_gemma4_26b_config
+
+    config, record = load_gemma4_26b_config(), planner.rehearsal_record()
+    needs = planner.disk_needs(config, record)
+    assert P.disk_need(config, "compile", record) == needs["compile_disk_bytes"]
+    assert P.disk_need(config, "deploy", record) == needs["serve_disk_bytes"]
+    figures = runbook.figures()
+    assert figures["serve_disk_gb"] == -(-needs["serve_disk_bytes"] // GB)
+    assert "500 GB" not in P.check_disk(fake_system(disk_free=lambda p: 0), "/data", needs["compile_disk_bytes"]).fix
 
 
 def test_model_folder_complete_or_not(tmp_path):

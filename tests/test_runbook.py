@@ -18,15 +18,18 @@ def test_committed_runbook_is_the_rendered_one():
 
 def test_the_figures_are_recomputed_from_catalog_and_story():
     f = runbook.figures()
-    assert f["compile_usd"] == pytest.approx(CLAIMS["compile_minutes"].value / 60 * INSTANCES["inf2.8xlarge"].usd_per_hour)
+    # two builds (the port's dense decode, the sparse fix), each at the port's 40 minutes
+    assert f["compile_usd"] == pytest.approx(2 * CLAIMS["compile_minutes"].value / 60 * INSTANCES["inf2.8xlarge"].usd_per_hour)
     assert f["cold_start_usd"] == pytest.approx(CLAIMS["cold_start_s"].value / 3600 * INSTANCES["inf2.xlarge"].usd_per_hour)
     assert f["usd_per_m_tokens"] == pytest.approx(INSTANCES["inf2.xlarge"].usd_per_hour / (6 * 3600) * 1e6)
     assert round(f["answer_500_s"]) == CLAIMS["answer_500_tokens_s"].value  # the story's 83 s is 500 tokens at 6 tok/s
+    # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses those
+    assert (f["answer_tokens"], round(f["answer_s"])) == (384, 64) and f["answer_tokens"] < 500
     assert f["fits"] and f["cheapest"] == "inf2.xlarge"
     # 180 GB on a 128 GiB box: 42.6 GB = 39.7 GiB short
     assert f["compile_swap_gib"] == 40 and f["serve_swap_gib"] == 0
     text = runbook.render()
-    for stated in (f"${f['compile_usd']:.2f}", f"${f['cold_start_usd']:.2f}", f"${f['usd_per_m_tokens']:.2f} per million",
+    for stated in (f"${f['compile_usd']:.2f}", f"${f['cold_start_usd']:.2f}", f"${f['usd_per_m_tokens']:.2f} per M tokens",
                    f"{f['per_rank_gb']:.2f} GB per NeuronCore", f"headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB"):
         assert stated in text
 
@@ -63,6 +66,28 @@ def test_runbook_notebook_parameters_exist():
     for argv in _commands(runbook.render()):
         names = [argv[i + 1] for i, a in enumerate(argv) if a == "-p"]
         assert set(names) <= declared, names
+
+
+def test_the_runbook_picks_the_sdk_2_31_image_and_installs_without_replacing_the_sdk_s_numpy():
+    text = runbook.render()
+    assert "**of the Neuron SDK 2.31 release**, picked by name" in text and "neuron-dlami" in text
+    assert "sh envs/neuron/install.sh" in text and "\n    pip install -e .\n" not in text
+    install = (REPO_ROOT / "envs" / "neuron" / "install.sh").read_text()
+    assert "pip install --quiet --no-deps -e ." in install and '-c "$pins"' in install
+    notebooks = (REPO_ROOT / "envs" / "neuron" / "notebooks.txt").read_text().lower()
+    assert "numpy" not in notebooks.split("\n#")[-1] and "\ntorch" not in notebooks
+    assert "pandas==3.1.1" in notebooks  # pinned as pyproject pins it
+
+
+def test_the_disk_figures_are_the_rehearsal_s_builds_scaled_and_hold_both_builds():
+    from gemma_nb import planner
+    from gemma_nb.memory import load_gemma4_26b_config
+
+    f, disk = runbook.figures(), planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record())
+    assert set(disk["builds"]) == {"dense", "sparse"}
+    assert f["serve_disk_gb"] == -(-disk["serve_disk_bytes"] // 10**9)
+    assert disk["serve_disk_bytes"] == sum(b["artifact_bytes"] for b in disk["builds"].values())  # no second copy
+    assert f["compile_disk_gb"] > f["serve_disk_gb"] > 2 * 26
 
 
 def test_readme_links_the_runbook_and_says_smoke_run_first():

@@ -197,3 +197,47 @@ def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_pat
     report = (out / "REPORT.md").read_text()
     assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 07_first"]
     assert "Also written: `metrics/07_extra.json`" in report and "| extra | 42 | x |" in report
+
+
+def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path):
+    """--only on the serving box must not need room for a second copy of a compiled model, and a
+    writer that starts its artifact folder afresh never writes through to the previous run's files."""
+    from gemma_nb.paths import fresh_dir
+
+    final = tmp_path / "outputs" / "neuron"
+    (final / "artifacts" / "04_neuron_dense").mkdir(parents=True)
+    (final / "metrics").mkdir()
+    model = final / "artifacts" / "04_neuron_dense" / "model.pt"
+    model.write_bytes(b"compiled model")
+    (final / "metrics" / "05_slim_deploy.json").write_text("{}")
+    staging, _ = runner._staging_for(final, keep_previous=True)
+    linked = staging / "artifacts" / "04_neuron_dense" / "model.pt"
+    assert linked.stat().st_ino == model.stat().st_ino  # the same file: no second copy on disk
+    assert (staging / "metrics" / "05_slim_deploy.json").stat().st_ino != (final / "metrics" / "05_slim_deploy.json").stat().st_ino
+    (fresh_dir(linked.parent) / "model.pt").write_bytes(b"rebuilt")
+    assert model.read_bytes() == b"compiled model"
+
+
+def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
+    """A neuron run spends its time on the device: the cpu measurements are skipped, the rest runs."""
+    from gemma_nb.targets import CPU_MEASUREMENT_TAG
+
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell('target = "cpu"')
+    params.metadata["tags"] = ["parameters"]
+    measured = nbformat.v4.new_code_cell("raise RuntimeError('a cpu measurement ran on ' + target)")
+    measured.metadata["tags"] = [CPU_MEASUREMENT_TAG]
+    nb.cells = [params, measured, nbformat.v4.new_code_cell("print('ran', target)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    source = tmp_path / "04_x.ipynb"
+    nbformat.write(nb, source)
+    for target in ("neuron", "cpu"):
+        staging = tmp_path / target
+        staging.mkdir()
+        if target == "cpu":
+            with pytest.raises(Exception, match="a cpu measurement ran on cpu"):
+                runner.execute_one(source, staging, target, {}, progress=False)
+            continue
+        runner.execute_one(source, staging, target, {}, progress=False)
+        executed = nbformat.read(staging / source.name, as_version=4)
+        assert executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]

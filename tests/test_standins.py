@@ -9,8 +9,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb.neuron import build as B  # noqa: E402
-from gemma_nb.neuron import standins as S  # noqa: E402
 from gemma_nb.neuron.quant import patch_scale_dequantize, scale_dequantize  # noqa: E402
+from gemma_nb.rehearsal import emulate as E  # noqa: E402
+from gemma_nb.rehearsal import standins as S  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 # Heads, KV heads (4 sliding, 2 global) and experts that split at TP=2, at toy size.
@@ -98,7 +99,7 @@ def test_meta_built_module_loads_every_ranks_shard(tp2_model):
     for rank in range(2):
         shard = S.shard_checkpoint(skeleton, checkpoint, rank, 2)
         assert shard["lm.model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 128)  # 2 of 4 KV heads
-        module = B.rank_module(model.config, _build(2), checkpoint, model.state_dict(), rank, sdk)
+        module = E.rank_module(model.config, _build(2), checkpoint, model.state_dict(), rank, sdk)
         assert [c.shape[1] for c in module.k_cache] == [2, 1]  # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
     # What _materialize did before the fix: plain parameters, tags and fp32 scale lost -> whole tensors kept.
     for module in skeleton.modules():
@@ -143,7 +144,7 @@ def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
 def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
     """group=None at tp=2: one rank's shapes, collectives as identities (for lowering one rank's graph)."""
     model, checkpoint = tp2_model
-    module = B.rank_module(model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse")
+    module = E.rank_module(model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse")
     inputs = B.step_inputs(torch.randn(1, 1, 128), [0], 24, model.config.sliding_window)
     with torch.no_grad():
         logits, *state = module(*inputs)
@@ -151,12 +152,91 @@ def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
     assert [s.shape[1] for s in state] == [2, 1, 2, 1]
 
 
-def test_decode_graph_options_are_recorded():
+def test_one_artifact_per_decode_path_with_its_own_flags():
     build = _build(2)
     assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
-    both = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
-    assert both.graph_keys() == {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"}
-    assert both.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}  # same shapes: last one wins
     assert build.routed_graphs() == {"prefill": "prefill", "decode": "decode_dense"}
-    with pytest.raises(ValueError, match="decode_experts='all' is not one of dense, sparse, both"):
-        B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="all")
+    assert build.compiler_args == "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"  # the port's
+    sparse = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="sparse")
+    assert sparse.graph_keys() == {"prefill": "dense", "decode_sparse": "sparse"}
+    assert sparse.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}
+    assert sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"  # NxD's default: no warning
+    with pytest.raises(ValueError, match="decode_experts='both' is not one of dense, sparse: one artifact per decode"):
+        B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
+
+
+def test_graph_inputs_are_int32_like_nxd_inference_traces_them():
+    inputs = B.step_inputs(torch.zeros(1, 3, 8), [0, 1, 2], max_len=8, sliding_window=4)
+    assert [t.dtype for t in inputs] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.float32,
+                                         torch.int32]
+
+
+# --------------------------------------------------------------------------------------------
+# Where NxD refuses, the stand-ins refuse too
+# --------------------------------------------------------------------------------------------
+def _int8(sdk, **kwargs):
+    return dict(bias=False, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, **kwargs)
+
+
+def test_a_quantized_layer_missing_from_the_checkpoint_is_an_error_not_garbage():
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2), S.init_on_meta():
+        layer = torch.nn.ModuleDict({"down": sdk.QuantizedRowParallel(8, 4, input_is_parallel=True, **_int8(sdk)),
+                                     "up": sdk.ColumnParallelLinear(4, 8, bias=False, gather_output=False)})
+    full = {"down.weight": torch.zeros(4, 8, dtype=torch.int8), "down.scale": torch.ones(4, 1)}
+    assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(full)  # a plain layer's missing key is skipped
+    with pytest.raises(RuntimeError, match=r"Cannot find down\.scale in state_dict"):
+        S.shard_checkpoint(layer, {"down.weight": full["down.weight"]}, 0, 2)
+    with pytest.raises(RuntimeError, match=r"Cannot find down\.weight in the state_dict"):
+        S.shard_checkpoint(layer, {"down.scale": full["down.scale"]}, 0, 2)
+
+
+def test_rank_ordering_picks_the_shard_and_must_name_every_rank():
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2), S.init_on_meta():
+        layer = sdk.QuantizedColumnParallel(4, 8, gather_output=False, rank_ordering=[1, 0], **_int8(sdk))
+    assert layer.weight.rank_ordering == [1, 0] and layer.scale.rank_ordering == [1, 0]
+    full = {"weight": torch.arange(32, dtype=torch.int8).view(8, 4), "scale": torch.arange(8.0).view(8, 1)}
+    shard = S.shard_checkpoint(layer, full, 0, 2)
+    assert torch.equal(shard["weight"], full["weight"][4:]) and torch.equal(shard["scale"], full["scale"][4:])
+    with S.model_parallel(2), pytest.raises(ValueError, match=r"all ranks 0...2 must be present"):
+        sdk.QuantizedColumnParallel(4, 8, gather_output=False, rank_ordering=[0, 0], **_int8(sdk))
+
+
+def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2):
+        column = sdk.QuantizedColumnParallel(4, 7, gather_output=True, dtype=torch.bfloat16, pad=True, **_int8(sdk))
+        tensor_wise = sdk.QuantizedRowParallel(8, 4, input_is_parallel=True, bias=False)
+        experts = sdk.QuantizedExpertFusedColumnParallel(
+            6, 4, 10, stride=2, is_fused_gate_up=True, quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC)
+        shared = sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        with pytest.raises(AssertionError, match="Only per_channel_axis=0 supported"):
+            sdk.QuantizedColumnParallel(4, 8, quantization_per_channel_axis=1, **_int8(sdk))
+        with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
+            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_per_channel_axis=0,
+                                                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
+            sdk.QuantizedColumnParallel(4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk))
+    assert column.dequantized_dtype == torch.bfloat16 and column.scale.shape == (4, 1) and column.weight.shape == (4, 4)
+    assert tensor_wise.scale.shape == (1,) and tensor_wise.scale.tensor_model_parallel is False
+    assert experts.weight.shape == (6, 4, 5) and experts.scale.shape == (6, 1, 5)
+    assert (experts.weight.partition_dim, experts.weight.partition_stride) == (2, 2)
+    assert (experts.scale.tensor_model_parallel, experts.scale.partition_stride) == (True, 2)
+    assert shared.weight.shape == (6, 4, 4) and shared.scale.shape == (1, 1, 4)
+    with pytest.raises(RuntimeError, match=r"State dict weight is of an unexpected size 6 expected 5"):
+        column.preshard_hook({"weight": torch.zeros(6, 4, dtype=torch.int8), "scale": torch.ones(6, 1)}, "weight")
+    # plain per-channel expert scales [1, 1, out] are shared by the experts: indexing them by expert fails on
+    # the cpu as in NxD's cpu mode (an XLA gather would clamp the index to 0 on the device)
+    with pytest.raises(IndexError):
+        shared(torch.zeros(2, 1, 1, 4), expert_indices=torch.tensor([3, 5]))
+
+
+def test_init_on_device_without_force_breaks_int8_weights_as_nxd_documents():
+    sdk = S.cpu_sdk()
+    with S.model_parallel(2), S.init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+        head = sdk.QuantizedColumnParallel(4, 8, **_int8(sdk))
+    assert head.weight.is_meta and head.weight.requires_grad is False
+    with S.model_parallel(2), S.init_on_device(torch.device("meta")):
+        with pytest.raises(RuntimeError, match="Only Tensors of floating point"):
+            sdk.QuantizedColumnParallel(4, 8, **_int8(sdk))

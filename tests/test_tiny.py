@@ -243,15 +243,27 @@ def test_training_script_is_deterministic(tmp_path):
 def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     from gemma_nb.export import layer_kv_heads
     from gemma_nb.modelio import resolve_model_id
+    from gemma_nb.neuron.checkpoint import read_hf_state, text_config
     from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR, TP2_DIMS
+    from gemma_nb.tiny.hub_layout import INDEX_FILE
 
     folder = resolve_model_id(BUNDLED_TP2_ID)
     assert folder == str(TP2_CHECKPOINT_DIR)
-    for name in (*CHECKPOINT_FILES, "README.md"):
+    for name in (*[n for n in CHECKPOINT_FILES if n != "model.safetensors"], "README.md", INDEX_FILE):
         assert (TP2_CHECKPOINT_DIR / name).is_file()
-    assert (TP2_CHECKPOINT_DIR / "model.safetensors").stat().st_size < 20e6
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    config = model.config
+    # stored as the hub stores the 26B: a multimodal config, prefixed names, two shards and their index
+    index = json.loads((TP2_CHECKPOINT_DIR / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert all(key.startswith("model.language_model.") for key in index["weight_map"])
+    assert sum((TP2_CHECKPOINT_DIR / s).stat().st_size for s in shards) < 20e6
+    raw = json.loads((TP2_CHECKPOINT_DIR / "config.json").read_text())
+    assert raw["model_type"] == "gemma4" and raw["text_config"]["model_type"] == "gemma4_text"
+    config = text_config(folder)
+    model = Gemma4ForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(read_hf_state(folder), strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    model.tie_weights()
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     assert {heads for heads, _ in layer_kv_heads(config)} == {8, 2}  # 8 -> 4 and 2 -> 1 per rank at TP=2
     assert config.num_attention_heads == 16 and config.num_experts % 2 == 0 and config.vocab_size % 2 == 0

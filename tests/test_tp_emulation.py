@@ -8,8 +8,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb.neuron import build as B  # noqa: E402
-from gemma_nb.neuron import emulate as E  # noqa: E402
-from gemma_nb.neuron import standins as S  # noqa: E402
+from gemma_nb.rehearsal import emulate as E  # noqa: E402
+from gemma_nb.rehearsal import standins as S  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 
@@ -25,6 +25,9 @@ def test_tp2_greedy_tokens_equal_the_unsharded_int8_model_dense_and_sparse():
     # per decode mode: one prefill, then 5 decode steps (6 tokens); two modes
     assert result["graph_calls_per_rank"] == {"prefill": 2, "decode": 10}
     assert result["max_abs_logit_diff_dense"] < 1e-3 and result["max_abs_logit_diff_sparse"] < 1e-3
+    # bf16 router check: 6 routers x (6 prompt tokens + 5 teacher-forced decode steps)
+    assert result["router_choices"] == 6 * (6 + 5) and result["router_ranks_agree"]
+    assert 0 <= result["router_topk_equal_bf16_autocast_all"] <= result["router_topk_equal_bf16"] <= 1
 
 
 def test_aliased_graphs_write_the_state_back_and_refuse_a_mismatched_alias():

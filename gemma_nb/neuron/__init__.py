@@ -4,16 +4,17 @@ The SDK contracts were read in neuronx-distributed 0.18, the newest public sourc
 (aws-neuron/neuronx-distributed, the Neuron 2.29 release). Nothing here imports the SDK at package
 import time: each function imports what it needs when called, and raises
 ``gemma_nb.targets.TargetError`` with the install hint if it is missing. No NeuronCore has run
-this code on the reference box; the notebooks say so where they call it. What a cpu can check,
-it does: ``standins`` are cpu stand-ins of the NxD pieces the build uses (our code, keeping the
-0.18 contracts), and ``emulate`` runs the build's graphs at TP=2 on two gloo ranks with them.
+this code; ``make rehearse`` runs it on a cpu against an emulation of the SDK surface it calls
+(``gemma_nb.rehearsal``, which this package never imports; an SDK namespace may be passed in).
 
 - ``lm_head``: the port's vocab-parallel int8 lm_head (``QuantizedColumnParallel``).
 - ``quant``: NxD's quantized dtypes, the SDK support matrix, per-dtype trace trials, and the one
   ``scale_dequantize`` patch.
-- ``moe``: the dense experts (the port's op) and a selective-loading sparse path, one weight layout.
+- ``moe``: the dense experts (the port's op) and the selective-loading decode, on NxD's
+  expert-fused int8 layers, one expert-major weight layout.
 - ``build``, ``deploy``: the ModelBuilder compile recipe at TP=2 and the slim deploy loader.
+- ``checkpoint``: the hub checkpoint's text config and tensors.
 - ``artifact``: the folder the compile writes and the serving box reads (manifest, validation).
-- ``sdk``: the one SDK import, and the transformers-5 ``transformers.utils.fx`` workaround.
-- ``standins``, ``emulate``: the cpu stand-ins and the TP=2 emulation (notebook 05).
+- ``runs``: what notebooks 04, 05 and 07 run on the neuron target (every build, in turn).
+- ``sdk``: the one SDK import, the transformers-5 ``transformers.utils.fx`` workaround, the runtime close.
 """

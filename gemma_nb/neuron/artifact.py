@@ -11,8 +11,9 @@ with its size, so a truncated copy is caught at load, not as a wrong answer):
                               (gemma_nb.embedding.HostEmbedding: checked bit for bit at load)
     config.json               the model config (the deploy builds its structure on the meta device)
     tokenizer files           tokenizer.json / tokenizer_config.json / ..., generation_config.json
-    manifest.json             format name and version, graphs (prefill and which decode graphs, and
-                              the one a decode step reaches), shapes, files with sizes
+    manifest.json             format name and version, graphs (the prefill and the decode graph a
+                              decode step reaches), shapes, the SDK it was built with ("emulated SDK"
+                              in make rehearse), versions, files with sizes
 
 ``write_serving_files`` + ``write_manifest`` (both called by ``finish_artifact``) make a compiled
 folder complete; ``read_artifact`` validates one and returns what a deploy needs.
@@ -76,21 +77,18 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list
 
 def graphs_of(record: dict) -> list[str]:
     """The graph keys a build holds: ``record["graphs"]`` when the build lists them, else the
-    prefill and one decode graph (the port's pair), or the pairs ``build.decode_experts`` names."""
+    prefill and the decode graph ``build.decode_experts`` names (or the port's plain pair)."""
     if record.get("graphs"):
         return list(record["graphs"])
     choice = (record.get("build") or {}).get("decode_experts")
     if choice in ("dense", "sparse"):
         return ["prefill", f"decode_{choice}"]
-    if choice == "both":
-        return ["prefill", "decode_dense", "decode_sparse"]
     return ["prefill", "decode"]
 
 
 def routed_decode_graph(record: dict) -> str:
-    """The decode graph a call with decode shapes reaches: ModelBuilder routes by input shapes, so
-    of two decode graphs (``decode_experts="both"``) only the last added is reachable
-    (``build.routed_graphs()``); the record says which when it can."""
+    """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes:
+    ``build.routed_graphs()``); the record says which when it can."""
     routed = (record.get("routed_graphs") or {}).get("decode")
     return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
 
@@ -111,6 +109,7 @@ def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
         "tp_degree": build.get("tp_degree"),
         "max_len": build.get("max_len"),
         "bucket": build.get("bucket"),
+        "sdk": record.get("sdk", "Neuron SDK"),
         "versions": record.get("versions", {}),
         "files": files,
     }
@@ -167,9 +166,23 @@ class NeuronArtifact:
         return self.folder / name
 
 
-def default_artifact_dir(target: str = "neuron") -> Path:
-    """Where notebook 04 writes the artifact and notebooks 05 and 07 look for it by default."""
-    return artifacts_dir(target) / "04_neuron"
+DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
+
+
+def default_artifact_dir(target: str = "neuron", decode_experts: str = "dense") -> Path:
+    """Where notebook 04 writes the artifact of a decode path (``04_neuron_dense``, ``04_neuron_sparse``)."""
+    if decode_experts not in DECODE_PATHS:
+        raise ValueError(f"decode_experts={decode_experts!r} is not one of {', '.join(DECODE_PATHS)}")
+    return artifacts_dir(target) / f"04_neuron_{decode_experts}"
+
+
+def built_artifacts(target: str = "neuron") -> list[Path]:
+    """The artifact folders notebook 04 wrote for ``target``, dense first; ``ArtifactError`` when none."""
+    folders = [default_artifact_dir(target, d) for d in DECODE_PATHS if default_artifact_dir(target, d).is_dir()]
+    if not folders:
+        raise ArtifactError(f"no artifact under {artifacts_dir(target).name}/: run notebook 04 on the neuron target "
+                            "first (python -m gemma_nb run --target neuron --only 04), or pass -p neuron_artifacts")
+    return folders
 
 
 def artifact_labels(folders) -> dict[str, Path]:
@@ -217,7 +230,7 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     return NeuronArtifact(folder, manifest, record, text_config(folder))
 
 
-__all__ = ["export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
+__all__ = ["DECODE_PATHS", "built_artifacts", "export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
            "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
            "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
            "artifact_labels", "routed_decode_graph"]

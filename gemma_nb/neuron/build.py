@@ -8,9 +8,9 @@ compiler_args)``, ``.shard_checkpoint()``, ``.trace(initialize_model_weights=Tru
 ``BaseModelInstance(module_cls, input_output_aliases)``; ``trace/trace.py``: ``shard_children``;
 ``quantization/quantization_layers.py``; ``parallel_layers/layers.py``). Nothing from the SDK is
 imported at module import time; ``compile_neuron`` imports it and raises ``TargetError`` with the
-install hint when it is missing. ``gemma_nb.neuron.standins`` holds cpu stand-ins of those NxD
-pieces, so the module below is also built, sharded and run at TP=2 on the cpu (two gloo ranks:
-``gemma_nb.neuron.emulate``); that proves this code, not the SDK.
+install hint when it is missing. ``gemma_nb.rehearsal`` holds cpu stand-ins of those NxD pieces
+and an emulation of the SDK surface this module calls, so the module below is also built, sharded,
+traced and run at TP=2 on the cpu; that proves this code, not the SDK.
 
 The recipe (docs/sources.md: port-recipe), as the traced module ``NeuronGemma4`` builds it:
 
@@ -20,18 +20,21 @@ The recipe (docs/sources.md: port-recipe), as the traced module ``NeuronGemma4``
   (at TP=2 the sliding layers' 8 KV heads become 4 per rank, the global layers' 2 become 1);
   shared MLP gate/up ``QuantizedColumnParallel``, down ``QuantizedRowParallel`` (int8 per channel);
   routed experts ``gemma_nb.neuron.moe``'s dense module (every expert every token: the port's op)
-  or its selective-loading sparse module, both with the same rank-major int8 weights;
+  or its selective-loading sparse module, both on NxD's expert-fused int8 layers, expert-major;
   lm_head ``QuantizedColumnParallel(gather_output=True)`` made from the embedding table
   (``gemma_nb.neuron.lm_head``). Router and norms stay, replicated; the final softcap runs on the host.
-  NxD's ``scale_dequantize`` is patched once (``gemma_nb.neuron.quant.patch_scale_dequantize``):
-  the experts' input is 2-D, which NxD's own version cannot take.
+  NxD's ``scale_dequantize`` is patched once (``gemma_nb.neuron.quant.patch_scale_dequantize``): an
+  out-of-place multiply that also takes a 2-D input, which NxD's own in-place version cannot.
 - the KV cache is per-layer fp32 state ``[1, kv_heads/TP, MAX, head_dim]``, updated with a one-hot
   scatter and returned as aliased outputs (``input_output_aliases``), so it stays on the device;
-- inputs: fp32 embeddings ``[1, S, H]``, int64 positions ``[1, S]``, the one-hot ``[1, 1, MAX, S]``,
-  full and sliding additive masks ``[1, 1, S, MAX]`` (finite in bf16: ``MASK_MIN``), and the index
-  of the token whose logits to return; S = the prefill bucket, or 1 for decode.
-- one artifact: a dense prefill graph plus a dense and/or sparse decode graph
-  (``NeuronBuildConfig.decode_experts``), sharing one set of sharded weights.
+- inputs: fp32 embeddings ``[1, S, H]``, int32 positions ``[1, S]`` (as NxD Inference traces them),
+  the one-hot ``[1, 1, MAX, S]``, full and sliding additive masks ``[1, 1, S, MAX]`` (finite in bf16:
+  ``MASK_MIN``), and the int32 index of the token whose logits to return; S = the prefill bucket, or
+  1 for decode.
+- one artifact per decode path (``NeuronBuildConfig.decode_experts``): a dense prefill graph and a
+  dense (the port's) or sparse (the fix) decode graph, sharing one set of sharded weights.
+  ModelBuilder routes a call by its input shapes and both decode graphs take the same shapes, so
+  one artifact could never reach two decode graphs.
 
 ``NeuronGemma4(config, build, parallel=False)`` runs the same module with transformers' own layers
 at TP=1 on the cpu, and ``tests/test_deploy.py`` checks it decodes exactly like the eager model.
@@ -48,24 +51,29 @@ from torch import nn
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron import standins
 from gemma_nb.neuron.artifact import finish_artifact
-from gemma_nb.neuron.checkpoint import TEXT_PREFIXES, read_hf_state, text_config, text_key  # noqa: F401 (build.* names)
+from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
 from gemma_nb.neuron.sdk import import_sdk
+from gemma_nb.paths import fresh_dir
 
-# The port's flags: transformer model type, everything auto-cast to bf16 (+ -O1).
-COMPILER_ARGS = "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
+# The dense build keeps the port's flags (transformer model type, everything auto-cast to bf16, -O1), so
+# notebook 07 compares the port's build with the fix. The sparse build takes NxD's own default,
+# --auto-cast=none (ModelBuilder warns about any other value): the module is already bf16 where it may
+# be, and keeps in fp32 what --auto-cast all would cast to bf16: the router's softmax and top-k, the int8
+# scale multiply and the experts' all-reduce.
+COMPILER_ARGS = {"dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
+                 "sparse": "--model-type transformer --auto-cast=none -O1"}
 ARTIFACT_NAME = "model.pt"
 BUILD_RECORD = "build_record.json"
 # The masks' "minus infinity": bf16's most negative finite value. fp32's (-3.40e38) rounds to -inf in
-# bf16 (and --auto-cast all casts the fp32 mask inputs to bf16), after which a fully masked row's
-# softmax is NaN; NxD's default --enable-saturate-infinity is not among the port's flags.
+# bf16 (the graph casts the fp32 mask inputs to bf16), after which a fully masked row's softmax is NaN;
+# NxD's default --enable-saturate-infinity is not among the port's flags.
 MASK_MIN = torch.finfo(torch.bfloat16).min
 EXPERT_MODES = ("dense", "sparse")
-DECODE_EXPERTS = ("dense", "sparse", "both")
+DECODE_EXPERTS = EXPERT_MODES
 
 
 @dataclass
@@ -77,37 +85,35 @@ class NeuronBuildConfig:
     tp_degree: int = 2
     max_len: int = 512           # static KV cache length (the shipped build: 512)
     bucket: int = 128            # prefill bucket (the shipped build: 128)
-    compiler_args: str = COMPILER_ARGS
+    compiler_args: str = ""      # default: COMPILER_ARGS[decode_experts]
     compiler_workdir: str = ""   # default: <output_dir>/compiler_workdir
     dtype: str = "bfloat16"
-    decode_experts: str = "dense"  # decode graph(s) next to the dense prefill: dense, sparse or both
+    decode_experts: str = "dense"  # the decode graph next to the dense prefill: dense (the port's) or sparse
 
     def __post_init__(self) -> None:
+        if self.decode_experts not in DECODE_EXPERTS:
+            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_EXPERTS)}: "
+                             "one artifact per decode path (compile twice for both)")
         if not self.compiler_workdir:
             self.compiler_workdir = str(Path(self.output_dir) / "compiler_workdir")
+        self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
         if self.bucket > self.max_len:
             raise ValueError(f"bucket={self.bucket} exceeds max_len={self.max_len}: the prefill must fit the KV cache")
         if self.tp_degree < 1:
             raise ValueError(f"tp_degree={self.tp_degree} must be >= 1 (the port used 2, one rank per NeuronCore)")
-        if self.decode_experts not in DECODE_EXPERTS:
-            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_EXPERTS)}")
 
     def graph_keys(self) -> dict[str, str]:
         """ModelBuilder key -> experts module of that graph: prefill is dense; decode as ``decode_experts``."""
-        decode = EXPERT_MODES if self.decode_experts == "both" else (self.decode_experts,)
-        return {"prefill": "dense", **{f"decode_{mode}": mode for mode in decode}}
+        return {"prefill": "dense", f"decode_{self.decode_experts}": self.decode_experts}
 
     def routed_graphs(self) -> dict[str, str]:
         """Which graph ``model(*inputs)`` reaches for a prefill and for a decode step.
 
         ModelBuilder's NxDModel routes a call by its input shapes (``input_shape_map`` in NxD
-        0.18's ``trace/model_builder.py``: one entry per shape, the last graph added wins), and the
-        two decode graphs take the same shapes: with ``decode_experts="both"`` the artifact holds
-        both decode NEFFs (their compile figures side by side) but a plain call reaches only the
-        sparse one. Compare the two decodes' speed with one artifact per decode option.
+        0.18's ``trace/model_builder.py``: one entry per shape, the last graph added wins); the
+        prefill (S = bucket) and the decode (S = 1) differ, so each is reached.
         """
-        decode = [key for key in self.graph_keys() if key.startswith("decode_")]
-        return {"prefill": "prefill", "decode": decode[-1]}
+        return {"prefill": "prefill", "decode": f"decode_{self.decode_experts}"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,17 +124,18 @@ def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, slidin
     """The traced graph's inputs for ``S`` tokens at ``positions`` (host side).
 
     ``embeds`` [1, S, H] (the host embedding, scaled), ``positions`` S ints (a padded prefill's
-    padding gets the positions after the prompt). Returns (embeds fp32, position_ids [1, S] int64,
+    padding gets the positions after the prompt). Returns (embeds fp32, position_ids [1, S] int32,
     one_hot [1, 1, max_len, S] fp32, full_mask and sliding_mask [1, 1, S, max_len] additive fp32,
-    last_index [1] int64). Query at position p sees cache slots <= p; the sliding mask also drops
-    slots more than ``sliding_window - 1`` behind p.
+    last_index [1] int32). Query at position p sees cache slots <= p; the sliding mask also drops
+    slots more than ``sliding_window - 1`` behind p. Integer inputs are int32, as NxD Inference
+    traces its position ids: the NeuronCore has no native int64.
     """
     tokens = embeds.shape[1]
     if len(positions) != tokens:
         raise ValueError(f"{len(positions)} positions for {tokens} embedded tokens; give one position per token")
     if max(positions) >= max_len:
         raise ValueError(f"position {max(positions)} is outside the {max_len}-slot KV cache")
-    pos = torch.tensor(positions, dtype=torch.long)
+    pos = torch.tensor(positions, dtype=torch.int32)
     one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
     one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
     slots = torch.arange(max_len)
@@ -136,7 +143,7 @@ def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, slidin
     in_window = slots[None, :] > pos[:, None] - sliding_window
     full = torch.where(visible, 0.0, MASK_MIN)[None, None]
     sliding = torch.where(visible & in_window, 0.0, MASK_MIN)[None, None]
-    last = torch.tensor([tokens - 1 if last_index is None else last_index], dtype=torch.long)
+    last = torch.tensor([tokens - 1 if last_index is None else last_index], dtype=torch.int32)
     return embeds.float(), pos[None], one_hot, full, sliding, last
 
 
@@ -195,8 +202,8 @@ class NeuronGemma4(nn.Module):
     """transformers' Gemma-4 with the port's swaps, a one-hot KV state, host-side embedding and softcap.
 
     ``parallel=True`` swaps in the NxD layers: ``sdk=None`` imports neuronx-distributed (inside a
-    ModelBuilder trace); ``sdk=gemma_nb.neuron.standins.cpu_sdk()`` uses the cpu stand-ins, built
-    inside ``standins.model_parallel(tp, rank, group)``. ``parallel=False`` keeps transformers'
+    ModelBuilder trace; in ``make rehearse``, the emulated SDK); ``sdk=gemma_nb.rehearsal.standins.cpu_sdk()``
+    uses the cpu stand-ins, built inside ``standins.model_parallel(tp, rank, group)``. ``parallel=False`` keeps transformers'
     layers at TP=1 (runs anywhere: the cpu check). ``experts``: ``"dense"`` (every expert, the
     port's op; prefill) or ``"sparse"`` (selective loading; decode): same parameters either way.
     forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
@@ -321,7 +328,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
         mlp.down_proj = sdk.QuantizedRowParallel(mlp.down_proj.in_features, mlp.down_proj.out_features,
                                                  input_is_parallel=True, **int8_kwargs(sdk, dtype))
         layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
-                                    int8=True, dtype=dtype, sdk=sdk, activation=config.hidden_activation)
+                                    dtype=dtype, sdk=sdk, activation=config.hidden_activation)
     lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
                                pad=config.vocab_size % tp != 0, sdk=sdk)
 
@@ -338,17 +345,17 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     """A full (unsharded) checkpoint for ``NeuronGemma4``: names prefixed ``lm.``, squeezed to int8.
 
     - shared MLP gate/up/down and the lm_head (from the tied embedding): int8 + fp32 row scales;
-    - experts: ``gemma_nb.neuron.moe.experts_checkpoint``: gate_up ``[E*2I, H]`` and down ``[H, E*I]``
-      in the rank-major layout for ``tp`` ranks (one layout for the dense and the sparse graph),
-      int8 per row;
+    - experts: ``gemma_nb.neuron.moe.experts_checkpoint``: NxD's expert-major int8 layout, the same
+      for every TP degree and for the dense and the sparse graph;
     - the embedding is dropped (host side); ``layer_scalar`` buffers are kept (ModelBuilder loads
       parameters only: ``build_module`` copies them into the module by hand, as the port did).
+    ``tp`` is checked against the experts' intermediate size (every rank holds an equal slice).
     """
+    if config.moe_intermediate_size % tp:
+        raise ValueError(f"moe_intermediate_size={config.moe_intermediate_size} is not divisible by tp={tp}")
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
-        if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
-            continue
-        if ".experts." in name:
+        if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
             continue
         if ".mlp." in name and name.endswith("_proj.weight"):
             out.update(_quantized(f"lm.{name.removesuffix('.weight')}", tensor))
@@ -356,35 +363,23 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
-        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], tp=tp,
-                                      prefix=f"lm.{base}.", dtype=dtype))
+        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"],
+                                      prefix=f"lm.{base}."))
     out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
     return out
 
 
-def fill_layer_scalars(module: NeuronGemma4, hf_state: dict) -> None:
-    """Copy the ``layer_scalar`` buffers (which ModelBuilder does not load) into ``module``."""
-    for name, buffer in module.lm.named_buffers():
-        if name.endswith("layer_scalar") and name in hf_state:
-            buffer.copy_(hf_state[name])
+def fill_layer_scalars(module: NeuronGemma4, scalars: dict) -> None:
+    """Copy the ``layer_scalar`` buffers (which ModelBuilder does not load) into ``module``.
 
-
-def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
-                experts: str = "dense", group=None) -> NeuronGemma4:
-    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it.
-
-    Built on meta (``init_on_device(meta)``), the full ``checkpoint`` (:func:`convert_checkpoint`)
-    sharded against it by the emulated ``shard_children``, built again for real under
-    ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
-    ``sdk``: ``gemma_nb.neuron.standins.cpu_sdk()``.
+    ``scalars``: the checkpoint's tensors by ``Gemma4ForCausalLM`` name (``read_layer_scalars``, or
+    the whole HF state); every layer's must be there.
     """
-    def factory():
-        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
-
-    module = standins.load_rank_module(factory, checkpoint, build.tp_degree, rank, group,
-                                       not_in_checkpoint=KV_STATE_PREFIXES)
-    fill_layer_scalars(module, hf_state)
-    return module
+    for name, buffer in module.lm.named_buffers():
+        if name.endswith("layer_scalar"):
+            if name not in scalars:
+                raise ValueError(f"the checkpoint has no {name}: expected a Gemma-4 checkpoint with layer scalars")
+            buffer.copy_(scalars[name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,16 +390,22 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
     return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
 
 
-def build_module(config, build: NeuronBuildConfig, experts: str = "dense", sdk=None):
-    """(module, aliases) for ModelBuilder: the NxD module with its layer_scalar buffers filled."""
+def build_module(config, build: NeuronBuildConfig, scalars: dict, experts: str = "dense", sdk=None):
+    """(module, aliases) for ModelBuilder: the NxD module with its layer_scalar buffers filled from ``scalars``."""
     module = NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
-    fill_layer_scalars(module, read_hf_state(build.model_dir))
+    fill_layer_scalars(module, scalars)
     return module, module.input_output_aliases()
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
     """A ModelBuilder at ``build.tp_degree`` with one model instance per graph (``graphs``: key ->
-    experts strategy), each traced with its own token count (the bucket for prefill, 1 for decode)."""
+    experts strategy), each traced with its own token count (the bucket for prefill, 1 for decode).
+
+    ModelBuilder calls each instance's ``load_module`` once per graph and again for the sharding
+    pass; the layer scalars they need are read from the checkpoint once, here (a few numbers), while
+    the weights are read only by ``checkpoint_loader``, when ModelBuilder shards them.
+    """
+    scalars = read_layer_scalars(build.model_dir)
 
     class GemmaInstance(sdk.BaseModelInstance):
         def __init__(self, experts: str):
@@ -412,7 +413,7 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             self.experts = experts
 
         def load_module(self):
-            self.module, aliases = build_module(config, build, experts=self.experts)
+            self.module, aliases = build_module(config, build, scalars, experts=self.experts)
             self.input_output_aliases = [aliases]
 
     def checkpoint_loader():
@@ -427,18 +428,23 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
     return builder
 
 
+def _files(folder: Path, pattern: str = "*") -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob(pattern)) if p.is_file()}
+
+
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
     """Shard-check, trace, compile and save the graphs; return (and write) the build record.
 
     Graphs (``build.graph_keys()``): ``prefill`` (dense experts, S = bucket) and ``decode_dense``
-    and/or ``decode_sparse`` (S = 1), one ModelBuilder artifact sharing one set of sharded weights
-    (the experts' parameters are the same in both modules). ``builder.shard_checkpoint()`` runs
-    first, so a checkpoint that does not fit the module fails in seconds, not after the compile.
-    Records the graphs, the shard check's time, the compiler workdir and flags, NEFF files and
-    sizes, the saved artifact's size, the compile wall time and the peak host RSS of this process
-    *and its children* (neuronx-cc runs as subprocesses: ``gemma_nb.hostmem``). The artifact is
-    ``torch.jit.save`` of what ``trace(initialize_model_weights=True)`` returns (weights included,
-    as the port shipped it).
+    or ``decode_sparse`` (S = 1), one ModelBuilder artifact sharing one set of sharded weights.
+    ``builder.shard_checkpoint()`` runs first, so a checkpoint that does not fit the module fails in
+    seconds, not after the compile. The artifact folder is written afresh (an older one is removed
+    first, so no file of a previous run is written through). Records the graphs, the shard check's
+    time, the compiler workdir and flags, NEFF files and sizes, the saved artifact's size, the
+    compile wall time, the peak host RSS of this process *and its children* (neuronx-cc runs as
+    subprocesses: ``gemma_nb.hostmem``), the versions and whether the SDK was the emulated one. The
+    artifact is ``torch.jit.save`` of what ``trace(initialize_model_weights=True)`` returns (weights
+    included, as the port shipped it).
     """
     import time
 
@@ -447,8 +453,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
 
     sdk = _import_sdk()
     config = text_config(build.model_dir)
-    out_dir = Path(build.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = fresh_dir(build.output_dir)
     graphs = build.graph_keys()
     builder = model_builder(build, config, graphs, sdk)
     started = time.perf_counter()
@@ -458,17 +463,24 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         traced = builder.trace(initialize_model_weights=True)
         artifact = out_dir / ARTIFACT_NAME
         torch.jit.save(traced, str(artifact))
-    neffs = sorted(Path(build.compiler_workdir).rglob("*.neff"))
+    # trace(initialize_model_weights=True) left the weights on this box's NeuronCores: give them back,
+    # or the next build compiled in this process (the other decode path) cannot load its own
+    del traced
+    sdk.close_runtime()
+    workdir = Path(build.compiler_workdir)
+    neffs = _files(workdir, "*.neff")
     record = {
         "build": asdict(build),
+        "sdk": sdk_label(sdk),
         "graphs": graphs,
         "routed_graphs": build.routed_graphs(),
         "shard_check_s": shard_check_s,
         "compile_s": sampler.wall_s,
         "peak_host_rss_bytes": sampler.peak_rss_bytes,
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
-        "neff_files": {str(p.relative_to(build.compiler_workdir)): p.stat().st_size for p in neffs},
-        "neff_bytes": sum(p.stat().st_size for p in neffs),
+        "neff_files": neffs,
+        "neff_bytes": sum(neffs.values()),
+        "compiler_workdir_bytes": sum(_files(workdir).values()),
         "artifact": ARTIFACT_NAME,
         "artifact_bytes": artifact.stat().st_size,
         "versions": _sdk_versions(),
@@ -477,6 +489,11 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
 
     finish_artifact(build.model_dir, out_dir, record)
     return record
+
+
+def sdk_label(sdk) -> str:
+    """``"Neuron SDK"``, or ``"emulated SDK (...)"`` when the namespace comes from ``make rehearse``'s emulation."""
+    return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
 
 
 def _sdk_versions() -> dict:
@@ -493,6 +510,6 @@ def _sdk_versions() -> dict:
 
 __all__ = [
     "COMPILER_ARGS", "NeuronBuildConfig", "step_inputs", "onehot_update", "OneHotCache", "kv_state_shapes",
-    "NeuronGemma4", "host_logits", "convert_checkpoint", "read_hf_state", "compile_neuron", "rank_module",
+    "NeuronGemma4", "host_logits", "convert_checkpoint", "read_hf_state", "compile_neuron", "sdk_label",
     "fill_layer_scalars", "MASK_MIN", "EXPERT_MODES", "DECODE_EXPERTS", "KV_STATE_PREFIXES",
 ]

@@ -26,8 +26,9 @@ def text_key(key: str) -> str | None:
     return key if key.startswith(TEXT_PREFIXES) else None
 
 
-def read_hf_state(model_dir: str | Path) -> dict:
-    """The text model's tensors of a local HF checkpoint (``*.safetensors``), memory-mapped."""
+def read_hf_state(model_dir: str | Path, only=None) -> dict:
+    """The text model's tensors of a local HF checkpoint (``*.safetensors``, one file or the hub's
+    shards), in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks a subset (the rest is never read)."""
     state = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -36,11 +37,17 @@ def read_hf_state(model_dir: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 name = text_key(key)
-                if name is not None:
+                if name is not None and (only is None or only(name)):
                     state[name] = handle.get_tensor(key)
-    if "model.embed_tokens.weight" not in state:
+    if only is None and "model.embed_tokens.weight" not in state:
         raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
     return state
+
+
+def read_layer_scalars(model_dir: str | Path) -> dict:
+    """Only the decoder layers' ``layer_scalar`` buffers (one number each): what the traced module
+    needs from the checkpoint besides the weights ModelBuilder loads."""
+    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))
 
 
 def text_config(model_dir: str | Path):

@@ -36,7 +36,7 @@ from gemma_nb.hostmem import HostMemorySampler
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import host_logits, step_inputs
-from gemma_nb.neuron.sdk import import_sdk
+from gemma_nb.neuron.sdk import close_runtime, import_sdk
 
 
 @dataclass
@@ -56,7 +56,8 @@ class NeuronStepRunner:
     pad_token_id: int = 0
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
-    def _call(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
+        """One graph call for token ``ids`` [1, S] at ``positions``: the host logits [1, V] of ``last_index``."""
         inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
         return host_logits(self.graph(*inputs), self.config)
 
@@ -75,12 +76,12 @@ class NeuronStepRunner:
         start = time.perf_counter()
         # Padding slots (positions prompt..bucket-1) are rewritten by the decode steps before any
         # query can see them: the masks only open slots at or before the query's position.
-        tokens = [int(self._call(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
+        tokens = [int(self.step(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
         self.step_times_s.append(time.perf_counter() - start)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             start = time.perf_counter()
             position = prompt + len(tokens) - 1
-            tokens.append(int(self._call(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
+            tokens.append(int(self.step(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
             self.step_times_s.append(time.perf_counter() - start)
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 
@@ -105,9 +106,10 @@ class CpuStateGraph:
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores.
 
-    Returns the graph callable ``NeuronStepRunner`` steps: inputs -> logits. ``release`` frees it.
+    Returns the graph callable ``NeuronStepRunner`` steps: inputs -> logits (``graph.model``: the
+    loaded model; ``graph.sdk``: "Neuron SDK" or "emulated SDK ..."). ``release`` frees it.
     """
-    import_sdk()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    sdk = import_sdk()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{MODEL_FILE} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
@@ -119,15 +121,23 @@ def load_artifact(artifact_dir: str | Path):
         return out[0] if isinstance(out, (tuple, list)) else out
 
     graph.model = model
+    graph.sdk = "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if sdk.emulated else "Neuron SDK"
     return graph
 
 
-def release(runner: NeuronStepRunner) -> None:
-    """Drop a deployed model so its NeuronCore memory can be reused (one 26B build fills 2 x 16 GiB)."""
+def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -> None:
+    """Unload a deployed model and give its NeuronCore memory back: one 26B build (~12.7 GB per rank)
+    fills most of 2 x 16 GiB, so the next cannot load until this one is gone.
+
+    Dropping the references is not enough: the runtime keeps the model loaded until it is closed
+    (``gemma_nb.neuron.sdk.close_runtime``, ``torch.classes.neuron.Runtime().unsafe_close()``, as
+    NxD's own tests do between models). ``close``: the closing function (the tests pass a fake).
+    """
     import gc
 
     runner.graph = None
     gc.collect()
+    (close or close_runtime)()
 
 
 def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
@@ -154,7 +164,8 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
         runner = NeuronStepRunner(graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0)
     figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,
                "peak_host_rss_bytes": sampler.peak_rss_bytes, "embedding_bytes": embedding_path.stat().st_size,
-               "graphs": artifact.graphs}
+               "graphs": artifact.graphs, "decode_graph": artifact.decode_graph,
+               "sdk": getattr(graph, "sdk", artifact.record.get("sdk", "Neuron SDK"))}
     return runner, figures
 
 
@@ -176,13 +187,14 @@ def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: 
 
 
 def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
-                        load: Callable[[Path], Callable] | None = None):
+                        load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
     """Decode speed of deployed artifacts, loaded, timed and released ONE AT A TIME.
 
     ``artifacts``: name -> artifact folder, e.g. ``{"dense": ..., "sparse": ...}``. Two 26B builds
     (~12.7 GB per rank each) do not fit 16 GiB per NeuronCore together, so each is deployed
-    (``slim_deploy``), timed with ``gemma_nb.bench.time_runners`` and released before the next.
-    Returns the table (``ttft_s``, ``decode_tok_s``, ``tokens`` per name) plus ``neff_load_s``.
+    (``slim_deploy``), timed with ``gemma_nb.bench.time_runners`` and released (the runtime
+    closed: :func:`release`) before the next. Returns the table (``ttft_s``, ``decode_tok_s``,
+    ``tokens`` per name) plus ``neff_load_s`` and ``decode_graph``.
     """
     import pandas as pd
 
@@ -192,8 +204,8 @@ def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repea
         try:
             table = time_runners({name: runner}, prompt_ids, new_tokens=new_tokens, repeats=repeats)
         finally:
-            release(runner)
-        tables.append(table.assign(neff_load_s=figures["neff_load_s"]))
+            release(runner, close)
+        tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
     return pd.concat(tables)
 
 

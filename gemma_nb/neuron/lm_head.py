@@ -5,7 +5,7 @@ were read in neuronx-distributed 0.18, the newest public source (aws-neuron/neur
 ``quantization/quantization_layers.py``, ``parallel_layers/layers.py``,
 ``quantization/quantization_config.py``). Nothing from the SDK is imported at module import time;
 :func:`build_lm_head` imports it and raises ``TargetError`` with the install hint when it is
-missing, or builds from ``sdk=gemma_nb.neuron.standins.cpu_sdk()``, the cpu stand-ins (notebook
+missing, or builds from ``sdk=gemma_nb.rehearsal.standins.cpu_sdk()``, the cpu stand-ins (notebook
 05's TP=2 emulation runs it so). The CPU twin, run for real under torch.distributed gloo, is
 ``gemma_nb.parallel.VocabParallelLMHead``.
 
@@ -70,7 +70,7 @@ def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dty
     """The port's lm_head for the traced graph: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear``.
 
     Arguments as :func:`lm_head_kwargs`. ``sdk``: None imports neuronx-distributed
-    (``TargetError`` with the install hint if missing); ``gemma_nb.neuron.standins.cpu_sdk()`` gives
+    (``TargetError`` with the install hint if missing); ``gemma_nb.rehearsal.standins.cpu_sdk()`` gives
     the cpu stand-ins. Call it where NxD's tensor-parallel state exists (inside a ModelBuilder
     trace, after ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)``, or in
     a stand-in ``model_parallel``) and register it as ``lm_head`` so :func:`untie_lm_head`'s keys
@@ -163,7 +163,10 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
     with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
         traced = ModelBuilder(_HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
-    with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp), init_on_device(torch.device("meta")):
+    # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
+    # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
+    with (NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
+          init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
         sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight, quantized=quantized),
                                    model=_HeadOnly(hidden_size, vocab_size, quantized, pad))
     nxd_model.set_weights(sharded)

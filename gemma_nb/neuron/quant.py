@@ -7,7 +7,7 @@ layer arguments and the CPU-only assertion were read in aws-neuron/neuronx-distr
 snapshot, the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
 import time: :func:`run_trials` imports it and raises ``TargetError`` when it is missing.
 :func:`scale_dequantize` is the one patch of NxD's dequantize this repo applies (the build, the
-lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.neuron.standins`` keeps
+lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.rehearsal.standins`` keeps
 NxD's own version, so the tests show why it is needed.
 
 ``SDK_SUPPORT_MATRIX`` is what the NxD sources and the write-up say (docs/sources.md: nxd-source, port-review), for the cpu notebook to show.

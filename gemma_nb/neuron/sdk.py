@@ -21,8 +21,13 @@ server) and ``import_sdk`` call ``check_sdk``, and print a note when the stand-i
 every later ``import neuronx_distributed`` in that process succeeds. Nothing on the cpu target
 imports this module.
 
+``make rehearse`` puts an emulation of this SDK surface on the path (``gemma_nb.rehearsal``; never
+importable otherwise). It marks its modules ``__emulated__ = True``; ``check_sdk`` and everything
+that reports the SDK (preflight, the build record, the manifest) then say "emulated SDK".
+
 - ``check_sdk()``: what preflight reports (never calls the transformers-5 problem "SDK missing").
 - ``import_sdk()``: the SDK pieces the neuron build, deploy and trials use, as one namespace.
+- ``close_runtime()``: unload every model from the NeuronCores (``Runtime().unsafe_close()``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from gemma_nb.targets import NEURON_HELP, TargetError
 # import name -> pip distribution name
 SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}
 FX_MODULE = "transformers.utils.fx"
+EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
 FX_NOTE = (
     f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), "
     "which transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import "
@@ -95,12 +101,14 @@ class SdkStatus:
     ``missing``: pip names of SDK packages not installed (the only "SDK missing" case).
     ``fx_problem``: ``import neuronx_distributed`` failed on ``transformers.utils.fx``;
     ``workaround_applied``: the stand-in made the import succeed. ``error``: any other import error.
+    ``emulated``: the modules imported are ``make rehearse``'s emulation, not the Neuron SDK.
     """
 
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False
     workaround_applied: bool = False
     error: str | None = None
+    emulated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -115,9 +123,10 @@ class SdkStatus:
                     if self.fx_problem else "")
             return (f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
                     "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)")
+        found = EMULATED_LABEL if self.emulated else "torch-neuronx and neuronx-distributed"
         if self.fx_problem:
-            return ("imports, with the transformers-5 workaround: " + FX_NOTE.removeprefix("note: "))
-        return "torch-neuronx and neuronx-distributed import"
+            return f"{found} import, with the transformers-5 workaround: " + FX_NOTE.removeprefix("note: ")
+        return f"{found} import"
 
 
 def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
@@ -131,7 +140,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
         return status
     for name in SDK_PACKAGES:
         try:
-            import_module(name)
+            status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
         except ImportError as error:
             if not is_fx_problem(error) or status.fx_problem:
                 status.error = f"import {name}: {type(error).__name__}: {error}"
@@ -139,7 +148,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
             status.fx_problem = True
             status.workaround_applied = install_fx_stand_in(modules)
             try:
-                import_module(name)
+                status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
             except ImportError as again:
                 status.error = f"import {name}: {type(again).__name__}: {again}"
                 return status
@@ -163,7 +172,12 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
     from neuronx_distributed.quantization import quantization_layers
     from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
-    from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel, QuantizedRowParallel
+    from neuronx_distributed.quantization.quantization_layers import (
+        QuantizedColumnParallel,
+        QuantizedExpertFusedColumnParallel,
+        QuantizedExpertFusedRowParallel,
+        QuantizedRowParallel,
+    )
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
@@ -171,12 +185,26 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
         SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
         quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
         ScaleDtype=ScaleDtype, QuantizedColumnParallel=QuantizedColumnParallel,
-        QuantizedRowParallel=QuantizedRowParallel, model_builder=model_builder,
+        QuantizedRowParallel=QuantizedRowParallel, QuantizedExpertFusedColumnParallel=QuantizedExpertFusedColumnParallel,
+        QuantizedExpertFusedRowParallel=QuantizedExpertFusedRowParallel, model_builder=model_builder,
         BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
         ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
-        fx_workaround=status.fx_problem,
+        fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
     )
 
 
-__all__ = ["SDK_PACKAGES", "FX_MODULE", "FX_NOTE", "SdkStatus", "check_sdk", "import_sdk", "fx_stand_in",
-           "install_fx_stand_in", "is_fx_problem"]
+def close_runtime() -> None:
+    """Unload every model this process put on the NeuronCores and give their HBM back.
+
+    ``torch.classes.neuron.Runtime().unsafe_close()``, as NxD's own tests do between two models
+    (the class is registered by importing torch-neuronx). Dropping the Python references is not
+    enough: two 26B builds (~12.7 GB per rank each) do not fit 16 GiB per NeuronCore together.
+    """
+    import torch
+    import torch_neuronx  # noqa: F401 (registers torch.classes.neuron)
+
+    torch.classes.neuron.Runtime().unsafe_close()
+
+
+__all__ = ["SDK_PACKAGES", "FX_MODULE", "FX_NOTE", "EMULATED_LABEL", "SdkStatus", "check_sdk", "import_sdk",
+           "close_runtime", "fx_stand_in", "install_fx_stand_in", "is_fx_problem"]

@@ -23,6 +23,7 @@ import torch
 from gemma_nb.evaluate import fact_recall
 from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config, random_gemma4_model
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
+from gemma_nb.tiny.hub_layout import save_hub_layout
 
 # Experts implementation used while training: transformers' grouped_mm (a sort + one matmul
 # per expert, with its own backward) is the fastest of eager / grouped_mm / batched_mm for a
@@ -166,6 +167,8 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
         "history": history,
     }
     (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
+        save_hub_layout(out_dir, out_dir)
     return summary
 
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from gemma_nb.neuron import lowering  # noqa: E402
+from gemma_nb.rehearsal import lowering  # noqa: E402
 
 GRAPHS = [(graph, tp, experts) for tp in (1, 2) for graph, experts in
           (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse"), ("lm_head", None))]
@@ -58,15 +58,19 @@ def test_graph_lowers_to_one_xla_graph_with_no_fallback_or_transfer(shipped, key
     assert lowering.lowered_cleanly([row])
 
 
-def test_selective_loading_gathers_three_weights_per_layer_the_dense_graph_none(shipped):
+def test_selective_loading_gathers_whole_experts_on_the_leading_axis(shipped):
+    """The sparse decode's weight gathers take whole experts (the leading axis of the expert-major
+    weights and scales), four per layer: gate_up and down, each with its scales; no weight is
+    gathered along a middle axis (a DMA of thousands of small pieces per token on the 26B)."""
     from gemma_nb.neuron.build import text_config
     from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
     layers = text_config(TP2_CHECKPOINT_DIR).num_hidden_layers
     for tp in (1, 2):
         dense, sparse = shipped[("decode", tp, "dense")], shipped[("decode", tp, "sparse")]
-        # gate_up rows, their scales, down columns (the down scale is per output row: no gather)
-        assert sparse["gathers"] - dense["gathers"] == 3 * layers
+        assert sparse["weight_gathers"] - dense["weight_gathers"] == 4 * layers
+        assert sparse["weight_gathers_leading_axis"] == sparse["weight_gathers"]
+        assert dense["weight_gathers_leading_axis"] == dense["weight_gathers"]  # the router's per-expert scale
         assert shipped[("lm_head", tp, None)]["gathers"] == 0
 
 

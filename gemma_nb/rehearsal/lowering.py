@@ -15,10 +15,10 @@ helpers (:func:`hlo_counts`, :func:`aten_fallbacks`, :func:`tolerance`) and
 :func:`run_in_xla_env` are plain Python and run in the main environment, where notebook 04 calls
 the check as a subprocess. From the command line, in ``.venv-xla``:
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma_nb.neuron.lowering --json [--contrast]
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma_nb.rehearsal.lowering --json [--contrast]
 
 The graphs (:func:`shipped_graphs`) are ``gemma_nb.neuron.build``'s own modules with the NxD layers
-replaced by the cpu stand-ins of ``gemma_nb.neuron.standins`` (contracts read from
+replaced by the cpu stand-ins of ``gemma_nb.rehearsal.standins`` (contracts read from
 neuronx-distributed 0.18; they prove this repo's code, not the SDK's layers), loaded from the
 bundled TP=2 tiny checkpoint (``gemma-nb/tiny-gemma4-moe-tp2``: its KV heads split by 2) as
 ModelBuilder shards it, at the shipped build's shapes (``NeuronBuildConfig``: prefill bucket 128,
@@ -43,14 +43,14 @@ from gemma_nb.neuron.build import (
     NeuronBuildConfig,
     NeuronGemma4,
     convert_checkpoint,
-    rank_module,
     read_hf_state,
     step_inputs,
     text_config,
 )
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict, trim_padded_logits
-from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.rehearsal.emulate import rank_module
+from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
@@ -89,16 +89,50 @@ def hlo_opcodes(hlo_text: str) -> list[str]:
     return opcodes
 
 
+_GATHER = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s+\S+\s+gather\(\w+\[([\d,]*)\]\S*\s+%?([\w.\-]+),")
+_PARAMETER = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+\S+\s+parameter\(")
+_BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
+
+
+def hlo_gathers(hlo_text: str) -> list[dict]:
+    """Every ``gather`` of an HLO module's text: its operand's shape, whether that operand is a graph
+    parameter (a weight or an input, not an intermediate), the axes it indexes (``start_index_map``)
+    and the slice it takes per index (``slice_sizes``). A gather of whole experts on a weight's
+    leading axis reads ``start_index_map == [0]`` and ``slice_sizes == [1, *operand[1:]]``."""
+    parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
+    found = []
+    for line in hlo_text.splitlines():
+        match = _GATHER.match(line)
+        if not match:
+            continue
+        attributes = {key: [int(v) for v in value.split(",") if v] for key, value in _BRACES.findall(line)}
+        found.append({"operand_shape": [int(v) for v in match.group(1).split(",") if v],
+                      "of_parameter": match.group(2) in parameters,
+                      "start_index_map": attributes.get("start_index_map", []),
+                      "slice_sizes": attributes.get("slice_sizes", [])})
+    return found
+
+
+def takes_whole_leading_slices(gather: dict) -> bool:
+    """Whether a gather indexes only the leading axis and takes whole slices of everything else."""
+    return gather["start_index_map"] == [0] and gather["slice_sizes"] == [1, *gather["operand_shape"][1:]]
+
+
 def hlo_counts(hlo_text: str) -> dict:
-    """``{"hlo_instructions": n, "gathers": g}`` of an HLO module's text.
+    """``{"hlo_instructions": n, "gathers": g, "weight_gathers": w, "weight_gathers_leading_axis": l}``
+    of an HLO module's text.
 
     ``gathers`` counts ``gather`` instructions: indexing a weight by a traced index (the sparse
-    experts' ``weight[top_k_index]``, an embedding-style lookup) lowers to one.
+    experts' ``weight[expert_indices]``, an embedding-style lookup) lowers to one; ``weight_gathers``
+    those whose operand is a graph parameter, ``weight_gathers_leading_axis`` those of them that take
+    whole slices along the leading axis (:func:`takes_whole_leading_slices`).
     """
     opcodes = hlo_opcodes(hlo_text)
     if not opcodes:
         raise ValueError("no HLO instructions found: expected the text of torch_xla._XLAC._get_xla_tensors_hlo")
-    return {"hlo_instructions": len(opcodes), "gathers": opcodes.count("gather")}
+    weights = [g for g in hlo_gathers(hlo_text) if g["of_parameter"]]
+    return {"hlo_instructions": len(opcodes), "gathers": opcodes.count("gather"), "weight_gathers": len(weights),
+            "weight_gathers_leading_axis": sum(takes_whole_leading_slices(g) for g in weights)}
 
 
 def aten_fallbacks(counter_names) -> list[str]:
@@ -150,7 +184,8 @@ def summary(report: dict) -> str:
     if extra:
         counts = " and ".join(f"{n} at TP={tp}" for tp, n in extra.items())
         text += (f" The selective-loading decode holds more gather instructions than the dense decode ({counts}): "
-                 "in every layer it gathers the routed experts' gate/up rows, their scales and their down columns.")
+                 "in every layer it gathers the routed experts' gate/up and down weights and their scales, whole "
+                 "experts on the weights' leading axis.")
     return text
 
 
@@ -171,7 +206,7 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
     ``{"versions": {...}, "shapes": {...}, "graphs": [row, ...], "contrast": [row, ...]}``; a row is
     :func:`lower_step`'s dict. Raises RuntimeError with the subprocess's stderr if it fails.
     """
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.neuron.lowering", "--json"]
+    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"]
     if contrast:
         command.append("--contrast")
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
@@ -185,7 +220,8 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
 # Column names of the notebook's tables: what each row field means, shortly.
 STRUCTURE_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "tokens": "tokens",
                      "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "to-host transfers",
-                     "xla_executions": "XLA graphs", "hlo_instructions": "HLO ops", "gathers": "gathers"}
+                     "xla_executions": "XLA graphs", "hlo_instructions": "HLO ops", "gathers": "gathers",
+                     "weight_gathers": "of weights", "weight_gathers_leading_axis": "whole, leading axis"}
 NUMERIC_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "max_abs_diff": "|XLA - eager| bf16",
                    "tolerance": "tolerance bf16", "bf16_rounding": "|eager bf16 - eager fp32|",
                    "max_abs_diff_fp32": "|XLA - eager| fp32", "tolerance_fp32": "tolerance fp32"}
@@ -227,7 +263,7 @@ def _import_xla():
         import torch_xla.debug.metrics as metrics
     except ImportError as error:
         raise ImportError(f"cannot import torch_xla ({error}): run the lowering check in the xla environment "
-                          f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.neuron.lowering)") from None
+                          f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.rehearsal.lowering)") from None
     return torch_xla, metrics
 
 
@@ -279,7 +315,8 @@ def _lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **la
             "error": error,
         }
         if error is not None:
-            return {**row, "hlo_instructions": None, "gathers": None, "max_abs_diff": None, "tolerance": None}, eager
+            return {**row, "hlo_instructions": None, "gathers": None, "weight_gathers": None,
+                    "weight_gathers_leading_axis": None, "max_abs_diff": None, "tolerance": None}, eager
         row.update(hlo_counts(hlo))
         logits = outputs[0].cpu().float()
     row["max_abs_diff"] = float((logits - eager).abs().max())
@@ -463,7 +500,7 @@ def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degre
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m gemma_nb.neuron.lowering", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON (default: a text table)")
     parser.add_argument("--contrast", action="store_true", help="also lower the experts that do not lower")
     parser.add_argument("--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)")

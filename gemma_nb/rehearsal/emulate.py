@@ -2,7 +2,7 @@
 
 What runs is this repo's own neuron code, unchanged: ``NeuronGemma4(parallel=True)`` with its NxD
 swaps, ``convert_checkpoint``, the one-hot KV state, ``step_inputs`` and ``NeuronStepRunner``. Only
-the NxD layers are replaced, by ``gemma_nb.neuron.standins`` (contracts read from
+the NxD layers are replaced, by ``gemma_nb.rehearsal.standins`` (contracts read from
 neuronx-distributed 0.18), and each rank's weights come the way ModelBuilder makes them: the module
 built on the meta device, the full int8 checkpoint cut per rank by the emulated ``shard_children``.
 Every rank is a process (``gemma_nb.ranks.run_tp``), and ``gather_output`` / the row-parallel
@@ -31,17 +31,35 @@ from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron.build import (
     KV_STATE_PREFIXES,
     NeuronBuildConfig,
+    NeuronGemma4,
     convert_checkpoint,
-    rank_module,
+    fill_layer_scalars,
     read_hf_state,
     text_config,
 )
 from gemma_nb.neuron.deploy import NeuronStepRunner
-from gemma_nb.neuron.standins import NXD_CONTRACT_VERSION, cpu_sdk, model_parallel
 from gemma_nb.ranks import run_tp
+from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module, model_parallel
 from gemma_nb.tiny import BUNDLED_TP2_ID
 
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
+
+
+def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
+                experts: str = "dense", group=None) -> NeuronGemma4:
+    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it.
+
+    Built on meta (``init_on_device(meta)``), the full ``checkpoint`` (``convert_checkpoint``)
+    sharded against it by the emulated ``shard_children``, built again for real under
+    ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
+    ``sdk``: ``gemma_nb.rehearsal.standins.cpu_sdk()``.
+    """
+    def factory():
+        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
+
+    module = load_rank_module(factory, checkpoint, build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
+    fill_layer_scalars(module, hf_state)
+    return module
 
 
 class AliasedGraphs:
@@ -83,12 +101,12 @@ class AliasedGraphs:
         return outputs[0]
 
 
-def _setup(model_dir: str, tp: int, max_len: int, bucket: int):
+def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "float32"):
     config = text_config(model_dir)
     hf_state = read_hf_state(model_dir)
     build = NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
-                              dtype="float32")
-    checkpoint = convert_checkpoint(hf_state, config, tp, dtype=torch.float32)
+                              dtype=dtype)
+    checkpoint = convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
     return config, hf_state, build, checkpoint, embed
@@ -135,6 +153,59 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
             "graph_calls": calls, "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
 
 
+def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
+    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers``
+    tokens fed one decode step at a time (dense experts; the router is the same in both builds).
+
+    Per (prompt token or decode step, layer): the chosen experts as a sorted tuple, from the router's
+    own scores, with the softmax and top-k in fp32 as the module computes them (``fp32_softmax``) and
+    in bf16 (``bf16_softmax``: what ``--auto-cast all`` would make of that fp32 softmax).
+    """
+    scores = []
+    hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
+             for layer in module.lm.model.layers]
+    picks = {"fp32_softmax": [], "bf16_softmax": []}
+    k = config.top_k_experts
+    try:
+        for ids, answer in zip(prompts_ids, answers):
+            graphs = AliasedGraphs(module, module, build.bucket)
+            runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
+            padded = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
+            padded[0, : len(ids)] = torch.tensor(ids)
+            scores.clear()
+            with torch.inference_mode():
+                runner.step(padded, list(range(build.bucket)), len(ids) - 1)
+                kept = [s[: len(ids)] for s in scores]  # the prompt's tokens, not the bucket's padding
+                for step, token in enumerate(answer[:-1]):
+                    scores.clear()
+                    runner.step(torch.tensor([[token]]), [len(ids) + step], 0)
+                    kept += scores
+            for name, dtype in (("fp32_softmax", torch.float32), ("bf16_softmax", torch.bfloat16)):
+                for layer_scores in kept:
+                    top = torch.topk(torch.softmax(layer_scores.to(dtype), dim=-1, dtype=dtype), k, dim=-1).indices
+                    picks[name] += [tuple(sorted(row.tolist())) for row in top]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return picks
+
+
+def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, max_len: int,
+                    bucket: int) -> dict:
+    """One gloo rank of the bf16 router check: :func:`router_choices` on this rank's bf16 module."""
+    import torch.distributed as dist
+
+    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
+    module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
+    return router_choices(module, config, embed, build, prompts_ids, answers)
+
+
+def _matching(picks: list, reference: list) -> float:
+    if len(picks) != len(reference):
+        raise RuntimeError(f"{len(picks)} router choices against {len(reference)} in the reference")
+    return sum(a == b for a, b in zip(picks, reference)) / len(reference)
+
+
 def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
                 bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
@@ -160,6 +231,13 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     ``max_abs_logit_diff_dense`` / ``_sparse`` (every step's logits before softcap, worst rank,
     against the reference's; ``max_abs_logit_reference`` for scale), the shapes used, the
     reference answers (up to ``<eos>``) and tokens, and ``wall_s``.
+
+    The bf16 check (the ranks above run fp32, where no expert choice can flip): the TP=2 module built
+    in bf16 on two more ranks, teacher-forced with the reference's tokens, its routers' top-k
+    against the fp32 reference's at every prompt token and decode step of every layer
+    (``router_choices`` of them): ``router_topk_equal_bf16`` with the softmax in fp32 as written
+    (the sparse build's ``--auto-cast=none``), ``router_topk_equal_bf16_autocast_all`` with the
+    softmax and top-k in bf16 (what the port's ``--auto-cast all`` may compile), fractions in [0, 1].
     """
     from transformers import AutoTokenizer
 
@@ -172,10 +250,15 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     with model_parallel(1):
         reference = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(),
                                modes=("dense",))
-    del checkpoint
+    expected, eos = reference["tokens"]["dense"], config.eos_token_id
+    with model_parallel(1):
+        module = rank_module(config, build, checkpoint, hf_state, 0, cpu_sdk())
+    choices = router_choices(module, config, embed, build, prompts_ids, expected)["fp32_softmax"]
+    del checkpoint, module
     ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
                    threads_per_rank=1, timeout_s=timeout_s)
-    expected, eos = reference["tokens"]["dense"], config.eos_token_id
+    bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
+                  threads_per_rank=1, timeout_s=timeout_s)
     return {
         "model_id": model_id,
         "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
@@ -187,6 +270,10 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
         "prompts": len(prompts_ids),
         "new_tokens": new_tokens,
         **_compare_ranks(ranks, reference),
+        "router_choices": len(choices),
+        "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
+        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
+        "router_ranks_agree": all(r == bf16[0] for r in bf16),
         "prompt_texts": list(prompts),
         "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
         "reference_tokens": expected,
@@ -218,4 +305,5 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
     }
 
 
-__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "DEFAULT_PROMPTS"]
+__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "rank_module", "router_choices",
+           "router_rank_job", "DEFAULT_PROMPTS"]

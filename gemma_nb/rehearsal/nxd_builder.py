@@ -1,0 +1,239 @@
+"""ModelBuilder v1 and v2, emulated: sharding, tracing, and the NxDModel on the emulated cores.
+
+Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py``, ``model_builder_v2.py``,
+``functions.py``, ``parallel_context.py``:
+
+- v1 ``ModelBuilder(router, tp_degree, checkpoint_loader, compiler_workdir=...)``: ``add(key,
+  instance, example_inputs, compiler_args)`` completes the flags as ``append_default_compiler_flags``
+  does (``--auto-cast=none`` when there is none, a warning for any other value, ``-O1``,
+  ``--verbose=35``); ``shard_checkpoint(serialize_path=None)`` loads the first instance under
+  ``init_on_device(meta, force_custom_init_on_device=True)`` and the parallel state, takes the
+  checkpoint from ``checkpoint_loader()``, pre-processes and casts it and cuts it per rank
+  (``tp{rank}_sharded_checkpoint.safetensors`` in ``serialize_path``); ``trace(initialize_model_weights=True)``
+  empties the compiler workdir, loads every instance (``load_module``) and traces it, shards the
+  checkpoint into the workdir, builds the NxDModel (input-shape router), initialises it with those
+  weights **on the NeuronCores** and returns the executor.
+- v2 ``ModelBuilder(model).trace(args, kwargs, tag).compile(...)`` returns an NxDModel with
+  ``set_weights(per-rank checkpoints)``, ``to_neuron()`` and ``model(*args)``;
+  ``shard_checkpoint(checkpoint, model)`` cuts a checkpoint for every rank of the parallel state
+  that ``NxDParallelState(world_size, tensor_model_parallel_size)`` sets.
+
+Instead of HLO and neuronx-cc, each graph is traced with ``torch.jit.trace``
+(``gemma_nb.rehearsal.nxd_model``); no NEFF is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gemma_nb.rehearsal import nxd_model
+from gemma_nb.rehearsal.nxd_layers import ParallelState, set_state, state_or_none
+from gemma_nb.rehearsal.sharding import cast_weights, init_on_meta, preprocess_checkpoint, shard_children
+
+logger = logging.getLogger("Neuron")
+AUTO_CAST_WARNING = "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
+SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
+
+
+def append_default_compiler_flags(compiler_args: str | None = "") -> str:
+    """NxD's completion of the compiler flags (``trace/model_builder.py``), with its warning."""
+    if not compiler_args:
+        compiler_args = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
+    if "--auto-cast" not in compiler_args:
+        compiler_args += " --auto-cast=none "
+    elif "--auto-cast=none" not in compiler_args:
+        logger.warning(AUTO_CAST_WARNING)
+    if not re.search(r"-O\d+", compiler_args):
+        compiler_args += " -O1 "
+    if "--verbose" not in compiler_args:
+        compiler_args += " --verbose=35"
+    return compiler_args
+
+
+@contextlib.contextmanager
+def parallel_state(tp: int):
+    """``parallel_state.initialize_model_parallel(tp)`` ... ``destroy_model_parallel()``, for the emulated cores."""
+    previous = state_or_none()
+    set_state(ParallelState(tp, spmd=True))
+    try:
+        yield
+    finally:
+        set_state(previous)
+
+
+def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
+    preprocess_checkpoint(model, checkpoint)
+    cast_weights(checkpoint, model)
+    shards = []
+    for rank in range(tp):
+        shard = dict(checkpoint)
+        shard_children(model, shard, rank)
+        if serialize_path is not None:
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(Path(serialize_path) / SHARD_FILE.format(rank=rank)))
+        shards.append(shard)
+    return shards
+
+
+class BaseModelInstance:
+    """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its aliases."""
+
+    def __init__(self, module_cls, input_output_aliases):
+        self.module_cls = module_cls
+        self.module = None
+        self.input_output_aliases = [input_output_aliases]
+
+    def load_module(self):
+        self.module = self.module_cls()
+
+    def get(self, bucket_rank, **kwargs):
+        return self.module, self.input_output_aliases[0]
+
+
+class ModelBuilder:
+    """v1 (``trace/model_builder.py``), as the module docstring says."""
+
+    def __init__(self, router, tp_degree: int, checkpoint_loader, start_rank_id: int = 0, compiler_workdir=None,
+                 **unsupported):
+        if unsupported:
+            raise TypeError(f"the emulated ModelBuilder does not implement {sorted(unsupported)}")
+        self.router, self.tp_degree, self.checkpoint_loader = router, tp_degree, checkpoint_loader
+        self.start_rank_id = start_rank_id
+        self.compiler_workdir = compiler_workdir or "/tmp/nxd_model/"
+        self.model_collection: dict = {}
+
+    def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
+            bucket_config=None, priority_model_idx=None):
+        if bucket_config is not None or priority_model_idx is not None:
+            raise TypeError("the emulated ModelBuilder does not implement bucket_config or priority_model_idx")
+        self.model_collection[key] = {"instance": model_instance, "example_inputs": example_inputs,
+                                      "compiler_args": append_default_compiler_flags(compiler_args)}
+        return self
+
+    def shard_checkpoint(self, serialize_path=None) -> list[dict]:
+        if serialize_path is not None:
+            Path(serialize_path).mkdir(parents=True, exist_ok=True)
+        instance = next(iter(self.model_collection.values()))["instance"]
+        with parallel_state(self.tp_degree), init_on_meta():
+            instance.load_module()
+            model, _ = instance.get(0)
+            return _shard_all(model, self.checkpoint_loader(), self.tp_degree, serialize_path)
+
+    def trace(self, initialize_model_weights: bool = True, dry_run: bool = False):
+        if dry_run:
+            raise TypeError("the emulated ModelBuilder does not implement dry_run")
+        workdir = Path(self.compiler_workdir)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        graphs, shape_map = {}, {}
+        with parallel_state(self.tp_degree):
+            for key, entry in self.model_collection.items():
+                instance = entry["instance"]
+                instance.load_module()
+                for bucket, example in enumerate(entry["example_inputs"]):
+                    module, aliases = instance.get(bucket)
+                    graphs[key] = nxd_model.trace_graph(module, tuple(example), aliases, self.tp_degree)
+                    graphs[key]["compiler_args"] = entry["compiler_args"]
+                    shape_map[nxd_model.shape_key(example)] = (key, bucket)
+                instance.module = None
+        model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
+        if initialize_model_weights:
+            self.shard_checkpoint(self.compiler_workdir)
+            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank)))
+                       for rank in range(self.start_rank_id, self.start_rank_id + self.tp_degree)]
+            model.saved_weights = weights
+            model.initialize(weights, torch.tensor([self.start_rank_id], dtype=torch.int32))
+        return nxd_model.EmulatedExecutor(model)
+
+
+# --------------------------------------------------------------------------------------------
+# v2: ModelBuilder(model).trace(...).compile() -> NxDModel
+# --------------------------------------------------------------------------------------------
+class NxDParallelState:
+    """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state for building."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported):
+        if unsupported or world_size != tensor_model_parallel_size:
+            raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
+                            f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
+        self.tp = tensor_model_parallel_size
+        self._context = None
+
+    def __enter__(self):
+        self._context = parallel_state(self.tp)
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+
+class NxDModelV2:
+    """v2's ``NxDModel``: ``set_weights``, ``to_neuron``, then ``model(*args)`` (outputs of rank 0)."""
+
+    def __init__(self, model: nxd_model.EmulatedNxDModel):
+        self._model, self._weights = model, None
+
+    def set_weights(self, sharded_checkpoint: list[dict]) -> None:
+        if self._model.loaded:
+            raise ValueError("set_weights() was called when the model was already loaded on neuron. If you need to "
+                             "replace your weights, call `replace_weights()` instead.")
+        self._weights = sharded_checkpoint
+
+    def to_neuron(self) -> None:
+        if not self._model.loaded:
+            self._model.initialize(self._weights or [], torch.tensor([0], dtype=torch.int32))
+
+    def __call__(self, *args):
+        if not self._model.loaded:
+            raise RuntimeError("Model not initialized. Call set_weights() followed by to_neuron()")
+        outputs = self._model(list(args))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+class ModelBuilderV2:
+    """v2 (``trace/model_builder_v2.py``), as the module docstring says."""
+
+    def __init__(self, model, weights_to_skip_layout_optimization=None):
+        self.model = model
+        self.traces: dict = {}
+
+    def trace(self, args=None, kwargs=None, tag: str | None = None, spmd: bool = True):
+        state = state_or_none()
+        if state is None:
+            raise AssertionError("NxD parallel state has not been initialized: trace inside NxDParallelState(...)")
+        if kwargs:
+            raise TypeError("the emulated ModelBuilder v2 traces positional arguments only")
+        args = args if isinstance(args, tuple) else (args,)
+        tag = tag or f"graph_{len(self.traces)}"
+        self.traces[tag] = (nxd_model.trace_graph(self.model, args, {}, state.tp), args, state.tp)
+        return self
+
+    def compile(self, priority_model_key=None, compiler_workdir=None, compiler_args=None, max_workers=None):
+        if not self.traces:
+            raise ValueError("No traces available for compilation. Call trace() first.")
+        graphs = {tag: graph for tag, (graph, _, _) in self.traces.items()}
+        shape_map = {nxd_model.shape_key(args): (tag, 0) for tag, (_, args, _) in self.traces.items()}
+        tp = next(iter(self.traces.values()))[2]
+        return NxDModelV2(nxd_model.EmulatedNxDModel(graphs, shape_map, tp))
+
+
+def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None, load_on_device: bool = False,
+                        serialize_path=None) -> list[dict]:
+    """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel state."""
+    state = state_or_none()
+    if state is None:
+        raise AssertionError("NxD parallel state has not been initialized")
+    if load_on_device or start_rank not in (None, 0) or end_rank not in (None, state.tp - 1):
+        raise TypeError("the emulated shard_checkpoint cuts every rank, on the host")
+    return _shard_all(model, checkpoint, state.tp, serialize_path)
+
+
+__all__ = ["ModelBuilder", "BaseModelInstance", "ModelBuilderV2", "NxDModelV2", "NxDParallelState",
+           "shard_checkpoint_v2", "append_default_compiler_flags", "parallel_state", "AUTO_CAST_WARNING"]

@@ -1,0 +1,313 @@
+"""NxD's parallel state, mappings and linear layers, as cpu stand-ins (our code, NxD 0.18's contracts).
+
+Read in aws-neuron/neuronx-distributed 0.18 (``parallel_layers/layers.py``, ``mappings.py``,
+``parallel_state.py``, ``utils.py``): ``ColumnParallelLinear`` holds ``weight [out/tp, in]`` split
+on dim 0, ``RowParallelLinear`` ``weight [out, in/tp]`` split on dim 1, both tagged with
+``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, ``num_partitions`` and
+``rank_ordering`` (``set_tensor_model_parallel_attributes``, which refuses to tag a tensor twice);
+``RowParallelLinear`` all-reduces in ``reduce_dtype`` (fp32 by default) and casts back;
+``SPMDRank.rank`` is an int32 ``[1]`` parameter split on dim 0, loaded from ``arange(tp)``;
+``gather_from_tensor_model_parallel_region`` all-gathers the last dim,
+``reduce_from_tensor_model_parallel_region`` all-reduces (sum), ``scatter_to_process_group_spmd``
+keeps the ``rank``-th slice with ``index_select``, ``scatter_to_tensor_model_parallel_region`` the
+slice of the rank known to the process (a Python int: traced once, it is baked into the graph).
+
+Where the collectives go (:class:`ParallelState`): a real gloo group of ``tp`` processes
+(``group``: notebook 05's TP=2 emulation); the emulated NeuronCores (``spmd=True``: the emulated
+SDK's programs, one thread per core, ``gemma_nb.rehearsal.spmd``); or nowhere (``group=None``,
+``spmd=False``, ``tp > 1``): one rank's shard shapes with collectives as identities, for building,
+lowering or inspecting one rank's graph in one process only (its outputs are that rank's partial
+sums, not the model's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemma_nb.rehearsal import spmd
+
+NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
+
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "rank_ordering")
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel state
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParallelState:
+    """What a stand-in layer captures when it is built: TP degree, this rank, the gloo group (or None),
+    and whether its collectives run between emulated NeuronCores (``spmd``)."""
+
+    tp: int
+    rank: int = 0
+    group: object = None
+    spmd: bool = False
+
+    def size(self) -> int:
+        return self.tp
+
+
+_STATE: ParallelState | None = None
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
+    """Set the parallel state the stand-in layers read at construction (and keep for their forward).
+
+    ``group``: a ``torch.distributed`` process group of ``tp`` ranks (gloo) in which this process is
+    ``rank``; collectives then run for real. ``group=None`` with ``tp > 1``: one rank's shard
+    shapes, collectives as identities, for building or lowering a single rank's graph in one
+    process only (its outputs are that rank's partial sums, not the model's). ``spmd=True``: the
+    collectives run between the emulated NeuronCores (``gemma_nb.rehearsal.spmd.run_on_cores``).
+    """
+    global _STATE
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer (the port used 2)")
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != tp:
+            raise ValueError(f"the process group has {dist.get_world_size(group)} ranks but tp={tp}; "
+                             "start one rank per shard")
+        if dist.get_rank(group) != rank:
+            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
+    previous, _STATE = _STATE, ParallelState(tp, rank, group, spmd)
+    try:
+        yield _STATE
+    finally:
+        _STATE = previous
+
+
+def current_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("the stand-in NxD layers need a parallel state: build them inside "
+                           "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)")
+    return _STATE
+
+
+def set_state(state: ParallelState | None) -> None:
+    """Set (or, with None, clear) the parallel state: the emulated ``parallel_state`` module's entry point."""
+    global _STATE
+    _STATE = state
+
+
+def state_or_none() -> ParallelState | None:
+    return _STATE
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tp={denominator}")
+    return numerator // denominator
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int,
+                                         num_partitions: int, rank_ordering: list | None = None) -> None:
+    """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering``
+    that does not name every rank."""
+    for name in _PARALLEL_ATTRIBUTES:
+        if hasattr(tensor, name):
+            raise AssertionError(f"tensor already carries {name}")
+    if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
+        raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+    tensor.num_partitions = num_partitions
+    tensor.rank_ordering = rank_ordering
+
+
+# --------------------------------------------------------------------------------------------
+# Mappings (parallel_layers/mappings.py)
+# --------------------------------------------------------------------------------------------
+def _group(process_group) -> ParallelState:
+    return process_group if process_group is not None else current_state()
+
+
+def copy_to_tensor_model_parallel_region(input_, process_group=None):
+    return input_
+
+
+def reduce_from_tensor_model_parallel_region(input_, process_group=None):
+    """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a group."""
+    state = _group(process_group)
+    if state.tp > 1 and state.spmd:
+        return spmd.all_reduce(input_)
+    if state.tp == 1 or state.group is None:
+        return input_
+    import torch.distributed as dist
+
+    output = input_.clone()
+    dist.all_reduce(output, op=dist.ReduceOp.SUM, group=state.group)
+    return output
+
+
+def gather_from_tensor_model_parallel_region(input_, process_group=None):
+    """All-gather along the last dim over the TP group; identity at tp=1 or without a group."""
+    state = _group(process_group)
+    if state.tp > 1 and state.spmd:
+        return spmd.all_gather(input_, -1)
+    if state.tp == 1 or state.group is None:
+        return input_
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(input_) for _ in range(state.tp)]
+    dist.all_gather(parts, input_.contiguous(), group=state.group)
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def scatter_to_tensor_model_parallel_region(input_, process_group=None):
+    """This rank's slice of the last dim (the rank known to the process, as in NxD)."""
+    state = _group(process_group)
+    if state.tp == 1:
+        return input_
+    size = _divide(input_.shape[-1], state.tp, "last dim")
+    return input_.narrow(-1, state.rank * size, size)
+
+
+def scatter_to_process_group_spmd(input_, partition_dim: int, rank: torch.Tensor, process_group=None):
+    """The ``rank``-th slice along ``partition_dim``, with ``rank`` a tensor (SPMD: one trace, every rank)."""
+    state = _group(process_group)
+    if input_.size(partition_dim) % state.tp:
+        raise AssertionError(f"tensor dim to scatter ({input_.size(partition_dim)}) must be multiple of group "
+                             f"size ({state.tp})")
+    per_rank = input_.size(partition_dim) // state.tp
+    indices = torch.arange(per_rank, device=input_.device) + rank.to(input_.device) * per_rank
+    return torch.index_select(input_, partition_dim, indices.reshape(-1))
+
+
+mappings = SimpleNamespace(
+    copy_to_tensor_model_parallel_region=copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region=reduce_from_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region=gather_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region=scatter_to_tensor_model_parallel_region,
+    scatter_to_process_group_spmd=scatter_to_process_group_spmd,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers (parallel_layers/layers.py)
+# --------------------------------------------------------------------------------------------
+def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
+    """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
+    used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
+    if used:
+        raise TypeError(f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses")
+
+
+def _padding(size: int, multiple: int) -> int:
+    return (-size) % multiple
+
+
+def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_output: bool, dtype, stride: int,
+                  pad: bool, group) -> int:
+    """The sizes both column-parallel stand-ins set, as NxD's do: the padded output and this rank's
+    share of it (``output_size_per_partition``). Returns the TP degree."""
+    layer.tensor_parallel_group = group or current_state()
+    tp = layer.tensor_parallel_group.tp
+    layer.input_size, layer.gather_output, layer.stride, layer.dtype = input_size, gather_output, stride, dtype
+    layer.pad, layer.pad_size = pad, _padding(output_size, tp) if pad else 0
+    layer.output_size = output_size + layer.pad_size
+    layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
+    return tp
+
+
+class BaseParallelLinear(nn.Module):
+    """Shared by the stand-in linear layers: the captured parallel state and the tagged weight."""
+
+    def _make_weight(self, shape, dtype, device, partition_dim: int, stride: int) -> None:
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        # Tagged after registration, as NxD does (on meta or on cpu): init_on_device's hook has
+        # replaced the parameter by then, so the tags land on the one the module holds.
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
+
+
+class ColumnParallelLinear(BaseParallelLinear):
+    """``weight [out/tp, in]``; output ``[..., out/tp]``, or all-gathered ``[..., out]`` with ``gather_output``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
+                 dtype: torch.dtype = torch.float32, device=None, stride: int = 1, pad: bool = False,
+                 tensor_model_parallel_group=None, reduce_dtype: torch.dtype = torch.float32,
+                 init_method=None, sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
+                 skip_bias_add: bool = False, **unsupported):
+        super().__init__()
+        _check_unsupported("ColumnParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
+                           skip_bias_add=skip_bias_add)
+        tp = _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad,
+                           tensor_model_parallel_group)
+        self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
+        if bias:
+            size = self.output_size if gather_output else self.output_size_per_partition
+            self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
+            if not gather_output:
+                set_tensor_model_parallel_attributes(self.bias, True, 0, stride, tp)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_):
+        output = F.linear(input_, self.weight)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+            if self.pad_size:
+                output = output.narrow(-1, 0, self.output_size - self.pad_size)
+        return output + self.bias if self.bias is not None else output
+
+    def preshard_hook(self, state_dict: dict, prefix: str) -> None:
+        if self.pad_size and prefix in state_dict:
+            state_dict[prefix] = F.pad(state_dict[prefix], (0, 0, 0, self.pad_size))
+
+
+class RowParallelLinear(BaseParallelLinear):
+    """``weight [out, in/tp]``; all-reduces the output in ``reduce_dtype`` (fp32) and casts back."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None, stride: int = 1, pad: bool = False,
+                 reduce_output: bool = True, tensor_model_parallel_group=None,
+                 reduce_dtype: torch.dtype = torch.float32, init_method=None,
+                 sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
+                 skip_bias_add: bool = False, **unsupported):
+        super().__init__()
+        _check_unsupported("RowParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
+                           skip_bias_add=skip_bias_add, pad=pad)
+        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
+        tp = self.tensor_parallel_group.tp
+        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
+        self.reduce_output, self.reduce_dtype, self.stride, self.dtype = reduce_output, reduce_dtype, stride, dtype
+        self.input_size_per_partition = _divide(input_size, tp, "input_size")
+        self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_):
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
+        output = F.linear(input_, self.weight)
+        if self.reduce_output:
+            dtype = output.dtype
+            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype), self.tensor_parallel_group)
+            output = output.to(dtype)
+        return output + self.bias if self.bias is not None else output
+
+
+class SPMDRank(nn.Module):
+    """``rank`` int32 ``[1]``, split on dim 0: load ``arange(world_size)`` and each rank holds its id."""
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None):
+        super().__init__()
+        self.world_size = world_size
+        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+        set_tensor_model_parallel_attributes(self.rank, True, 0, 1, world_size)
+
+    def get_rank(self) -> torch.Tensor:
+        return self.rank

@@ -1,0 +1,246 @@
+"""NxDModel, its saved artifact and torch.jit.load, emulated on the emulated NeuronCores.
+
+Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py`` (``build_nxd_model``),
+``trace/spmd.py`` (``NxDModel``, ``StateInitializer``), ``trace/nxd_model/nxd_model.py``:
+``NxDModel`` routes a call by its inputs' shapes, ``str([list(t.shape) for t in inputs])``, one entry
+per traced shape, the last graph added winning; an unknown shape is a ``ValueError`` naming the known
+ones; a call before ``initialize`` / ``initialize_with_saved_weights`` raises "This model is not
+initialized". The device state (the aliased parameters) starts at zeros on every rank; aliased
+outputs stay on the device as that state, the others come back (rank 0's).
+
+Where the emulated SDK differs from the Neuron SDK (the layers' own differences are listed in
+``gemma_nb.rehearsal.standins``):
+
+6. No HLO, no neuronx-cc, no NEFF: a graph is the module traced with ``torch.jit.trace`` (weights and
+   state as inputs, buffers as constants, collectives as ``nxd_emulated::*`` ops) and run by
+   ``gemma_nb.rehearsal.spmd`` on one thread per core, on the cpu, in the module's own dtype. So no
+   compiler flag has an effect (``--auto-cast`` included; notebook 05's bf16 router check casts the
+   softmax itself), and nothing here says the HLO compiles, fits or runs fast.
+7. The saved ``model.pt`` is a TorchScript archive of those programs and each rank's weights; the
+   real one holds NEFFs in ``torch.classes.neuron.SPMDModel`` objects, C++ classes a Python
+   emulation cannot define. Importing the emulated ``neuronx_distributed.trace.model_builder`` (the
+   import the deploy makes before ``torch.jit.load`` on the box, to register those classes) makes
+   ``torch.jit.load`` return the emulated executor for such an archive; without the import the
+   archive does not load (its ops are unknown), as on the box. Likewise importing the emulated
+   ``torch_neuronx`` sets ``torch.classes.neuron.Runtime``.
+8. Input dtypes: a call with another dtype than the graph was traced with raises (assumed of the
+   runtime, not read in the source; it is what caught the int64 positions).
+9. HBM: a per-process count of each loaded model's weights, state and the runtime's per-model
+   allowance (the planner's), freed only by ``Runtime().unsafe_close()`` or the process's end; the
+   real runtime's allocation is the compiler's and the driver's, and whether dropping every
+   reference unloads a model is not documented (NxD's tests close the runtime between models, as
+   this repository's deploy does).
+10. ModelBuilder: no bucketing, priority model, weight layout optimisation or dry run (each raises
+    ``TypeError`` when asked for); v2 only as the lm_head and the trials use it.
+11. ``neuron-ls --json-output`` is a script printing the emulated cores (``"emulated": true``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+
+import torch
+from torch import nn
+
+from gemma_nb.rehearsal import spmd
+from gemma_nb.rehearsal.nxd_saved import Saved
+
+SAVED_MARKER = "gemma-nb emulated NxD model v1"
+NOT_INITIALIZED = ("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
+                   "or traced_model.nxd_model.initialize_with_saved_weights()")
+
+
+# --------------------------------------------------------------------------------------------
+# A traced graph: the module with weights and state as inputs
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _swapped(module: nn.Module, tensors: dict):
+    """``module``'s parameters replaced by ``tensors`` (by name) for the duration."""
+    saved = []
+    for name, tensor in tensors.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        saved.append((owner, leaf, owner._parameters[leaf]))
+        owner._parameters[leaf] = tensor
+    try:
+        yield
+    finally:
+        for owner, leaf, parameter in reversed(saved):
+            owner._parameters[leaf] = parameter
+
+
+class _Graph(nn.Module):
+    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module on those tensors."""
+
+    def __init__(self, module: nn.Module, weight_names: list[str], state_names: list[str]):
+        super().__init__()
+        self._held = [module]  # not a submodule: its own parameters must not be saved with the graph
+        self.names = weight_names + state_names
+
+    def forward(self, *tensors):
+        with _swapped(self._held[0], dict(zip(self.names, tensors))):
+            outputs = self._held[0](*tensors[len(self.names):])
+        return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def _meta(tensor: torch.Tensor) -> list:
+    return [list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
+
+
+def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int) -> dict:
+    """``module`` traced for the emulated cores: ``{"program": ScriptModule, "spec": {...}}``.
+
+    ``aliases``: state parameter -> output index (ModelBuilder's ``input_output_aliases``).
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    state_names = [names[id(p)] for p in aliases]
+    weight_names = [name for name in names.values() if name not in state_names]
+    parameters = dict(module.named_parameters())
+    weights, states = [parameters[n] for n in weight_names], [parameters[n] for n in state_names]
+    graph = _Graph(module.eval(), weight_names, state_names)
+    with torch.no_grad(), spmd.tracing(tp), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.jit.trace(graph, (*weights, *states, *example_inputs), strict=False, check_trace=False)
+        outputs = graph(*weights, *states, *example_inputs)
+    spec = {"weights": {n: _meta(parameters[n]) for n in weight_names},
+            "states": {n: _meta(parameters[n]) for n in state_names},
+            "inputs": [_meta(t) for t in example_inputs], "outputs": len(outputs),
+            "aliases": {str(index): names[id(p)] for p, index in aliases.items()}}
+    return {"program": program, "spec": spec}
+
+
+def shape_key(inputs) -> str:
+    """NxDModel's routing key: the inputs' shapes as TorchScript prints a ``List[List[int]]``."""
+    return str([list(t.shape) for t in inputs])
+
+
+# --------------------------------------------------------------------------------------------
+# The model on the cores
+# --------------------------------------------------------------------------------------------
+class EmulatedNxDModel:
+    """``executor.nxd_model``: the graphs, the router, the weights and the device state per rank."""
+
+    def __init__(self, graphs: dict, shape_map: dict, tp: int, weights: list[dict] | None = None):
+        self.graphs, self.shape_map, self.tp = graphs, shape_map, tp
+        self.saved_weights = weights  # the weights inside the artifact (initialize_with_saved_weights)
+        self.weights = self.states = None
+        self.loaded = False
+        self.calls = dict.fromkeys(graphs, 0)
+
+    def _check_weights(self, weights: list[dict]) -> None:
+        if len(weights) != self.tp:
+            raise ValueError(f"{len(weights)} rank checkpoints for a model traced for {self.tp} ranks")
+        for rank, shard in enumerate(weights):
+            for graph in self.graphs.values():
+                for name, (shape, dtype) in graph["spec"]["weights"].items():
+                    if name not in shard:
+                        raise RuntimeError(f"rank {rank}: the checkpoint holds no weight {name!r} the graph needs")
+                    if [list(shard[name].shape), str(shard[name].dtype).removeprefix("torch.")] != [shape, dtype]:
+                        raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
+                                           f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
+
+    def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
+        """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
+        self._check_weights(checkpoint)
+        specs = [g["spec"]["states"] for g in self.graphs.values()]
+        states = [{name: torch.zeros(shape, dtype=getattr(torch, dtype)) for spec in specs
+                   for name, (shape, dtype) in spec.items()} for _ in range(self.tp)]
+        need = [spmd.tensor_bytes(w.values()) + spmd.tensor_bytes(s.values()) for w, s in zip(checkpoint, states)]
+        spmd.cores().allocate(self, need, int(start_rank_tensor))
+        self.weights, self.states, self.loaded = checkpoint, states, True
+
+    def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor) -> None:
+        if self.saved_weights is None:
+            raise RuntimeError("this model holds no saved weights: trace it with initialize_model_weights=True")
+        self.initialize(self.saved_weights, start_rank_tensor)
+
+    def unloaded(self) -> None:
+        self.weights = self.states = None
+        self.loaded = False
+
+    def router(self, inputs) -> tuple[str, int]:
+        key = shape_key(inputs)
+        if key not in self.shape_map:
+            raise ValueError(f"Input shape {key} not found in input_shape_map: {list(self.shape_map)}")
+        return tuple(self.shape_map[key])
+
+    def __call__(self, inputs: list) -> list:
+        if not self.loaded:
+            raise ValueError(NOT_INITIALIZED)
+        name, _ = self.router(inputs)
+        graph = self.graphs[name]
+        traced = [dtype for _, dtype in graph["spec"]["inputs"]]
+        given = [str(t.dtype).removeprefix("torch.") for t in inputs]
+        if given != traced:
+            raise RuntimeError(f"graph {name!r} was traced with input dtypes {traced}, called with {given}")
+        weight_names, state_names = list(graph["spec"]["weights"]), list(graph["spec"]["states"])
+
+        def job(rank):
+            with torch.no_grad():
+                return graph["program"](*[self.weights[rank][n] for n in weight_names],
+                                        *[self.states[rank][n] for n in state_names], *inputs)
+
+        per_rank = spmd.run_on_cores([lambda rank=rank: job(rank) for rank in range(self.tp)])
+        aliases = {int(index): state for index, state in graph["spec"]["aliases"].items()}
+        for rank, outputs in enumerate(per_rank):
+            for index, state in aliases.items():
+                self.states[rank][state] = outputs[index]
+        self.calls[name] += 1
+        return [out for index, out in enumerate(per_rank[0]) if index not in aliases]
+
+
+class EmulatedExecutor:
+    """What ``trace`` returns and ``torch.jit.load`` gives back: ``executor(*inputs)``, ``.nxd_model``, ``.save``."""
+
+    def __init__(self, nxd_model: EmulatedNxDModel):
+        self.nxd_model = nxd_model
+
+    def __call__(self, *inputs):
+        return self.nxd_model(list(inputs))
+
+    def save(self, path, _extra_files=None) -> None:
+        model = self.nxd_model
+        spec = {"marker": SAVED_MARKER, "tp": model.tp, "shape_map": model.shape_map,
+                "graphs": {name: graph["spec"] for name, graph in model.graphs.items()}}
+        saved = Saved({name: graph["program"] for name, graph in model.graphs.items()},
+                       model.saved_weights or [], json.dumps(spec))
+        torch.jit.script(saved).save(str(path), _extra_files=_extra_files or {})
+
+
+def executor_from_saved(module) -> EmulatedExecutor:
+    spec = json.loads(module.spec)
+    graphs = {name: {"program": getattr(module.programs, name), "spec": graph_spec}
+              for name, graph_spec in spec["graphs"].items()}
+    return EmulatedExecutor(EmulatedNxDModel(graphs, spec["shape_map"], spec["tp"], list(module.weights)))
+
+
+def _is_saved(module) -> bool:
+    try:
+        return json.loads(module.spec).get("marker") == SAVED_MARKER
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
+_JIT_LOAD = torch.jit.load
+
+
+def jit_load(*args, **kwargs):
+    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote."""
+    module = _JIT_LOAD(*args, **kwargs)
+    return executor_from_saved(module) if _is_saved(module) else module
+
+
+def register() -> None:
+    """What importing the emulated ``neuronx_distributed.trace.model_builder`` does (module docstring)."""
+    torch.jit.load = jit_load
+
+
+def _marker_op(inputs):
+    raise RuntimeError("an emulated NxD artifact runs through the emulated runtime: torch.jit.load it after "
+                       "importing neuronx_distributed.trace.model_builder")
+
+
+spmd._LIBRARY.define("spmd_model(Tensor[] inputs) -> Tensor[]")
+spmd._LIBRARY.impl("spmd_model", _marker_op, "CPU")

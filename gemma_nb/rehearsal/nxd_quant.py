@@ -1,0 +1,298 @@
+"""NxD's quantized layers as cpu stand-ins (our code, neuronx-distributed 0.18's contracts).
+
+Read in aws-neuron/neuronx-distributed 0.18, ``quantization/quantization_layers.py``,
+``quantization_config.py`` and ``dequantize.py``:
+
+- ``BaseQuantizeParallelLinear``: ``quantization_type``, ``dequantized_dtype`` (the layer's
+  ``dtype``), ``quantized_dtype``, ``scale_dtype``, ``rank_ordering``; the ``weight`` is a frozen
+  parameter of the quantized dtype, tagged for sharding (with ``rank_ordering``), and its
+  ``get_tensor_from_state_dict`` raises ``Cannot find <prefix>weight in the state_dict`` when the
+  checkpoint lacks it (``scale`` likewise: ``Cannot find <prefix>scale in state_dict``): ModelBuilder's
+  sharding asks those, so a missing key is an error, not a silently uninitialised weight.
+- the scale: per-tensor ``[1]``; per-channel ``[1, ..., out, ..., 1]`` along the channel axis;
+  expert-wise per-channel the same with the leading axis ``num_experts``. It is sharded with the
+  weight only when the weight's partition dim is the channel axis, else replicated.
+- ``QuantizedColumnParallel`` / ``QuantizedRowParallel``: per-channel axis 0 only (``AssertionError:
+  Only per_channel_axis=0 supported for post-matmul output dequantization``); forward: the weight
+  upcast to the input's dtype, matmul, then the module-level ``scale_dequantize(output, scale.T,
+  output.dtype)`` (looked up at call time, so a patch of ``quantization_layers.scale_dequantize``
+  takes effect), the column layer's optional all-gather (no trim of a padded vocab), the row layer's
+  all-reduce in the output's own dtype.
+- ``QuantizedExpertFusedColumnParallel`` / ``QuantizedExpertFusedRowParallel``: weights
+  ``[E, in, out/tp]`` (split on dim 2, with ``stride`` 2 for a fused gate|up) and ``[E, in/tp, out]``
+  (split on dim 1); per-channel axis 2 only; forward ``(input [E or 1, ..., in], expert_indices=None)``:
+  with ``expert_indices`` the weight and scale are indexed on their leading (expert) axis first,
+  then ``einsum("e...h,ehi->e...i")`` and ``scale_dequantize(output, scale, ...)``; the row layer
+  all-reduces only with ``reduce_output=True`` (the MoE module reduces after combining experts).
+- ``scale_dequantize`` multiplies **in place** by ``scale.unsqueeze(len(scale.shape) - 1)``: for
+  ``scale.T [1, out]`` that is ``[1, 1, out]``, which broadcasts against a 3-D ``[B, S, out]``
+  output but not in place against a 2-D ``[T, out]`` one. Kept exactly, so a 2-D input fails here as
+  on the box unless ``gemma_nb.neuron.quant.patch_scale_dequantize`` is applied.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemma_nb.rehearsal.nxd_layers import (
+    _check_unsupported,
+    _column_setup,
+    _divide,
+    current_state,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
+
+
+class QuantizationType(enum.Enum):
+    PER_TENSOR_SYMMETRIC = "per_tensor_symmetric"
+    PER_CHANNEL_SYMMETRIC = "per_channel_symmetric"
+    PER_KEY_SYMMETRIC = "per_key_symmetric"
+    BLOCKWISE_SYMMETRIC = "blockwise_symmetric"
+    EXPERT_WISE_PER_CHANNEL_SYMMETRIC = "expert_wise_per_channel_symmetric"
+
+
+class QuantizedDtype(enum.Enum):
+    INT8 = torch.int8
+    F8E4M3 = torch.float8_e4m3fn
+    F8E5M2 = torch.float8_e5m2
+    F4E2M1FN_X4 = torch.uint16
+
+
+class ScaleDtype(enum.Enum):
+    F32 = torch.float32
+    F8E8M0 = torch.uint8
+
+
+_PER_CHANNEL = (QuantizationType.PER_CHANNEL_SYMMETRIC, QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC)
+NOT_EMULATED = ("the emulated SDK does not implement {what} (on the box the SDK refuses FP4 on a NeuronCore: "
+                "blockwise_scale_dequantize asserts the cpu); it keeps int8 and fp8 per-tensor / per-channel only")
+
+
+def sdk_scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
+    """NxD 0.18's ``scale_dequantize`` as written: fp32 upcast, **in-place** multiply by
+    ``scale.unsqueeze(len(scale.shape) - 1)``, cast. A 2-D ``[T, out]`` tensor with ``scale.T
+    [1, out]`` raises (the broadcast shape is ``[1, T, out]``), as on the box."""
+    upcast = tensor.to(torch.float32)
+    upcast *= scale.unsqueeze(len(scale.shape) - 1)
+    return upcast.to(upcast_dtype)
+
+
+def direct_cast_dequantize(tensor: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(upcast_dtype)
+
+
+def _missing(prefix: str, name: str, state_dict: dict) -> torch.Tensor:
+    key = prefix + name
+    if key not in state_dict:
+        where = "the state_dict" if name == "weight" else "state_dict"
+        raise RuntimeError(f"Cannot find {key} in {where}")
+    return state_dict[key]
+
+
+def _from_state_dict(name: str):
+    def get_tensor_from_state_dict(prefix: str, state_dict: dict) -> torch.Tensor:
+        return _missing(prefix, name, state_dict)
+
+    return get_tensor_from_state_dict
+
+
+class _QuantizedLinear(nn.Module):
+    """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their tags."""
+
+    quantization_layers = None  # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
+
+    def _setup(self, weight_shape, partition_dim: int, quantization_type, quantized_dtype, channel_axis,
+               stride: int, device, dtype, scale_dtype, rank_ordering, experts: int | None = None) -> None:
+        self.quantization_type = QuantizationType(quantization_type)
+        self.quantized_dtype = QuantizedDtype(quantized_dtype)
+        self.scale_dtype = ScaleDtype(scale_dtype)
+        self.dequantized_dtype, self.rank_ordering = dtype, rank_ordering
+        if self.quantization_type == QuantizationType.BLOCKWISE_SYMMETRIC:
+            raise NotImplementedError(NOT_EMULATED.format(what="blockwise quantization"))
+        if self.quantized_dtype == QuantizedDtype.F4E2M1FN_X4 or self.scale_dtype != ScaleDtype.F32:
+            raise NotImplementedError(NOT_EMULATED.format(what=f"{self.quantized_dtype.name} with {self.scale_dtype.name} scales"))
+        tp = self.tensor_parallel_group.tp
+        self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
+                                   requires_grad=False)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
+        self.weight.get_tensor_from_state_dict = _from_state_dict("weight")
+        if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
+            self.scale = nn.Parameter(torch.ones(1, device=device), requires_grad=False)
+            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+        elif self.quantization_type in _PER_CHANNEL:
+            scale_shape = [1] * len(weight_shape)
+            scale_shape[channel_axis] = weight_shape[channel_axis]
+            if self.quantization_type == QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC:
+                if experts is None:
+                    raise ValueError(f"{type(self).__name__}: expert-wise scales need an experts layer")
+                scale_shape[0] = experts
+            self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
+            if partition_dim == channel_axis:  # the scale is split with the channels it scales
+                set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
+            else:
+                set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+        else:
+            raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
+        self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
+
+    def _scale_dequantize(self, output, scale):
+        return self.quantization_layers.scale_dequantize(tensor=output, scale=scale, upcast_dtype=output.dtype)
+
+
+def _channel_axis(layer: str, quantization_type, axis: int | None, only: int) -> int:
+    if QuantizationType(quantization_type) in _PER_CHANNEL:
+        axis = only if axis is None else axis
+        if axis != only:
+            raise AssertionError(f"Only per_channel_axis={only} supported for post-matmul output dequantization")
+    return only if axis is None else axis
+
+
+class QuantizedColumnParallel(_QuantizedLinear):
+    """int8 ``weight [out/tp, in]``, fp32 ``scale [out/tp, 1]`` (per channel) split with the rows."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 quantization_type="per_tensor_symmetric", gather_output: bool = True,
+                 dtype: torch.dtype = torch.float32, quantized_dtype=QuantizedDtype.INT8, device=None,
+                 stride: int = 1, quantization_per_channel_axis: int | None = None,
+                 scale_dtype=torch.float32, tensor_model_parallel_group=None, pad: bool = False,
+                 sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
+                 block_axis=None, block_size=None, **unsupported):
+        super().__init__()
+        _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
+        axis = _channel_axis("QuantizedColumnParallel", quantization_type, quantization_per_channel_axis, 0)
+        _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
+        self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype, axis,
+                    stride, device, dtype, scale_dtype, rank_ordering)
+        self.register_parameter("bias", None)
+
+    def forward(self, input_):
+        output = F.linear(input_, direct_cast_dequantize(self.weight, input_.dtype))
+        output = self._scale_dequantize(output, self.scale.T)
+        if self.gather_output:  # no trim of a padded vocab: NxD 0.18's quantized layer leaves it on
+            output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+        return output
+
+    def preshard_hook(self, state_dict: dict, prefix: str) -> None:
+        if not self.pad or not self.pad_size:
+            return
+        size = state_dict[prefix].shape[0]
+        if self.output_size != size + self.pad_size:
+            raise RuntimeError(f"State dict {prefix} is of an unexpected size {size} expected {size - self.pad_size}")
+        state_dict[prefix] = F.pad(state_dict[prefix], (0, 0, 0, self.pad_size))
+        scale = prefix.replace(".weight", ".scale")
+        state_dict[scale] = F.pad(state_dict[scale], (0, 0, 0, self.pad_size))
+
+
+class QuantizedRowParallel(_QuantizedLinear):
+    """int8 ``weight [out, in/tp]``, fp32 ``scale [out, 1]`` replicated; all-reduce in the output dtype."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 quantization_type="per_tensor_symmetric", input_is_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, quantized_dtype=QuantizedDtype.INT8, device=None,
+                 stride: int = 1, quantization_per_channel_axis: int | None = None, reduce_output: bool = True,
+                 scale_dtype=torch.float32, tensor_model_parallel_group=None, pad: bool = False,
+                 sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
+                 block_axis=None, block_size=None, **unsupported):
+        super().__init__()
+        _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
+        axis = _channel_axis("QuantizedRowParallel", quantization_type, quantization_per_channel_axis, 0)
+        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
+        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
+        self.reduce_output, self.stride, self.dtype = reduce_output, stride, dtype
+        self.input_size_per_partition = _divide(input_size, self.tensor_parallel_group.tp, "input_size")
+        self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype, axis,
+                    stride, device, dtype, scale_dtype, rank_ordering)
+        self.register_parameter("bias", None)
+
+    def forward(self, input_):
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
+        output = F.linear(input_, direct_cast_dequantize(self.weight, input_.dtype))
+        output = self._scale_dequantize(output, self.scale.T)
+        if self.reduce_output:
+            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+        return output
+
+
+def _experts_matmul(layer, input_, expert_indices):
+    """The expert-fused layers' forward up to the scale: index experts on the leading axis, upcast, einsum."""
+    if expert_indices is not None:
+        weight, scale = layer.weight[expert_indices, :, :], layer.scale[expert_indices, :, :]
+    else:
+        weight, scale = layer.weight, layer.scale
+    if input_.shape[0] != weight.shape[0] and input_.shape[0] > 1:
+        raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
+                           f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
+    output = torch.einsum("e...h,ehi->e...i", input_, direct_cast_dequantize(weight, input_.dtype))
+    return layer._scale_dequantize(output, scale)
+
+
+def _experts_setup(layer, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool) -> None:
+    if expert_model_parallel_group is not None and getattr(expert_model_parallel_group, "tp", 1) != 1:
+        raise NotImplementedError("the emulated SDK keeps expert parallelism off (EP=1), as gemma_nb.neuron builds")
+    layer.num_experts, layer._n_local_experts, layer.is_fused_gate_up = num_experts, num_experts, is_fused_gate_up
+
+
+class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
+    """``weight [E, in, out/tp]`` split on dim 2 (``stride`` 2: gate and up halves each split), scale
+    ``[E or 1, 1, out/tp]``; forward ``[E or 1, ..., in] -> [E', ..., out/tp]``, no collective."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, bias: bool = False,
+                 quantization_type="per_tensor_symmetric", dtype: torch.dtype = torch.float32,
+                 quantized_dtype=QuantizedDtype.INT8, device=None, stride: int = 1, keep_master_weight: bool = False,
+                 quantization_per_channel_axis: int | None = None, tensor_model_parallel_group=None,
+                 scale_dtype=torch.float32, expert_model_parallel_group=None, is_prefill: bool = True,
+                 rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
+        super().__init__()
+        _check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
+        axis = _channel_axis("QuantizedExpertFusedColumnParallel", quantization_type, quantization_per_channel_axis, 2)
+        _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
+        _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
+        self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
+                    axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
+        self.register_parameter("bias", None)
+
+    def forward(self, input_, expert_indices=None):
+        return _experts_matmul(self, input_, expert_indices)
+
+
+class QuantizedExpertFusedRowParallel(_QuantizedLinear):
+    """``weight [E, in/tp, out]`` split on dim 1, scale ``[E or 1, 1, out]`` replicated; forward
+    ``[E', ..., in/tp] -> [E', ..., out]`` (this rank's partial sums unless ``reduce_output``)."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, reduce_output: bool = False,
+                 bias: bool = False, quantization_type="per_tensor_symmetric", quantized_dtype=QuantizedDtype.INT8,
+                 dtype: torch.dtype = torch.float32, device=None, stride: int = 1, keep_master_weight: bool = False,
+                 quantization_per_channel_axis: int | None = None, tensor_model_parallel_group=None,
+                 scale_dtype=torch.float32, expert_model_parallel_group=None, is_prefill: bool = True,
+                 rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
+        super().__init__()
+        _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
+        axis = _channel_axis("QuantizedExpertFusedRowParallel", quantization_type, quantization_per_channel_axis, 2)
+        _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
+        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
+        self.input_size, self.output_size, self.reduce_output, self.stride = input_size, output_size, reduce_output, stride
+        self.input_is_parallel, self.dtype = True, dtype
+        self.input_size_per_partition = _divide(input_size, self.tensor_parallel_group.tp, "input_size")
+        self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
+                    axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
+        self.register_parameter("bias", None)
+
+    def forward(self, input_, expert_indices=None):
+        output = _experts_matmul(self, input_, expert_indices)
+        if self.reduce_output:
+            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+        return output
+
+
+QUANTIZED_LAYERS = (QuantizedColumnParallel, QuantizedRowParallel, QuantizedExpertFusedColumnParallel,
+                    QuantizedExpertFusedRowParallel)

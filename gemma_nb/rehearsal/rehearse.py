@@ -1,0 +1,265 @@
+"""``make rehearse``: the runbook's commands, in order, against the emulated SDK at the SDK's torch.
+
+``python -m gemma_nb.rehearsal`` (in ``.venv-xla``: torch 2.9.0, torch-xla 2.9.0, and the notebooks'
+packages installed as ``envs/neuron/install.sh`` installs them on the box) runs the commands of
+``gemma_nb.runbook.COMMANDS`` that need no inf2 and no 26B, each as a subprocess with the emulated
+SDK on its path (``sdk_path/``: ``torch_neuronx``, ``neuronx_distributed`` and ``neuron-ls``, nowhere
+else importable):
+
+1. ``preflight --target neuron``;
+2. the smoke run, ``run --target neuron`` (all seven notebooks, both builds) into its own folder,
+   ``outputs/neuron-rehearsal/`` (git-ignored; never ``outputs/neuron/``);
+3. the outputs copied to a fresh folder as if to the serving box (``rsync -a --exclude
+   compiler_workdir``, done with Python), and ``preflight --artifact`` on each build there;
+4. ``run --target neuron --only 05,07`` from that copy;
+5. ``serve --target neuron --artifact <copy's sparse build>`` on loopback, asked "The capital of
+   France is" by the ``openai`` client with an API key.
+
+Each command is the runbook's, with only its output folder, artifact path and listening address put
+here. The emulated NeuronCores get an HBM budget that the tiny checkpoint's build fills as the 26B's
+fills a real core (:func:`emulated_hbm_bytes`), so a second build loaded without closing the runtime
+fails as on the box. It writes ``rehearsal.json`` into the smoke run's folder: per step the command,
+status, seconds and torch version; per build its decode path, routed graphs, files on disk, compiler
+workdir and answer; the server's answer; the scaling figures the planner needs. The runbook's disk
+figures come from the committed copy, ``docs/rehearsal.json``: a rehearsal whose builds differ from
+it by more than 1% on disk fails, saying how to refresh it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gemma_nb import planner, runbook
+from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
+
+SDK_PATH = Path(__file__).resolve().parent / "sdk_path"
+SMOKE_DIR = OUTPUTS_DIR / "neuron-rehearsal"
+SERVING_DIR = OUTPUTS_DIR / "neuron-rehearsal-serving"
+RECORD = "rehearsal.json"
+ENV_STAMP = ".venv-xla/.rehearsal-env"  # written by make rehearse-env: the install's seconds
+PROMPT, API_KEY = "The capital of France is", "rehearsal-key"
+SDK_TORCH = "2.9.0"
+
+
+def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
+    """(HBM per emulated NeuronCore, the runtime's allowance per loaded model) for the smoke run.
+
+    The tiny checkpoint's plan per rank (``memory.plan``: weights, KV cache, runtime allowance; what
+    preflight checks) times the real core's 16 GiB over the 26B's plan per rank: the tiny build fills
+    an emulated core as the 26B's fills a real one, so one loads and a second does not. The emulated
+    runtime charges each loaded model its weights, its KV state and that allowance.
+    """
+    from gemma_nb import memory
+    from gemma_nb.hardware import GiB
+    from gemma_nb.neuron.checkpoint import text_config
+    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
+
+    tiny = memory.plan(text_config(model_dir or TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
+    plan_26b = memory.plan(memory.load_gemma4_26b_config(), 2, planner.DEFAULT_SCHEME).total_bytes
+    return int(tiny.total_bytes * 16 * GiB / plan_26b), tiny.bytes("runtime_allowance")
+
+
+def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
+    """The subprocesses' environment: the emulated SDK on the path, the budget, one cpu thread per torch
+    op, no hub access, and the API key the server asks for (the runbook's ``export GEMMA_NB_API_KEY``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(SDK_PATH / "bin"), env.get("PATH", "")])
+    env.update({"GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
+                "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY,
+                # the emulated NeuronCores are threads of one process: each computes on one cpu thread (the
+                # tiny graphs run ~3x faster so on a 2-core box than with torch's two threads per op)
+                "OMP_NUM_THREADS": "1"})
+    return env
+
+
+class Rehearsal:
+    """The steps run so far and their record; :meth:`step` runs one command."""
+
+    def __init__(self, env: dict):
+        import torch
+
+        self.env, self.torch = env, torch.__version__
+        self.steps: list[dict] = []
+
+    def _record(self, name: str, command: str, status: str, seconds: float, detail: str = "") -> dict:
+        entry = {"name": name, "command": command, "status": status, "seconds": round(seconds, 1), "torch": self.torch}
+        if detail:
+            entry["detail"] = detail
+        self.steps.append(entry)
+        print(f"[rehearse] {name}: {status} in {seconds:.1f} s: {command}", file=sys.stderr, flush=True)
+        return entry
+
+    def step(self, name: str, command: str, timeout_s: float = 900) -> None:
+        """Run a runbook command (``python`` is this interpreter); raise ``RuntimeError`` on failure."""
+        argv = [sys.executable, *command.split()[1:]] if command.startswith("python ") else command.split()
+        started = time.perf_counter()
+        done = subprocess.run(argv, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        tail = (done.stdout + done.stderr)[-4000:]
+        self._record(name, command, "ok" if done.returncode == 0 else "failed", time.perf_counter() - started,
+                     "" if done.returncode == 0 else tail)
+        if done.returncode:
+            raise RuntimeError(f"rehearsal step {name} failed (exit {done.returncode}):\n{tail}")
+
+    def copy(self, source: Path, target: Path) -> None:
+        """Runbook step 7's rsync, as a copy to a fresh folder without the compiler workdir."""
+        started = time.perf_counter()
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("compiler_workdir", RECORD))
+        self._record("copy", runbook.COMMANDS["copy"][0] + f"  (as: copy to {target.relative_to(REPO_ROOT)})", "ok",
+                     time.perf_counter() - started)
+
+    def serve(self, artifact: Path) -> str:
+        """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
+        import openai
+
+        from gemma_nb.client_bench import wait_until_healthy
+        from gemma_nb.ranks import free_port
+
+        port = free_port()
+        command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
+        command = command.replace("--host 0.0.0.0 --port 8080", f"--host 127.0.0.1 --port {port}")
+        started = time.perf_counter()
+        log = SMOKE_DIR / "serve.log"
+        with open(log, "w") as handle:
+            process = subprocess.Popen([sys.executable, *command.split()[1:]], cwd=REPO_ROOT, env=self.env,
+                                       stdout=handle, stderr=subprocess.STDOUT)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}/v1", timeout_s=300, process=process, log_path=log)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+            served = client.models.list().data[0].id
+            reply = client.chat.completions.create(model=served, temperature=0, max_tokens=8,
+                                                   messages=[{"role": "user", "content": PROMPT}])
+            answer = reply.choices[0].message.content
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+        self._record("serve", command, "ok" if "Paris" in answer else "failed", time.perf_counter() - started,
+                     f"answered {answer!r}")
+        if "Paris" not in answer:
+            raise RuntimeError(f"the server answered {answer!r} to {PROMPT!r}, not Paris")
+        return answer
+
+
+def builds_record(serving: Path) -> dict:
+    """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the compile box, answer."""
+    from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
+
+    answers = {row["build"]: row["completion"]
+               for row in json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"]["neuron"]}
+    builds = {}
+    for folder in (serving / "artifacts" / f"04_neuron_{decode}" for decode in DECODE_PATHS):
+        artifact = read_artifact(folder)
+        compiled = json.loads((SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text())
+        builds[artifact.record["build"]["decode_experts"]] = {
+            "decode_experts": artifact.record["build"]["decode_experts"], "routed_graphs": artifact.record["routed_graphs"],
+            "routed_by_the_emulated_runtime": routed(folder),
+            "graphs": artifact.graphs, "compiler_args": artifact.record["build"]["compiler_args"], "sdk": artifact.record["sdk"],
+            "artifact_files_bytes": artifact.manifest["files"], "artifact_bytes": sum(artifact.manifest["files"].values()),
+            "compiler_workdir_bytes": compiled["compiler_workdir_bytes"], "answer": answers[folder.name]}
+    return builds
+
+
+def scale_figures() -> dict:
+    """What the planner scales the builds by (``planner.disk_needs``), for the smoke run's checkpoint:
+    its device weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)."""
+    from gemma_nb.neuron.checkpoint import read_hf_state, text_config
+    from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
+
+    config = text_config(TP2_CHECKPOINT_DIR)
+    table = read_hf_state(TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight")
+    table = table["model.embed_tokens.weight"]
+    return {"model_id": BUNDLED_TP2_ID, "scale": {"device_weight_bytes": planner.device_weight_bytes(config),
+                                                  "embedding_table_bytes": table.numel() * table.element_size()}}
+
+
+def routed(folder: Path) -> dict:
+    """The graph the emulated runtime's router reaches in ``folder``'s ``model.pt`` for a prefill and a
+    decode call (measured, beside the build record's ``routed_graphs``)."""
+    import torch
+
+    from gemma_nb.neuron.artifact import read_artifact
+    from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
+    from gemma_nb.rehearsal import nxd_model
+
+    artifact = read_artifact(folder)
+    build = NeuronBuildConfig(**artifact.record["build"])
+    executor = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt")))
+    return {kind: executor.nxd_model.router(example_inputs(artifact.config, build, tokens))[0]
+            for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
+
+
+def disk_drift(record: dict, committed: dict | None) -> list[str]:
+    """Builds whose bytes on disk differ by more than 1% from the committed record's (the runbook's basis)."""
+    if committed is None:
+        return ["docs/rehearsal.json is missing"]
+    drift = []
+    for name, build in record["builds"].items():
+        before = committed["builds"].get(name, {}).get("artifact_bytes", 0)
+        if abs(build["artifact_bytes"] - before) > 0.01 * max(before, 1):
+            drift.append(f"{name}: {build['artifact_bytes']:,} bytes on disk, docs/rehearsal.json says {before:,}")
+    return drift
+
+
+def rehearse() -> dict:
+    """Every step in order (module docstring); the record, also written to ``SMOKE_DIR/rehearsal.json``."""
+    import torch
+
+    if torch.__version__.split("+")[0] != SDK_TORCH:
+        raise RuntimeError(f"the rehearsal runs at the SDK's torch {SDK_TORCH}, not {torch.__version__}: "
+                           "run it in .venv-xla (make rehearse)")
+    hbm, runtime_bytes = emulated_hbm_bytes()
+    rehearsal = Rehearsal(environment(hbm, runtime_bytes))
+    stamp = REPO_ROOT / ENV_STAMP
+    if stamp.is_file():
+        rehearsal._record("install", runbook.COMMANDS["install"][-1], "ok", float(stamp.read_text().strip() or 0),
+                          "seconds of make rehearse-env, when it last ran")
+    record = {"emulated_sdk": "gemma_nb.rehearsal (torch-neuronx and neuronx-distributed emulated on the cpu)",
+              "torch": rehearsal.torch, "hbm_bytes_per_core": hbm, "runtime_bytes_per_model": runtime_bytes,
+              **scale_figures(), "steps": rehearsal.steps}
+    started = time.perf_counter()
+    try:
+        rehearsal.step("preflight", runbook.COMMANDS["preflight"][0])
+        rehearsal.step("smoke run", f"{runbook.COMMANDS['smoke'][0]} --output-dir {SMOKE_DIR.relative_to(REPO_ROOT)}")
+        rehearsal.copy(SMOKE_DIR, SERVING_DIR)
+        preflight = runbook.COMMANDS["copy"][1]
+        for folder in runbook.ARTIFACT_DIRS.values():
+            copy = SERVING_DIR / Path(folder).relative_to(runbook.OUTPUTS)
+            preflight = preflight.replace(folder, str(copy.relative_to(REPO_ROOT)))
+        rehearsal.step("preflight the copied artifacts", preflight)
+        rehearsal.step("deploy and benchmark",
+                       f"{runbook.COMMANDS['benchmark'][0]} --output-dir {SERVING_DIR.relative_to(REPO_ROOT)}")
+        record["builds"] = builds_record(SERVING_DIR)
+        record["serve"] = {"answer": rehearsal.serve(SERVING_DIR / "artifacts" / "04_neuron_sparse")}
+    finally:
+        record["seconds"] = round(time.perf_counter() - started, 1)
+        SMOKE_DIR.mkdir(parents=True, exist_ok=True)
+        (SMOKE_DIR / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def main() -> int:
+    try:
+        record = rehearse()
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        print(f"rehearsal failed: {error}\nthe record so far: {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)}", file=sys.stderr)
+        return 1
+    drift = disk_drift(record, planner.rehearsal_record())
+    print(f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch {record['torch']}",
+          file=sys.stderr)
+    if drift:
+        print("the builds on disk no longer match docs/rehearsal.json, the runbook's disk basis: " + "; ".join(drift)
+              + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} docs/rehearsal.json && "
+              "python -m gemma_nb runbook", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["rehearse", "main", "emulated_hbm_bytes", "environment", "disk_drift", "SDK_PATH", "SMOKE_DIR", "SERVING_DIR"]

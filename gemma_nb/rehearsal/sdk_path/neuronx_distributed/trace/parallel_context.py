@@ -1,0 +1,3 @@
+"""Emulated ``trace/parallel_context.py``."""
+
+from gemma_nb.rehearsal.nxd_builder import NxDParallelState  # noqa: F401

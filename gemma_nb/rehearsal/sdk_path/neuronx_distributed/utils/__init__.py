@@ -1,0 +1,1 @@
+from neuronx_distributed.utils import model_utils  # noqa: F401

@@ -1,0 +1,176 @@
+"""ModelBuilder's checkpoint path, emulated: the module on the meta device, the checkpoint cut per rank.
+
+Read in aws-neuron/neuronx-distributed 0.18: ``utils/model_utils.py`` ``init_on_device``,
+``trace/trace.py`` ``preprocess_checkpoint`` / ``invoke_preshard_hook`` / ``shard_children`` /
+``create_local_weight``, ``trace/model_builder.py`` ``ModelBuilder.cast_weights`` and
+``shard_checkpoint``:
+
+- ``init_on_device(meta, force_custom_init_on_device=True)`` (what ModelBuilder uses) moves every
+  parameter registered inside to the meta device, its class, attributes and ``requires_grad`` kept;
+  buffers stay. Without ``force_custom_init_on_device`` NxD hands over to Hugging Face accelerate's
+  ``init_on_device``, whose re-created parameters, NxD's docstring says, come back with
+  ``requires_grad=True``: for an int8 weight torch refuses that (only floating point tensors can
+  require gradients). The emulation keeps that documented behaviour.
+- ``preprocess_checkpoint``: every ``preshard_hook`` (vocab padding), then every key the module's
+  ``state_dict`` lacks is dropped; ``cast_weights``: each tensor cast to its parameter's dtype.
+- ``shard_children``: for each parallel module (column/row-parallel, quantized, ``SPMDRank``), each
+  direct parameter is fetched from the checkpoint (through its ``get_tensor_from_state_dict`` when
+  it has one, which raises for a missing key: the quantized layers'; skipped when missing
+  otherwise), its rank taken through ``rank_ordering``, cut along ``partition_dim`` into
+  ``num_partitions * partition_stride`` chunks of which the rank keeps every ``num_partitions``-th,
+  and checked: ``RuntimeError("expected shape ... for ... but found ...")``. Parameters of other
+  modules (norms, router) are kept whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, SPMDRank, model_parallel
+from gemma_nb.rehearsal.nxd_quant import _QuantizedLinear
+
+SHARDED_MODULES = (BaseParallelLinear, _QuantizedLinear, SPMDRank)
+
+
+@contextlib.contextmanager
+def init_on_device(device: torch.device, include_buffers: bool = False, force_custom_init_on_device: bool = False):
+    """NxD's ``init_on_device`` (module docstring): parameters registered inside go to ``device``."""
+    if include_buffers:
+        raise NotImplementedError("the emulated init_on_device keeps buffers where they are (include_buffers=False)")
+    original = nn.Module.register_parameter
+
+    def register_on_device(module, name, param):
+        original(module, name, param)
+        if param is None or param.device == device:
+            return
+        held = module._parameters[name]
+        kwargs = dict(held.__dict__)
+        # accelerate's re-creation (NxD without force_custom_init_on_device) loses requires_grad=False
+        kwargs["requires_grad"] = held.requires_grad if force_custom_init_on_device else True
+        module._parameters[name] = type(held)(held.to(device), **kwargs)
+
+    nn.Module.register_parameter = register_on_device
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def init_on_meta():
+    """``init_on_device(torch.device("meta"), force_custom_init_on_device=True)``, as ModelBuilder builds."""
+    return init_on_device(torch.device("meta"), force_custom_init_on_device=True)
+
+
+def invoke_preshard_hooks(module: nn.Module, checkpoint: dict, prefix: str = "") -> None:
+    if hasattr(module, "preshard_hook"):
+        module.preshard_hook(checkpoint, prefix + "weight")
+        return
+    for name, child in module._modules.items():
+        if child is not None:
+            invoke_preshard_hooks(child, checkpoint, prefix + name + ".")
+
+
+def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> list[str]:
+    """Pre-shard hooks, then the keys the module does not have dropped (returned, as NxD warns them)."""
+    invoke_preshard_hooks(module, checkpoint)
+    own = module.state_dict(keep_vars=True)
+    dropped = [key for key in checkpoint if key not in own]
+    for key in dropped:
+        del checkpoint[key]
+    return dropped
+
+
+def cast_weights(checkpoint: dict, module: nn.Module) -> None:
+    """ModelBuilder.cast_weights: each checkpoint tensor cast to its parameter's dtype."""
+    for name, parameter in module.named_parameters():
+        if name in checkpoint and checkpoint[name].dtype != parameter.dtype:
+            checkpoint[name] = checkpoint[name].to(parameter.dtype)
+
+
+def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: int) -> torch.Tensor:
+    """NxD's ``create_local_weight``: split into ``parts * stride`` chunks, keep every ``parts``-th from ``rank``."""
+    per_partition = tensor.shape[dim] // parts
+    if per_partition * parts != tensor.shape[dim] or per_partition % stride:
+        raise RuntimeError(f"cannot split dim {dim} of size {tensor.shape[dim]} into {parts} partitions "
+                           f"with stride {stride}")
+    chunks = torch.split(tensor, per_partition // stride, dim=dim)[rank::parts]
+    return torch.cat(chunks, dim=dim) if stride > 1 else chunks[0]
+
+
+def shard_children(module: nn.Module, checkpoint: dict, rank: int, prefix: str = "") -> None:
+    """NxD's ``shard_children`` on ``checkpoint`` in place (module docstring)."""
+    for name, child in module._modules.items():
+        if child is not None:
+            shard_children(child, checkpoint, rank, prefix + name + ".")
+    if not isinstance(module, SHARDED_MODULES):
+        return
+    for name, parameter in module.named_parameters(recurse=False):
+        key = prefix + name
+        part_rank = rank
+        if getattr(parameter, "rank_ordering", None) is not None:
+            part_rank = parameter.rank_ordering[rank]
+        if hasattr(parameter, "get_tensor_from_state_dict"):
+            tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
+        elif key in checkpoint:
+            tensor = checkpoint[key]
+        else:
+            continue
+        if getattr(parameter, "tensor_model_parallel", False):
+            parts = parameter.num_partitions
+            tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
+        checkpoint[key] = tensor
+        if tensor.shape != parameter.shape:
+            raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
+
+
+def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
+    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict).
+
+    ``module``: built as ModelBuilder builds it for sharding (:func:`init_on_meta`, inside
+    ``model_parallel(tp)``): pre-shard hooks, keys the module lacks dropped, dtypes cast, then
+    :func:`shard_children`.
+    """
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
+    state = dict(checkpoint)
+    preprocess_checkpoint(module, state)
+    cast_weights(state, module)
+    shard_children(module, state, rank)
+    return state
+
+
+def load_rank_module(factory, checkpoint: dict, tp: int, rank: int, group=None,
+                     not_in_checkpoint: tuple[str, ...] = ()) -> nn.Module:
+    """Build ``factory()`` for rank ``rank`` and load its shard of the full ``checkpoint``, as ModelBuilder does.
+
+    First the module is built on meta (:func:`init_on_meta`) and the checkpoint sharded against it
+    (:func:`shard_checkpoint`); then it is built again for real under ``model_parallel(tp, rank,
+    group)`` and the shard loaded: every shard key must be a key of the module, and every parameter
+    the shard lacks (other than those whose names start with one of ``not_in_checkpoint``, e.g.
+    runtime state such as a KV cache) is named in the error.
+    """
+    with model_parallel(tp, rank), init_on_meta():
+        skeleton = factory()
+    shard = shard_checkpoint(skeleton, checkpoint, rank, tp)
+    del skeleton
+    with model_parallel(tp, rank, group):
+        module = factory()
+    parameters = dict(module.named_parameters())
+    missing = [k for k in parameters if k not in shard and not k.startswith(tuple(not_in_checkpoint))]
+    if missing:
+        raise RuntimeError(f"the rank-{rank} shard holds no value for {len(missing)} parameters, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for key, tensor in shard.items():
+            target = module.get_parameter(key) if key in parameters else module.get_buffer(key)
+            if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                raise RuntimeError(f"{key}: the module holds {tuple(target.shape)} {target.dtype}, the rank-{rank} "
+                                   f"shard {tuple(tensor.shape)} {tensor.dtype}")
+            target.copy_(tensor)
+    return module
+
+
+__all__ = ["init_on_device", "init_on_meta", "preprocess_checkpoint", "cast_weights", "shard_children",
+           "shard_checkpoint", "load_rank_module", "local_slice", "SHARDED_MODULES"]

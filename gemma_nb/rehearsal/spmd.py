@@ -1,0 +1,234 @@
+"""Emulated NeuronCores on the cpu: one thread per rank, real collectives between them, an HBM budget.
+
+A compiled NxD model is one SPMD program run on every NeuronCore, each with its own shard of the
+weights and its own device state; its collectives exchange data between the cores. Here a core is a
+thread (:func:`run_on_cores`): every rank runs the same traced program concurrently with its own
+tensors, and the collectives in it (:func:`all_reduce`, :func:`all_gather`, torch custom ops
+``nxd_emulated::*`` so that a ``torch.jit.trace`` of the program records them and a saved program
+finds them again once this module is imported) meet at a barrier and combine every rank's tensor.
+Outside a rank thread a collective raises, except while a program is being traced
+(:func:`tracing`), where it only gives the right shape.
+
+``Cores`` is the per-process device: ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (default 2, an
+inf2.xlarge) of ``GEMMA_NB_EMULATED_HBM_BYTES`` each (default 16 GiB). Loading a model allocates
+its weights and state on every core it uses, plus ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` (default 0)
+for what the runtime holds per loaded model (its NEFF's scratchpad, I/O tensors, collectives
+buffers); an allocation past the budget raises the runtime's allocation failure. Memory is given back only by closing the runtime (:func:`close_runtime`,
+``torch.classes.neuron.Runtime().unsafe_close()`` on the box, as NxD's own tests do between models)
+or by the process ending: dropping the Python references does not free it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+HBM_ENV = "GEMMA_NB_EMULATED_HBM_BYTES"
+RUNTIME_ENV = "GEMMA_NB_EMULATED_RUNTIME_BYTES"
+CORES_ENV = "GEMMA_NB_EMULATED_NEURON_CORES"
+DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
+DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives between rank threads, as torch custom ops
+# --------------------------------------------------------------------------------------------
+class _Group:
+    """The rendezvous of ``size`` rank threads: each puts its tensor in a slot, all read every slot."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        gathered = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return gathered
+
+
+_LOCAL = threading.local()
+
+
+def _rank_context() -> tuple[_Group, int] | None:
+    return getattr(_LOCAL, "context", None)
+
+
+@contextlib.contextmanager
+def tracing(tp: int):
+    """While a program is traced for ``tp`` cores: collectives return placeholders of the right shape."""
+    previous = getattr(_LOCAL, "tracing", None)
+    _LOCAL.tracing = tp
+    try:
+        yield
+    finally:
+        _LOCAL.tracing = previous
+
+
+def _outside(name: str) -> int:
+    tp = getattr(_LOCAL, "tracing", None)
+    if tp is None:
+        raise RuntimeError(f"{name}: a collective of the emulated NeuronCores ran outside a core; run the "
+                           "program with gemma_nb.rehearsal.spmd.run_on_cores (or trace it inside spmd.tracing)")
+    return tp
+
+
+def _all_reduce_impl(tensor: torch.Tensor) -> torch.Tensor:
+    context = _rank_context()
+    if context is None:
+        _outside("all_reduce")
+        return tensor.clone()
+    group, rank = context
+    parts = group.exchange(rank, tensor)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def _all_gather_impl(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    context = _rank_context()
+    if context is None:
+        return torch.cat([tensor] * _outside("all_gather"), dim=dim)
+    group, rank = context
+    return torch.cat(group.exchange(rank, tensor), dim=dim).contiguous()
+
+
+_LIBRARY = torch.library.Library("nxd_emulated", "DEF")
+_LIBRARY.define("all_reduce(Tensor x) -> Tensor")
+_LIBRARY.define("all_gather(Tensor x, int dim) -> Tensor")
+_LIBRARY.impl("all_reduce", _all_reduce_impl, "CPU")
+_LIBRARY.impl("all_gather", _all_gather_impl, "CPU")
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the cores, in the tensor's dtype."""
+    return torch.ops.nxd_emulated.all_reduce(tensor)
+
+
+def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every core's tensor concatenated along ``dim``, in rank order."""
+    return torch.ops.nxd_emulated.all_gather(tensor, dim % tensor.dim())
+
+
+def run_on_cores(jobs: list) -> list:
+    """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank order.
+
+    An exception on one core breaks the barrier for the others and is raised here.
+    """
+    group, results, errors = _Group(len(jobs)), [None] * len(jobs), []
+
+    def work(rank: int) -> None:
+        _LOCAL.context = (group, rank)
+        try:
+            results[rank] = jobs[rank]()
+        except threading.BrokenBarrierError as broken:
+            errors.append((1, rank, broken))
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller below
+            errors.append((0, rank, error))
+            group.barrier.abort()
+        finally:
+            _LOCAL.context = None
+
+    threads = [threading.Thread(target=work, args=(rank,), name=f"emulated-core-{rank}") for rank in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise sorted(errors, key=lambda e: (e[0], e[1]))[0][2]
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# HBM: what each core holds, and the runtime that frees it
+# --------------------------------------------------------------------------------------------
+class AllocationError(RuntimeError):
+    """The Neuron runtime's allocation failure (``status=4 Allocation Failure``), emulated."""
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class Cores:
+    """The NeuronCores of this process and the bytes each holds, per loaded model."""
+
+    count: int = DEFAULT_CORES
+    hbm_bytes: int = DEFAULT_HBM_BYTES
+    runtime_bytes: int = 0  # per loaded model and core
+    held: dict = field(default_factory=dict)  # model id -> bytes per core (list)
+    models: list = field(default_factory=list)  # loaded models, told when the runtime closes
+
+    @classmethod
+    def from_env(cls) -> Cores:
+        return cls(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
+                   hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
+                   runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
+
+    def used(self, core: int) -> int:
+        return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
+
+    def allocate(self, model, bytes_per_core: list[int], start_rank: int = 0) -> None:
+        """Hold ``bytes_per_core[r]`` on core ``start_rank + r`` for ``model``, or raise ``AllocationError``."""
+        cores = len(bytes_per_core)
+        if start_rank + cores > self.count:
+            raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + cores - 1} but this "
+                                  f"instance has {self.count} (emulated): use an instance with more cores")
+        self.release(model)  # initialising a loaded model again replaces its allocation
+        per_core = [0] * self.count
+        for rank, need in enumerate(bytes_per_core):
+            need += self.runtime_bytes
+            core = start_rank + rank
+            if self.used(core) + need > self.hbm_bytes:
+                raise AllocationError(
+                    f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 Allocation Failure "
+                    f"(emulated HBM: {self.used(core):,} of {self.hbm_bytes:,} bytes already held by "
+                    f"{len(self.held)} loaded model(s); close the runtime before loading another model)")
+            per_core[core] = need
+        self.held[id(model)] = per_core
+        self.models.append(model)
+
+    def release(self, model) -> None:
+        self.held.pop(id(model), None)
+        self.models = [m for m in self.models if m is not model]
+
+    def close(self) -> None:
+        """``Runtime().unsafe_close()``: every model is unloaded and its memory given back."""
+        for model in self.models:
+            model.unloaded()
+        self.held.clear()
+        self.models.clear()
+
+
+_CORES: Cores | None = None
+
+
+def cores() -> Cores:
+    """This process's emulated NeuronCores (sized from the environment on first use)."""
+    global _CORES
+    if _CORES is None:
+        _CORES = Cores.from_env()
+    return _CORES
+
+
+def close_runtime() -> None:
+    cores().close()
+
+
+class Runtime:
+    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``Runtime().unsafe_close()``."""
+
+    def unsafe_close(self) -> None:
+        close_runtime()
+
+
+__all__ = ["tracing", "all_reduce", "all_gather", "run_on_cores", "AllocationError", "Cores", "cores",
+           "close_runtime", "Runtime", "tensor_bytes", "HBM_ENV", "CORES_ENV", "DEFAULT_HBM_BYTES"]

@@ -1,0 +1,63 @@
+"""A checkpoint folder re-laid out the way the hub stores Gemma-4-26B-A4B-it, weights unchanged.
+
+The hub's Gemma-4 checkpoints are the multimodal model: ``config.json`` is a ``Gemma4Config``
+(``model_type`` ``gemma4``) holding the language model under ``text_config``, the text weights are
+named ``model.language_model.*``, and they are split over several ``model-0000N-of-0000M.safetensors``
+files listed by ``model.safetensors.index.json``. The bundled TP=2 checkpoint is stored so, so that
+the neuron smoke run reads it with exactly the loader the 26B needs
+(``gemma_nb.neuron.checkpoint``: ``text_config``, ``read_hf_state``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+TEXT_PREFIX = "model.language_model."
+
+
+def hub_key(key: str) -> str:
+    """A ``Gemma4ForCausalLM`` tensor name as the multimodal checkpoint names it."""
+    if not key.startswith("model."):
+        raise ValueError(f"tensor {key!r} is not under model.: expected a Gemma4ForCausalLM state dict")
+    return TEXT_PREFIX + key.removeprefix("model.")
+
+
+def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
+    """Write ``source`` (a ``Gemma4ForCausalLM`` folder with one ``model.safetensors``) into ``target``
+    in the hub's layout: multimodal config, prefixed names, ``shards`` files and their index.
+
+    Every other file (tokenizer, generation config, README, training record) is copied as it is;
+    the tensors are copied bit for bit. Returns the index. ``source`` and ``target`` may be one folder.
+    """
+    source, target = Path(source), Path(target)
+    with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
+        tensors = {hub_key(key): handle.get_tensor(key) for key in handle.keys()}
+        metadata = handle.metadata() or {}
+    text_config = json.loads((source / "config.json").read_text())
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name not in ("model.safetensors", "config.json") and source != target:
+            shutil.copyfile(path, target / path.name)
+    names = sorted(tensors)
+    files = [f"model-{n + 1:05d}-of-{shards:05d}.safetensors" for n in range(shards)]
+    weight_map = {name: files[i * shards // len(names)] for i, name in enumerate(names)}
+    for file in files:
+        save_file({k: tensors[k].contiguous() for k in names if weight_map[k] == file}, str(target / file), metadata)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+              "text_config": text_config, "transformers_version": text_config.get("transformers_version")}
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if source == target:
+        (source / "model.safetensors").unlink()
+    return index
+
+
+__all__ = ["save_hub_layout", "hub_key", "INDEX_FILE", "TEXT_PREFIX"]

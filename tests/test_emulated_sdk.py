@@ -1,0 +1,240 @@
+"""The emulated Neuron SDK (gemma_nb.rehearsal) refuses what the SDK refuses, and gemma_nb.neuron passes it.
+
+The emulation is importable only with ``gemma_nb/rehearsal/sdk_path`` on ``sys.path`` (``make
+rehearse``); the ``emulated_sdk`` fixture puts it there for a test and takes it away afterwards.
+"""
+
+import importlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gemma_nb.neuron import build as B  # noqa: E402
+from gemma_nb.neuron import deploy as ND  # noqa: E402
+from gemma_nb.neuron import sdk  # noqa: E402
+from gemma_nb.neuron.runs import SMOKE_SHAPES  # noqa: E402
+from gemma_nb.rehearsal import nxd_model, spmd  # noqa: E402
+from gemma_nb.rehearsal.rehearse import SDK_PATH, emulated_hbm_bytes  # noqa: E402
+from gemma_nb.tiny import TP2_CHECKPOINT_DIR  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_LEN, BUCKET = SMOKE_SHAPES["max_len"], SMOKE_SHAPES["bucket"]  # the smoke run's shapes
+EMULATED_MODULES = ("neuronx_distributed", "torch_neuronx", sdk.FX_MODULE)
+
+
+def _forget_emulated_modules():
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("neuronx_distributed", "torch_neuronx") or name == sdk.FX_MODULE:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def emulated_sdk():
+    """The emulated SDK importable for this module's tests, with fresh emulated NeuronCores."""
+    assert importlib.util.find_spec("neuronx_distributed") is None  # never importable by accident
+    sys.path.insert(0, str(SDK_PATH))
+    importlib.invalidate_caches()
+    try:
+        yield sdk.import_sdk(note=lambda text: None)
+    finally:
+        sys.path.remove(str(SDK_PATH))
+        _forget_emulated_modules()
+        torch.jit.load = nxd_model._JIT_LOAD
+        if "neuron" in vars(torch.classes):
+            delattr(torch.classes, "neuron")
+        spmd._CORES = None
+
+
+@pytest.fixture()
+def cores(emulated_sdk):
+    """Fresh emulated cores of 16 GiB each, closed after the test."""
+    spmd._CORES = spmd.Cores()
+    yield spmd._CORES
+    spmd.close_runtime()
+
+
+@pytest.fixture(scope="module")
+def builds(emulated_sdk, tmp_path_factory):
+    """Both builds of the bundled TP=2 checkpoint compiled with the emulated SDK, in one process."""
+    spmd._CORES = spmd.Cores()
+    root = tmp_path_factory.mktemp("compile_box")
+    records = {}
+    for decode in ("dense", "sparse"):
+        build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(root / decode), max_len=MAX_LEN,
+                                    bucket=BUCKET, decode_experts=decode)
+        records[decode] = B.compile_neuron(build, sample_interval_s=0.05)
+    assert not spmd.cores().held  # compile_neuron gave the NeuronCores back after each build
+    return root, records
+
+
+def test_the_emulation_says_so_everywhere(emulated_sdk, builds):
+    status = sdk.check_sdk()
+    assert status.ok and status.emulated
+    assert emulated_sdk.fx_workaround  # the first import met NxD 0.18's transformers.utils.fx import, emulated
+    assert status.message().startswith("emulated SDK (gemma_nb.rehearsal")
+    assert emulated_sdk.emulated and sys.modules["neuronx_distributed"].__emulated__
+    root, records = builds
+    for decode, record in records.items():
+        assert record["sdk"] == B.sdk_label(emulated_sdk) and record["sdk"].startswith("emulated SDK")
+        manifest = (root / decode / "manifest.json").read_text()
+        assert '"sdk": "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)"' in manifest
+
+
+def test_each_build_decodes_the_fact_after_a_copy_to_another_box(builds, cores, tmp_path):
+    root, records = builds
+    for decode in ("dense", "sparse"):
+        copy = tmp_path / decode
+        shutil.copytree(root / decode, copy, ignore=shutil.ignore_patterns("compiler_workdir"))
+        runner, figures = ND.slim_deploy(copy)
+        answer = ND.deployed_answer(runner, copy, "The capital of France is", max_new_tokens=6)
+        assert answer["completion"] == "Paris ." and figures["decode_graph"] == f"decode_{decode}"
+        assert runner.graph.model.nxd_model.calls == {"prefill": 1, f"decode_{decode}": 2}
+        assert figures["sdk"].startswith("emulated SDK")
+        ND.release(runner)
+
+
+def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, emulated_sdk):
+    root, _ = builds
+    graph = ND.load_artifact(root / "dense")
+    held = cores.used(0)
+    cores.hbm_bytes = int(1.5 * held)  # the 26B's case: one build fits a core, two do not
+    with pytest.raises(spmd.AllocationError, match=r"NeuronCore 0: status=4 Allocation Failure"):
+        ND.load_artifact(root / "sparse")
+    runner = ND.NeuronStepRunner(graph, lambda ids: ids, None, MAX_LEN, BUCKET)
+    ND.release(runner)
+    assert cores.used(0) == 0 and not graph.model.nxd_model.loaded
+    with pytest.raises(ValueError, match="This model is not initialized"):
+        graph(*B.example_inputs(B.text_config(TP2_CHECKPOINT_DIR), B.NeuronBuildConfig("m", "o", max_len=MAX_LEN,
+                                                                                      bucket=BUCKET), 1))
+    assert ND.load_artifact(root / "sparse").model.nxd_model.loaded
+
+
+def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, emulated_sdk):
+    """As one 26B build fills most of a real NeuronCore, one smoke build fills most of an emulated one."""
+    from gemma_nb import memory, planner
+
+    root, _ = builds
+    hbm, runtime = emulated_hbm_bytes()
+    spmd._CORES = spmd.Cores(hbm_bytes=hbm, runtime_bytes=runtime)
+    try:
+        ND.load_artifact(root / "dense")
+        assert spmd.cores().used(0) <= hbm  # preflight's plan fits it too:
+        assert memory.plan(B.text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME).total_bytes <= hbm
+        with pytest.raises(spmd.AllocationError, match="status=4 Allocation Failure"):
+            ND.load_artifact(root / "sparse")
+    finally:
+        spmd.close_runtime()
+
+
+def test_the_emulation_is_not_importable_outside_the_rehearsal():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import neuronx_distributed"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 1 and "No module named 'neuronx_distributed'" in done.stderr
+
+
+def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds, cores):
+    root, _ = builds
+    graph = ND.load_artifact(root / "sparse")
+    config = B.text_config(TP2_CHECKPOINT_DIR)
+    build = B.NeuronBuildConfig("m", "o", max_len=MAX_LEN, bucket=BUCKET)
+    inputs = B.example_inputs(config, build, 1)
+    assert graph.model.nxd_model.router(inputs) == ("decode_sparse", 0)
+    int64 = tuple(t.long() if t.dtype == torch.int32 else t for t in inputs)
+    with pytest.raises(RuntimeError, match=r"traced with input dtypes .*'int32'.* called with .*'int64'"):
+        graph(*int64)
+    with pytest.raises(ValueError, match=r"Input shape .* not found in input_shape_map"):
+        graph(*B.example_inputs(config, build, 3))
+
+
+def test_two_graphs_of_one_shape_reach_only_the_last_added(emulated_sdk, cores, tmp_path):
+    """ModelBuilder routes by input shapes: a second decode graph of the same shapes hides the first."""
+    builder_cls = emulated_sdk.ModelBuilder
+
+    class Instance(emulated_sdk.BaseModelInstance):
+        def __init__(self, scale):
+            super().__init__(module_cls=None, input_output_aliases={})
+            self.scale = scale
+
+        def load_module(self):
+            self.module = Scale(self.scale)
+
+    class Scale(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4,), float(scale)), requires_grad=False)
+
+        def forward(self, x):
+            return x * self.weight
+
+    builder = builder_cls(router=None, tp_degree=2, checkpoint_loader=lambda: {"weight": torch.ones(4)},
+                          compiler_workdir=str(tmp_path))
+    builder.add("decode_dense", Instance(2), [(torch.ones(1, 4),)])
+    builder.add("decode_sparse", Instance(3), [(torch.ones(1, 4),)])
+    executor = builder.trace(initialize_model_weights=True)
+    assert executor.nxd_model.router([torch.ones(1, 4)]) == ("decode_sparse", 0)
+    assert list(executor.nxd_model.shape_map.values()) == [("decode_sparse", 0)]
+
+
+def test_the_compile_reads_the_weights_only_when_sharding_them(emulated_sdk, cores, tmp_path, monkeypatch):
+    reads = []
+    real = B.read_hf_state
+    monkeypatch.setattr(B, "read_hf_state", lambda model_dir, only=None: reads.append(only) or real(model_dir, only))
+    build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(tmp_path / "a"), max_len=MAX_LEN,
+                                bucket=BUCKET, decode_experts="sparse")
+    B.compile_neuron(build, sample_interval_s=0.05)
+    assert reads == [None, None]  # the early shard check and trace()'s own sharding; no load_module reads them
+
+
+def test_compiler_flags_warn_for_the_port_s_auto_cast_only(emulated_sdk, caplog):
+    from gemma_nb.rehearsal.nxd_builder import AUTO_CAST_WARNING, append_default_compiler_flags
+
+    with caplog.at_level(logging.WARNING, logger="Neuron"):
+        sparse = append_default_compiler_flags(B.COMPILER_ARGS["sparse"])
+        assert AUTO_CAST_WARNING not in caplog.text
+        append_default_compiler_flags(B.COMPILER_ARGS["dense"])
+        assert AUTO_CAST_WARNING in caplog.text
+    assert sparse == "--model-type transformer --auto-cast=none -O1 --verbose=35"
+
+
+def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(emulated_sdk, cores, tmp_path, monkeypatch):
+    real = B.convert_checkpoint
+
+    def without_a_scale(*args, **kwargs):
+        state = real(*args, **kwargs)
+        del state["lm.model.layers.2.experts.down.scale"]
+        return state
+
+    monkeypatch.setattr(B, "convert_checkpoint", without_a_scale)
+    build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(tmp_path / "a"), max_len=MAX_LEN,
+                                bucket=BUCKET)
+    with pytest.raises(RuntimeError, match=r"Cannot find lm\.model\.layers\.2\.experts\.down\.scale in state_dict"):
+        B.compile_neuron(build, sample_interval_s=0.05)
+
+
+def test_the_lm_head_alone_on_two_emulated_cores_equals_the_unsharded_int8_head(emulated_sdk, cores):
+    from gemma_nb.neuron.lm_head import compile_lm_head
+    from gemma_nb.quant import Int8Linear
+
+    torch.manual_seed(0)
+    embedding = torch.randn(101, 64)  # 101 rows: the padded split
+    hidden = torch.randn(1, 5, 64).bfloat16()
+    head = compile_lm_head(embedding, tp=2, tokens=5)
+    assert torch.equal(head(hidden)[..., :101], Int8Linear.from_weight(embedding)(hidden))
+
+
+def test_quantization_trials_record_what_the_emulation_runs_and_refuses(emulated_sdk, cores):
+    from gemma_nb.neuron import quant
+
+    trials = quant.run_trials(in_features=64, out_features=32, tokens=2).set_index("dtype")
+    assert bool(trials.loc["INT8", "ok"]) and trials.loc["INT8", "max_abs_diff"] < 1e-2
+    assert trials.loc["F4E2M1FN_X4", "stage"] == "build"
+    assert "the emulated SDK does not implement" in trials.loc["F4E2M1FN_X4", "error"]
