@@ -120,7 +120,7 @@ class Rehearsal:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
         import openai
 
-        from gemma_nb.client_bench import wait_until_healthy
+        from gemma_nb.endpoint_bench import wait_until_healthy
         from gemma_nb.ranks import free_port
 
         port = free_port()
