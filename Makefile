@@ -66,13 +66,13 @@ test-notebooks: $(STAMP) $(XLA_STAMP)
 	$(PY) tests/check_notebooks.py
 
 ## The rehearsal environment: .venv-xla (the SDK's torch 2.9.0 and torch-xla) plus the notebooks' packages, installed
-## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept), and the
-## openai client the rehearsal asks the server with. The stamp holds the install's seconds (rehearsal.json reports them).
+## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept).
+## The stamp holds the install's seconds (rehearsal.json reports them).
 REHEARSE_STAMP := $(XLA_VENV)/.rehearsal-env
 rehearse-env: $(REHEARSE_STAMP)
 
 $(REHEARSE_STAMP): $(XLA_STAMP) envs/neuron/notebooks.txt envs/neuron/install.sh
-	@start=$$(date +%s); PYTHON=$(XLA_PY) sh envs/neuron/install.sh openai==3.57.0 && \
+	@start=$$(date +%s); PYTHON=$(XLA_PY) sh envs/neuron/install.sh && \
 		echo $$(( $$(date +%s) - start )) > $(REHEARSE_STAMP)
 
 ## The runbook (docs/inf2.md) run in order against the emulated Neuron SDK, at the SDK's torch; writes
