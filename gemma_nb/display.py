@@ -9,10 +9,17 @@ The page is JupyterLab at its default settings (or GitHub's notebook view) about
 - generated text stops at its first ``<eos>`` (``cut_at_eos``): the tokens a model keeps emitting
   after its end-of-sequence token are noise, not an answer.
 
+``setup_page(column_formats=True)`` shows each table column in one number format
+(``column_formatter``: one count of decimals, or scientific notation for a column spanning orders of
+magnitude, with enough decimals that different values never look alike), puts a named index's name
+in the header's corner instead of a row of its own, and leaves out a default 0, 1, 2, ... index.
+Without it every cell is formatted on its own (``format_cell``).
+
 Table width is estimated from the text of its cells (``table_width_px``), the same way for a
 DataFrame before it is shown and for the HTML table stored in an executed notebook
 (``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page.
-The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em of padding
+``number_format`` and ``index_label_rows`` let the same test hold every column
+to one format and every header to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em of padding
 either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX`` per
 character plus ``CELL_PADDING_PX``; text that contains spaces wraps, so it counts at most
 ``WRAP_CHARS`` characters (or its longest word, if that is longer). ``CHAR_WIDTH_PX`` is the
@@ -21,10 +28,11 @@ advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded up, so the estim
 
 from __future__ import annotations
 
+import functools
 import html.parser
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gemma_nb import plots
@@ -92,16 +100,113 @@ def format_cell(value: Any) -> str:
     return cut_at_eos(str(value))
 
 
-def tidy(frame):
+SIGNIFICANT_DIGITS = 4
+MAX_DECIMALS = 8
+SCIENTIFIC_BELOW = 1e-4   # a column holding a smaller non-zero magnitude is shown in scientific notation,
+SCIENTIFIC_SPAN = 1e4     # and so is one whose largest magnitude is this many times its smallest (below 1)
+
+
+def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int:
+    """``decimals``, raised (up to ``limit``) until different values no longer render alike."""
+    while decimals < limit and len({render(v, decimals) for v in values}) < len(set(values)):
+        decimals += 1
+    return decimals
+
+
+def _exact_decimals(values: list[float]) -> int:
+    """The fewest decimals (up to MAX_DECIMALS) that write every value as it is, e.g. after ``round(3)``."""
+    for decimals in range(MAX_DECIMALS + 1):
+        if all(round(v, decimals) == v for v in values):
+            return decimals
+    return MAX_DECIMALS
+
+
+def _fixed(value: float, decimals: int) -> str:
+    return f"{value:,.{decimals}f}"
+
+
+def _scientific(value: float, decimals: int) -> str:
+    return f"{value:.{decimals}e}"
+
+
+def column_formatter(values) -> Callable[[Any], str]:
+    """One number format for a whole column of floats: a function from a value to its text.
+
+    Integral columns show whole numbers (thousands separated when any reaches 10,000). Other
+    columns get one count of decimals: enough for ``SIGNIFICANT_DIGITS`` significant digits of the
+    smallest non-zero magnitude, never more than the values have (a column rounded to 3 decimals
+    shows 3), and more where two different values would otherwise look alike (11.3137 and 11.3125
+    never both read "11.31"). A column with a magnitude below ``SCIENTIFIC_BELOW``, or spanning
+    ``SCIENTIFIC_SPAN`` or more below 1, is written in scientific notation throughout. Zero is "0"
+    and a missing value blank in every format.
+    """
+    finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
+    magnitudes = [abs(v) for v in finite if v != 0.0]
+    if not magnitudes or all(v.is_integer() for v in finite):
+        separators = any(abs(v) >= 1e4 for v in finite)
+        return _with_specials(lambda v: f"{v:,.0f}" if separators else f"{v:.0f}")
+    low, high = min(magnitudes), max(magnitudes)
+    if low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN):
+        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
+        return _with_specials(lambda v: _scientific(v, decimals))
+    exact = _exact_decimals(finite)
+    wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
+    decimals = _decimals_for(finite, min(wanted, exact), exact, _fixed)
+    return _with_specials(lambda v: _fixed(v, decimals))
+
+
+def _missing(value) -> bool:
+    if value is None:
+        return True
+    try:
+        return bool(value != value)  # NaN and pandas' NA
+    except (TypeError, ValueError):
+        return True
+
+
+def _with_specials(write: Callable[[float], str]) -> Callable[[Any], str]:
+    def formatted(value) -> str:
+        special = _special(value)
+        return write(float(value)) if special is None else special
+    return formatted
+
+
+def _special(value) -> str | None:
+    """The text of a value every format writes the same way (blank, 0, inf), else None."""
+    if _missing(value):
+        return ""
+    value = float(value)
+    if value == 0.0:
+        return "0"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return None
+
+
+def _format_column(column) -> list[str]:
+    import pandas as pd
+
+    if pd.api.types.is_bool_dtype(column.dtype) or not pd.api.types.is_numeric_dtype(column.dtype):
+        return [format_cell(v) for v in column]
+    formatter = column_formatter(column.tolist())
+    return [formatter(v) for v in column]
+
+
+def tidy(frame, column_formats: bool = False):
     """A copy of ``frame`` (DataFrame or Series) with every cell and index label formatted for the page.
 
     The result holds strings only, so what the reader sees does not depend on pandas' options.
+    With ``column_formats`` each numeric column has one format (``column_formatter``), else each
+    cell is formatted on its own (``format_cell``).
     """
     import pandas as pd
 
     if isinstance(frame, pd.Series):
-        return tidy(frame.to_frame()).iloc[:, 0].rename(frame.name)
-    shown = frame.map(format_cell)
+        return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
+    if column_formats:
+        shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
+    else:
+        shown = frame.map(format_cell)
     shown.index = _tidy_index(frame.index)
     shown.columns = _tidy_index(frame.columns)
     return shown
@@ -169,6 +274,8 @@ class _TableParser(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.tables: list[list[list[str]]] = []
+        self.header_rows: list[int] = []   # per table: how many of its rows are in <thead>
+        self._in_head = False
         self._depth = 0
         self._row: list[str] | None = None
         self._cell: list[str] | None = None
@@ -178,6 +285,9 @@ class _TableParser(html.parser.HTMLParser):
         if tag == "table":
             self._depth += 1
             self.tables.append([])
+            self.header_rows.append(0)
+        elif tag == "thead":
+            self._in_head = True
         elif tag == "tr" and self._depth:
             self._row = []
         elif tag in ("td", "th") and self._row is not None:
@@ -192,7 +302,10 @@ class _TableParser(html.parser.HTMLParser):
             self._cell = None
         elif tag == "tr" and self._row is not None:
             self.tables[-1].append(self._row)
+            self.header_rows[-1] += self._in_head
             self._row = None
+        elif tag == "thead":
+            self._in_head = False
         elif tag == "table" and self._depth:
             self._depth -= 1
 
@@ -208,21 +321,83 @@ def html_tables(markup: str) -> list[list[list[str]]]:
     return parser.tables
 
 
-def _html(frame) -> str:
-    shown = tidy(frame)
+def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]]]:
+    """Every ``<table>`` in ``markup`` as (header rows, body rows), each a list of cell texts."""
+    parser = _TableParser()
+    parser.feed(markup)
+    return [(rows[:head], rows[head:]) for rows, head in zip(parser.tables, parser.header_rows)]
+
+
+def index_label_rows(header: list[list[str]]) -> list[list[str]]:
+    """Header rows that only label the index (a name in the first cell, every other cell empty):
+    the extra row pandas adds under the column names when the index has a name."""
+    return [row for row in header if len(row) > 1 and row[0] and not any(row[1:])]
+
+
+_INTEGER = re.compile(r"-?\d{1,3}(,\d{3})+|-?\d+")
+_FIXED = re.compile(r"-?(\d{1,3}(,\d{3})+|\d+)\.(\d+)")
+_SCIENTIFIC = re.compile(r"-?\d\.(\d+)e[+-]\d+")
+
+
+def number_format(text: str) -> str | None:
+    """The format a table cell writes its number in: "integer", "N decimals", "scientific, N decimals";
+    "" for a text every format shares (blank, 0, inf); None for a cell that is not a number."""
+    text = text.strip()
+    if text in ("", "0", "inf", "-inf"):
+        return ""
+    if _INTEGER.fullmatch(text):
+        return "integer"
+    if match := _FIXED.fullmatch(text):
+        return f"{len(match.group(3))} decimals"
+    if match := _SCIENTIFIC.fullmatch(text):
+        return f"scientific, {len(match.group(1))} decimals"
+    return None
+
+
+def mixed_format_columns(body: list[list[str]]) -> dict[int, set[str]]:
+    """Columns of a table's body rows whose cells are all numbers written in more than one format."""
+    mixed = {}
+    for column in range(max((len(row) for row in body), default=0)):
+        formats = [number_format(row[column]) for row in body if column < len(row)]
+        if formats and None not in formats and len(set(formats) - {""}) > 1:
+            mixed[column] = set(formats) - {""}
+    return mixed
+
+
+def _shown(frame, column_formats: bool):
+    """``frame`` as the page shows it, and whether its index is shown."""
+    import pandas as pd
+
+    shown = tidy(frame, column_formats)
     if not hasattr(shown, "to_html"):
         shown = shown.to_frame()
-    return shown.to_html(max_rows=MAX_ROWS, notebook=True)
+    if not column_formats:
+        return shown, True
+    if isinstance(frame.index, pd.RangeIndex) and frame.index.name is None:
+        return shown, False
+    if shown.index.nlevels > 1 or shown.columns.nlevels > 1:
+        return shown.reset_index(), False
+    if shown.index.name is not None:   # the name labels the corner cell, not a row of its own
+        shown.columns.name, shown.index.name = shown.index.name, None
+    return shown, True
 
 
-def _plain(frame, printer, cycle) -> None:
-    printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
+def _html(frame, column_formats: bool = False) -> str:
+    shown, index = _shown(frame, column_formats)
+    return shown.to_html(max_rows=MAX_ROWS, notebook=True, index=index)
 
 
-def setup_page() -> None:
+def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
+    shown, index = _shown(frame, column_formats)
+    printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
+
+
+def setup_page(column_formats: bool = False) -> None:
     """Pandas options, IPython table formatters and the plot theme for a notebook; idempotent.
 
     Call it first thing in a notebook. Outside IPython only the pandas options are set.
+    ``column_formats``: one number format per column, index names in the header's corner, no
+    default 0, 1, 2, ... index (the module's docstring).
     """
     import pandas as pd
 
@@ -239,8 +414,10 @@ def setup_page() -> None:
     if shell is None:
         return
     formatters = shell.display_formatter.formatters
+    html = functools.partial(_html, column_formats=column_formats)
+    plain = functools.partial(_plain, column_formats=column_formats)
     for kind in (pd.DataFrame, pd.Series):
-        formatters["text/html"].for_type(kind, _html)
-        formatters["text/plain"].for_type(kind, _plain)
+        formatters["text/html"].for_type(kind, html)
+        formatters["text/plain"].for_type(kind, plain)
 
     plots.set_theme()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.collections
+import matplotlib.text
 
 matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
 
@@ -71,4 +73,122 @@ def save_figure(fig, target: str, name: str) -> dict[str, Path]:
     paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
     fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Showing a figure: saved, checked for labels that collide, displayed with its alt text
+# --------------------------------------------------------------------------------------------
+
+
+def _tick_labels(ax):
+    """The tick labels ``ax`` draws: those of ticks inside the view limits."""
+    drawn, every = [], []
+    for axis in (ax.xaxis, ax.yaxis):
+        low, high = sorted(axis.get_view_interval())
+        span = (high - low) or 1.0
+        for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+            labels = (tick.label1, tick.label2)
+            every += labels
+            if low - 1e-9 * span <= tick.get_loc() <= high + 1e-9 * span:
+                drawn += [label for label in labels if label.get_visible()]
+    return drawn, every
+
+
+def _texts(fig, renderer):
+    """Every drawn, non-empty text of ``fig`` with its box on the canvas (a legend's own texts
+    excluded: the legend is checked as one box)."""
+    skip = {id(t) for legend in _legends(fig) for t in [*legend.get_texts(), legend.get_title()]}
+    candidates = []
+    for ax in fig.axes:
+        drawn, every = _tick_labels(ax)
+        skip |= {id(t) for t in every}
+        candidates += drawn
+    candidates += [t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()]
+    found = []
+    for text in candidates:
+        if text.get_text().strip():
+            box = text.get_window_extent(renderer)
+            if box.width > 0 and box.height > 0:
+                found.append((text, box))
+    return found
+
+
+def _legends(fig):
+    legends = [ax.get_legend() for ax in fig.axes] + list(fig.legends)
+    return [legend for legend in legends if legend is not None and legend.get_visible()]
+
+
+def _label(text) -> str:
+    return repr(text.get_text().strip()[:40])
+
+
+def _lines_through(box, ax) -> list[str]:
+    """The drawn lines of ``ax`` (data and reference lines, not the grid) that cross ``box``."""
+    crossing = []
+    for line in ax.get_lines():
+        if line.get_visible() and len(line.get_xydata()) and \
+                line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False):
+            crossing.append(line.get_label() if not line.get_label().startswith("_") else "a line")
+    return crossing
+
+
+def _points_inside(box, ax) -> int:
+    """How many scatter points of ``ax`` lie inside ``box``."""
+    count = 0
+    for collection in ax.collections:
+        if isinstance(collection, matplotlib.collections.PathCollection) and collection.get_visible():
+            offsets = collection.get_offset_transform().transform(collection.get_offsets())
+            count += sum(box.contains(x, y) for x, y in offsets)
+    return count
+
+
+def collisions(fig) -> list[str]:
+    """What overlaps in ``fig`` once drawn: two texts (labels, titles, annotations, tick labels);
+    a text inside the axes crossed by a line or covering a scatter point; a legend over a text,
+    a line, a bar or a point of its axes. Each as a short sentence; empty when nothing does."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = _texts(fig, renderer)
+    found = []
+    for i, (first, first_box) in enumerate(texts):
+        for second, second_box in texts[i + 1:]:
+            if first_box.overlaps(second_box):
+                found.append(f"texts {_label(first)} and {_label(second)} overlap")
+    for text, box in texts:
+        ax = text.axes
+        if ax is None or any(text is label for label in _tick_labels(ax)[1]):
+            continue
+        found += [f"{name} crosses text {_label(text)}" for name in _lines_through(box, ax)]
+        if points := _points_inside(box, ax):
+            found.append(f"text {_label(text)} covers {points} point(s)")
+    for legend in _legends(fig):
+        box = legend.get_window_extent(renderer)
+        found += [f"the legend covers text {_label(text)}" for text, text_box in texts if box.overlaps(text_box)]
+        for ax in ([legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes):
+            found += [f"the legend covers {name}" for name in _lines_through(box, ax)]
+            found += ["the legend covers a bar" for patch in ax.patches
+                      if patch.get_visible() and box.overlaps(patch.get_window_extent(renderer))][:1]
+            if points := _points_inside(box, ax):
+                found.append(f"the legend covers {points} point(s)")
+    return found
+
+
+def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
+    """Save ``fig`` (``save_figure``), refuse it if labels collide, display it with ``alt`` as its
+    alternative text (what a screen reader or nbconvert's HTML gives for the image), and close it.
+
+    Use it instead of ``plt.show()``. Raises ValueError naming what overlaps, or for an empty ``alt``.
+    """
+    from IPython.display import display
+
+    if not alt or not alt.strip():
+        raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
+    overlaps = collisions(fig)
+    if overlaps:
+        plt.close(fig)
+        raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
+    paths = save_figure(fig, target, name)
+    display(fig, metadata={"image/png": {"alt": alt.strip()}})
+    plt.close(fig)
     return paths

@@ -11,6 +11,10 @@ Parameters (``-p NAME VALUE``) must be ones the selected notebooks declare in th
 ``parameters`` cell: a typo is an error, not a warning papermill prints and the run ignores.
 Relative paths in them are the caller's: they are made absolute before papermill runs the
 notebooks from ``notebooks/``.
+
+Every executed notebook carries the kernelspec of the installed ``python3`` kernel
+(``kernelspec_metadata``), the one JupyterLab writes when it opens the notebook, so opening and
+saving a reference notebook changes nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +33,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
 from gemma_nb.targets import REFERENCE_KERNELS, check_target
+
+
+KERNEL_NAME = "python3"
 
 
 class RunError(RuntimeError):
@@ -151,8 +161,15 @@ def _copy_previous(previous: Path, staging: Path) -> None:
     shutil.copytree(previous, staging)
 
 
+def kernelspec_metadata(name: str = KERNEL_NAME) -> dict[str, str]:
+    """The ``kernelspec`` notebook metadata of the installed kernel ``name``, as JupyterLab writes it."""
+    spec = KernelSpecManager().get_kernel_spec(name)
+    return {"display_name": spec.display_name, "language": spec.language, "name": name}
+
+
 def _scrub_metadata(executed: Path) -> None:
-    """Drop machine-specific paths papermill records in notebook metadata."""
+    """Drop machine-specific paths papermill records in notebook metadata; record the installed
+    kernel's spec (papermill keeps whatever display name the source notebook had)."""
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
@@ -160,7 +177,22 @@ def _scrub_metadata(executed: Path) -> None:
     for key in ("input_path", "output_path"):
         if key in meta and meta[key]:
             meta[key] = Path(meta[key]).name
+    nb.metadata["kernelspec"] = kernelspec_metadata()
     nbformat.write(nb, executed)
+
+
+class QuietShutdownKernelManager(AsyncKernelManager):
+    """A kernel manager that does not interrupt the kernel it is shutting down.
+
+    jupyter_client sends SIGINT before its shutdown request; when the signal lands while the kernel
+    is still finishing a message, ipykernel logs "ERROR | KeyboardInterrupt caught in kernel." at
+    the end of a run that went well. The shutdown request alone stops an idle kernel, and one that
+    does not stop is still killed after jupyter_client's wait.
+    """
+
+    async def _async_interrupt_kernel(self) -> None:
+        if not self.shutting_down:
+            await super()._async_interrupt_kernel()
 
 
 def _failure_message(notebook: Path, error: Exception) -> str:
@@ -182,7 +214,8 @@ def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, pr
         str(staging / notebook.name),
         parameters={"target": target, **parameters},
         cwd=str(notebook.parent),
-        kernel_name="python3",
+        kernel_name=KERNEL_NAME,
+        kernel_manager_class=QuietShutdownKernelManager,
         progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False,
         log_output=False,
     )

@@ -175,7 +175,7 @@ def test_random_config_has_the_26b_architecture():
 
 
 def test_one_full_size_layer_matches_the_26b_counts():
-    """Counts per group for one 26B layer = the whole model's count / 30 (docs/sources.md: meta-device-count), on the meta device."""
+    """Counts per group for one 26B layer = the whole model's count / 30 (tests/test_memory.py pins it), on the meta device."""
     config = random_gemma4_config(num_hidden_layers=6, **FULL_LAYER)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
