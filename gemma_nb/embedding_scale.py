@@ -187,7 +187,7 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
     differ_pct, max_diff_ulps, max_abs_diff (embeddings), top1_agreement, kl_mean (nats),
     max_logit_diff.
     """
-    reference_logits = _ReferenceLogits(model)
+    reference_logits = evaluate.CachedLogits(model)
     rows = []
     for name in HOST_PATHS:
         host = host_path(model, name)
@@ -197,20 +197,6 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
                      "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
                      "max_logit_diff": logits["max_abs_diff"]})
     return pd.DataFrame(rows)
-
-
-class _ReferenceLogits:
-    """``model(input_ids).logits`` computed once per id batch: every host path compares against it."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.cache: dict = {}
-
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
-        if key not in self.cache:
-            self.cache[key] = self.model(input_ids=input_ids.to(self.model.device), use_cache=False).logits
-        return self.cache[key]
 
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
@@ -230,7 +216,7 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
     if batches is None:
         batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
-    reference_logits = _ReferenceLogits(model)
+    reference_logits = evaluate.CachedLogits(model)
     prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
     reference_tokens = evaluate.greedy_generate(model, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
     rows = [{

@@ -26,7 +26,9 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length (no padding).
 
     After a row emits the tokenizer's eos it keeps emitting eos, so two models are compared on
-    their answers, not on whatever follows the end of the sequence.
+    their answers, not on whatever follows the end of the sequence. The same decoding as
+    ``evaluate.fact_recall`` (same batches, same steps), so ``evaluate.recall_from_tokens`` reads
+    the recall off these tokens.
     """
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -74,7 +76,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 
 
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
-                    reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu"):
+                    reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
+                    answers: bool = True):
     """Apply ``scheme`` to a copy of ``reference`` cast to ``dtype`` and score it against ``reference``.
 
     Returns ``(model, summary, report, greedy)``: the quantized copy; a dict with
@@ -82,27 +85,36 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     fact's sentence, ``gemma_nb.evaluate.compare_logits``), ``fact_recall``, ``greedy_match`` (fraction of fact
     prompts whose ``steps`` greedy tokens equal the reference's token for token),
     ``quantized_bytes`` / ``quantized_bf16_bytes``; the per-group report of :func:`gemma_nb.quant.apply_scheme`;
-    and the per-prompt greedy table. ``reference_greedy`` (from :func:`greedy_tokens`) saves
-    recomputing the reference's tokens for every scheme.
+    and the per-prompt greedy table. ``reference`` may be an ``evaluate.CachedLogits`` of the float
+    model, so its logits are computed once for every scheme; ``reference_greedy`` (from
+    :func:`greedy_tokens`) saves decoding the reference again. The candidate is decoded once, for
+    ``steps`` tokens or the longest answer if that is longer, and its fact recall read off those tokens. With
+    ``answers=False`` only the logit scores are computed (no decoding; ``fact_recall``,
+    ``greedy_match`` and the greedy table are None).
     """
     if facts is None:
         facts = FACTS
     prompts = [f.prompt for f in facts]
-    model = copy.deepcopy(reference).to(dtype)
+    float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
+    model = copy.deepcopy(float_model).to(dtype)
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
-    if reference_greedy is None:
-        reference_greedy = greedy_tokens(reference, tokenizer, prompts, steps)
     # next-token logits at every position of the facts' own sentences (default: the whole corpus)
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
-    recall, _ = evaluate.fact_recall(model, tokenizer, facts)
-    greedy = greedy_table(prompts, reference_greedy, greedy_tokens(model, tokenizer, prompts, steps), tokenizer)
     summary = {
         "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
-        "max_abs_diff": logits["max_abs_diff"], "fact_recall": recall,
-        "greedy_match": float(greedy["match"].mean()),
+        "max_abs_diff": logits["max_abs_diff"], "fact_recall": None, "greedy_match": None,
         "quantized_bytes": int(report["stored_bytes"].sum()), "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
     }
+    greedy = None
+    if answers:
+        if reference_greedy is None:
+            reference_greedy = greedy_tokens(float_model, tokenizer, prompts, steps)
+        longest_answer = max(len(tokenizer(f.answer, add_special_tokens=False).input_ids) for f in facts)
+        tokens = greedy_tokens(model, tokenizer, prompts, max(steps, longest_answer))
+        greedy = greedy_table(prompts, reference_greedy, [t[:steps] for t in tokens], tokenizer)
+        summary["fact_recall"] = evaluate.recall_from_tokens(tokenizer, facts, tokens)[0]
+        summary["greedy_match"] = float(greedy["match"].mean())
     return model, summary, report, greedy
 
 
@@ -168,10 +180,13 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
     """:func:`evaluate_scheme` for every scheme, once per compute dtype; one row per scheme.
 
     The first dtype (bf16, the port's) gives every column; each further dtype adds
-    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>``: in fp32 compute the only difference from the
-    reference is the quantization itself, so those columns isolate its cost from bf16 rounding.
+    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>`` (logits only, no decoding): in fp32 compute
+    the only difference from the reference is the quantization itself, so those columns isolate
+    its cost from bf16 rounding. The float reference's logits are computed once for all of them.
     Returns ``(results, models, reports, greedy)``, the last three keyed by scheme (first dtype).
     """
+    if not isinstance(reference, evaluate.CachedLogits):
+        reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
     for name in schemes:
         key = name if isinstance(name, str) else str(name)
@@ -179,8 +194,8 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
         for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, reference_greedy=reference_greedy,
-                                    steps=steps, device=device)[1]
+            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device,
+                                    answers=False)[1]
             label = str(dtype).replace("torch.", "")
             summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
             summary[f"kl_mean_{label}"] = extra["kl_mean"]
