@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gemma_nb import plots
+from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
 CHAR_WIDTH_PX = 7.0
@@ -102,8 +103,9 @@ def format_cell(value: Any) -> str:
 
 SIGNIFICANT_DIGITS = 4
 MAX_DECIMALS = 8
-SCIENTIFIC_BELOW = 1e-4   # a column holding a smaller non-zero magnitude is shown in scientific notation,
-SCIENTIFIC_SPAN = 1e4     # and so is one whose largest magnitude is this many times its smallest (below 1)
+ROUNDED_DECIMALS = 6      # values written exactly with at most this many decimals were rounded: shown so
+SCIENTIFIC_BELOW = 1e-4   # other columns holding a smaller non-zero magnitude are shown in scientific notation,
+SCIENTIFIC_SPAN = 1e4     # and so are those whose largest magnitude is this many times their smallest (below 1)
 
 
 def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int:
@@ -136,7 +138,8 @@ def column_formatter(values) -> Callable[[Any], str]:
     columns get one count of decimals: enough for ``SIGNIFICANT_DIGITS`` significant digits of the
     smallest non-zero magnitude, never more than the values have (a column rounded to 3 decimals
     shows 3), and more where two different values would otherwise look alike (11.3137 and 11.3125
-    never both read "11.31"). A column with a magnitude below ``SCIENTIFIC_BELOW``, or spanning
+    never both read "11.31"). A column that was not rounded (it needs more than
+    ``ROUNDED_DECIMALS`` decimals) and holds a magnitude below ``SCIENTIFIC_BELOW``, or spans
     ``SCIENTIFIC_SPAN`` or more below 1, is written in scientific notation throughout. Zero is "0"
     and a missing value blank in every format.
     """
@@ -146,11 +149,11 @@ def column_formatter(values) -> Callable[[Any], str]:
         separators = any(abs(v) >= 1e4 for v in finite)
         return _with_specials(lambda v: f"{v:,.0f}" if separators else f"{v:.0f}")
     low, high = min(magnitudes), max(magnitudes)
-    if low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN):
-        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
-        return _with_specials(lambda v: _scientific(v, decimals))
     exact = _exact_decimals(finite)
     wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
+    if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
+        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
+        return _with_specials(lambda v: _scientific(v, decimals))
     decimals = _decimals_for(finite, min(wanted, exact), exact, _fixed)
     return _with_specials(lambda v: _fixed(v, decimals))
 
@@ -421,3 +424,23 @@ def setup_page(column_formats: bool = False) -> None:
         formatters["text/plain"].for_type(kind, plain)
 
     plots.set_theme()
+
+
+def headline_table(rows: Iterable[dict]):
+    """A notebook's headline rows (``metrics.headline``) as a reader reads them: figure, value with its
+    unit, and the claim it answers as the source wrote it (blank when none)."""
+    import pandas as pd
+
+    def value(row) -> str:
+        shown = row["value"] if isinstance(row["value"], str) else format_cell(row["value"])
+        return with_unit(shown, row.get("unit", ""))
+
+    return pd.DataFrame([{"figure": row["name"], "value": value(row),
+                          "claimed": get_claim(row["claim"]).written() if "claim" in row else ""} for row in rows])
+
+
+def scientific(values, digits: int = 2):
+    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits,
+    "0" for zero and blank for a missing value: one format for a column that spans orders of
+    magnitude, at a precision the reader needs (a KL of 5.3e-06 needs no third digit)."""
+    return values.map(lambda v: _special(v) if _special(v) is not None else _scientific(float(v), digits - 1))

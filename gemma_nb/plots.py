@@ -6,6 +6,7 @@ notebook gives byte-identical files (clean git diffs of ``outputs/cpu``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -110,8 +111,36 @@ def _texts(fig, renderer):
         if text.get_text().strip():
             box = text.get_window_extent(renderer)
             if box.width > 0 and box.height > 0:
-                found.append((text, box))
+                found.append((text, box, _corners(text, box, renderer)))
     return found
+
+
+def _corners(text, box, renderer):
+    """The four corners of ``text``'s rotated rectangle on the canvas. Its axis-aligned box is
+    ``box`` (matplotlib aligns the rotated text by that box), so both share one centre."""
+    angle = math.radians(text.get_rotation())
+    if abs(math.sin(angle)) < 1e-6 or abs(math.cos(angle)) < 1e-6:
+        return [(box.x0, box.y0), (box.x1, box.y0), (box.x1, box.y1), (box.x0, box.y1)]
+    rotation = text.get_rotation()
+    text.set_rotation(0)
+    flat = text.get_window_extent(renderer)
+    text.set_rotation(rotation)
+    cx, cy, c, s = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2, math.cos(angle), math.sin(angle)
+    half = [(-flat.width / 2, -flat.height / 2), (flat.width / 2, -flat.height / 2),
+            (flat.width / 2, flat.height / 2), (-flat.width / 2, flat.height / 2)]
+    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in half]
+
+
+def _shapes_overlap(first, second) -> bool:
+    """Whether two convex polygons (lists of corners) overlap: no edge direction separates them."""
+    for shape in (first, second):
+        for (x0, y0), (x1, y1) in zip(shape, shape[1:] + shape[:1]):
+            axis = (y0 - y1, x1 - x0)
+            a = [axis[0] * x + axis[1] * y for x, y in first]
+            b = [axis[0] * x + axis[1] * y for x, y in second]
+            if max(a) <= min(b) or max(b) <= min(a):
+                return False
+    return True
 
 
 def _legends(fig):
@@ -151,11 +180,11 @@ def collisions(fig) -> list[str]:
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
     found = []
-    for i, (first, first_box) in enumerate(texts):
-        for second, second_box in texts[i + 1:]:
-            if first_box.overlaps(second_box):
+    for i, (first, first_box, first_shape) in enumerate(texts):
+        for second, second_box, second_shape in texts[i + 1:]:
+            if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape):
                 found.append(f"texts {_label(first)} and {_label(second)} overlap")
-    for text, box in texts:
+    for text, box, _ in texts:
         ax = text.axes
         if ax is None or any(text is label for label in _tick_labels(ax)[1]):
             continue
@@ -164,7 +193,7 @@ def collisions(fig) -> list[str]:
             found.append(f"text {_label(text)} covers {points} point(s)")
     for legend in _legends(fig):
         box = legend.get_window_extent(renderer)
-        found += [f"the legend covers text {_label(text)}" for text, text_box in texts if box.overlaps(text_box)]
+        found += [f"the legend covers text {_label(text)}" for text, text_box, _ in texts if box.overlaps(text_box)]
         for ax in ([legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes):
             found += [f"the legend covers {name}" for name in _lines_through(box, ax)]
             found += ["the legend covers a bar" for patch in ax.patches
@@ -192,3 +221,41 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
     display(fig, metadata={"image/png": {"alt": alt.strip()}})
     plt.close(fig)
     return paths
+
+
+# Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
+LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "right", "bottom"),
+                 (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
+    (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
+    for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
+
+
+def _label_conflicts(box, frame, blocked, ax) -> int:
+    inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+    return (not inside) + sum(box.overlaps(other) for other in blocked) + len(_lines_through(box, ax)) \
+        + _points_inside(box, ax)
+
+
+def label_points(ax, points, fontsize: float = 8) -> None:
+    """Name each point ``(x, y, label)`` of ``ax`` with an annotation placed where it overlaps no
+    other label, point, line or legend and stays inside the axes: the first such place of
+    ``LABEL_OFFSETS``, else the one with the fewest conflicts (which ``collisions`` then reports)."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    legend = ax.get_legend()
+    blocked = [legend.get_window_extent(renderer)] if legend is not None else []
+    for x, y, label in points:
+        tried = []
+        for dx, dy, ha, va in LABEL_OFFSETS:
+            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                               fontsize=fontsize)
+            box = text.get_window_extent(renderer)
+            text.remove()
+            tried.append((_label_conflicts(box, frame, blocked, ax), (dx, dy, ha, va)))
+            if tried[-1][0] == 0:
+                break
+        dx, dy, ha, va = min(tried, key=lambda t: t[0])[1]
+        text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=fontsize)
+        blocked.append(text.get_window_extent(renderer))

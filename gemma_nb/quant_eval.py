@@ -244,18 +244,42 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
     }
 
 
-def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True) -> None:
+def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
+                legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
     """Schemes as labelled points of ``results[x]`` (cost, lower is better) vs ``results[y]``, with the Pareto front.
 
     A scheme is on the front when no other scheme is both cheaper (or as cheap) and better.
+    ``reference_x``: (value, label) of a vertical budget line, named in the legend with the front.
+    ``labels``: the x label, y label and title. Returns the points as ``(x, y, scheme)`` for
+    ``plots.label_points``, to call once every panel of the figure is drawn (the layout moves them).
     """
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
     _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
     _ = ax.scatter(points[x], points[y], zorder=2)
-    # stagger the labels of points that sit at the same height, so they stay readable
-    for i, (name, row) in enumerate(points.iterrows()):
-        _ = ax.annotate(name, (row[x], row[y]), xytext=(4, (4, -11, 15)[i % 3]), textcoords="offset points",
-                        fontsize=8)
-    _ = ax.legend(loc="best")
+    if reference_x is not None:
+        _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
+    if log_y:
+        ax.set_yscale("log")
+    ax.margins(x=0.2, y=0.12)
+    xlabel, ylabel, title = labels
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    _ = ax.legend(loc=legend, fontsize=8)
+    return [(row[x], row[y], name) for name, row in points.iterrows()]
+
+
+def planner_check(full_size, plans, num_layers: int, tp: int):
+    """Per format: one full-size layer's stored bytes (``quant.full_size_experts_check``), times
+    ``num_layers`` over ``tp`` ranks, against the planner's experts per rank (``plans[f"{fmt}_experts"]``).
+
+    Columns: format, stored_per_layer_bytes, whole_model_per_rank_bytes, planner_per_rank_bytes, equal.
+    """
+    rows = []
+    for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
+        per_rank = int(row["stored_bytes"]) * num_layers // tp
+        planned = plans[f"{fmt}_experts"].bytes("experts")
+        rows.append({"format": fmt, "stored_per_layer_bytes": int(row["stored_bytes"]),
+                     "whole_model_per_rank_bytes": per_rank, "planner_per_rank_bytes": planned,
+                     "equal": per_rank == planned})
+    return pd.DataFrame(rows)
