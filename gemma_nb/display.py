@@ -17,13 +17,14 @@ Without it every cell is formatted on its own (``format_cell``).
 
 Table width is estimated from the text of its cells (``table_width_px``), the same way for a
 DataFrame before it is shown and for the HTML table stored in an executed notebook
-(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page.
-``number_format`` and ``index_label_rows`` let the same test hold every column
-to one format and every header to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em of padding
-either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX`` per
-character plus ``CELL_PADDING_PX``; text that contains spaces wraps, so it counts at most
-``WRAP_CHARS`` characters (or its longest word, if that is longer). ``CHAR_WIDTH_PX`` is the
-advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded up, so the estimate errs wide.
+(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page;
+``number_format`` and ``index_label_rows`` let it hold every column to one format and every header
+to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em
+of padding either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX``
+per character (``HEADER_CHAR_WIDTH_PX`` in the bold header) plus ``CELL_PADDING_PX``; text that
+contains spaces wraps, so it counts at most ``WRAP_CHARS`` characters (or its longest word, if that
+is longer). ``CHAR_WIDTH_PX`` is the advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded
+up, so the estimate errs wide.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
 CHAR_WIDTH_PX = 7.0
+HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0
 WRAP_CHARS = 40
 PAGE_WIDTH_IN = 10.0  # a figure at matplotlib's 100 dpi inline: 10 in = 1,000 px
@@ -240,13 +242,17 @@ def cell_width_chars(text: str) -> int:
     return widest
 
 
-def table_width_px(rows: Iterable[Iterable[str]]) -> float:
-    """Estimated rendered width of a table given as rows of cell texts (header rows included)."""
-    widths: dict[int, int] = {}
-    for row in rows:
+def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
+    """Estimated rendered width of a table given as rows of cell texts (header rows included).
+
+    The first ``header_rows`` rows are set in bold, at ``HEADER_CHAR_WIDTH_PX`` per character.
+    """
+    widths: dict[int, float] = {}
+    for index, row in enumerate(rows):
+        char_px = HEADER_CHAR_WIDTH_PX if index < header_rows else CHAR_WIDTH_PX
         for column, text in enumerate(row):
-            widths[column] = max(widths.get(column, 0), cell_width_chars(text))
-    return sum(chars * CHAR_WIDTH_PX + CELL_PADDING_PX for chars in widths.values())
+            widths[column] = max(widths.get(column, 0.0), cell_width_chars(text) * char_px)
+    return sum(px + CELL_PADDING_PX for px in widths.values())
 
 
 def frame_rows(frame) -> list[list[str]]:

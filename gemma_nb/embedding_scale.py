@@ -253,8 +253,9 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
     """Three panels from ``compare_host_paths`` rows (all dtypes): fact recall, top-1 agreement, norm ratio.
 
-    ``axes``: three matplotlib axes. The norm ratio is drawn on a log scale with sqrt(hidden_size)
-    as a reference line: an unscaled path sits on it, a correct one at 1.
+    ``axes``: three matplotlib axes of one figure (with constrained layout: the dtype legend goes
+    below them). The norm ratio is drawn on a log scale with sqrt(hidden_size) as a reference line:
+    an unscaled path sits on it, a correct one at 1.
     """
     data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
     panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement (%)"),
@@ -266,6 +267,11 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
         ax.tick_params(axis="x", labelrotation=30)
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
+    # one legend for the three panels, below them, where it covers no bar
+    legend = axes[0].get_legend()
+    handles, labels = legend.legend_handles, [text.get_text() for text in legend.get_texts()]
+    legend.remove()
+    axes[0].figure.legend(handles, labels, title="weights", loc="outside lower center", ncols=len(labels), frameon=False)
     axes[2].set_yscale("log")
     # headroom above sqrt(H), where the unscaled bars end, for the reference line's label
     axes[2].set_ylim(top=4 * math.sqrt(hidden_size))

@@ -40,7 +40,6 @@ from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
 from gemma_nb.targets import REFERENCE_KERNELS, check_target
 
-
 KERNEL_NAME = "python3"
 
 

@@ -75,6 +75,9 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     executed = nbformat.read(out / "01_first.ipynb", as_version=4)
     assert "ran cpu" in executed.cells[-1].outputs[0]["text"]
     assert executed.metadata["papermill"]["output_path"] == "01_first.ipynb"  # no machine paths
+    # the installed kernel's spec, as JupyterLab writes it on opening, not the source's "Python 3"
+    assert executed.metadata["kernelspec"] == runner.kernelspec_metadata() != {
+        "name": "python3", "display_name": "Python 3", "language": "python"}
 
 
 def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
@@ -197,3 +200,39 @@ def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_pat
     report = (out / "REPORT.md").read_text()
     assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 07_first"]
     assert "Also written: `metrics/07_extra.json`" in report and "| extra | 42 | x |" in report
+
+
+@pytest.mark.parametrize("manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)])
+def test_the_runner_shuts_its_kernels_down_without_an_interrupt(manager, interrupts, monkeypatch):
+    """jupyter_client sends SIGINT before its shutdown request; a kernel still finishing a message
+    logs it as "ERROR | KeyboardInterrupt caught in kernel." at the end of a good run. The runner's
+    manager asks the kernel to shut down and sends no signal."""
+    import asyncio
+    import signal
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    cls = AsyncKernelManager if manager == "AsyncKernelManager" else runner.QuietShutdownKernelManager
+    signals = []
+    original = AsyncKernelManager._async_signal_kernel
+
+    async def record(self, signum):
+        signals.append(signum)
+        await original(self, signum)
+
+    monkeypatch.setattr(AsyncKernelManager, "_async_signal_kernel", record)
+
+    async def start_and_stop():
+        km = cls(kernel_name=runner.KERNEL_NAME)
+        await km.start_kernel()
+        try:
+            client = km.client()
+            client.start_channels()
+            await client.wait_for_ready(timeout=60)
+            client.stop_channels()
+        finally:
+            await km.shutdown_kernel()
+        return await km.is_alive()
+
+    assert asyncio.run(start_and_stop()) is False
+    assert (signal.SIGINT in signals) is interrupts
