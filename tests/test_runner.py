@@ -202,6 +202,14 @@ def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_pat
     assert "Also written: `metrics/07_extra.json`" in report and "| extra | 42 | x |" in report
 
 
+def test_report_writes_a_claim_as_its_source_wrote_it(tmp_path):
+    summary = {"target": "cpu", "notebooks": {"01_memory_arithmetic": {"headline": [
+        {"name": "overflow", "value": -0.651, "unit": "GB", "claim": "int8_experts_gap_gb", "claimed": 3.5}]}}}
+    (tmp_path / "01_memory_arithmetic.ipynb").write_text("{}")
+    report = runner.write_report(tmp_path, summary).read_text()
+    assert "| overflow | -0.651 | GB | 3-4 GB |" in report   # the quoted range, not its midpoint
+
+
 @pytest.mark.parametrize("manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)])
 def test_the_runner_shuts_its_kernels_down_without_an_interrupt(manager, interrupts, monkeypatch):
     """jupyter_client sends SIGINT before its shutdown request; a kernel still finishing a message
