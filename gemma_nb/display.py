@@ -188,10 +188,19 @@ def _special(value) -> str | None:
     return None
 
 
+def _is_number(value) -> bool:
+    import numpy as np
+
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def _format_column(column) -> list[str]:
     import pandas as pd
 
-    if pd.api.types.is_bool_dtype(column.dtype) or not pd.api.types.is_numeric_dtype(column.dtype):
+    numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
+    # an object column of numbers (a transposed table of dicts) gets one format like a float column
+    numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
+    if not numbers:
         return [format_cell(v) for v in column]
     formatter = column_formatter(column.tolist())
     return [formatter(v) for v in column]

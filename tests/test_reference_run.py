@@ -180,8 +180,8 @@ def test_02_what_the_scores_say():
     quant = metrics("02_quantization")
     scores, found = quant["scores_by_scheme"], quant["findings"]
     assert found["changed"] == [] and found["kept"] == list(scores)   # every scheme keeps facts and answers
-    # "within a few hundredths of a percentage point of plain bf16's, on both sides of it"
-    assert found["top1_spread"] <= 0.0005 and found["top1_both_sides"]
+    # "within a tenth of a percentage point of plain bf16's, on both sides of it"
+    assert found["top1_spread"] <= 0.001 and found["top1_both_sides"]
     assert found["bf16_disagreement"] >= found["top1_spread"]          # "bf16's own rounding moves it as much"
     # "int8 < fp8 < NVFP4 < MXFP4 by KL and by weight error alike"; the head adds more than the dense MLP
     assert found["experts_by_kl"] == found["experts_by_weight_error"] == [

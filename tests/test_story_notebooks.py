@@ -198,7 +198,7 @@ CONSTANTS = {
                             "127.0.0.1": "loopback", "0.19": "neuronx-distributed 0.19", "2.31": "Neuron SDK 2.31"},
     "06_embedding_scale": {"5.24": "transformers 5.24", "11.313708": "sqrt(128) as float32",
                            "256": "the self-check's probe ids", "0.25": "bf16's spacing between 32 and 64",
-                           "64": "bf16's spacing between 32 and 64"},
+                           "32": "bf16's spacing between 32 and 64", "64": "bf16's spacing between 32 and 64"},
 }
 NUMBER = re.compile(r"[-−±~≈]?(\d[\d,]*(?:\.\d+)?)(?:%|x|B|GB|GiB|MB|MiB|s|ms)?")
 
