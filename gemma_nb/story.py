@@ -3,7 +3,7 @@
 A claim is a figure someone outside this project published: the port's write-up and model card,
 Google's model card, AWS, Google and NVIDIA documents, published peer benchmarks. These are the
 only literal result figures in the project. Notebooks compute their own values and show them beside
-these with ``compare``; nothing here is ever used as a computed result. ``Claim.source`` names one
+these with ``claims_table``; nothing here is ever used as a computed result. ``Claim.source`` names one
 or more keys (comma-separated) of ``docs/sources.md``, which says what each source is and where to
 read it: e.g. ``port-review`` (a review of the port's write-up), ``port-card`` (the port's model
 card), ``inferentia2-arch`` (AWS Neuron docs).
@@ -168,13 +168,34 @@ def with_unit(number: str, unit: str) -> str:
 @dataclass(frozen=True)
 class LowerBound:
     """A computed figure that bounds the claimed one from below (say, a peak measured by a smaller
-    run): ``compare`` shows it as "≥ value", with no difference, and it holds if it is at most the claim."""
+    run): ``claims_table`` shows it as "≥ value", with no difference, and it holds if it is at most the claim."""
 
     value: float
 
 
-def compare(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
-    """The story's figures beside this run's: figure, claimed, computed, diff, holds, source.
+def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = None):
+    """Claimed vs computed as numbers: claim, claimed, computed, unit, diff, diff_pct, source
+    (notebooks 04, 05 and 07 show it; ``claims_table`` is the readers' version).
+
+    ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
+    a claim needs a source before it can be compared.
+    """
+    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
+
+    claims = CLAIMS if claims is None else claims
+    rows = []
+    for key, value in computed.items():
+        claim = get_claim(key, claims)
+        diff = float(value) - claim.value
+        rows.append({"claim": claim.text, "claimed": claim.value, "computed": float(value), "unit": claim.unit,
+                     "diff": diff, "diff_pct": 100.0 * diff / claim.value if claim.value else float("nan"),
+                     "source": claim.source})
+    return pd.DataFrame(rows, columns=["claim", "claimed", "computed", "unit", "diff", "diff_pct", "source"])
+
+
+def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
+    """The story's figures beside this run's, as a reader reads them: figure, claimed, computed, diff,
+    holds, source.
 
     ``computed`` maps claim keys to the values this run computed, or to ``LowerBound(value)``. An
     unknown key is an error: a claim needs a source before it can be compared. ``claimed`` is the

@@ -42,9 +42,10 @@ def test_the_repo_cites_only_its_own_sources_document():
 def test_an_unknown_claim_is_one_error_everywhere():
     """story, metrics and the verdicts raise the same UnknownClaim: a KeyError and a ValueError."""
     from gemma_nb.metrics import headline
-    from gemma_nb.story import UnknownClaim, agrees_with_claim, claim_range, compare
+    from gemma_nb.story import UnknownClaim, agrees_with_claim, claim_range, claims_table, compare
 
-    for call in (lambda: compare({"not_a_claim": 1.0}), lambda: headline("x", 1.0, "GB", claim="not_a_claim"),
+    for call in (lambda: compare({"not_a_claim": 1.0}), lambda: claims_table({"not_a_claim": 1.0}),
+                 lambda: headline("x", 1.0, "GB", claim="not_a_claim"),
                  lambda: claim_range("not_a_claim"), lambda: agrees_with_claim("not_a_claim", 1.0)):
         with pytest.raises(UnknownClaim, match="'not_a_claim' is not in gemma_nb.story.CLAIMS") as info:
             call()
@@ -76,10 +77,10 @@ def test_claims_are_what_outside_sources_published():
     assert set(re.findall(r"^### ([a-z0-9.\-]+)", own, flags=re.MULTILINE)) == PROJECT_SOURCES
 
 
-def test_compare_shows_claims_as_written_and_a_difference_only_between_like_figures():
-    from gemma_nb.story import LowerBound, compare
+def test_claims_table_shows_claims_as_written_and_a_difference_only_between_like_figures():
+    from gemma_nb.story import LowerBound, claims_table
 
-    table = compare({"experts_bf16_gb": 45.67597056, "int8_experts_gap_gb": -0.650821572,
+    table = claims_table({"experts_bf16_gb": 45.67597056, "int8_experts_gap_gb": -0.650821572,
                      "experts_share_pct": 93.2355, "compile_peak_host_gb": LowerBound(51.71)})
     assert list(table.columns) == ["figure", "claimed", "computed", "diff", "holds", "source"]
     rows = table.set_index("claimed").to_dict(orient="index")
