@@ -232,6 +232,8 @@ def write_summary(staging: Path, target: str) -> dict:
 
 
 def _format_value(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
     if isinstance(value, int):

@@ -204,10 +204,12 @@ def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_pat
 
 def test_report_writes_a_claim_as_its_source_wrote_it(tmp_path):
     summary = {"target": "cpu", "notebooks": {"01_memory_arithmetic": {"headline": [
-        {"name": "overflow", "value": -0.651, "unit": "GB", "claim": "int8_experts_gap_gb", "claimed": 3.5}]}}}
+        {"name": "overflow", "value": -0.651, "unit": "GB", "claim": "int8_experts_gap_gb", "claimed": 3.5},
+        {"name": "bit-exact", "value": True, "unit": ""}]}}}
     (tmp_path / "01_memory_arithmetic.ipynb").write_text("{}")
     report = runner.write_report(tmp_path, summary).read_text()
     assert "| overflow | -0.651 | GB | 3-4 GB |" in report   # the quoted range, not its midpoint
+    assert "| bit-exact | yes |  |  |" in report
 
 
 @pytest.mark.parametrize("manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)])
