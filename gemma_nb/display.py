@@ -406,6 +406,9 @@ def _html(frame, column_formats: bool = False) -> str:
 
 
 def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
+    if not column_formats:   # a Series stays a Series: its own text form, name on the last line
+        printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
+        return
     shown, index = _shown(frame, column_formats)
     printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
 
