@@ -9,28 +9,39 @@ The page is JupyterLab at its default settings (or GitHub's notebook view) about
 - generated text stops at its first ``<eos>`` (``cut_at_eos``): the tokens a model keeps emitting
   after its end-of-sequence token are noise, not an answer.
 
+``setup_page(column_formats=True)`` shows each table column in one number format
+(``column_formatter``: one count of decimals, or scientific notation for a column spanning orders of
+magnitude, with enough decimals that different values never look alike), puts a named index's name
+in the header's corner instead of a row of its own, and leaves out a default 0, 1, 2, ... index.
+Without it every cell is formatted on its own (``format_cell``).
+
 Table width is estimated from the text of its cells (``table_width_px``), the same way for a
 DataFrame before it is shown and for the HTML table stored in an executed notebook
-(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page.
-The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em of padding
-either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX`` per
-character plus ``CELL_PADDING_PX``; text that contains spaces wraps, so it counts at most
-``WRAP_CHARS`` characters (or its longest word, if that is longer). ``CHAR_WIDTH_PX`` is the
-advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded up, so the estimate errs wide.
+(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page;
+``number_format`` and ``index_label_rows`` let it hold every column to one format and every header
+to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em
+of padding either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX``
+per character (``HEADER_CHAR_WIDTH_PX`` in the bold header) plus ``CELL_PADDING_PX``; text that
+contains spaces wraps, so it counts at most ``WRAP_CHARS`` characters (or its longest word, if that
+is longer). ``CHAR_WIDTH_PX`` is the advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded
+up, so the estimate errs wide.
 """
 
 from __future__ import annotations
 
+import functools
 import html.parser
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gemma_nb import plots
+from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
 CHAR_WIDTH_PX = 7.0
+HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0
 WRAP_CHARS = 40
 PAGE_WIDTH_IN = 10.0  # a figure at matplotlib's 100 dpi inline: 10 in = 1,000 px
@@ -92,16 +103,124 @@ def format_cell(value: Any) -> str:
     return cut_at_eos(str(value))
 
 
-def tidy(frame):
+SIGNIFICANT_DIGITS = 4
+MAX_DECIMALS = 8
+ROUNDED_DECIMALS = 6      # values written exactly with at most this many decimals were rounded: shown so
+SCIENTIFIC_BELOW = 1e-4   # other columns holding a smaller non-zero magnitude are shown in scientific notation,
+SCIENTIFIC_SPAN = 1e4     # and so are those whose largest magnitude is this many times their smallest (below 1)
+
+
+def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int:
+    """``decimals``, raised (up to ``limit``) until different values no longer render alike."""
+    while decimals < limit and len({render(v, decimals) for v in values}) < len(set(values)):
+        decimals += 1
+    return decimals
+
+
+def _exact_decimals(values: list[float]) -> int:
+    """The fewest decimals (up to MAX_DECIMALS) that write every value as it is, e.g. after ``round(3)``."""
+    for decimals in range(MAX_DECIMALS + 1):
+        if all(round(v, decimals) == v for v in values):
+            return decimals
+    return MAX_DECIMALS
+
+
+def _fixed(value: float, decimals: int) -> str:
+    return f"{value:,.{decimals}f}"
+
+
+def _scientific(value: float, decimals: int) -> str:
+    return f"{value:.{decimals}e}"
+
+
+def column_formatter(values) -> Callable[[Any], str]:
+    """One number format for a whole column of floats: a function from a value to its text.
+
+    Integral columns show whole numbers (thousands separated when any reaches 10,000). Other
+    columns get one count of decimals: enough for ``SIGNIFICANT_DIGITS`` significant digits of the
+    smallest non-zero magnitude, never more than the values have (a column rounded to 3 decimals
+    shows 3), and more where two different values would otherwise look alike (11.3137 and 11.3125
+    never both read "11.31"). A column that was not rounded (it needs more than
+    ``ROUNDED_DECIMALS`` decimals) and holds a magnitude below ``SCIENTIFIC_BELOW``, or spans
+    ``SCIENTIFIC_SPAN`` or more below 1, is written in scientific notation throughout. Zero is "0"
+    and a missing value blank in every format.
+    """
+    finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
+    magnitudes = [abs(v) for v in finite if v != 0.0]
+    if not magnitudes or all(v.is_integer() for v in finite):
+        separators = any(abs(v) >= 1e4 for v in finite)
+        return _with_specials(lambda v: f"{v:,.0f}" if separators else f"{v:.0f}")
+    low, high = min(magnitudes), max(magnitudes)
+    exact = _exact_decimals(finite)
+    wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
+    if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
+        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
+        return _with_specials(lambda v: _scientific(v, decimals))
+    decimals = _decimals_for(finite, min(wanted, exact), exact, _fixed)
+    return _with_specials(lambda v: _fixed(v, decimals))
+
+
+def _missing(value) -> bool:
+    if value is None:
+        return True
+    try:
+        return bool(value != value)  # NaN and pandas' NA
+    except (TypeError, ValueError):
+        return True
+
+
+def _with_specials(write: Callable[[float], str]) -> Callable[[Any], str]:
+    def formatted(value) -> str:
+        special = _special(value)
+        return write(float(value)) if special is None else special
+    return formatted
+
+
+def _special(value) -> str | None:
+    """The text of a value every format writes the same way (blank, 0, inf), else None."""
+    if _missing(value):
+        return ""
+    value = float(value)
+    if value == 0.0:
+        return "0"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return None
+
+
+def _is_number(value) -> bool:
+    import numpy as np
+
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _format_column(column) -> list[str]:
+    import pandas as pd
+
+    numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
+    # an object column of numbers (a transposed table of dicts) gets one format like a float column
+    numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
+    if not numbers:
+        return [format_cell(v) for v in column]
+    formatter = column_formatter(column.tolist())
+    return [formatter(v) for v in column]
+
+
+def tidy(frame, column_formats: bool = False):
     """A copy of ``frame`` (DataFrame or Series) with every cell and index label formatted for the page.
 
     The result holds strings only, so what the reader sees does not depend on pandas' options.
+    With ``column_formats`` each numeric column has one format (``column_formatter``), else each
+    cell is formatted on its own (``format_cell``).
     """
     import pandas as pd
 
     if isinstance(frame, pd.Series):
-        return tidy(frame.to_frame()).iloc[:, 0].rename(frame.name)
-    shown = frame.map(format_cell)
+        return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
+    if column_formats:
+        shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
+    else:
+        shown = frame.map(format_cell)
     shown.index = _tidy_index(frame.index)
     shown.columns = _tidy_index(frame.columns)
     return shown
@@ -132,13 +251,17 @@ def cell_width_chars(text: str) -> int:
     return widest
 
 
-def table_width_px(rows: Iterable[Iterable[str]]) -> float:
-    """Estimated rendered width of a table given as rows of cell texts (header rows included)."""
-    widths: dict[int, int] = {}
-    for row in rows:
+def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
+    """Estimated rendered width of a table given as rows of cell texts (header rows included).
+
+    The first ``header_rows`` rows are set in bold, at ``HEADER_CHAR_WIDTH_PX`` per character.
+    """
+    widths: dict[int, float] = {}
+    for index, row in enumerate(rows):
+        char_px = HEADER_CHAR_WIDTH_PX if index < header_rows else CHAR_WIDTH_PX
         for column, text in enumerate(row):
-            widths[column] = max(widths.get(column, 0), cell_width_chars(text))
-    return sum(chars * CHAR_WIDTH_PX + CELL_PADDING_PX for chars in widths.values())
+            widths[column] = max(widths.get(column, 0.0), cell_width_chars(text) * char_px)
+    return sum(px + CELL_PADDING_PX for px in widths.values())
 
 
 def frame_rows(frame) -> list[list[str]]:
@@ -169,6 +292,8 @@ class _TableParser(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.tables: list[list[list[str]]] = []
+        self.header_rows: list[int] = []   # per table: how many of its rows are in <thead>
+        self._in_head = False
         self._depth = 0
         self._row: list[str] | None = None
         self._cell: list[str] | None = None
@@ -178,6 +303,9 @@ class _TableParser(html.parser.HTMLParser):
         if tag == "table":
             self._depth += 1
             self.tables.append([])
+            self.header_rows.append(0)
+        elif tag == "thead":
+            self._in_head = True
         elif tag == "tr" and self._depth:
             self._row = []
         elif tag in ("td", "th") and self._row is not None:
@@ -192,7 +320,10 @@ class _TableParser(html.parser.HTMLParser):
             self._cell = None
         elif tag == "tr" and self._row is not None:
             self.tables[-1].append(self._row)
+            self.header_rows[-1] += self._in_head
             self._row = None
+        elif tag == "thead":
+            self._in_head = False
         elif tag == "table" and self._depth:
             self._depth -= 1
 
@@ -208,21 +339,86 @@ def html_tables(markup: str) -> list[list[list[str]]]:
     return parser.tables
 
 
-def _html(frame) -> str:
-    shown = tidy(frame)
+def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]]]:
+    """Every ``<table>`` in ``markup`` as (header rows, body rows), each a list of cell texts."""
+    parser = _TableParser()
+    parser.feed(markup)
+    return [(rows[:head], rows[head:]) for rows, head in zip(parser.tables, parser.header_rows)]
+
+
+def index_label_rows(header: list[list[str]]) -> list[list[str]]:
+    """Header rows that only label the index (a name in the first cell, every other cell empty):
+    the extra row pandas adds under the column names when the index has a name."""
+    return [row for row in header if len(row) > 1 and row[0] and not any(row[1:])]
+
+
+_INTEGER = re.compile(r"-?\d{1,3}(,\d{3})+|-?\d+")
+_FIXED = re.compile(r"-?(\d{1,3}(,\d{3})+|\d+)\.(\d+)")
+_SCIENTIFIC = re.compile(r"-?\d\.(\d+)e[+-]\d+")
+
+
+def number_format(text: str) -> str | None:
+    """The format a table cell writes its number in: "integer", "N decimals", "scientific, N decimals";
+    "" for a text every format shares (blank, 0, inf); None for a cell that is not a number."""
+    text = text.strip()
+    if text in ("", "0", "inf", "-inf"):
+        return ""
+    if _INTEGER.fullmatch(text):
+        return "integer"
+    if match := _FIXED.fullmatch(text):
+        return f"{len(match.group(3))} decimals"
+    if match := _SCIENTIFIC.fullmatch(text):
+        return f"scientific, {len(match.group(1))} decimals"
+    return None
+
+
+def mixed_format_columns(body: list[list[str]]) -> dict[int, set[str]]:
+    """Columns of a table's body rows whose cells are all numbers written in more than one format."""
+    mixed = {}
+    for column in range(max((len(row) for row in body), default=0)):
+        formats = [number_format(row[column]) for row in body if column < len(row)]
+        if formats and None not in formats and len(set(formats) - {""}) > 1:
+            mixed[column] = set(formats) - {""}
+    return mixed
+
+
+def _shown(frame, column_formats: bool):
+    """``frame`` as the page shows it, and whether its index is shown."""
+    import pandas as pd
+
+    shown = tidy(frame, column_formats)
     if not hasattr(shown, "to_html"):
         shown = shown.to_frame()
-    return shown.to_html(max_rows=MAX_ROWS, notebook=True)
+    if not column_formats:
+        return shown, True
+    if isinstance(frame.index, pd.RangeIndex) and frame.index.name is None:
+        return shown, False
+    if shown.index.nlevels > 1 or shown.columns.nlevels > 1:
+        return shown.reset_index(), False
+    if shown.index.name is not None:   # the name labels the corner cell, not a row of its own
+        shown.columns.name, shown.index.name = shown.index.name, None
+    return shown, True
 
 
-def _plain(frame, printer, cycle) -> None:
-    printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
+def _html(frame, column_formats: bool = False) -> str:
+    shown, index = _shown(frame, column_formats)
+    return shown.to_html(max_rows=MAX_ROWS, notebook=True, index=index)
 
 
-def setup_page() -> None:
+def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
+    if not column_formats:   # a Series stays a Series: its own text form, name on the last line
+        printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
+        return
+    shown, index = _shown(frame, column_formats)
+    printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
+
+
+def setup_page(column_formats: bool = False) -> None:
     """Pandas options, IPython table formatters and the plot theme for a notebook; idempotent.
 
     Call it first thing in a notebook. Outside IPython only the pandas options are set.
+    ``column_formats``: one number format per column, index names in the header's corner, no
+    default 0, 1, 2, ... index (the module's docstring).
     """
     import pandas as pd
 
@@ -239,8 +435,30 @@ def setup_page() -> None:
     if shell is None:
         return
     formatters = shell.display_formatter.formatters
+    html = functools.partial(_html, column_formats=column_formats)
+    plain = functools.partial(_plain, column_formats=column_formats)
     for kind in (pd.DataFrame, pd.Series):
-        formatters["text/html"].for_type(kind, _html)
-        formatters["text/plain"].for_type(kind, _plain)
+        formatters["text/html"].for_type(kind, html)
+        formatters["text/plain"].for_type(kind, plain)
 
     plots.set_theme()
+
+
+def headline_table(rows: Iterable[dict]):
+    """A notebook's headline rows (``metrics.headline``) as a reader reads them: figure, value with its
+    unit, and the claim it answers as the source wrote it (blank when none)."""
+    import pandas as pd
+
+    def value(row) -> str:
+        shown = row["value"] if isinstance(row["value"], str) else format_cell(row["value"])
+        return with_unit(shown, row.get("unit", ""))
+
+    return pd.DataFrame([{"figure": row["name"], "value": value(row),
+                          "claimed": get_claim(row["claim"]).written() if "claim" in row else ""} for row in rows])
+
+
+def scientific(values, digits: int = 2):
+    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits,
+    "0" for zero and blank for a missing value: one format for a column that spans orders of
+    magnitude, at a precision the reader needs (a KL of 5.3e-06 needs no third digit)."""
+    return values.map(lambda v: _special(v) if _special(v) is not None else _scientific(float(v), digits - 1))

@@ -187,7 +187,7 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
     differ_pct, max_diff_ulps, max_abs_diff (embeddings), top1_agreement, kl_mean (nats),
     max_logit_diff.
     """
-    reference_logits = _ReferenceLogits(model)
+    reference_logits = evaluate.CachedLogits(model)
     rows = []
     for name in HOST_PATHS:
         host = host_path(model, name)
@@ -197,20 +197,6 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
                      "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
                      "max_logit_diff": logits["max_abs_diff"]})
     return pd.DataFrame(rows)
-
-
-class _ReferenceLogits:
-    """``model(input_ids).logits`` computed once per id batch: every host path compares against it."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.cache: dict = {}
-
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
-        if key not in self.cache:
-            self.cache[key] = self.model(input_ids=input_ids.to(self.model.device), use_cache=False).logits
-        return self.cache[key]
 
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
@@ -230,7 +216,7 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
     if batches is None:
         batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
-    reference_logits = _ReferenceLogits(model)
+    reference_logits = evaluate.CachedLogits(model)
     prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
     reference_tokens = evaluate.greedy_generate(model, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
     rows = [{
@@ -267,8 +253,9 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
     """Three panels from ``compare_host_paths`` rows (all dtypes): fact recall, top-1 agreement, norm ratio.
 
-    ``axes``: three matplotlib axes. The norm ratio is drawn on a log scale with sqrt(hidden_size)
-    as a reference line: an unscaled path sits on it, a correct one at 1.
+    ``axes``: three matplotlib axes of one figure (with constrained layout: the dtype legend goes
+    below them). The norm ratio is drawn on a log scale with sqrt(hidden_size) as a reference line:
+    an unscaled path sits on it, a correct one at 1.
     """
     data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
     panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement (%)"),
@@ -280,6 +267,11 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
         ax.tick_params(axis="x", labelrotation=30)
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
+    # one legend for the three panels, below them, where it covers no bar
+    legend = axes[0].get_legend()
+    handles, labels = legend.legend_handles, [text.get_text() for text in legend.get_texts()]
+    legend.remove()
+    axes[0].figure.legend(handles, labels, title="weights", loc="outside lower center", ncols=len(labels), frameon=False)
     axes[2].set_yscale("log")
     # headroom above sqrt(H), where the unscaled bars end, for the reference line's label
     axes[2].set_ylim(top=4 * math.sqrt(hidden_size))

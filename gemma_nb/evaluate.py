@@ -94,6 +94,8 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
 
 
 def _device_of(model) -> torch.device:
+    if isinstance(model, CachedLogits):
+        model = model.model
     if isinstance(model, torch.nn.Module):
         for parameter in model.parameters():
             return parameter.device
@@ -159,6 +161,45 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
         "correct": [g == a for g, a in zip(generated, answers)],
     })
     return float(table["correct"].mean()), table
+
+
+def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> tuple[float, list[bool]]:
+    """Fact recall from greedy tokens already decoded after each fact's prompt (one list per fact).
+
+    The same verdict as :func:`fact_recall` without decoding again: a fact counts when its answer's
+    tokens open the generated ones. Every list must hold at least the answer's length.
+    """
+    facts = list(facts)
+    if len(facts) != len(generated):
+        raise ValueError(f"{len(generated)} token lists for {len(facts)} facts; pass one list per fact, in order")
+    correct = []
+    for fact, tokens in zip(facts, generated):
+        answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
+        if len(tokens) < len(answer):
+            raise ValueError(f"{len(tokens)} tokens decoded after {fact.prompt!r}, its answer has {len(answer)}; "
+                             "decode at least as many steps as the longest answer")
+        correct.append(list(tokens[: len(answer)]) == answer)
+    return sum(correct) / len(correct), correct
+
+
+class CachedLogits:
+    """``model(input_ids).logits``, computed once per batch: the reference every candidate is compared with.
+
+    A logits function (``Model``) for :func:`compare_logits`; the cache holds one float tensor per
+    distinct batch (keyed by its ids), so scoring several candidates on the same batches runs the
+    reference once.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.cache: dict = {}
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
+        if key not in self.cache:
+            self.cache[key] = self.model(input_ids=input_ids.to(_device_of(self.model)), use_cache=False).logits
+        return self.cache[key]
 
 
 def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:

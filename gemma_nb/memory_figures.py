@@ -3,7 +3,8 @@
 ``gemma_nb.memory`` is the planner (inventory, per-rank byte plans) that ``python -m gemma_nb plan``
 also uses; this module is notebook 01's view of it: ``story_figures`` computes every memory figure
 the write-up claimed (``gemma_nb.story``), ``plot_plans`` stacks a plan's groups per rank and
-``plot_fit_heatmap`` shows the headroom of every scheme on every instance.
+``plot_fit_heatmap`` shows the headroom of every scheme on every instance; ``gap_readings`` and
+``allowance_table`` set the write-up's "~3-4 GB short" against what the plans allow.
 """
 
 from __future__ import annotations
@@ -15,33 +16,49 @@ import seaborn as sns
 
 from gemma_nb.formats import tensor_bytes
 from gemma_nb.hardware import GB, get_instance
-from gemma_nb.memory import PLAN_ROWS, SHIPPED_CONTEXT_LEN, Plan, kv_cache_bytes_per_token, param_summary, plan
-from gemma_nb.plots import reference_line
+from gemma_nb.memory import (
+    PLAN_ROWS,
+    SHIPPED_CONTEXT_LEN,
+    Plan,
+    allowance_window,
+    kv_cache_bytes_per_token,
+    param_summary,
+    plan,
+)
+from gemma_nb.story import claim_range, get_claim
 
 
 def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = None) -> None:
-    """Stacked bars (seaborn): GB per rank per group, one bar per plan; ``budgets``: label -> GB lines."""
+    """Stacked bars (seaborn): GB per rank per group, one bar per plan; ``budgets``: label -> GB lines.
+
+    Each bar's total is written inside its top; the budget lines are named in the legend, beside
+    the groups, so no label sits on a line.
+    """
     long = pd.concat([p.table.assign(scheme=p.scheme.name) for p in plans], ignore_index=True)
     long = long[long["bytes_per_rank"] > 0]
     order = [g for g in PLAN_ROWS if g in set(long["group"])]
     sns.histplot(data=long, x="scheme", weights="gb_per_rank", hue="group", hue_order=order, multiple="stack",
                  discrete=True, shrink=0.75, ax=ax, palette="colorblind", linewidth=0.5, edgecolor="white", alpha=0.9)
-    sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1.0), title="group", frameon=False)
+    groups = ax.get_legend()
+    handles, labels = list(groups.legend_handles), [text.get_text() for text in groups.get_texts()]
     for x, p in enumerate(plans):
-        ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, 2), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=9)
+        ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, -3), textcoords="offset points",
+                    ha="center", va="top", fontsize=9, color="white")
     ax.set_xlabel(f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)")
     ax.set_ylabel("HBM per rank (GB)")
     for label in ax.get_xticklabels():
         label.set_rotation(25)
         label.set_horizontalalignment("right")
-    for label, value in (budgets or {}).items():
-        reference_line(ax, value, label)
+    for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-.")):
+        handles.append(ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2))
+        labels.append(label)
+    groups.remove()
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
 
 
 def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
     """Instance x scheme heatmap of headroom per NeuronCore (GB); rows: instance, TP degree, on-demand $/hour."""
-    labelled = table.assign(row=[f"{i}  TP={t}  ${p:.2f}/h" for i, t, p in
+    labelled = table.assign(row=[f"{i}  TP={t}  \\${p:.2f}/h" for i, t, p in
                                  zip(table["instance"], table["tp"], table["usd_per_hour"])])
     grid = labelled.pivot(index="row", columns="scheme", values=value)
     grid = grid.loc[list(dict.fromkeys(labelled["row"])), list(dict.fromkeys(labelled["scheme"]))]
@@ -62,7 +79,8 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
 
 def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
                   instance: str = "inf2.xlarge") -> dict[str, float]:
-    """Every memory figure of the write-up, computed from ``config``; keys are ``gemma_nb.story`` claim keys.
+    """Every memory figure of the write-up, computed from ``config``; each key is the ``gemma_nb.story``
+    claim it answers where there is one (three more are this run's own counts).
 
     GB = 10^9 bytes. "Per rank" figures come from ``plan`` at ``tp`` with a ``context_len`` KV cache:
     ``int8_experts_gap_gb`` is how far the int8-experts build overflows the story's 16 GB per core
@@ -100,3 +118,54 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
         "host_embedding_gb": squeeze.table.set_index("group").loc["embeddings", "host_bytes"] / GB,
         "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes_per_token(config, tp, "bf16")),
     }
+
+
+def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge"):
+    """The write-up's "~3-4 GB short", read three ways, each computed for the int8-experts build.
+
+    One row per reading: ``reading``, ``computed_gb`` (GB per rank) and ``inside_claim`` (inside the
+    claim's 3-4 GB). Only what sits in HBM beside the experts lands there; the build itself, with
+    the documented runtime floor, fits both a 16 GB and a 16 GiB core (a negative overflow).
+    """
+    failing = plan(config, tp, "int8_experts", context_len)
+    host = get_instance(instance)
+    rows = [
+        ("what the build holds in HBM per rank besides its experts", (failing.total_bytes - failing.bytes("experts")) / GB),
+        ("how far the build overflows the story's 16 GB core", (failing.total_bytes - host.budget_bytes("story")) / GB),
+        ("how far the build overflows a 16 GiB core (AWS)", (failing.total_bytes - host.budget_bytes("spec")) / GB),
+    ]
+    low, high = claim_range("int8_experts_gap_gb")
+    return pd.DataFrame([{"reading": text, "computed_gb": gb, "inside_claim": low <= gb <= high} for text, gb in rows])
+
+
+ALLOWANCE_ROWS = {
+    "budget_gb": "HBM per core",
+    "failing_static_gb": "int8_experts: weights + KV cache",
+    "fitting_static_gb": "int8_squeeze: weights + KV cache",
+    "min_to_fail_gb": "int8_experts fails above this runtime allowance",
+    "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
+    "allowance_if_short_by_gb": "runtime allowance for int8_experts to be short by {short_by}",
+    "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance",
+}
+
+
+def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge",
+                    words: bool = True):
+    """``memory.allowance_window`` for the story's 16 GB and the 16 GiB core, in GB, one row per quantity.
+
+    The "short by" what-if takes the middle of the write-up's ~3-4 GB (``gemma_nb.story``). Columns:
+    the two budgets; rows in words (``ALLOWANCE_ROWS``), or ``words=False`` for the window's keys
+    and the budgets' names (``story``, ``spec``).
+    """
+    host = get_instance(instance)
+    claim = get_claim("int8_experts_gap_gb")
+    short_by = int(claim.value * GB)
+    budgets = {"story": "16 GB core (the story)", "spec": "16 GiB core (AWS)"}
+    columns = {(label if words else name): host.budget_bytes(name) for name, label in budgets.items()}
+    table = pd.DataFrame({
+        label: {k.replace("_bytes", "_gb"): v / GB for k, v in
+                allowance_window(config, "int8_experts", "int8_squeeze", tp, context_len, budget_bytes=budget,
+                                 short_by_bytes=short_by).items()}
+        for label, budget in columns.items()})
+    rows = {key: text.format(short_by=f"{claim.value:g} GB") for key, text in ALLOWANCE_ROWS.items()}
+    return table.rename(index=rows) if words else table

@@ -413,14 +413,14 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
     return table
 
 
-def plot_bytes_per_holder(table, target: str, name: str = "03_lm_head_bytes_per_rank", claims=None):
+def plot_bytes_per_holder(table, claims=None):
     """Stacked bars, before and after: embedding table on the host, lm_head on each rank (GB).
 
-    Dashed lines at the story's per-rank figures (replicated bf16 head, int8 sharded head).
-    Returns the figure (saved through ``gemma_nb.plots.save_figure``).
+    Lines at the story's per-rank figures (replicated bf16 head, int8 sharded head), named in the
+    legend. Returns the figure, for ``gemma_nb.plots.show_figure``.
     """
     claims = CLAIMS if claims is None else claims
-    fig, ax = plots.subplots(figsize=(7.5, 4.2))
+    fig, ax = plots.subplots(figsize=(7.5, 4.6))
     holders = list(dict.fromkeys(table["holder"]))
     labels, embed_gb, head_gb = [], [], []
     for state in ("before", "after"):
@@ -434,14 +434,14 @@ def plot_bytes_per_holder(table, target: str, name: str = "03_lm_head_bytes_per_
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
     _ = ax.set_xticks(x, labels)
-    _ = ax.set_ylim(0, 1.25 * max(e + h for e, h in zip(embed_gb, head_gb)))
+    _ = ax.set_ylim(0, 1.15 * max(e + h for e, h in zip(embed_gb, head_gb)))
     _ = ax.set_ylabel("bytes held (GB)")
     _ = ax.set_title("Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
-    for key, what in (("lm_head_bf16_gb_per_rank", "bf16 head"), ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")):
+    for (key, what), style in zip((("lm_head_bf16_gb_per_rank", "bf16 head"),
+                                   ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")), ("--", ":")):
         value = claims[key].value
-        plots.reference_line(ax, value, f"story: {what} {value:g} GB/rank")
-    _ = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-    plots.save_figure(fig, target, name)
+        _ = ax.axhline(value, color="0.25", linestyle=style, linewidth=1.2, label=f"story: {what} {value:g} GB/rank")
+    _ = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False, fontsize=9)
     return fig
 
 

@@ -6,9 +6,12 @@ notebook gives byte-identical files (clean git diffs of ``outputs/cpu``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
+import matplotlib.collections
+import matplotlib.text
 
 matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
 
@@ -72,3 +75,187 @@ def save_figure(fig, target: str, name: str) -> dict[str, Path]:
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
     fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
     return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Showing a figure: saved, checked for labels that collide, displayed with its alt text
+# --------------------------------------------------------------------------------------------
+
+
+def _tick_labels(ax):
+    """The tick labels ``ax`` draws: those of ticks inside the view limits."""
+    drawn, every = [], []
+    for axis in (ax.xaxis, ax.yaxis):
+        low, high = sorted(axis.get_view_interval())
+        span = (high - low) or 1.0
+        for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+            labels = (tick.label1, tick.label2)
+            every += labels
+            if low - 1e-9 * span <= tick.get_loc() <= high + 1e-9 * span:
+                drawn += [label for label in labels if label.get_visible()]
+    return drawn, every
+
+
+def _texts(fig, renderer):
+    """Every drawn, non-empty text of ``fig`` with its box on the canvas (a legend's own texts
+    excluded: the legend is checked as one box)."""
+    skip = {id(t) for legend in _legends(fig) for t in [*legend.get_texts(), legend.get_title()]}
+    candidates = []
+    for ax in fig.axes:
+        drawn, every = _tick_labels(ax)
+        skip |= {id(t) for t in every}
+        candidates += drawn
+    candidates += [t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()]
+    found = []
+    for text in candidates:
+        if text.get_text().strip():
+            box = text.get_window_extent(renderer)
+            if box.width > 0 and box.height > 0:
+                found.append((text, box, _corners(text, box, renderer)))
+    return found
+
+
+def _corners(text, box, renderer):
+    """The four corners of ``text``'s rotated rectangle on the canvas. Its axis-aligned box is
+    ``box`` (matplotlib aligns the rotated text by that box), so both share one centre."""
+    angle = math.radians(text.get_rotation())
+    if abs(math.sin(angle)) < 1e-6 or abs(math.cos(angle)) < 1e-6:
+        return [(box.x0, box.y0), (box.x1, box.y0), (box.x1, box.y1), (box.x0, box.y1)]
+    rotation = text.get_rotation()
+    text.set_rotation(0)
+    flat = text.get_window_extent(renderer)
+    text.set_rotation(rotation)
+    cx, cy, c, s = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2, math.cos(angle), math.sin(angle)
+    half = [(-flat.width / 2, -flat.height / 2), (flat.width / 2, -flat.height / 2),
+            (flat.width / 2, flat.height / 2), (-flat.width / 2, flat.height / 2)]
+    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in half]
+
+
+def _shapes_overlap(first, second) -> bool:
+    """Whether two convex polygons (lists of corners) overlap: no edge direction separates them."""
+    for shape in (first, second):
+        for (x0, y0), (x1, y1) in zip(shape, shape[1:] + shape[:1]):
+            axis = (y0 - y1, x1 - x0)
+            a = [axis[0] * x + axis[1] * y for x, y in first]
+            b = [axis[0] * x + axis[1] * y for x, y in second]
+            if max(a) <= min(b) or max(b) <= min(a):
+                return False
+    return True
+
+
+def _legends(fig):
+    legends = [ax.get_legend() for ax in fig.axes] + list(fig.legends)
+    return [legend for legend in legends if legend is not None and legend.get_visible()]
+
+
+def _label(text) -> str:
+    return repr(text.get_text().strip()[:40])
+
+
+def _lines_through(box, ax) -> list[str]:
+    """The drawn lines of ``ax`` (data and reference lines, not the grid) that cross ``box``."""
+    crossing = []
+    for line in ax.get_lines():
+        if line.get_visible() and len(line.get_xydata()) and \
+                line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False):
+            crossing.append(line.get_label() if not line.get_label().startswith("_") else "a line")
+    return crossing
+
+
+def _points_inside(box, ax) -> int:
+    """How many scatter points of ``ax`` lie inside ``box``."""
+    count = 0
+    for collection in ax.collections:
+        if isinstance(collection, matplotlib.collections.PathCollection) and collection.get_visible():
+            offsets = collection.get_offset_transform().transform(collection.get_offsets())
+            count += sum(box.contains(x, y) for x, y in offsets)
+    return count
+
+
+def collisions(fig) -> list[str]:
+    """What overlaps in ``fig`` once drawn: two texts (labels, titles, annotations, tick labels);
+    a text inside the axes crossed by a line or covering a scatter point; a legend over a text,
+    a line, a bar or a point of its axes. Each as a short sentence; empty when nothing does."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = _texts(fig, renderer)
+    found = []
+    for i, (first, first_box, first_shape) in enumerate(texts):
+        for second, second_box, second_shape in texts[i + 1:]:
+            if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape):
+                found.append(f"texts {_label(first)} and {_label(second)} overlap")
+    for text, box, _ in texts:
+        ax = text.axes
+        if ax is None or any(text is label for label in _tick_labels(ax)[1]):
+            continue
+        found += [f"{name} crosses text {_label(text)}" for name in _lines_through(box, ax)]
+        if points := _points_inside(box, ax):
+            found.append(f"text {_label(text)} covers {points} point(s)")
+    for legend in _legends(fig):
+        box = legend.get_window_extent(renderer)
+        found += [f"the legend covers text {_label(text)}" for text, text_box, _ in texts if box.overlaps(text_box)]
+        for ax in ([legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes):
+            found += [f"the legend covers {name}" for name in _lines_through(box, ax)]
+            found += ["the legend covers a bar" for patch in ax.patches
+                      if patch.get_visible() and box.overlaps(patch.get_window_extent(renderer))][:1]
+            if points := _points_inside(box, ax):
+                found.append(f"the legend covers {points} point(s)")
+    return found
+
+
+def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
+    """Save ``fig`` (``save_figure``), refuse it if labels collide, display it with ``alt`` as its
+    alternative text (what a screen reader or nbconvert's HTML gives for the image), and close it.
+
+    Use it instead of ``plt.show()``. Raises ValueError naming what overlaps, or for an empty ``alt``.
+    """
+    from IPython.display import display
+
+    if not alt or not alt.strip():
+        raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
+    overlaps = collisions(fig)
+    if overlaps:
+        plt.close(fig)
+        raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
+    paths = save_figure(fig, target, name)
+    display(fig, metadata={"image/png": {"alt": alt.strip()}})
+    plt.close(fig)
+    return paths
+
+
+# Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
+LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "right", "bottom"),
+                 (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
+    (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
+    for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
+
+
+def _label_conflicts(box, frame, blocked, ax) -> int:
+    inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+    return (not inside) + sum(box.overlaps(other) for other in blocked) + len(_lines_through(box, ax)) \
+        + _points_inside(box, ax)
+
+
+def label_points(ax, points, fontsize: float = 8) -> None:
+    """Name each point ``(x, y, label)`` of ``ax`` with an annotation placed where it overlaps no
+    other label, point, line or legend and stays inside the axes: the first such place of
+    ``LABEL_OFFSETS``, else the one with the fewest conflicts (which ``collisions`` then reports)."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    legend = ax.get_legend()
+    blocked = [legend.get_window_extent(renderer)] if legend is not None else []
+    for x, y, label in points:
+        tried = []
+        for dx, dy, ha, va in LABEL_OFFSETS:
+            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                               fontsize=fontsize)
+            box = text.get_window_extent(renderer)
+            text.remove()
+            tried.append((_label_conflicts(box, frame, blocked, ax), (dx, dy, ha, va)))
+            if tried[-1][0] == 0:
+                break
+        dx, dy, ha, va = min(tried, key=lambda t: t[0])[1]
+        text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=fontsize)
+        blocked.append(text.get_window_extent(renderer))

@@ -26,7 +26,9 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length (no padding).
 
     After a row emits the tokenizer's eos it keeps emitting eos, so two models are compared on
-    their answers, not on whatever follows the end of the sequence.
+    their answers, not on whatever follows the end of the sequence. The same decoding as
+    ``evaluate.fact_recall`` (same batches, same steps), so ``evaluate.recall_from_tokens`` reads
+    the recall off these tokens.
     """
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -74,7 +76,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 
 
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
-                    reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu"):
+                    reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
+                    answers: bool = True):
     """Apply ``scheme`` to a copy of ``reference`` cast to ``dtype`` and score it against ``reference``.
 
     Returns ``(model, summary, report, greedy)``: the quantized copy; a dict with
@@ -82,27 +85,36 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     fact's sentence, ``gemma_nb.evaluate.compare_logits``), ``fact_recall``, ``greedy_match`` (fraction of fact
     prompts whose ``steps`` greedy tokens equal the reference's token for token),
     ``quantized_bytes`` / ``quantized_bf16_bytes``; the per-group report of :func:`gemma_nb.quant.apply_scheme`;
-    and the per-prompt greedy table. ``reference_greedy`` (from :func:`greedy_tokens`) saves
-    recomputing the reference's tokens for every scheme.
+    and the per-prompt greedy table. ``reference`` may be an ``evaluate.CachedLogits`` of the float
+    model, so its logits are computed once for every scheme; ``reference_greedy`` (from
+    :func:`greedy_tokens`) saves decoding the reference again. The candidate is decoded once, for
+    ``steps`` tokens or the longest answer if that is longer, and its fact recall read off those tokens. With
+    ``answers=False`` only the logit scores are computed (no decoding; ``fact_recall``,
+    ``greedy_match`` and the greedy table are None).
     """
     if facts is None:
         facts = FACTS
     prompts = [f.prompt for f in facts]
-    model = copy.deepcopy(reference).to(dtype)
+    float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
+    model = copy.deepcopy(float_model).to(dtype)
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
-    if reference_greedy is None:
-        reference_greedy = greedy_tokens(reference, tokenizer, prompts, steps)
     # next-token logits at every position of the facts' own sentences (default: the whole corpus)
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
-    recall, _ = evaluate.fact_recall(model, tokenizer, facts)
-    greedy = greedy_table(prompts, reference_greedy, greedy_tokens(model, tokenizer, prompts, steps), tokenizer)
     summary = {
         "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
-        "max_abs_diff": logits["max_abs_diff"], "fact_recall": recall,
-        "greedy_match": float(greedy["match"].mean()),
+        "max_abs_diff": logits["max_abs_diff"], "fact_recall": None, "greedy_match": None,
         "quantized_bytes": int(report["stored_bytes"].sum()), "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
     }
+    greedy = None
+    if answers:
+        if reference_greedy is None:
+            reference_greedy = greedy_tokens(float_model, tokenizer, prompts, steps)
+        longest_answer = max(len(tokenizer(f.answer, add_special_tokens=False).input_ids) for f in facts)
+        tokens = greedy_tokens(model, tokenizer, prompts, max(steps, longest_answer))
+        greedy = greedy_table(prompts, reference_greedy, [t[:steps] for t in tokens], tokenizer)
+        summary["fact_recall"] = evaluate.recall_from_tokens(tokenizer, facts, tokens)[0]
+        summary["greedy_match"] = float(greedy["match"].mean())
     return model, summary, report, greedy
 
 
@@ -168,10 +180,13 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
     """:func:`evaluate_scheme` for every scheme, once per compute dtype; one row per scheme.
 
     The first dtype (bf16, the port's) gives every column; each further dtype adds
-    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>``: in fp32 compute the only difference from the
-    reference is the quantization itself, so those columns isolate its cost from bf16 rounding.
+    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>`` (logits only, no decoding): in fp32 compute
+    the only difference from the reference is the quantization itself, so those columns isolate
+    its cost from bf16 rounding. The float reference's logits are computed once for all of them.
     Returns ``(results, models, reports, greedy)``, the last three keyed by scheme (first dtype).
     """
+    if not isinstance(reference, evaluate.CachedLogits):
+        reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
     for name in schemes:
         key = name if isinstance(name, str) else str(name)
@@ -179,8 +194,8 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
         for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, reference_greedy=reference_greedy,
-                                    steps=steps, device=device)[1]
+            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device,
+                                    answers=False)[1]
             label = str(dtype).replace("torch.", "")
             summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
             summary[f"kl_mean_{label}"] = extra["kl_mean"]
@@ -229,18 +244,42 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
     }
 
 
-def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True) -> None:
+def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
+                legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
     """Schemes as labelled points of ``results[x]`` (cost, lower is better) vs ``results[y]``, with the Pareto front.
 
     A scheme is on the front when no other scheme is both cheaper (or as cheap) and better.
+    ``reference_x``: (value, label) of a vertical budget line, named in the legend with the front.
+    ``labels``: the x label, y label and title. Returns the points as ``(x, y, scheme)`` for
+    ``plots.label_points``, to call once every panel of the figure is drawn (the layout moves them).
     """
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
     _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
     _ = ax.scatter(points[x], points[y], zorder=2)
-    # stagger the labels of points that sit at the same height, so they stay readable
-    for i, (name, row) in enumerate(points.iterrows()):
-        _ = ax.annotate(name, (row[x], row[y]), xytext=(4, (4, -11, 15)[i % 3]), textcoords="offset points",
-                        fontsize=8)
-    _ = ax.legend(loc="best")
+    if reference_x is not None:
+        _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
+    if log_y:
+        ax.set_yscale("log")
+    ax.margins(x=0.2, y=0.12)
+    xlabel, ylabel, title = labels
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    _ = ax.legend(loc=legend, fontsize=8)
+    return [(row[x], row[y], name) for name, row in points.iterrows()]
+
+
+def planner_check(full_size, plans, num_layers: int, tp: int):
+    """Per format: one full-size layer's stored bytes (``quant.full_size_experts_check``), times
+    ``num_layers`` over ``tp`` ranks, against the planner's experts per rank (``plans[f"{fmt}_experts"]``).
+
+    Columns: format, stored_per_layer_bytes, whole_model_per_rank_bytes, planner_per_rank_bytes, equal.
+    """
+    rows = []
+    for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
+        per_rank = int(row["stored_bytes"]) * num_layers // tp
+        planned = plans[f"{fmt}_experts"].bytes("experts")
+        rows.append({"format": fmt, "stored_per_layer_bytes": int(row["stored_bytes"]),
+                     "whole_model_per_rank_bytes": per_rank, "planner_per_rank_bytes": planned,
+                     "equal": per_rank == planned})
+    return pd.DataFrame(rows)

@@ -1,10 +1,12 @@
-"""What the source write-ups claimed, with where each figure comes from, and when a computed value agrees.
+"""What outside sources published, with where each figure comes from, and when a computed value agrees.
 
-These are the only literal result figures in the project. Notebooks compute their own values and
-show them beside these with ``compare``; nothing here is ever used as a computed result.
-``Claim.source`` names one or more keys (comma-separated) of ``docs/sources.md``, which says what
-each source is and where to read it: e.g. ``port-review`` (a review of the port's write-up),
-``port-card`` (the port's model card), ``inferentia2-arch`` (AWS Neuron docs).
+A claim is a figure someone outside this project published: the port's write-up and model card,
+Google's model card, AWS, Google and NVIDIA documents, published peer benchmarks. These are the
+only literal result figures in the project. Notebooks compute their own values and show them beside
+these with ``claims_table``; nothing here is ever used as a computed result. ``Claim.source`` names one
+or more keys (comma-separated) of ``docs/sources.md``, which says what each source is and where to
+read it: e.g. ``port-review`` (a review of the port's write-up), ``port-card`` (the port's model
+card), ``inferentia2-arch`` (AWS Neuron docs).
 
 ``Claim.within`` is the range of values the figure stands for, written out beside it (never parsed
 from its text): a figure the write-up quoted as a range ("~3-4 GB", stored as its midpoint) stands
@@ -16,6 +18,7 @@ verdict ("holds", "does not hold") from it. An unknown claim key raises ``Unknow
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -40,21 +43,40 @@ class Claim:
         if not low <= self.value <= high:
             raise ValueError(f"claim {self.text!r}: value {self.value} lies outside its range {self.within}")
 
+    @property
+    def decimals(self) -> int:
+        """Decimals of the figure as written: those of one unit of its last decimal (a quoted range:
+        those of its ends)."""
+        low, high = self.within
+        return max(0, -math.floor(math.log10((high - low) / 2) + 1e-9)) if self.is_point else _decimals(low, high)
+
+    @property
+    def is_point(self) -> bool:
+        """A single figure (its range is its own rounding), not a quoted range such as "~3-4 GB"."""
+        low, high = self.within
+        half = (high - low) / 2
+        return math.isclose(half, 10 ** round(math.log10(half))) and math.isclose(low + half, self.value)\
+            and _decimals(self.value) <= round(-math.log10(half))
+
+    def written(self) -> str:
+        """The figure as the source wrote it, with its unit: "45.6 GB", "3-4 GB"."""
+        low, high = self.within
+        number = f"{self.value:.{self.decimals}f}" if self.is_point else f"{low:g}-{high:g}"
+        return with_unit(number, self.unit)
+
 
 CLAIMS: dict[str, Claim] = {
     # 01 memory arithmetic
     "experts_bf16_gb": Claim(45.6, "GB", "bf16 routed experts, whole model", "port-review, port-card",
                              within=(45.5, 45.7)),
     "experts_share_pct": Claim(93.0, "%", "experts' share of the weights", "port-review",
-                               within=(92.9, 93.1)),
+                               within=(92.0, 94.0)),
     "experts_bf16_gb_per_rank": Claim(22.8, "GB", "bf16 experts per rank at TP=2", "port-review",
                                       within=(22.7, 22.9)),
     "experts_int8_gb_per_rank": Claim(11.4, "GB", "int8 experts per rank at TP=2", "port-review",
                                       within=(11.3, 11.5)),
     "int8_experts_gap_gb": Claim(3.5, "GB", "int8-experts build short of HBM by ~3-4 GB", "port-review",
                                  within=(3.0, 4.0)),
-    "int8_experts_non_expert_gb": Claim(3.5, "GB", "the ~3-4 GB gap read as what else besides the experts sits in HBM per rank", "port-review",
-                                        within=(3.0, 4.0)),
     "lm_head_bf16_gb_per_rank": Claim(1.48, "GB", "replicated bf16 tied lm_head per rank", "port-review",
                                       within=(1.47, 1.49)),
     "lm_head_int8_sharded_gb_per_rank": Claim(0.37, "GB", "int8 lm_head sharded over 2 ranks, per rank", "port-review",
@@ -66,18 +88,13 @@ CLAIMS: dict[str, Claim] = {
     "final_residency_gb_per_rank": Claim(12.5, "GB", "final residency per rank, ~12-13 GB", "port-review",
                                          within=(12.0, 13.0)),
     "hbm_per_core_gb": Claim(16.0, "GB", "HBM per NeuronCore on inf2", "port-review, inferentia2-arch",
-                             within=(15.9, 16.1)),
+                             within=(15.0, 17.0)),
     "total_params_b": Claim(25.2, "B", "total parameters (model card)", "gemma4-model-card",
                             within=(25.1, 25.3)),
     "active_params_b": Claim(3.8, "B", "active parameters per token (model card)", "gemma4-model-card",
                              within=(3.7, 3.9)),
     "active_params_port_card_b": Claim(3.2, "B", "active parameters per token (the port's own card, ~3.2B)", "port-card",
                                        within=(3.1, 3.3)),
-    "experts_share_all_weights_pct": Claim(90.51, "%", "routed experts' share of all weights (meta-device count)", "meta-device-count",
-                                           within=(90.5, 90.52)),
-    "kv_cache_bytes_per_token_per_rank": Claim(112640.0, "B", "bf16 KV cache per token per rank at TP=2", "meta-device-count",
-                                               within=(112639.9, 112640.1)),
-    # 04/05 compile and deploy
     "compile_peak_host_gb": Claim(180.0, "GB", "peak host RAM to compile", "port-review",
                                   within=(179.9, 180.1)),
     "compile_minutes": Claim(40.0, "min", "compile wall time on inf2.8xlarge + 100 GB swap", "port-review",
@@ -94,7 +111,7 @@ CLAIMS: dict[str, Claim] = {
                           within=(489.9, 490.1)),
     # 06 embedding scale
     "embed_scale": Claim(53.0, "x", "Gemma4TextScaledWordEmbedding scale, sqrt(hidden) ~ 53", "port-review",
-                         within=(52.9, 53.1)),
+                         within=(52.0, 54.0)),
     # 07 decode
     "prefill_s": Claim(0.25, "s", "prefill time", "port-card",
                        within=(0.24, 0.26)),
@@ -138,8 +155,27 @@ def source_keys(claim: Claim) -> list[str]:
     return [key.strip() for key in claim.source.split(",") if key.strip()]
 
 
+def _decimals(*values: float) -> int:
+    """The decimals ``repr`` writes the most precise of ``values`` with (3.0 -> 0, 0.37 -> 2)."""
+    return max(len(repr(float(v)).split(".")[1].rstrip("0")) for v in values)
+
+
+def with_unit(number: str, unit: str) -> str:
+    """``number`` and ``unit`` as a reader writes them: "45.6 GB", "93%", "53x"."""
+    return f"{number}{unit}" if unit in ("%", "x") else f"{number} {unit}".strip()
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """A computed figure that bounds the claimed one from below (say, a peak measured by a smaller
+    run): ``claims_table`` shows it as "≥ value", with no difference, and it holds if it is at most the claim."""
+
+    value: float
+
+
 def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = None):
-    """A table of claimed vs computed figures: claim, claimed, computed, unit, diff, diff %.
+    """Claimed vs computed as numbers: claim, claimed, computed, unit, diff, diff_pct, source
+    (notebooks 04, 05 and 07 show it; ``claims_table`` is the readers' version).
 
     ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
     a claim needs a source before it can be compared.
@@ -151,18 +187,42 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
     for key, value in computed.items():
         claim = get_claim(key, claims)
         diff = float(value) - claim.value
-        rows.append(
-            {
-                "claim": claim.text,
-                "claimed": claim.value,
-                "computed": float(value),
-                "unit": claim.unit,
-                "diff": diff,
-                "diff_pct": 100.0 * diff / claim.value if claim.value else float("nan"),
-                "source": claim.source,
-            }
-        )
+        rows.append({"claim": claim.text, "claimed": claim.value, "computed": float(value), "unit": claim.unit,
+                     "diff": diff, "diff_pct": 100.0 * diff / claim.value if claim.value else float("nan"),
+                     "source": claim.source})
     return pd.DataFrame(rows, columns=["claim", "claimed", "computed", "unit", "diff", "diff_pct", "source"])
+
+
+def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
+    """The story's figures beside this run's, as a reader reads them: figure, claimed, computed, diff,
+    holds, source.
+
+    ``computed`` maps claim keys to the values this run computed, or to ``LowerBound(value)``. An
+    unknown key is an error: a claim needs a source before it can be compared. ``claimed`` is the
+    figure as written, with its unit; ``computed`` has one decimal more than the claim (two more
+    than a quoted range), so a reader sees whether it rounds to it; ``diff`` (in %) is given only for a single figure, never for a
+    quoted range or a bound; ``holds``: the value lies within the claim's rounding or range (a lower
+    bound: it is at most the claim's upper end).
+    """
+    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
+
+    claims = CLAIMS if claims is None else claims
+    rows = []
+    for key, value in computed.items():
+        claim = get_claim(key, claims)
+        bound = isinstance(value, LowerBound)
+        number = float(value.value if bound else value)
+        shown = with_unit(f"{number:,.{claim.decimals + (1 if claim.is_point else 2)}f}", claim.unit)
+        diff = "" if bound or not claim.is_point else f"{100.0 * (number - claim.value) / claim.value:+.2f}%"
+        rows.append({
+            "figure": claim.text,
+            "claimed": claim.written(),
+            "computed": f"≥ {shown}" if bound else shown,
+            "diff": diff,
+            "holds": number <= claim.within[1] if bound else agrees_with_claim(key, number, claims),
+            "source": claim.source,
+        })
+    return pd.DataFrame(rows, columns=["figure", "claimed", "computed", "diff", "holds", "source"])
 
 
 def get_claim(key: str, claims: Mapping[str, Claim] | None = None) -> Claim:
@@ -179,7 +239,7 @@ def claim_range(key: str) -> tuple[float, float]:
     return tuple(get_claim(key).within)
 
 
-def agrees_with_claim(key: str, computed: float) -> bool:
+def agrees_with_claim(key: str, computed: float, claims: Mapping[str, Claim] | None = None) -> bool:
     """Whether ``computed`` lies within the range of the story's figure ``key`` (ends included)."""
-    low, high = claim_range(key)
+    low, high = get_claim(key, claims).within
     return low <= float(computed) <= high

@@ -88,3 +88,123 @@ def test_outputs_are_found_from_the_working_directory_not_the_installed_package(
     done = subprocess.run([sys.executable, "-c", "from gemma_nb import paths; print(paths.output_dir('cpu'))"],
                           cwd=tmp_path / "repo" / "notebooks", env=env, capture_output=True, text=True, check=True)
     assert Path(done.stdout.strip()) == (tmp_path / "repo" / "outputs" / "interactive" / "cpu").resolve()
+
+
+@pytest.mark.parametrize("values, shown", [
+    ([11.313708305358887, 11.3125], ["11.314", "11.312"]),          # different values never look alike
+    ([26.74, 15.35, 9.964, 0.0], ["26.740", "15.350", "9.964", "0"]),  # one count of decimals; zero is 0
+    ([90.508, 0.043, 0.002], ["90.508", "0.043", "0.002"]),          # rounded to 3 decimals: shown so
+    ([4.8e-05, 1.8e-07, 0.0123456789], ["4.80e-05", "1.80e-07", "1.23e-02"]),  # unrounded, orders apart
+    ([262144.0, 2816.0], ["262,144", "2,816"]),                       # integral: separators for the column
+    ([3.0, float("nan")], ["3", ""]),
+])
+def test_column_formatter_gives_a_column_one_format(values, shown):
+    formatter = display.column_formatter(values)
+    assert [formatter(v) for v in values] == shown
+    assert len({display.number_format(s) for s in shown} - {""}) == 1
+
+
+def test_number_format_reads_what_a_cell_shows():
+    assert display.number_format("25,233,141,760") == "integer"
+    assert display.number_format("0.0484") == "4 decimals"
+    assert display.number_format("-1,234.50") == "2 decimals"
+    assert display.number_format("4.80e-05") == "scientific, 2 decimals"
+    assert display.number_format("0") == display.number_format("") == ""
+    assert display.number_format("yes") is None and display.number_format("45.6 GB") is None
+    body = [["a", "0.25", "1"], ["b", "4.000e-06", "2"], ["c", "0.03125", "x"]]
+    assert display.mixed_format_columns(body) == {1: {"2 decimals", "scientific, 3 decimals", "5 decimals"}}
+
+
+def test_column_formats_put_the_index_name_in_the_corner_and_hide_a_default_index():
+    named = pd.DataFrame({"gb": [22.84, 0.022]}, index=pd.Index(["experts", "router"], name="group"))
+    header, body = display.html_table_parts(display._html(named, column_formats=True))[0]
+    assert header == [["group", "gb"]] and body == [["experts", "22.840"], ["router", "0.022"]]
+    assert not display.index_label_rows(header)
+    header, _ = display.html_table_parts(display._html(named))[0]   # the per-cell style keeps pandas' extra row
+    assert display.index_label_rows(header) == [["group", ""]]
+    plain = pd.DataFrame({"scheme": ["bf16", "int8"], "kl": [0.0484, 0.0002]})
+    header, body = display.html_table_parts(display._html(plain, column_formats=True))[0]
+    assert header == [["scheme", "kl"]] and body == [["bf16", "0.0484"], ["int8", "0.0002"]]
+
+
+def test_header_cells_count_bold_in_the_width_estimate():
+    rows = [["a_long_column_name"], ["1"]]
+    assert display.table_width_px(rows, header_rows=1) > display.table_width_px(rows)
+    assert display.table_width_px(rows, header_rows=1) == 18 * display.HEADER_CHAR_WIDTH_PX + display.CELL_PADDING_PX
+
+
+def test_scientific_and_headline_table():
+    assert display.scientific(pd.Series([5.3e-06, 0.0, float("nan"), 2.755])).tolist() == ["5.3e-06", "0", "", "2.8e+00"]
+    from gemma_nb.metrics import headline
+
+    table = display.headline_table([headline("total parameters", 25.233, "B", claim="total_params_b"),
+                                    headline("bit-exact", True), headline("squeeze answers", "474 of 474")])
+    assert table.to_dict(orient="records") == [
+        {"figure": "total parameters", "value": "25.23 B", "claimed": "25.2 B"},
+        {"figure": "bit-exact", "value": "yes", "claimed": ""},
+        {"figure": "squeeze answers", "value": "474 of 474", "claimed": ""}]
+
+
+def test_collisions_name_what_overlaps():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig, ax = plots.subplots(figsize=(6, 4))
+    ax.bar([0, 1], [15.3, 10.0])
+    ax.annotate("15.3", xy=(0, 15.3), xytext=(0, 2), textcoords="offset points", ha="center")
+    plots.reference_line(ax, 16.0, "16 GB per core")
+    assert plots.collisions(fig) == ["a line crosses text '15.3'"]
+    fig, ax = plots.subplots(figsize=(6, 4))
+    ax.bar([0, 1], [10.0, 9.0], label="bars")
+    ax.set_ylim(0, 20)
+    ax.legend(loc="lower left")
+    assert plots.collisions(fig) == ["the legend covers a bar"]
+    ax.get_legend().remove()
+    ax.set_xticks([0, 1], ["a rather long tick label", "another long tick label"], rotation=30)
+    assert plots.collisions(fig) == []   # rotated labels are checked as the rotated boxes they are
+
+
+def test_label_points_finds_free_places():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig, ax = plots.subplots(figsize=(5, 4))
+    points = [(1.0, 1.0, "int8_experts"), (1.05, 1.0, "int8_experts_shared_mlp"), (1.1, 1.0, "int8_squeeze")]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    ax.set_xlim(0.5, 1.6)
+    plots.label_points(ax, points)
+    assert plots.collisions(fig) == []
+    assert [t.get_text() for t in ax.texts] == [p[2] for p in points]
+
+
+def test_show_figure_needs_alt_text_and_refuses_collisions(monkeypatch, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.setenv(paths.OUTPUT_DIR_ENV, str(tmp_path))
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda fig, metadata: shown.append(metadata))
+    fig, ax = plots.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1])
+    with pytest.raises(ValueError, match="needs alt text"):
+        plots.show_figure(fig, "cpu", "01_line", alt=" ")
+    written = plots.show_figure(fig, "cpu", "01_line", alt="A rising line.")
+    assert shown == [{"image/png": {"alt": "A rising line."}}] and written["png"].exists()
+    fig, ax = plots.subplots(figsize=(4, 3))
+    ax.set_title("one title")
+    ax.text(0.5, 1.0, "one title", transform=ax.transAxes, ha="center", va="bottom")
+    with pytest.raises(ValueError, match="figure '01_clash': texts 'one title' and 'one title' overlap"):
+        plots.show_figure(fig, "cpu", "01_clash", alt="Two titles.")
+
+
+def test_the_per_cell_style_shows_a_series_as_a_series():
+    printed = []
+
+    class Printer:
+        def text(self, text):
+            printed.append(text)
+
+    series = pd.Series({"ranks": 2, "ok": True}, name="TP=2")
+    display._plain(series, Printer(), False)
+    assert printed == [display.tidy(series).to_string(max_rows=display.MAX_ROWS)]
+    assert not printed[0].lstrip().startswith("TP=2")   # no header row: the notebooks that use it keep their text

@@ -278,3 +278,18 @@ def test_self_check_on_the_bundled_checkpoint(bundled, tmp_path):
     deployed = HostEmbedding.from_file(path, dtype=module.weight.dtype, shape=tuple(module.weight.shape))
     ids = torch.arange(module.weight.shape[0]).unsqueeze(0)
     assert torch.equal(deployed(ids), module(ids))  # the whole vocabulary, not only the probe
+
+
+def test_the_module_forward_notebook_06_quotes_is_the_installed_one():
+    """Notebook 06 quotes Gemma4TextScaledWordEmbedding.forward in its prose instead of printing its source."""
+    import inspect
+    import json
+
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
+
+    from gemma_nb.paths import NOTEBOOKS_DIR
+
+    quoted = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+    assert quoted in inspect.getsource(Gemma4TextScaledWordEmbedding.forward)
+    notebook = json.loads((NOTEBOOKS_DIR / "06_embedding_scale.ipynb").read_text())
+    assert any(quoted in "".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "markdown")

@@ -136,3 +136,39 @@ def test_fact_recall_counts_wrong_answers():
     assert table["correct"].tolist() == [True, False]
     with pytest.raises(ValueError, match="facts is empty"):
         fact_recall(tiny, tokenizer, [])
+
+
+def test_recall_from_greedy_tokens_is_fact_recall():
+    """Notebook 02 decodes each model once and reads the recall off its greedy tokens."""
+    from gemma_nb.evaluate import recall_from_tokens
+    from gemma_nb.modelio import load_tiny
+    from gemma_nb.quant_eval import greedy_tokens
+    from gemma_nb.tiny import FACTS
+    from gemma_nb.tiny.corpus import Fact
+
+    tiny, tokenizer = load_tiny()
+    facts = [f for f in FACTS if f.subject in {"France", "Japan"}]
+    facts.append(Fact("capital", "France", "The capital of France is", "Berlin ."))
+    tokens = greedy_tokens(tiny, tokenizer, [f.prompt for f in facts], 4)
+    recall, correct = recall_from_tokens(tokenizer, facts, tokens)
+    expected, table = fact_recall(tiny, tokenizer, facts)
+    assert recall == expected and correct == table["correct"].tolist() and correct[-1] is False
+    with pytest.raises(ValueError, match="decode at least as many steps as the longest answer"):
+        recall_from_tokens(tokenizer, facts[:1], [tokens[0][:1]])
+    with pytest.raises(ValueError, match="1 token lists for 2 facts"):
+        recall_from_tokens(tokenizer, facts[:2], tokens[:1])
+
+
+def test_cached_logits_run_the_reference_once(model, prompt):
+    from gemma_nb.evaluate import CachedLogits
+
+    calls = []
+    hook = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        cached = CachedLogits(model)
+        first = compare_logits(cached, model, [prompt, prompt])
+        second = compare_logits(cached, model, prompt)
+    finally:
+        hook.remove()
+    assert first["kl_mean"] == second["kl_mean"] == 0.0 and first["top1_agreement"] == 1.0
+    assert len(calls) == 1 + 3  # the reference once; the candidate once per batch

@@ -75,6 +75,9 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     executed = nbformat.read(out / "01_first.ipynb", as_version=4)
     assert "ran cpu" in executed.cells[-1].outputs[0]["text"]
     assert executed.metadata["papermill"]["output_path"] == "01_first.ipynb"  # no machine paths
+    # the installed kernel's spec, as JupyterLab writes it on opening, not the source's "Python 3"
+    assert executed.metadata["kernelspec"] == runner.kernelspec_metadata() != {
+        "name": "python3", "display_name": "Python 3", "language": "python"}
 
 
 def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
@@ -241,3 +244,49 @@ def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
         runner.execute_one(source, staging, target, {}, progress=False)
         executed = nbformat.read(staging / source.name, as_version=4)
         assert executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]
+
+
+def test_report_writes_a_claim_as_its_source_wrote_it(tmp_path):
+    summary = {"target": "cpu", "notebooks": {"01_memory_arithmetic": {"headline": [
+        {"name": "overflow", "value": -0.651, "unit": "GB", "claim": "int8_experts_gap_gb", "claimed": 3.5},
+        {"name": "bit-exact", "value": True, "unit": ""}]}}}
+    (tmp_path / "01_memory_arithmetic.ipynb").write_text("{}")
+    report = runner.write_report(tmp_path, summary).read_text()
+    assert "| overflow | -0.651 | GB | 3-4 GB |" in report   # the quoted range, not its midpoint
+    assert "| bit-exact | yes |  |  |" in report
+
+
+@pytest.mark.parametrize("manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)])
+def test_the_runner_shuts_its_kernels_down_without_an_interrupt(manager, interrupts, monkeypatch):
+    """jupyter_client sends SIGINT before its shutdown request; a kernel still finishing a message
+    logs it as "ERROR | KeyboardInterrupt caught in kernel." at the end of a good run. The runner's
+    manager asks the kernel to shut down and sends no signal."""
+    import asyncio
+    import signal
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    cls = AsyncKernelManager if manager == "AsyncKernelManager" else runner.QuietShutdownKernelManager
+    signals = []
+    original = AsyncKernelManager._async_signal_kernel
+
+    async def record(self, signum):
+        signals.append(signum)
+        await original(self, signum)
+
+    monkeypatch.setattr(AsyncKernelManager, "_async_signal_kernel", record)
+
+    async def start_and_stop():
+        km = cls(kernel_name=runner.KERNEL_NAME)
+        await km.start_kernel()
+        try:
+            client = km.client()
+            client.start_channels()
+            await client.wait_for_ready(timeout=60)
+            client.stop_channels()
+        finally:
+            await km.shutdown_kernel()
+        return await km.is_alive()
+
+    assert asyncio.run(start_and_stop()) is False
+    assert (signal.SIGINT in signals) is interrupts

@@ -175,7 +175,7 @@ def test_random_config_has_the_26b_architecture():
 
 
 def test_one_full_size_layer_matches_the_26b_counts():
-    """Counts per group for one 26B layer = the whole model's count / 30 (docs/sources.md: meta-device-count), on the meta device."""
+    """Counts per group for one 26B layer = the whole model's count / 30 (tests/test_memory.py pins it), on the meta device."""
     config = random_gemma4_config(num_hidden_layers=6, **FULL_LAYER)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
@@ -221,6 +221,33 @@ def test_random_model_is_deterministic_and_in_dtype():
     assert not torch.equal(a.model.layers[0].experts.gate_up_proj, c.model.layers[0].experts.gate_up_proj)
     with pytest.raises(ValueError, match="floating torch dtype"):
         random_gemma4_model(config, dtype=torch.int8)
+    with pytest.raises(ValueError, match="init_dtype=torch.int8 must be a floating torch dtype"):
+        random_gemma4_model(config, init_dtype=torch.int8)
+
+
+PORTABLE_WEIGHTS = """
+import hashlib, torch
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
+config = random_gemma4_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              head_dim=8, global_head_dim=16, moe_intermediate_size=16)
+model = random_gemma4_model(config, seed=1, dtype=torch.bfloat16, init_dtype=torch.float64)
+digest = hashlib.sha256()
+for p in model.state_dict().values():
+    digest.update(p.float().numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_weights_drawn_in_float64_are_the_same_on_every_cpu():
+    """torch's float32 normals differ between its AVX2 and default kernels; float64 draws do not."""
+    import os
+    import subprocess
+    import sys
+
+    digests = {subprocess.run([sys.executable, "-c", PORTABLE_WEIGHTS], check=True, capture_output=True, text=True,
+                              env={**os.environ, "ATEN_CPU_CAPABILITY": capability}).stdout
+               for capability in ("avx2", "default")}
+    assert len(digests) == 1, digests
 
 
 def test_training_script_is_deterministic(tmp_path):

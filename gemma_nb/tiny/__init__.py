@@ -194,22 +194,28 @@ def random_gemma4_config(**overrides: Any):
     return Gemma4TextConfig(**dims)
 
 
-def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
-    """A ``Gemma4ForCausalLM`` with deterministic random weights, built directly in ``dtype``.
+def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                        init_dtype: torch.dtype | None = None):
+    """A ``Gemma4ForCausalLM`` with deterministic random weights, in ``dtype``.
 
-    The weights are allocated and initialised in ``dtype`` (no fp32 copy), so one full-size 26B
-    layer with its 262144-word tied embedding takes ~3.0 GB in bf16. Same ``seed`` and config
-    -> bit-identical weights. Returned in eval mode on the cpu.
+    The weights are drawn in ``init_dtype`` (default: ``dtype``, so no fp32 copy: one full-size
+    26B layer with its 262144-word tied embedding takes ~3.0 GB in bf16) and cast to ``dtype``.
+    Same ``seed`` and config -> bit-identical weights on one machine. torch draws float32 and
+    bfloat16 normals with CPU-specific vector code (AVX2 and AVX-512 machines get different last
+    bits), float64 ones the same way everywhere: ``init_dtype=torch.float64`` gives the same
+    weights on every CPU, at eight bytes per weight while they are drawn. Returned in eval mode on
+    the cpu.
     """
     from transformers import Gemma4ForCausalLM
 
     if config is None:
         config = random_gemma4_config()
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} must be a floating torch dtype such as torch.bfloat16 or torch.float32")
+    for name, value in (("dtype", dtype), ("init_dtype", init_dtype or dtype)):
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(f"{name}={value!r} must be a floating torch dtype such as torch.bfloat16 or torch.float32")
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-    return model.eval()
+    model = Gemma4ForCausalLM._from_config(config, dtype=init_dtype or dtype)
+    return model.to(dtype).eval()
 
 
 __all__ = [

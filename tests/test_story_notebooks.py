@@ -1,0 +1,349 @@
+"""The notebooks that read as a story: prose in markdown, numbers checked, tables and figures for the page.
+
+Holds ``STORY_NOTEBOOKS``, in ``notebooks/`` and in the executed reference run ``outputs/cpu/``, to:
+
+- prose in markdown cells only: no code cell builds sentences (``Markdown(...)``, ``print`` of a
+  sentence), and the notebook ends with a markdown "What we learned", then the metrics cell;
+- every number typed in markdown is a story claim, a config or parameter value, a constant listed
+  here with where it comes from, or a figure of the notebook's metrics JSON (``QUOTED``) that it
+  equals at the decimals written (the metrics are the reference run's, which fixes them exactly);
+- tables: no header row of index labels, one number format per column, the page's width counted
+  with the bold header; no unescaped ``$`` (read as maths) in markdown or generated output;
+- figures carry alt text (``plots.show_figure``);
+- each notebook's kernelspec and language_info are what the installed kernel reports, so opening one
+  in JupyterLab and saving it changes nothing (the save itself is jupyter_server's contents manager).
+"""
+
+import ast
+import json
+import math
+import re
+import shutil
+
+import nbformat
+import pytest
+
+from gemma_nb import display
+from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
+from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUTS_DIR
+from gemma_nb.runner import KERNEL_NAME, kernelspec_metadata
+from gemma_nb.story import CLAIMS
+
+STORY_NOTEBOOKS = ["01_memory_arithmetic", "02_quantization", "03_lm_head_sharding", "06_embedding_scale"]
+REFERENCE = OUTPUTS_DIR / "cpu"
+BOTH = [(folder, name) for name in STORY_NOTEBOOKS for folder in ("notebooks", "outputs")]
+
+
+def notebook(folder: str, name: str):
+    return nbformat.read((NOTEBOOKS_DIR if folder == "notebooks" else REFERENCE) / f"{name}.ipynb", as_version=4)
+
+
+def metrics(name: str) -> dict:
+    return json.loads((REFERENCE / "metrics" / f"{name}.json").read_text())["metrics"]
+
+
+def outputs(name: str):
+    for index, cell in enumerate(notebook("outputs", name).cells):
+        for output in cell.get("outputs", []):
+            yield index, cell, output
+
+
+def _text(value) -> str:
+    return "".join(value) if isinstance(value, list) else (value or "")
+
+
+# Prose lives in markdown
+# ------------------------------------------------------------------------------------------------
+
+PROSE_WORDS = 5   # a string of this many words or more, printed or shown as markdown, is a sentence
+
+
+def _sentences_built_in(source: str) -> list[str]:
+    """Calls in a code cell that build prose: Markdown(...), or print/display of a literal sentence."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+        if name == "Markdown":
+            found.append("Markdown(...)")
+        elif name in ("print", "display"):
+            words = " ".join(part.value for arg in node.args for part in ast.walk(arg)
+                             if isinstance(part, ast.Constant) and isinstance(part.value, str)).split()
+            if len(words) >= PROSE_WORDS:
+                found.append(f"{name}({' '.join(words[:6])} ...)")
+    return found
+
+
+@pytest.mark.parametrize("folder, name", BOTH)
+def test_no_code_cell_builds_prose(folder, name):
+    built = {i: _sentences_built_in(cell.source) for i, cell in enumerate(notebook(folder, name).cells)
+             if cell.cell_type == "code" and "injected-parameters" not in cell.metadata.get("tags", [])}
+    built = {i: calls for i, calls in built.items() if calls}
+    assert not built, f"{folder}/{name}: code cells that build sentences (write them in markdown): {built}"
+
+
+@pytest.mark.parametrize("folder, name", BOTH)
+def test_the_notebook_ends_with_what_we_learned_in_markdown(folder, name):
+    cells = notebook(folder, name).cells
+    learned = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## What we learned")]
+    assert len(learned) == 1, f"{folder}/{name}: one markdown cell opening with '## What we learned'"
+    body = cells[learned[0]].source.split("\n", 1)[1].strip()
+    assert len(body.split()) >= 50, f"{folder}/{name}: 'What we learned' says what was learned, in its own cell"
+    after = cells[learned[0] + 1:]
+    assert len(after) == 1 and after[0].cell_type == "code" and "save_metrics(" in after[0].source, (
+        f"{folder}/{name}: after 'What we learned' only the cell that writes and shows the metrics")
+
+
+# Every number typed in markdown is checked
+# ------------------------------------------------------------------------------------------------
+
+GB, GiB = 1e9, 2 ** 30
+# Figures of the metrics JSON the prose quotes, as the prose writes them (rounded to its decimals).
+QUOTED = {
+    "01_memory_arithmetic": {
+        "parameters": lambda m: sum(m["params_by_group"].values()),
+        "total, B": lambda m: m["total_params_b"],
+        "active, B": lambda m: m["active_params_b"],
+        "active without the table, B": lambda m: m["active_params_port_card_b"],
+        "experts' share of non-embedding weights": lambda m: m["experts_share_pct"],
+        "experts' share of all weights": lambda m: m["experts_share_all_weights_pct"],
+        "fp32 scales per rank, GB": lambda m: m["experts_int8_gb_per_rank"] - m["params_by_group"]["experts"] // 2 / GB,
+        "bf16 experts per rank": lambda m: m["experts_bf16_gb_per_rank"],
+        "int8 experts per rank": lambda m: m["experts_int8_gb_per_rank"],
+        "non-expert HBM per rank": lambda m: m["int8_experts_non_expert_gb"],
+        "replicated bf16 lm_head": lambda m: m["int8_experts_gb_per_rank_by_group"]["lm_head"],
+        "int8_experts total": lambda m: m["gb_per_rank_by_scheme"]["int8_experts"],
+        "int8_squeeze total": lambda m: m["gb_per_rank_by_scheme"]["int8_squeeze"],
+        "spare against 16 GB": lambda m: -m["int8_experts_gap_gb"],
+        "spare against 16 GiB": lambda m: -m["allowance_window_gb"]["spec"]["failing_static_gb"]
+        - m["runtime_allowance_default_gb"] + m["hbm_per_core_gb"],
+        "16 GiB in GB": lambda m: m["hbm_per_core_gb"],
+        "min to fail": lambda m: m["allowance_window_gb"]["spec"]["min_to_fail_gb"],
+        "max to fit": lambda m: m["allowance_window_gb"]["spec"]["max_to_fit_gb"],
+        "min to fail / floor": lambda m: m["allowance_window_gb"]["spec"]["min_to_fail_gb"] / m["runtime_allowance_default_gb"],
+        "max to fit / floor": lambda m: m["allowance_window_gb"]["spec"]["max_to_fit_gb"] / m["runtime_allowance_default_gb"],
+        "runtime floor": lambda m: m["runtime_allowance_default_gb"],
+        "allowance if short by 3.5 GB": lambda m: m["allowance_window_gb"]["spec"]["allowance_if_short_by_gb"],
+        "squeeze overflow then": lambda m: m["allowance_window_gb"]["spec"]["fitting_overflow_then_gb"],
+        "squeeze releases": lambda m: m["gb_per_rank_by_scheme"]["int8_experts"] - m["gb_per_rank_by_scheme"]["int8_squeeze"],
+        "lm_head int8 shard": lambda m: m["lm_head_int8_sharded_gb_per_rank"],
+        "lm_head released": lambda m: m["lm_head_released_gb_per_rank"],
+        "shared MLP saving": lambda m: m["shared_mlp_int8_saving_gb_per_rank"],
+        "residency, GB": lambda m: m["final_residency_gb_per_rank"],
+        "residency, GiB": lambda m: m["final_residency_gb_per_rank"] * GB / GiB,
+        "KV bytes per token per rank": lambda m: m["kv_cache_bytes_per_token_per_rank"],
+        "mxfp4 headroom": lambda m: m["headroom_gb_by_instance"]["inf2.xlarge"]["mxfp4_experts"],
+    },
+    "02_quantization": {
+        "MXFP4 share of bf16 experts, %": lambda m: 100 * m["experts_gb_per_rank_by_scheme"]["mxfp4_experts"]
+        / m["experts_gb_per_rank_by_scheme"]["bf16"],
+        "NVFP4 share of bf16 experts, %": lambda m: 100 * m["experts_gb_per_rank_by_scheme"]["nvfp4_experts"]
+        / m["experts_gb_per_rank_by_scheme"]["bf16"],
+        "int8 share of bf16 experts, %": lambda m: 100 * m["experts_gb_per_rank_by_scheme"]["int8_experts"]
+        / m["experts_gb_per_rank_by_scheme"]["bf16"],
+        "NVFP4 over MXFP4, %": lambda m: 100 * (m["experts_gb_per_rank_by_scheme"]["nvfp4_experts"]
+                                                / m["experts_gb_per_rank_by_scheme"]["mxfp4_experts"] - 1),
+        "most headroom of 16 GiB": lambda m: max(16 * GiB / GB - gb for gb in m["gb_per_rank_by_scheme"].values()),
+        "fact prompts": lambda m: m["fact_prompts"],
+        "squeeze prompts matching": lambda m: m["fact_prompts"] - m["int8_squeeze_greedy_mismatches"],
+        "26B vocabulary": lambda m: m["vocab_size_26b"],
+        "checkpoint vocabulary": lambda m: m["checkpoint_vocab_size"],
+        "vocabulary ratio": lambda m: m["vocab_size_26b"] / m["checkpoint_vocab_size"],
+    },
+    "03_lm_head_sharding": {
+        "replicated bf16 head, GB": lambda m: m["replicated_bf16_bytes_per_rank"] / GB,
+        "int8 shard, GB": lambda m: m["int8_shard_bytes_per_rank"] / GB,
+        "released, GB": lambda m: m["released_bytes_per_rank"] / GB,
+        "host table, bytes": lambda m: m["host_embedding_bytes"],
+        "host table, GB": lambda m: m["host_embedding_bytes"] / GB,
+        "rows per rank": lambda m: m["shard_rows_per_rank"],
+        "shard int8 bytes": lambda m: m["int8_shard_weight_bytes_per_rank"],
+        "shard scale bytes": lambda m: m["int8_shard_scale_bytes_per_rank"],
+        "shard bytes": lambda m: m["int8_shard_bytes_per_rank"],
+        "shard / replicated, %": lambda m: 100 * m["int8_shard_bytes_per_rank"] / m["replicated_bf16_bytes_per_rank"],
+        "full-size positions": lambda m: m["full_size_positions"],
+    },
+    "06_embedding_scale": {
+        "buffer at hidden 128": lambda m: m["scales"]["float32"]["embed_scale buffer"],
+        "applied in bf16 at hidden 128": lambda m: m["scales"]["bfloat16"]["applied (cast to the weight dtype)"],
+        "unscaled norm ratio, trained": lambda m: m["paths"]["float32/unscaled"]["norm_ratio"],
+        "unscaled fact recall, %": lambda m: 100 * m["paths"]["bfloat16/unscaled"]["fact_recall"],
+        "reference fact recall, %": lambda m: 100 * m["paths"]["bfloat16/reference (input_ids)"]["fact_recall"],
+        "math_sqrt elements off, trained, %": lambda m: m["paths"]["bfloat16/math_sqrt"]["differ_pct"],
+        "facts scored": lambda m: m["facts_scored"],
+        "facts": lambda m: m["facts"],
+        "bf16 scale at 2816": lambda m: m["wide"]["rounding"]["bfloat16"]["scale_in_dtype"],
+        "ulps below": lambda m: -m["wide"]["rounding"]["bfloat16"]["rounding_error_ulps"],
+        "float32 buffer at 2816": lambda m: m["wide"]["rounding"]["bfloat16"]["scale_float32"],
+        "sqrt(2816)": lambda m: m["wide"]["rounding"]["bfloat16"]["sqrt_exact"],
+        "unscaled norm ratio at 2816, bf16": lambda m: m["wide"]["paths"]["bfloat16/unscaled"]["norm_ratio"],
+        "unscaled norm ratio at 2816, fp32": lambda m: m["wide"]["paths"]["float32/unscaled"]["norm_ratio"],
+        "math_sqrt elements off at 2816, %": lambda m: m["wide"]["paths"]["bfloat16/math_sqrt"]["differ_pct"],
+        "fp32 table at 2816, MB": lambda m: m["wide"]["vocab_size"] * m["wide"]["hidden_size"] * 4 / 1e6,
+    },
+}
+
+# Numbers the prose types that are neither computed nor a claim, config or parameter value.
+CONSTANTS = {
+    "all": {"26": "the model's name, Gemma-4-26B-A4B", "1,000": "the page, ~1,000 px"},
+    "01_memory_arithmetic": {"96": "Neuron docs: 96 MB of micro-code per NeuronCore",
+                             "512": "Neuron docs: scratchpad pages of 512 MB (also the shipped context)"},
+    "02_quantization": {"0.5": "E2M1 values", "1.5": "E2M1 values", "127": "int8's absmax/127",
+                        "448": "OCP e4m3's largest value", "240": "Neuron's e4m3's largest value",
+                        "32": "MXFP4's block", "16": "NVFP4's block", "1408": "2 x 704, the fused gate_up width",
+                        "0.02": "the random layer's N(0, 0.02)", "0.19": "neuronx-distributed 0.19",
+                        "2.31": "Neuron SDK 2.31"},
+    "03_lm_head_sharding": {"64": "shards start at multiples of 64 rows", "4096": "seeded_rows' block",
+                            "127.0.0.1": "loopback", "0.19": "neuronx-distributed 0.19", "2.31": "Neuron SDK 2.31"},
+    "06_embedding_scale": {"5.24": "transformers 5.24", "11.313708": "sqrt(128) as float32",
+                           "256": "the self-check's probe ids", "0.25": "bf16's spacing between 32 and 64",
+                           "32": "bf16's spacing between 32 and 64", "64": "bf16's spacing between 32 and 64"},
+}
+NUMBER = re.compile(r"[-−±~≈]?(\d[\d,]*(?:\.\d+)?)(?:%|x|B|GB|GiB|MB|MiB|s|ms)?")
+
+
+def _known_numbers(name: str) -> set[float]:
+    known = set(range(11))
+    for claim in CLAIMS.values():
+        known |= {claim.value, *claim.within}
+    config = json.loads(GEMMA4_26B_CONFIG_PATH.read_text())
+    known |= {v for v in config.values() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for cell in notebook("notebooks", name).cells:
+        if "parameters" in cell.metadata.get("tags", []):
+            known |= {node.value for node in ast.walk(ast.parse(cell.source))
+                      if isinstance(node, ast.Constant) and isinstance(node.value, (int, float))}
+    return {float(v) for v in known}
+
+
+def markdown_numbers(source: str) -> list[str]:
+    """The numbers a markdown cell types, as written: outside code spans, split at -, / and ×."""
+    prose = re.sub(r"`[^`]*`", " ", source)
+    words = re.split(r"[\s|/×();:*\"“”']+|,(?!\d{3})|(?<=\d)[-–](?=\d)", prose)
+    found = []
+    for word in words:
+        word = word.strip(".!?[]")
+        if (match := NUMBER.fullmatch(word)) and not re.search(r"[A-Za-z]\d|\d-[A-Za-z]", word):
+            found.append(match.group(1))
+    return found
+
+
+def _matches(written: str, value: float) -> bool:
+    decimals = len(written.split(".")[1]) if "." in written else 0
+    return math.isclose(round(float(value), decimals), float(written.replace(",", "")), abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("name", STORY_NOTEBOOKS)
+def test_every_number_typed_in_markdown_is_checked(name):
+    known, constants = _known_numbers(name), {**CONSTANTS["all"], **CONSTANTS.get(name, {})}
+    quoted = {label: extract(metrics(name)) for label, extract in QUOTED.get(name, {}).items()}
+    unexplained, used = [], set()
+    for index, cell in enumerate(notebook("notebooks", name).cells):
+        if cell.cell_type != "markdown":
+            continue
+        for written in markdown_numbers(cell.source):
+            hits = [label for label, value in quoted.items() if _matches(written, value)]
+            used.update(hits)
+            if not hits and written not in constants and float(written.replace(",", "")) not in known:
+                unexplained.append(f"cell {index}: {written}")
+    assert not unexplained, (f"{name}: numbers typed in markdown that are no metric of the notebook (QUOTED), no "
+                             f"claim, config or parameter value and no listed constant: {unexplained}")
+    assert used == set(quoted), f"{name}: QUOTED figures the prose no longer quotes: {sorted(set(quoted) - used)}"
+
+
+def test_the_number_reader_reads_prose_not_names():
+    text = ("Gemma-4-26B-A4B on an inf2.xlarge: 25,233,141,760 parameters, 3-4 GB short, 1.48 / 0.37 GB, "
+            "`int8_experts` at 93.24% and 3.823B, not bf16 or top-8 (`math.sqrt(2816)` in code).")
+    assert markdown_numbers(text) == ["25,233,141,760", "3", "4", "1.48", "0.37", "93.24", "3.823"]
+
+
+# Tables and figures for the page; dollars
+# ------------------------------------------------------------------------------------------------
+
+def _tables(name):
+    for index, _, output in outputs(name):
+        for header, body in display.html_table_parts(_text(output.get("data", {}).get("text/html"))):
+            yield index, header, body
+
+
+@pytest.mark.parametrize("name", STORY_NOTEBOOKS)
+def test_tables_have_one_header_row_one_format_per_column_and_fit_with_a_bold_header(name):
+    problems = []
+    for index, header, body in _tables(name):
+        if display.index_label_rows(header):
+            problems.append(f"cell {index}: a header row of index labels {display.index_label_rows(header)}")
+        for column, formats in display.mixed_format_columns(body).items():
+            problems.append(f"cell {index}: column {(header[-1] + [''] * column)[column]!r} mixes {sorted(formats)}")
+        width = display.table_width_px(header + body, header_rows=len(header))
+        if width > display.PAGE_WIDTH_PX:
+            problems.append(f"cell {index}: ~{width:.0f} px wide with its bold header")
+    assert not problems, "\n".join(problems)
+
+
+UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
+@pytest.mark.parametrize("name", STORY_NOTEBOOKS)
+def test_no_dollar_is_read_as_maths(name):
+    """A $ in markdown (a cell, or generated) or in a table starts LaTeX in JupyterLab, GitHub and nbviewer."""
+    found = [f"markdown cell {i}" for i, c in enumerate(notebook("notebooks", name).cells)
+             if c.cell_type == "markdown" and UNESCAPED_DOLLAR.search(c.source)]
+    for index, _, output in outputs(name):
+        data = output.get("data", {})
+        if UNESCAPED_DOLLAR.search(_text(data.get("text/markdown"))):
+            found.append(f"cell {index}: text/markdown")
+        if "$" in _text(data.get("text/html")):
+            found.append(f"cell {index}: text/html")
+    assert not found, f"{name}: unescaped dollars: {found}"
+
+
+@pytest.mark.parametrize("name", STORY_NOTEBOOKS)
+def test_every_figure_has_alt_text(name):
+    """In the output's image/png metadata, where nbconvert's classic HTML template (and nbsphinx) read
+    it; its default lab template and JupyterLab 4.6 do not read any alt text of an output image."""
+    from nbconvert import HTMLExporter
+
+    missing = [index for index, _, output in outputs(name) if "image/png" in output.get("data", {})
+               and not output.get("metadata", {}).get("image/png", {}).get("alt", "").strip()]
+    assert not missing, f"{name}: figures without alt text in cells {missing}: show them with plots.show_figure"
+    page, _ = HTMLExporter(template_name="classic").from_notebook_node(notebook("outputs", name))
+    images = re.findall(r"<img\b[^>]*>", page)
+    assert images and all(re.search(r'alt="[^"]{20,}"', image) and "No description" not in image for image in images)
+
+
+# Opening a notebook in JupyterLab and saving it changes nothing
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel_language_info():
+    """What the installed kernel reports, which JupyterLab writes into a notebook it opens."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name=KERNEL_NAME)
+    try:
+        return client.kernel_info(reply=True, timeout=60)["content"]["language_info"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("folder, name", BOTH)
+def test_the_notebook_carries_the_installed_kernels_metadata(folder, name, kernel_language_info):
+    metadata = notebook(folder, name).metadata
+    assert metadata["kernelspec"] == kernelspec_metadata(), f"{folder}/{name}: kernelspec"
+    assert metadata["language_info"] == kernel_language_info, f"{folder}/{name}: language_info"
+
+
+@pytest.mark.parametrize("folder, name", BOTH)
+def test_saving_a_notebook_unedited_rewrites_nothing(folder, name, tmp_path, monkeypatch):
+    """jupyter_server's contents manager, which JupyterLab saves through, writes the same bytes back."""
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))   # its notary signs what it saves
+
+    source = (NOTEBOOKS_DIR if folder == "notebooks" else REFERENCE) / f"{name}.ipynb"
+    shutil.copy(source, tmp_path / source.name)
+    manager = FileContentsManager(root_dir=str(tmp_path))
+    model = manager.get(source.name, content=True, type="notebook")
+    manager.save({"type": "notebook", "format": "json", "content": model["content"]}, source.name)
+    assert (tmp_path / source.name).read_bytes() == source.read_bytes()
