@@ -16,8 +16,8 @@ first, then the notebook's own experiment around it.
 - 03 lm_head sharding: ``parallel`` (the vocab-parallel head and its jobs), ``ranks`` (``run_tp``:
   real gloo ranks in processes).
 - 04 compile: ``export`` (the two exported steps, their runner and artifact format), ``compile_cost``
-  (the size sweep, its fits and boxes; ``python -m gemma_nb.compile_cost``), ``hostmem`` (RSS sampler).
-- 05 slim deploy: ``deploy`` (``python -m gemma_nb.deploy``).
+  (the size sweep, its fits and boxes; ``python -m gemma_nb.experiments.compile_run``), ``hostmem`` (RSS sampler).
+- 05 slim deploy: ``deploy`` (``python -m gemma_nb.experiments.slim_deploy``).
 - 06 embedding scale: ``embedding`` (``HostEmbedding`` and its file), ``embedding_scale`` (the three host paths).
 - 07 decode benchmark: ``moe`` (swapping experts into a model), ``bench`` (timing), ``decode_roofline``
   (bytes and FLOPs per decode step at any batch, the planner's decode model too), ``decode_batch``
@@ -35,7 +35,7 @@ first, then the notebook's own experiment around it.
 - ``rehearsal``: the neuron steps on a cpu: NxD stand-ins, an emulation of the SDK surface, the TP=2 and
   XLA checks, and ``make rehearse`` (``python -m gemma_nb.rehearsal``); ``neuron`` never imports it.
 
-``python -m gemma_nb.compile_cost`` and ``python -m gemma_nb.deploy`` are the two commands a notebook
+``python -m gemma_nb.experiments.compile_run`` and ``python -m gemma_nb.experiments.slim_deploy`` are the two commands a notebook
 starts in a fresh process (so their peak RSS is their own); each prints one JSON object on its last
 stdout line, as its module docstring documents.
 """

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The commands' modules are imported when a command is chosen, not at the top (the one documented
     # exception to top-level imports here): `plan` answers without loading the server or papermill.
-    from gemma_nb import planner, preflight, runbook
+    from gemma_nb.tools import plan as planner
+    from gemma_nb.tools import preflight, runbook
 
     planner.add_arguments(sub.add_parser("plan", help="will a Hugging Face causal LM fit an inf2? bytes per rank, $/h"))
     preflight.add_arguments(sub.add_parser("preflight", help="checklist before a run: SDK, NeuronCores, RAM, disk, model"))
@@ -56,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("plan", "preflight", "runbook"):
         import importlib
 
-        module = importlib.import_module(f"gemma_nb.{'planner' if args.command == 'plan' else args.command}")
+        module = importlib.import_module(f"gemma_nb.tools.{args.command}")
         return module.main(args)
 
-    from gemma_nb.runner import RunError, Terminated, run
     from gemma_nb.targets import TargetError
+    from gemma_nb.tools.run import RunError, Terminated, run
 
     try:
         results = run(

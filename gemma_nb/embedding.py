@@ -25,7 +25,7 @@ shipped a bare ``embed_tokens.pt`` whose scale lived only in the deploy script, 
 lost.
 
 Notebook 06's comparison of the three host paths (unscaled, ``math.sqrt``, the module's scale) is
-``gemma_nb.embedding_scale``.
+``gemma_nb.experiments.embedding_scale``.
 """
 
 from __future__ import annotations
@@ -394,3 +394,15 @@ __all__ = [
     "HostEmbedding", "EmbeddingCheckError", "EmbeddingScaleError", "EmbeddingFileError", "EmbeddingFileNotFoundError",
     "module_scale", "default_probe_ids", "verify_host_path", "unit_in_last_place", "dtype_name",
 ]
+
+
+def host_embedding_for(skeleton: nn.Module, path: Path):
+    """The host table from ``path``, its scale checked against the skeleton's own embedding module.
+
+    The module's ``embed_scale`` buffer is a float32 tensor of ``sqrt(hidden_size)`` cast to the
+    weight dtype in forward; on the meta device it has no value, so it is rebuilt from the
+    module's ``scalar_embed_scale`` exactly as its constructor builds it.
+    """
+    module = skeleton.get_input_embeddings()
+    scale = torch.tensor(module.scalar_embed_scale)
+    return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))

@@ -37,7 +37,7 @@ raises ``ArtifactError`` (a ValueError) naming the file and what was expected.
 One concern in one module (~700 lines): the exported steps, the runner that drives them and the
 artifact format that stores them change together (a new step input is a new manifest field and a
 new check). Notebook 04's experiment around it (the size sweep, fits, plots) is
-``gemma_nb.compile_cost``.
+``gemma_nb.experiments.compile_run``.
 """
 
 from __future__ import annotations

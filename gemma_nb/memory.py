@@ -21,7 +21,7 @@ quantizers read too, so the stored bytes of a quantized layer equal the planner'
 One concern in one module (~800 lines): the planner's byte arithmetic, from the config's inventory
 through the KV cache to a plan per rank and its fit; ``python -m gemma_nb plan`` and notebook 01
 read the same functions. Notebook 01's own figures (``story_figures``, the plots) are
-``gemma_nb.memory_figures``.
+``gemma_nb.experiments.memory_arithmetic``.
 """
 
 from __future__ import annotations

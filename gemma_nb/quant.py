@@ -9,7 +9,7 @@ the routed experts on quantized weights (``QuantizedExperts``) in ``gemma_nb.exp
 - ``apply_scheme(model, scheme)``: quantize a loaded Gemma-4 model's groups (experts, shared MLP,
   attention, lm_head) in place; scheme names are the memory planner's.
 - ``full_size_experts_check``: one full-size layer quantized for real (notebook 02); scoring a scheme on
-  a checkpoint (``evaluate_scheme``, ``lm_head_isolation``, ...) is ``gemma_nb.quant_eval``.
+  a checkpoint (``evaluate_scheme``, ``lm_head_isolation``, ...) is ``gemma_nb.experiments.quantization``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 127.0.0.1 with a free port, timeouts on every collective, and returns each rank's result dict to
 the caller; a rank that raises or dies makes the call raise :class:`TPJobError` naming the rank
 and the reason, within a bounded time. Worker functions must be importable (defined in a module,
-not in a notebook) because spawn pickles them by name. Notebook 03 (``gemma_nb.parallel``'s jobs)
+not in a notebook) because spawn pickles them by name. Notebook 03 (``gemma_nb.experiments.lm_head_sharding``'s jobs)
 and the neuron TP=2 emulation (``gemma_nb.rehearsal.emulate``) run on it.
 """
 
@@ -46,7 +46,7 @@ def _check_importable(fn: Callable) -> None:
         raise ValueError(
             f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
             "by name, so it must be a top-level function of an importable module (a notebook or script defines "
-            "its functions in __main__); move it into a module such as gemma_nb.parallel"
+            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding"
         )
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gemma_nb import tiny
+from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES, check_sdk
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
@@ -25,12 +26,6 @@ TARGETS = ("cpu", "neuron", "cuda")
 REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}
 CHECK_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
 
-NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
-NEURON_HELP = (
-    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
-    "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
-    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
-)
 
 
 class TargetError(ValueError):
@@ -55,12 +50,8 @@ def check_target(target: str) -> str:
         missing = missing_neuron_packages()
         if missing:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
-        # Import the SDK now, in every process that runs the target (runner, each notebook kernel,
-        # server): with transformers 5 this is where the transformers.utils.fx stand-in goes in,
-        # before any neuron code imports neuronx_distributed (gemma_nb.neuron.sdk). Imported here, not
-        # at the top: neuron.sdk is the SDK's gateway and itself imports this module (TargetError).
-        from gemma_nb.neuron.sdk import FX_NOTE, check_sdk
-
+        # Checked in every process that runs the target (runner, each notebook kernel, server): with
+        # transformers 5 this is where the transformers.utils.fx stand-in goes in, before NxD imports.
         status = check_sdk()
         if not status.ok:
             raise TargetError(status.message())

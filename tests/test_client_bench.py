@@ -6,13 +6,13 @@ import socket
 import pandas as pd
 import pytest
 
-from gemma_nb import endpoint_bench
+from gemma_nb.experiments import endpoint_bench
 from gemma_nb.modelio import load_model
 from gemma_nb.ranks import free_port
 from gemma_nb.serving import app as served
 from gemma_nb.serving import client_bench
+from gemma_nb.serving.backends import TransformersRuntime
 from gemma_nb.serving.client_bench import EndpointError
-from gemma_nb.serving.runtimes import TransformersRuntime
 from gemma_nb.tiny import BUNDLED_ID
 
 

@@ -4,8 +4,9 @@ import pandas as pd
 import pytest
 import torch
 
-from gemma_nb import bench, decode_batch, experts, moe
+from gemma_nb import bench, experts, moe
 from gemma_nb.decode_roofline import expected_distinct_experts
+from gemma_nb.experiments import decode_batch
 from gemma_nb.modelio import load_model
 from gemma_nb.tiny import BUNDLED_ID, fact_prompts, random_gemma4_config
 

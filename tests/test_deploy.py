@@ -7,9 +7,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import deploy as D  # noqa: E402
 from gemma_nb import export  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
+from gemma_nb.experiments import slim_deploy as D  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 DIMS = dict(num_experts=32, top_k_experts=2, num_hidden_layers=2)  # 32 experts: two Int8Experts chunks

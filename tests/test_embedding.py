@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gemma_nb import embedding, embedding_scale
+from gemma_nb import embedding
 from gemma_nb.embedding import (
     EmbeddingCheckError,
     EmbeddingFileError,
@@ -16,6 +16,7 @@ from gemma_nb.embedding import (
     EmbeddingScaleError,
     HostEmbedding,
 )
+from gemma_nb.experiments import embedding_scale
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 

@@ -118,7 +118,8 @@ def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, 
 
 def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, emulated_sdk):
     """As one 26B build fills most of a real NeuronCore, one smoke build fills most of an emulated one."""
-    from gemma_nb import memory, planner
+    from gemma_nb import memory
+    from gemma_nb.tools import plan as planner
 
     root, _ = builds
     hbm, runtime = emulated_hbm_bytes()

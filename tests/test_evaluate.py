@@ -141,8 +141,8 @@ def test_fact_recall_counts_wrong_answers():
 def test_recall_from_greedy_tokens_is_fact_recall():
     """Notebook 02 decodes each model once and reads the recall off its greedy tokens."""
     from gemma_nb.evaluate import recall_from_tokens
+    from gemma_nb.experiments.quantization import greedy_tokens
     from gemma_nb.modelio import load_tiny
-    from gemma_nb.quant_eval import greedy_tokens
     from gemma_nb.tiny import FACTS
     from gemma_nb.tiny.corpus import Fact
 

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from gemma_nb.hostmem import HostMemorySampler, MeasuredRunError, run_measured, self_peak_rss_bytes
+from gemma_nb.peak_rss import HostMemorySampler, MeasuredRunError, run_measured, self_peak_rss_bytes
 
 MB = 10**6
 # A child that touches a known buffer (bytes of 1s, so every page is really resident), holds it,
 # frees it, then reports its own peak.
 CHILD = """
 import json, sys, time
-from gemma_nb.hostmem import self_peak_rss_bytes
+from gemma_nb.peak_rss import self_peak_rss_bytes
 size = int(sys.argv[1])
 buffer = b"\\x01" * size
 time.sleep(0.4)

@@ -15,7 +15,8 @@ from transformers import (
     ViTConfig,
 )
 
-from gemma_nb import memory, memory_figures, story
+from gemma_nb import memory, story
+from gemma_nb.experiments import memory_arithmetic
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.memory import GROUPS, Scheme, inventory, plan, tensor_bytes
 
@@ -276,7 +277,7 @@ def test_gemma4_26b_story_bytes(gemma26b):
     assert squeeze.bytes("shared_mlp") == 30 * (2 * (1056 * 2816 + 4 * 1056) + 2816 * 1056 + 4 * 2816)
     assert first.bytes("kv_cache") == 2 * 112_640 * 512  # fp32 buffers
     assert squeeze.bytes("runtime_allowance") == memory.DEFAULT_RUNTIME_ALLOWANCE_BYTES == 608 * 2**20
-    figures = memory_figures.story_figures(gemma26b)
+    figures = memory_arithmetic.story_figures(gemma26b)
     assert figures["lm_head_released_gb_per_rank"] == pytest.approx(1.107, abs=1e-3)
     assert figures["shared_mlp_int8_saving_gb_per_rank"] == pytest.approx(0.267, abs=1e-3)
     assert figures["experts_bf16_gb"] == pytest.approx(45.676, abs=1e-3)
@@ -406,20 +407,20 @@ def test_claim_range_and_agreement(gemma26b):
     assert story.claim_range("lm_head_bf16_gb_per_rank") == (1.47, 1.49)
     assert story.claim_range("int8_experts_gap_gb") == (3.0, 4.0)            # quoted as "~3-4 GB"
     assert story.claim_range("final_residency_gb_per_rank") == (12.0, 13.0)  # quoted as "~12-13 GB"
-    figures = memory_figures.story_figures(gemma26b)
+    figures = memory_arithmetic.story_figures(gemma26b)
     for key in ("total_params_b", "experts_bf16_gb", "experts_int8_gb_per_rank", "experts_share_pct",
                 "lm_head_released_gb_per_rank", "shared_mlp_int8_saving_gb_per_rank"):
         assert story.agrees_with_claim(key, figures[key]), key
     assert not story.agrees_with_claim("int8_experts_gap_gb", figures["int8_experts_gap_gb"])  # it fits on paper
     # the "3-4 GB" holds only read as what sits in HBM beside the experts
-    readings = memory_figures.gap_readings(gemma26b).set_index("reading")
+    readings = memory_arithmetic.gap_readings(gemma26b).set_index("reading")
     assert readings["inside_claim"].tolist() == [True, False, False]
     assert readings["computed_gb"].iloc[0] == pytest.approx(figures["int8_experts_non_expert_gb"], rel=1e-12)
     assert readings["computed_gb"].iloc[1] == pytest.approx(figures["int8_experts_gap_gb"], rel=1e-12)
-    window = memory_figures.allowance_table(gemma26b, words=False)
+    window = memory_arithmetic.allowance_table(gemma26b, words=False)
     assert window.loc["min_to_fail_gb", "spec"] == pytest.approx(2.468224964, abs=1e-9)
     assert window.loc["allowance_if_short_by_gb", "story"] == pytest.approx(16.0 + 3.5 - window.loc["failing_static_gb", "story"])
-    assert memory_figures.allowance_table(gemma26b).columns.tolist() == ["16 GB core (the story)", "16 GiB core (AWS)"]
+    assert memory_arithmetic.allowance_table(gemma26b).columns.tolist() == ["16 GB core (the story)", "16 GiB core (AWS)"]
     assert not story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"])
     assert story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"] * GB / GiB)
     with pytest.raises(ValueError, match="'not_a_claim' is not in gemma_nb.story.CLAIMS"):

@@ -113,14 +113,14 @@ def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
 def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact, monkeypatch):
     import openai
 
-    from gemma_nb.endpoint_bench import wait_until_healthy
-    from gemma_nb.serving import runtimes
+    from gemma_nb.experiments.endpoint_bench import wait_until_healthy
+    from gemma_nb.serving import backends
     from gemma_nb.serving.app import create_app
 
     folder, _ = moved_artifact
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
-    monkeypatch.setattr(runtimes, "check_target", lambda target: target)  # the SDK is stood in for
-    runtime = runtimes.load_runtime("neuron", artifact=str(folder))
+    monkeypatch.setattr(backends, "check_target", lambda target: target)  # the SDK is stood in for
+    runtime = backends.load_runtime("neuron", artifact=str(folder))
     app = create_app(runtime, model_name="tiny-on-inf2", queue_size=2)
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)

@@ -1,4 +1,4 @@
-"""The vocab-parallel int8 lm_head and the gloo launcher (gemma_nb.parallel), and the NxD head's checkpoint.
+"""The vocab-parallel int8 lm_head and the gloo launcher (gemma_nb.experiments.lm_head_sharding), and the NxD head's checkpoint.
 
 The 2-rank jobs really start two processes with torch.distributed gloo on 127.0.0.1. Their worker
 functions live at the top of this module: spawn imports them by name in each rank, so this file
@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.parallel import (
+from gemma_nb.experiments.lm_head_sharding import (
     VocabParallelLMHead,
     lm_head_job,
     logits_agreement,
@@ -25,6 +24,7 @@ from gemma_nb.parallel import (
     softcap_logits,
     vocab_shard,
 )
+from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.quant import Int8Linear
 from gemma_nb.ranks import TPJobError, run_tp
 
@@ -124,7 +124,7 @@ def test_sharded_head_outside_a_process_group_is_a_clear_error():
 
 
 def test_softcap_matches_the_model_and_validates_the_cap():
-    from gemma_nb.parallel import head_inputs
+    from gemma_nb.experiments.lm_head_sharding import head_inputs
     from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
     config = random_gemma4_config(num_hidden_layers=1, vocab_size=300)

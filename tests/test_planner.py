@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from gemma_nb import memory, planner
+from gemma_nb import memory
 from gemma_nb.__main__ import main as cli
 from gemma_nb.hardware import INSTANCES
+from gemma_nb.tools import plan as planner
 
 H, L, E, I, V = 64, 2, 4, 96, 1000  # hidden, layers, experts, expert intermediate, vocab
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from gemma_nb import preflight as P
 from gemma_nb.__main__ import main as cli
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron.sdk import SdkStatus
 from gemma_nb.tiny import CHECKPOINT_DIR
+from gemma_nb.tools import preflight as P
 
 INF2_XLARGE_LS = json.dumps([{"neuron_device": 0, "bdf": "00:1f.0", "nc_count": 2, "memory_size": 32 * GiB}])
 
@@ -89,8 +89,9 @@ def test_disk():
 
 
 def test_the_disk_checked_is_the_runbook_s_figure_for_the_step():
-    from gemma_nb import planner, runbook
     from gemma_nb.memory import load_gemma4_26b_config
+    from gemma_nb.tools import plan as planner
+    from gemma_nb.tools import runbook
 
     config, record = load_gemma4_26b_config(), planner.rehearsal_record()
     needs = planner.disk_needs(config, record)

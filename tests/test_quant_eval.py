@@ -1,4 +1,4 @@
-"""gemma_nb.quant_eval: scoring a quantization scheme against the float model (notebook 02)."""
+"""gemma_nb.experiments.quantization: scoring a quantization scheme against the float model (notebook 02)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb import memory, quant_eval  # noqa: E402
+from gemma_nb import memory
+from gemma_nb.experiments import quantization  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,13 +33,13 @@ def test_evaluate_scheme_scores_against_the_reference(corpus_model):
     reference, tokenizer = corpus_model
     facts = FACTS[:12]
     prompts = [f.prompt for f in facts]
-    reference_greedy = quant_eval.greedy_tokens(reference, tokenizer, prompts, 3)
+    reference_greedy = quantization.greedy_tokens(reference, tokenizer, prompts, 3)
     assert [len(t) for t in reference_greedy] == [3] * 12
-    same, summary, report, greedy = quant_eval.evaluate_scheme(reference, tokenizer, "bf16", dtype=torch.float32,
+    same, summary, report, greedy = quantization.evaluate_scheme(reference, tokenizer, "bf16", dtype=torch.float32,
                                                                facts=facts, reference_greedy=reference_greedy, steps=3)
     assert summary["top1_agreement"] == 1.0 and summary["kl_mean"] == 0.0 and summary["greedy_match"] == 1.0
     assert report.empty and greedy["first_divergent_step"].isna().all()
-    _, summary, report, greedy = quant_eval.evaluate_scheme(reference, tokenizer, "mxfp4_experts", facts=facts,
+    _, summary, report, greedy = quantization.evaluate_scheme(reference, tokenizer, "mxfp4_experts", facts=facts,
                                                             reference_greedy=reference_greedy, steps=3)
     assert 0.0 < summary["top1_agreement"] < 1.0 and summary["kl_mean"] > 0
     assert summary["quantized_bytes"] == report["stored_bytes"].sum() < summary["quantized_bf16_bytes"]
@@ -48,17 +49,17 @@ def test_evaluate_scheme_scores_against_the_reference(corpus_model):
         row = diverged.iloc[0]
         step = int(row["first_divergent_step"])
         index = prompts.index(row["prompt"])
-        detail = quant_eval.divergence_detail(reference, same, tokenizer, row["prompt"], reference_greedy[index], step)
+        detail = quantization.divergence_detail(reference, same, tokenizer, row["prompt"], reference_greedy[index], step)
         assert detail["model"].tolist() == ["reference"] * 3 + ["candidate"] * 3
         assert detail.loc[0, "token"] == tokenizer.decode([reference_greedy[index][step]])
 
 
 def test_lm_head_isolation_and_formats_table(corpus_model):
     reference, tokenizer = corpus_model
-    result = quant_eval.lm_head_isolation(reference, tokenizer, "int8", texts=["The capital of France is Paris ."])
+    result = quantization.lm_head_isolation(reference, tokenizer, "int8", texts=["The capital of France is Paris ."])
     assert result["positions"] == len(tokenizer("The capital of France is Paris .").input_ids)
     assert 0 < result["max_abs_logit_error"] < 0.05 and result["margin_min"] >= 0
-    table = quant_eval.formats_table().set_index("format")
+    table = quantization.formats_table().set_index("format")
     assert table.loc["mxfp4", "bytes_per_weight"] == memory.tensor_bytes((1408, 2816), "mxfp4") / (1408 * 2816)
     assert table.loc["bf16", "bytes_per_weight"] == 2.0
 
@@ -75,7 +76,7 @@ def test_score_findings_reads_the_tables():
     errors = pd.DataFrame({"scheme": ["int8_experts", "mxfp4_experts", "fp8_experts", "int8_squeeze"],
                            "group": ["experts", "experts", "experts", "lm_head"],
                            "rel_error": [0.01, 0.1, 0.03, 0.5]})
-    found = quant_eval.score_findings(results, errors, reference_recall=1.0)
+    found = quantization.score_findings(results, errors, reference_recall=1.0)
     assert found["kept"] == ["bf16", "int8_experts", "int8_experts_shared_mlp", "int8_squeeze"]
     assert found["changed"] == ["mxfp4_experts", "fp8_experts"]
     assert found["bf16_disagreement"] == pytest.approx(0.01)
@@ -85,5 +86,5 @@ def test_score_findings_reads_the_tables():
     assert found["experts_by_weight_error"] == ["int8_experts", "fp8_experts", "mxfp4_experts"]
     assert found["experts_by_kl"] == ["int8_experts", "fp8_experts", "mxfp4_experts"] and found["follows_weight_error"]
     assert found["shared_mlp_kl_added"] == pytest.approx(0.2) and found["lm_head_kl_added"] == pytest.approx(0.3)
-    found = quant_eval.score_findings(results.drop(index="int8_squeeze"), errors, reference_recall=1.0)
+    found = quantization.score_findings(results.drop(index="int8_squeeze"), errors, reference_recall=1.0)
     assert found["lm_head_kl_added"] is None and not found["top1_both_sides"]

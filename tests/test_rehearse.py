@@ -3,9 +3,10 @@
 import re
 import subprocess
 
-from gemma_nb import planner, runbook
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.rehearsal import rehearse as R
+from gemma_nb.tools import plan as planner
+from gemma_nb.tools import runbook
 
 
 def _as_in_the_runbook(command: str) -> str:

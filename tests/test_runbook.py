@@ -5,11 +5,11 @@ import shlex
 
 import pytest
 
-from gemma_nb import runbook
 from gemma_nb.__main__ import build_parser
 from gemma_nb.hardware import INSTANCES
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
+from gemma_nb.tools import runbook
 
 
 def test_committed_runbook_is_the_rendered_one():
@@ -80,8 +80,8 @@ def test_the_runbook_picks_the_sdk_2_31_image_and_installs_without_replacing_the
 
 
 def test_the_disk_figures_are_the_rehearsal_s_builds_scaled_and_hold_both_builds():
-    from gemma_nb import planner
     from gemma_nb.memory import load_gemma4_26b_config
+    from gemma_nb.tools import plan as planner
 
     f, disk = runbook.figures(), planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record())
     assert set(disk["builds"]) == {"dense", "sparse"}

@@ -6,8 +6,8 @@ import shutil
 import nbformat
 import pytest
 
-from gemma_nb import runner
 from gemma_nb.targets import TargetError, check_target, check_target_name
+from gemma_nb.tools import run as runner
 
 
 def _write_notebook(folder, name, body):

@@ -17,11 +17,11 @@ import openai
 import pytest
 import torch
 
-from gemma_nb.endpoint_bench import local_server, wait_until_healthy
+from gemma_nb.experiments.endpoint_bench import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
-from gemma_nb.serving import runtimes as G
-from gemma_nb.serving import runtimes as R
+from gemma_nb.serving import backends as G
+from gemma_nb.serving import backends as R
 from gemma_nb.serving import serve
 from gemma_nb.tiny import BUNDLED_ID
 

@@ -26,8 +26,8 @@ import pytest
 from gemma_nb import display
 from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUTS_DIR
-from gemma_nb.runner import KERNEL_NAME, kernelspec_metadata
 from gemma_nb.story import CLAIMS
+from gemma_nb.tools.run import KERNEL_NAME, kernelspec_metadata
 
 STORY_NOTEBOOKS = ["01_memory_arithmetic", "02_quantization", "03_lm_head_sharding", "06_embedding_scale"]
 REFERENCE = OUTPUTS_DIR / "cpu"

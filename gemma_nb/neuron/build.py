@@ -442,14 +442,14 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     first, so no file of a previous run is written through). Records the graphs, the shard check's
     time, the compiler workdir and flags, NEFF files and sizes, the saved artifact's size, the
     compile wall time, the peak host RSS of this process *and its children* (neuronx-cc runs as
-    subprocesses: ``gemma_nb.hostmem``), the versions and whether the SDK was the emulated one. The
+    subprocesses: ``gemma_nb.peak_rss``), the versions and whether the SDK was the emulated one. The
     artifact is ``torch.jit.save`` of what ``trace(initialize_model_weights=True)`` returns (weights
     included, as the port shipped it).
     """
     import time
 
     # here, not at the top: the xla environment (.venv-xla) imports this module and has no psutil
-    from gemma_nb.hostmem import HostMemorySampler
+    from gemma_nb.peak_rss import HostMemorySampler
 
     sdk = _import_sdk()
     config = text_config(build.model_dir)

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from gemma_nb.bench import time_runners
-from gemma_nb.deploy import host_embedding_for
-from gemma_nb.hostmem import HostMemorySampler
+from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import host_logits, step_inputs
 from gemma_nb.neuron.sdk import close_runtime, import_sdk
+from gemma_nb.peak_rss import HostMemorySampler
 
 
 @dataclass

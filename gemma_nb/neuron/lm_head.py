@@ -7,7 +7,7 @@ were read in neuronx-distributed 0.18, the newest public source (aws-neuron/neur
 :func:`build_lm_head` imports it and raises ``TargetError`` with the install hint when it is
 missing, or builds from ``sdk=gemma_nb.rehearsal.standins.cpu_sdk()``, the cpu stand-ins (notebook
 05's TP=2 emulation runs it so). The CPU twin, run for real under torch.distributed gloo, is
-``gemma_nb.parallel.VocabParallelLMHead``.
+``gemma_nb.experiments.lm_head_sharding.VocabParallelLMHead``.
 
 What the port did (docs/sources.md: port-recipe): the tie is broken. The host keeps ``embed_tokens.weight`` (bf16,
 1.48 GB) for the lookup; the traced graph gets an lm_head built as
@@ -24,7 +24,7 @@ the per-channel axis equals the partition dim, so is the scale: ModelBuilder giv
 ``[r V/tp, (r+1) V/tp)`` of both. The forward upcasts the int8 rows to bf16, matmuls, multiplies
 the output by the scale (``scale_dequantize``) and all-gathers the logits over the TP group. The
 final softcap ``30 tanh(x/30)`` runs on the host after the gather
-(``gemma_nb.parallel.softcap_logits``).
+(``gemma_nb.experiments.lm_head_sharding.softcap_logits``).
 
 Padding (vocab not divisible by tp; 262144 is, at TP=2): both layers take ``pad=True`` and pad the
 state dict in ``preshard_hook``. ``ColumnParallelLinear`` narrows the gathered output back to V;

@@ -39,9 +39,13 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma_nb.targets import NEURON_HELP, TargetError
-
 # import name -> pip distribution name
+NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
+NEURON_HELP = (
+    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
+    "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
+    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
+)
 SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
@@ -156,13 +160,13 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
 
 
 def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
-    """The SDK pieces the neuron code uses, or ``TargetError`` naming what is missing and the fix.
+    """The SDK pieces the neuron code uses, or ``ImportError`` naming what is missing and the fix.
 
     Prints ``FX_NOTE`` (through ``note``) when the transformers-5 workaround was needed.
     """
     status = check_sdk()
     if not status.ok:
-        raise TargetError(f"cannot use the Neuron SDK: {status.message()}")
+        raise ImportError(f"cannot use the Neuron SDK: {status.message()}")
     if status.fx_problem:
         note(FX_NOTE)
     # Everything build.py, moe.py, lm_head.py and quant.py import from the SDK, under one roof.

@@ -2,7 +2,7 @@
 
 ``python -m gemma_nb.rehearsal`` (in ``.venv-xla``: torch 2.9.0, torch-xla 2.9.0, and the notebooks'
 packages installed as ``envs/neuron/install.sh`` installs them on the box) runs the commands of
-``gemma_nb.runbook.COMMANDS`` that need no inf2 and no 26B, each as a subprocess with the emulated
+``gemma_nb.tools.runbook.COMMANDS`` that need no inf2 and no 26B, each as a subprocess with the emulated
 SDK on its path (``sdk_path/``: ``torch_neuronx``, ``neuronx_distributed`` and ``neuron-ls``, nowhere
 else importable):
 
@@ -35,8 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-from gemma_nb import planner, runbook
 from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
+from gemma_nb.tools import plan as planner
+from gemma_nb.tools import runbook
 
 SDK_PATH = Path(__file__).resolve().parent / "sdk_path"
 SMOKE_DIR = OUTPUTS_DIR / "neuron-rehearsal"
@@ -120,7 +121,7 @@ class Rehearsal:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
         import openai
 
-        from gemma_nb.endpoint_bench import wait_until_healthy
+        from gemma_nb.experiments.endpoint_bench import wait_until_healthy
         from gemma_nb.ranks import free_port
 
         port = free_port()

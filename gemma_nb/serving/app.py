@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gemma_nb.serving import schema
-from gemma_nb.serving.runtimes import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
+from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
 from gemma_nb.serving.schema import APIError, error_response
 
 API_KEY_ENV = "GEMMA_NB_API_KEY"

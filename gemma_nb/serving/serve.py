@@ -18,7 +18,7 @@ import torch
 import uvicorn
 
 from gemma_nb.serving import app as served
-from gemma_nb.serving.runtimes import RUNTIMES, load_runtime
+from gemma_nb.serving.backends import RUNTIMES, load_runtime
 from gemma_nb.targets import TargetError, check_target
 from gemma_nb.tiny import BUNDLED_ID
 

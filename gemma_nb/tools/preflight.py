@@ -12,7 +12,7 @@ blocker and its fix. Checks, in order:
 3. ``neuron_cores``: NeuronCores and HBM per core from ``neuron-ls --json-output``, against the TP
    degree and the planner's bytes per rank;
 4. ``host_memory``: RAM + swap against what the step needs (``compile`` or ``deploy``: the
-   planner's host figures, ``gemma_nb.planner.host_needs``, plus this process's own RSS);
+   planner's host figures, ``gemma_nb.tools.plan.host_needs``, plus this process's own RSS);
 5. ``disk``: free space where the outputs go, against what the step writes (the planner's scaling of
    ``make rehearse``'s measured builds, ``docs/rehearsal.json``: the runbook's figure);
 6. ``model``: the model folder complete (config, tokenizer, every shard the safetensors index
@@ -34,12 +34,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemma_nb import memory, planner
+from gemma_nb import memory
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
 from gemma_nb.neuron.artifact import ArtifactError, read_artifact
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
+from gemma_nb.tools import plan as planner
 
 REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
 STEPS = ("compile", "deploy")

@@ -9,11 +9,11 @@ experiment around it: ``compile_sweep`` compiles random-weight Gemma-4 configs o
 
 Command (what ``measure_sweep_point`` runs in a fresh interpreter)::
 
-    python -m gemma_nb.compile_cost '{"dims": {...}, "folder": "<dir>", "shapes": {...}}'
+    python -m gemma_nb.experiments.compile_run '{"dims": {...}, "folder": "<dir>", "shapes": {...}}'
 
 JSON contract: ``dims`` are ``random_gemma4_config`` keyword arguments, ``shapes`` ``StepShapes``
 fields (optional). The command compiles into ``folder`` and prints one JSON object on its **last
-stdout line** (``gemma_nb.hostmem.run_measured`` reads it): ``layers``, ``import_s``, ``build_s``,
+stdout line** (``gemma_nb.peak_rss.run_measured`` reads it): ``layers``, ``import_s``, ``build_s``,
 ``held_rss_bytes``, ``weight_bytes``, ``self_peak_rss_bytes`` and the ``CompileReport`` fields
 (``params``, ``export_s``, ``save_s``, ...). Anything printed earlier is ignored.
 """
@@ -37,7 +37,7 @@ from torch import nn
 from gemma_nb.evaluate import greedy_generate
 from gemma_nb.export import StepRunner, StepShapes, compile_model, export_steps, exported_runner, set_traceable_experts
 from gemma_nb.hardware import GB, INSTANCES
-from gemma_nb.hostmem import run_measured, self_peak_rss_bytes
+from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
 
 # Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
 # four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
@@ -86,7 +86,7 @@ def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | Non
                         interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
     """Run ``sweep_point`` in a fresh Python, sampling the RSS of that process and its children."""
     job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
-    run = run_measured([sys.executable, "-m", "gemma_nb.compile_cost", json.dumps(job)], interval_s=interval_s,
+    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
     return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes,
             "wall_s": run.wall_s}
@@ -284,7 +284,7 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
-    """``python -m gemma_nb.compile_cost '<job json>'``: one sweep point; prints the result as the last stdout line."""
+    """``python -m gemma_nb.experiments.compile_run '<job json>'``: one sweep point; prints the result as the last stdout line."""
     job = json.loads(argv[0])
     result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
     result["self_peak_rss_bytes"] = self_peak_rss_bytes()

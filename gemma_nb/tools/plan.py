@@ -1,7 +1,7 @@
 """``python -m gemma_nb plan CONFIG``: will this Hugging Face causal LM fit an inf2, how fast will it decode, for how much?
 
 Notebook 01's memory planner (``gemma_nb.memory``) for any causal-LM ``config.json`` (a file or a
-model folder; no weights are read; ``gemma_nb.plan_input`` reads it and names what it cannot
+model folder; no weights are read; ``gemma_nb.tools.plan_input`` reads it and names what it cannot
 model): the model is built on the meta device, every parameter is classified into a group
 (routed experts, router, dense/shared MLP, attention, norms, embedding, lm_head, ...), and a
 placement scheme (``memory.SCHEMES``) gives the bytes per rank; plus the KV cache for a context
@@ -30,8 +30,8 @@ from pathlib import Path
 from gemma_nb import decode_roofline, memory
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
 from gemma_nb.paths import REPO_ROOT
-from gemma_nb.plan_input import read_config
 from gemma_nb.story import CLAIMS
+from gemma_nb.tools.plan_input import read_config
 
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehearse's record, committed
 

@@ -12,7 +12,7 @@ The port deployed a 26B model on a 16 GB host because the host never held the mo
 
 Both run the same int8-squeezed model, so both must give the same greedy tokens as the reference
 decoded right after compiling. Each deploy runs in a fresh process (``measure_deploy``) so its
-peak RSS (``gemma_nb.hostmem``) and its cold start (process start -> first token) are its own.
+peak RSS (``gemma_nb.peak_rss``) and its cold start (process start -> first token) are its own.
 
 The squeeze on the cpu (``int8_squeeze``): the ``int8_squeeze`` scheme of ``gemma_nb.quant``
 (int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
@@ -21,14 +21,14 @@ ops that ``torch.export`` traces (``QuantizedExperts``' loop over the routed exp
 
 Command (what ``measure_deploy`` and ``measure_compile`` run in a fresh interpreter)::
 
-    python -m gemma_nb.deploy '{"kind": "slim" | "naive" | "compile", "source": ..., "prompt": [ids],
+    python -m gemma_nb.experiments.slim_deploy '{"kind": "slim" | "naive" | "compile", "source": ..., "prompt": [ids],
                                 "max_new_tokens": n, "folder": ..., "shapes": {...}}'
 
 JSON contract: ``kind`` ``slim`` / ``naive`` runs ``run_deploy`` on ``source`` (an artifact folder
 or a checkpoint); ``compile`` runs ``compile_checkpoint`` from ``source`` into ``folder``
 (``shapes``: ``StepShapes`` fields, optional). The command prints one JSON object, the function's
 result (plus ``self_peak_rss_bytes`` for ``compile``), on its **last stdout line**, which
-``gemma_nb.hostmem.run_measured`` reads; anything printed earlier is ignored.
+``gemma_nb.peak_rss.run_measured`` reads; anything printed earlier is ignored.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ import torch
 from torch import nn
 
 from gemma_nb import export, memory
-from gemma_nb.embedding import HostEmbedding
+from gemma_nb.embedding import host_embedding_for
 from gemma_nb.evaluate import greedy_generate
 from gemma_nb.experts import Int8Experts
-from gemma_nb.hostmem import run_measured, self_peak_rss_bytes
 from gemma_nb.modelio import model_skeleton, quiet_loading, resolve_model_id
 from gemma_nb.paths import fresh_dir
+from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
 from gemma_nb.plots import reference_line
 from gemma_nb.quant import apply_scheme
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
@@ -194,18 +194,6 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
 # --------------------------------------------------------------------------------------------
 # The two deploys
 # --------------------------------------------------------------------------------------------
-def host_embedding_for(skeleton: nn.Module, path: Path):
-    """The host table from ``path``, its scale checked against the skeleton's own embedding module.
-
-    The module's ``embed_scale`` buffer is a float32 tensor of ``sqrt(hidden_size)`` cast to the
-    weight dtype in forward; on the meta device it has no value, so it is rebuilt from the
-    module's ``scalar_embed_scale`` exactly as its constructor builds it.
-    """
-    module = skeleton.get_input_embeddings()
-    scale = torch.tensor(module.scalar_embed_scale)
-    return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))
-
-
 class SlimDeploy:
     """The slim deploy of an artifact folder: meta skeleton + host embedding + compiled steps."""
 
@@ -267,7 +255,7 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
     """
     job = {"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens}
     started = time.time()
-    run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
+    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
     result = dict(run.result)
     result.update(peak_rss_bytes=run.peak_rss_bytes, peak_hwm_bytes=run.peak_hwm_bytes, wall_s=run.wall_s,
@@ -281,7 +269,7 @@ def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
     job = {"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
            "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}
-    run = run_measured([sys.executable, "-m", "gemma_nb.deploy", json.dumps(job)], interval_s=interval_s,
+    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
     return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
 
@@ -357,7 +345,7 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 
 
 def main(argv: list[str]) -> None:
-    """``python -m gemma_nb.deploy '<job json>'``: one deploy or compile (the module docstring's JSON contract)."""
+    """``python -m gemma_nb.experiments.slim_deploy '<job json>'``: one deploy or compile (the module docstring's JSON contract)."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
