@@ -176,7 +176,7 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "REPORT.md").write_text("previous run")
-    code = ("import sys\nfrom gemma_nb import runner\n"
+    code = ("import sys\nfrom gemma_nb.tools import run as runner\n"
             f"runner.run('cpu', output_dir={str(out)!r}, notebooks_dir={str(folder)!r}, progress=False)")
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

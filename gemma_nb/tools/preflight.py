@@ -41,6 +41,7 @@ from gemma_nb.neuron.artifact import ArtifactError, read_artifact
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 from gemma_nb.tools import plan as planner
+from gemma_nb.tools.plan_input import read_config
 
 REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
 STEPS = ("compile", "deploy")
@@ -289,7 +290,7 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
             config_source = folder
     if config_source is None:
         return checks, None, None
-    config = planner.load_any_config(config_source)
+    config = read_config(config_source).config
     problem = memory.tp_problem(config, tp)
     if problem:
         checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
