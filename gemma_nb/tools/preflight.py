@@ -1,27 +1,5 @@
-"""``python -m gemma_nb preflight``: the first command on a box, before a 40-minute compile finds out.
-
-A checklist; the exit status is non-zero when a check fails, and the last line names the first
-blocker and its fix. Checks, in order:
-
-1. ``sdk``: torch-neuronx and neuronx-distributed import (``gemma_nb.neuron.sdk.check_sdk``: the
-   transformers-5 ``transformers.utils.fx`` problem is detected, worked around and said, never
-   reported as "SDK missing");
-2. ``versions``: installed Neuron packages against the pins in ``envs/neuron/requirements.txt``
-   (a difference is a warning: the pins are what the repo was written against; a local version
-   label, ``2.9.0.2.15.32035+0f2a1b3c`` as the Neuron wheels report, is not a difference);
-3. ``neuron_cores``: NeuronCores and HBM per core from ``neuron-ls --json-output``, against the TP
-   degree and the planner's bytes per rank;
-4. ``host_memory``: RAM + swap against what the step needs (``compile`` or ``deploy``: the
-   planner's host figures, ``gemma_nb.tools.plan.host_needs``, plus this process's own RSS);
-5. ``disk``: free space where the outputs go, against what the step writes (the planner's scaling of
-   ``make rehearse``'s measured builds, ``docs/rehearsal.json``: the runbook's figure);
-6. ``model``: the model folder complete (config, tokenizer, every shard the safetensors index
-   names), or, for a hub id, HF_TOKEN set (its value is never printed);
-7. ``artifact``: the artifact folder valid against its manifest (``gemma_nb.neuron.artifact``).
-
-``--target cpu`` skips the neuron checks. With ``make rehearse``'s emulated SDK every neuron check
-says "emulated". Every system query goes through ``System``, so the tests run each check on fakes.
-"""
+"""``python -m gemma_nb preflight``: the checklist to run on a box before a 40-minute compile finds out (SDK, versions,
+NeuronCores, RAM and swap, disk, model folder, artifacts); non-zero exit naming the first blocker and its fix."""
 
 from __future__ import annotations
 
@@ -30,9 +8,13 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import psutil
 
 from gemma_nb import memory
 from gemma_nb.hardware import GB, GiB
@@ -58,8 +40,6 @@ class Check:
 
 
 def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(package)
     except PackageNotFoundError:
@@ -74,38 +54,19 @@ def _neuron_ls() -> str | None:
     return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip()[:200]}"
 
 
-def _memory() -> tuple[int, int]:
-    import psutil
-
-    return psutil.virtual_memory().total, psutil.swap_memory().total
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _check_sdk():
-    return neuron_sdk.check_sdk()
-
-
 @dataclass
 class System:
     """The machine's answers; tests pass fakes."""
 
-    check_sdk: Callable = _check_sdk
+    check_sdk: Callable = lambda: neuron_sdk.check_sdk()
     package_version: Callable[[str], str | None] = _version
     neuron_ls: Callable[[], str | None] = _neuron_ls
-    memory: Callable[[], tuple[int, int]] = _memory   # (RAM total, swap total) in bytes
-    process_rss: Callable[[], int] = _rss
+    memory: Callable[[], tuple[int, int]] = lambda: (psutil.virtual_memory().total, psutil.swap_memory().total)
+    process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss
     disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
 
 
-# --------------------------------------------------------------------------------------------
-# The checks
-# --------------------------------------------------------------------------------------------
 def check_sdk(system: System) -> Check:
     status = system.check_sdk()
     if status.missing:
@@ -152,12 +113,7 @@ _MEMORY_KEYS = ("memory_size", "device_memory_size", "memory")
 
 
 def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
-    """(NeuronCores, device memory bytes) per Neuron device from ``neuron-ls --json-output``.
-
-    The JSON is a list of device objects with ``nc_count`` and ``memory_size`` (bytes), e.g. on a
-    trn1.2xlarge ``[{"neuron_device": 0, "nc_count": 2, "memory_size": 34359738368, ...}]``; a few
-    near variants of the key names are accepted too. ValueError when a device has neither.
-    """
+    """(NeuronCores, device memory bytes) per device of ``neuron-ls --json-output`` (``nc_count``, ``memory_size``)."""
     devices = json.loads(text)
     if isinstance(devices, dict):
         devices = devices.get("neuron_devices") or devices.get("devices") or []
@@ -275,9 +231,6 @@ def check_artifact(folder: str) -> Check:
                                  f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
 
 
-# --------------------------------------------------------------------------------------------
-# The checklist
-# --------------------------------------------------------------------------------------------
 def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
     """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
     checks, config_source = [], None
@@ -300,10 +253,7 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
 
 def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one.
-
-    ``artifact``: an artifact folder, or several (each build's), each checked against its manifest.
-    """
+    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact."""
     check_target_name(target)
     artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
     artifact = str(artifacts[0]) if artifacts else None
@@ -367,8 +317,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    import sys
-
     try:
         checks = run_checks(args.target, args.model_id, args.artifact, args.step, args.tp)
     except ValueError as error:
