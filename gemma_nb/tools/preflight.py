@@ -144,10 +144,9 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
     if not cores:
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m in devices if c)
-    emulated = " (emulated NeuronCores)" if _emulated_devices(text) else ""
+    emulated = " (emulated NeuronCores)" if any(isinstance(d, dict) and d.get("emulated") for d in json.loads(text)) else ""
     hbm_gib = hbm_per_core / GiB
-    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:.1f} GiB HBM per core" if hbm_gib >= 1 else \
-        f"{cores} NeuronCores{emulated}, {hbm_gib:.3g} GiB HBM per core"
+    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:{'.1f' if hbm_gib >= 1 else '.3g'}} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
@@ -155,11 +154,6 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
                      "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG")
     return Check("neuron_cores", OK, detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""))
-
-
-def _emulated_devices(text: str) -> bool:
-    devices = json.loads(text)
-    return isinstance(devices, list) and any(d.get("emulated") for d in devices if isinstance(d, dict))
 
 
 def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
@@ -195,8 +189,7 @@ def check_model(system: System, model_id: str) -> Check:
         return Check("model", WARN, f"hub id {model_id} and HF_TOKEN is not set",
                      "gated models (Gemma) need it: export HF_TOKEN=... (never pass it as a flag), then "
                      f"hf download {model_id} --local-dir /data/model and use --model-id /data/model")
-    problem = model_folder_problem(folder)
-    if problem:
+    if problem := model_folder_problem(folder):
         return Check("model", FAIL, problem, "download the whole model folder again (hf download ... --local-dir DIR)")
     shards = len(list(folder.glob("*.safetensors")))
     return Check("model", OK, f"{folder.name}/: config, tokenizer and {shards} safetensors file(s)")
@@ -244,8 +237,7 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
     if config_source is None:
         return checks, None, None
     config = read_config(config_source).config
-    problem = memory.tp_problem(config, tp)
-    if problem:
+    if problem := memory.tp_problem(config, tp):
         checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
         return checks, config, None
     return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
@@ -266,17 +258,13 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)
-        emulated = sdk.detail.startswith("emulated SDK")
-        checks += [sdk, check_versions(system, emulated=emulated) if sdk.status == OK
+        checks += [sdk, check_versions(system, emulated=sdk.detail.startswith("emulated SDK")) if sdk.status == OK
                    else Check("versions", SKIP, "SDK not importable"), check_neuron_cores(system, tp, bytes_per_rank)]
     checks += model_checks
-    needs = planner.host_needs(config) if config is not None else None
-    need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
+    need = 0 if config is None else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))
     checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need(config, step)))
-    for folder in artifacts:
-        checks.append(check_artifact(str(folder)))
-    return checks
+    return checks + [check_artifact(str(folder)) for folder in artifacts]
 
 
 def disk_need(config, step: str, record: dict | None = None) -> int:
@@ -284,8 +272,7 @@ def disk_need(config, step: str, record: dict | None = None) -> int:
     record = planner.rehearsal_record() if record is None else record
     if config is None or record is None:
         return 0
-    needs = planner.disk_needs(config, record)
-    return needs["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
+    return planner.disk_needs(config, record)["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
 
 
 def first_blocker(checks: list[Check]) -> Check | None:
@@ -300,8 +287,7 @@ def format_checks(checks: list[Check], target: str) -> str:
         if check.fix and check.status != OK:
             lines.append(f"  {'':<20}fix: {check.fix}")
     blocker = first_blocker(checks)
-    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker
-                 else "ready: no blocker found")
+    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker else "ready: no blocker found")
     return "\n".join(lines)
 
 
