@@ -93,7 +93,7 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
-# ---------------------------------------------------------------- refusing what the run cannot honour (issue 14)
+# ---------------------------------------------------------------- refusing what the run cannot honour
 
 
 PARAMETERS = 'target = "cpu"\ncontext_len = 512\nmodel_id = "gemma-nb/tiny-gemma4-moe"\nartifact_dir = ""'
