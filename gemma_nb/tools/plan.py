@@ -64,8 +64,7 @@ def _bf16_weight_bytes(config) -> int:
 
 def host_needs(config) -> dict:
     """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
-    reference = _bf16_weight_bytes(memory.load_gemma4_26b_config())
-    ratio = _bf16_weight_bytes(config) / reference
+    ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
     return {
         "bf16_weights_bytes": _bf16_weight_bytes(config),
         "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
@@ -363,18 +362,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _epilog() -> str:
-    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
-    return (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
-            f"its inferred allowance)\n\n--json keys:\n{keys}")
-
-
 def add_arguments(parser) -> None:
+    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = _epilog()
+    parser.epilog = (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
+                     f"its inferred allowance)\n\n--json keys:\n{keys}")
     parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} "
-                                                         "(default: the cheapest that fits)")
+    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
     parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
     parser.add_argument("--tp", type=positive_int, default=DEFAULT_TP,
                         help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
