@@ -99,5 +99,5 @@ def test_local_server_starts_serves_and_stops():
 
 def test_local_server_reports_a_failed_start():
     with pytest.raises(EndpointError, match="no-such-folder"):
-        with endpoint_bench.local_server(model_id="./no-such-folder", runtime="transformers", ready_timeout_s=60):
+        with endpoint_bench.local_server(model_id="./no-such-folder", runtime="transformers"):
             pass

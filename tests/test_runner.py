@@ -93,7 +93,7 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
-# ---------------------------------------------------------------- refusing what the run cannot honour (issue 14)
+# ---------------------------------------------------------------- refusing what the run cannot honour
 
 
 PARAMETERS = 'target = "cpu"\ncontext_len = 512\nmodel_id = "gemma-nb/tiny-gemma4-moe"\nartifact_dir = ""'
@@ -176,7 +176,7 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "REPORT.md").write_text("previous run")
-    code = ("import sys\nfrom gemma_nb import runner\n"
+    code = ("import sys\nfrom gemma_nb.tools import run as runner\n"
             f"runner.run('cpu', output_dir={str(out)!r}, notebooks_dir={str(folder)!r}, progress=False)")
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

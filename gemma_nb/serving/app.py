@@ -1,12 +1,5 @@
-"""``create_app(load, model_name=...)``: the app of ``python -m gemma_nb serve`` over a ``Runtime``.
-
-A request meets, each refusing before the next costs anything: ``Gate``, the one ASGI middleware (a
-head over 16 KiB: 431, Content-Length with Transfer-Encoding: 400, a declared body over the limit: 413,
-a full queue: 429, before the body is read; then the body bounded in size and time: 413, 408);
-Starlette's ``TrustedHostMiddleware``; FastAPI's parsing into the route's model (``schema``) and
-``HTTPBearer``; tokenizing on a CPU pool; ``Engine.steps``, in line (FIFO) for the one device thread.
-A client that leaves, while waiting or between tokens, frees its place at once.
-"""
+"""``create_app(load, model_name=...)``: the app of ``python -m gemma_nb serve`` over a ``Runtime``: ``Gate`` refuses
+what costs the most first (README: "Serving the model"), ``Engine`` queues requests FIFO for the one device thread."""
 
 import asyncio
 import contextlib
@@ -214,7 +207,8 @@ class Engine:
 
 
 class Gate:
-    """The one middleware: what no library refuses as this server needs (the module docstring says what)."""
+    """The one middleware, before the body is read: a head over 16 KiB (431), Content-Length with Transfer-Encoding
+    (400), a declared body over the limit (413), a full queue (429); then the body bounded in size (413) and time (408)."""
 
     def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
         self.app, self.engine, self.max_body_bytes, self.body_timeout_s = app, engine, max_body_bytes, body_timeout_s
@@ -329,9 +323,24 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
               for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
-    fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
+    _error_handlers(app, {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)})
 
-    async def http_error(_request, error: HTTPException):  # APIError's, and Starlette's own (404, 405) as OpenAI's errors
+    def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
+        if engine.status != "ok":
+            app.openapi_schema = None
+        return FastAPI.openapi(app)
+
+    app.openapi = openapi
+    keyed = _key_check(api_key) if api_key else []
+    _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
+    _generation_routes(app, engine, *models, keyed)
+    return app
+
+
+def _error_handlers(app: FastAPI, fields: dict) -> None:
+    """Every error as OpenAI's body: APIError's, Starlette's own (404, 405), and the request models' (naming the field)."""
+
+    async def http_error(_request, error: HTTPException):
         status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
         return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
                               "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
@@ -343,18 +352,8 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, invalid)
 
-    def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
-        if engine.status != "ok":
-            app.openapi_schema = None
-        return FastAPI.openapi(app)
 
-    app.openapi = openapi
-    keyed = _key_check(api_key) if api_key else []
-    _routes(app, engine, *models, keyed, keyed if metrics_need_key else [])
-    return app
-
-
-def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list, metrics_keyed: list) -> None:  # noqa: N803
+def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
 
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
@@ -370,6 +369,8 @@ def _routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: li
     async def list_models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}]}
 
+
+def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list) -> None:  # noqa: N803
     @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def chat_completions(body: Chat, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)

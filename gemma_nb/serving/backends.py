@@ -1,8 +1,5 @@
-"""The model behind the server: ``DeployRuntime`` (notebook 05's slim deploy of notebook 04's artifact),
-``TransformersRuntime`` (any transformers causal LM), ``NeuronDeployRuntime`` (the port's NxD deploy on an
-inf2, NOT RUN here); and ``Generation``, one request over a runtime, a token per ``step()`` so the server
-can stream, time and stop between tokens (``generate`` runs one to the end, as notebook 05 does).
-"""
+"""The model behind the server, a ``Runtime`` (slim deploy, transformers, the port's NxD deploy), and ``Generation``:
+one request over it, a token per ``step()`` so the server can stream, time and stop between tokens."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from jinja2 import TemplateError
+from transformers import AutoTokenizer, DynamicCache, GenerationConfig
 
 from gemma_nb import export
 from gemma_nb.embedding import HostEmbedding
@@ -28,6 +26,8 @@ from gemma_nb.tiny import BUNDLED_ID
 
 # Prompt tokens decoded together with the answer so a word keeps its leading space (" Paris").
 DETOKENIZE_CONTEXT_TOKENS = 4
+RUNTIMES = ("auto", "deploy", "transformers")
+log = logging.getLogger("gemma_nb.serve")
 
 
 class Runtime(Protocol):  # prefill(prompt_ids) starts the one sequence, decode(token_id) adds one: next logits [vocab]
@@ -54,8 +54,7 @@ def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
 
 
 class SamplingParams(NamedTuple):
-    """How to pick each token (the server's request models check the values). ``temperature == 0`` is greedy;
-    ``top_k <= 0`` means no top-k."""
+    """How to pick each token: ``temperature == 0`` is greedy, ``top_k <= 0`` no top-k."""
 
     max_tokens: int
     temperature: float = 0.0
@@ -91,8 +90,8 @@ Step = namedtuple("Step", "token_id text finish_reason")
 
 @dataclass
 class Generation:
-    """One request's decoding over a ``Runtime``, a token per ``step()``. Text that might start a stop
-    string, or ends in half a character, is held back (a stop string is never streamed)."""
+    """One request's decoding, a token per ``step()``; text that might start a stop string, or ends in half a
+    character, is held back (a stop string is never streamed)."""
 
     runtime: Runtime
     prompt_ids: list[int]
@@ -168,11 +167,6 @@ def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32
     return generation
 
 
-RUNTIMES = ("auto", "deploy", "transformers")
-
-log = logging.getLogger("gemma_nb.serve")
-
-
 def _context_limit(requested: int | None, model_limit: int | None) -> int:
     if requested is None and model_limit is None:
         raise ValueError("the model does not say how long its context is: pass max_context (--max-context N)")
@@ -193,8 +187,6 @@ class TransformersRuntime(_Runtime):
     """A transformers causal LM (``model(input_ids, cache=...)``) with its own KV cache."""
 
     def __init__(self, model, tokenizer, max_context: int | None = None):
-        from transformers import DynamicCache
-
         limit = getattr(model.config, "max_position_embeddings", None) or max_context
         super().__init__(tokenizer, _context_limit(max_context, limit),
                          getattr(getattr(model, "generation_config", None), "eos_token_id", None))
@@ -216,8 +208,7 @@ class TransformersRuntime(_Runtime):
 
 
 class _Stepped(_Runtime):
-    """A compiled deploy stepped one token at a time, so the server can sample, stream and stop between
-    tokens: the prompt padded to the fixed prefill ``bucket``, then one token per decode step."""
+    """A compiled deploy, one token a step: the prompt padded to the fixed prefill ``bucket``, then a decode step each."""
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
         super().__init__(tokenizer, context, eos_token_ids)
@@ -260,8 +251,7 @@ class DeployRuntime(_Stepped):
 
 
 class NeuronDeployRuntime(_Stepped):
-    """The port's ``neuron.deploy.NeuronStepRunner`` (its KV cache is device state); NOT RUN HERE on an inf2,
-    the tests drive it over the cpu variant of the traced module (``neuron.deploy.CpuStateGraph``)."""
+    """The port's ``neuron.deploy.NeuronStepRunner`` (KV cache in device state); tested over ``CpuStateGraph``."""
 
     def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
         super().__init__(runner, tokenizer, _context_limit(max_context, runner.max_len), runner.bucket, eos_token_ids)
@@ -274,9 +264,8 @@ class NeuronDeployRuntime(_Stepped):
 
 def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
                  runtime: str = "auto", artifact: str | None = None, dtype: torch.dtype = torch.float32):
-    """Load ``model_id`` for ``target``: ``"deploy"`` serves the slim deploy of a compiled ``artifact`` folder
-    (notebook 04 writes ``artifacts/04_tiny``), ``"transformers"`` the model as transformers loads it; ``"auto"``
-    is deploy when an artifact is given on cpu, else transformers. Neuron serves its NxD ``artifact``."""
+    """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``, ``"transformers"`` the model
+    as transformers loads it, ``"auto"`` deploy with an artifact on cpu; neuron serves its NxD ``artifact``."""
     check_target(target)
     model_id = model_id or BUNDLED_ID
     if runtime not in RUNTIMES:
@@ -298,8 +287,8 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
 
 
 def slim_runner(folder: str) -> export.StepRunner:
-    """An artifact's programs and mmapped weights, the embedding table on the host with the scale of the
-    model's own embedding module (rebuilt on the meta device, where the buffer has no value)."""
+    """An artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
+    (rebuilt on the meta device, where the buffer has no value)."""
     artifact = export.load_artifact(folder)
     module = model_skeleton(artifact.config()).get_input_embeddings()
     return artifact.runner(HostEmbedding.from_file(export.host_embedding_path(folder), shape=tuple(module.weight.shape),
@@ -307,8 +296,6 @@ def slim_runner(folder: str) -> export.StepRunner:
 
 
 def _tokenizer_and_eos(model_id: str):
-    from transformers import AutoTokenizer, GenerationConfig
-
     source = resolve_model_id(model_id)
     token = None if os.path.isdir(source) else hf_token()
     tokenizer = AutoTokenizer.from_pretrained(source, token=token, trust_remote_code=False)

@@ -1,10 +1,5 @@
-"""Benchmark any OpenAI-compatible endpoint from the client side with the ``openai`` client (notebook 07).
-
-``benchmark_endpoint(url)`` streams greedy chat completions at a few concurrency levels and times what
-a user sees (TTFT, the gaps between tokens, tok/s): of this server, the port's container on inf2 or vLLM.
-A chunk with ``content`` is a token (``usage`` corrects the count); ``ignore_eos`` (vLLM's field) fixes the
-length. The API key comes from ``GEMMA_NB_API_KEY`` or ``OPENAI_API_KEY`` in the environment.
-"""
+"""TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with the ``openai``
+client (notebook 07): greedy streamed chats at a few concurrency levels; the key from ``API_KEY_ENVS``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What the server accepts and answers: pydantic bodies (``/openapi.json`` documents them), and errors.
-
-Strict (``true`` is not a number, ``"10"`` not an integer), unknown fields refused by name; OpenAI options
-not implemented here take only the value that asks for nothing (``"n": 1``). Errors are OpenAI's
-``{"error": {message, type, param, code}}``, quoting at most a short excerpt of what was sent.
-"""
+"""What the server accepts and answers: strict pydantic bodies (unknown fields refused by name, OpenAI options not
+implemented here only at their do-nothing value), and OpenAI's error body quoting a short excerpt of what was sent."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``python -m gemma_nb serve``: the command, and uvicorn with its own limits for the connections.
-
-Exit status: 2 for bad arguments, 1 if the model fails to load (the server stops at once), 0 after
-Ctrl-C or SIGTERM.
-"""
+"""``python -m gemma_nb serve``: the command (exit 2 for bad arguments, 1 if the model fails to load, 0 after Ctrl-C
+or SIGTERM), and uvicorn with its own limits for the connections."""
 
 from __future__ import annotations
 

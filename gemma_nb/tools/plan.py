@@ -1,30 +1,12 @@
-"""``python -m gemma_nb plan CONFIG``: will this Hugging Face causal LM fit an inf2, how fast will it decode, for how much?
-
-Notebook 01's memory planner (``gemma_nb.memory``) for any causal-LM ``config.json`` (a file or a
-model folder; no weights are read; ``gemma_nb.tools.plan_input`` reads it and names what it cannot
-model): the model is built on the meta device, every parameter is classified into a group
-(routed experts, router, dense/shared MLP, attention, norms, embedding, lm_head, ...), and a
-placement scheme (``memory.SCHEMES``) gives the bytes per rank; plus the KV cache for a context
-length and the Neuron runtime's allowance, by default the window notebook 01 infers from the
-port's two builds (``memory.inferred_runtime_allowance``; ``--runtime-allowance GB`` sets one).
-Each instance of the catalog (``gemma_nb.hardware``) is judged at the TP degree, one rank per
-NeuronCore: fits (whatever the runtime took inside the window), marginal (only if it took little),
-or does not fit; with its decode roofline at batch 1 and at the most streams whose KV cache fits,
-dense and sparse experts (``gemma_nb.decode_roofline``, notebook 07's model), and $ per million tokens.
-
-Host RAM for the two steps, from the same config: the compile and the deploy peaks the port
-measured for the 26B (``gemma_nb.story``: 180 GB and 11 GB) scaled by this model's bf16 weight
-bytes over the 26B's. A scaling of two measurements, not a measurement: ``preflight`` compares the
-box against it. Disk for the two boxes (:func:`disk_needs`): what ``make rehearse`` measured on disk
-for the bundled TP=2 checkpoint's two builds (``docs/rehearsal.json``), scaled to this model by its
-device weight bytes and its embedding table. ``--json`` prints ``plan_report``'s dict, keys in
-``JSON_KEYS`` (``--help`` lists them).
-"""
+"""``python -m gemma_nb plan CONFIG``: will a Hugging Face causal LM fit an inf2, how fast will it decode, for how much?
+Notebook 01's memory planner for any ``config.json`` (no weights read): bytes per rank, each instance's verdict,
+its decode roofline and $ per million tokens, and host RAM and disk scaled from the port's measured builds."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from gemma_nb import decode_roofline, memory
@@ -76,27 +58,13 @@ JSON_KEYS = tuple(JSON_DOC)
 NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
 
 
-def load_any_config(path: str | Path):
-    """The causal-LM text config of a ``config.json`` (file or folder). Multimodal: its text model.
-
-    Refuses, with the fix, a file that is not a JSON object, has no ``model_type``, or is not a causal LM.
-    """
-    return read_config(path).config
-
-
 def _bf16_weight_bytes(config) -> int:
     return 2 * memory.param_summary(config)["total_params"]
 
 
 def host_needs(config) -> dict:
-    """Host RAM (bytes) the compile and the deploy of ``config`` need, scaled from the port's 26B peaks.
-
-    ``compile_bytes`` = the story's 180 GB compile peak x (this model's bf16 bytes / the 26B's);
-    ``deploy_bytes`` likewise from the 11 GB deploy peak; ``host_embedding_bytes`` the bf16 table
-    the slim deploy keeps on the host.
-    """
-    reference = _bf16_weight_bytes(memory.load_gemma4_26b_config())
-    ratio = _bf16_weight_bytes(config) / reference
+    """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
+    ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
     return {
         "bf16_weights_bytes": _bf16_weight_bytes(config),
         "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
@@ -107,7 +75,7 @@ def host_needs(config) -> dict:
 
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
-    """Bytes of weights on all NeuronCores together (every rank's shard): what a compiled artifact holds."""
+    """Bytes of weights on all NeuronCores together: what a compiled artifact holds."""
     table = memory.plan(config, tp, scheme).table.set_index("group")
     weights = table.drop(index=[g for g in ("kv_cache", "runtime_allowance") if g in table.index])
     return tp * int(weights["bytes_per_rank"].sum())
@@ -120,17 +88,8 @@ def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:
 
 
 def disk_needs(config, record: dict) -> dict:
-    """Disk (bytes) for the compile box and the serving box, from a rehearsal's measured builds.
-
-    ``record``: ``rehearsal.json`` (``make rehearse``: both builds of the bundled TP=2 checkpoint,
-    their artifact files and compiler workdir on disk, and that checkpoint's device weight and
-    embedding table bytes). Each build is scaled to ``config``: ``model.pt`` and the compiler workdir
-    (the sharded weights) by the device weight bytes, the host embedding file by the embedding table
-    (bf16 from the hub), the small files as measured. Returns ``builds`` (per decode path: ``artifact_bytes``,
-    ``compiler_workdir_bytes``), ``checkpoint_bytes`` (the text weights in bf16),
-    ``compile_disk_bytes`` (checkpoint + every build and its workdir) and ``serve_disk_bytes``
-    (every build's artifact folder, the workdir left behind).
-    """
+    """Disk (bytes) for the compile box and the serving box: ``record``'s builds (``rehearsal.json``) scaled to
+    ``config``, ``model.pt`` and the compiler workdir by the device weight bytes, the embedding file by its table."""
     scale = record["scale"]
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
     embedding = 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]
@@ -152,13 +111,7 @@ def disk_needs(config, record: dict) -> dict:
 
 
 def param_counts(config, towers_params: int = 0) -> dict:
-    """Total and active parameters of the text model, with and without the input embedding table.
-
-    ``active`` follows the model cards (``memory.param_summary``: everything but the routed experts,
-    plus top_k / E of them); ``*_excl_input_embedding`` drop the input table (a lookup, not
-    compute; when the lm_head is tied to it, the table goes too). ``towers``: multimodal parameters
-    left out of the plan; ``total_with_towers`` adds them back.
-    """
+    """Total and active parameters (as the model cards count them), with and without the input embedding table."""
     summary = memory.param_summary(config)
     table = summary["embeddings_params"] + summary["per_layer_embeddings_params"]
     return {"total": summary["total_params"], "total_excl_input_embedding": summary["total_params"] - table,
@@ -190,11 +143,7 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
 
 
 def instance_decode(costs, instance: str, tp: int, scheme: str, budget: str, allowance) -> dict | None:
-    """Decode predictions on one instance: batch 1 and the largest batch, dense and sparse (``None``: too few cores).
-
-    The instance runs ``cores // tp`` replicas side by side; tokens/s and $ per million tokens are
-    the whole box's, ``tok_s_per_stream`` one user's.
-    """
+    """The roofline at batch 1 and the largest batch, dense and sparse, for ``cores // tp`` replicas (None: too few cores)."""
     inst = get_instance(instance)
     if tp > inst.neuron_cores:
         return None
@@ -238,12 +187,7 @@ def _decode_basis(costs, rows: list[dict]) -> dict:
 def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, context_len: int = memory.SHIPPED_CONTEXT_LEN,
                 instance: str | None = None, budget: str = "spec", name: str = "",
                 allowance: memory.RuntimeAllowance | None = None, notes=(), towers_params: int = 0) -> dict:
-    """The plan as a dict with the keys in ``JSON_KEYS`` (bytes, and GB = 10^9 bytes).
-
-    ``instance``: judge this one; default the cheapest instance that fits (``None`` if none does).
-    ``allowance``: default ``memory.inferred_runtime_allowance()``. Raises ValueError naming the
-    fix for an unknown scheme or instance, or a TP the heads, KV heads or experts do not divide.
-    """
+    """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the cheapest that fits)."""
     if instance is not None:
         get_instance(instance)
     memory.get_scheme(scheme)
@@ -285,11 +229,7 @@ def _cheapest_fitting(config, scheme: str, tp: int, context_len: int, budget: st
 
 
 def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
-    """What to change when nothing fits: the cheapest (TP, scheme) NxD can load that fits an inf2, or why none does.
-
-    Only TP degrees the model's heads, KV heads and experts allow on the largest inf2 are tried, and
-    only schemes whose formats NxD loads (``NXD_FORMATS``); never the combination already asked for.
-    """
+    """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
     degrees = memory.valid_tp_degrees(config, most_cores)
     schemes = [name for name, sch in memory.SCHEMES.items()
@@ -314,7 +254,6 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
 
 
 def format_report(report: dict) -> str:
-    """The plan as text: parameters, groups per rank, instances and decode, verdict, notes, host RAM."""
     return "\n".join([*_format_header(report), *_format_groups(report), *_format_instances(report),
                       *_format_decode(report), *_format_verdict(report)])
 
@@ -414,7 +353,6 @@ def _format_verdict(report: dict) -> list[str]:
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a TP degree), else an error naming the value."""
     try:
         value = int(text)
     except ValueError:
@@ -424,18 +362,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _epilog() -> str:
-    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
-    return (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
-            f"its inferred allowance)\n\n--json keys:\n{keys}")
-
-
 def add_arguments(parser) -> None:
+    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = _epilog()
+    parser.epilog = (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
+                     f"its inferred allowance)\n\n--json keys:\n{keys}")
     parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} "
-                                                         "(default: the cheapest that fits)")
+    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
     parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
     parser.add_argument("--tp", type=positive_int, default=DEFAULT_TP,
                         help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
@@ -449,9 +382,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    """``python -m gemma_nb plan``; exit 0 fits, 1 does not fit, 3 marginal on the judged instance, 2 on bad input."""
-    import sys
-
+    """``python -m gemma_nb plan``; the exit status is ``EXIT_CODES``'s, 2 on bad input."""
     try:
         source = read_config(args.config)
         allowance = None if args.runtime_allowance is None else memory.given_runtime_allowance(args.runtime_allowance)

@@ -1,17 +1,10 @@
-"""What ``python -m gemma_nb plan`` reads from a ``config.json``, and what it says it cannot model.
-
-``read_config(path)`` loads a Hugging Face config (a file or a model folder; no weights) and
-returns a ``PlanInput``: the causal-LM text config the planner counts, the parameters of any
-multimodal towers it leaves out, and ``notes``, one per field whose effect the byte plan does not
-follow exactly, each naming the field: multi-head latent attention (``kv_lora_rank``), a
-checkpoint that ships quantized (``quantization_config``), vision or audio towers
-(``vision_config``, ``audio_config``, ...). The planner prints every note: never a silent number.
-"""
+"""What ``python -m gemma_nb plan`` reads from a ``config.json`` (``read_config``): the text config it counts, the
+multimodal towers it leaves out, and a note per field whose effect the byte plan does not follow exactly."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -19,31 +12,17 @@ from transformers import AutoModel
 
 from gemma_nb import memory
 
-
-@dataclass(frozen=True)
-class PlanInput:
-    """A config as the planner sees it: ``config`` (text model), ``towers_params`` left out, ``notes``."""
-
-    config: object
-    raw: dict
-    towers_params: int
-    tower_fields: tuple[str, ...]
-    notes: tuple[str, ...]
-
-
-def config_path(path: str | Path) -> Path:
-    """``path`` itself if it is a file, else ``path/config.json``; ValueError saying what to pass."""
-    path = Path(path)
-    candidate = path / "config.json" if path.is_dir() else path
-    if not candidate.is_file():
-        raise ValueError(f"no config file at {str(path)!r}: pass a config.json or a model folder holding one "
-                         "(no weights needed; e.g. gemma_nb/configs/gemma4_26b_a4b.json)")
-    return candidate
+# A config as the planner sees it: the text model's config, the towers' parameters left out, the notes.
+PlanInput = namedtuple("PlanInput", "config towers_params notes")
 
 
 def read_raw(path: str | Path) -> dict:
-    """The JSON object of a config file; ValueError for text that is not JSON or not an object."""
-    file = config_path(path)
+    """The JSON object of a config file or of ``path/config.json``; ValueError saying what to pass."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"no config file at {str(path)!r}: pass a config.json or a model folder holding one "
+                         "(no weights needed; e.g. gemma_nb/configs/gemma4_26b_a4b.json)")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as error:
@@ -55,10 +34,7 @@ def read_raw(path: str | Path) -> dict:
 
 
 def read_config(path: str | Path) -> PlanInput:
-    """The planner's view of the config at ``path``. Multimodal: its text model, towers counted apart.
-
-    Refuses, with the fix, a file that is not a JSON object, has no ``model_type``, or is not a causal LM.
-    """
+    """The planner's view of the config at ``path``: a multimodal one's text model, its towers counted apart."""
     raw = read_raw(path)
     full = memory.load_config(raw)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
@@ -67,7 +43,7 @@ def read_config(path: str | Path) -> PlanInput:
                          if key.endswith("_config") and key != "text_config" and isinstance(value, dict)) if text is not full else ()
     towers = towers_params(full, text) if text is not full else 0
     notes = [*_mla_notes(text), *_quantization_notes(raw), *_tower_notes(full, text, tower_fields, towers)]
-    return PlanInput(text, raw, towers, tower_fields, tuple(notes))
+    return PlanInput(text, towers, tuple(notes))
 
 
 def towers_params(full_config, text_config) -> int:

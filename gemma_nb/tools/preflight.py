@@ -1,27 +1,5 @@
-"""``python -m gemma_nb preflight``: the first command on a box, before a 40-minute compile finds out.
-
-A checklist; the exit status is non-zero when a check fails, and the last line names the first
-blocker and its fix. Checks, in order:
-
-1. ``sdk``: torch-neuronx and neuronx-distributed import (``gemma_nb.neuron.sdk.check_sdk``: the
-   transformers-5 ``transformers.utils.fx`` problem is detected, worked around and said, never
-   reported as "SDK missing");
-2. ``versions``: installed Neuron packages against the pins in ``envs/neuron/requirements.txt``
-   (a difference is a warning: the pins are what the repo was written against; a local version
-   label, ``2.9.0.2.15.32035+0f2a1b3c`` as the Neuron wheels report, is not a difference);
-3. ``neuron_cores``: NeuronCores and HBM per core from ``neuron-ls --json-output``, against the TP
-   degree and the planner's bytes per rank;
-4. ``host_memory``: RAM + swap against what the step needs (``compile`` or ``deploy``: the
-   planner's host figures, ``gemma_nb.tools.plan.host_needs``, plus this process's own RSS);
-5. ``disk``: free space where the outputs go, against what the step writes (the planner's scaling of
-   ``make rehearse``'s measured builds, ``docs/rehearsal.json``: the runbook's figure);
-6. ``model``: the model folder complete (config, tokenizer, every shard the safetensors index
-   names), or, for a hub id, HF_TOKEN set (its value is never printed);
-7. ``artifact``: the artifact folder valid against its manifest (``gemma_nb.neuron.artifact``).
-
-``--target cpu`` skips the neuron checks. With ``make rehearse``'s emulated SDK every neuron check
-says "emulated". Every system query goes through ``System``, so the tests run each check on fakes.
-"""
+"""``python -m gemma_nb preflight``: the checklist to run on a box before a 40-minute compile finds out (SDK, versions,
+NeuronCores, RAM and swap, disk, model folder, artifacts); non-zero exit naming the first blocker and its fix."""
 
 from __future__ import annotations
 
@@ -30,9 +8,13 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import psutil
 
 from gemma_nb import memory
 from gemma_nb.hardware import GB, GiB
@@ -41,6 +23,7 @@ from gemma_nb.neuron.artifact import ArtifactError, read_artifact
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 from gemma_nb.tools import plan as planner
+from gemma_nb.tools.plan_input import read_config
 
 REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
 STEPS = ("compile", "deploy")
@@ -57,8 +40,6 @@ class Check:
 
 
 def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(package)
     except PackageNotFoundError:
@@ -73,38 +54,19 @@ def _neuron_ls() -> str | None:
     return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip()[:200]}"
 
 
-def _memory() -> tuple[int, int]:
-    import psutil
-
-    return psutil.virtual_memory().total, psutil.swap_memory().total
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _check_sdk():
-    return neuron_sdk.check_sdk()
-
-
 @dataclass
 class System:
     """The machine's answers; tests pass fakes."""
 
-    check_sdk: Callable = _check_sdk
+    check_sdk: Callable = lambda: neuron_sdk.check_sdk()
     package_version: Callable[[str], str | None] = _version
     neuron_ls: Callable[[], str | None] = _neuron_ls
-    memory: Callable[[], tuple[int, int]] = _memory   # (RAM total, swap total) in bytes
-    process_rss: Callable[[], int] = _rss
+    memory: Callable[[], tuple[int, int]] = lambda: (psutil.virtual_memory().total, psutil.swap_memory().total)
+    process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss
     disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
 
 
-# --------------------------------------------------------------------------------------------
-# The checks
-# --------------------------------------------------------------------------------------------
 def check_sdk(system: System) -> Check:
     status = system.check_sdk()
     if status.missing:
@@ -151,12 +113,7 @@ _MEMORY_KEYS = ("memory_size", "device_memory_size", "memory")
 
 
 def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
-    """(NeuronCores, device memory bytes) per Neuron device from ``neuron-ls --json-output``.
-
-    The JSON is a list of device objects with ``nc_count`` and ``memory_size`` (bytes), e.g. on a
-    trn1.2xlarge ``[{"neuron_device": 0, "nc_count": 2, "memory_size": 34359738368, ...}]``; a few
-    near variants of the key names are accepted too. ValueError when a device has neither.
-    """
+    """(NeuronCores, device memory bytes) per device of ``neuron-ls --json-output`` (``nc_count``, ``memory_size``)."""
     devices = json.loads(text)
     if isinstance(devices, dict):
         devices = devices.get("neuron_devices") or devices.get("devices") or []
@@ -187,10 +144,9 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
     if not cores:
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m in devices if c)
-    emulated = " (emulated NeuronCores)" if _emulated_devices(text) else ""
+    emulated = " (emulated NeuronCores)" if any(isinstance(d, dict) and d.get("emulated") for d in json.loads(text)) else ""
     hbm_gib = hbm_per_core / GiB
-    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:.1f} GiB HBM per core" if hbm_gib >= 1 else \
-        f"{cores} NeuronCores{emulated}, {hbm_gib:.3g} GiB HBM per core"
+    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:{'.1f' if hbm_gib >= 1 else '.3g'}} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
@@ -198,11 +154,6 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
                      "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG")
     return Check("neuron_cores", OK, detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""))
-
-
-def _emulated_devices(text: str) -> bool:
-    devices = json.loads(text)
-    return isinstance(devices, list) and any(d.get("emulated") for d in devices if isinstance(d, dict))
 
 
 def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
@@ -238,8 +189,7 @@ def check_model(system: System, model_id: str) -> Check:
         return Check("model", WARN, f"hub id {model_id} and HF_TOKEN is not set",
                      "gated models (Gemma) need it: export HF_TOKEN=... (never pass it as a flag), then "
                      f"hf download {model_id} --local-dir /data/model and use --model-id /data/model")
-    problem = model_folder_problem(folder)
-    if problem:
+    if problem := model_folder_problem(folder):
         return Check("model", FAIL, problem, "download the whole model folder again (hf download ... --local-dir DIR)")
     shards = len(list(folder.glob("*.safetensors")))
     return Check("model", OK, f"{folder.name}/: config, tokenizer and {shards} safetensors file(s)")
@@ -274,9 +224,6 @@ def check_artifact(folder: str) -> Check:
                                  f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
 
 
-# --------------------------------------------------------------------------------------------
-# The checklist
-# --------------------------------------------------------------------------------------------
 def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
     """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
     checks, config_source = [], None
@@ -289,9 +236,8 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
             config_source = folder
     if config_source is None:
         return checks, None, None
-    config = planner.load_any_config(config_source)
-    problem = memory.tp_problem(config, tp)
-    if problem:
+    config = read_config(config_source).config
+    if problem := memory.tp_problem(config, tp):
         checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
         return checks, config, None
     return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
@@ -299,10 +245,7 @@ def _model_checks(system: System, model_id: str | None, artifact: str | None, tp
 
 def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``step`` defaults to compile without an artifact, deploy with one.
-
-    ``artifact``: an artifact folder, or several (each build's), each checked against its manifest.
-    """
+    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact."""
     check_target_name(target)
     artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
     artifact = str(artifacts[0]) if artifacts else None
@@ -315,17 +258,13 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)
-        emulated = sdk.detail.startswith("emulated SDK")
-        checks += [sdk, check_versions(system, emulated=emulated) if sdk.status == OK
+        checks += [sdk, check_versions(system, emulated=sdk.detail.startswith("emulated SDK")) if sdk.status == OK
                    else Check("versions", SKIP, "SDK not importable"), check_neuron_cores(system, tp, bytes_per_rank)]
     checks += model_checks
-    needs = planner.host_needs(config) if config is not None else None
-    need = 0 if needs is None else needs["compile_bytes" if step == "compile" else "deploy_bytes"]
+    need = 0 if config is None else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))
     checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need(config, step)))
-    for folder in artifacts:
-        checks.append(check_artifact(str(folder)))
-    return checks
+    return checks + [check_artifact(str(folder)) for folder in artifacts]
 
 
 def disk_need(config, step: str, record: dict | None = None) -> int:
@@ -333,8 +272,7 @@ def disk_need(config, step: str, record: dict | None = None) -> int:
     record = planner.rehearsal_record() if record is None else record
     if config is None or record is None:
         return 0
-    needs = planner.disk_needs(config, record)
-    return needs["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
+    return planner.disk_needs(config, record)["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
 
 
 def first_blocker(checks: list[Check]) -> Check | None:
@@ -349,8 +287,7 @@ def format_checks(checks: list[Check], target: str) -> str:
         if check.fix and check.status != OK:
             lines.append(f"  {'':<20}fix: {check.fix}")
     blocker = first_blocker(checks)
-    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker
-                 else "ready: no blocker found")
+    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker else "ready: no blocker found")
     return "\n".join(lines)
 
 
@@ -366,8 +303,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    import sys
-
     try:
         checks = run_checks(args.target, args.model_id, args.artifact, args.step, args.tp)
     except ValueError as error:

@@ -1,22 +1,5 @@
-"""Run the notebooks in story order with papermill: ``python -m gemma_nb run --target cpu``.
-
-A run writes into a temporary folder beside ``outputs/<target>/`` and swaps it in only when every
-notebook succeeded, so a failed or interrupted run (Ctrl-C or SIGTERM) never destroys the previous
-outputs. A failed run is kept as ``outputs/.<target>.failed/`` for inspection; the temporary
-folder of a run whose process died without cleaning up (``kill -9``) is removed by the next run.
-``--only`` reruns some notebooks on top of a copy of the previous outputs (later notebooks read
-what earlier ones wrote); the files under ``artifacts/`` (compiled models, tens of GB for the 26B)
-are hard links in that copy, not copies.
-
-Parameters (``-p NAME VALUE``) must be ones the selected notebooks declare in their
-``parameters`` cell: a typo is an error, not a warning papermill prints and the run ignores.
-Relative paths in them are the caller's: they are made absolute before papermill runs the
-notebooks from ``notebooks/``.
-
-Every executed notebook carries the kernelspec of the installed ``python3`` kernel
-(``kernelspec_metadata``), the one JupyterLab writes when it opens the notebook, so opening and
-saving a reference notebook changes nothing.
-"""
+"""``python -m gemma_nb run --target cpu``: the notebooks in story order with papermill, into a staging folder
+swapped in over ``outputs/<target>/`` only when every notebook succeeded (README: "Running notebooks")."""
 
 from __future__ import annotations
 
@@ -30,10 +13,12 @@ import signal
 import sys
 import threading
 import time
+from collections import namedtuple
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
+import papermill
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
@@ -53,15 +38,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C: the run stops and the previous outputs stay as they were."""
 
 
-@dataclass(frozen=True)
-class NotebookResult:
-    name: str
-    seconds: float
+NotebookResult = namedtuple("NotebookResult", "name seconds")
 
 
 def discover_notebooks(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Path]:
     """``NN_name.ipynb`` files in story order."""
-    found = sorted(p for p in notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
+    found = sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
     if not found:
         raise RunError(f"no notebooks named NN_*.ipynb in {display_path(notebooks_dir)}")
     return found
@@ -78,16 +60,13 @@ def select_notebooks(notebooks: list[Path], only: str | Iterable[str] | None) ->
     for selector in wanted:
         matches = [nb for nb in notebooks if nb.stem == selector or nb.stem.split("_", 1)[0] == selector.zfill(2)]
         if not matches:
-            available = ", ".join(nb.stem for nb in notebooks)
-            raise RunError(f"--only {selector!r} matches no notebook; available: {available}")
+            raise RunError(f"--only {selector!r} matches no notebook; available: {', '.join(nb.stem for nb in notebooks)}")
         chosen += [nb for nb in matches if nb not in chosen]
     return sorted(chosen)
 
 
 def notebook_parameters(notebook: Path) -> list[str]:
     """The names the notebook's ``parameters`` cell assigns, in order (``target`` included)."""
-    import nbformat
-
     names: list[str] = []
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
@@ -112,11 +91,8 @@ PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
 
 
 def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
-    """Make the caller's relative paths absolute (papermill runs the notebooks in ``notebooks/``).
-
-    A string value becomes ``cwd / value`` if it names an existing file or folder there, or if the
-    parameter's name ends in _dir, _path or _file. Hub ids and other strings stay as they are.
-    """
+    """The caller's relative paths made absolute (papermill runs in ``notebooks/``): a string that names a path
+    under ``cwd``, or whose parameter's name ends in _dir, _path or _file; hub ids stay as they are."""
     cwd = Path.cwd() if cwd is None else Path(cwd)
     resolved = {}
     for name, value in parameters.items():
@@ -154,15 +130,8 @@ def _raise_terminated(signum, _frame):
 
 
 def _copy_previous(previous: Path, staging: Path) -> None:
-    """Start a partial run from the previous outputs: files under ``artifacts/`` hard-linked, the rest copied.
-
-    Notebooks rewrite their figures, metrics and executed copies in place, so those are copied: a
-    shared inode would let a failed partial run change the outputs it was meant to protect. The
-    artifacts are what a second copy cannot afford (the 26B's compiled model is ~27 GB per build,
-    twice on a serving box that has room for it once): every writer of an artifact folder starts it
-    afresh (``gemma_nb.paths.fresh_dir``), so a linked file is replaced, never written through.
-    A filesystem without hard links gets copies.
-    """
+    """A partial run starts from the previous outputs: the rest copied (notebooks rewrite it in place), files under
+    ``artifacts/`` hard-linked (too big to copy; their writers start afresh, ``paths.fresh_dir``, never write through)."""
     artifacts = previous / ARTIFACTS
 
     def link_or_copy(source, target):
@@ -184,10 +153,7 @@ def kernelspec_metadata(name: str = KERNEL_NAME) -> dict[str, str]:
 
 
 def _scrub_metadata(executed: Path) -> None:
-    """Drop machine-specific paths papermill records in notebook metadata; record the installed
-    kernel's spec (papermill keeps whatever display name the source notebook had)."""
-    import nbformat
-
+    """Drop the machine's paths papermill records; record the installed kernel's spec."""
     nb = nbformat.read(executed, as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
@@ -198,13 +164,7 @@ def _scrub_metadata(executed: Path) -> None:
 
 
 class QuietShutdownKernelManager(AsyncKernelManager):
-    """A kernel manager that does not interrupt the kernel it is shutting down.
-
-    jupyter_client sends SIGINT before its shutdown request; when the signal lands while the kernel
-    is still finishing a message, ipykernel logs "ERROR | KeyboardInterrupt caught in kernel." at
-    the end of a run that went well. The shutdown request alone stops an idle kernel, and one that
-    does not stop is still killed after jupyter_client's wait.
-    """
+    """No SIGINT before the shutdown request (ipykernel would log a KeyboardInterrupt after a good run)."""
 
     async def _async_interrupt_kernel(self) -> None:
         if not self.shutting_down:
@@ -212,40 +172,23 @@ class QuietShutdownKernelManager(AsyncKernelManager):
 
 
 def _failure_message(notebook: Path, error: Exception) -> str:
-    cell = getattr(error, "exec_count", None)
-    index = getattr(error, "cell_index", None)
-    ename = getattr(error, "ename", type(error).__name__)
-    evalue = getattr(error, "evalue", str(error))
-    where = f"cell {index}" if index is not None else "a cell"
-    if cell is not None:
-        where += f" (execution count {cell})"
-    return f"notebook {notebook.stem} failed in {where}: {ename}: {evalue}"
+    cell, index = getattr(error, "exec_count", None), getattr(error, "cell_index", None)
+    where = (f"cell {index}" if index is not None else "a cell") + (f" (execution count {cell})" if cell is not None else "")
+    return f"notebook {notebook.stem} failed in {where}: {getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
 
 
 def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, progress: bool) -> None:
-    """Run one notebook with papermill; on a target that does not measure the cpu (``measures_cpu``)
-    the cells tagged ``CPU_MEASUREMENT_TAG`` are skipped (nbclient's ``skip_cells_with_tag``)."""
-    import papermill
-
+    """Run one notebook with papermill, skipping the ``CPU_MEASUREMENT_TAG`` cells where ``not measures_cpu(target)``."""
     skip = {} if measures_cpu(target) else {"skip_cells_with_tag": CPU_MEASUREMENT_TAG}
     papermill.execute_notebook(
-        str(notebook),
-        str(staging / notebook.name),
-        parameters={"target": target, **parameters},
-        cwd=str(notebook.parent),
-        kernel_name=KERNEL_NAME,
-        kernel_manager_class=QuietShutdownKernelManager,
-        progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False,
-        log_output=False,
-        **skip,
-    )
+        str(notebook), str(staging / notebook.name), parameters={"target": target, **parameters}, cwd=str(notebook.parent),
+        kernel_name=KERNEL_NAME, kernel_manager_class=QuietShutdownKernelManager, log_output=False,
+        progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False, **skip)
 
 
 def write_summary(staging: Path, target: str) -> dict:
     """Collect every ``metrics/*.json`` into ``summary.json``."""
-    notebooks = {}
-    for path in sorted((staging / "metrics").glob("*.json")):
-        notebooks[path.stem] = json.loads(path.read_text())
+    notebooks = {path.stem: json.loads(path.read_text()) for path in sorted((staging / "metrics").glob("*.json"))}
     summary = {"target": target, "kernels": reference_kernels(), "notebooks": notebooks}
     write_json_atomic(staging / "summary.json", summary)
     return summary
@@ -263,22 +206,15 @@ def _format_value(value) -> str:
 
 def write_report(staging: Path, summary: dict) -> Path:
     """``REPORT.md``: each notebook's headline figures (beside the story's claims) and its plots."""
-    target = summary["target"]
-    lines = [
-        f"# gemma-nb reference run: target `{target}`",
-        "",
-        "Generated by `python -m gemma_nb run`; every figure below was computed by the notebooks in",
-        "this folder. *Claimed* is the figure an outside source published, as it wrote it (`gemma_nb/story.py`).",
-        "",
-    ]
-    figures = sorted((staging / "figures").glob("*.png")) if (staging / "figures").exists() else []
-    # One section per executed notebook; a notebook that writes several metrics files (07 writes
-    # 07_endpoint_benchmark.json beside its own) gets them all, each under its own table.
+    lines = [f"# gemma-nb reference run: target `{summary['target']}`", "",
+             "Generated by `python -m gemma_nb run`; every figure below was computed by the notebooks in",
+             "this folder. *Claimed* is the figure an outside source published, as it wrote it (`gemma_nb/story.py`).", ""]
+    figures = sorted((staging / "figures").glob("*.png"))
+    # One section per executed notebook, with a table per metrics file it wrote (07 writes two).
     for notebook in sorted(staging.glob("*.ipynb")):
         name, prefix = notebook.stem, notebook.stem[:2] + "_"
         lines += [f"## {name}", "", f"Notebook: [{name}.ipynb]({name}.ipynb)", ""]
-        files = sorted((k for k in summary["notebooks"] if k.startswith(prefix)), key=lambda k: (k != name, k))
-        for key in files:
+        for key in sorted((k for k in summary["notebooks"] if k.startswith(prefix)), key=lambda k: (k != name, k)):
             rows = summary["notebooks"][key].get("headline", [])
             if key != name:
                 lines += [f"Also written: `metrics/{key}.json`", ""]
@@ -290,8 +226,7 @@ def write_report(staging: Path, summary: dict) -> Path:
                 lines.append("")
         for fig in (f for f in figures if f.stem.startswith(prefix)):
             lines += [f"![{fig.stem}](figures/{fig.name})", ""]
-    path = staging / "REPORT.md"
-    path.write_text("\n".join(lines))
+    (path := staging / "REPORT.md").write_text("\n".join(lines))
     return path
 
 
@@ -306,14 +241,8 @@ def _swap_in(staging: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def run(
-    target: str = "cpu",
-    only: str | Iterable[str] | None = None,
-    output_dir: Path | str | None = None,
-    parameters: dict | None = None,
-    progress: bool = True,
-    notebooks_dir: Path = NOTEBOOKS_DIR,
-) -> list[NotebookResult]:
+def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir: Path | str | None = None,
+        parameters: dict | None = None, progress: bool = True, notebooks_dir: Path = NOTEBOOKS_DIR) -> list[NotebookResult]:
     """Execute the notebooks for ``target``; on success the outputs replace ``output_dir``."""
     check_target(target)
     selected = select_notebooks(discover_notebooks(Path(notebooks_dir)), only)
@@ -329,12 +258,10 @@ def run(
     try:
         results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
                    for number in range(1, len(selected) + 1)]
-        summary = write_summary(staging, target)
-        write_report(staging, summary)
+        write_report(staging, write_summary(staging, target))
         _swap_in(staging, final)
-    except BaseException:
-        if staging.exists():  # interrupted (Ctrl-C, SIGTERM) before the swap: keep the old outputs intact
-            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM) before the swap: keep the old outputs intact
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         if in_main_thread:
@@ -348,14 +275,12 @@ def run(
 
 
 def reference_kernels() -> dict[str, str]:
-    """The environment that pins the notebooks' cpu kernels (``targets.REFERENCE_KERNELS``) on x86-64;
-    elsewhere none (the variables name x86 instruction sets)."""
+    """The environment that pins the notebooks' cpu kernels (``targets.REFERENCE_KERNELS``) on x86-64; elsewhere none."""
     return dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}
 
 
 def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
-    """A fresh staging folder beside ``final`` (holding a copy of ``final`` when ``keep_previous``),
-    and where a failed run's outputs go."""
+    """A fresh staging folder beside ``final`` (a copy of it when ``keep_previous``), and where a failed run goes."""
     final.parent.mkdir(parents=True, exist_ok=True)
     for folder in remove_stale_staging(final):
         print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
@@ -371,8 +296,7 @@ def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
 
 def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path, final: Path, target: str,
                   parameters: dict, progress: bool) -> NotebookResult:
-    """Execute notebook ``number`` (1-based) of ``selected`` into ``staging``; on an error, move the
-    staging folder to ``failed`` and raise RunError naming the notebook and cell."""
+    """Execute notebook ``number`` (1-based) of ``selected``; on an error, staging moves to ``failed`` and RunError says where."""
     notebook = selected[number - 1]
     print(f"[{number}/{len(selected)}] {notebook.stem} (target {target})", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -382,11 +306,8 @@ def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path
         if failed.exists():
             shutil.rmtree(failed)
         staging.rename(failed)
-        raise RunError(
-            f"{_failure_message(notebook, error)}\n"
-            f"The executed notebook with the error is in {display_path(failed)}/{notebook.name}; "
-            f"{display_path(final)} was left as it was."
-        ) from error
+        raise RunError(f"{_failure_message(notebook, error)}\nThe executed notebook with the error is in "
+                       f"{display_path(failed)}/{notebook.name}; {display_path(final)} was left as it was.") from error
     _scrub_metadata(staging / notebook.name)
     result = NotebookResult(notebook.stem, time.perf_counter() - start)
     print(f"    done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
