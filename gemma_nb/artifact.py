@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from transformers import Gemma4TextConfig
 from transformers.configuration_utils import get_head_shapes
 
+from gemma_nb.embedding import dtype_name
+
 FORMAT = "gemma-nb.exported-steps/1"
 MANIFEST = "manifest.json"
 PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
@@ -154,10 +156,6 @@ def config_fingerprint(config) -> str:
                      "dtype", "torch_dtype", "architectures"):
         data.pop(volatile, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:
