@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from gemma_nb import tiny
-from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES, check_sdk
+from gemma_nb.neuron import sdk as neuron_sdk
+from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
@@ -48,7 +49,7 @@ def check_target(target: str) -> str:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
         # Checked in every process that runs the target (runner, each notebook kernel, server): with
         # transformers 5 this is where the transformers.utils.fx stand-in goes in, before NxD imports.
-        status = check_sdk()
+        status = neuron_sdk.check_sdk()
         if not status.ok:
             raise TargetError(status.message())
         if status.fx_problem:
