@@ -138,7 +138,9 @@ def _float_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
     for name, tensor in weights.items():
         if name.endswith("norm.weight") and tensor.is_floating_point():
             return tensor.dtype
-    return next(tensor.dtype for tensor in weights.values() if tensor.is_floating_point())
+    dtype = next((tensor.dtype for tensor in weights.values() if tensor.is_floating_point()), None)
+    assert dtype is not None, "no floating-point weight: expected a Gemma-4 model's parameters"
+    return dtype
 
 
 def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str, torch.export.ExportedProgram]:
