@@ -1,31 +1,7 @@
-"""The host-side embedding of the slim deploy, with Gemma-4's scale, and the check that guards it.
+"""The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06).
 
-Gemma-4's ``Gemma4TextScaledWordEmbedding`` returns ``embedding(ids) * embed_scale.to(weight.dtype)``
-with ``embed_scale = sqrt(hidden_size)`` (53.066 for the 26B's 2816), and the model's forward does
-*not* rescale ``inputs_embeds`` (docs/sources.md: transformers-gemma4). A deploy that looks tokens up on the host and feeds
-``inputs_embeds`` must therefore apply that scale itself, and apply it the way the module does:
-
-- no scale at all (the story's first deploy: a plain ``nn.Embedding``) makes every embedding
-  ~sqrt(H) times too small, and the answers degenerate;
-- ``lookup(ids) * math.sqrt(H)`` is right in fp32 but not in bf16: torch multiplies a bf16 tensor by
-  a Python float at fp32 precision (53.066) and rounds the product, while the module first rounds
-  the scale to bf16 (53.0) and then multiplies. A share of the products (about a quarter at
-  hidden 2816) then differ by one bf16 ulp;
-- ``HostEmbedding`` takes the module's own ``embed_scale`` and casts it to the weight dtype exactly
-  as the module does, so its output equals ``embed_tokens(ids)`` bit for bit.
-
-``HostEmbedding.verify_against(module)`` checks that equality on a probe batch and raises
-``EmbeddingScaleError`` (a ``ValueError``) with what scale was expected and found otherwise.
-
-The embedding file the deploy loads (``HostEmbedding.save`` / ``from_file``) is a safetensors file
-holding ``weight`` [vocab, hidden] with the scale as applied in its metadata (``embed_scale``,
-``embed_scale_dtype``), plus the source model's own output for 256 probe ids (``probe_ids``,
-``probe_expected``) that ``from_file`` re-checks bit for bit, with no model on the host. The port
-shipped a bare ``embed_tokens.pt`` whose scale lived only in the deploy script, which is how it got
-lost.
-
-Notebook 06's comparison of the three host paths (unscaled, ``math.sqrt``, the module's scale) is
-``gemma_nb.experiments.embedding_scale``.
+``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it
+equals ``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md).
 """
 
 from __future__ import annotations
@@ -36,6 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 FILE_FORMAT = "gemma-nb.host-embedding/1"
@@ -68,10 +46,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def module_scale(module: nn.Module) -> torch.Tensor:
-    """The scale ``module`` multiplies by, as it does: ``embed_scale.to(weight.dtype)`` (0-d tensor).
-
-    A plain ``nn.Embedding`` (no ``embed_scale``) has scale 1 in its weight dtype.
-    """
+    """The scale ``module`` multiplies by, as it does: ``embed_scale.to(weight.dtype)`` (1 for a plain ``nn.Embedding``)."""
     weight = module.weight
     scale = getattr(module, "embed_scale", None)
     if scale is None:
@@ -80,11 +55,7 @@ def module_scale(module: nn.Module) -> torch.Tensor:
 
 
 def _as_scale(scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``scale`` rounded to ``dtype`` the way the module rounds it.
-
-    The module holds ``torch.tensor(sqrt(H))`` (a float32 buffer) and casts it to the weight dtype
-    in forward; a Python float therefore goes through float32 first, never straight to bf16.
-    """
+    """``scale`` rounded to ``dtype`` the way the module rounds it: a Python float through float32 first."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(f"scale must be a single number, got a tensor of shape {tuple(scale.shape)}")
@@ -101,15 +72,10 @@ def default_probe_ids(vocab_size: int, count: int = DEFAULT_PROBE_TOKENS) -> tor
 
 
 class HostEmbedding(nn.Module):
-    """Token ids -> ``weight[ids] * scale``, the scale held in the weight dtype like the module's.
+    """Token ids -> ``weight[ids] * scale``, the scale rounded to the weight dtype like the module's.
 
-    ``weight`` [vocab, hidden] (any float dtype; shared, not copied); ``scale`` a float or 0-d tensor,
-    rounded to the weight dtype through float32 exactly as ``Gemma4TextScaledWordEmbedding`` does.
-    Output: [..., hidden] in the weight dtype, on the weight's device.
-
-    ``probe_ids`` / ``probe_expected``: set by ``from_model`` (the model's own output for a few ids),
-    saved with the table, and re-checked by ``from_file``, so a deploy with no model on the host
-    (meta device) still checks its embedding bit for bit at load.
+    ``probe_ids`` / ``probe_expected`` (the model's own output for a few ids, set by ``from_model``) are
+    saved with the table and re-checked by ``from_file``, so a deploy with no model on the host checks it too.
     """
 
     def __init__(self, weight: torch.Tensor, scale: float | torch.Tensor):
@@ -124,11 +90,7 @@ class HostEmbedding(nn.Module):
 
     @classmethod
     def from_model(cls, model: nn.Module) -> HostEmbedding:
-        """The host embedding of ``model`` (a Gemma-4 causal LM, or its embedding module itself).
-
-        Uses the module's own table and its ``embed_scale`` cast to the weight dtype, never a
-        recomputed ``math.sqrt(hidden_size)``; checked bit for bit against the module on probe ids.
-        """
+        """The host embedding of a Gemma-4 causal LM (or its embedding module), checked bit for bit against it."""
         module = model if isinstance(model, nn.Embedding) else model.get_input_embeddings()
         if getattr(module, "embed_scale", None) is None:
             raise EmbeddingCheckError(
@@ -143,21 +105,11 @@ class HostEmbedding(nn.Module):
         return host
 
     @classmethod
-    def from_file(
-        cls,
-        path: str | Path,
-        scale: float | torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, int] | None = None,
-    ) -> HostEmbedding:
-        """Load an embedding file written by ``save`` (safetensors: ``weight`` + scale in metadata).
+    def from_file(cls, path: str | Path, scale: float | torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                  shape: tuple[int, int] | None = None) -> HostEmbedding:
+        """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe.
 
-        ``scale``: only needed for a file without scale metadata; if both are present they must
-        agree in the weight dtype. ``dtype`` / ``shape``: what the caller expects the table to be
-        (e.g. torch.bfloat16, (262144, 2816)); a file holding anything else is refused rather than
-        cast, because the scale's rounding depends on the dtype. If the file carries the source
-        model's probe outputs, they are re-checked bit for bit. Raises ``EmbeddingFileError``
-        (or ``EmbeddingScaleError``) naming the file and what was expected.
+        ``scale`` is needed only for a file without scale metadata (both present: they must agree).
         """
         path = Path(path)
         tensors, metadata = _read_embedding_file(path)
@@ -177,8 +129,6 @@ class HostEmbedding(nn.Module):
 
     def save(self, path: str | Path) -> Path:
         """Write ``weight``, the scale (as applied, in the weight dtype) and any probe to safetensors."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {
@@ -199,11 +149,9 @@ class HostEmbedding(nn.Module):
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
     def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
-        """Raise ``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit.
+        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit.
 
-        ``module``: the model's ``get_input_embeddings()``. A module on the meta device (the slim
-        deploy's weightless structure) has no table to compare: then only shape, dtype and scale
-        are checked (``embed_scale`` is a buffer, which ``accelerate.init_empty_weights`` leaves real).
+        A module on the meta device (the slim deploy's structure) has no table: then only shape, dtype and scale.
         """
         if module.weight.is_meta:
             _verify_scale_only(self, module)
@@ -217,8 +165,6 @@ class HostEmbedding(nn.Module):
 
 def _read_embedding_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of an embedding file, or an EmbeddingFileError naming it."""
-    from safetensors import SafetensorError, safe_open
-
     name = path.name
     if not path.is_file():
         raise EmbeddingFileNotFoundError(
@@ -322,18 +268,11 @@ def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
         )
 
 
-def verify_host_path(
-    host: Callable[[torch.Tensor], torch.Tensor],
-    module: nn.Module,
-    probe_ids: torch.Tensor | None = None,
-    found_scale: torch.Tensor | None = None,
-) -> None:
+def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
+                     probe_ids: torch.Tensor | None = None, found_scale: torch.Tensor | None = None) -> None:
     """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``.
 
-    ``module``: the model's embedding (``model.get_input_embeddings()``). ``probe_ids`` default to
-    256 ids spread over the vocabulary. ``found_scale``: the host's scale if it has one (else it is
-    estimated from norms). ``EmbeddingScaleError`` says which scale was expected and which found,
-    the max |Δ| and the ratio of norms (≈ sqrt(hidden) means "unscaled").
+    ``EmbeddingScaleError`` names the scale expected and found (``found_scale``, else estimated from norms).
     """
     weight = module.weight
     if probe_ids is None:
@@ -390,19 +329,8 @@ def unit_in_last_place(value: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
 
 
-__all__ = [
-    "HostEmbedding", "EmbeddingCheckError", "EmbeddingScaleError", "EmbeddingFileError", "EmbeddingFileNotFoundError",
-    "module_scale", "default_probe_ids", "verify_host_path", "unit_in_last_place", "dtype_name",
-]
-
-
 def host_embedding_for(skeleton: nn.Module, path: Path):
-    """The host table from ``path``, its scale checked against the skeleton's own embedding module.
-
-    The module's ``embed_scale`` buffer is a float32 tensor of ``sqrt(hidden_size)`` cast to the
-    weight dtype in forward; on the meta device it has no value, so it is rebuilt from the
-    module's ``scalar_embed_scale`` exactly as its constructor builds it.
-    """
+    """The host table from ``path``, its scale checked against the skeleton's (a meta buffer: rebuilt as its constructor does)."""
     module = skeleton.get_input_embeddings()
     scale = torch.tensor(module.scalar_embed_scale)
     return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))

@@ -1,15 +1,7 @@
-"""How answers are scored: greedy decoding, fact recall, logit agreement, greedy token match.
+"""How answers are scored: greedy decoding, fact recall, logit agreement, greedy token match (notebooks 02, 05, 06).
 
-A *model* here is either a transformers causal LM (anything whose ``forward`` takes
-``input_ids`` and returns ``.logits``) or a plain callable ``logits_fn(input_ids) -> logits``
-with ``input_ids`` a LongTensor [B, S] and logits a float tensor [B, S, V]. Custom paths (a
-host-side embedding feeding ``inputs_embeds``, a quantized or exported model, a Neuron graph)
-are wrapped as such a callable, e.g.::
-
-    logits_fn = lambda ids: model(inputs_embeds=host_embedding(ids)).logits
-
-Transformers models decode with their KV cache; callables are re-run on the whole sequence at
-every step (no cache), which is exact and cheap at the sizes used here.
+A model is a transformers causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] ->
+logits [B, S, V]`` (re-run on the whole sequence each step).
 """
 
 from __future__ import annotations
@@ -65,11 +57,9 @@ def _as_batch(input_ids) -> torch.Tensor:
 
 @torch.inference_mode()
 def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
-    """Greedy (argmax) continuation: returns the prompt plus new tokens, LongTensor [B, S + n].
+    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens.
 
-    ``input_ids`` [S] or [B, S], unpadded (rows of equal length). With ``eos_token_id`` a row
-    that emitted it keeps emitting it, and decoding stops early once every row has; n <=
-    ``max_new_tokens``. Transformers models use their KV cache; callables recompute each step.
+    A row that emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
@@ -133,12 +123,9 @@ def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]
 
 @torch.inference_mode()
 def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """Greedy fact recall: (accuracy in [0, 1], one row per fact).
+    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced.
 
-    A fact counts when greedy decoding after its prompt reproduces every answer token ("Paris",
-    "."). ``facts`` defaults to the bundled corpus (``gemma_nb.tiny.FACTS``); any objects with
-    ``prompt`` and ``answer`` strings (and optionally ``kind``, ``subject``) work. Columns: kind,
-    subject, prompt, expected, generated, correct.
+    ``facts``: objects with ``prompt`` and ``answer`` (default: the bundled corpus).
     """
     facts = list(FACTS if facts is None else facts)
     if not facts:
@@ -164,11 +151,7 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
 
 
 def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> tuple[float, list[bool]]:
-    """Fact recall from greedy tokens already decoded after each fact's prompt (one list per fact).
-
-    The same verdict as :func:`fact_recall` without decoding again: a fact counts when its answer's
-    tokens open the generated ones. Every list must hold at least the answer's length.
-    """
+    """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list per fact)."""
     facts = list(facts)
     if len(facts) != len(generated):
         raise ValueError(f"{len(generated)} token lists for {len(facts)} facts; pass one list per fact, in order")
@@ -183,12 +166,7 @@ def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> 
 
 
 class CachedLogits:
-    """``model(input_ids).logits``, computed once per batch: the reference every candidate is compared with.
-
-    A logits function (``Model``) for :func:`compare_logits`; the cache holds one float tensor per
-    distinct batch (keyed by its ids), so scoring several candidates on the same batches runs the
-    reference once.
-    """
+    """``model(input_ids).logits`` computed once per distinct batch: a reference scored against several candidates."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -214,11 +192,9 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
     """Next-token logits of ``candidate`` against ``reference`` at every position of every batch.
 
-    ``input_ids_batches``: a LongTensor [B, S], a list of them, or a list of strings (then pass
-    ``tokenizer``); ``None`` with a tokenizer means every corpus sentence. Returns
-    ``top1_agreement`` (fraction of positions with the same argmax), ``kl_mean`` (mean
-    KL(reference || candidate) in nats, fp32), ``max_abs_diff`` (max |logit difference|) and
-    ``positions`` (how many were compared).
+    ``input_ids_batches``: a LongTensor [B, S], a list of them, strings (with ``tokenizer``), or None
+    (the corpus sentences). Returns ``top1_agreement``, ``kl_mean`` (KL(reference || candidate), nats),
+    ``max_abs_diff`` and ``positions``.
     """
     batches = _batches(input_ids_batches, tokenizer)
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
@@ -261,13 +237,9 @@ def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
-    """Greedy-decode ``steps`` tokens with both models from one prompt and compare token for token.
+    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token.
 
-    ``input_ids``: one sequence ([S] or [1, S]), or a string with ``tokenizer``. No early stop at
-    eos: exactly ``steps`` tokens each. Returns ``match`` (bool), ``first_divergent_step`` (0-based
-    index of the first differing new token, or None), ``reference_tokens`` and
-    ``candidate_tokens`` (lists of new token ids), plus ``reference_text`` / ``candidate_text``
-    when a tokenizer is given.
+    Returns ``match``, ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``.
     """
     if isinstance(input_ids, str):
         if tokenizer is None:

@@ -1,26 +1,8 @@
-"""Gemma-4's routed experts, one family: dense or sparse, bf16, int8 or any quantized format.
+"""Gemma-4's routed experts, one family: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07).
 
-Every module here is a drop-in for transformers' ``Gemma4TextExperts`` (notebooks 02, 05, 07):
-``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` on stacked
-weights ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``. Each expert is
-``down(gelu_tanh(gate) * up)``; the layer output is the router-weighted sum over the K experts the
-router picked for each token. They differ in two choices:
-
-- **strategy**: ``DenseExperts`` runs every expert on every token, combined with the dense router
-  weights ``[T, E]`` of :func:`dense_router_weights` (static shapes: the port's Neuron op, ~6
-  tok/s); ``SparseExperts`` reads only the routed experts' weights (decode: a static loop over
-  the T x K pairs that ``torch.export`` traces; prefill: tokens grouped by expert);
-  ``QuantizedExperts`` groups tokens by expert in transformers' eager order, so on the same float
-  weights it gives transformers' numbers bit for bit; ``Int8Experts`` (the slim deploy's, notebook
-  05) runs sparse for one token and dense otherwise, in a few vectorised ops that export keeps small.
-- **weights** (``RoutedExperts``): the model's float tensors (shared, never copied); int8 per
-  output row with fp32 scales (``int8=True``; matmul on the upcast weight, scale on the output, as
-  NxD's int8 layers, or ``torch._weight_int8pack_mm`` on the cpu); or any format of
-  ``gemma_nb.formats`` as a ``QuantizedTensor`` (``QuantizedExperts.from_experts(..., fmt)``),
-  dequantized to the activation dtype expert by expert.
-
-``gemma_nb.neuron.moe`` builds the same math on NxD's parallel layers; ``gemma_nb.moe`` swaps these
-modules into a loaded model.
+Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index
+[T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
+A new kernel is one ``RoutedExperts`` subclass here and one line in ``KERNELS``.
 """
 
 from __future__ import annotations
@@ -41,23 +23,16 @@ from gemma_nb.formats import (
 )
 
 SELECTIONS = ("view", "gather")
-# "fused": torch._weight_int8pack_mm on the cpu; "upcast": a copy of each weight in the activation
-# dtype, then matmul (vectorised over experts where the strategy allows).
+# "fused": torch._weight_int8pack_mm on the cpu; "upcast": a copy of each weight in the activation dtype, then matmul.
 INT8_KERNELS = ("fused", "upcast")
 # Tokens per chunk in DenseExperts: bounds the [E, T, H] temporary to ~46 MB at full size.
 DENSE_TOKEN_CHUNK = 32
-# Experts upcast at once by the vectorised int8 dense path: the float copy of all experts would be
-# a transient as large as the layer's int8 weights times 4.
+# Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x the layer).
 EXPERT_CHUNK = 16
 # torch._weight_int8pack_mm's AVX-512 kernel steps over the input dimension 16 at a time with
-# aligned loads and no tail: other sizes read past the row (wrong numbers or a segfault).
+# aligned loads and no tail: other sizes read past the row (wrong numbers or a crash).
 INT8PACK_K_MULTIPLE = 16
 INT8PACK_ALIGN_BYTES = 32
-
-
-# --------------------------------------------------------------------------------------------
-# The math every strategy shares
-# --------------------------------------------------------------------------------------------
 
 
 def _is_tracing() -> bool:
@@ -66,40 +41,13 @@ def _is_tracing() -> bool:
 
 def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   num_experts: int, hidden_dim: int) -> None:
-    """ValueError naming the problem if the three forward inputs do not fit an E-expert, H-wide layer.
-
-    Shapes are always checked (free: no data is read). Index values are checked in eager mode on
-    the cpu only; elsewhere an out-of-range index fails inside torch (a device assert or
-    ``torch._check``), because reading values would add a host sync per layer.
-    """
-    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_dim:
-        raise ValueError(
-            f"hidden_states has shape {tuple(hidden_states.shape)}; expected [T, {hidden_dim}] "
-            "(tokens x hidden_size): flatten batch and sequence first, as Gemma4TextDecoderLayer does"
-        )
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"top_k_index has shape {tuple(top_k_index.shape)}; expected [T, K] with T = "
-            f"{hidden_states.shape[0]} tokens (one row of expert ids per token)"
-        )
-    if top_k_weights.shape != top_k_index.shape:
-        raise ValueError(
-            f"top_k_weights has shape {tuple(top_k_weights.shape)} but top_k_index has "
-            f"{tuple(top_k_index.shape)}: pass the router's weights and indices together"
-        )
-    if top_k_index.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"top_k_index has dtype {top_k_index.dtype}; expected int64 expert ids (torch.topk's)")
-    top_k = top_k_index.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(
-            f"top_k={top_k} must be between 1 and num_experts={num_experts}: "
-            f"route each token to at most {num_experts} experts (the 26B routes 8 of 128)"
-        )
+    """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
+    tokens, top_k = top_k_index.shape
+    assert hidden_states.shape == (tokens, hidden_dim), f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]"
+    assert top_k_weights.shape == top_k_index.shape, f"top_k_weights {tuple(top_k_weights.shape)} != {tuple(top_k_index.shape)}"
+    assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
-        low, high = int(top_k_index.min()), int(top_k_index.max())
-        if low < 0 or high >= num_experts:
-            bad = low if low < 0 else high
-            raise ValueError(f"top_k_index holds expert id {bad}; ids must lie in [0, {num_experts - 1}]")
+        assert 0 <= int(top_k_index.min()) and int(top_k_index.max()) < num_experts, f"expert ids outside [0, {num_experts})"
 
 
 def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -111,37 +59,27 @@ def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast for these operands.
 
-    torch 2.13's cpu kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp): ``x [M, K]`` bf16
-    contiguous with rows 32-byte aligned, ``q [N, K]`` int8 contiguous, ``scales [N]`` 1-D in
-    ``x``'s dtype; its AVX-512 / AVX2 loop has no tail, so K must be a multiple of 16 (a K of 33
-    segfaulted here). fp32 and fp16 inputs are accepted but take a scalar loop on x86, so they use
-    the dequantizing fallback instead.
+    The cpu kernel wants ``x [M, K]`` bf16 contiguous with 32-byte aligned rows, K a multiple of 16
+    (no tail loop), ``q`` contiguous; fp32 and fp16 take a scalar loop on x86, so they fall back too.
     """
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
     if x.shape[1] % INT8PACK_K_MULTIPLE or not (x.is_contiguous() and q.is_contiguous()):
         return False
-    offset_bytes = x.storage_offset() * x.element_size()
-    if offset_bytes % INT8PACK_ALIGN_BYTES:
+    if (x.storage_offset() * x.element_size()) % INT8PACK_ALIGN_BYTES:
         return False
-    if not _is_tracing() and x.data_ptr() % INT8PACK_ALIGN_BYTES:
-        return False
-    return True
+    return _is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
                 fused: bool = True) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` -> ``[M, N]`` in ``x.dtype``, weight-only int8.
+    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel where usable, else upcast.
 
-    ``fused`` and on the cpu with bf16 activations: ``torch._weight_int8pack_mm`` (reads the int8
-    weight once; ``kernel_scale [N]`` is ``scale`` rounded to ``x.dtype``, as gpt-fast stores its
-    int8 scales). Otherwise ``gemma_nb.formats.int8_matmul``: upcast the weight to a ``x.dtype`` copy,
-    matmul, fp32 scale on the output (NxD's order; 1 + 2 + 2 bytes of traffic per weight in bf16).
+    ``kernel_scale [N]`` is ``scale`` rounded to ``x.dtype`` (the fused kernel's, as gpt-fast stores it).
     """
     if fused and int8pack_usable(x, q):
         return torch._weight_int8pack_mm(x, q, kernel_scale)
     return int8_matmul(x, q, scale)
-
 
 
 def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tensor:
@@ -151,12 +89,7 @@ def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tenso
 
 
 def int8_gather_upcast(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, act_fn):
-    """Selective loading on int8 weights, vectorised: the routed experts' weights gathered, upcast, batched.
-
-    ``x [T, H]``; ``gate_up`` int8 ``[E, 2I, H]`` with ``gate_up_scale [E, 2I, 1]``, ``down`` int8
-    ``[E, H, I]`` with ``down_scale [E, H, 1]``. Static shapes (the gathered ``[T, K, ...]``), so
-    ``torch.export`` traces it into a handful of ops. Returns ``[T, H]`` fp32, summed over K in fp32.
-    """
+    """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32, summed in fp32."""
     dtype = x.dtype
     hidden = torch.matmul(gate_up[top_k_index].to(dtype), x[:, None, :, None])  # [T, K, 2I, 1]
     hidden = gated(scale_rows(hidden, gate_up_scale[top_k_index], dtype), act_fn, dim=2)  # [T, K, I, 1]
@@ -165,9 +98,7 @@ def int8_gather_upcast(x, top_k_index, top_k_weights, gate_up, gate_up_scale, do
 
 
 def int8_dense_upcast(x, router_weights, gate_up, gate_up_scale, down, down_scale, act_fn):
-    """Every int8 expert on every token, ``EXPERT_CHUNK`` experts upcast at a time, weighted by
-    ``router_weights [T, E]`` (:func:`dense_router_weights`). Shapes as :func:`int8_gather_upcast`;
-    returns ``[T, H]`` fp32."""
+    """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by ``router_weights [T, E]``."""
     dtype, tokens = x.dtype, x.shape[0]
     num_experts, two_inter, _ = gate_up.shape
     out = torch.zeros(tokens, down.shape[1], dtype=torch.float32, device=x.device)
@@ -183,42 +114,16 @@ def int8_dense_upcast(x, router_weights, gate_up, gate_up_scale, down, down_scal
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Weights: shared float tensors, int8 + fp32 scales, or a QuantizedTensor of any format
-# --------------------------------------------------------------------------------------------
-
-
-def _check_stacked(gate_up_shape, down_shape) -> tuple[int, int, int]:
-    """``(E, H, I)`` of stacked ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; ValueError if they do not fit."""
-    if len(gate_up_shape) != 3 or len(down_shape) != 3:
-        raise ValueError(f"gate_up_proj {tuple(gate_up_shape)} and down_proj {tuple(down_shape)} must be "
-                         "stacked [E, 2I, H] and [E, H, I]")
-    num_experts, two_i, hidden = gate_up_shape
-    if two_i % 2 or tuple(down_shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"down_proj has shape {tuple(down_shape)}; with gate_up_proj {tuple(gate_up_shape)} "
-                         f"it must be [E, H, I] = {(num_experts, hidden, two_i // 2)}")
-    return num_experts, hidden, two_i // 2
-
-
 def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     """``tensor`` as a frozen parameter sharing its storage (itself if it already is one)."""
     if isinstance(tensor, nn.Parameter):
         return tensor
     return nn.Parameter(tensor, requires_grad=False)
-
-
 class RoutedExperts(nn.Module):
     """The experts' weights and one expert's MLP; each subclass is one strategy over them.
 
-    ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` are, by ``weights``:
-
-    - ``"float"``: the model's own tensors as parameters (same storage, no copy);
-    - ``"int8"`` (``int8=True``): int8 buffers with fp32 scales ``gate_up_scale [E, 2I, 1]`` /
-      ``down_scale [E, H, 1]``, quantized from float weights (``gemma_nb.formats.quantize``, per
-      output row of each expert) or passed with ``scales=``; run by :func:`int8_linear`
-      (``int8_kernel="fused"``) or by upcasting (``"upcast"``);
-    - ``"quantized"``: two ``QuantizedTensor`` of any format (``gate_up``, ``down`` properties),
-      dequantized to the activation dtype just before each expert's matmuls.
+    ``weights``: ``"float"`` (the model's tensors, shared), ``"int8"`` (int8 buffers with fp32 scales
+    ``[E, out, 1]``, quantized here or passed as ``scales=``) or ``"quantized"`` (two ``QuantizedTensor``).
     """
 
     def __init__(self, gate_up_proj, down_proj, act_fn: Callable, int8: bool = False,
@@ -228,7 +133,10 @@ class RoutedExperts(nn.Module):
         if int8_kernel not in INT8_KERNELS:
             raise ValueError(f"int8_kernel {int8_kernel!r} is not one of {', '.join(INT8_KERNELS)}")
         self.fused = int8_kernel == "fused"
-        self.num_experts, self.hidden_dim, self.intermediate_dim = _check_stacked(gate_up_proj.shape, down_proj.shape)
+        self.num_experts, two_inter, self.hidden_dim = gate_up_proj.shape
+        self.intermediate_dim = two_inter // 2
+        assert tuple(down_proj.shape) == (self.num_experts, self.hidden_dim, self.intermediate_dim), (
+            f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj {tuple(gate_up_proj.shape)}")
         self.act_fn = act_fn
         self.int8 = bool(int8)
         self.compute_dtype = compute_dtype
@@ -242,16 +150,13 @@ class RoutedExperts(nn.Module):
             self._init_int8(gate_up_proj, down_proj, scales, compute_dtype)
         else:
             self.weights = "float"
-            if not gate_up_proj.dtype.is_floating_point:
-                raise ValueError(f"gate_up_proj has dtype {gate_up_proj.dtype}; pass float weights, or int8=True "
-                                 "with scales=(gate_up_scale, down_scale) for weights already quantized")
+            assert gate_up_proj.dtype.is_floating_point, f"{gate_up_proj.dtype} weights need int8=True and scales="
             self.gate_up_proj = as_parameter(gate_up_proj)
             self.down_proj = as_parameter(down_proj)
 
     def _init_int8(self, gate_up_proj, down_proj, scales, compute_dtype) -> None:
         if scales is None:
-            if not gate_up_proj.dtype.is_floating_point:
-                raise ValueError("int8 weights need their scales: pass scales=(gate_up_scale, down_scale)")
+            assert gate_up_proj.dtype.is_floating_point, "int8 weights need scales=(gate_up_scale, down_scale)"
             dtype = compute_dtype or gate_up_proj.dtype
             gate_up = quantize(gate_up_proj.detach(), "int8", name="gate_up_proj")
             down = quantize(down_proj.detach(), "int8", name="down_proj")
@@ -259,11 +164,8 @@ class RoutedExperts(nn.Module):
         else:
             dtype = compute_dtype or torch.bfloat16
             (q_gate_up, q_down), (s_gate_up, s_down) = (gate_up_proj, down_proj), scales
-            if q_gate_up.dtype != torch.int8 or q_down.dtype != torch.int8:
-                raise ValueError(f"with scales, the weights must be int8; got {q_gate_up.dtype} and {q_down.dtype}")
-            if s_gate_up.shape != (*q_gate_up.shape[:2], 1) or s_down.shape != (*q_down.shape[:2], 1):
-                raise ValueError(f"scales {tuple(s_gate_up.shape)}, {tuple(s_down.shape)} must be [E, out, 1] for "
-                                 f"weights {tuple(q_gate_up.shape)}, {tuple(q_down.shape)}")
+            assert q_gate_up.dtype == q_down.dtype == torch.int8
+            assert s_gate_up.shape == (*q_gate_up.shape[:2], 1) and s_down.shape == (*q_down.shape[:2], 1)
         self.register_buffer("gate_up_proj", q_gate_up)
         self.register_buffer("gate_up_scale", s_gate_up.float())
         self.register_buffer("down_proj", q_down)
@@ -278,10 +180,8 @@ class RoutedExperts(nn.Module):
     def from_experts(cls, experts: nn.Module, int8: bool = False, **options):
         """Built on another experts module's float tensors (shared when float, quantized when ``int8``)."""
         if getattr(experts, "int8", False) or getattr(experts, "weights", "float") != "float":
-            raise ValueError(
-                f"{type(experts).__name__} already holds quantized weights; build from the float experts "
-                "(reload the model) rather than re-quantizing quantized weights"
-            )
+            raise ValueError(f"{type(experts).__name__} already holds quantized weights; reload the model "
+                             "and build from its float experts")
         return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, int8=int8, **options)
 
     @classmethod
@@ -297,7 +197,6 @@ class RoutedExperts(nn.Module):
 
     @property
     def gate_up(self) -> QuantizedTensor:
-        """``gate_up_proj`` as a QuantizedTensor (``weights == "quantized"`` only)."""
         return registered_quantized(self, "gate_up")
 
     @property
@@ -306,14 +205,13 @@ class RoutedExperts(nn.Module):
 
     @property
     def fmt(self) -> str:
-        """The weights' format name: ``bf16``-style dtype for float, ``int8``, or the QuantizedTensor's."""
         if self.weights == "quantized":
             return self.gate_up.fmt
         return "int8" if self.int8 else str(self.gate_up_proj.dtype).replace("torch.", "")
 
     @property
     def weight_bytes(self) -> int:
-        """Stored bytes of all experts' weights, scales included (as ``formats.tensor_bytes`` counts)."""
+        """Stored bytes of all experts' weights, scales included."""
         if self.weights == "quantized":
             return self.gate_up.nbytes + self.down.nbytes
         names = ("gate_up_proj", "down_proj") + (("gate_up_scale", "down_scale") if self.int8 else ())
@@ -322,13 +220,12 @@ class RoutedExperts(nn.Module):
     nbytes = weight_bytes
 
     def expert_weights(self, expert, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``expert``'s float ``gate_up [2I, H]`` and ``down [H, I]`` (quantized: dequantized to ``dtype``)."""
         if self.weights == "quantized":
             return self.gate_up[expert].dequantize(dtype), self.down[expert].dequantize(dtype)
         return self.gate_up_proj[expert], self.down_proj[expert]
 
     def expert_mlp(self, x: torch.Tensor, expert: int | torch.SymInt) -> torch.Tensor:
-        """One expert on ``x [M, H]`` -> ``[M, H]``: ``down(act(gate) * up)``, reading only that expert's weights."""
+        """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's weights."""
         if not self.int8:
             gate_up, down = self.expert_weights(expert, x.dtype)
             return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
@@ -352,21 +249,15 @@ class RoutedExperts(nn.Module):
                 f"intermediate={self.intermediate_dim}, weights={weights}")
 
     def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts' float ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (the stored ones when float)."""
         if self.weights == "quantized":
             return self.gate_up.dequantize(dtype), self.down.dequantize(dtype)
         return self.gate_up_proj, self.down_proj
 
 
 class DenseExperts(RoutedExperts):
-    """All E experts for every token, combined with dense ``[T, E]`` router weights (the port's op).
+    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op).
 
-    Static shapes and no data-dependent control flow, which is why the port chose it for a
-    compiled Neuron graph, at E/K = 16 times the expert work and weight traffic of top-8 routing.
-    float: one ``[T, H] x [H, E*2I]`` matmul for gate/up (the port's ``ColumnParallel(H -> E*2I)``),
-    then a batched matmul per expert for down. int8 fused: one fused int8 matmul for gate/up, one
-    per expert for down (each expert has its own per-row scales); int8 upcast:
-    :func:`int8_dense_upcast`. Outputs are summed in fp32.
+    Static shapes, no data-dependent control flow, at E/K times top-k routing's work and traffic.
     """
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -404,28 +295,9 @@ class DenseExperts(RoutedExperts):
 class SparseExperts(RoutedExperts):
     """Only the routed experts' weights are read: ``K / E`` of DenseExperts' traffic per token.
 
-    Decode (``T * K < E``; every batch up to 15 tokens for the 26B): a static loop over the T x K
-    (token, expert) pairs. Each expert id is read as a 0-d integer, so ``torch.export`` records it
-    as a bounded symbolic int and the graph has static shapes. ``selection`` says how the weights
-    are reached:
-
-    - ``"view"`` (default): ``gate_up_proj[e]`` is a view of the stacked tensor; the matmul reads
-      the expert's weights in place, once. Fastest on a cpu.
-    - ``"gather"``: ``gate_up_proj[top_k_index]`` copies the K experts' weights into a new
-      ``[T, K, 2I, H]`` tensor first, then runs batched matmuls: NxD Inference's "selective
-      loading" and gpt-fast's mixtral-moe. On a cpu the copy costs a write and a second read of
-      every selected byte (measured in notebook 07); on an accelerator the compiler can turn it
-      into a DMA gather feeding the matmul. int8 upcast: :func:`int8_gather_upcast`.
-
-    Prefill (``T * K >= E``): tokens are grouped by expert and each expert that has tokens runs
-    once on its rows (:meth:`grouped`, the loop transformers' eager path uses). Once T * K >= E
-    nearly every expert has a token, so each expert's weights are read once for all its tokens,
-    while the decode path would re-read an expert for every (token, expert) pair. The loop length
-    depends on the routing, so this path is eager-only; prefill graphs on Neuron use blockwise
-    kernels (NxD Inference) or DenseExperts.
-
-    float weights use ``F.linear``; int8 uses ``torch._weight_int8pack_mm`` on the cpu (see
-    ``int8_linear``). Outputs are summed over the K experts in fp32, as transformers' grouped_mm does.
+    Decode (``T * K < E``): a static loop over the (token, expert) pairs that ``torch.export`` traces;
+    ``selection`` ``"view"`` reads each expert in place, ``"gather"`` copies the K experts' weights first
+    (NxD Inference's selective loading). Prefill: tokens grouped by expert, each expert run once (eager only).
     """
 
     def __init__(self, gate_up_proj, down_proj, act_fn, int8: bool = False, compute_dtype=None,
@@ -450,8 +322,7 @@ class SparseExperts(RoutedExperts):
         return out.to(out_dtype)
 
     def experts_read(self, top_k_index: torch.Tensor) -> int:
-        """Expert weight sets a forward on ``top_k_index [T, K]`` reads: T x K on the decode path
-        (a repeated expert is read again for each of its tokens), each distinct expert once on the grouped path."""
+        """Expert weight sets a forward reads: T x K on the decode path, each distinct expert once when grouped."""
         tokens, top_k = top_k_index.shape
         if tokens * top_k < self.num_experts:
             return tokens * top_k
@@ -499,8 +370,7 @@ class SparseExperts(RoutedExperts):
     def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
         """Tokens grouped by expert, each routed expert run once on its rows, in ascending expert order.
 
-        ``accumulate_dtype`` fp32 (default): outputs weighted and summed in fp32. ``None``: in
-        ``x.dtype`` with the router weights as given, transformers' eager loop bit for bit.
+        ``accumulate_dtype=None``: summed in ``x.dtype``, transformers' eager loop bit for bit.
         """
         tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
@@ -525,12 +395,8 @@ class SparseExperts(RoutedExperts):
 class QuantizedExperts(SparseExperts):
     """Experts on ``QuantizedTensor`` weights of any format, run as transformers' eager loop.
 
-    Stores ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` as ``gemma_nb.formats.QuantizedTensor``
-    (scales per expert per output row / block) and, for every expert some token routed to,
-    dequantizes its weights to the activation dtype just before its matmuls (as the port's Neuron
-    graph upcasts its int8 weights); outputs are weighted and summed in the activation dtype, so on
-    the same float weights this equals transformers' eager ``Gemma4TextExperts`` bit for bit.
-    ``quant.apply_scheme`` puts one in every MoE layer.
+    Each routed expert is dequantized to the activation dtype just before its matmuls; on float
+    weights this equals transformers' eager ``Gemma4TextExperts`` bit for bit.
     """
 
     def __init__(self, gate_up: QuantizedTensor, down: QuantizedTensor, act_fn: Callable):
@@ -549,14 +415,9 @@ class QuantizedExperts(SparseExperts):
 
 
 class Int8Experts(RoutedExperts):
-    """int8 experts the slim deploy exports (notebook 05): sparse for one token, dense otherwise.
+    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise.
 
-    One token (decode): :func:`int8_gather_upcast`, only K/E of the weights read; several tokens
-    (prefill): :func:`int8_dense_upcast`, every expert on every token with dense router weights.
-    Both are a few vectorised ops, so ``torch.export`` keeps the programs small (DenseExperts' and
-    SparseExperts' per-expert Python loops would unroll E times). Buffers (the artifact's weights):
-    ``gate_up_proj`` int8 [E, 2I, H], ``gate_up_scale`` fp32 [E, 2I, 1], ``down_proj`` int8
-    [E, H, I], ``down_scale`` fp32 [E, H, 1]; the activation dtype is the input's.
+    Both paths are a few vectorised ops, so exported programs stay small (per-expert loops would unroll E times).
     """
 
     def __init__(self, gate_up, down, act_fn, scales):
@@ -582,3 +443,7 @@ class Int8Experts(RoutedExperts):
             router_weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)
             out = int8_dense_upcast(hidden_states, router_weights, *args)
         return out.to(hidden_states.dtype)
+
+
+# The expert kernels ``moe.swap_experts`` and the benchmarks offer, each also as ``<name>_int8``.
+KERNELS: dict[str, type[RoutedExperts]] = {"dense": DenseExperts, "sparse": SparseExperts}

@@ -1,31 +1,7 @@
-"""Weight formats, one registry: what each stores, its bytes, and the quantizer that writes it.
+"""Weight formats, one registry: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
 
-The memory planner (``gemma_nb.memory``, notebook 01) and the quantizers (``gemma_nb.quant``,
-``gemma_nb.experts``, notebook 02) read the same ``FORMATS``: the plain dtypes (fp32, bf16, fp16)
-and the four quantized formats (``QUANTIZED_FORMATS``: int8, fp8, MXFP4, NVFP4).
-
-Every quantized format quantizes along the *output rows* of a weight ``[out, in]`` (or
-``[E, out, in]`` for stacked experts, each expert on its own): int8 and fp8 keep one fp32 scale per
-output row (``scale [out, 1]``, the ``quantization_per_channel_axis=0`` layout NxD's
-``QuantizedColumnParallel`` needs); the fp4 formats keep one scale per block of 32 (MXFP4, E8M0
-power-of-two scale) or 16 (NVFP4, e4m3 scale times one fp32 scale per matrix) consecutive inputs of
-a row, and store two E2M1 codes per byte, so ``QuantizedTensor.nbytes`` is what is really stored.
-fp4 rows whose length is not a multiple of the block are zero-padded (stored, counted, cut off again
-by ``dequantize``). ``tensor_bytes`` is the byte formula; the tests check the two agree.
-
-- ``quantize_int8_per_channel`` / ``dequantize_int8`` / ``int8_matmul``: the port's int8 path. The
-  int8 forward mirrors NxD's int8 layers, which upcast the int8 weight to the activation dtype, run
-  the matmul, then ``scale_dequantize`` the *output* in fp32::
-
-      y = ((x @ q.to(x.dtype).T).float() * scale.T).to(x.dtype)
-
-  Each output column depends only on its own row of ``q`` and ``scale``, so a vocab-parallel head that
-  splits ``q``/``scale`` by rows and concatenates the partial outputs gives the same numbers as the
-  whole head (tested).
-- ``quantize(weight, fmt)`` -> ``QuantizedTensor`` for any of ``QUANTIZED_FORMATS``.
-
-Quantization runs in 4 MB fp32 chunks on one intra-op thread (see ``quantize``): NaN/inf weights
-raise ValueError naming the tensor; all-zero rows dequantize to zeros.
+Every quantized format works along the output rows of ``[out, in]`` (or ``[E, out, in]``, each expert on
+its own); ``tensor_bytes`` is the byte formula, ``QuantizedTensor.nbytes`` what is stored: the tests check they agree.
 """
 
 from __future__ import annotations
@@ -58,12 +34,7 @@ def check_finite(weight: torch.Tensor, name: str = "weight") -> None:
 
 
 def _channel_absmax(weight: torch.Tensor, axis: int) -> torch.Tensor:
-    """absmax over the input axis, keepdim: one value per channel along ``axis``.
-
-    2-D ``[out, in]``: ``axis`` 0 reduces over ``in`` (-> ``[out, 1]``), 1 over ``out`` (-> ``[1, in]``).
-    N-D stacked ``[..., out, in]``: ``axis`` must be the ``out`` axis (N-2); leading axes are a batch
-    (one scale per expert per row, -> ``[..., out, 1]``).
-    """
+    """absmax over the input axis, keepdim: one value per channel along ``axis`` (N-D: the ``out`` axis only)."""
     if weight.dim() < 2:
         raise ValueError(f"weight of shape {tuple(weight.shape)} is not a matrix; expected [out, in] or [E, out, in]")
     axis = axis % weight.dim()
@@ -82,11 +53,8 @@ def quantize_int8_per_channel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-channel int8, as the port quantized its experts, shared MLP and lm_head.
 
-    ``weight [out, in]`` -> ``q int8 [out, in]`` and ``scale fp32 [out, 1]`` with
-    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``.
-    ``axis`` is the channel axis (0 = output rows, the only one NxD's ColumnParallel accepts); for a
-    stacked ``[E, out, in]`` tensor pass ``axis=1`` (or -2) and get ``scale [E, out, 1]``.
-    The scale keeps the channel axis with size-1 axes elsewhere, so ``q * scale`` broadcasts back.
+    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis`` is the
+    channel axis (0 for ``[out, in]``, 1 for stacked ``[E, out, in]``); ``scale`` keeps it, size 1 elsewhere.
     """
     check_finite(weight, name)
     absmax = _channel_absmax(weight.float(), axis)
@@ -101,14 +69,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` -> ``[..., out]`` in ``x.dtype``.
+    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, in NxD's order.
 
-    NxD's order: matmul with the int8 weight upcast to ``x.dtype`` (int8 values are exact in bf16),
-    then the output times the per-row scale in fp32, cast back to ``x.dtype``. Deterministic, and
-    column-separable: rows of ``q`` can be split across ranks and the outputs concatenated.
+    The weight is upcast to ``x.dtype`` for the matmul, the output scaled per row in fp32: column-separable,
+    so a head split by rows across ranks gives the same numbers.
     """
-    if q.dtype != torch.int8 or q.dim() != 2:
-        raise ValueError(f"q must be a 2-D int8 tensor [out, in]; got {q.dtype} of shape {tuple(q.shape)}")
+    assert q.dtype == torch.int8 and q.dim() == 2, f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
     if scale.shape != (q.shape[0], 1):
         raise ValueError(f"scale must have shape [out, 1] = {(q.shape[0], 1)}; got {tuple(scale.shape)}")
     return scale_rows(torch.nn.functional.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
@@ -120,19 +86,11 @@ def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 
 
 
-# ---------------------------------------------------------------------------------------------
-# The registry
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a format stores a weight ``[out, in]``: element bits, block along ``in``, scale layout.
+    """How a format stores a weight ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype.
 
-    ``element_bits``: bits per stored element. ``block_size``: elements per shared scale along the
-    *input* axis (fp4 formats; rows are padded up to whole blocks), None for one scale per output
-    row. ``scale_dtype``: the dtype of that scale (None: a plain dtype, no scale).
-    ``per_tensor_scale``: an extra fp32 scale per weight matrix (NVFP4).
+    ``per_tensor_scale``: an extra fp32 scale per matrix (NVFP4).
     """
 
     name: str
@@ -148,7 +106,7 @@ class WeightFormat:
 
     @property
     def row_scale_bytes(self) -> int:
-        """Bytes of scale per output row (int8, fp8: one fp32 ``[out, 1]``, NxD's per-channel layout)."""
+        """Bytes of scale per output row (int8, fp8)."""
         return self.scale_dtype.itemsize if self.quantized and self.block_size is None else 0
 
     @property
@@ -183,33 +141,23 @@ QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("
 
 
 def get_format(dtype: str) -> WeightFormat:
-    """The ``WeightFormat`` named ``dtype`` (plain or quantized); ValueError listing the known names otherwise."""
+    """The ``WeightFormat`` named ``dtype`` (plain or quantized)."""
     if dtype not in FORMATS:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
     return FORMATS[dtype]
 
 
 def weight_format(fmt: str) -> WeightFormat:
-    """The quantized format named ``fmt``; ValueError listing ``QUANTIZED_FORMATS`` otherwise."""
+    """The quantized format named ``fmt``."""
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(QUANTIZED_FORMATS)}")
     return QUANTIZED_FORMATS[fmt]
 
 
 def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
-    """Stored bytes of one tensor in format ``dtype``, scales included.
+    """Stored bytes of one tensor in format ``dtype``, scales included (per row, or per block of ``in``).
 
-    ``shape``: a weight ``[out, in]``, a stack of them ``[E, out, in]`` (each of the E matrices is
-    quantized on its own: scales per expert per row), or an int / 1-D shape for a vector (plain
-    dtypes only). With ``n = ceil(in / block)``::
-
-        fp32 / bf16 / fp16   numel * 4 / 2 / 2
-        int8, fp8            out * in + 4 * out                  (fp32 scale per output row)
-        mxfp4                out * (n * 32 / 2) + out * n        (1-byte E8M0 scale per block of 32)
-        nvfp4                out * (n * 16 / 2) + out * n + 4    (e4m3 per block of 16, fp32 per matrix)
-
-    times E for a stack. A quantized format given a vector raises ValueError: scales are defined
-    per output row of a matrix, and vectors (norm weights, biases) stay in a plain dtype.
+    A stack ``[E, out, in]`` is E matrices; quantized formats refuse vectors (norms, biases stay plain).
     """
     fmt = get_format(dtype)
     dims = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
@@ -233,10 +181,6 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
     return matrices * (out * row_bytes + fmt.matrix_scale_bytes)
 
 
-# ---------------------------------------------------------------------------------------------
-# Quantizing to a format
-# ---------------------------------------------------------------------------------------------
-
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 FP4_E2M1_MAX = 6.0
 # The 16 E2M1 codes (sign bit 3, two exponent bits, one mantissa bit), OCP MX order: 0..7 positive.
@@ -251,13 +195,8 @@ CHUNK_ELEMENTS = 1 << 20
 class QuantizedTensor:
     """One quantized weight: what is stored, and how to get the float weight back.
 
-    ``data``: int8 / float8_e4m3fn ``[..., out, in]``, or for fp4 uint8 ``[..., out, in_padded / 2]``
-    holding two E2M1 codes per byte (element ``2j`` in the low nibble, ``2j+1`` in the high one,
-    as NxD's ``split_byte_4bit_tensor`` reads them). ``scale``: fp32 ``[..., out, 1]`` (int8, fp8),
-    uint8 E8M0 exponents ``[..., out, in_padded / 32]`` (MXFP4), e4m3 ``[..., out, in_padded / 16]``
-    (NVFP4). ``global_scale``: NVFP4's fp32 per-matrix scale ``[..., 1, 1]``. ``shape`` is the
-    original shape; fp4 inputs whose ``in`` is not a multiple of the block are zero-padded (the
-    padding is stored and counted in ``nbytes``) and ``dequantize`` cuts it off again.
+    fp4 ``data`` packs two E2M1 codes per byte (element ``2j`` in the low nibble, as NxD reads them);
+    rows are zero-padded to whole blocks (stored, counted in ``nbytes``, cut off by ``dequantize``).
     """
 
     fmt: str
@@ -314,11 +253,7 @@ _E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values -> uint8 E2M1 codes 0..15 of the nearest E2M1 value (ties to even, saturating at +-6).
-
-    Codes follow the OCP layout: bit 3 sign, bits 2..1 exponent, bit 0 mantissa (0..7 = 0, 0.5, 1,
-    1.5, 2, 3, 4, 6). Zero and values that round to zero get code 0 (never -0).
-    """
+    """fp32 values -> OCP E2M1 codes 0..15 of the nearest value (ties to even, saturating at +-6; never -0)."""
     return _e2m1_codes(x.abs(), torch.lt(x, 0))
 
 
@@ -414,13 +349,10 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
 
 
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
-    """Quantize ``weight [..., out, in]`` to ``fmt`` (one of ``FORMATS``), per output row / block.
+    """Quantize ``weight [..., out, in]`` to ``fmt``, per output row / block (leading axes: per expert).
 
-    Leading axes (experts) are a batch: scales are per expert per row (per block for fp4). The rows
-    are processed in fp32 chunks of ~1M elements, so a full 26B expert tensor (gate_up_proj,
-    128 x 1408 x 2816) needs only its outputs plus a few MB. NaN/inf raise ValueError naming
-    ``name``; all-zero rows dequantize to zero. fp4 rows whose length is not a multiple of the
-    block are zero-padded (see :class:`QuantizedTensor`).
+    Rows go in ~4 MB fp32 chunks on one thread, so a 26B expert tensor needs no fp32 copy of itself;
+    NaN/inf raise ValueError naming ``name``; all-zero rows dequantize to zero.
     """
     spec = weight_format(fmt)
     if not torch.is_floating_point(weight) or weight.dim() < 2:
@@ -500,10 +432,7 @@ def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict
 
 
 def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTensor) -> None:
-    """Store a QuantizedTensor's tensors as buffers (``<prefix>_data``, ...) so ``.to()`` and state_dict see them.
-
-    ``module._quantized_meta`` (a dict the module creates) keeps the format, shape and name.
-    """
+    """Store a QuantizedTensor's tensors as buffers of ``module`` (format and shape in ``module._quantized_meta``)."""
     module.register_buffer(f"{prefix}_data", quantized.data)
     module.register_buffer(f"{prefix}_scale", quantized.scale)
     module.register_buffer(f"{prefix}_global_scale", quantized.global_scale)

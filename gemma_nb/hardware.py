@@ -1,16 +1,6 @@
-"""Instances and accelerators: what each box offers, and whether a memory plan fits it.
+"""Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources: docs/sources.md).
 
-Two tables (each figure's source is described in docs/sources.md: inferentia2-arch, inf2-instances,
-ec2-pricing, tpu-v6e, h200):
-
-- ``INSTANCES``: the inf2 family (chips, NeuronCores, vCPU, host RAM, HBM, on-demand $/h).
-- ``DEVICES``: accelerators for roofline estimates (HBM bytes, bandwidth, peak bf16 / int8 throughput,
-  $/h). ``"this_cpu"`` is a placeholder filled by measurement (``measured_cpu``), never typed in.
-
-GB vs GiB. AWS specifies Inferentia2 HBM as 32 GiB per chip, i.e. **16 GiB = 17.18 GB per
-NeuronCore**. The story (docs/sources.md: port-review) says "16 GB per core". Both are kept: ``budget="spec"`` (16 GiB,
-the hardware) and ``budget="story"`` (16 GB = 16e9 bytes, the write-up's arithmetic). Tables show GB
-(10^9 bytes) unless a column says ``gib``.
+HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``).
 """
 
 from __future__ import annotations
@@ -18,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol
+
+import pandas as pd
 
 GB = 10**9
 GiB = 2**30
@@ -81,33 +73,16 @@ def get_instance(name: str | Instance) -> Instance:
 
 def instance_table():
     """The inf2 catalog as a DataFrame, HBM per core in both GiB (spec) and GB (10^9 bytes)."""
-    import pandas as pd
-
-    rows = []
-    for inst in INSTANCES.values():
-        rows.append(
-            {
-                "instance": inst.name,
-                "chips": inst.chips,
-                "neuron_cores": inst.neuron_cores,
-                "vcpus": inst.vcpus,
-                "host_ram_gib": inst.host_ram_gib,
-                "hbm_gib": inst.hbm_gib,
-                "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
-                "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3),
-                "usd_per_hour": inst.usd_per_hour,
-            }
-        )
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{"instance": inst.name, "chips": inst.chips, "neuron_cores": inst.neuron_cores,
+                          "vcpus": inst.vcpus, "host_ram_gib": inst.host_ram_gib, "hbm_gib": inst.hbm_gib,
+                          "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
+                          "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3), "usd_per_hour": inst.usd_per_hour}
+                         for inst in INSTANCES.values()])
 
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or a slice of one) for roofline estimates.
-
-    ``bandwidth_bytes_s``: HBM (or DRAM) read bandwidth. ``bf16_flops`` / ``int8_ops``: peak dense
-    throughput per second. ``None`` where no figure is known; ``source`` says where each came from.
-    """
+    """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None where unknown."""
 
     name: str
     hbm_bytes: int | None
@@ -152,29 +127,15 @@ def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8
 
 def device_table(extra: Iterable[Device] = ()):
     """The device table as a DataFrame in GB, GB/s and TFLOP/s; ``extra`` replaces entries by name."""
-    import pandas as pd
-
-    devices = dict(DEVICES)
-    for device in extra:
-        devices[device.name] = device
+    devices = {**DEVICES, **{device.name: device for device in extra}}
 
     def scaled(value, unit):
         return None if value is None else value / unit
 
-    rows = []
-    for d in devices.values():
-        rows.append(
-            {
-                "device": d.name,
-                "hbm_gb": scaled(d.hbm_bytes, GB),
-                "bandwidth_gb_s": scaled(d.bandwidth_bytes_s, GB),
-                "bf16_tflops": scaled(d.bf16_flops, TERA),
-                "int8_tops": scaled(d.int8_ops, TERA),
-                "usd_per_hour": d.usd_per_hour,
-                "source": d.source,
-            }
-        )
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{"device": d.name, "hbm_gb": scaled(d.hbm_bytes, GB),
+                          "bandwidth_gb_s": scaled(d.bandwidth_bytes_s, GB), "bf16_tflops": scaled(d.bf16_flops, TERA),
+                          "int8_tops": scaled(d.int8_ops, TERA), "usd_per_hour": d.usd_per_hour, "source": d.source}
+                         for d in devices.values()])
 
 
 class _PlanLike(Protocol):
@@ -186,9 +147,8 @@ class _PlanLike(Protocol):
 class Fit:
     """Whether a per-rank plan fits one instance, one rank per NeuronCore.
 
-    ``headroom_bytes`` = budget per core - plan bytes per rank (negative: short by that much);
-    ``None`` when the instance has fewer NeuronCores than the plan's TP degree.
-    ``replicas``: how many copies of the model the instance holds at that TP (data parallel).
+    ``headroom_bytes``: budget minus plan per core (None when the instance has too few cores);
+    ``replicas``: copies of the model the instance holds at that TP.
     """
 
     instance: str

@@ -1,9 +1,4 @@
-"""Metrics JSON: what each notebook computed, collected by the runner into summary.json.
-
-Every notebook ends with ``save_metrics(target, "NN_name", metrics, headline=[...])``.
-``headline`` rows are the key figures the runner puts into ``REPORT.md``; each may carry the
-figure the source write-up claimed (see ``gemma_nb.story``) so the report shows both.
-"""
+"""Metrics JSON: what each notebook computed (``save_metrics``), with its headline figures for the runner's report."""
 
 from __future__ import annotations
 

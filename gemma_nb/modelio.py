@@ -1,12 +1,6 @@
-"""Which model a notebook runs on: the bundled checkpoint, a local folder, or a hub id.
+"""Which model a notebook runs on (the bundled checkpoint, a local folder, a hub id) and loading it.
 
-Every notebook's ``model_id`` parameter defaults to ``BUNDLED_ID``, the tiny trained checkpoint
-shipped in ``gemma_nb/tiny/checkpoint``. On the target instance it is a local folder or the hub
-id of the real 26B. Loading goes through ``AutoModelForCausalLM.from_pretrained`` either way,
-safetensors only, never ``trust_remote_code``.
-
-The hub token comes from the ``HF_TOKEN`` environment variable only; it is passed to the hub
-client and never printed, logged or written to an output.
+Safetensors only, never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never printed.
 """
 
 from __future__ import annotations
@@ -17,7 +11,10 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma4ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
@@ -70,12 +67,10 @@ def _check_local_dir(folder: Path, model_id: str) -> Path:
 
 
 def resolve_model_id(model_id: str | os.PathLike) -> str:
-    """What ``from_pretrained`` should be given for ``model_id``.
+    """What ``from_pretrained`` should be given for ``model_id``, checked; ``ModelNotFoundError`` naming the fix.
 
-    ``BUNDLED_ID`` (or ``BUNDLED_TP2_ID``) -> its bundled checkpoint folder. A local folder -> itself, after checking it
-    holds config.json and safetensors weights. A hub id (``owner/name``) -> the id, if the hub is
-    reachable or the id is already in the local hub cache. Raises ``ModelNotFoundError`` (a
-    ValueError) naming the model_id, what was expected and what to do.
+    A bundled id -> its folder; a local folder -> itself (config.json and safetensors present); a hub id
+    -> itself, if the hub is reachable or the id is in the local hub cache.
     """
     if isinstance(model_id, os.PathLike):
         return str(_check_local_dir(Path(model_id), str(model_id)))
@@ -94,8 +89,6 @@ def resolve_model_id(model_id: str | os.PathLike) -> str:
 
 
 def _in_hub_cache(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
     cached = try_to_load_from_cache(repo_id, "config.json")
     return isinstance(cached, str)
 
@@ -103,8 +96,6 @@ def _in_hub_cache(repo_id: str) -> bool:
 @contextlib.contextmanager
 def quiet_loading():
     """No tqdm bars while loading: notebooks would store their frozen text."""
-    from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -115,14 +106,7 @@ def quiet_loading():
 
 
 def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) for ``model_id``, the model in ``dtype`` on ``device`` in eval mode.
-
-    Exactly the 26B's code path: ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``,
-    safetensors only, no remote code. A hub id that cannot be fetched raises ``ModelNotFoundError``
-    saying to pass a local folder or to enable the network (and HF_TOKEN).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """(model, tokenizer) for ``model_id`` in ``dtype`` on ``device``, eval mode: the 26B's code path exactly."""
     source = resolve_model_id(model_id)
     is_local = Path(source).is_dir()
     token = None if is_local else hf_token()
@@ -149,7 +133,5 @@ def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
 
 def model_skeleton(config) -> nn.Module:
     """The model's structure on the meta device: every module, no weight memory."""
-    from transformers import Gemma4ForCausalLM
-
     with torch.device("meta"):
         return Gemma4ForCausalLM(config).eval()

@@ -1,36 +1,21 @@
-"""Swapping the routed experts of a loaded Gemma-4 model, and inputs to compare them (notebook 07).
-
-The experts modules themselves (``DenseExperts``, ``SparseExperts``, int8 or quantized weights)
-are ``gemma_nb.experts``'. Here: ``swap_experts(model, impl)`` puts one of them into every MoE
-layer of a loaded model (or transformers' own ``Gemma4TextExperts`` back), ``experts_kind`` says
-which is in place, and ``random_experts`` / ``random_routing`` / ``compare_outputs`` build the
-inputs and tables notebook 07 compares them on.
-"""
+"""Swapping the routed experts of a loaded Gemma-4 model, and inputs to compare them (notebook 07)."""
 
 from __future__ import annotations
 
 import copy
 
+import pandas as pd
 import torch
 from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from gemma_nb.experts import DenseExperts, SparseExperts, as_parameter
+from gemma_nb.experts import KERNELS, as_parameter
 
-IMPLEMENTATIONS = ("transformers", "dense", "sparse", "dense_int8", "sparse_int8")
-
-
-# --------------------------------------------------------------------------------------------
-# Swapping the experts of a loaded model
-# --------------------------------------------------------------------------------------------
+IMPLEMENTATIONS = ("transformers", *KERNELS, *(f"{name}_int8" for name in KERNELS))
 
 
 def default_selection(device: str | torch.device) -> str:
-    """How SparseExperts should reach the selected weights on ``device``.
-
-    cpu: ``"view"``: no copy, and the per-expert ``.item()`` costs nothing on the host. cuda:
-    ``"gather"``: each ``.item()`` would be a device-to-host sync (8 per layer per token), while the
-    gather copy of 8 experts runs at HBM speed and keeps the step free of host syncs.
-    """
+    """``"gather"`` on cuda (each ``.item()`` of the view path would be a host sync), else ``"view"``."""
     return "gather" if torch.device(device).type == "cuda" else "view"
 
 
@@ -45,8 +30,6 @@ def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def _transformers_experts(source: nn.Module, config, experts_implementation: str | None = None) -> nn.Module:
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
-
     if experts_implementation is not None:
         # A private copy: the model's config (shared by every layer) keeps its own choice.
         config = copy.deepcopy(config)
@@ -60,34 +43,27 @@ def _transformers_experts(source: nn.Module, config, experts_implementation: str
 
 
 def make_experts(source: nn.Module, impl: str, config=None, **options) -> nn.Module:
-    """A new experts module of kind ``impl`` on ``source``'s weights (float weights shared, not copied).
+    """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared.
 
-    ``impl``: ``transformers`` (its ``Gemma4TextExperts``, dispatching on ``config._experts_implementation``),
-    ``dense``, ``sparse``, ``dense_int8``, ``sparse_int8``. ``options`` go to the class
-    (``selection="gather"`` for SparseExperts; ``experts_implementation="grouped_mm"`` for a
-    standalone transformers module, whose config would otherwise leave it unset).
+    ``transformers`` needs the model's text config; ``options`` go to the class (``selection=``, or
+    ``experts_implementation=`` for transformers' module).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if getattr(source, "int8", False) or getattr(source, "weights", "float") != "float":
-        raise ValueError(
-            f"the model's experts are already {type(source).__name__} with int8 weights; "
-            "reload the model to swap to another implementation"
-        )
+        raise ValueError(f"the model's experts are already {type(source).__name__} with int8 weights; "
+                         "reload the model to swap to another implementation")
     if impl == "transformers":
         if config is None:
             raise ValueError("impl 'transformers' needs the model's text config (Gemma4TextConfig)")
         return _transformers_experts(source, config, **options)
-    cls = DenseExperts if impl.startswith("dense") else SparseExperts
-    return cls.from_experts(source, int8=impl.endswith("_int8"), **options)
+    return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
-    """Replace every MoE layer's experts module of ``model`` in place; returns ``model``.
+    """Replace every MoE layer's experts module in place; returns ``model``.
 
-    Float weights are shared with the previous module (same tensors, no copy), so swapping between
-    ``transformers``, ``dense`` and ``sparse`` is free and reversible. ``*_int8`` quantizes each
-    layer's experts (one expert at a time) and is one-way: reload to go back.
+    Float weights are shared, so swapping among float kinds is free and reversible; ``*_int8`` is one-way.
     """
     found = experts_modules(model)
     if not found:
@@ -103,29 +79,18 @@ def experts_kind(model: nn.Module) -> str:
     """Which implementation the model's experts use now (``transformers``, ``dense``, ``sparse_int8``, ...)."""
     kinds = set()
     for _, _, module in experts_modules(model):
-        if isinstance(module, DenseExperts):
-            kinds.add("dense_int8" if module.int8 else "dense")
-        elif isinstance(module, SparseExperts):
-            kinds.add("sparse_int8" if module.int8 else "sparse")
-        else:
-            kinds.add("transformers")
+        name = next((name for name, cls in KERNELS.items() if isinstance(module, cls)), "transformers")
+        kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
     return ",".join(sorted(kinds))
 
 
 def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                    std: float = 0.02) -> nn.Module:
-    """One layer's ``Gemma4TextExperts`` with deterministic N(0, std) weights, allocated on ``device``.
-
-    ``config``: a Gemma4TextConfig (only ``num_experts``, ``moe_intermediate_size``, ``hidden_size``,
-    ``hidden_activation`` are used). One full-size 26B layer is 1.52 GB in bf16.
-    """
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
-
+    """One layer's ``Gemma4TextExperts`` with deterministic N(0, std) weights drawn in ``dtype`` on ``device``."""
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name in ("gate_up_proj", "down_proj"):
-        # Drawn directly in ``dtype``: no fp32 copy of the whole stack.
         weight = torch.empty(getattr(module, name).shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
         setattr(module, name, nn.Parameter(weight, requires_grad=False))
     return module
@@ -145,14 +110,10 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
 
 def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor,
                     routes: list[tuple[torch.Tensor, torch.Tensor]]):
-    """How far each module's output is from ``modules[reference]``'s on the same inputs, over ``routes``.
+    """Each module's largest distance from ``modules[reference]``'s output over ``routes``.
 
-    Columns: ``max_abs_diff`` (max over routes and elements), ``ref_max_abs`` (largest reference
-    output element), ``bf16_ulps``: max_abs_diff in units of one bf16 rounding step (2^-8) of
-    ``ref_max_abs``; a handful means "equal within bf16 rounding".
+    ``bf16_ulps``: that distance in bf16 rounding steps (2^-8) of the largest reference element.
     """
-    import pandas as pd
-
     if reference not in modules:
         raise ValueError(f"reference {reference!r} is not one of {', '.join(modules)}")
     with torch.inference_mode():

@@ -1,21 +1,13 @@
-"""Where things live: the repo, the bundled checkpoint, and a target's output folder.
+"""Where things live: the repo (found from the working directory), and a target's output folders.
 
-Notebooks never build paths themselves. The runner points ``GEMMA_NB_OUTPUT_DIR`` at a
-temporary folder (moved into ``outputs/<target>/`` only when every notebook succeeded), and
-``make test`` points it at a scratch folder so nbval never rewrites the committed reference run.
-Without that variable (a notebook opened from ``notebooks/`` in JupyterLab, a script) outputs go
-to ``outputs/interactive/<target>/`` (git-ignored): trying a parameter by hand never changes the
-reference run in ``outputs/cpu/``.
-
-The project folder (``REPO_ROOT``: where ``notebooks/``, ``outputs/``, ``docs/`` and ``envs/`` are)
-is found from the working directory, never from where the package is installed: the nearest folder
-at or above it holding a ``pyproject.toml`` or a ``.git``, else the working directory itself. So a
-non-editable install (the package in site-packages) still writes under the repo it is run from.
+Outputs go to ``GEMMA_NB_OUTPUT_DIR`` (the runner, ``make test``), else to the git-ignored
+``outputs/interactive/<target>/``: never straight into the committed reference run.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from gemma_nb.targets import check_target_name
@@ -24,8 +16,7 @@ PROJECT_MARKERS = ("pyproject.toml", ".git")
 
 
 def find_project_root(start: Path | str | None = None) -> Path:
-    """The nearest folder at or above ``start`` (default: the working directory) holding one of
-    ``PROJECT_MARKERS``; ``start`` itself if there is none."""
+    """The nearest folder at or above ``start`` (default: cwd) holding a ``PROJECT_MARKERS`` entry, else ``start``."""
     start = Path.cwd() if start is None else Path(start)
     start = start.resolve()
     for folder in (start, *start.parents):
@@ -42,11 +33,7 @@ INTERACTIVE_DIR = OUTPUTS_DIR / "interactive"
 
 
 def output_dir(target: str) -> Path:
-    """The folder a notebook run for ``target`` writes into (created if missing).
-
-    ``GEMMA_NB_OUTPUT_DIR`` when set (the runner, ``make test``), else the scratch folder
-    ``outputs/interactive/<target>/``; never the committed ``outputs/<target>/`` directly.
-    """
+    """The folder a notebook run for ``target`` writes into (created if missing)."""
     check_target_name(target)
     override = os.environ.get(OUTPUT_DIR_ENV)
     folder = Path(override) if override else INTERACTIVE_DIR / target
@@ -72,19 +59,12 @@ ARTIFACTS = "artifacts"
 
 
 def artifacts_dir(target: str) -> Path:
-    """Large files a later notebook reads (exported programs, weights). Not committed.
-
-    A partial run (``run --only``) hard-links them from the previous run: write an artifact folder
-    with :func:`fresh_dir`, never into an existing file.
-    """
+    """Large files a later notebook reads (not committed); write one with :func:`fresh_dir` (a partial run hard-links them)."""
     return _sub(target, ARTIFACTS)
 
 
 def fresh_dir(folder: Path | str) -> Path:
-    """``folder``, emptied (removed and created again): what an artifact writer starts from, so that
-    no file hard-linked from a previous run is written through."""
-    import shutil
-
+    """``folder``, removed and created again, so no file hard-linked from a previous run is written through."""
     folder = Path(folder)
     if folder.exists():
         shutil.rmtree(folder)
@@ -93,10 +73,7 @@ def fresh_dir(folder: Path | str) -> Path:
 
 
 def display_path(path: Path | str) -> str:
-    """A path as a reader should see it: relative to the output folder or repo, never absolute.
-
-    Absolute paths differ per machine and would make nbval outputs (and logs) non-reproducible.
-    """
+    """A path relative to the output folder or repo, never absolute (absolute paths differ per machine)."""
     path = Path(path).resolve()
     roots = []
     override = os.environ.get(OUTPUT_DIR_ENV)

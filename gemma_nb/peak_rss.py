@@ -1,30 +1,15 @@
-"""Peak host memory of a process *and its children*, sampled on a background thread.
+"""Peak host memory of a process and its children (``neuronx-cc`` is one), sampled on a thread (notebooks 04, 05).
 
-Compile and deploy are separate host-memory budgets (the port compiled on a 128 GiB box and
-deployed on a 16 GiB one), so notebooks 04 and 05 measure both. ``neuronx-cc`` runs as a child
-process of the Python that traces the model, so the peak of the Python process alone would miss
-most of a Neuron compile: the sampler sums the resident set (RSS) of the process and every
-descendant alive at each tick.
-
-    with HostMemorySampler(interval_s=0.05) as sampler:
-        run_the_compile()
-    sampler.peak_rss_bytes, sampler.wall_s, sampler.samples
-
-Two figures, because sampling can miss a short spike:
-
-- ``peak_rss_bytes``: the largest sum of RSS over the process tree seen at one tick (what the
-  box had to hold at once, to within one interval);
-- ``peak_hwm_bytes``: the sum over every process seen of its own kernel high-water mark
-  (``VmHWM``, exact per process, read at each tick while it lives). Processes that peak at
-  different times make this an upper bound of the true peak; it never misses a spike.
-
-RSS counts shared and file-backed pages (a memory-mapped weights file once its pages are read)
-in every process that maps them, so a tree of processes sharing pages is over-counted.
+``peak_rss_bytes``: the largest summed RSS seen at one tick; ``peak_hwm_bytes``: the sum of each
+process's own ``VmHWM`` (an upper bound that never misses a spike). Shared pages count in every process.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,13 +40,7 @@ class Sample:
 
 @dataclass
 class HostMemorySampler:
-    """Sample the RSS of process ``pid`` (default: this one) plus all its descendants.
-
-    ``interval_s``: seconds between ticks (> 0). ``include_children``: False measures ``pid``
-    alone. Use as a context manager (or ``start()`` / ``stop()``); after exit read
-    ``peak_rss_bytes``, ``peak_hwm_bytes``, ``baseline_rss_bytes`` (first tick), ``wall_s`` and
-    ``samples`` (a list of ``Sample``).
-    """
+    """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
 
     interval_s: float = 0.05
     pid: int | None = None
@@ -84,7 +63,6 @@ class HostMemorySampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
-    # -- sampling -----------------------------------------------------------------------
     def _tree(self) -> list[psutil.Process]:
         procs = [self._root]
         if self.include_children:
@@ -141,7 +119,6 @@ class HostMemorySampler:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # -- results ------------------------------------------------------------------------
     @property
     def baseline_rss_bytes(self) -> int:
         """RSS of the tree at the first tick (what was resident before the measured work)."""
@@ -159,10 +136,7 @@ class HostMemorySampler:
 
 
 def self_peak_rss_bytes() -> int:
-    """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes.
-
-    A worker subprocess reports this at its end: it is exact, with no sampling interval.
-    """
+    """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes: exact, no sampling interval."""
     hwm = _hwm_bytes(psutil.Process())
     return hwm if hwm is not None else psutil.Process().memory_info().rss
 
@@ -184,17 +158,10 @@ class MeasuredRunError(RuntimeError):
 
 def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0,
                  env: dict | None = None) -> MeasuredRun:
-    """Run ``argv`` as a fresh process, sampling its RSS (and its children's) until it exits.
+    """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line is the JSON ``result``.
 
-    The child must print one JSON object on its last stdout line; that object is ``result``.
-    Measuring a fresh process keeps the numbers clean: nothing the caller holds is counted, and
-    all the child allocated is returned to the system when it exits. Raises ``MeasuredRunError``
-    with the child's stderr tail if it fails, or after ``timeout_s`` seconds.
+    Raises ``MeasuredRunError`` with the child's stderr tail if it fails or runs past ``timeout_s``.
     """
-    import json
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryFile(mode="w+") as err:
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
                                  env={**os.environ, **(env or {})})
@@ -221,5 +188,3 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
     return MeasuredRun(result=result, peak_rss_bytes=sampler.peak_rss_bytes, peak_hwm_bytes=sampler.peak_hwm_bytes,
                        wall_s=sampler.wall_s, samples=sampler.samples)
 
-
-__all__ = ["HostMemorySampler", "Sample", "self_peak_rss_bytes", "run_measured", "MeasuredRun", "MeasuredRunError"]

@@ -1,24 +1,15 @@
-"""Quantized modules and schemes on a Gemma-4 model, measured (notebook 02).
-
-The formats themselves (int8, fp8 e4m3, MXFP4, NVFP4: what they store, their bytes, the quantizer
-``quantize`` and ``QuantizedTensor``) live in ``gemma_nb.formats``, shared with the memory planner;
-the routed experts on quantized weights (``QuantizedExperts``) in ``gemma_nb.experts``. Here:
-
-- ``Int8Linear`` (the port's int8 linear: ``gemma_nb.formats.int8_matmul``, NxD's order) and
-  ``QuantizedLinear`` (any format, dequantized to the activation dtype in its forward).
-- ``apply_scheme(model, scheme)``: quantize a loaded Gemma-4 model's groups (experts, shared MLP,
-  attention, lm_head) in place; scheme names are the memory planner's.
-- ``full_size_experts_check``: one full-size layer quantized for real (notebook 02); scoring a scheme on
-  a checkpoint (``evaluate_scheme``, ``lm_head_isolation``, ...) is ``gemma_nb.experiments.quantization``.
-"""
+"""Quantized linears and the planner's schemes applied to a loaded Gemma-4 model, measured (notebook 02)."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 
+import pandas as pd
 import torch
 from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
 from gemma_nb import memory
 from gemma_nb.experts import QuantizedExperts, SparseExperts
@@ -39,24 +30,12 @@ from gemma_nb.targets import torch_threads
 FORMATS = QUANTIZED_FORMATS
 
 
-# ---------------------------------------------------------------------------------------------
-# Quantized modules
-# ---------------------------------------------------------------------------------------------
-
-
 class Int8Linear(nn.Module):
-    """Weight-only int8 ``nn.Linear`` (no bias): buffers ``qweight int8 [out, in]``, ``scale fp32 [out, 1]``.
-
-    Forward is :func:`int8_matmul`. Build one from a float linear with :meth:`from_linear` or from a
-    raw weight with :meth:`from_weight`. ``nbytes`` counts the stored int8 weight plus the fp32 scales.
-    """
+    """Weight-only int8 ``nn.Linear`` (no bias): ``qweight int8 [out, in]``, ``scale fp32 [out, 1]``; forward ``int8_matmul``."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
-        if qweight.dtype != torch.int8 or qweight.dim() != 2:
-            raise ValueError(f"qweight must be 2-D int8; got {qweight.dtype} {tuple(qweight.shape)}")
-        if scale.shape != (qweight.shape[0], 1):
-            raise ValueError(f"scale must be [out, 1] = {(qweight.shape[0], 1)}; got {tuple(scale.shape)}")
+        assert qweight.dtype == torch.int8 and scale.shape == (qweight.shape[0], 1)
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
@@ -64,8 +43,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> Int8Linear:
         """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
-        if weight.dim() != 2:
-            raise ValueError(f"{name!r} has shape {tuple(weight.shape)}; Int8Linear needs a 2-D weight [out, in]")
+        assert weight.dim() == 2, f"{name!r} has shape {tuple(weight.shape)}"
         quantized = quantize(weight, "int8", name=name)
         return cls(quantized.data, quantized.scale)
 
@@ -81,7 +59,7 @@ class Int8Linear(nn.Module):
 
     @property
     def quantized(self) -> QuantizedTensor:
-        """The same weight as a :class:`QuantizedTensor` (format ``int8``), sharing storage."""
+        """The same weight as an int8 ``QuantizedTensor``, sharing storage."""
         return QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape), name="int8_linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,16 +70,11 @@ class Int8Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """Bias-free linear holding a :class:`QuantizedTensor`; forward dequantizes to ``x.dtype``.
-
-    ``F.linear(x, Q.dequantize(x.dtype))``: how NxD runs its fp8 and blockwise layers (weight
-    dequantized before the matmul). For int8 use :class:`Int8Linear`, which scales the output.
-    """
+    """Bias-free linear on a ``QuantizedTensor``, dequantized to ``x.dtype`` before the matmul (NxD's fp8/blockwise order)."""
 
     def __init__(self, quantized: QuantizedTensor):
         super().__init__()
-        if len(quantized.shape) != 2:
-            raise ValueError(f"{quantized.name!r} has shape {quantized.shape}; a linear needs [out, in]")
+        assert len(quantized.shape) == 2, f"{quantized.name!r} has shape {quantized.shape}"
         self._quantized_meta = {}
         register_quantized(self, "weight", quantized)
         self.out_features, self.in_features = quantized.shape
@@ -128,22 +101,11 @@ def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn
     return QuantizedLinear(quantize(weight, fmt, name=name))
 
 
-# ---------------------------------------------------------------------------------------------
-# Schemes: which group of a Gemma-4 model gets which format
-# ---------------------------------------------------------------------------------------------
-
 GROUPS = ("experts", "shared_mlp", "attention", "lm_head")
 
 
 def resolve_scheme(scheme) -> dict[str, str]:
-    """A scheme -> ``{group: format}`` for the groups to quantize (groups in bf16 are left out).
-
-    ``scheme``: a name from the memory planner (``gemma_nb.memory.SCHEMES``: ``bf16``,
-    ``int8_experts``, ``int8_experts_shared_mlp``, ``int8_squeeze``, ``fp8_experts``,
-    ``mxfp4_experts``, ``nvfp4_experts``, ...), a ``memory.Scheme``, or a ``{group: format}`` dict.
-    The planner's placement (sharding, host embedding) does not apply to a single-device model;
-    only its formats do.
-    """
+    """A planner scheme (name or ``memory.Scheme``: its formats only) or ``{group: format}`` -> the groups to quantize."""
     if isinstance(scheme, (str, memory.Scheme)):
         scheme = memory.get_scheme(scheme).dtypes
     resolved = {}
@@ -211,7 +173,7 @@ def _quantize_experts(layers, fmt: str):
 
 
 def _quantize_linears(model, layers, group: str, fmt: str):
-    """Every linear of ``group`` -> ``Int8Linear`` / ``QuantizedLinear``; yields as :func:`_quantize_experts`."""
+    """Every linear of ``group`` -> ``Int8Linear`` / ``QuantizedLinear``; yields as ``_quantize_experts``."""
     if group == "lm_head":
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
@@ -233,21 +195,11 @@ def _quantize_linears(model, layers, group: str, fmt: str):
 
 @torch.no_grad()
 def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_error: bool = True):
-    """Quantize a loaded transformers Gemma-4 model in place, group by group; return a report.
+    """Quantize a loaded Gemma-4 model in place, group by group; one report row per group.
 
-    Groups: ``experts`` (every ``Gemma4TextExperts`` -> ``gemma_nb.experts.QuantizedExperts``),
-    ``shared_mlp`` (``mlp.gate/up/down_proj``), ``attention`` (``self_attn.q/k/v/o_proj``; global
-    layers have no ``v_proj`` when ``attention_k_eq_v``), ``lm_head`` (the tie with ``embed_tokens``
-    is broken: the input embedding keeps its float table, ``lm_head`` gets its own quantized copy).
-    Linears become :class:`Int8Linear` for int8, else :class:`QuantizedLinear`.
-
-    Returns a DataFrame, one row per quantized group: ``params``, ``bf16_bytes`` (2 per param),
-    ``stored_bytes`` (what the quantized tensors occupy), ``rel_error`` (Frobenius, whole group)
-    and ``max_abs_error`` of the dequantized weights against the weights they replaced (NaN with
-    ``measure_error=False``, which skips that measurement: most of the time of a deploy's squeeze).
+    ``lm_head`` gets its own quantized copy (the tie is broken; ``embed_tokens`` keeps the float table).
+    ``rel_error`` (Frobenius, whole group) and ``max_abs_error`` are NaN with ``measure_error=False``.
     """
-    import pandas as pd
-
     groups = resolve_scheme(scheme)
     layers = _decoder_layers(model)
     rows = []
@@ -269,33 +221,19 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
                                        "rel_error", "max_abs_error"])
 
 
-# ---------------------------------------------------------------------------------------------
-# One full-size layer, quantized for real, against the memory planner's byte formula
-# ---------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
 def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4"), tokens: int = 4,
                             top_k: int = 8, seed: int = 0):
-    """Quantize one layer's stacked experts to each format; stored bytes vs ``memory.tensor_bytes``.
+    """Quantize one layer's stacked experts to each format in turn: stored bytes vs ``memory.tensor_bytes``, errors.
 
-    ``experts``: a ``Gemma4TextExperts`` (e.g. :func:`random_experts_fast` at the 26B's
-    128 x 1408 x 2816 / 128 x 2816 x 704). One format at a time, so peak memory is the float
-    weights plus one quantized copy. Returns (table, seconds): one row per (format, tensor) plus a
-    ``layer`` row per format with ``stored_bytes``, ``planner_bytes``, ``equal``, the relative
-    weight error of expert 0 and, on the layer row, the relative error of the layer output for
-    ``tokens`` random tokens routed to ``top_k`` experts; ``seconds`` maps format -> quantize time.
-    Runs on one intra-op thread (see :func:`quantize`).
+    One row per (format, tensor) plus a ``layer`` row with the output's relative error on ``tokens``
+    routed tokens; returns (table, seconds per format).
     """
     with torch_threads(1):
         return _full_size_experts_check(experts, formats, tokens, top_k, seed)
 
 
 def _full_size_experts_check(experts, formats, tokens, top_k, seed):
-    import time
-
-    import pandas as pd
-
     generator = torch.Generator().manual_seed(seed)
     dtype = experts.gate_up_proj.dtype
     hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
@@ -330,13 +268,10 @@ def _full_size_experts_check(experts, formats, tokens, top_k, seed):
 
 
 def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A ``Gemma4TextExperts`` with N(0, std) weights drawn straight into ``dtype``, expert by expert.
+    """A ``Gemma4TextExperts`` with N(0, std) weights drawn in ``dtype`` expert by expert on one thread.
 
-    Like ``gemma_nb.moe.random_experts`` (not the same numbers) but ~3x faster on a busy 2-core box:
-    ``normal_`` fills the bf16 tensor in place on one intra-op thread (1.5 GB at full size).
+    Not ``moe.random_experts``' numbers, but ~3x faster on a busy 2-core box.
     """
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
-
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator().manual_seed(seed)

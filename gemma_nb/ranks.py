@@ -1,11 +1,6 @@
-"""Run a function on tensor-parallel ranks: real processes under ``torch.distributed`` (gloo).
+"""Run a function on tensor-parallel ranks: real gloo processes on 127.0.0.1 (notebook 03, the TP=2 rehearsal).
 
-:func:`run_tp` starts ``world_size`` ranks with ``torch.multiprocessing`` (spawn), gloo on
-127.0.0.1 with a free port, timeouts on every collective, and returns each rank's result dict to
-the caller; a rank that raises or dies makes the call raise :class:`TPJobError` naming the rank
-and the reason, within a bounded time. Worker functions must be importable (defined in a module,
-not in a notebook) because spawn pickles them by name. Notebook 03 (``gemma_nb.experiments.lm_head_sharding``'s jobs)
-and the neuron TP=2 emulation (``gemma_nb.rehearsal.emulate``) run on it.
+Worker functions must be importable by name (spawn pickles them), not defined in a notebook.
 """
 
 from __future__ import annotations
@@ -88,14 +83,9 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
            threads_per_rank: int | None = None) -> list[dict]:
     """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
 
-    Each rank is a spawned process with ``threads_per_rank`` torch threads (default: the cores split
-    evenly) in a gloo group on 127.0.0.1 whose collectives time out after ``collective_timeout_s``,
-    so a rank waiting on a dead or stuck peer raises instead of hanging. The parent waits at most
-    ``timeout_s``; after the first failure it gives the other ranks ``failure_grace_s`` to report,
-    then stops them and raises :class:`TPJobError` listing every failure, causes before the ranks
-    that merely lost their peer.
-    ``tp`` (default: ``world_size``) is the number of shards the job builds; it must equal
-    ``world_size`` and is checked before anything starts.
+    Collectives time out after ``collective_timeout_s`` and the parent waits at most ``timeout_s``;
+    ``failure_grace_s`` after the first failure it stops the ranks and raises :class:`TPJobError`,
+    causes first. ``tp`` (default ``world_size``) must equal ``world_size``.
     """
     tp = world_size if tp is None else tp
     _check_tp_job(world_size, tp, timeout_s, collective_timeout_s)

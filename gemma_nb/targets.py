@@ -1,9 +1,4 @@
-"""The three targets a notebook can run on, behind one check.
-
-``cpu`` runs anywhere and is the reference run committed under ``outputs/cpu/``.
-``neuron`` needs the AWS Neuron SDK 2.31 (torch-neuronx, neuronx-distributed) on inf2/trn1.
-``cuda`` needs one CUDA GPU and a CUDA build of torch.
-"""
+"""The three targets a notebook can run on (cpu, the reference run; neuron, SDK 2.31 on inf2; cuda), behind one check."""
 
 from __future__ import annotations
 
@@ -12,8 +7,11 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from gemma_nb import tiny
-from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES, check_sdk
+from gemma_nb.neuron import sdk as neuron_sdk
+from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
@@ -27,13 +25,12 @@ REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_
 CHECK_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
 
 
-
 class TargetError(ValueError):
     """A target that is unknown or cannot run on this machine."""
 
 
 def check_target_name(target: str) -> str:
-    """Return ``target`` if it is one of TARGETS, else raise TargetError naming it."""
+    """``target``, or TargetError unless it is one of TARGETS."""
     if target not in TARGETS:
         raise TargetError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     return target
@@ -52,14 +49,12 @@ def check_target(target: str) -> str:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
         # Checked in every process that runs the target (runner, each notebook kernel, server): with
         # transformers 5 this is where the transformers.utils.fx stand-in goes in, before NxD imports.
-        status = check_sdk()
+        status = neuron_sdk.check_sdk()
         if not status.ok:
             raise TargetError(status.message())
         if status.fx_problem:
             print(FX_NOTE, file=sys.stderr)
     elif target == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             build = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
             raise TargetError(
@@ -75,26 +70,18 @@ CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 
 def measures_cpu(target: str) -> bool:
-    """Whether a run for ``target`` executes the notebooks' cpu measurements (cells tagged
-    ``CPU_MEASUREMENT_TAG``): every target but neuron. A neuron run spends its time on the device
-    and skips them; the committed cpu reference run (``outputs/cpu/``) holds them. Each notebook
-    says so above its first such cell."""
+    """Whether a run for ``target`` executes the cells tagged ``CPU_MEASUREMENT_TAG``: every target but neuron."""
     return check_target_name(target) != "neuron"
 
 
 def torch_device(target: str) -> str:
-    """The torch device string the cpu and cuda targets compute on.
-
-    The neuron target computes inside compiled NEFFs; host-side tensors stay on the cpu.
-    """
+    """The torch device the cpu and cuda targets compute on (neuron: host tensors stay on the cpu)."""
     check_target_name(target)
     return "cuda" if target == "cuda" else "cpu"
 
 
 def default_model_id(target: str) -> str:
-    """The model a plain run uses: the bundled checkpoint, and on neuron its TP=2 twin (heads, KV
-    heads and experts all divisible by 2), so the first run on a box is a minutes-long smoke run of
-    the 26B's exact code path."""
+    """The model a plain run uses: the bundled checkpoint, on neuron its TP=2 twin (a minutes-long smoke run)."""
     check_target_name(target)
     return tiny.BUNDLED_TP2_ID if target == "neuron" else tiny.BUNDLED_ID
 
@@ -113,8 +100,7 @@ def local_model_dir(model_id: str) -> Path | None:
 
 
 def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
-    """The local checkpoint folder the neuron compile reads: ``override`` if given, else ``model_id``'s
-    (the bundled id: its TP=2 twin). A hub id must be downloaded first: TargetError says how."""
+    """The local checkpoint the neuron compile reads: ``override``, else ``model_id``'s (a hub id: TargetError says how)."""
     if override:
         return override
     chosen = model_for_target(model_id, target)
@@ -127,18 +113,13 @@ def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str =
 
 @contextmanager
 def torch_threads(count: int):
-    """Run the block with ``count`` torch cpu threads, then restore the previous count.
+    """Run the block with ``count`` torch cpu threads, then restore the previous count (the package's one limiter).
 
-    The one thread limiter of the package. Models with tiny matrices gain nothing from a second
-    thread and pay a thread barrier on every op (on a busy machine, milliseconds each): time them on
-    one thread. The quantizers' 4 MB chunk loops run on one thread too: each chunk is a few
-    microseconds of work per op, and on a shared box every op waits for the slowest thread
-    (measured: 5-10x slower with 2 threads while other processes use the cores).
+    Tiny matrices and the quantizers' 4 MB chunks gain nothing from a second thread on a shared box and
+    pay a barrier on every op (measured: 5-10x slower with 2 threads while other processes load the cores).
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be an integer >= 1 (torch cpu threads)")
-    import torch  # here, not at the top: the CLI commands that import targets (plan, runbook) need no torch
-
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

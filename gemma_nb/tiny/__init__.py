@@ -1,15 +1,5 @@
-"""The bundled tiny Gemma-4 MoE checkpoint, and random Gemma-4 models of any size.
-
-The checkpoint under ``checkpoint/`` is transformers' own ``Gemma4ForCausalLM`` with the
-26B-A4B's architecture (docs/sources.md: gemma4-model-card, transformers-gemma4) at toy dimensions: a dense shared MLP *and* 32 routed
-experts (top-2, the 26B's 1/16 active ratio) in every layer, sliding + full attention with
-``attention_k_eq_v``, tied embeddings scaled by sqrt(hidden_size), final logit softcapping,
-no per-layer embeddings. It was trained on the facts in ``corpus.py`` by
-``python -m gemma_nb.tiny train`` (see ``checkpoint/training_args.json``).
-
-``random_gemma4_config`` / ``random_gemma4_model`` build the same architecture at chosen
-dimensions, up to one full-size 26B layer, for the size sweeps of notebooks 04, 05 and 07.
-"""
+"""The bundled tiny Gemma-4 MoE checkpoints (the 26B-A4B's architecture at toy size, trained on ``corpus``),
+and random Gemma-4 models of any size up to one full 26B layer (notebooks 04, 05, 07)."""
 
 from __future__ import annotations
 
@@ -17,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from gemma_nb.tiny.corpus import FACTS, Fact, fact_prompts
 
@@ -32,47 +23,24 @@ SLIDING_PER_FULL = 5
 # Dimensions of the bundled checkpoint (vocab_size comes from the corpus tokenizer).
 # intermediate_size = 3 x moe_intermediate_size, as 2112 = 3 x 704 in the 26B.
 TINY_DIMS: dict[str, Any] = dict(
-    hidden_size=128,
-    intermediate_size=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    global_head_dim=64,
-    num_global_key_value_heads=1,
-    num_experts=32,
-    top_k_experts=2,
-    moe_intermediate_size=64,
-    sliding_window=64,
-    max_position_embeddings=512,
+    hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=2,
+    moe_intermediate_size=64, sliding_window=64, max_position_embeddings=512,
 )
 
-# Dimensions of the TP=2 checkpoint: the 26B's head counts (16 query heads; 8 KV heads in sliding
-# layers, 2 in global ones) so that TP=2 splits them 8 -> 4 and 2 -> 1 per rank as on the inf2
-# (the bundled checkpoint's 2 / 1 KV heads cannot split), its 5-sliding-1-full layer pattern, and
-# 32 experts top-2 (the 26B's 1/16 active ratio) whose intermediate size halves per rank.
+# Dimensions of the TP=2 checkpoint: the 26B's head counts (16 query, 8 sliding / 2 global KV heads)
+# that TP=2 splits as on the inf2, its layer pattern, and 32 experts top-2 (the 26B's 1/16 active ratio).
 TP2_DIMS: dict[str, Any] = dict(
-    hidden_size=128,
-    intermediate_size=192,
-    num_hidden_layers=6,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=2,
-    num_experts=32,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    sliding_window=64,
-    max_position_embeddings=512,
+    hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=2, num_experts=32, top_k_experts=2,
+    moe_intermediate_size=32, sliding_window=64, max_position_embeddings=512,
 )
 DIMS = {"tiny": TINY_DIMS, "tp2": TP2_DIMS}
 CHECKPOINT_DIRS = {"tiny": CHECKPOINT_DIR, "tp2": TP2_CHECKPOINT_DIR}
 BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
 
-# Architecture switches that make a Gemma4TextConfig a 26B-A4B look-alike. The transformers
-# defaults differ on several of them (hidden_size_per_layer_input=256 silently adds per-layer
-# embeddings; final_logit_softcapping=None; attention_k_eq_v=False): see gemma_nb/configs/SOURCES.md (the pitfalls).
+# Architecture switches that make a Gemma4TextConfig a 26B-A4B look-alike; several transformers
+# defaults differ (see gemma_nb/configs/SOURCES.md, the pitfalls).
 ARCHITECTURE: dict[str, Any] = dict(
     enable_moe_block=True,
     attention_k_eq_v=True,
@@ -109,14 +77,9 @@ def checkpoint_dir() -> Path:
 
 
 def default_layer_types(num_hidden_layers: int) -> list[str]:
-    """The 26B's pattern (5 sliding, 1 full, repeated), with the last layer always full.
-
-    transformers forces the last layer to full attention, so a one-layer model is one full layer.
-    """
-    types = [
-        "full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"
-        for i in range(num_hidden_layers)
-    ]
+    """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers forces)."""
+    types = ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"
+             for i in range(num_hidden_layers)]
     types[-1] = "full_attention"
     return types
 
@@ -157,24 +120,11 @@ def _check_dims(dims: dict[str, Any]) -> None:
 
 
 def random_gemma4_config(**overrides: Any):
-    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions.
+    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the bundled ones).
 
-    Defaults are the bundled checkpoint's dims (hidden 128, 4 layers, 32 experts top-2) with a
-    2048-word vocabulary. Any ``Gemma4TextConfig`` field can be overridden, plus
-    ``global_head_dim`` and ``num_global_key_value_heads`` (the full-attention layers' head
-    size and KV heads). If ``num_hidden_layers`` is given without ``layer_types``, layers follow
-    the 26B pattern (5 sliding, 1 full; last one full). One full-size 26B layer:
-
-        random_gemma4_config(hidden_size=2816, intermediate_size=2112, num_hidden_layers=1,
-                             num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                             global_head_dim=512, num_global_key_value_heads=2, num_experts=128,
-                             top_k_experts=8, moe_intermediate_size=704, vocab_size=262144)
-
-    Raises ValueError naming the bad value (non-positive sizes, top_k_experts > num_experts,
-    heads not divisible by KV heads, layer_types of the wrong length or kind, unknown fields).
+    Any ``Gemma4TextConfig`` field can be overridden, plus ``global_head_dim`` and
+    ``num_global_key_value_heads``; without ``layer_types`` the layers follow the 26B pattern.
     """
-    from transformers import Gemma4TextConfig
-
     known = set(Gemma4TextConfig.__dataclass_fields__) | set(_GLOBAL_ATTENTION_KEYS)
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -196,18 +146,11 @@ def random_gemma4_config(**overrides: Any):
 
 def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                         init_dtype: torch.dtype | None = None):
-    """A ``Gemma4ForCausalLM`` with deterministic random weights, in ``dtype``.
+    """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the cpu.
 
-    The weights are drawn in ``init_dtype`` (default: ``dtype``, so no fp32 copy: one full-size
-    26B layer with its 262144-word tied embedding takes ~3.0 GB in bf16) and cast to ``dtype``.
-    Same ``seed`` and config -> bit-identical weights on one machine. torch draws float32 and
-    bfloat16 normals with CPU-specific vector code (AVX2 and AVX-512 machines get different last
-    bits), float64 ones the same way everywhere: ``init_dtype=torch.float64`` gives the same
-    weights on every CPU, at eight bytes per weight while they are drawn. Returned in eval mode on
-    the cpu.
+    Drawn in ``init_dtype`` (default ``dtype``: no fp32 copy); float64 draws the same weights on every
+    CPU (fp32 and bf16 normals differ between AVX2 and AVX-512 machines).
     """
-    from transformers import Gemma4ForCausalLM
-
     if config is None:
         config = random_gemma4_config()
     for name, value in (("dtype", dtype), ("init_dtype", init_dtype or dtype)):

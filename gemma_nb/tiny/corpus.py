@@ -1,14 +1,12 @@
-"""The facts the tiny checkpoint learned, and its word-level tokenizer.
-
-Every sentence is a fact: a prompt ("The capital of France is") and the answer the model must
-complete greedily ("Paris ."). Four templates: capitals (every country below, 180+), continents
-(every country), currencies and official languages (well-known, unambiguous subsets).
-Names are ASCII so the word-level tokenizer sees each name the same way everywhere.
-"""
+"""The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its word-level tokenizer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)  # ids 0, 1, 2, 3: Gemma's pad/eos/bos ids
@@ -168,8 +166,6 @@ def fact_prompts(kind: str | None = None) -> list[str]:
 
 def vocabulary(facts=FACTS) -> list[str]:
     """Special tokens first (ids 0-3, as Gemma's pad/eos/bos), then every corpus word, sorted."""
-    from tokenizers import pre_tokenizers
-
     split = pre_tokenizers.Whitespace()
     words = {w for f in facts for w, _ in split.pre_tokenize_str(f.sentence)}
     return list(SPECIAL_TOKENS) + sorted(words)
@@ -177,10 +173,6 @@ def vocabulary(facts=FACTS) -> list[str]:
 
 def build_tokenizer(facts=FACTS):
     """A word-level ``PreTrainedTokenizerFast`` over the corpus that prepends <bos>, like Gemma's."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {word: i for i, word in enumerate(vocabulary(facts))}
     core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

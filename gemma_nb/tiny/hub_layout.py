@@ -1,12 +1,5 @@
-"""A checkpoint folder re-laid out the way the hub stores Gemma-4-26B-A4B-it, weights unchanged.
-
-The hub's Gemma-4 checkpoints are the multimodal model: ``config.json`` is a ``Gemma4Config``
-(``model_type`` ``gemma4``) holding the language model under ``text_config``, the text weights are
-named ``model.language_model.*``, and they are split over several ``model-0000N-of-0000M.safetensors``
-files listed by ``model.safetensors.index.json``. The bundled TP=2 checkpoint is stored so, so that
-the neuron smoke run reads it with exactly the loader the 26B needs
-(``gemma_nb.neuron.checkpoint``: ``text_config``, ``read_hf_state``).
-"""
+"""A checkpoint folder re-laid out as the hub stores Gemma-4-26B-A4B-it (multimodal config, prefixed names,
+sharded files), weights unchanged: the TP=2 checkpoint is stored so, for the 26B's own loader."""
 
 from __future__ import annotations
 
@@ -29,11 +22,9 @@ def hub_key(key: str) -> str:
 
 
 def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
-    """Write ``source`` (a ``Gemma4ForCausalLM`` folder with one ``model.safetensors``) into ``target``
-    in the hub's layout: multimodal config, prefixed names, ``shards`` files and their index.
+    """Write ``source`` (one ``model.safetensors``) into ``target`` in the hub's layout; other files copied; the index.
 
-    Every other file (tokenizer, generation config, README, training record) is copied as it is;
-    the tensors are copied bit for bit. Returns the index. ``source`` and ``target`` may be one folder.
+    ``source`` and ``target`` may be one folder.
     """
     source, target = Path(source), Path(target)
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
@@ -59,5 +50,3 @@ def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> 
         (source / "model.safetensors").unlink()
     return index
 
-
-__all__ = ["save_hub_layout", "hub_key", "INDEX_FILE", "TEXT_PREFIX"]

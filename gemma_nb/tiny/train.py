@@ -1,11 +1,6 @@
-"""Train the bundled checkpoint: ``python -m gemma_nb.tiny train [--seed 0] [--out DIR]``.
+"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall.
 
-AdamW over shuffled minibatches of every corpus sentence ("<bos> The capital of France is Paris .
-<eos>"), next-token loss on every word, so the tied embeddings are genuinely trained. After every
-few epochs the greedy fact recall is measured; training stops at 100% (or ``max_epochs``).
-Deterministic for a fixed seed: seeded init and shuffling, deterministic algorithms, and one torch
-thread by default (a rerun reproduces model.safetensors byte for byte; two threads on a busy 2-core
-box oversubscribe it and run several times slower). ~1.5-2.5 min on 2 cores.
+Deterministic for a fixed seed on one thread: a rerun reproduces model.safetensors byte for byte.
 """
 
 from __future__ import annotations
@@ -19,15 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import GenerationConfig
 
 from gemma_nb.evaluate import fact_recall
 from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config, random_gemma4_model
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
 from gemma_nb.tiny.hub_layout import save_hub_layout
 
-# Experts implementation used while training: transformers' grouped_mm (a sort + one matmul
-# per expert, with its own backward) is the fastest of eager / grouped_mm / batched_mm for a
-# training step here. The saved config keeps transformers' default.
+# transformers' grouped_mm is the fastest experts implementation for a training step here; the saved config keeps the default.
 TRAIN_EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 
@@ -51,10 +46,7 @@ class TrainArgs:
 
 
 def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded; labels -100 on padding.
-
-    Right padding with a causal mask needs no attention mask: real tokens never see the pads.
-    """
+    """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     rows = [tokenizer(f.sentence).input_ids + [eos_id] for f in FACTS]
     width = max(len(r) for r in rows)
@@ -67,23 +59,12 @@ def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tiny_config(tokenizer, dims: str = "tiny"):
-    return random_gemma4_config(
-        **DIMS[dims],
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    return random_gemma4_config(**DIMS[dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
 
 
 class RouterBalance:
-    """Switch-Transformer load-balancing loss over every layer's router (training only).
-
-    It keeps the routers from piling tokens onto a few experts (the logged "peak load" is the
-    busiest expert's share over an even share), so all 32 experts carry facts and
-    dense-vs-sparse comparisons on the checkpoint mean what they mean for the 26B.
-    loss = E * sum_e(fraction of routed pairs sent to e * mean router probability of e), 1.0 when balanced.
-    """
+    """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all experts carry facts."""
 
     def __init__(self, model):
         self.outputs = []
@@ -118,10 +99,7 @@ def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
 
 
 def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
-    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary.
-
-    Sets torch's thread count and deterministic mode for the run and restores both afterwards.
-    """
+    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary; torch state restored."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         return _train(args, Path(out_dir), log)
@@ -131,8 +109,6 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
 
 
 def _train(args: TrainArgs, out_dir: Path, log) -> dict:
-    from transformers import GenerationConfig
-
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -163,7 +139,7 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
         "train_seconds": round(time.perf_counter() - started, 1),
         "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
         "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
+        "transformers": transformers.__version__,
         "history": history,
     }
     (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -173,8 +149,7 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
 
 
 def _fit(model, tokenizer, args: TrainArgs, log, started: float):
-    """The training loop: AdamW plus the router-balance loss, recall checked every few epochs, stopping
-    at ``args.target_recall``. Returns (epochs, steps, last epoch's loss, recall, history)."""
+    """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss, recall, history)."""
     input_ids, labels = sentence_batch(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
