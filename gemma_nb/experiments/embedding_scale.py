@@ -1,12 +1,12 @@
 """Notebook 06 (embedding scale): three host paths for the same lookup (``HOST_PATHS``: the story's unscaled
-one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's own embedding.
-"""
+one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's own embedding."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 import torch
@@ -29,11 +29,8 @@ HOST_PATHS = ("unscaled", "math_sqrt", "module_scale")
 
 
 class PythonFloatScaledLookup(nn.Module):
-    """``lookup(ids) * math.sqrt(hidden_size)`` with a Python float, or the plain lookup (``scaled=False``, the bug).
-
-    Right in fp32, one ulp off in bf16: torch multiplies by a Python float at fp32 precision and rounds the
-    product, whereas the module rounds the scale to the weight dtype first (bf16: 53.066 -> 53.0).
-    """
+    """``lookup(ids) * math.sqrt(H)`` with a Python float (``scaled=False``: the plain lookup, the bug): right in
+    fp32, one ulp off in bf16, where the module rounds the scale to the weight dtype first (53.066 -> 53.0)."""
 
     def __init__(self, weight: torch.Tensor, scaled: bool = True):
         super().__init__()
@@ -56,25 +53,15 @@ def host_path(model: nn.Module, name: str) -> nn.Module:
 
 
 class HostEmbeddedLM(nn.Module):
-    """The model as the slim deploy runs it: ids -> ``host`` on the cpu -> ``model(inputs_embeds=...)``; scoring
-    code treats it like the model fed ``input_ids`` (``embed_tokens`` is never called)."""
+    """The model as the slim deploy runs it: ids -> ``host`` -> ``model(inputs_embeds=...)``, called like the model."""
 
     def __init__(self, model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        self.model = model
-        self.host = host
+        self.model, self.host = model, host
 
     @property
     def config(self):
         return self.model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -93,29 +80,20 @@ def host_path_model(model: nn.Module, name: str) -> HostEmbeddedLM:
 
 
 def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """How sqrt(hidden_size) survives the module's float32 buffer and its cast to ``dtype``: both values, the
-    ulp of ``dtype`` there, and the rounding error (absolute, in ulps, in percent)."""
+    """sqrt(hidden_size) through the module's float32 buffer and its cast to ``dtype``, and the rounding error."""
     exact = math.sqrt(hidden_size)
     buffer = torch.tensor(exact, dtype=torch.float32)
     cast = buffer.to(dtype)
     ulp = unit_in_last_place(cast).item()
-    return {
-        "hidden_size": hidden_size,
-        "dtype": dtype_name(dtype),
-        "sqrt_exact": exact,
-        "scale_float32": buffer.item(),
-        "scale_in_dtype": cast.item(),
-        "ulp": ulp,
-        "rounding_error": cast.item() - exact,
-        "rounding_error_ulps": (cast.item() - exact) / ulp,
-        "rounding_error_pct": 100.0 * (cast.item() - exact) / exact,
-    }
+    error = cast.item() - exact
+    return {"hidden_size": hidden_size, "dtype": dtype_name(dtype), "sqrt_exact": exact, "scale_float32": buffer.item(),
+            "scale_in_dtype": cast.item(), "ulp": ulp, "rounding_error": error, "rounding_error_ulps": error / ulp,
+            "rounding_error_pct": 100.0 * error / exact}
 
 
 def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor],
                           probe_ids: torch.Tensor | None = None) -> dict:
-    """How ``host(ids)`` differs from ``embed_tokens(ids)`` on ``probe_ids``: share of elements that differ (%),
-    largest difference in the reference element's ulps, max |Δ|, norm ratio reference/host."""
+    """``host(ids)`` vs ``embed_tokens(ids)`` on ``probe_ids``: % of elements differing, max ulps, max |diff|, norm ratio."""
     module = model.get_input_embeddings()
     if probe_ids is None:
         probe_ids = default_probe_ids(module.weight.shape[0])
@@ -124,12 +102,8 @@ def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch
         candidate = host(probe_ids).cpu()
     delta = (candidate.double() - reference.double()).abs()
     ulps = delta / unit_in_last_place(reference).double().clamp_min(torch.finfo(reference.dtype).tiny)
-    return {
-        "differ_pct": 100.0 * (candidate != reference).double().mean().item(),
-        "max_diff_ulps": ulps.max().item(),
-        "max_abs_diff": delta.max().item(),
-        "norm_ratio": (reference.double().norm() / candidate.double().norm()).item(),
-    }
+    return {"differ_pct": 100.0 * (candidate != reference).double().mean().item(), "max_diff_ulps": ulps.max().item(),
+            "max_abs_diff": delta.max().item(), "norm_ratio": (reference.double().norm() / candidate.double().norm()).item()}
 
 
 def self_check_table(model: nn.Module) -> pd.DataFrame:
@@ -157,8 +131,7 @@ def _scores(model: nn.Module, name: str, reference_logits, batches) -> tuple[Hos
 
 
 def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
-    """Each of HOST_PATHS on ``model`` over token id ``batches`` (no tokenizer): embedding differences and
-    next-token agreement (top1_agreement, kl_mean in nats, max_logit_diff) against ``model`` on ``input_ids``."""
+    """Each of HOST_PATHS on ``model`` over token id ``batches``: embedding differences and next-token agreement."""
     reference_logits = evaluate.CachedLogits(model)
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
     return pd.DataFrame([{"path": name, "dtype": dtype, **_scores(model, name, reference_logits, batches)[1]}
@@ -171,9 +144,8 @@ COMPARE_COLUMNS = ["path", "dtype", "greedy", "greedy_match", "first_divergent_s
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
                        steps: int = 8, facts=None, batches=None) -> pd.DataFrame:
-    """The reference (``model`` fed ``input_ids``), then each of HOST_PATHS against it: greedy continuation of
-    ``prompt`` and where it diverges, fact recall over ``facts`` (default the corpus), logit agreement over
-    ``batches`` (default the facts' sentences) and embedding differences (``COMPARE_COLUMNS``)."""
+    """The reference (``model`` on ``input_ids``), then each of HOST_PATHS: greedy continuation of ``prompt``,
+    fact recall, logit agreement and embedding differences (``COMPARE_COLUMNS``)."""
     facts = list(FACTS if facts is None else facts)
     if batches is None:
         batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
@@ -196,8 +168,7 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
 
 
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
-    """Fact recall, top-1 agreement and norm ratio (log scale, sqrt(hidden_size) marked) of ``compare_host_paths``
-    rows on three ``axes`` of a constrained-layout figure, one dtype legend below them."""
+    """Fact recall, top-1 agreement and norm ratio of ``compare_host_paths`` rows on three ``axes``, one legend below."""
     data = table.assign(fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"])
     panels = [("fact_recall_pct", "fact recall (%)"), ("top1_pct", "top-1 agreement (%)"),
               ("norm_ratio", "norm ratio, module / host (x)")]
@@ -205,9 +176,7 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
         sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax, legend=index == 0)
         ax.set_xlabel("")
         ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=30)
-        for tick in ax.get_xticklabels():
-            tick.set_horizontalalignment("right")
+        plt.setp(ax.get_xticklabels(), rotation=30, horizontalalignment="right")
     # one legend for the three panels, below them, where it covers no bar
     legend = axes[0].get_legend()
     handles, labels = legend.legend_handles, [text.get_text() for text in legend.get_texts()]

@@ -1,9 +1,5 @@
-"""The tied lm_head quantized to int8 and split by vocab rows over tensor-parallel ranks, under real
-``torch.distributed`` (notebook 03), with the jobs the notebook starts on those ranks (``gemma_nb.ranks.run_tp``).
-
-Shards start at multiples of ``align_rows`` rows and the last is padded with zero rows whose logits are ``-inf``;
-the final softcap runs on the host after the gather (:func:`softcap_logits`).
-"""
+"""Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
+(shards aligned to ``align_rows``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
 from __future__ import annotations
 
@@ -62,11 +58,8 @@ def vocab_shard(vocab_size: int, tp: int, rank: int, align_rows: int = DEFAULT_A
 
 def seeded_rows(seed: int, start: int, stop: int, hidden_size: int, std: float = 0.02,
                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a normal(0, ``std``) ``[vocab, hidden]`` table fixed by ``seed``, in ``dtype``.
-
-    Each block of ``SEEDED_BLOCK_ROWS`` rows has its own generator, so any row range comes out the same
-    however it is asked for, and no fp32 copy of the whole table is ever held.
-    """
+    """Rows ``[start, stop)`` of a normal(0, ``std``) table fixed by ``seed``, the same however they are asked for
+    (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows, never the whole fp32 table."""
     assert 0 <= start <= stop, (start, stop)
     out = torch.empty(stop - start, hidden_size, dtype=dtype)
     block = start // SEEDED_BLOCK_ROWS
@@ -88,8 +81,7 @@ def seeded_table(seed: int, vocab_size: int, hidden_size: int, std: float = 0.02
 
 def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop: int, hidden_size: int,
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 scales ``[out_rows, ...]`` of rows ``[start, stop)`` read chunk by chunk through
-    ``rows_fn(a, b)``; rows past ``stop - start`` (padding) stay zero."""
+    """int8 rows and fp32 scales of rows ``[start, stop)`` read chunk by chunk through ``rows_fn(a, b)``, padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
     assert out_rows >= stop - start, (out_rows, start, stop)
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
@@ -104,11 +96,7 @@ def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop:
 
 
 class VocabParallelLMHead(nn.Module):
-    """One rank's int8 rows of the lm_head, all-gathered into full logits (NxD's ``gather_output=True``).
-
-    The matmul runs in ``dtype`` (bf16 as in the port) through ``gemma_nb.formats.int8_matmul``; with ``tp == 1``
-    it is the unsharded head and needs no process group.
-    """
+    """One rank's int8 rows of the lm_head (matmul in ``dtype``), all-gathered into full logits (NxD's ``gather_output=True``)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, shard: VocabShard, group=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -116,7 +104,10 @@ class VocabParallelLMHead(nn.Module):
         assert qweight.dtype == torch.int8 and qweight.dim() == 2 and qweight.shape[0] == shard.rows_per_rank, qweight.shape
         assert tuple(scale.shape) == (shard.rows_per_rank, 1) and dtype.is_floating_point, (scale.shape, dtype)
         if shard.tp > 1:
-            _check_group(shard, group)
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world "
+                                 f"size {shard.tp}: build it inside a worker started by gemma_nb.ranks.run_tp (or use tp=1)")
+            assert (dist.get_world_size(group), dist.get_rank(group)) == (shard.tp, shard.rank), "one shard per rank"
         self.shard, self.group, self.dtype = shard, group, dtype
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
@@ -141,10 +132,6 @@ class VocabParallelLMHead(nn.Module):
                              group=group, align_rows=align_rows, dtype=dtype)
 
     @property
-    def vocab_size(self) -> int:
-        return self.shard.vocab_size
-
-    @property
     def nbytes(self) -> int:
         """Bytes this rank holds: int8 rows (padding included) + fp32 scales."""
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * self.scale.element_size()
@@ -160,26 +147,11 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.local_logits(hidden).contiguous()
-        if self.shard.tp == 1:
-            return local[..., : self.vocab_size]
-        parts = [torch.empty_like(local) for _ in range(self.shard.tp)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
-
-    def extra_repr(self) -> str:
-        s = self.shard
-        return (f"rank={s.rank}/{s.tp}, rows=[{s.start}, {s.stop}) + {s.pad_rows} padding, "
-                f"hidden={self.qweight.shape[1]}, int8 per-row, {self.dtype}, gather_output=True")
-
-
-def _check_group(shard: VocabShard, group) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world size "
-                         f"{shard.tp}: build it inside a worker started by gemma_nb.ranks.run_tp (or use tp=1)")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world != shard.tp or rank != shard.rank:
-        raise ValueError(f"shard for rank {shard.rank} of tp={shard.tp}, but this process is rank {rank} of a group of "
-                         f"{world}: build each rank's shard with tp = world size and its own rank")
+        if self.shard.tp > 1:
+            parts = [torch.empty_like(local) for _ in range(self.shard.tp)]
+            dist.all_gather(parts, local, group=self.group)
+            local = torch.cat(parts, dim=-1)
+        return local[..., : self.shard.vocab_size]
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None = SOFTCAP) -> torch.Tensor:
@@ -211,8 +183,7 @@ def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.
     with torch.inference_mode():
         logits = head(hidden)
     s = head.shard
-    return {"rank": rank, "start": s.start, "stop": s.stop, "pad_rows": s.pad_rows,
-            "shard_bytes": head.nbytes, "logits": logits}
+    return {"rank": rank, "start": s.start, "stop": s.stop, "pad_rows": s.pad_rows, "shard_bytes": head.nbytes, "logits": logits}
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -228,8 +199,8 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden_size: int,
                   hidden: torch.Tensor, repeats: int = 5, std: float = 0.02) -> dict:
-    """One rank at the real size: the replicated bf16 head (bytes, RSS growth, ms per token), freed; then this
-    rank's int8 shard built from its own seeded rows only (bytes, RSS growth, gathered logits, ms per token)."""
+    """One rank at the real size: the replicated bf16 head, then this rank's int8 shard of its own seeded rows
+    (bytes, RSS growth, ms per token of each; the gathered logits of ``hidden``)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
         replicated = seeded_table(seed, vocab_size, hidden_size, std=std)
@@ -247,28 +218,20 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         logits = head(hidden)
         gathered_ms = _median_ms(lambda: head(token), repeats)
     s = head.shard
-    return {
-        "rank": rank, "start": s.start, "stop": s.stop,
-        "replicated_bf16_bytes": replicated_bytes, "replicated_bf16_rss_growth": rss1 - rss0,
-        "shard_weight_bytes": head.qweight.numel() * head.qweight.element_size(),
-        "shard_scale_bytes": head.scale.numel() * head.scale.element_size(),
-        "shard_bytes": head.nbytes, "shard_rss_growth": rss3 - rss2,
-        "replicated_bf16_ms_per_token": bf16_ms, "gathered_int8_ms_per_token": gathered_ms,
-        "logits": logits,
-    }
+    return {"rank": rank, "start": s.start, "stop": s.stop, "replicated_bf16_bytes": replicated_bytes,
+            "replicated_bf16_rss_growth": rss1 - rss0, "shard_weight_bytes": head.qweight.numel() * head.qweight.element_size(),
+            "shard_scale_bytes": head.scale.numel() * head.scale.element_size(), "shard_bytes": head.nbytes,
+            "shard_rss_growth": rss3 - rss2, "replicated_bf16_ms_per_token": bf16_ms, "gathered_int8_ms_per_token": gathered_ms,
+            "logits": logits}
 
 
 def logits_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
     """Bit-exactness, argmax identity, top-1 agreement and max |difference| of two logit tensors [..., V]."""
     assert reference.shape == candidate.shape, (reference.shape, candidate.shape)
     ref_top, cand_top = reference.argmax(-1), candidate.argmax(-1)
-    return {
-        "bit_exact": bool(torch.equal(reference, candidate)),
-        "argmax_identical": bool(torch.equal(ref_top, cand_top)),
-        "top1_agreement": float((ref_top == cand_top).float().mean()),
-        "max_abs_diff": float((reference.float() - candidate.float()).abs().max()),
-        "positions": int(ref_top.numel()),
-    }
+    return {"bit_exact": bool(torch.equal(reference, candidate)), "argmax_identical": bool(torch.equal(ref_top, cand_top)),
+            "top1_agreement": float((ref_top == cand_top).float().mean()),
+            "max_abs_diff": float((reference.float() - candidate.float()).abs().max()), "positions": int(ref_top.numel())}
 
 
 @torch.no_grad()
@@ -282,8 +245,7 @@ def head_inputs(model, input_ids_batches: Sequence[torch.Tensor]) -> tuple[torch
 
 
 def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.DataFrame:
-    """Each copy of the tied table, before and after, from the :func:`full_size_job` results and the host's
-    table: state, holder, copy, dtype, bytes, gb."""
+    """Each copy of the tied table before and after: state, holder, copy, dtype, bytes, gb."""
     host = {"holder": "host", "copy": "embedding table (lookup)", "dtype": str(host_embedding.dtype).replace("torch.", ""),
             "bytes": host_embedding.numel() * host_embedding.element_size()}
     rows = [{"state": "before", **host}]

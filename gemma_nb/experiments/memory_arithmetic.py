@@ -1,11 +1,11 @@
 """Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner (``gemma_nb.memory``),
-its plans drawn, and its "~3-4 GB short" set against what the plans allow.
-"""
+its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
@@ -37,9 +37,7 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
                     ha="center", va="top", fontsize=9, color="white")
     ax.set_xlabel(f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)")
     ax.set_ylabel("HBM per rank (GB)")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
+    plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
     for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-.")):
         handles.append(ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2))
         labels.append(label)
@@ -58,19 +56,12 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
                 cbar_kws={"label": "headroom (GB)"}, ax=ax, linewidths=0.5)
     ax.set_xlabel("scheme")
     ax.set_ylabel("")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
+    plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
 
 
-def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
-                  instance: str = "inf2.xlarge") -> dict[str, float]:
-    """Every memory figure of the write-up from ``config``, keyed by the ``gemma_nb.story`` claim it answers
-    (GB = 10^9 bytes; "per rank" from ``plan`` at ``tp`` with a ``context_len`` KV cache).
-
-    ``experts_share_pct`` is the share of non-embedding weights (the sense in which "93%" holds);
-    ``active_params_b`` counts the embedding table as active (the model card's convention).
-    """
+def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge") -> dict[str, float]:
+    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``), keyed
+    by the ``gemma_nb.story`` claim it answers; ``experts_share_pct`` is of the non-embedding weights (the 93%)."""
     summary = param_summary(config)
     bf16 = plan(config, tp, "bf16", context_len)
     int8_experts = plan(config, tp, "int8_experts", context_len)

@@ -1,6 +1,5 @@
 """Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the float model
-(logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and the Pareto plot.
-"""
+(logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and the Pareto plot."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from gemma_nb.tiny import FACTS
 
 @torch.no_grad()
 def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
-    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes;
-    after eos a row stays eos, so two models are compared on their answers only."""
+    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     by_length: dict[int, list[int]] = {}
@@ -47,8 +45,7 @@ def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
 
 @torch.no_grad()
 def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_tokens: list[int], step: int, k: int = 3):
-    """Why greedy decoding diverged at ``step``: both models' top-``k`` next tokens (logit, gap to the top) after
-    the prompt and the reference's first ``step`` tokens."""
+    """Both models' top-``k`` next tokens after the prompt and the reference's first ``step`` tokens."""
     ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
     rows = []
     for label, model in (("reference", reference), ("candidate", candidate)):
@@ -63,12 +60,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
-    """Apply ``scheme`` to a copy of ``reference`` cast to ``dtype`` and score it against ``reference`` (a model or
-    its ``evaluate.CachedLogits``); returns ``(model, summary, report, greedy)``.
-
-    ``summary``: the logit scores of ``evaluate.compare_logits`` on the facts' sentences, ``fact_recall`` and
-    ``greedy_match`` (None with ``answers=False``: no decoding) and the quantized bytes.
-    """
+    """``(model, summary, report, greedy)`` of ``scheme`` applied to a ``dtype`` copy of ``reference`` (a model or its
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences, and fact recall and greedy match unless ``answers=False``."""
     facts = FACTS if facts is None else facts
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
@@ -94,8 +87,7 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
 
 
 def formats_table(shape=(1408, 2816)):
-    """The formats side by side: element bits, block, scale layout, bytes per weight of a ``shape`` matrix
-    (default: one 26B expert's gate_up)."""
+    """The formats side by side, with bytes per weight of a ``shape`` matrix (default: a 26B expert's gate_up)."""
     rows = [{"format": "bf16", "element_bits": 16, "block": None, "scale": "none", "per_tensor_scale": False,
              "bytes_per_weight": memory.tensor_bytes(shape, "bf16") / math.prod(shape), "description": "bfloat16"}]
     for f in quant.FORMATS.values():
@@ -112,15 +104,12 @@ def formats_table(shape=(1408, 2816)):
 
 @torch.no_grad()
 def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
-    """The float head vs a ``fmt`` copy on the model's own final hidden states over ``texts`` (default the corpus),
-    softcap left out (it keeps the order): agreement, max logit error, the top-1 - top-2 margins and
-    ``near_ties`` (margins under twice that error, the only positions a quantized head could flip)."""
+    """The float head vs a ``fmt`` copy on the model's own final hidden states (softcap left out: it keeps the order);
+    ``near_ties``: positions whose top-1 - top-2 margin is under twice the max logit error, the only ones it could flip."""
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"model.lm_head is {type(head).__name__}; pass the float model, before apply_scheme")
+    assert isinstance(head, nn.Linear), f"model.lm_head is {type(head).__name__}: pass the float model"
     captured = []
-    hook = head.register_forward_hook(
-        lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    hook = head.register_forward_hook(lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
     try:
         for ids in evaluate.prompt_batches(tokenizer, texts):
             model(input_ids=ids)
@@ -132,21 +121,15 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
     top2 = exact.topk(2, dim=-1).values
     margin = top2[:, 0] - top2[:, 1]
     max_error = float((quantized - exact).abs().max())
-    return {
-        "positions": int(hidden.shape[0]),
-        "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
-        "max_abs_logit_error": max_error,
-        "margin_min": float(margin.min()),
-        "margin_median": float(margin.median()),
-        "near_ties": int((margin < 2 * max_error).sum()),
-    }
+    return {"positions": int(hidden.shape[0]), "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
+            "max_abs_logit_error": max_error, "margin_min": float(margin.min()), "margin_median": float(margin.median()),
+            "near_ties": int((margin < 2 * max_error).sum())}
 
 
 def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
                   dtypes=(torch.bfloat16, torch.float32)):
-    """:func:`evaluate_scheme` for every scheme (one row each) in the first dtype, plus the logit scores of each
-    further dtype (``top1_agreement_<dtype>``, ``kl_mean_<dtype>``: fp32 isolates the quantization from bf16
-    rounding); returns ``(results, models, reports, greedy)``, the last three keyed by scheme."""
+    """:func:`evaluate_scheme` per scheme in the first dtype, plus the logit scores in each further dtype (fp32
+    isolates the quantization from bf16 rounding); returns ``(results, models, reports, greedy)``."""
     if not isinstance(reference, evaluate.CachedLogits):
         reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
@@ -156,8 +139,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
         for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device,
-                                    answers=False)[1]
+            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device, answers=False)[1]
             label = str(dtype).replace("torch.", "")
             summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
             summary[f"kl_mean_{label}"] = extra["kl_mean"]
@@ -168,11 +150,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
 
 
 def score_findings(results, weight_errors, reference_recall: float) -> dict:
-    """What the :func:`score_schemes` tables say, as values a notebook words its sentences from.
-
-    ``weight_errors``: the per-group reports stacked with a ``scheme`` column; ``reference_recall``: the fp32
-    model's fact recall. The KL orders and the added KLs are in fp32 compute.
-    """
+    """What the :func:`score_schemes` tables say (KL orders and added KLs in fp32 compute), for the notebook's sentences."""
     kept = results.index[(results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)]
     quantized = results.drop(index="bf16")
     top1_delta = quantized["top1_agreement"] - results.loc["bf16", "top1_agreement"]
@@ -199,8 +177,7 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
 
 def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
                 legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
-    """Schemes as points of ``results[x]`` (cost) vs ``results[y]`` with their Pareto front and an optional budget
-    line ``reference_x`` (value, label); returns ``(x, y, scheme)`` for ``plots.label_points`` once the figure is drawn."""
+    """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)`` for ``plots.label_points``."""
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
@@ -218,8 +195,7 @@ def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, refe
 
 
 def planner_check(full_size, plans, num_layers: int, tp: int):
-    """Per format: one full-size layer's stored bytes (``quant.full_size_experts_check``) times ``num_layers`` over
-    ``tp`` ranks, against the planner's experts per rank."""
+    """Per format: one full-size layer's stored bytes times ``num_layers`` over ``tp``, against the planner's experts per rank."""
     rows = []
     for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
         per_rank = int(row["stored_bytes"]) * num_layers // tp

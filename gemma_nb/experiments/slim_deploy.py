@@ -1,7 +1,5 @@
 """Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps) against the naive
-one (the whole model on the host), each measured in a fresh process for peak RSS and cold start;
-``python -m gemma_nb.experiments.slim_deploy '<job json>'`` is that process (:func:`main`).
-"""
+one (the whole model on the host), each run by :func:`main` in a fresh process for peak RSS and cold start."""
 
 from __future__ import annotations
 
@@ -35,11 +33,9 @@ HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu c
 DEPLOY_KINDS = ("slim", "naive")
 # The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
 # parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
-DEPLOY_DIMS: dict = dict(
-    hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    head_dim=128, global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
-    moe_intermediate_size=768, vocab_size=16384,
-)
+DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
+                         num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
 CHECKPOINT_MARKER = "gemma_nb_random.json"
 # Notebook 05's performance targets: ratios measured in one run.
 SLIM_RSS_TARGET = 0.35
@@ -47,8 +43,7 @@ DECODE_LATENCY_TARGET = 1.3
 
 
 def int8_squeeze(model: nn.Module):
-    """Quantize ``model`` in place with the int8 squeeze (``apply_scheme`` without its error measurement), the
-    experts run as ``Int8Experts`` so that ``torch.export`` can trace them; returns bytes per quantized group."""
+    """Quantize ``model`` in place with the int8 squeeze, experts as traceable ``Int8Experts``; bytes per group."""
     report = apply_scheme(model, SQUEEZE, measure_error=False)
     for layer in model.model.layers:
         layer.experts = Int8Experts.from_quantized(layer.experts)
@@ -62,8 +57,7 @@ def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
-    """A random-weight bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused when ``folder`` holds the
-    same ``dims`` and ``seed``); returns params and checkpoint_bytes."""
+    """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there): params, bytes."""
     folder = Path(folder)
     marker = folder / CHECKPOINT_MARKER
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
@@ -90,16 +84,14 @@ def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> 
 @torch.inference_mode()
 def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt: torch.Tensor,
                    steps: int = 12, warmup: int = 2) -> dict:
-    """Median ms per decode step, after ``warmup`` steps: the exported decode program vs the model's own
-    forward with its KV cache, timed in alternation step by step so that both see the same machine load."""
+    """Median ms per decode step, exported program vs the model's own forward, timed in alternation after ``warmup``."""
     exported = export.exported_runner(model, programs, shapes)
     prompt_len = prompt.shape[1]
     assert prompt_len <= shapes.prefill_len and prompt_len + steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
     kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
     padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
     padded[:, :prompt_len] = prompt
-    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]),
-                              torch.tensor([prompt_len - 1]))
+    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
     exported_token = logits.argmax(-1, keepdim=True)
     cache = DynamicCache(config=model.config)
     eager_token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -120,8 +112,7 @@ def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt
 
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                        shapes: Mapping | None = None, latency_steps: int = 12) -> dict:
-    """Load ``checkpoint`` in full precision, squeeze it, decode the reference tokens eagerly, compile it into
-    ``folder`` and time the exported decode step against the eager one."""
+    """Load, squeeze, decode the reference eagerly, compile into ``folder``, time exported vs eager decode."""
     step_shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -182,8 +173,7 @@ def _run_job(job: dict, interval_s: float, timeout_s: float):
 
 def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int,
                    interval_s: float = 0.02, timeout_s: float = 600.0) -> dict:
-    """``run_deploy`` in a fresh process under the host-memory sampler; ``cold_start_s`` runs from just before
-    the process starts to its first token (interpreter, imports, load, prefill)."""
+    """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to first token."""
     started = time.time()
     run = _run_job({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
                    interval_s, timeout_s)
@@ -219,14 +209,10 @@ def performance_targets(slim: dict, naive: dict, compiled: dict):
 
 
 def host_budget_26b(config) -> dict:
-    """GB each deploy path holds on the host for a model of ``config``: naive, the bf16 checkpoint and the fp32
-    model built from it; slim, only the bf16 embedding table."""
+    """GB on the host for a model of ``config``: naive, the bf16 checkpoint and fp32 model; slim, the bf16 table."""
     params = memory.param_summary(config)["total_params"]
-    return {
-        "naive: model in fp32": 4 * params / 1e9,
-        "naive: checkpoint in bf16": 2 * params / 1e9,
-        "slim: host embedding (bf16)": 2 * config.vocab_size * config.hidden_size / 1e9,
-    }
+    return {"naive: model in fp32": 4 * params / 1e9, "naive: checkpoint in bf16": 2 * params / 1e9,
+            "slim: host embedding (bf16)": 2 * config.vocab_size * config.hidden_size / 1e9}
 
 
 def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
