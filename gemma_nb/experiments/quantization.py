@@ -188,8 +188,7 @@ def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, refe
     if log_y:
         ax.set_yscale("log")
     ax.margins(x=0.2, y=0.12)
-    xlabel, ylabel, title = labels
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(xlabel=labels[0], ylabel=labels[1], title=labels[2])
     _ = ax.legend(loc=legend, fontsize=8)
     return [(row[x], row[y], name) for name, row in points.iterrows()]
 
