@@ -174,8 +174,7 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
               ("norm_ratio", "norm ratio, module / host (x)")]
     for index, (ax, (column, label)) in enumerate(zip(axes, panels)):
         sns.barplot(data=data, x="path", y=column, hue="dtype", ax=ax, legend=index == 0)
-        ax.set_xlabel("")
-        ax.set_ylabel(label)
+        ax.set(xlabel="", ylabel=label)
         plt.setp(ax.get_xticklabels(), rotation=30, horizontalalignment="right")
     # one legend for the three panels, below them, where it covers no bar
     legend = axes[0].get_legend()

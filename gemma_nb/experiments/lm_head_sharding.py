@@ -176,10 +176,9 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.Tensor,
-                align_rows: int = DEFAULT_ALIGN_ROWS, dtype: torch.dtype = torch.bfloat16) -> dict:
+def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.Tensor) -> dict:
     """One rank: quantize its rows of ``weight [V, H]``, return its shard facts and the gathered logits."""
-    head = VocabParallelLMHead.from_weight(weight, tp=world_size, rank=rank, align_rows=align_rows, dtype=dtype)
+    head = VocabParallelLMHead.from_weight(weight, tp=world_size, rank=rank)
     with torch.inference_mode():
         logits = head(hidden)
     s = head.shard
@@ -275,9 +274,8 @@ def plot_bytes_per_holder(table, claims=None):
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
     _ = ax.set_xticks(x, labels)
-    _ = ax.set_ylim(0, 1.15 * max(e + h for e, h in zip(embed_gb, head_gb)))
-    _ = ax.set_ylabel("bytes held (GB)")
-    _ = ax.set_title("Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
+    ax.set(ylim=(0, 1.15 * max(e + h for e, h in zip(embed_gb, head_gb))), ylabel="bytes held (GB)",
+           title="Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
     for (key, what), style in zip((("lm_head_bf16_gb_per_rank", "bf16 head"),
                                    ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")), ("--", ":")):
         value = claims[key].value

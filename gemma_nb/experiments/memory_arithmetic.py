@@ -35,8 +35,7 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
     for x, p in enumerate(plans):
         ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, -3), textcoords="offset points",
                     ha="center", va="top", fontsize=9, color="white")
-    ax.set_xlabel(f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)")
-    ax.set_ylabel("HBM per rank (GB)")
+    ax.set(xlabel=f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)", ylabel="HBM per rank (GB)")
     plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
     for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-.")):
         handles.append(ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2))
@@ -54,8 +53,7 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
     limit = float(abs(grid).max().max()) or 1.0
     sns.heatmap(grid, annot=True, fmt="+.1f", cmap="RdYlGn", center=0.0, vmin=-limit, vmax=limit,
                 cbar_kws={"label": "headroom (GB)"}, ax=ax, linewidths=0.5)
-    ax.set_xlabel("scheme")
-    ax.set_ylabel("")
+    ax.set(xlabel="scheme", ylabel="")
     plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
 
 

@@ -221,8 +221,7 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
         times, rss = zip(*result["rss_gb_trace"])
         lines = ax.plot(times, rss, label=f"{name}: peak {result['peak_rss_bytes'] / 1e9:.2f} GB")
         ax.axhline(result["peak_rss_bytes"] / 1e9, color=lines[0].get_color(), linestyle=":", linewidth=1)
-    ax.set_xlabel("seconds since the process started")
-    ax.set_ylabel("host RSS (GB)")
+    ax.set(xlabel="seconds since the process started", ylabel="host RSS (GB)")
     ax.legend(loc="upper left", fontsize=9)
 
 
@@ -230,9 +229,7 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
     """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
     names = list(budget)
     ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
-    ax.set_xscale("log")
-    ax.set_xlim(left=0.5, right=max(budget.values()) * 2)
-    ax.set_xlabel("GB on the host (log scale)")
+    ax.set(xscale="log", xlim=(0.5, max(budget.values()) * 2), xlabel="GB on the host (log scale)")
     reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM ({host_ram_gb:.1f} GB)", axis="x")
     reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
 
