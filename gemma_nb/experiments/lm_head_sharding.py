@@ -113,23 +113,18 @@ class VocabParallelLMHead(nn.Module):
         self.register_buffer("scale", scale.float())
 
     @classmethod
-    def from_rows(cls, rows_fn: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int,
-                  tp: int, rank: int, group=None, align_rows: int = DEFAULT_ALIGN_ROWS,
-                  chunk_rows: int = DEFAULT_CHUNK_ROWS, dtype: torch.dtype = torch.bfloat16) -> VocabParallelLMHead:
+    def from_rows(cls, rows_fn: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int, tp: int,
+                  rank: int) -> VocabParallelLMHead:
         """Rank ``rank``'s shard, reading only its own rows through ``rows_fn(a, b)``."""
-        shard = vocab_shard(vocab_size, tp, rank, align_rows)
-        q, scale = quantize_rows(rows_fn, shard.start, shard.stop, hidden_size,
-                                 out_rows=shard.rows_per_rank, chunk_rows=chunk_rows)
-        return cls(q, scale, shard, group, dtype=dtype)
+        shard = vocab_shard(vocab_size, tp, rank)
+        return cls(*quantize_rows(rows_fn, shard.start, shard.stop, hidden_size, out_rows=shard.rows_per_rank), shard)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int, group=None,
-                    align_rows: int = DEFAULT_ALIGN_ROWS, dtype: torch.dtype = torch.bfloat16) -> VocabParallelLMHead:
+    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> VocabParallelLMHead:
         """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
         assert weight.dim() == 2, weight.shape
         weight = weight.detach()
-        return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank,
-                             group=group, align_rows=align_rows, dtype=dtype)
+        return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank)
 
     @property
     def nbytes(self) -> int:
