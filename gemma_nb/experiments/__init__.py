@@ -1,0 +1,1 @@
+"""The notebooks' experiments: one module per experiment, its head naming the notebook; products never import them."""

@@ -1,16 +1,11 @@
-"""Notebook 01 (memory arithmetic): the story's memory figures computed, and the plans drawn.
-
-``gemma_nb.memory`` is the planner (inventory, per-rank byte plans) that ``python -m gemma_nb plan``
-also uses; this module is notebook 01's view of it: ``story_figures`` computes every memory figure
-the write-up claimed (``gemma_nb.story``), ``plot_plans`` stacks a plan's groups per rank and
-``plot_fit_heatmap`` shows the headroom of every scheme on every instance; ``gap_readings`` and
-``allowance_table`` set the write-up's "~3-4 GB short" against what the plans allow.
-"""
+"""Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner (``gemma_nb.memory``),
+its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
@@ -29,11 +24,7 @@ from gemma_nb.story import claim_range, get_claim
 
 
 def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = None) -> None:
-    """Stacked bars (seaborn): GB per rank per group, one bar per plan; ``budgets``: label -> GB lines.
-
-    Each bar's total is written inside its top; the budget lines are named in the legend, beside
-    the groups, so no label sits on a line.
-    """
+    """Stacked bars of GB per rank per group, one per plan, total inside the top; ``budgets``: label -> GB lines."""
     long = pd.concat([p.table.assign(scheme=p.scheme.name) for p in plans], ignore_index=True)
     long = long[long["bytes_per_rank"] > 0]
     order = [g for g in PLAN_ROWS if g in set(long["group"])]
@@ -44,11 +35,8 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
     for x, p in enumerate(plans):
         ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, -3), textcoords="offset points",
                     ha="center", va="top", fontsize=9, color="white")
-    ax.set_xlabel(f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)")
-    ax.set_ylabel("HBM per rank (GB)")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
+    ax.set(xlabel=f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)", ylabel="HBM per rank (GB)")
+    plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
     for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-.")):
         handles.append(ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2))
         labels.append(label)
@@ -65,34 +53,13 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
     limit = float(abs(grid).max().max()) or 1.0
     sns.heatmap(grid, annot=True, fmt="+.1f", cmap="RdYlGn", center=0.0, vmin=-limit, vmax=limit,
                 cbar_kws={"label": "headroom (GB)"}, ax=ax, linewidths=0.5)
-    ax.set_xlabel("scheme")
-    ax.set_ylabel("")
-    for label in ax.get_xticklabels():
-        label.set_rotation(25)
-        label.set_horizontalalignment("right")
+    ax.set(xlabel="scheme", ylabel="")
+    plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
 
 
-# --------------------------------------------------------------------------------------------
-# The story's memory figures, computed
-# --------------------------------------------------------------------------------------------
-
-
-def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
-                  instance: str = "inf2.xlarge") -> dict[str, float]:
-    """Every memory figure of the write-up, computed from ``config``; each key is the ``gemma_nb.story``
-    claim it answers where there is one (three more are this run's own counts).
-
-    GB = 10^9 bytes. "Per rank" figures come from ``plan`` at ``tp`` with a ``context_len`` KV cache:
-    ``int8_experts_gap_gb`` is how far the int8-experts build overflows the story's 16 GB per core
-    (negative: it fits on paper, with the default runtime allowance); ``int8_experts_non_expert_gb``
-    is everything in HBM per rank in that build except the experts themselves (attention, shared
-    MLP, replicated lm_head, router, norms, KV cache and the default runtime allowance);
-    ``final_residency_gb_per_rank`` is the int8_squeeze build's weights plus KV cache (no runtime
-    allowance). ``experts_share_pct`` is the share of non-embedding
-    weights (the sense in which "93%" holds); ``experts_share_all_weights_pct`` of all weights.
-    ``active_params_b`` counts the embedding table as active (the model card's convention);
-    ``active_params_port_card_b`` leaves it out.
-    """
+def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge") -> dict[str, float]:
+    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``), keyed
+    by the ``gemma_nb.story`` claim it answers; ``experts_share_pct`` is of the non-embedding weights (the 93%)."""
     summary = param_summary(config)
     bf16 = plan(config, tp, "bf16", context_len)
     int8_experts = plan(config, tp, "int8_experts", context_len)
@@ -121,12 +88,7 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
 
 
 def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge"):
-    """The write-up's "~3-4 GB short", read three ways, each computed for the int8-experts build.
-
-    One row per reading: ``reading``, ``computed_gb`` (GB per rank) and ``inside_claim`` (inside the
-    claim's 3-4 GB). Only what sits in HBM beside the experts lands there; the build itself, with
-    the documented runtime floor, fits both a 16 GB and a 16 GiB core (a negative overflow).
-    """
+    """The write-up's "~3-4 GB short" read three ways for the int8-experts build: GB per rank, inside the claim?"""
     failing = plan(config, tp, "int8_experts", context_len)
     host = get_instance(instance)
     rows = [
@@ -151,12 +113,8 @@ ALLOWANCE_ROWS = {
 
 def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge",
                     words: bool = True):
-    """``memory.allowance_window`` for the story's 16 GB and the 16 GiB core, in GB, one row per quantity.
-
-    The "short by" what-if takes the middle of the write-up's ~3-4 GB (``gemma_nb.story``). Columns:
-    the two budgets; rows in words (``ALLOWANCE_ROWS``), or ``words=False`` for the window's keys
-    and the budgets' names (``story``, ``spec``).
-    """
+    """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the claim's middle;
+    rows in words (``ALLOWANCE_ROWS``), or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
     host = get_instance(instance)
     claim = get_claim("int8_experts_gap_gb")
     short_by = int(claim.value * GB)

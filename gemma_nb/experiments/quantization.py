@@ -1,12 +1,5 @@
-"""Scoring a quantization scheme on a checkpoint: the measurements of notebook 02 (quantization).
-
-``gemma_nb.quant`` holds the formats and the quantizers; this module measures what they cost in
-answers: :func:`evaluate_scheme` quantizes a copy of a model and scores it against the float one
-(logit agreement, KL, fact recall, greedy token match), :func:`score_schemes` does it for a list of
-schemes and compute dtypes, :func:`score_findings` turns the tables into values the notebook words
-its sentences from, :func:`lm_head_isolation` measures the head alone, :func:`formats_table` puts
-the formats side by side, and :func:`plot_pareto` draws bytes against quality.
-"""
+"""Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the float model
+(logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and the Pareto plot."""
 
 from __future__ import annotations
 
@@ -23,13 +16,7 @@ from gemma_nb.tiny import FACTS
 
 @torch.no_grad()
 def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
-    """``steps`` greedy new tokens per prompt, batched by prompt length (no padding).
-
-    After a row emits the tokenizer's eos it keeps emitting eos, so two models are compared on
-    their answers, not on whatever follows the end of the sequence. The same decoding as
-    ``evaluate.fact_recall`` (same batches, same steps), so ``evaluate.recall_from_tokens`` reads
-    the recall off these tokens.
-    """
+    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     by_length: dict[int, list[int]] = {}
@@ -40,7 +27,6 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
         generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)
         generated = generated[:, length:].tolist()
         for i, row in zip(indices, generated):
-            # decoding stops early once every row has emitted eos: pad with eos to ``steps``
             out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
     return out
 
@@ -59,11 +45,7 @@ def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
 
 @torch.no_grad()
 def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_tokens: list[int], step: int, k: int = 3):
-    """Why greedy decoding diverged at ``step``: both models' top-``k`` next tokens on the same prefix.
-
-    The prefix is the prompt plus the reference's first ``step`` tokens (identical in both runs up
-    to there). Columns: model, rank, token, logit, and the gap to the model's top logit.
-    """
+    """Both models' top-``k`` next tokens after the prompt and the reference's first ``step`` tokens."""
     ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
     rows = []
     for label, model in (("reference", reference), ("candidate", candidate)):
@@ -78,28 +60,14 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
-    """Apply ``scheme`` to a copy of ``reference`` cast to ``dtype`` and score it against ``reference``.
-
-    Returns ``(model, summary, report, greedy)``: the quantized copy; a dict with
-    ``top1_agreement``, ``kl_mean``, ``max_abs_diff`` (next-token logits at every position of every
-    fact's sentence, ``gemma_nb.evaluate.compare_logits``), ``fact_recall``, ``greedy_match`` (fraction of fact
-    prompts whose ``steps`` greedy tokens equal the reference's token for token),
-    ``quantized_bytes`` / ``quantized_bf16_bytes``; the per-group report of :func:`gemma_nb.quant.apply_scheme`;
-    and the per-prompt greedy table. ``reference`` may be an ``evaluate.CachedLogits`` of the float
-    model, so its logits are computed once for every scheme; ``reference_greedy`` (from
-    :func:`greedy_tokens`) saves decoding the reference again. The candidate is decoded once, for
-    ``steps`` tokens or the longest answer if that is longer, and its fact recall read off those tokens. With
-    ``answers=False`` only the logit scores are computed (no decoding; ``fact_recall``,
-    ``greedy_match`` and the greedy table are None).
-    """
-    if facts is None:
-        facts = FACTS
+    """``(model, summary, report, greedy)`` of ``scheme`` applied to a ``dtype`` copy of ``reference`` (a model or its
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences, and fact recall and greedy match unless ``answers=False``."""
+    facts = FACTS if facts is None else facts
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
     model = copy.deepcopy(float_model).to(dtype)
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
-    # next-token logits at every position of the facts' own sentences (default: the whole corpus)
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
     summary = {
         "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
@@ -119,10 +87,7 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
 
 
 def formats_table(shape=(1408, 2816)):
-    """The formats side by side: element bits, block, scale layout, and bytes per weight of one ``shape`` matrix.
-
-    ``shape`` defaults to one 26B expert's gate_up matrix; bytes come from ``memory.tensor_bytes``.
-    """
+    """The formats side by side, with bytes per weight of a ``shape`` matrix (default: a 26B expert's gate_up)."""
     rows = [{"format": "bf16", "element_bits": 16, "block": None, "scale": "none", "per_tensor_scale": False,
              "bytes_per_weight": memory.tensor_bytes(shape, "bf16") / math.prod(shape), "description": "bfloat16"}]
     for f in quant.FORMATS.values():
@@ -139,21 +104,12 @@ def formats_table(shape=(1408, 2816)):
 
 @torch.no_grad()
 def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
-    """The head alone: the model's own final hidden states through its float head vs a ``fmt`` copy.
-
-    Captures the input of ``model.lm_head`` on every corpus sentence (or ``texts``), then compares
-    ``F.linear(h, W)`` with the quantized head on the same ``h`` (softcap left out: it is monotonic,
-    argmax and margins keep their order). Returns ``positions``, ``top1_agreement``,
-    ``max_abs_logit_error``, the float head's top-1 minus top-2 logit margin (``margin_min``,
-    ``margin_median``) and ``near_ties`` (positions whose margin is below twice the max logit error,
-    the only ones a quantized head could flip).
-    """
+    """The float head vs a ``fmt`` copy on the model's own final hidden states (softcap left out: it keeps the order);
+    ``near_ties``: positions whose top-1 - top-2 margin is under twice the max logit error, the only ones it could flip."""
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"model.lm_head is {type(head).__name__}; pass the float model, before apply_scheme")
+    assert isinstance(head, nn.Linear), f"model.lm_head is {type(head).__name__}: pass the float model"
     captured = []
-    hook = head.register_forward_hook(
-        lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    hook = head.register_forward_hook(lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
     try:
         for ids in evaluate.prompt_batches(tokenizer, texts):
             model(input_ids=ids)
@@ -165,26 +121,15 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
     top2 = exact.topk(2, dim=-1).values
     margin = top2[:, 0] - top2[:, 1]
     max_error = float((quantized - exact).abs().max())
-    return {
-        "positions": int(hidden.shape[0]),
-        "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
-        "max_abs_logit_error": max_error,
-        "margin_min": float(margin.min()),
-        "margin_median": float(margin.median()),
-        "near_ties": int((margin < 2 * max_error).sum()),
-    }
+    return {"positions": int(hidden.shape[0]), "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
+            "max_abs_logit_error": max_error, "margin_min": float(margin.min()), "margin_median": float(margin.median()),
+            "near_ties": int((margin < 2 * max_error).sum())}
 
 
 def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
                   dtypes=(torch.bfloat16, torch.float32)):
-    """:func:`evaluate_scheme` for every scheme, once per compute dtype; one row per scheme.
-
-    The first dtype (bf16, the port's) gives every column; each further dtype adds
-    ``top1_agreement_<dtype>`` and ``kl_mean_<dtype>`` (logits only, no decoding): in fp32 compute
-    the only difference from the reference is the quantization itself, so those columns isolate
-    its cost from bf16 rounding. The float reference's logits are computed once for all of them.
-    Returns ``(results, models, reports, greedy)``, the last three keyed by scheme (first dtype).
-    """
+    """:func:`evaluate_scheme` per scheme in the first dtype, plus the logit scores in each further dtype (fp32
+    isolates the quantization from bf16 rounding); returns ``(results, models, reports, greedy)``."""
     if not isinstance(reference, evaluate.CachedLogits):
         reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
@@ -194,8 +139,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
         for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device,
-                                    answers=False)[1]
+            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device, answers=False)[1]
             label = str(dtype).replace("torch.", "")
             summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
             summary[f"kl_mean_{label}"] = extra["kl_mean"]
@@ -206,20 +150,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
 
 
 def score_findings(results, weight_errors, reference_recall: float) -> dict:
-    """What the tables of :func:`score_schemes` say, as values a notebook can word its sentences from.
-
-    ``results``: the scores (with the ``*_float32`` columns; must hold ``bf16``); ``weight_errors``:
-    the per-group reports stacked with a ``scheme`` column; ``reference_recall``: the fp32 model's
-    fact recall. Returns ``kept`` / ``changed`` (schemes that keep / lose the reference's fact recall
-    or a greedy answer), ``bf16_disagreement`` (1 - bf16's top-1 agreement: bf16 rounding alone),
-    ``top1_spread`` (largest |top-1 agreement - bf16's| of the other schemes, bf16 compute) and
-    ``top1_both_sides`` (some above bf16's, some below), ``kl_order`` (the quantized schemes by KL in
-    fp32 compute, smallest first), ``experts_by_kl`` / ``experts_by_weight_error`` (the experts-only
-    schemes ordered by that KL and by their experts' relative weight error), ``follows_weight_error``
-    (the two orders agree), and, where the schemes are scored, ``shared_mlp_kl_added`` (fp32-compute
-    KL that an int8 dense MLP adds to int8 experts) and ``lm_head_kl_added`` (what the squeeze's int8
-    lm_head adds on top of both).
-    """
+    """What the :func:`score_schemes` tables say (KL orders and added KLs in fp32 compute), for the notebook's sentences."""
     kept = results.index[(results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)]
     quantized = results.drop(index="bf16")
     top1_delta = quantized["top1_agreement"] - results.loc["bf16", "top1_agreement"]
@@ -246,13 +177,7 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
 
 def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
                 legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
-    """Schemes as labelled points of ``results[x]`` (cost, lower is better) vs ``results[y]``, with the Pareto front.
-
-    A scheme is on the front when no other scheme is both cheaper (or as cheap) and better.
-    ``reference_x``: (value, label) of a vertical budget line, named in the legend with the front.
-    ``labels``: the x label, y label and title. Returns the points as ``(x, y, scheme)`` for
-    ``plots.label_points``, to call once every panel of the figure is drawn (the layout moves them).
-    """
+    """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)`` for ``plots.label_points``."""
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
@@ -263,18 +188,13 @@ def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, refe
     if log_y:
         ax.set_yscale("log")
     ax.margins(x=0.2, y=0.12)
-    xlabel, ylabel, title = labels
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(xlabel=labels[0], ylabel=labels[1], title=labels[2])
     _ = ax.legend(loc=legend, fontsize=8)
     return [(row[x], row[y], name) for name, row in points.iterrows()]
 
 
 def planner_check(full_size, plans, num_layers: int, tp: int):
-    """Per format: one full-size layer's stored bytes (``quant.full_size_experts_check``), times
-    ``num_layers`` over ``tp`` ranks, against the planner's experts per rank (``plans[f"{fmt}_experts"]``).
-
-    Columns: format, stored_per_layer_bytes, whole_model_per_rank_bytes, planner_per_rank_bytes, equal.
-    """
+    """Per format: one full-size layer's stored bytes times ``num_layers`` over ``tp``, against the planner's experts per rank."""
     rows = []
     for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
         per_rank = int(row["stored_bytes"]) * num_layers // tp

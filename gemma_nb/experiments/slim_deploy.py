@@ -1,47 +1,20 @@
-"""Slim deploy vs naive deploy: host memory and time to the first token (notebook 05).
-
-The port deployed a 26B model on a 16 GB host because the host never held the model:
-
-- **slim**: the model's *structure* is built on the meta device (no memory), the host loads only
-  the embedding table with its scale (``gemma_nb.embedding.HostEmbedding``), and the compiled
-  artifact's weights go to the device (on the cpu target: ``gemma_nb.export``'s programs run on
-  memory-mapped safetensors, read from the page cache as the steps touch them). Greedy decoding
-  is host embed -> device body -> argmax on the host.
-- **naive**: what it would have taken without that path: ``from_pretrained`` of the whole model in
-  full precision on the host, quantize it there (the same int8 squeeze), then run it.
-
-Both run the same int8-squeezed model, so both must give the same greedy tokens as the reference
-decoded right after compiling. Each deploy runs in a fresh process (``measure_deploy``) so its
-peak RSS (``gemma_nb.peak_rss``) and its cold start (process start -> first token) are its own.
-
-The squeeze on the cpu (``int8_squeeze``): the ``int8_squeeze`` scheme of ``gemma_nb.quant``
-(int8 per-channel experts, shared MLP and an untied lm_head; attention, norms and the host
-embedding stay float), with the experts run as ``gemma_nb.experts.Int8Experts``: a few vectorised
-ops that ``torch.export`` traces (``QuantizedExperts``' loop over the routed experts cannot be).
-
-Command (what ``measure_deploy`` and ``measure_compile`` run in a fresh interpreter)::
-
-    python -m gemma_nb.experiments.slim_deploy '{"kind": "slim" | "naive" | "compile", "source": ..., "prompt": [ids],
-                                "max_new_tokens": n, "folder": ..., "shapes": {...}}'
-
-JSON contract: ``kind`` ``slim`` / ``naive`` runs ``run_deploy`` on ``source`` (an artifact folder
-or a checkpoint); ``compile`` runs ``compile_checkpoint`` from ``source`` into ``folder``
-(``shapes``: ``StepShapes`` fields, optional). The command prints one JSON object, the function's
-result (plus ``self_peak_rss_bytes`` for ``compile``), on its **last stdout line**, which
-``gemma_nb.peak_rss.run_measured`` reads; anything printed earlier is ignored.
-"""
+"""Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps) against the naive
+one (the whole model on the host), each run by :func:`main` in a fresh process for peak RSS and cold start."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import pandas as pd
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma4TextConfig
 
 from gemma_nb import export, memory
 from gemma_nb.embedding import host_embedding_for
@@ -58,36 +31,23 @@ SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
 HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
 DEPLOY_KINDS = ("slim", "naive")
+# The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
+# parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
+DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
+                         num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
+CHECKPOINT_MARKER = "gemma_nb_random.json"
+# Notebook 05's performance targets: ratios measured in one run.
+SLIM_RSS_TARGET = 0.35
+DECODE_LATENCY_TARGET = 1.3
 
 
 def int8_squeeze(model: nn.Module):
-    """Quantize ``model`` in place with the port's int8 squeeze; return bytes per group.
-
-    ``gemma_nb.quant.apply_scheme(model, "int8_squeeze")`` (int8 per output channel for the experts,
-    the shared MLP and an untied lm_head; the host keeps the float embedding table) without its
-    error measurement, which a deploy does not need (it is most of its time); then the experts run
-    as ``gemma_nb.experts.Int8Experts`` on the same int8 tensors, so that ``torch.export`` can trace
-    them. Returns group, format, params and stored_bytes per quantized group.
-    """
+    """Quantize ``model`` in place with the int8 squeeze, experts as traceable ``Int8Experts``; bytes per group."""
     report = apply_scheme(model, SQUEEZE, measure_error=False)
     for layer in model.model.layers:
         layer.experts = Int8Experts.from_quantized(layer.experts)
     return report[["group", "format", "params", "stored_bytes"]]
-
-
-# --------------------------------------------------------------------------------------------
-# Preparing the deploy: a local checkpoint, and its compiled artifact
-# --------------------------------------------------------------------------------------------
-# The model notebook 05 deploys: the 26B's architecture (64 experts, top-4: the 26B's 1/16 active;
-# shared MLP 3x an expert's width) at ~0.67B parameters, 1.3 GB in bf16, 91% of it routed experts:
-# big enough that weights, not the Python runtime, dominate host memory. Four layers keep the
-# exported graphs (and their load time) small.
-DEPLOY_DIMS: dict = dict(
-    hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    head_dim=128, global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
-    moe_intermediate_size=768, vocab_size=16384,
-)
-CHECKPOINT_MARKER = "gemma_nb_random.json"
 
 
 def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -97,65 +57,41 @@ def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
-    """A random-weight Gemma-4 of ``dims`` saved with ``save_pretrained`` (bf16, like the hub).
-
-    A folder already holding the same ``dims`` and ``seed`` (``gemma_nb_random.json``) is reused.
-    Returns params (unique parameters) and checkpoint_bytes.
-    """
+    """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there): params, bytes."""
     folder = Path(folder)
     marker = folder / CHECKPOINT_MARKER
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
         return json.loads(marker.read_text())["figures"]
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=CHECKPOINT_DTYPE)
-
     fresh_dir(folder)
     with quiet_loading():
         model.save_pretrained(folder)
-    figures = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "checkpoint_bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
-    }
+    figures = {"params": sum(p.numel() for p in model.parameters()),
+               "checkpoint_bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}
     marker.write_text(json.dumps({"spec": wanted, "figures": figures}))
     return figures
 
 
 def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
     """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
-    from transformers import AutoModelForCausalLM
-
-    source = resolve_model_id(str(checkpoint))
     with quiet_loading():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype,
+                                                     use_safetensors=True, trust_remote_code=False)
     return model.eval()
 
 
 @torch.inference_mode()
 def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt: torch.Tensor,
                    steps: int = 12, warmup: int = 2) -> dict:
-    """Median ms per decode step: the exported decode program vs the eager model, same weights.
-
-    Eager is the model's own forward, one token at a time with its (dynamic) KV cache, as
-    ``generate`` runs it. The two are timed in alternation, step by step, so that both see the same
-    machine (a shared box's load changes from second to second). The first ``warmup`` steps of
-    each are not counted.
-    """
-    import statistics
-
-    from transformers import DynamicCache
-
+    """Median ms per decode step, exported program vs the model's own forward, timed in alternation after ``warmup``."""
     exported = export.exported_runner(model, programs, shapes)
     prompt_len = prompt.shape[1]
-    if prompt_len > shapes.prefill_len or prompt_len + steps + warmup > shapes.max_cache_len:
-        raise ValueError(
-            f"a {prompt_len}-token prompt and {steps + warmup} decode steps do not fit prefill_len="
-            f"{shapes.prefill_len} / max_cache_len={shapes.max_cache_len}: time fewer steps or compile larger shapes"
-        )
+    assert prompt_len <= shapes.prefill_len and prompt_len + steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
     kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
     padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
     padded[:, :prompt_len] = prompt
-    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]),
-                              torch.tensor([prompt_len - 1]))
+    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
     exported_token = logits.argmax(-1, keepdim=True)
     cache = DynamicCache(config=model.config)
     eager_token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -176,9 +112,7 @@ def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt
 
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                        shapes: Mapping | None = None, latency_steps: int = 12) -> dict:
-    """Load ``checkpoint`` in full precision, squeeze it, decode the reference tokens eagerly,
-    compile it into ``folder`` and time the exported decode step against the eager one.
-    """
+    """Load, squeeze, decode the reference eagerly, compile into ``folder``, time exported vs eager decode."""
     step_shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -186,34 +120,23 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
     ids = torch.tensor([prompt])
     reference = greedy_generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
     report = export.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
-                                       reference_tokens={"prompt": list(prompt), "tokens": reference})
+                                  reference_tokens={"prompt": list(prompt), "tokens": reference})
     latency = decode_latency(model, report.programs, step_shapes, ids, steps=latency_steps)
     return {**report.as_dict(), **latency, "reference_tokens": reference}
 
 
-# --------------------------------------------------------------------------------------------
-# The two deploys
-# --------------------------------------------------------------------------------------------
 class SlimDeploy:
     """The slim deploy of an artifact folder: meta skeleton + host embedding + compiled steps."""
 
     def __init__(self, folder: str | Path):
-        folder = Path(folder)
-        manifest = export.check_artifact(folder)
-        self.manifest = manifest
-        self.skeleton = model_skeleton(_config_from(manifest))
+        self.manifest = export.check_artifact(folder)
+        self.skeleton = model_skeleton(Gemma4TextConfig.from_dict(self.manifest["config"]))
         self.host = host_embedding_for(self.skeleton, export.host_embedding_path(folder))
         self.artifact = export.load_artifact(folder)
         self.runner = self.artifact.runner(self.host)
 
     def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
         return self.runner.generate(input_ids, max_new_tokens)
-
-
-def _config_from(manifest: dict):
-    from transformers import Gemma4TextConfig
-
-    return Gemma4TextConfig.from_dict(manifest["config"])
 
 
 class NaiveDeploy:
@@ -231,7 +154,6 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
     """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
     if kind not in DEPLOY_KINDS:
         raise ValueError(f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}")
-
     start = time.perf_counter()
     deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
     load_s = time.perf_counter() - start
@@ -240,23 +162,21 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
     first_token_epoch = time.time()
     first_token_s = time.perf_counter() - start
     tokens = deploy.generate(ids, max_new_tokens)[0, len(prompt):].tolist()
-    return {
-        "kind": kind, "load_s": load_s, "first_token_s": first_token_s, "first_token_epoch": first_token_epoch,
-        "first_token": int(first[0, -1]), "tokens": tokens, "self_peak_rss_bytes": self_peak_rss_bytes(),
-    }
+    return {"kind": kind, "load_s": load_s, "first_token_s": first_token_s, "first_token_epoch": first_token_epoch,
+            "first_token": int(first[0, -1]), "tokens": tokens, "self_peak_rss_bytes": self_peak_rss_bytes()}
+
+
+def _run_job(job: dict, interval_s: float, timeout_s: float):
+    return run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
+                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
 
 
 def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int,
                    interval_s: float = 0.02, timeout_s: float = 600.0) -> dict:
-    """``run_deploy`` in a fresh Python process under the host-memory sampler.
-
-    ``cold_start_s``: from just before the process is started to its first generated token
-    (interpreter start, imports, load, prefill), what a fresh instance pays before it can answer.
-    """
-    job = {"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens}
+    """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to first token."""
     started = time.time()
-    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
-                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    run = _run_job({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
+                   interval_s, timeout_s)
     result = dict(run.result)
     result.update(peak_rss_bytes=run.peak_rss_bytes, peak_hwm_bytes=run.peak_hwm_bytes, wall_s=run.wall_s,
                   cold_start_s=result.pop("first_token_epoch") - started,
@@ -267,59 +187,32 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
 def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                     shapes: Mapping | None = None, interval_s: float = 0.05, timeout_s: float = 600.0) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
-    job = {"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
-           "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}
-    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
-                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    run = _run_job({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
+                    "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}, interval_s, timeout_s)
     return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
 
 
 def comparison_table(slim: dict, naive: dict, reference: list[int]):
     """Slim and naive side by side: peak RSS, load, first token, cold start, tokens == reference."""
-    import pandas as pd
-
-    rows = []
-    for result in (slim, naive):
-        rows.append({
-            "deploy": result["kind"],
-            "peak_rss_gb": result["peak_rss_bytes"] / 1e9,
-            "load_s": result["load_s"],
-            "first_token_s": result["first_token_s"],
-            "cold_start_s": result["cold_start_s"],
-            "tokens_match_reference": result["tokens"] == reference,
-        })
+    rows = [{"deploy": r["kind"], "peak_rss_gb": r["peak_rss_bytes"] / 1e9, "load_s": r["load_s"],
+             "first_token_s": r["first_token_s"], "cold_start_s": r["cold_start_s"],
+             "tokens_match_reference": r["tokens"] == reference} for r in (slim, naive)]
     return pd.DataFrame(rows).set_index("deploy")
-
-
-# Performance targets of notebook 05 (issue 6): ratios measured in one run.
-SLIM_RSS_TARGET = 0.35
-DECODE_LATENCY_TARGET = 1.3
 
 
 def performance_targets(slim: dict, naive: dict, compiled: dict):
     """The two ratios against their targets: slim/naive peak RSS, exported/eager decode step."""
-    import pandas as pd
-
-    rows = [
-        ("slim / naive peak RSS", slim["peak_rss_bytes"] / naive["peak_rss_bytes"], SLIM_RSS_TARGET),
-        ("exported / eager decode step", compiled["exported_over_eager"], DECODE_LATENCY_TARGET),
-    ]
+    rows = [("slim / naive peak RSS", slim["peak_rss_bytes"] / naive["peak_rss_bytes"], SLIM_RSS_TARGET),
+            ("exported / eager decode step", compiled["exported_over_eager"], DECODE_LATENCY_TARGET)]
     return pd.DataFrame([{"target": name, "measured": value, "at_most": limit, "met": value <= limit}
                          for name, value, limit in rows])
 
 
 def host_budget_26b(config) -> dict:
-    """GB each deploy path must hold on the host for a model of ``config`` (from its config alone).
-
-    naive: the whole checkpoint read (bf16) and the full-precision model built from it (fp32);
-    slim: the embedding table (bf16 [vocab, hidden]), the only weights the host keeps.
-    """
+    """GB on the host for a model of ``config``: naive, the bf16 checkpoint and fp32 model; slim, the bf16 table."""
     params = memory.param_summary(config)["total_params"]
-    return {
-        "naive: model in fp32": 4 * params / 1e9,
-        "naive: checkpoint in bf16": 2 * params / 1e9,
-        "slim: host embedding (bf16)": 2 * config.vocab_size * config.hidden_size / 1e9,
-    }
+    return {"naive: model in fp32": 4 * params / 1e9, "naive: checkpoint in bf16": 2 * params / 1e9,
+            "slim: host embedding (bf16)": 2 * config.vocab_size * config.hidden_size / 1e9}
 
 
 def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
@@ -328,8 +221,7 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
         times, rss = zip(*result["rss_gb_trace"])
         lines = ax.plot(times, rss, label=f"{name}: peak {result['peak_rss_bytes'] / 1e9:.2f} GB")
         ax.axhline(result["peak_rss_bytes"] / 1e9, color=lines[0].get_color(), linestyle=":", linewidth=1)
-    ax.set_xlabel("seconds since the process started")
-    ax.set_ylabel("host RSS (GB)")
+    ax.set(xlabel="seconds since the process started", ylabel="host RSS (GB)")
     ax.legend(loc="upper left", fontsize=9)
 
 
@@ -337,15 +229,15 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
     """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
     names = list(budget)
     ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
-    ax.set_xscale("log")
-    ax.set_xlim(left=0.5, right=max(budget.values()) * 2)
-    ax.set_xlabel("GB on the host (log scale)")
+    ax.set(xscale="log", xlim=(0.5, max(budget.values()) * 2), xlabel="GB on the host (log scale)")
     reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM ({host_ram_gb:.1f} GB)", axis="x")
     reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
 
 
 def main(argv: list[str]) -> None:
-    """``python -m gemma_nb.experiments.slim_deploy '<job json>'``: one deploy or compile (the module docstring's JSON contract)."""
+    """One job ``{"kind": "slim" | "naive" | "compile", "source", "prompt", "max_new_tokens", "folder", "shapes"}``:
+    ``run_deploy`` on ``source``, or ``compile_checkpoint`` from ``source`` into ``folder``; prints the result as
+    JSON on the last stdout line, which ``gemma_nb.peak_rss.run_measured`` reads."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
