@@ -78,6 +78,8 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     # the installed kernel's spec, as JupyterLab writes it on opening, not the source's "Python 3"
     assert executed.metadata["kernelspec"] == runner.kernelspec_metadata() != {
         "name": "python3", "display_name": "Python 3", "language": "python"}
+    injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert [c.id for c in injected] == ["injected-parameters"]   # papermill's random id would differ per run
 
 
 def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):

@@ -153,8 +153,12 @@ def kernelspec_metadata(name: str = KERNEL_NAME) -> dict[str, str]:
 
 
 def _scrub_metadata(executed: Path) -> None:
-    """Drop the machine's paths papermill records; record the installed kernel's spec."""
+    """Drop the machine's paths papermill records, name its injected cell (papermill draws a random id),
+    record the installed kernel's spec: two runs then differ only in what they measured."""
     nb = nbformat.read(executed, as_version=4)
+    for cell in nb.cells:
+        if "injected-parameters" in cell.metadata.get("tags", []):
+            cell.id = "injected-parameters"
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
         if key in meta and meta[key]:
