@@ -76,13 +76,14 @@ def untie_lm_head(state_dict: dict, quantized: bool = True, embed_key: str = EMB
     return out
 
 
-class _HeadOnly(nn.Module):
+class HeadOnly(nn.Module):
     """The head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, quantized: bool, pad: bool):
+    def __init__(self, hidden_size: int, vocab_size: int, quantized: bool = True, pad: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, sdk=None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=quantized, pad=pad)
+        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad, sdk=sdk)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
@@ -104,14 +105,14 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
     patch_scale_dequantize(quantization_layers)
     example = torch.zeros(1, tokens, hidden_size, dtype=torch.bfloat16)
     with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
-        traced = ModelBuilder(_HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
+        traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
     # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
     with (NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
           init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
         sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight, quantized=quantized),
-                                   model=_HeadOnly(hidden_size, vocab_size, quantized, pad))
+                                   model=HeadOnly(hidden_size, vocab_size, quantized, pad))
     nxd_model.set_weights(sharded)
     nxd_model.to_neuron()
     return nxd_model

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-# import name -> pip distribution name
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 NEURON_HELP = (
     "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
     "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
     "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
 )
-SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}
+SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
 FX_NOTE = (
