@@ -18,7 +18,7 @@ from transformers import Gemma4ForCausalLM
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.artifact import finish_artifact
+from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
@@ -31,12 +31,9 @@ from gemma_nb.peak_rss import HostMemorySampler
 # NxD's default --auto-cast=none, which keeps the router's softmax, the int8 scales and the all-reduce in fp32.
 COMPILER_ARGS = {"dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
                  "sparse": "--model-type transformer --auto-cast=none -O1"}
-ARTIFACT_NAME = "model.pt"
-BUILD_RECORD = "build_record.json"
 # bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
-EXPERT_MODES = ("dense", "sparse")
-DECODE_EXPERTS = EXPERT_MODES
+EXPERT_MODES = DECODE_PATHS
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
 SDK_PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
 
@@ -57,8 +54,8 @@ class NeuronBuildConfig:
 
     def __post_init__(self) -> None:
         # ModelBuilder routes by input shape and both decode graphs take the same: one artifact per decode path
-        if self.decode_experts not in DECODE_EXPERTS:
-            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_EXPERTS)}: "
+        if self.decode_experts not in DECODE_PATHS:
+            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
                              "one artifact per decode path (compile twice for both)")
         if not self.compiler_workdir:
             self.compiler_workdir = str(Path(self.output_dir) / "compiler_workdir")
@@ -336,7 +333,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     shard_check_s = time.perf_counter() - started
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
         traced = builder.trace(initialize_model_weights=True)
-        artifact = out_dir / ARTIFACT_NAME
+        artifact = out_dir / MODEL_FILE
         torch.jit.save(traced, str(artifact))
     # the trace left the weights on the NeuronCores: free them, or the next build in this process cannot load
     del traced
@@ -362,7 +359,7 @@ def _build_record(build: NeuronBuildConfig, sdk, graphs: dict, shard_check_s: fl
         "neff_files": neffs,
         "neff_bytes": sum(neffs.values()),
         "compiler_workdir_bytes": sum(_files(workdir).values()),
-        "artifact": ARTIFACT_NAME,
+        "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size,
         "versions": package_versions(SDK_PACKAGES),
     }

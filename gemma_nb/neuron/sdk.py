@@ -109,19 +109,16 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
     if status.missing:
         return status
     for name in SDK_PACKAGES:
-        try:
-            status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
-        except ImportError as error:
-            if not is_fx_problem(error) or status.fx_problem:
-                status.error = f"import {name}: {type(error).__name__}: {error}"
-                return status
-            status.fx_problem = True
-            status.workaround_applied = install_fx_stand_in(modules)
+        while True:  # once more after the stand-in went in
             try:
                 status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
-            except ImportError as again:
-                status.error = f"import {name}: {type(again).__name__}: {again}"
-                return status
+                break
+            except ImportError as error:
+                if not is_fx_problem(error) or status.fx_problem:
+                    status.error = f"import {name}: {type(error).__name__}: {error}"
+                    return status
+                status.fx_problem = True
+                status.workaround_applied = install_fx_stand_in(modules)
     return status
 
 
