@@ -74,7 +74,8 @@ _BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
 
 
 def hlo_gathers(hlo_text: str) -> list[dict]:
-    """Every ``gather`` of an HLO module's text."""
+    """Every ``gather`` of an HLO module's text: operand shape, whether the operand is a graph parameter,
+    ``start_index_map`` and ``slice_sizes``."""
     parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
     found = []
     for line in hlo_text.splitlines():
@@ -95,8 +96,7 @@ def takes_whole_leading_slices(gather: dict) -> bool:
 
 
 def hlo_counts(hlo_text: str) -> dict:
-    """``{"hlo_instructions": n, "gathers": g, "weight_gathers": w, "weight_gathers_leading_axis": l}`` of an HLO
-    module's text."""
+    """Instructions, gathers, gathers of a graph parameter, and those taking whole leading-axis slices."""
     opcodes = hlo_opcodes(hlo_text)
     if not opcodes:
         raise ValueError("no HLO instructions found: expected the text of torch_xla._XLAC._get_xla_tensors_hlo")
@@ -228,7 +228,8 @@ def _first(outputs):
 
 
 def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """Run ``module(*inputs)`` eagerly on the cpu, then as one step on the XLA device; compare."""
+    """Run ``module(*inputs)`` eagerly, then as one step on the XLA device (counters cleared after the move):
+    the row of fallbacks, transfers, executions, HLO counts, ``max_abs_diff`` and ``tolerance``, or ``error``."""
     return _lower_step(module, inputs, dtype, **labels)[0]
 
 
@@ -338,7 +339,8 @@ def _cpu_module(config, state, build, experts: str):
 
 
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """:func:`lower_step` of ``make_module(dtype)`` (the shipped graph."""
+    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
+    rounding (eager bf16 against eager fp32)."""
     row, eager = _lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = _lower_step(make_module(torch.float32),
                                     tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
@@ -372,7 +374,8 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
-    """What does not lower."""
+    """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
+    an exception in the XLA step is recorded as the row's ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     inputs = decode_inputs(config, state, build)
