@@ -1,4 +1,4 @@
-"""The port's lm_head (notebooks 04, 06): the tie broken, an int8 ``QuantizedColumnParallel`` over the vocab, gathered.
+"""The port's lm_head (notebooks 03, 04): the tie broken, an int8 ``QuantizedColumnParallel`` over the vocab, gathered.
 
 Its ``weight`` int8 ``[V, H]`` and ``scale`` fp32 ``[V, 1]`` come from the embedding table, both split on dim 0;
 the softcap runs on the host. NxD's quantized layer does not trim a padded vocab: ``trim_padded_logits`` does.
