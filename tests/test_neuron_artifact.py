@@ -196,7 +196,7 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
     closed = []
     fake = SimpleNamespace(ModelBuilder=FakeModelBuilder, BaseModelInstance=FakeInstance,
                            close_runtime=lambda: closed.append(True))
-    monkeypatch.setattr(B, "_import_sdk", lambda: fake)
+    monkeypatch.setattr(B, "import_sdk", lambda: fake)
     out = tmp_path / "artifact"
     out.mkdir()
     (out / "stale.bin").write_bytes(b"x")  # an older build's file: the folder is written afresh

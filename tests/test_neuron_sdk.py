@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gemma_nb.neuron import sdk
+from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.targets import TargetError
 
 INSTALLED = {"torch_neuronx": object(), "neuronx_distributed": object()}
@@ -68,8 +69,10 @@ def test_the_stand_in_never_replaces_a_real_module():
 
 
 def test_import_sdk_here_names_the_packages_and_the_install_step():
-    with pytest.raises(TargetError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
+    with pytest.raises(ImportError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
         sdk.import_sdk()
+    with pytest.raises(TargetError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
+        import_nxd()
 
 
 def test_is_fx_problem():

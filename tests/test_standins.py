@@ -1,5 +1,5 @@
 """The cpu stand-ins of neuronx-distributed keep the SDK's contracts, and the neuron build passes
-ModelBuilder's checkpoint path with them (the defects of issue 12: 1, 3, 4)."""
+ModelBuilder's checkpoint path with them."""
 
 import os
 

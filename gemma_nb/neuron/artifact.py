@@ -1,22 +1,7 @@
-"""The neuron artifact folder: everything the serving box needs, and nothing from the compile box.
+"""The artifact folder the compile writes (notebook 04) and the serving box reads (05, 07, the server).
 
-The port compiled on an inf2.8xlarge and served on an inf2.xlarge: only a folder travels between
-them. ``compile_neuron`` (``gemma_nb.neuron.build``) writes it; ``slim_deploy``, notebooks 05 and
-07 and ``serve --target neuron`` read only it. What it holds (``manifest.json`` lists every file
-with its size, so a truncated copy is caught at load, not as a wrong answer):
-
-    model.pt                  the traced NxD model (torch.jit.save; NEFFs and weights inside)
-    build_record.json         build settings, compiler flags, SDK versions, compile time and peak RSS
-    embed_tokens.safetensors  the host embedding table, its scale and the scale self-check data
-                              (gemma_nb.embedding.HostEmbedding: checked bit for bit at load)
-    config.json               the model config (the deploy builds its structure on the meta device)
-    tokenizer files           tokenizer.json / tokenizer_config.json / ..., generation_config.json
-    manifest.json             format name and version, graphs (the prefill and the decode graph a
-                              decode step reaches), shapes, the SDK it was built with ("emulated SDK"
-                              in make rehearse), versions, files with sizes
-
-``write_serving_files`` + ``write_manifest`` (both called by ``finish_artifact``) make a compiled
-folder complete; ``read_artifact`` validates one and returns what a deploy needs.
+``model.pt``, ``build_record.json``, the host embedding, config and tokenizer files, and ``manifest.json`` listing
+every file with its size, so a truncated copy fails at load, not as a wrong answer.
 """
 
 from __future__ import annotations
@@ -52,11 +37,7 @@ class ArtifactError(ValueError):
 
 
 def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list[str]:
-    """Copy config and tokenizer files from the checkpoint folder and write the host embedding file.
-
-    Returns the names written. The embedding is read from the checkpoint's safetensors alone (the
-    model is never built on the host: ``export_host_embedding``).
-    """
+    """Copy config and tokenizer files from the checkpoint folder and write the host embedding; the names written."""
     model_dir, artifact_dir = Path(model_dir), Path(artifact_dir)
     if not (model_dir / CONFIG_FILE).is_file():
         raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
@@ -197,11 +178,7 @@ def artifact_labels(folders) -> dict[str, Path]:
 
 
 def read_artifact(folder: str | Path) -> NeuronArtifact:
-    """Validate ``folder`` against its manifest and load its config; ``ArtifactError`` names what is wrong.
-
-    Checks: the folder and ``manifest.json`` exist, the format and version are this repo's, every
-    file the manifest lists is there with the listed size (a partial copy fails here).
-    """
+    """Validate ``folder`` against its manifest (format, version, every file and size) and load its config."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
@@ -229,8 +206,3 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
 
     return NeuronArtifact(folder, manifest, record, text_config(folder))
 
-
-__all__ = ["DECODE_PATHS", "built_artifacts", "export_host_embedding", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MODEL_FILE", "BUILD_RECORD", "HOST_EMBEDDING_FILE",
-           "REQUIRED_FILES", "ArtifactError", "NeuronArtifact", "write_serving_files", "write_manifest",
-           "finish_artifact", "read_artifact", "graphs_of", "default_artifact_dir",
-           "artifact_labels", "routed_decode_graph"]

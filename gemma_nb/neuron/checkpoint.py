@@ -1,9 +1,5 @@
-"""Reading a Hugging Face Gemma-4 checkpoint folder for the neuron build: its text config and tensors.
-
-The hub's Gemma-4 checkpoints are multimodal; the build, the artifact and the deploy read only the
-text model: ``text_config`` (its config), ``text_key`` (a tensor name in ``Gemma4ForCausalLM``'s
-names, or None for a vision/audio tower's), ``read_hf_state`` (the text tensors, memory-mapped).
-"""
+"""A hub Gemma-4 checkpoint folder's text model, for the neuron build: its config and tensors (vision and audio
+towers dropped, names as ``Gemma4ForCausalLM``'s)."""
 
 from __future__ import annotations
 
@@ -16,11 +12,7 @@ TEXT_PREFIXES = ("model.layers.", "model.norm.", "model.embed_tokens.", "lm_head
 
 
 def text_key(key: str) -> str | None:
-    """A checkpoint key in ``Gemma4ForCausalLM``'s names, or None for a non-text tensor.
-
-    The hub's Gemma-4 checkpoints are multimodal (``Gemma4ForConditionalGeneration``): the text
-    model's tensors are ``model.language_model.*``; vision and audio towers are dropped.
-    """
+    """A checkpoint key in ``Gemma4ForCausalLM``'s names (``model.language_model.*`` -> ``model.*``), or None."""
     if key.startswith("model.language_model."):
         key = "model." + key.removeprefix("model.language_model.")
     return key if key.startswith(TEXT_PREFIXES) else None

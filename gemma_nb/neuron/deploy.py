@@ -1,52 +1,35 @@
-"""The port's slim deploy on Inferentia2: jit.load the compiled artifact, host embedding, greedy loop.
+"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop.
 
-NOT RUN HERE. Written against neuronx-distributed 0.19 (Neuron SDK 2.31); read from
-aws-neuron/neuronx-distributed ``trace/spmd.py`` (``NxDModel.initialize_with_saved_weights(
-start_rank_tensor)``) and ``trace/model_builder.py``. The flow (docs/sources.md: port-recipe):
-
-1. ``import neuronx_distributed.trace.model_builder`` *before* ``torch.jit.load``: it registers the
-   TorchScript classes (``neuron::SPMDModel``) the saved artifact refers to;
-2. ``torch.jit.load(model.pt)`` then ``model.nxd_model.initialize_with_saved_weights(
-   torch.tensor([0], dtype=torch.int32))``: the weights saved inside the artifact go to the
-   NeuronCores (the story's ~112 s "NEFF load");
-3. the model's structure on the meta device (no host memory) for the config and the embedding
-   module's scale; the host embedding table (1.48 GB bf16 for the 26B) from its own file, scale
-   checked (``gemma_nb.embedding.HostEmbedding``);
-4. greedy decoding: host embed -> ``step_inputs`` -> graph -> softcap on the host -> argmax. The KV
-   cache never leaves the device (aliased state).
-
-Everything comes from the artifact folder alone (``gemma_nb.neuron.artifact``: model, host
-embedding, config, tokenizer, build record), so the serving box needs no checkpoint.
-``NeuronStepRunner`` is the loop; it takes any callable with the graph's signature, so the tests
-run it on the cpu variant of the traced module (``gemma_nb.neuron.build.NeuronGemma4(parallel=False)``).
+Everything comes from the artifact folder; the KV cache stays on the device (aliased state). ``NeuronStepRunner``
+takes any callable with the graph's signature, so the tests run it on ``NeuronGemma4(parallel=False)``.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
+from transformers import AutoTokenizer
 
 from gemma_nb.bench import time_runners
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import host_logits, step_inputs
-from gemma_nb.neuron.sdk import close_runtime, import_sdk
+from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.sdk import close_runtime
 from gemma_nb.peak_rss import HostMemorySampler
 
 
 @dataclass
 class NeuronStepRunner:
-    """Greedy decoding over a compiled prefill/decode pair that keeps its KV cache as device state.
-
-    ``graph(*step_inputs)`` returns the logits (or a tuple whose first item is the logits);
-    ``embed`` maps ids [1, S] to scaled embeddings; ``config`` the text config (vocab, softcap,
-    sliding window); ``max_len`` / ``bucket`` the compiled shapes.
-    """
+    """Greedy decoding over a compiled prefill/decode pair that keeps its KV cache as device state; ``embed``
+    maps ids [1, S] to scaled embeddings, ``max_len`` / ``bucket`` are the compiled shapes."""
 
     graph: Callable
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -104,12 +87,9 @@ class CpuStateGraph:
 
 
 def load_artifact(artifact_dir: str | Path):
-    """``torch.jit.load`` the compiled artifact and put its weights on the NeuronCores.
-
-    Returns the graph callable ``NeuronStepRunner`` steps: inputs -> logits (``graph.model``: the
-    loaded model; ``graph.sdk``: "Neuron SDK" or "emulated SDK ..."). ``release`` frees it.
-    """
-    sdk = import_sdk()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    """``torch.jit.load`` the artifact and put its weights on the NeuronCores; the graph callable (``.model``,
+    ``.sdk``)."""
+    sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{MODEL_FILE} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
@@ -126,15 +106,8 @@ def load_artifact(artifact_dir: str | Path):
 
 
 def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -> None:
-    """Unload a deployed model and give its NeuronCore memory back: one 26B build (~12.7 GB per rank)
-    fills most of 2 x 16 GiB, so the next cannot load until this one is gone.
-
-    Dropping the references is not enough: the runtime keeps the model loaded until it is closed
-    (``gemma_nb.neuron.sdk.close_runtime``, ``torch.classes.neuron.Runtime().unsafe_close()``, as
-    NxD's own tests do between models). ``close``: the closing function (the tests pass a fake).
-    """
-    import gc
-
+    """Unload a deployed model: one 26B build (~12.7 GB per rank) fills most of 2 x 16 GiB, so the next cannot
+    load until the runtime is closed (``close``, a fake in the tests)."""
     runner.graph = None
     gc.collect()
     (close or close_runtime)()
@@ -142,14 +115,8 @@ def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -
 
 def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
                 load: Callable[[Path], Callable] | None = None) -> tuple[NeuronStepRunner, dict]:
-    """The whole slim deploy of an artifact folder, timed and sampled; (runner, figures).
-
-    Reads only ``artifact_dir`` (``gemma_nb.neuron.artifact``: validated against its manifest):
-    config, host embedding, build shapes and the model. ``load`` turns the folder into the graph
-    callable (``load_artifact`` on an inf2; the tests pass a cpu stand-in). Figures:
-    ``neff_load_s`` (load + weights to the device), ``embedding_load_s``, ``peak_host_rss_bytes``
-    (this process and children), ``embedding_bytes``, ``graphs`` (what the artifact holds).
-    """
+    """The slim deploy of a validated artifact folder, timed and sampled: (runner, figures); ``load`` turns the
+    folder into the graph (``load_artifact``; a cpu stand-in in the tests)."""
     artifact = read_artifact(artifact_dir)
     embedding_path = artifact.path(HOST_EMBEDDING_FILE)
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
@@ -170,13 +137,7 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
 
 
 def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16) -> dict:
-    """Greedy answer of a deployed model to ``prompt``, with the artifact's own tokenizer.
-
-    Returns ``prompt``, ``completion`` (cut at the first end-of-sequence token), ``new_tokens``,
-    ``step_ms`` (each step's wall time: the first is the prefill).
-    """
-    from transformers import AutoTokenizer
-
+    """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence token."""
     tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = runner.generate(ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
@@ -188,16 +149,8 @@ def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: 
 
 def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
                         load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
-    """Decode speed of deployed artifacts, loaded, timed and released ONE AT A TIME.
-
-    ``artifacts``: name -> artifact folder, e.g. ``{"dense": ..., "sparse": ...}``. Two 26B builds
-    (~12.7 GB per rank each) do not fit 16 GiB per NeuronCore together, so each is deployed
-    (``slim_deploy``), timed with ``gemma_nb.bench.time_runners`` and released (the runtime
-    closed: :func:`release`) before the next. Returns the table (``ttft_s``, ``decode_tok_s``,
-    ``tokens`` per name) plus ``neff_load_s`` and ``decode_graph``.
-    """
-    import pandas as pd
-
+    """Decode speed of artifacts (name -> folder), each deployed, timed and released before the next: two 26B
+    builds do not fit the NeuronCores together."""
     tables = []
     for name, folder in artifacts.items():
         runner, figures = slim_deploy(folder, load=load)
@@ -208,6 +161,3 @@ def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repea
         tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
     return pd.concat(tables)
 
-
-__all__ = ["NeuronStepRunner", "CpuStateGraph", "load_artifact", "release", "slim_deploy",
-           "benchmark_artifacts", "deployed_answer"]

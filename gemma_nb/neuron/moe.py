@@ -1,58 +1,21 @@
-"""The routed experts on Inferentia2, both ways: the port's dense op and the selective-loading decode (SDK 2.31).
+"""The routed experts on NxD's expert-fused int8 layers (notebooks 04, 07): the port's dense op and the sparse decode.
 
-Not run on an inf2 here. Written against neuronx-distributed 0.19 (Neuron SDK 2.31); the contracts
-were read in the newest public source, neuronx-distributed 0.18 (aws-neuron/neuronx-distributed):
-``quantization/quantization_layers.py`` (``QuantizedExpertFusedColumnParallel`` /
-``QuantizedExpertFusedRowParallel``), ``modules/moe/experts.py`` and ``expert_mlps_v2.py``
-(``Experts.forward``, ``ExpertMLPsV2.forward_all_experts`` / ``forward_selective_loading``),
-``modules/moe/model_utils.py`` (the activation table, ``DEFAULT_SELECTIVE_LOADING_THRESHOLD``),
-``trace/trace.py`` (``shard_children``). Nothing from the SDK is imported at module import time;
-building a module without ``sdk=`` imports it and raises ``TargetError`` with the install hint.
-
-**One expert-major weight layout for both graphs, on NxD's own layers.** Both modules hold
-``gate_up = QuantizedExpertFusedColumnParallel(E, H -> 2I, stride=2, is_fused_gate_up=True)``
-(weight ``[E, H, 2I/tp]``: the stride-2 split gives each rank its slice of the gate half and of the
-up half) and ``down = QuantizedExpertFusedRowParallel(E, I -> H, reduce_output=False)`` (weight
-``[E, I/tp, H]``), int8 with expert-wise per-channel fp32 scales ``[E, 1, out]`` (each expert's own
-output channels, ``EXPERT_WISE_PER_CHANNEL_SYMMETRIC``), exactly NxD Inference's MoE layout. One
-ModelBuilder artifact shares one set of sharded weights between its graphs, so the dense prefill
-and either decode hold the same parameters, names and shapes. The checkpoint is transformers'
-``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` transposed, with no reordering: the
-sharding does the split.
-
-- ``NeuronDenseExperts`` (the port's op; prefill, and the port's decode): the layers' own forward
-  over every expert, ``[E, 1, T, ...]``, as ``ExpertMLPsV2.forward_all_experts`` does; each expert's
-  output weighted by its dense router weight (zero outside the top-k) and summed.
-- ``NeuronSparseExperts`` (decode, ``T * K < E``: NxD's selective-loading rule): per token, the
-  layers' forward with ``expert_indices`` = its top-k, which **gathers whole experts on the weights'
-  leading axis** (``weight[expert_indices]``: K contiguous ``[H, 2I/tp]`` and ``[I/tp, H]`` blocks),
-  as ``ExpertMLPsV2.forward_selective_loading`` does; each rank reads ``K x 3 x H x I/tp`` int8
-  weights per token.
-
-Both all-reduce the per-rank partial sums once, in fp32 (as NxD's RowParallelLinear reduces,
-``reduce_dtype=torch.float32``), and cast back.
-
-**Why this module and not NxD's ``ExpertMLPsV2``.** (1) Its activation table
-(``modules/moe/model_utils.py`` ``ACT2FN``) has no ``gelu_pytorch_tanh``, Gemma-4's activation;
-its ``"gelu"`` is the exact erf gelu, which would change the model's numbers. (2) Its inference
-``forward`` sends a 128-token prefill (128 x 8 >= the 512-token block) to ``forward_blockwise``,
-whose kernels are not available on inf2, so the port's prefill would have to call
-``forward_all_experts`` past it anyway. (3) It needs NxD's world and expert-parallel groups, an
-``SPMDRank`` and its MoE config classes in the graph, none of which this build uses. What this
-module keeps from it is what matters for the bytes: the same layers, layout, int8 scheme and the
-same two forward paths.
+One expert-major layout for both graphs (NxD Inference's MoE layout): ``gate_up [E, H, 2I/tp]`` (stride 2 splits
+the gate and up halves) and ``down [E, I/tp, H]``, int8 with expert-wise fp32 scales ``[E, 1, out]``. Not NxD's
+``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``, and its prefill path needs kernels inf2 lacks.
 """
-
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from gemma_nb.experts import dense_router_weights, gated
 from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.sdk import import_sdk
+from gemma_nb.targets import TargetError
 
 # NxD's rule (modules/moe/model_utils.py): selective loading while tokens x top_k / experts < 1.0
 SELECTIVE_LOADING_THRESHOLD = 1.0
@@ -60,7 +23,10 @@ SELECTIVE_LOADING_THRESHOLD = 1.0
 
 def import_nxd() -> SimpleNamespace:
     """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install hint."""
-    return import_sdk()
+    try:
+        return import_sdk()
+    except ImportError as error:
+        raise TargetError(str(error)) from None
 
 
 def int8_kwargs(sdk, dtype: torch.dtype) -> dict:
@@ -82,8 +48,6 @@ class _ExpertMajorExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: int,
                  dtype: torch.dtype = torch.bfloat16, sdk=None, activation: str = "gelu_pytorch_tanh"):
         super().__init__()
-        from transformers.activations import ACT2FN
-
         sdk = import_nxd() if sdk is None else sdk
         if intermediate_size % tp:
             raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}: each rank "
@@ -96,14 +60,10 @@ class _ExpertMajorExperts(nn.Module):
                                                               is_fused_gate_up=True, **experts_kwargs(sdk, dtype))
         self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
                                                         **experts_kwargs(sdk, dtype))
-        expected = (num_experts, hidden_size, 2 * self.local_inter)
-        if tuple(self.gate_up.weight.shape) != expected:
-            raise ValueError(f"gate_up holds {tuple(self.gate_up.weight.shape)} per rank, expected {expected}: the "
-                             f"NxD parallel state's TP degree is not tp={tp}")
+        assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * self.local_inter), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
-        """``hidden_states [T, H]`` through the experts named by ``expert_indices`` (all when None):
-        this rank's partial outputs ``[E', T, H]``."""
+        """``hidden_states [T, H]`` through ``expert_indices`` (all when None): this rank's partials ``[E', T, H]``."""
         tokens = hidden_states.shape[0]
         gate_up = self.gate_up(hidden_states.view(1, 1, tokens, self.hidden_size), expert_indices=expert_indices)
         return self.down(gated(gate_up, self.act_fn), expert_indices=expert_indices)[:, 0]
@@ -114,10 +74,7 @@ class _ExpertMajorExperts(nn.Module):
 
 
 class NeuronDenseExperts(_ExpertMajorExperts):
-    """The port's dense op at TP = ``tp``: every expert's ``I/tp`` slice on every token (module docstring).
-
-    ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-    """
+    """The port's dense op: every expert on every token, weighted by the dense router weights; ``[T, H]`` out."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E] fp32
@@ -127,7 +84,7 @@ class NeuronDenseExperts(_ExpertMajorExperts):
 
 
 class NeuronSparseExperts(_ExpertMajorExperts):
-    """Selective loading at TP = ``tp``: per token only its K experts' weights are read (decode only)."""
+    """Selective loading (decode, ``T * K < E``): per token, its K experts gathered on the weights' leading axis."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         tokens, top_k = top_k_index.shape
@@ -141,24 +98,15 @@ class NeuronSparseExperts(_ExpertMajorExperts):
         return self._all_reduce(torch.stack(rows), hidden_states.dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoints (plain torch: runs and is tested on the cpu)
-# --------------------------------------------------------------------------------------------
 def expert_major_int8(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' stacked ``[E, out, in]`` -> NxD's expert-fused int8 ``[E, in, out]`` and fp32
-    scales ``[E, 1, out]``: per expert and output channel, absmax / 127 (``quantize_int8_per_channel``)."""
+    """transformers' ``[E, out, in]`` -> NxD's int8 ``[E, in, out]`` and fp32 scales ``[E, 1, out]``."""
     q, scale = quantize_int8_per_channel(weight, axis=1, name=name)  # [E, out, in], [E, out, 1]
     return q.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
 
 
 def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, prefix: str = "") -> dict:
-    """Full (unsharded) state-dict entries for one layer's ``NeuronDenseExperts`` *or* ``NeuronSparseExperts``.
-
-    ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``: transformers' tensors. ``prefix``: the
-    module's path (e.g. ``"layers.3.experts."``). ``{prefix}gate_up.weight`` int8 ``[E, H, 2I]`` with
-    ``scale [E, 1, 2I]``, ``{prefix}down.weight`` int8 ``[E, I, H]`` with ``scale [E, 1, H]``; the
-    same for every TP degree (ModelBuilder's sharding cuts them).
-    """
+    """One layer's full (unsharded) entries for either experts module, from transformers' ``gate_up_proj [E, 2I, H]``
+    and ``down_proj [E, H, I]``: the same for every TP degree (ModelBuilder's sharding cuts them)."""
     experts, two_inter, hidden = gate_up_proj.shape
     if tuple(down_proj.shape) != (experts, hidden, two_inter // 2):
         raise ValueError(f"down_proj {tuple(down_proj.shape)} does not match gate_up_proj {tuple(gate_up_proj.shape)}")
@@ -167,6 +115,3 @@ def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pref
         out[f"{prefix}{name}.weight"], out[f"{prefix}{name}.scale"] = expert_major_int8(tensor, f"{prefix}{name}")
     return out
 
-
-__all__ = ["NeuronDenseExperts", "NeuronSparseExperts", "experts_checkpoint", "expert_major_int8", "int8_kwargs",
-           "experts_kwargs", "import_nxd", "SELECTIVE_LOADING_THRESHOLD"]

@@ -1,20 +1,7 @@
-"""NxD's quantized dtypes on Inferentia2: what the SDK says it supports, and a trial per dtype (SDK 2.31).
+"""NxD's quantized dtypes on inf2 (notebook 02): the SDK's support matrix, a trial per dtype, the scale patch.
 
-Not run on an inf2 here: written for neuronx-distributed 0.19 (Neuron SDK 2.31). The enum names,
-layer arguments and the CPU-only assertion were read in aws-neuron/neuronx-distributed 0.18
-(``src/neuronx_distributed/quantization/quantization_config.py``, ``quantization_layers.py``,
-``dequantize.py``, ``trace/model_builder_v2.py``, ``trace/parallel_context.py``; the newest public
-snapshot, the 2.29 release, the nearest to 2.31). Nothing from the SDK is imported at module
-import time: :func:`run_trials` imports it and raises ``TargetError`` when it is missing.
-:func:`scale_dequantize` is the one patch of NxD's dequantize this repo applies (the build, the
-lm_head and the trials all use :func:`patch_scale_dequantize`); ``gemma_nb.rehearsal.standins`` keeps
-NxD's own version, so the tests show why it is needed.
-
-``SDK_SUPPORT_MATRIX`` is what the NxD sources and the write-up say (docs/sources.md: nxd-source, port-review), for the cpu notebook to show.
-:func:`run_trials` is the experiment the story describes: on a NeuronCore, build one small
-``QuantizedColumnParallel`` per dtype (int8 and fp8 per-channel, fp4 E2M1 x4 blockwise with E8M0
-scales), load weights quantized by ``gemma_nb.formats``, trace and compile it with ModelBuilder v2,
-run it, compare with the cpu result, and record per dtype the stage it reached and the error text.
+``run_trials`` builds, loads, traces, compiles and runs one ``QuantizedColumnParallel`` per dtype on a NeuronCore
+and records the stage each reached; ``scale_dequantize`` is the one patch of NxD this repo applies.
 """
 
 from __future__ import annotations
@@ -22,13 +9,12 @@ from __future__ import annotations
 import traceback
 from dataclasses import asdict, dataclass
 
+import pandas as pd
 import torch
 from torch import nn
 
 from gemma_nb import formats
-from gemma_nb.neuron.sdk import import_sdk
-
-NXD_SOURCE = "aws-neuron/neuronx-distributed, src/neuronx_distributed/quantization/"
+from gemma_nb.neuron.moe import import_nxd
 
 
 @dataclass(frozen=True)
@@ -81,27 +67,20 @@ SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
 )
 
 TRIAL_DTYPES = ("INT8", "F8E4M3", "F4E2M1FN_X4")
-TRIAL_STAGES = ("import", "build", "load_weights", "trace", "compile", "run")
 NEURON_FP8_MAX = 240.0  # DtypeBound.F8E4M3_MAX: Neuron's IEEE-style e4m3 range
 MX_BLOCK = 32
 
 
 def support_matrix_table():
     """``SDK_SUPPORT_MATRIX`` as a DataFrame, one row per dtype."""
-    import pandas as pd
-
     return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
 
 
 def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD's ``scale_dequantize`` for any output rank: the one patch this repo applies (out of place).
+    """NxD's ``scale_dequantize``, out of place and for a 2-D output too (the experts' ``[T, out]``).
 
-    NxD 0.18 (``quantization/dequantize.py``) multiplies the fp32 output in place by
-    ``scale.unsqueeze(len(scale.shape) - 1)``: for a layer's ``scale.T [1, out]`` that is
-    ``[1, 1, out]``, which fits a 3-D ``[B, S, out]`` output but not a 2-D ``[T, out]`` one (the
-    routed experts' input, or a trial's): the in-place multiply raises. Here the same factor
-    loses its leading size-1 dims when it has more dims than the output, and the multiply is out
-    of place (the port's trace also broke on the in-place one). 3-D numbers equal NxD's exactly.
+    NxD's multiplies in place by ``scale.unsqueeze(-2)``, ``[1, 1, out]`` for a layer's ``scale.T``, which a 2-D
+    output cannot take; here the factor's extra leading size-1 dims are dropped. 3-D numbers equal NxD's.
     """
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
@@ -113,8 +92,7 @@ def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: to
 
 
 def patch_scale_dequantize(quantization_layers) -> None:
-    """Point ``quantization_layers.scale_dequantize`` (NxD's module, or a stand-in's namespace) at
-    :func:`scale_dequantize`. NxD's quantized layers look the name up in that module at call time."""
+    """Point ``quantization_layers.scale_dequantize`` (looked up by NxD's layers at call time) at ours."""
     quantization_layers.scale_dequantize = scale_dequantize
 
 
@@ -137,12 +115,8 @@ def _layer_kwargs(dtype_name: str, sdk) -> dict:
 
 
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial.
-
-    Quantized on the cpu by ``gemma_nb.formats``: int8 per-channel; fp8 per-channel with Neuron's
-    +-240 range; fp4 as MXFP4 (E2M1 nibbles, two per byte, viewed as uint16 = four per element,
-    E8M0 uint8 scales per block of 32). Runs anywhere (no SDK).
-    """
+    """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial:
+    int8 per channel, fp8 per channel at Neuron's +-240, fp4 as MXFP4 viewed as uint16."""
     if dtype_name == "INT8":
         q, scale = formats.quantize_int8_per_channel(weight, name="trial.weight")
         return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
@@ -153,24 +127,16 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
         return {"layer.weight": q, "layer.scale": scale}, q.float() * scale
     if dtype_name == "F4E2M1FN_X4":
         qt = formats.quantize(weight, "mxfp4", name="trial.weight")
-        if qt.data.shape[-1] % 2:
-            raise ValueError(f"input size {weight.shape[-1]} must be a multiple of 4 to view fp4 bytes as uint16")
+        assert qt.data.shape[-1] % 2 == 0, "fp4 bytes view as uint16 in fours"
         return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()
-    raise ValueError(f"dtype {dtype_name!r} is not one of {', '.join(TRIAL_DTYPES)}")
+    raise AssertionError(dtype_name)
 
 
 def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 256, tokens: int = 4,
                workdir: str = "/tmp/gemma_nb_quant_trials", seed: int = 0):
-    """On a NeuronCore: per dtype, the stage reached and the error raised, as a DataFrame.
-
-    Columns: ``dtype``, ``ok`` (all stages passed), ``stage`` (last stage reached, or the one that
-    failed), ``max_abs_diff`` (device output vs the cpu matmul with the dequantized weight, bf16
-    activations), ``error`` (exception type and message, empty on success). Every dtype is tried
-    even if an earlier one fails. Raises ``TargetError`` at once if the SDK is not installed.
-    """
-    import pandas as pd
-
-    sdk = import_sdk()
+    """On a NeuronCore: per dtype, ``ok``, the ``stage`` reached (or failed), ``max_abs_diff`` against the cpu
+    matmul, the ``error``; a DataFrame. ``TargetError`` at once without the SDK."""
+    sdk = import_nxd()
     NxDParallelState, QuantizedColumnParallel = sdk.NxDParallelState, sdk.QuantizedColumnParallel
     ModelBuilder = sdk.ModelBuilderV2
 
@@ -190,8 +156,7 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
                 state, dequantized = trial_weights(dtype_name, weight)
                 expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
                 got = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
-                if any(expected.get(k) != v for k, v in got.items()):
-                    raise ValueError(f"trial weights {got} do not match the layer's state dict {expected}")
+                assert all(expected.get(k) == v for k, v in got.items()), (got, expected)
                 row["stage"] = "trace"
                 builder = ModelBuilder(model).trace(args=(x,), tag=f"quant_{dtype_name.lower()}")
                 row["stage"] = "compile"

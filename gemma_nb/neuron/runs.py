@@ -1,18 +1,18 @@
-"""What notebooks 04, 05 and 07 run on the neuron target: every build, each deployed and answered in turn.
+"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn.
 
-Not run on an inf2 here (``make rehearse`` runs it against the emulated SDK). The 26B compiles at the
-shipped shapes (a 512-slot KV cache, a 128-token prefill bucket); the bundled tiny TP=2 checkpoint,
-the smoke run's, at ``SMOKE_SHAPES``: the same code and graphs, small enough that the smoke run takes
-minutes. One artifact per decode path (``gemma_nb.neuron.artifact.DECODE_PATHS``).
+The 26B compiles at the shipped shapes; the bundled TP=2 checkpoint (the smoke run) at ``SMOKE_SHAPES``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gemma_nb.neuron.artifact import default_artifact_dir, read_artifact
+import pandas as pd
+from transformers import AutoTokenizer
+
+from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir, read_artifact
 from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
-from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy
+from gemma_nb.neuron.deploy import benchmark_artifacts, deployed_answer, release, slim_deploy
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
 SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
@@ -37,8 +37,6 @@ def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
 
 def builds_table(records: dict):
     """One row per build: its graphs, flags, SDK, shapes, the compile's time, peak host RSS and bytes."""
-    import pandas as pd
-
     return pd.DataFrame([{
         "decode_experts": name, "graphs": ", ".join(r["graphs"]), "compiler_args": r["build"]["compiler_args"],
         "sdk": r["sdk"], "max_len": r["build"]["max_len"], "bucket": r["build"]["bucket"],
@@ -64,17 +62,9 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
     return rows
 
 
-
-
-
 def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
     """Notebook 07's neuron section: ``benchmark_artifacts`` of every build, one at a time (the runtime
     closed in between), named by the decode graph each reaches, with the greedy continuation it decoded."""
-    from transformers import AutoTokenizer
-
-    from gemma_nb.neuron.artifact import artifact_labels
-    from gemma_nb.neuron.deploy import benchmark_artifacts
-
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -86,5 +76,3 @@ def benchmark_builds(folders, prompt: str = "The capital of France is", new_toke
         return tokenizer.decode(new[: new.index(eos)] if eos in new else new).strip()
 
     return table.assign(completion=[completion(t) for t in table["tokens"]])
-
-__all__ = ["SMOKE_SHAPES", "build_shapes", "compile_builds", "builds_table", "answer_each", "benchmark_builds"]

@@ -1,33 +1,8 @@
-"""The one place the Neuron SDK is imported, and the transformers-5 import problem it can hit.
+"""The one import of the Neuron SDK, and its transformers-5 workaround (every notebook on the neuron target).
 
-``import neuronx_distributed`` (0.18, the newest public tree: aws-neuron/neuronx-distributed, Neuron
-SDK 2.29) imports its ``pipeline`` package at package import time, and ``pipeline/trace.py`` runs
-``from transformers.utils.fx import HFTracer`` whenever transformers is installed, to define
-``HFTracerWrapper(NxDTracer, HFTracer)``: the tracer NxD's *pipeline-parallel* training uses on a
-Hugging Face ``PreTrainedModel``. transformers 5 removed ``transformers.utils.fx``, so on this
-repo's transformers 5.24 the import fails with ``ModuleNotFoundError: No module named
-'transformers.utils.fx'`` although the SDK is installed. (The port ran with transformers 5.14.1 and
-neuronx-distributed 0.19, whose source is not public: whether 0.19 still does it is found out on
-the box, by ``check_sdk``, in the time one import takes.)
-
-Nothing this repo uses touches that tracer: ModelBuilder traces with ``torch_neuronx`` / XLA, not
-``torch.fx``. So the workaround is narrow: when, and only when, the import fails for that missing
-module, put a stand-in module of that name in ``sys.modules`` whose ``HFTracer`` is a
-``torch.fx.Tracer`` subclass that refuses to be constructed (with the reason), and import again.
-The class statement in NxD then succeeds; pipeline-parallel tracing of an HF model, which this
-repo never does, raises a clear error instead of a wrong result. It is applied only on the neuron
-target: ``gemma_nb.targets.check_target("neuron")`` (the runner, every notebook's setup cell, the
-server) and ``import_sdk`` call ``check_sdk``, and print a note when the stand-in went in, so
-every later ``import neuronx_distributed`` in that process succeeds. Nothing on the cpu target
-imports this module.
-
-``make rehearse`` puts an emulation of this SDK surface on the path (``gemma_nb.rehearsal``; never
-importable otherwise). It marks its modules ``__emulated__ = True``; ``check_sdk`` and everything
-that reports the SDK (preflight, the build record, the manifest) then say "emulated SDK".
-
-- ``check_sdk()``: what preflight reports (never calls the transformers-5 problem "SDK missing").
-- ``import_sdk()``: the SDK pieces the neuron build, deploy and trials use, as one namespace.
-- ``close_runtime()``: unload every model from the NeuronCores (``Runtime().unsafe_close()``).
+neuronx-distributed's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed. When,
+and only when, the import fails on it, a stand-in module whose ``HFTracer`` refuses to be built goes into
+``sys.modules``: only NxD's pipeline-parallel tracing of HF models, unused here, is lost.
 """
 
 from __future__ import annotations
@@ -39,14 +14,16 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# import name -> pip distribution name
+import torch
+import torch.fx
+
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 NEURON_HELP = (
     "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
     "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
     "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
 )
-SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}
+SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
 FX_NOTE = (
@@ -57,12 +34,8 @@ FX_NOTE = (
 
 
 def fx_stand_in() -> types.ModuleType:
-    """A module named ``transformers.utils.fx`` with an ``HFTracer`` that cannot be constructed.
-
-    ``HFTracer`` subclasses ``torch.fx.Tracer`` so that NxD's ``class HFTracerWrapper(NxDTracer,
-    HFTracer)`` has a consistent method order; constructing it raises ``RuntimeError``.
-    """
-    import torch.fx
+    """A module named ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, so NxD's
+    ``HFTracerWrapper`` has a consistent method order) raises when constructed."""
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
@@ -100,13 +73,8 @@ def is_fx_problem(error: BaseException) -> bool:
 
 @dataclass
 class SdkStatus:
-    """What ``check_sdk`` found.
-
-    ``missing``: pip names of SDK packages not installed (the only "SDK missing" case).
-    ``fx_problem``: ``import neuronx_distributed`` failed on ``transformers.utils.fx``;
-    ``workaround_applied``: the stand-in made the import succeed. ``error``: any other import error.
-    ``emulated``: the modules imported are ``make rehearse``'s emulation, not the Neuron SDK.
-    """
+    """What ``check_sdk`` found: ``missing`` pip names (the only "SDK missing" case), whether the fx problem
+    appeared and the stand-in went in, any other import ``error``, and whether the SDK is the emulated one."""
 
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False
@@ -135,41 +103,33 @@ class SdkStatus:
 
 def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
               modules: dict | None = None) -> SdkStatus:
-    """Try the SDK imports; on the ``transformers.utils.fx`` error, apply the stand-in and try again.
-
-    The arguments are the system queries, replaceable by fakes in tests.
-    """
+    """Try the SDK imports; on the ``transformers.utils.fx`` error, apply the stand-in and try again (the
+    arguments are the system queries, replaceable by fakes)."""
     status = SdkStatus(missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None])
     if status.missing:
         return status
     for name in SDK_PACKAGES:
-        try:
-            status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
-        except ImportError as error:
-            if not is_fx_problem(error) or status.fx_problem:
-                status.error = f"import {name}: {type(error).__name__}: {error}"
-                return status
-            status.fx_problem = True
-            status.workaround_applied = install_fx_stand_in(modules)
+        while True:  # once more after the stand-in went in
             try:
                 status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
-            except ImportError as again:
-                status.error = f"import {name}: {type(again).__name__}: {again}"
-                return status
+                break
+            except ImportError as error:
+                if not is_fx_problem(error) or status.fx_problem:
+                    status.error = f"import {name}: {type(error).__name__}: {error}"
+                    return status
+                status.fx_problem = True
+                status.workaround_applied = install_fx_stand_in(modules)
     return status
 
 
 def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
-    """The SDK pieces the neuron code uses, or ``ImportError`` naming what is missing and the fix.
-
-    Prints ``FX_NOTE`` (through ``note``) when the transformers-5 workaround was needed.
-    """
+    """The SDK pieces the neuron code uses as one namespace, or ``ImportError`` naming what is missing and the fix;
+    ``note`` prints ``FX_NOTE`` when the workaround was needed."""
     status = check_sdk()
     if not status.ok:
         raise ImportError(f"cannot use the Neuron SDK: {status.message()}")
     if status.fx_problem:
         note(FX_NOTE)
-    # Everything build.py, moe.py, lm_head.py and quant.py import from the SDK, under one roof.
     import torch_neuronx
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
@@ -198,17 +158,8 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
 
 
 def close_runtime() -> None:
-    """Unload every model this process put on the NeuronCores and give their HBM back.
-
-    ``torch.classes.neuron.Runtime().unsafe_close()``, as NxD's own tests do between two models
-    (the class is registered by importing torch-neuronx). Dropping the Python references is not
-    enough: two 26B builds (~12.7 GB per rank each) do not fit 16 GiB per NeuronCore together.
-    """
-    import torch
+    """Unload every model on the NeuronCores (as NxD's tests do between models): dropping references is not enough."""
     import torch_neuronx  # noqa: F401 (registers torch.classes.neuron)
 
     torch.classes.neuron.Runtime().unsafe_close()
 
-
-__all__ = ["SDK_PACKAGES", "FX_MODULE", "FX_NOTE", "EMULATED_LABEL", "SdkStatus", "check_sdk", "import_sdk",
-           "close_runtime", "fx_stand_in", "install_fx_stand_in", "is_fx_problem"]

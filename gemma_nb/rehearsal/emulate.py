@@ -1,23 +1,7 @@
-"""The neuron build's TP=2 graphs run on the cpu: two gloo ranks, the NxD stand-ins, greedy decode (05).
+"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05).
 
-What runs is this repo's own neuron code, unchanged: ``NeuronGemma4(parallel=True)`` with its NxD
-swaps, ``convert_checkpoint``, the one-hot KV state, ``step_inputs`` and ``NeuronStepRunner``. Only
-the NxD layers are replaced, by ``gemma_nb.rehearsal.standins`` (contracts read from
-neuronx-distributed 0.18), and each rank's weights come the way ModelBuilder makes them: the module
-built on the meta device, the full int8 checkpoint cut per rank by the emulated ``shard_children``.
-Every rank is a process (``gemma_nb.ranks.run_tp``), and ``gather_output`` / the row-parallel
-all-reduce are real gloo collectives.
-
-Per rank, one prefill graph (dense experts, the bucket's S tokens) and a decode graph (S = 1) with
-dense *or* sparse experts share one set of weights and one KV state, as one ModelBuilder artifact
-does: after every call the outputs are written back into the state as the modules'
-``input_output_aliases`` say (:class:`AliasedGraphs`), which is what the Neuron runtime does with
-aliased outputs. The greedy tokens are compared with the same module unsharded (TP=1, the same int8
-numbers, dense experts) in this process.
-
-Activations run in fp32 here so that a token flip can only come from the sharding; the graphs on
-the inf2 run in bf16 (``--auto-cast all``). This proves the repo's sharding, conversion, KV-state
-and graph code; the SDK's own layers, neuronx-cc, HBM and speed need an inf2.
+Each rank's weights are cut as ModelBuilder cuts them; a prefill and a decode graph share one aliased KV state.
+Activations run in fp32 so that a token flip can only come from the sharding; the bf16 router check is apart.
 """
 
 from __future__ import annotations
@@ -25,6 +9,8 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton, resolve_model_id
@@ -47,13 +33,7 @@ DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The 
 
 def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
                 experts: str = "dense", group=None) -> NeuronGemma4:
-    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it.
-
-    Built on meta (``init_on_device(meta)``), the full ``checkpoint`` (``convert_checkpoint``)
-    sharded against it by the emulated ``shard_children``, built again for real under
-    ``model_parallel(build.tp_degree, rank, group)`` and the shard loaded; then the layer scalars.
-    ``sdk``: ``gemma_nb.rehearsal.standins.cpu_sdk()``.
-    """
+    """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
     def factory():
         return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
 
@@ -63,15 +43,7 @@ def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: di
 
 
 class AliasedGraphs:
-    """A prefill graph and a decode graph over one KV state, written back through the aliases.
-
-    ``prefill`` and ``decode``: ``NeuronGemma4`` modules holding the same weights (one artifact).
-    ``state`` maps each state parameter's name to its value on the "device"; before a call it is
-    copied into the called module's state parameters, after the call every output the module's
-    ``input_output_aliases()`` names replaces its state tensor (checked to match it in shape and
-    dtype, as aliasing requires). The graph is picked by the step's token count (the bucket:
-    prefill; 1: decode). Returns the logits, like a compiled graph.
-    """
+    """A prefill graph and a decode graph over one KV state, written back through the aliases."""
 
     def __init__(self, prefill, decode, bucket: int):
         self.graphs = {"prefill": prefill, "decode": decode}
@@ -154,13 +126,8 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
-    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers``
-    tokens fed one decode step at a time (dense experts; the router is the same in both builds).
-
-    Per (prompt token or decode step, layer): the chosen experts as a sorted tuple, from the router's
-    own scores, with the softmax and top-k in fp32 as the module computes them (``fp32_softmax``) and
-    in bf16 (``bf16_softmax``: what ``--auto-cast all`` would make of that fp32 softmax).
-    """
+    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` tokens fed one
+    decode step at a time (dense experts; the router is the same in both builds)."""
     scores = []
     hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
              for layer in module.lm.model.layers]
@@ -193,8 +160,6 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
 def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, max_len: int,
                     bucket: int) -> dict:
     """One gloo rank of the bf16 router check: :func:`router_choices` on this rank's bf16 module."""
-    import torch.distributed as dist
-
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
     module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
     return router_choices(module, config, embed, build, prompts_ids, answers)
@@ -209,8 +174,6 @@ def _matching(picks: list, reference: list) -> float:
 def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
                 bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
-    import torch.distributed as dist
-
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
     result = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
                         dist.group.WORLD)
@@ -220,27 +183,7 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, n
 
 def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
                  max_len: int = 32, bucket: int = 8, timeout_s: float = 300.0) -> dict:
-    """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model.
-
-    ``model_id`` defaults to ``gemma_nb.tiny.BUNDLED_TP2_ID`` (16 heads, 8 sliding / 2 global KV
-    heads: they split 8 -> 4 and 2 -> 1 at TP=2 like the 26B's; the first bundled checkpoint's 2 / 1
-    cannot). Returns ``tokens_equal_dense`` / ``tokens_equal_sparse`` (every rank's greedy tokens,
-    prefill dense, decode dense / sparse, equal to the TP=1 int8 reference's), ``ranks``,
-    ``ranks_agree``, ``kv_heads_per_rank`` and ``kv_heads_unsharded`` per layer type,
-    ``aliased_state_tensors``, ``onehot_state_ok`` (every rank), ``graph_calls_per_rank``,
-    ``max_abs_logit_diff_dense`` / ``_sparse`` (every step's logits before softcap, worst rank,
-    against the reference's; ``max_abs_logit_reference`` for scale), the shapes used, the
-    reference answers (up to ``<eos>``) and tokens, and ``wall_s``.
-
-    The bf16 check (the ranks above run fp32, where no expert choice can flip): the TP=2 module built
-    in bf16 on two more ranks, teacher-forced with the reference's tokens, its routers' top-k
-    against the fp32 reference's at every prompt token and decode step of every layer
-    (``router_choices`` of them): ``router_topk_equal_bf16`` with the softmax in fp32 as written
-    (the sparse build's ``--auto-cast=none``), ``router_topk_equal_bf16_autocast_all`` with the
-    softmax and top-k in bf16 (what the port's ``--auto-cast all`` may compile), fractions in [0, 1].
-    """
-    from transformers import AutoTokenizer
-
+    """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model."""
     started = time.perf_counter()
     model_id = BUNDLED_TP2_ID if model_id is None else model_id
     model_dir = resolve_model_id(model_id)
@@ -304,6 +247,3 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
         "graph_calls_per_rank": ranks[0]["graph_calls"],
     }
 
-
-__all__ = ["AliasedGraphs", "decode_all", "tp_rank_job", "tp_emulation", "rank_module", "router_choices",
-           "router_rank_job", "DEFAULT_PROMPTS"]

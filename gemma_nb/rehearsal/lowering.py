@@ -1,32 +1,12 @@
-"""The neuron graphs lowered to XLA on the cpu, at the Neuron SDK 2.31's own torch (torch-xla 2.9).
+"""The neuron graphs lowered to XLA on the cpu at the SDK's torch-xla 2.9 (notebook 04, in ``.venv-xla``).
 
-torch-neuronx 2.9 traces through torch-xla 2.9: ModelBuilder runs the module on the XLA device,
-takes the HLO of its outputs and hands it to neuronx-cc. The same torch-xla runs on the cpu
-(``PJRT_DEVICE=CPU``), so everything up to the HLO can be checked without an Inferentia machine:
-that each graph ModelBuilder would trace lowers to **one** XLA graph per step, with no aten op that
-falls back to the cpu (``aten::*`` counters in ``torch_xla.debug.metrics``) and no device-to-host
-transfer (``TransferFromDeviceTime``) while the step is traced and run, and that its logits equal the
-same module run eagerly. What it cannot check: that neuronx-cc accepts the HLO, the NEFF, HBM fit
-and speed (only an inf2 can).
-
-This module needs the second environment ``.venv-xla`` (torch 2.9.0, torch-xla 2.9.0,
-``envs/xla/requirements.txt``; ``make xla``) for :func:`lower_step` and the graph runs; the text
-helpers (:func:`hlo_counts`, :func:`aten_fallbacks`, :func:`tolerance`) and
-:func:`run_in_xla_env` are plain Python and run in the main environment, where notebook 04 calls
-the check as a subprocess. From the command line, in ``.venv-xla``:
-
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma_nb.rehearsal.lowering --json [--contrast]
-
-The graphs (:func:`shipped_graphs`) are ``gemma_nb.neuron.build``'s own modules with the NxD layers
-replaced by the cpu stand-ins of ``gemma_nb.rehearsal.standins`` (contracts read from
-neuronx-distributed 0.18; they prove this repo's code, not the SDK's layers), loaded from the
-bundled TP=2 tiny checkpoint (``gemma-nb/tiny-gemma4-moe-tp2``: its KV heads split by 2) as
-ModelBuilder shards it, at the shipped build's shapes (``NeuronBuildConfig``: prefill bucket 128,
-KV state 512 slots, bf16), which fit the tiny model (its ``max_position_embeddings`` is 512).
+Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer and logits
+equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -36,6 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from gemma_nb.moe import swap_experts
@@ -43,11 +24,12 @@ from gemma_nb.neuron.build import (
     NeuronBuildConfig,
     NeuronGemma4,
     convert_checkpoint,
+    package_versions,
     read_hf_state,
     step_inputs,
     text_config,
 )
-from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict, trim_padded_logits
+from gemma_nb.neuron.lm_head import HeadOnly, lm_head_state_dict
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.rehearsal.emulate import rank_module
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
@@ -73,9 +55,6 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s+(.*)$")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
 
 
-# --------------------------------------------------------------------------------------------
-# Plain-Python helpers (main environment too)
-# --------------------------------------------------------------------------------------------
 def hlo_opcodes(hlo_text: str) -> list[str]:
     """The opcode of every instruction in an HLO module's text, all computations included."""
     opcodes = []
@@ -95,10 +74,8 @@ _BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
 
 
 def hlo_gathers(hlo_text: str) -> list[dict]:
-    """Every ``gather`` of an HLO module's text: its operand's shape, whether that operand is a graph
-    parameter (a weight or an input, not an intermediate), the axes it indexes (``start_index_map``)
-    and the slice it takes per index (``slice_sizes``). A gather of whole experts on a weight's
-    leading axis reads ``start_index_map == [0]`` and ``slice_sizes == [1, *operand[1:]]``."""
+    """Every ``gather`` of an HLO module's text: operand shape, whether the operand is a graph parameter,
+    ``start_index_map`` and ``slice_sizes``."""
     parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
     found = []
     for line in hlo_text.splitlines():
@@ -119,14 +96,7 @@ def takes_whole_leading_slices(gather: dict) -> bool:
 
 
 def hlo_counts(hlo_text: str) -> dict:
-    """``{"hlo_instructions": n, "gathers": g, "weight_gathers": w, "weight_gathers_leading_axis": l}``
-    of an HLO module's text.
-
-    ``gathers`` counts ``gather`` instructions: indexing a weight by a traced index (the sparse
-    experts' ``weight[expert_indices]``, an embedding-style lookup) lowers to one; ``weight_gathers``
-    those whose operand is a graph parameter, ``weight_gathers_leading_axis`` those of them that take
-    whole slices along the leading axis (:func:`takes_whole_leading_slices`).
-    """
+    """Instructions, gathers, gathers of a graph parameter, and those taking whole leading-axis slices."""
     opcodes = hlo_opcodes(hlo_text)
     if not opcodes:
         raise ValueError("no HLO instructions found: expected the text of torch_xla._XLAC._get_xla_tensors_hlo")
@@ -201,11 +171,7 @@ def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
 
 
 def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900) -> dict:
-    """Run this module's check in the xla environment (a subprocess) and return its JSON report.
-
-    ``{"versions": {...}, "shapes": {...}, "graphs": [row, ...], "contrast": [row, ...]}``; a row is
-    :func:`lower_step`'s dict. Raises RuntimeError with the subprocess's stderr if it fails.
-    """
+    """Run this module's check in the xla environment (a subprocess) and return its JSON report."""
     command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"]
     if contrast:
         command.append("--contrast")
@@ -229,14 +195,7 @@ CONTRAST_COLUMNS = {**STRUCTURE_COLUMNS, "error": "error"}
 
 
 def lowering_tables(report: dict):
-    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report for the notebook.
-
-    ``structure``: per graph, what the lowering did (deterministic for pinned versions); ``numbers``:
-    the logits' differences (these depend on the cpu's instruction set); ``contrast``: the experts
-    that do not lower (None when the report has no contrast rows). Fallback lists become text.
-    """
-    import pandas as pd  # the notebook's environment; the xla environment has no pandas
-
+    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report for the notebook."""
     def frame(rows, columns):
         table = pd.DataFrame(rows)[list(columns)].rename(columns=columns)
         table["experts"] = table["experts"].fillna("-")
@@ -253,9 +212,6 @@ def lowering_tables(report: dict):
     return frame(report["graphs"], STRUCTURE_COLUMNS), frame(report["graphs"], NUMERIC_COLUMNS), contrast
 
 
-# --------------------------------------------------------------------------------------------
-# On the XLA device (xla environment only)
-# --------------------------------------------------------------------------------------------
 def _import_xla():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
@@ -272,17 +228,8 @@ def _first(outputs):
 
 
 def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """Run ``module(*inputs)`` eagerly on the cpu, then as one step on the XLA device; compare.
-
-    The module and inputs are moved to the device and synced *before* the metrics are cleared, so
-    what is counted is the step alone: the trace, the HLO of every output, one ``torch_xla.sync``.
-    The outputs are read back only after the counters are. Returns ``labels`` plus
-    ``aten_fallbacks`` (op names), ``device_to_host_transfers``, ``xla_executions`` (graphs run by
-    the step: 1 when it lowers to one graph), ``hlo_instructions``, ``gathers``, ``max_abs_diff``
-    of the first output (the logits) and the ``tolerance`` it is held to (:func:`tolerance`), and
-    ``error``: None, or the exception the XLA step raised (then the HLO and numeric fields are None).
-    ``module`` is left on the XLA device.
-    """
+    """Run ``module(*inputs)`` eagerly, then as one step on the XLA device (counters cleared after the move):
+    the row of fallbacks, transfers, executions, HLO counts, ``max_abs_diff`` and ``tolerance``, or ``error``."""
     return _lower_step(module, inputs, dtype, **labels)[0]
 
 
@@ -324,9 +271,6 @@ def _lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **la
     return row, eager
 
 
-# --------------------------------------------------------------------------------------------
-# The graphs ModelBuilder would trace, on the bundled checkpoint
-# --------------------------------------------------------------------------------------------
 def _tiny(model_dir: Path | str):
     config = text_config(model_dir)
     state = read_hf_state(model_dir)
@@ -369,37 +313,18 @@ def fill_cache(module) -> None:
 
 
 def rank_graph_module(config, state: dict, build, tp: int, experts: str):
-    """Rank 0's ``NeuronGemma4`` at TP=``tp`` on the cpu stand-ins, loaded as ModelBuilder loads it.
-
-    ``group=None``: the layers hold one rank's shard shapes and the collectives are identities,
-    which is the graph one rank traces (ModelBuilder traces one SPMD graph for all ranks; the rank
-    is a tensor input, ``SPMDRank``).
-    """
+    """Rank 0's ``NeuronGemma4`` at TP=``tp`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
     build = replace(build, tp_degree=tp)
     checkpoint = convert_checkpoint(state, config, tp, dtype=getattr(torch, build.dtype))
     return rank_module(config, build, checkpoint, state, 0, cpu_sdk(), experts=experts, group=None)
 
 
-class ShardedHead(torch.nn.Module):
-    """The graph's lm_head alone (``build_lm_head``: int8 ``QuantizedColumnParallel``, gathered), as
-    ``gemma_nb.neuron.lm_head.compile_lm_head`` traces it, on the stand-ins."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, tp: int, sdk, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-
-        self.vocab_size = vocab_size
-        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=True, dtype=dtype, pad=vocab_size % tp != 0,
-                                     sdk=sdk)
-
-    def forward(self, hidden):
-        return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
-
-
 def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
-    """Rank 0's ``ShardedHead`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
+    """Rank 0's ``HeadOnly`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
     sdk = cpu_sdk()
     checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
-    return load_rank_module(lambda: ShardedHead(config.hidden_size, config.vocab_size, tp, sdk, dtype),
+    return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
+                                             dtype=dtype, sdk=sdk),
                             checkpoint, tp, 0)
 
 
@@ -414,9 +339,8 @@ def _cpu_module(config, state, build, experts: str):
 
 
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """:func:`lower_step` of ``make_module(dtype)`` (the shipped graph: every field) plus the same
-    module built in fp32: its lowering gives ``max_abs_diff_fp32`` and ``tolerance_fp32``, its eager
-    logits ``bf16_rounding`` (max |eager in ``dtype`` - eager in fp32|: what bf16 alone changes)."""
+    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
+    rounding (eager bf16 against eager fp32)."""
     row, eager = _lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = _lower_step(make_module(torch.float32),
                                     tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
@@ -427,14 +351,7 @@ def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **label
 
 
 def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> list[dict]:
-    """Each graph the neuron build traces, at each TP degree, lowered on the XLA cpu device.
-
-    Per TP degree: the prefill (dense experts, the bucket's tokens), the decode with the port's
-    dense experts, the decode with selective-loading sparse experts (one token each, over a
-    seeded KV state), and the sharded lm_head alone; each in the build's dtype (bf16: every field
-    of the row) and in fp32 (the exact comparison, :func:`lower_in_both_dtypes`). ``model_dir``
-    defaults to the TP=2 tiny checkpoint (its KV heads split by 2). A list of rows.
-    """
+    """Each graph the neuron build traces, at each TP degree, lowered on the XLA cpu device."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {"prefill": prefill_inputs(config, state, build), "decode": decode_inputs(config, state, build)}
@@ -457,10 +374,8 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
-    """What does not lower: the decode step with transformers' default experts, and with the cpu
-    ``gemma_nb.experts.SparseExperts`` (data-dependent indexing: host syncs), at TP=1 on
-    ``NeuronGemma4(parallel=False)``. A row per case; an exception in the XLA step (a fallback op
-    failing on the cpu) is recorded as its ``error``."""
+    """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
+    an exception in the XLA step is recorded as the row's ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     inputs = decode_inputs(config, state, build)
@@ -473,15 +388,7 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
 
 
 def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for package in ("torch", "torch-xla", "transformers"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
+    return package_versions(("torch", "torch-xla", "transformers"))
 
 
 def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
@@ -498,8 +405,6 @@ def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degre
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON (default: a text table)")
     parser.add_argument("--contrast", action="store_true", help="also lower the experts that do not lower")

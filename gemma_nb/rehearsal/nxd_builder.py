@@ -1,25 +1,6 @@
-"""ModelBuilder v1 and v2, emulated: sharding, tracing, and the NxDModel on the emulated cores.
+"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores.
 
-Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py``, ``model_builder_v2.py``,
-``functions.py``, ``parallel_context.py``:
-
-- v1 ``ModelBuilder(router, tp_degree, checkpoint_loader, compiler_workdir=...)``: ``add(key,
-  instance, example_inputs, compiler_args)`` completes the flags as ``append_default_compiler_flags``
-  does (``--auto-cast=none`` when there is none, a warning for any other value, ``-O1``,
-  ``--verbose=35``); ``shard_checkpoint(serialize_path=None)`` loads the first instance under
-  ``init_on_device(meta, force_custom_init_on_device=True)`` and the parallel state, takes the
-  checkpoint from ``checkpoint_loader()``, pre-processes and casts it and cuts it per rank
-  (``tp{rank}_sharded_checkpoint.safetensors`` in ``serialize_path``); ``trace(initialize_model_weights=True)``
-  empties the compiler workdir, loads every instance (``load_module``) and traces it, shards the
-  checkpoint into the workdir, builds the NxDModel (input-shape router), initialises it with those
-  weights **on the NeuronCores** and returns the executor.
-- v2 ``ModelBuilder(model).trace(args, kwargs, tag).compile(...)`` returns an NxDModel with
-  ``set_weights(per-rank checkpoints)``, ``to_neuron()`` and ``model(*args)``;
-  ``shard_checkpoint(checkpoint, model)`` cuts a checkpoint for every rank of the parallel state
-  that ``NxDParallelState(world_size, tensor_model_parallel_size)`` sets.
-
-Instead of HLO and neuronx-cc, each graph is traced with ``torch.jit.trace``
-(``gemma_nb.rehearsal.nxd_model``); no NEFF is written.
+Each graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc; no NEFF is written.
 """
 
 from __future__ import annotations
@@ -152,9 +133,6 @@ class ModelBuilder:
         return nxd_model.EmulatedExecutor(model)
 
 
-# --------------------------------------------------------------------------------------------
-# v2: ModelBuilder(model).trace(...).compile() -> NxDModel
-# --------------------------------------------------------------------------------------------
 class NxDParallelState:
     """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state for building."""
 
@@ -234,6 +212,3 @@ def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None,
         raise TypeError("the emulated shard_checkpoint cuts every rank, on the host")
     return _shard_all(model, checkpoint, state.tp, serialize_path)
 
-
-__all__ = ["ModelBuilder", "BaseModelInstance", "ModelBuilderV2", "NxDModelV2", "NxDParallelState",
-           "shard_checkpoint_v2", "append_default_compiler_flags", "parallel_state", "AUTO_CAST_WARNING"]

@@ -1,23 +1,7 @@
-"""NxD's parallel state, mappings and linear layers, as cpu stand-ins (our code, NxD 0.18's contracts).
+"""NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts).
 
-Read in aws-neuron/neuronx-distributed 0.18 (``parallel_layers/layers.py``, ``mappings.py``,
-``parallel_state.py``, ``utils.py``): ``ColumnParallelLinear`` holds ``weight [out/tp, in]`` split
-on dim 0, ``RowParallelLinear`` ``weight [out, in/tp]`` split on dim 1, both tagged with
-``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, ``num_partitions`` and
-``rank_ordering`` (``set_tensor_model_parallel_attributes``, which refuses to tag a tensor twice);
-``RowParallelLinear`` all-reduces in ``reduce_dtype`` (fp32 by default) and casts back;
-``SPMDRank.rank`` is an int32 ``[1]`` parameter split on dim 0, loaded from ``arange(tp)``;
-``gather_from_tensor_model_parallel_region`` all-gathers the last dim,
-``reduce_from_tensor_model_parallel_region`` all-reduces (sum), ``scatter_to_process_group_spmd``
-keeps the ``rank``-th slice with ``index_select``, ``scatter_to_tensor_model_parallel_region`` the
-slice of the rank known to the process (a Python int: traced once, it is baked into the graph).
-
-Where the collectives go (:class:`ParallelState`): a real gloo group of ``tp`` processes
-(``group``: notebook 05's TP=2 emulation); the emulated NeuronCores (``spmd=True``: the emulated
-SDK's programs, one thread per core, ``gemma_nb.rehearsal.spmd``); or nowhere (``group=None``,
-``spmd=False``, ``tp > 1``): one rank's shard shapes with collectives as identities, for building,
-lowering or inspecting one rank's graph in one process only (its outputs are that rank's partial
-sums, not the model's).
+Collectives go to a gloo group (``group``), the emulated NeuronCores (``spmd=True``), or nowhere (one rank's
+graph, collectives as identities: its outputs are that rank's partial sums).
 """
 
 from __future__ import annotations
@@ -27,6 +11,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -37,9 +22,6 @@ NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source 
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "rank_ordering")
 
 
-# --------------------------------------------------------------------------------------------
-# Parallel state
-# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParallelState:
     """What a stand-in layer captures when it is built: TP degree, this rank, the gloo group (or None),
@@ -59,22 +41,13 @@ _STATE: ParallelState | None = None
 
 @contextlib.contextmanager
 def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
-    """Set the parallel state the stand-in layers read at construction (and keep for their forward).
-
-    ``group``: a ``torch.distributed`` process group of ``tp`` ranks (gloo) in which this process is
-    ``rank``; collectives then run for real. ``group=None`` with ``tp > 1``: one rank's shard
-    shapes, collectives as identities, for building or lowering a single rank's graph in one
-    process only (its outputs are that rank's partial sums, not the model's). ``spmd=True``: the
-    collectives run between the emulated NeuronCores (``gemma_nb.rehearsal.spmd.run_on_cores``).
-    """
+    """Set the parallel state the stand-in layers read at construction (and keep for their forward)."""
     global _STATE
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be a positive integer (the port used 2)")
     if not 0 <= rank < tp:
         raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
     if group is not None:
-        import torch.distributed as dist
-
         if dist.get_world_size(group) != tp:
             raise ValueError(f"the process group has {dist.get_world_size(group)} ranks but tp={tp}; "
                              "start one rank per shard")
@@ -126,9 +99,6 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     tensor.rank_ordering = rank_ordering
 
 
-# --------------------------------------------------------------------------------------------
-# Mappings (parallel_layers/mappings.py)
-# --------------------------------------------------------------------------------------------
 def _group(process_group) -> ParallelState:
     return process_group if process_group is not None else current_state()
 
@@ -144,8 +114,6 @@ def reduce_from_tensor_model_parallel_region(input_, process_group=None):
         return spmd.all_reduce(input_)
     if state.tp == 1 or state.group is None:
         return input_
-    import torch.distributed as dist
-
     output = input_.clone()
     dist.all_reduce(output, op=dist.ReduceOp.SUM, group=state.group)
     return output
@@ -158,8 +126,6 @@ def gather_from_tensor_model_parallel_region(input_, process_group=None):
         return spmd.all_gather(input_, -1)
     if state.tp == 1 or state.group is None:
         return input_
-    import torch.distributed as dist
-
     parts = [torch.empty_like(input_) for _ in range(state.tp)]
     dist.all_gather(parts, input_.contiguous(), group=state.group)
     return torch.cat(parts, dim=-1).contiguous()
@@ -194,9 +160,6 @@ mappings = SimpleNamespace(
 )
 
 
-# --------------------------------------------------------------------------------------------
-# Layers (parallel_layers/layers.py)
-# --------------------------------------------------------------------------------------------
 def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
@@ -219,6 +182,16 @@ def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_ou
     layer.output_size = output_size + layer.pad_size
     layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
     return tp
+
+
+def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
+               dtype, stride: int, group) -> int:
+    """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``); the TP degree."""
+    layer.tensor_parallel_group = group or current_state()
+    layer.input_size, layer.output_size, layer.input_is_parallel = input_size, output_size, input_is_parallel
+    layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
+    layer.input_size_per_partition = _divide(input_size, layer.tensor_parallel_group.tp, "input_size")
+    return layer.tensor_parallel_group.tp
 
 
 class BaseParallelLinear(nn.Module):
@@ -278,11 +251,9 @@ class RowParallelLinear(BaseParallelLinear):
         super().__init__()
         _check_unsupported("RowParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
                            skip_bias_add=skip_bias_add, pad=pad)
-        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
-        tp = self.tensor_parallel_group.tp
-        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
-        self.reduce_output, self.reduce_dtype, self.stride, self.dtype = reduce_output, reduce_dtype, stride, dtype
-        self.input_size_per_partition = _divide(input_size, tp, "input_size")
+        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
+                   tensor_model_parallel_group)
+        self.reduce_dtype = reduce_dtype
         self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)

@@ -1,38 +1,6 @@
-"""NxDModel, its saved artifact and torch.jit.load, emulated on the emulated NeuronCores.
+"""NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores.
 
-Read in aws-neuron/neuronx-distributed 0.18, ``trace/model_builder.py`` (``build_nxd_model``),
-``trace/spmd.py`` (``NxDModel``, ``StateInitializer``), ``trace/nxd_model/nxd_model.py``:
-``NxDModel`` routes a call by its inputs' shapes, ``str([list(t.shape) for t in inputs])``, one entry
-per traced shape, the last graph added winning; an unknown shape is a ``ValueError`` naming the known
-ones; a call before ``initialize`` / ``initialize_with_saved_weights`` raises "This model is not
-initialized". The device state (the aliased parameters) starts at zeros on every rank; aliased
-outputs stay on the device as that state, the others come back (rank 0's).
-
-Where the emulated SDK differs from the Neuron SDK (the layers' own differences are listed in
-``gemma_nb.rehearsal.standins``):
-
-6. No HLO, no neuronx-cc, no NEFF: a graph is the module traced with ``torch.jit.trace`` (weights and
-   state as inputs, buffers as constants, collectives as ``nxd_emulated::*`` ops) and run by
-   ``gemma_nb.rehearsal.spmd`` on one thread per core, on the cpu, in the module's own dtype. So no
-   compiler flag has an effect (``--auto-cast`` included; notebook 05's bf16 router check casts the
-   softmax itself), and nothing here says the HLO compiles, fits or runs fast.
-7. The saved ``model.pt`` is a TorchScript archive of those programs and each rank's weights; the
-   real one holds NEFFs in ``torch.classes.neuron.SPMDModel`` objects, C++ classes a Python
-   emulation cannot define. Importing the emulated ``neuronx_distributed.trace.model_builder`` (the
-   import the deploy makes before ``torch.jit.load`` on the box, to register those classes) makes
-   ``torch.jit.load`` return the emulated executor for such an archive; without the import the
-   archive does not load (its ops are unknown), as on the box. Likewise importing the emulated
-   ``torch_neuronx`` sets ``torch.classes.neuron.Runtime``.
-8. Input dtypes: a call with another dtype than the graph was traced with raises (assumed of the
-   runtime, not read in the source; it is what caught the int64 positions).
-9. HBM: a per-process count of each loaded model's weights, state and the runtime's per-model
-   allowance (the planner's), freed only by ``Runtime().unsafe_close()`` or the process's end; the
-   real runtime's allocation is the compiler's and the driver's, and whether dropping every
-   reference unloads a model is not documented (NxD's tests close the runtime between models, as
-   this repository's deploy does).
-10. ModelBuilder: no bucketing, priority model, weight layout optimisation or dry run (each raises
-    ``TypeError`` when asked for); v2 only as the lm_head and the trials use it.
-11. ``neuron-ls --json-output`` is a script printing the emulated cores (``"emulated": true``).
+A call is routed by its inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
 """
 
 from __future__ import annotations
@@ -52,9 +20,6 @@ NOT_INITIALIZED = ("This model is not initialized, please call traced_model.nxd_
                    "or traced_model.nxd_model.initialize_with_saved_weights()")
 
 
-# --------------------------------------------------------------------------------------------
-# A traced graph: the module with weights and state as inputs
-# --------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _swapped(module: nn.Module, tensors: dict):
     """``module``'s parameters replaced by ``tensors`` (by name) for the duration."""
@@ -90,10 +55,7 @@ def _meta(tensor: torch.Tensor) -> list:
 
 
 def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int) -> dict:
-    """``module`` traced for the emulated cores: ``{"program": ScriptModule, "spec": {...}}``.
-
-    ``aliases``: state parameter -> output index (ModelBuilder's ``input_output_aliases``).
-    """
+    """``module`` traced for the emulated cores: ``{"program": ScriptModule, "spec": {...}}``."""
     names = {id(p): name for name, p in module.named_parameters()}
     state_names = [names[id(p)] for p in aliases]
     weight_names = [name for name in names.values() if name not in state_names]
@@ -116,9 +78,6 @@ def shape_key(inputs) -> str:
     return str([list(t.shape) for t in inputs])
 
 
-# --------------------------------------------------------------------------------------------
-# The model on the cores
-# --------------------------------------------------------------------------------------------
 class EmulatedNxDModel:
     """``executor.nxd_model``: the graphs, the router, the weights and the device state per rank."""
 

@@ -1,33 +1,7 @@
-"""NxD's quantized layers as cpu stand-ins (our code, neuronx-distributed 0.18's contracts).
+"""NxD's quantized layers as cpu stand-ins (neuronx-distributed 0.18's ``quantization_layers.py``).
 
-Read in aws-neuron/neuronx-distributed 0.18, ``quantization/quantization_layers.py``,
-``quantization_config.py`` and ``dequantize.py``:
-
-- ``BaseQuantizeParallelLinear``: ``quantization_type``, ``dequantized_dtype`` (the layer's
-  ``dtype``), ``quantized_dtype``, ``scale_dtype``, ``rank_ordering``; the ``weight`` is a frozen
-  parameter of the quantized dtype, tagged for sharding (with ``rank_ordering``), and its
-  ``get_tensor_from_state_dict`` raises ``Cannot find <prefix>weight in the state_dict`` when the
-  checkpoint lacks it (``scale`` likewise: ``Cannot find <prefix>scale in state_dict``): ModelBuilder's
-  sharding asks those, so a missing key is an error, not a silently uninitialised weight.
-- the scale: per-tensor ``[1]``; per-channel ``[1, ..., out, ..., 1]`` along the channel axis;
-  expert-wise per-channel the same with the leading axis ``num_experts``. It is sharded with the
-  weight only when the weight's partition dim is the channel axis, else replicated.
-- ``QuantizedColumnParallel`` / ``QuantizedRowParallel``: per-channel axis 0 only (``AssertionError:
-  Only per_channel_axis=0 supported for post-matmul output dequantization``); forward: the weight
-  upcast to the input's dtype, matmul, then the module-level ``scale_dequantize(output, scale.T,
-  output.dtype)`` (looked up at call time, so a patch of ``quantization_layers.scale_dequantize``
-  takes effect), the column layer's optional all-gather (no trim of a padded vocab), the row layer's
-  all-reduce in the output's own dtype.
-- ``QuantizedExpertFusedColumnParallel`` / ``QuantizedExpertFusedRowParallel``: weights
-  ``[E, in, out/tp]`` (split on dim 2, with ``stride`` 2 for a fused gate|up) and ``[E, in/tp, out]``
-  (split on dim 1); per-channel axis 2 only; forward ``(input [E or 1, ..., in], expert_indices=None)``:
-  with ``expert_indices`` the weight and scale are indexed on their leading (expert) axis first,
-  then ``einsum("e...h,ehi->e...i")`` and ``scale_dequantize(output, scale, ...)``; the row layer
-  all-reduces only with ``reduce_output=True`` (the MoE module reduces after combining experts).
-- ``scale_dequantize`` multiplies **in place** by ``scale.unsqueeze(len(scale.shape) - 1)``: for
-  ``scale.T [1, out]`` that is ``[1, 1, out]``, which broadcasts against a 3-D ``[B, S, out]``
-  output but not in place against a 2-D ``[T, out]`` one. Kept exactly, so a 2-D input fails here as
-  on the box unless ``gemma_nb.neuron.quant.patch_scale_dequantize`` is applied.
+int8/fp8 per-tensor or per-channel, the expert-fused layers with ``expert_indices``; ``scale_dequantize`` is kept
+in place as NxD writes it, so a 2-D input fails here as on the box unless the port's patch is applied.
 """
 
 from __future__ import annotations
@@ -41,8 +15,7 @@ from torch import nn
 from gemma_nb.rehearsal.nxd_layers import (
     _check_unsupported,
     _column_setup,
-    _divide,
-    current_state,
+    _row_setup,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
@@ -76,9 +49,7 @@ NOT_EMULATED = ("the emulated SDK does not implement {what} (on the box the SDK 
 
 
 def sdk_scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD 0.18's ``scale_dequantize`` as written: fp32 upcast, **in-place** multiply by
-    ``scale.unsqueeze(len(scale.shape) - 1)``, cast. A 2-D ``[T, out]`` tensor with ``scale.T
-    [1, out]`` raises (the broadcast shape is ``[1, T, out]``), as on the box."""
+    """NxD 0.18's ``scale_dequantize`` as written."""
     upcast = tensor.to(torch.float32)
     upcast *= scale.unsqueeze(len(scale.shape) - 1)
     return upcast.to(upcast_dtype)
@@ -88,17 +59,11 @@ def direct_cast_dequantize(tensor: torch.Tensor, upcast_dtype: torch.dtype) -> t
     return tensor.to(upcast_dtype)
 
 
-def _missing(prefix: str, name: str, state_dict: dict) -> torch.Tensor:
-    key = prefix + name
-    if key not in state_dict:
-        where = "the state_dict" if name == "weight" else "state_dict"
-        raise RuntimeError(f"Cannot find {key} in {where}")
-    return state_dict[key]
-
-
 def _from_state_dict(name: str):
     def get_tensor_from_state_dict(prefix: str, state_dict: dict) -> torch.Tensor:
-        return _missing(prefix, name, state_dict)
+        if prefix + name not in state_dict:  # NxD's two messages differ by "the"
+            raise RuntimeError(f"Cannot find {prefix + name} in {'the state_dict' if name == 'weight' else 'state_dict'}")
+        return state_dict[prefix + name]
 
     return get_tensor_from_state_dict
 
@@ -146,7 +111,7 @@ class _QuantizedLinear(nn.Module):
         return self.quantization_layers.scale_dequantize(tensor=output, scale=scale, upcast_dtype=output.dtype)
 
 
-def _channel_axis(layer: str, quantization_type, axis: int | None, only: int) -> int:
+def _channel_axis(quantization_type, axis: int | None, only: int) -> int:
     if QuantizationType(quantization_type) in _PER_CHANNEL:
         axis = only if axis is None else axis
         if axis != only:
@@ -167,7 +132,7 @@ class QuantizedColumnParallel(_QuantizedLinear):
         super().__init__()
         _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        axis = _channel_axis("QuantizedColumnParallel", quantization_type, quantization_per_channel_axis, 0)
+        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 0)
         _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
         self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype, axis,
                     stride, device, dtype, scale_dtype, rank_ordering)
@@ -204,11 +169,9 @@ class QuantizedRowParallel(_QuantizedLinear):
         super().__init__()
         _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        axis = _channel_axis("QuantizedRowParallel", quantization_type, quantization_per_channel_axis, 0)
-        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
-        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
-        self.reduce_output, self.stride, self.dtype = reduce_output, stride, dtype
-        self.input_size_per_partition = _divide(input_size, self.tensor_parallel_group.tp, "input_size")
+        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 0)
+        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
+                   tensor_model_parallel_group)
         self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype, axis,
                     stride, device, dtype, scale_dtype, rank_ordering)
         self.register_parameter("bias", None)
@@ -254,7 +217,7 @@ class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
-        axis = _channel_axis("QuantizedExpertFusedColumnParallel", quantization_type, quantization_per_channel_axis, 2)
+        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 2)
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
         _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
@@ -277,12 +240,9 @@ class QuantizedExpertFusedRowParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
-        axis = _channel_axis("QuantizedExpertFusedRowParallel", quantization_type, quantization_per_channel_axis, 2)
+        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 2)
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
-        self.tensor_parallel_group = tensor_model_parallel_group or current_state()
-        self.input_size, self.output_size, self.reduce_output, self.stride = input_size, output_size, reduce_output, stride
-        self.input_is_parallel, self.dtype = True, dtype
-        self.input_size_per_partition = _divide(input_size, self.tensor_parallel_group.tp, "input_size")
+        _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
                     axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
         self.register_parameter("bias", None)

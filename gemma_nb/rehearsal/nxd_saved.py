@@ -1,8 +1,5 @@
-"""The TorchScript container of an emulated NxD artifact (kept apart: TorchScript reads its annotations).
-
-No ``from __future__ import annotations`` here: ``torch.jit.script`` needs the attribute
-annotations as objects, in ``typing``'s names (torch 2.9 reads no builtin generics there).
-"""
+"""The TorchScript container of an emulated NxD artifact (no ``from __future__ import annotations``: TorchScript
+reads the attribute annotations, in ``typing``'s names)."""
 
 from typing import Dict, List  # noqa: UP035 (TorchScript reads these names)
 

@@ -1,28 +1,7 @@
-"""``make rehearse``: the runbook's commands, in order, against the emulated SDK at the SDK's torch.
+"""``make rehearse``: the runbook's commands in order against the emulated SDK, at the SDK's torch (``.venv-xla``).
 
-``python -m gemma_nb.rehearsal`` (in ``.venv-xla``: torch 2.9.0, torch-xla 2.9.0, and the notebooks'
-packages installed as ``envs/neuron/install.sh`` installs them on the box) runs the commands of
-``gemma_nb.tools.runbook.COMMANDS`` that need no inf2 and no 26B, each as a subprocess with the emulated
-SDK on its path (``sdk_path/``: ``torch_neuronx``, ``neuronx_distributed`` and ``neuron-ls``, nowhere
-else importable):
-
-1. ``preflight --target neuron``;
-2. the smoke run, ``run --target neuron`` (all seven notebooks, both builds) into its own folder,
-   ``outputs/neuron-rehearsal/`` (git-ignored; never ``outputs/neuron/``);
-3. the outputs copied to a fresh folder as if to the serving box (``rsync -a --exclude
-   compiler_workdir``, done with Python), and ``preflight --artifact`` on each build there;
-4. ``run --target neuron --only 05,07`` from that copy;
-5. ``serve --target neuron --artifact <copy's sparse build>`` on loopback, asked "The capital of
-   France is" by the ``openai`` client with an API key.
-
-Each command is the runbook's, with only its output folder, artifact path and listening address put
-here. The emulated NeuronCores get an HBM budget that the tiny checkpoint's build fills as the 26B's
-fills a real core (:func:`emulated_hbm_bytes`), so a second build loaded without closing the runtime
-fails as on the box. It writes ``rehearsal.json`` into the smoke run's folder: per step the command,
-status, seconds and torch version; per build its decode path, routed graphs, files on disk, compiler
-workdir and answer; the server's answer; the scaling figures the planner needs. The runbook's disk
-figures come from the committed copy, ``docs/rehearsal.json``: a rehearsal whose builds differ from
-it by more than 1% on disk fails, saying how to refresh it.
+Preflight, the smoke run, the copy to a serving folder, the deploy, the server asked by the openai client; the
+record goes to ``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s disk figures.
 """
 
 from __future__ import annotations
@@ -35,7 +14,18 @@ import sys
 import time
 from pathlib import Path
 
+import openai
+import torch
+
+from gemma_nb import memory
+from gemma_nb.hardware import GiB
+from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
+from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
+from gemma_nb.ranks import free_port
+from gemma_nb.rehearsal import nxd_model
+from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 from gemma_nb.tools import plan as planner
 from gemma_nb.tools import runbook
 
@@ -49,18 +39,7 @@ SDK_TORCH = "2.9.0"
 
 
 def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
-    """(HBM per emulated NeuronCore, the runtime's allowance per loaded model) for the smoke run.
-
-    The tiny checkpoint's plan per rank (``memory.plan``: weights, KV cache, runtime allowance; what
-    preflight checks) times the real core's 16 GiB over the 26B's plan per rank: the tiny build fills
-    an emulated core as the 26B's fills a real one, so one loads and a second does not. The emulated
-    runtime charges each loaded model its weights, its KV state and that allowance.
-    """
-    from gemma_nb import memory
-    from gemma_nb.hardware import GiB
-    from gemma_nb.neuron.checkpoint import text_config
-    from gemma_nb.tiny import TP2_CHECKPOINT_DIR
-
+    """(HBM per emulated NeuronCore, the runtime's allowance per loaded model) for the smoke run."""
     tiny = memory.plan(text_config(model_dir or TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
     plan_26b = memory.plan(memory.load_gemma4_26b_config(), 2, planner.DEFAULT_SCHEME).total_bytes
     return int(tiny.total_bytes * 16 * GiB / plan_26b), tiny.bytes("runtime_allowance")
@@ -84,8 +63,6 @@ class Rehearsal:
     """The steps run so far and their record; :meth:`step` runs one command."""
 
     def __init__(self, env: dict):
-        import torch
-
         self.env, self.torch = env, torch.__version__
         self.steps: list[dict] = []
 
@@ -119,10 +96,7 @@ class Rehearsal:
 
     def serve(self, artifact: Path) -> str:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
-        import openai
-
         from gemma_nb.experiments.endpoint_bench import wait_until_healthy
-        from gemma_nb.ranks import free_port
 
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
@@ -151,8 +125,6 @@ class Rehearsal:
 
 def builds_record(serving: Path) -> dict:
     """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the compile box, answer."""
-    from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
-
     answers = {row["build"]: row["completion"]
                for row in json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"]["neuron"]}
     builds = {}
@@ -171,9 +143,6 @@ def builds_record(serving: Path) -> dict:
 def scale_figures() -> dict:
     """What the planner scales the builds by (``planner.disk_needs``), for the smoke run's checkpoint:
     its device weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)."""
-    from gemma_nb.neuron.checkpoint import read_hf_state, text_config
-    from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
-
     config = text_config(TP2_CHECKPOINT_DIR)
     table = read_hf_state(TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight")
     table = table["model.embed_tokens.weight"]
@@ -184,12 +153,6 @@ def scale_figures() -> dict:
 def routed(folder: Path) -> dict:
     """The graph the emulated runtime's router reaches in ``folder``'s ``model.pt`` for a prefill and a
     decode call (measured, beside the build record's ``routed_graphs``)."""
-    import torch
-
-    from gemma_nb.neuron.artifact import read_artifact
-    from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
-    from gemma_nb.rehearsal import nxd_model
-
     artifact = read_artifact(folder)
     build = NeuronBuildConfig(**artifact.record["build"])
     executor = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt")))
@@ -211,8 +174,6 @@ def disk_drift(record: dict, committed: dict | None) -> list[str]:
 
 def rehearse() -> dict:
     """Every step in order (module docstring); the record, also written to ``SMOKE_DIR/rehearsal.json``."""
-    import torch
-
     if torch.__version__.split("+")[0] != SDK_TORCH:
         raise RuntimeError(f"the rehearsal runs at the SDK's torch {SDK_TORCH}, not {torch.__version__}: "
                            "run it in .venv-xla (make rehearse)")
@@ -262,5 +223,3 @@ def main() -> int:
         return 1
     return 0
 
-
-__all__ = ["rehearse", "main", "emulated_hbm_bytes", "environment", "disk_drift", "SDK_PATH", "SMOKE_DIR", "SERVING_DIR"]

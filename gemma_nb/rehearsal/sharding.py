@@ -1,25 +1,7 @@
 """ModelBuilder's checkpoint path, emulated: the module on the meta device, the checkpoint cut per rank.
 
-Read in aws-neuron/neuronx-distributed 0.18: ``utils/model_utils.py`` ``init_on_device``,
-``trace/trace.py`` ``preprocess_checkpoint`` / ``invoke_preshard_hook`` / ``shard_children`` /
-``create_local_weight``, ``trace/model_builder.py`` ``ModelBuilder.cast_weights`` and
-``shard_checkpoint``:
-
-- ``init_on_device(meta, force_custom_init_on_device=True)`` (what ModelBuilder uses) moves every
-  parameter registered inside to the meta device, its class, attributes and ``requires_grad`` kept;
-  buffers stay. Without ``force_custom_init_on_device`` NxD hands over to Hugging Face accelerate's
-  ``init_on_device``, whose re-created parameters, NxD's docstring says, come back with
-  ``requires_grad=True``: for an int8 weight torch refuses that (only floating point tensors can
-  require gradients). The emulation keeps that documented behaviour.
-- ``preprocess_checkpoint``: every ``preshard_hook`` (vocab padding), then every key the module's
-  ``state_dict`` lacks is dropped; ``cast_weights``: each tensor cast to its parameter's dtype.
-- ``shard_children``: for each parallel module (column/row-parallel, quantized, ``SPMDRank``), each
-  direct parameter is fetched from the checkpoint (through its ``get_tensor_from_state_dict`` when
-  it has one, which raises for a missing key: the quantized layers'; skipped when missing
-  otherwise), its rank taken through ``rank_ordering``, cut along ``partition_dim`` into
-  ``num_partitions * partition_stride`` chunks of which the rank keeps every ``num_partitions``-th,
-  and checked: ``RuntimeError("expected shape ... for ... but found ...")``. Parameters of other
-  modules (norms, router) are kept whole.
+As NxD 0.18's ``init_on_device``, ``preprocess_checkpoint``, ``cast_weights`` and ``shard_children``: each
+parallel parameter cut along its ``partition_dim`` by ``rank_ordering`` and stride, its shape checked.
 """
 
 from __future__ import annotations
@@ -127,12 +109,7 @@ def shard_children(module: nn.Module, checkpoint: dict, rank: int, prefix: str =
 
 
 def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
-    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict).
-
-    ``module``: built as ModelBuilder builds it for sharding (:func:`init_on_meta`, inside
-    ``model_parallel(tp)``): pre-shard hooks, keys the module lacks dropped, dtypes cast, then
-    :func:`shard_children`.
-    """
+    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict)."""
     if not 0 <= rank < tp:
         raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
     state = dict(checkpoint)
@@ -144,14 +121,7 @@ def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) ->
 
 def load_rank_module(factory, checkpoint: dict, tp: int, rank: int, group=None,
                      not_in_checkpoint: tuple[str, ...] = ()) -> nn.Module:
-    """Build ``factory()`` for rank ``rank`` and load its shard of the full ``checkpoint``, as ModelBuilder does.
-
-    First the module is built on meta (:func:`init_on_meta`) and the checkpoint sharded against it
-    (:func:`shard_checkpoint`); then it is built again for real under ``model_parallel(tp, rank,
-    group)`` and the shard loaded: every shard key must be a key of the module, and every parameter
-    the shard lacks (other than those whose names start with one of ``not_in_checkpoint``, e.g.
-    runtime state such as a KV cache) is named in the error.
-    """
+    """Build ``factory()`` for rank ``rank`` and load its shard of the full ``checkpoint``, as ModelBuilder does."""
     with model_parallel(tp, rank), init_on_meta():
         skeleton = factory()
     shard = shard_checkpoint(skeleton, checkpoint, rank, tp)
@@ -171,6 +141,3 @@ def load_rank_module(factory, checkpoint: dict, tp: int, rank: int, group=None,
             target.copy_(tensor)
     return module
 
-
-__all__ = ["init_on_device", "init_on_meta", "preprocess_checkpoint", "cast_weights", "shard_children",
-           "shard_checkpoint", "load_rank_module", "local_slice", "SHARDED_MODULES"]

@@ -1,21 +1,7 @@
-"""Emulated NeuronCores on the cpu: one thread per rank, real collectives between them, an HBM budget.
+"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget.
 
-A compiled NxD model is one SPMD program run on every NeuronCore, each with its own shard of the
-weights and its own device state; its collectives exchange data between the cores. Here a core is a
-thread (:func:`run_on_cores`): every rank runs the same traced program concurrently with its own
-tensors, and the collectives in it (:func:`all_reduce`, :func:`all_gather`, torch custom ops
-``nxd_emulated::*`` so that a ``torch.jit.trace`` of the program records them and a saved program
-finds them again once this module is imported) meet at a barrier and combine every rank's tensor.
-Outside a rank thread a collective raises, except while a program is being traced
-(:func:`tracing`), where it only gives the right shape.
-
-``Cores`` is the per-process device: ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (default 2, an
-inf2.xlarge) of ``GEMMA_NB_EMULATED_HBM_BYTES`` each (default 16 GiB). Loading a model allocates
-its weights and state on every core it uses, plus ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` (default 0)
-for what the runtime holds per loaded model (its NEFF's scratchpad, I/O tensors, collectives
-buffers); an allocation past the budget raises the runtime's allocation failure. Memory is given back only by closing the runtime (:func:`close_runtime`,
-``torch.classes.neuron.Runtime().unsafe_close()`` on the box, as NxD's own tests do between models)
-or by the process ending: dropping the Python references does not free it.
+``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
+``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
 """
 
 from __future__ import annotations
@@ -34,9 +20,6 @@ DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
 DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
 
 
-# --------------------------------------------------------------------------------------------
-# Collectives between rank threads, as torch custom ops
-# --------------------------------------------------------------------------------------------
 class _Group:
     """The rendezvous of ``size`` rank threads: each puts its tensor in a slot, all read every slot."""
 
@@ -118,10 +101,7 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def run_on_cores(jobs: list) -> list:
-    """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank order.
-
-    An exception on one core breaks the barrier for the others and is raised here.
-    """
+    """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank order."""
     group, results, errors = _Group(len(jobs)), [None] * len(jobs), []
 
     def work(rank: int) -> None:
@@ -146,9 +126,6 @@ def run_on_cores(jobs: list) -> list:
     return results
 
 
-# --------------------------------------------------------------------------------------------
-# HBM: what each core holds, and the runtime that frees it
-# --------------------------------------------------------------------------------------------
 class AllocationError(RuntimeError):
     """The Neuron runtime's allocation failure (``status=4 Allocation Failure``), emulated."""
 
@@ -229,6 +206,3 @@ class Runtime:
     def unsafe_close(self) -> None:
         close_runtime()
 
-
-__all__ = ["tracing", "all_reduce", "all_gather", "run_on_cores", "AllocationError", "Cores", "cores",
-           "close_runtime", "Runtime", "tensor_bytes", "HBM_ENV", "CORES_ENV", "DEFAULT_HBM_BYTES"]

@@ -1,34 +1,17 @@
-"""CPU stand-ins for the neuronx-distributed pieces the neuron build uses. NOT the Neuron SDK.
+"""CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make rehearse``): not the SDK.
 
-Our own code, written after reading the contracts in neuronx-distributed **0.18.0** (the newest
-public source, the Neuron 2.29 release; the box runs 0.19 from SDK 2.31): the parallel state,
-mappings and linear layers (``nxd_layers``), the quantized layers (``nxd_quant``), ModelBuilder's
-checkpoint path (``sharding``). They prove *this repo's* sharding, checkpoint conversion, KV-state
-and graph code on a cpu, under real collectives: gloo between processes (notebook 05's TP=2
-emulation, ``emulate``) or between emulated NeuronCores (``spmd``, the emulated SDK of ``make
-rehearse``). They prove nothing about the SDK itself: its layers, neuronx-cc, the NeuronCore's HBM
-or its speed need an inf2.
-
-Where they differ from NxD 0.18, on purpose or by necessity (each one that could hide a defect of
-this repo has a test in ``tests/test_standins.py`` or ``tests/test_emulated_sdk.py``):
-
-1. Only what ``gemma_nb.neuron`` uses exists: a constructor argument or a feature switched on that
-   the stand-in does not implement (``bias=True``, sequence parallelism, padded row-parallel input,
-   blockwise or FP4 quantization, expert parallelism) raises ``TypeError`` / ``NotImplementedError``
-   naming it, where NxD would run it. NxD's default ``bias=True`` is refused, not emulated.
-2. No master weights, no initialisation: parameters are ``torch.empty`` / ones until loaded; NxD
-   fills zeros. A parameter this repo forgets to load therefore holds garbage here, where NxD
-   would compute with zeros: the load (``load_rank_module``, the emulated ``initialize``) names
-   every missing one instead.
-3. Parallel state: a plain Python object (``ParallelState``), not process groups; the collectives
-   are gloo (``group``), the emulated cores' barrier (``spmd``) or identities (one rank's graph).
-4. ``init_on_device`` without ``force_custom_init_on_device=True`` reproduces the accelerate
-   behaviour NxD's docstring names (``requires_grad`` reset to True: int8 weights cannot be built),
-   whatever the installed accelerate does.
-5. ``QuantizedExpertFused*`` with plain per-channel scales ``[1, 1, out]``: indexing them by
-   ``expert_indices`` fails on the cpu as in NxD's cpu mode (an XLA gather clamps the index to 0 on
-   the device, so there it would silently use the shared scale); ``gemma_nb.neuron`` uses
-   expert-wise scales ``[E, 1, out]`` and never meets the difference.
+They prove this repo's code under real collectives. Where they and the emulated SDK diverge from NxD (each that
+could hide a defect is tested in test_standins.py or test_emulated_sdk.py): 1. an argument or feature they lack
+(``bias=True``, sequence or expert parallelism, blockwise/FP4, bucketing, dry runs) raises, naming it; 2. no
+initialisation (NxD fills zeros): the load names every parameter left unloaded; 3. the parallel state is a plain
+object, collectives gloo, the emulated cores' barrier or identities; 4. ``init_on_device`` without
+``force_custom_init_on_device`` resets ``requires_grad``, as NxD documents of accelerate; 5. per-channel expert
+scales ``[1, 1, out]`` indexed by expert fail on the cpu (an XLA gather clamps; the port's are ``[E, 1, out]``);
+6. no HLO, neuronx-cc or NEFF: a graph is ``torch.jit.trace``'d and run in its own dtype, one thread per core, so
+compiler flags (``--auto-cast``) do nothing; 7. ``model.pt`` is a TorchScript archive ``torch.jit.load`` reads only
+once the emulated ``neuronx_distributed.trace.model_builder`` is imported; 8. other input dtypes than traced raise
+(assumed of the runtime); 9. HBM is a per-process count of weights, state and a per-model allowance, freed only by
+``Runtime().unsafe_close()``; 10. ``neuron-ls`` prints the emulated cores (``"emulated": true``).
 """
 
 from __future__ import annotations
@@ -61,19 +44,13 @@ from gemma_nb.rehearsal.sharding import init_on_device, init_on_meta, load_rank_
 
 
 def bind_quantized_layers(quantization_layers) -> dict:
-    """The quantized stand-in classes, subclassed so that they look ``scale_dequantize`` up in
-    ``quantization_layers`` (a module or namespace): a patch there reaches only these classes."""
+    """The quantized stand-ins subclassed to look ``scale_dequantize`` up in ``quantization_layers``."""
     bound = {"quantization_layers": quantization_layers}
     return {cls.__name__: type(cls.__name__, (cls,), bound) for cls in nxd_quant.QUANTIZED_LAYERS}
 
 
 def cpu_sdk() -> SimpleNamespace:
-    """The stand-ins under the attribute names ``gemma_nb.neuron.sdk.import_sdk()`` returns.
-
-    Each call has its own ``quantization_layers`` namespace (holding the SDK's ``scale_dequantize``
-    as written), so patching one instance leaves the others as the SDK ships. Build layers from it
-    inside :func:`model_parallel`.
-    """
+    """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched ``quantization_layers``."""
     quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize,
                                           direct_cast_dequantize=direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)

@@ -1,1 +1,1 @@
-from neuronx_distributed.parallel_layers import layers, mappings, parallel_state  # noqa: F401
+from neuronx_distributed.parallel_layers import layers, mappings  # noqa: F401
