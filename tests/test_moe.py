@@ -257,10 +257,10 @@ def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
 
 def test_neuron_modules_say_the_sdk_is_missing():
     from gemma_nb.neuron import moe as neuron_moe
-    from gemma_nb.targets import missing_neuron_packages
+    from gemma_nb.targets import TargetError, missing_neuron_packages
 
     if missing_neuron_packages():
-        with pytest.raises(ImportError, match="neuronx_distributed"):
+        with pytest.raises(TargetError, match="neuronx_distributed"):
             neuron_moe.NeuronSparseExperts(16, 64, 32, tp=2)
 
 

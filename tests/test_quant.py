@@ -430,7 +430,7 @@ def test_full_size_check_on_a_scaled_layer():
 
 def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
     from gemma_nb.neuron import quant as neuron_quant
-    from gemma_nb.targets import missing_neuron_packages
+    from gemma_nb.targets import TargetError, missing_neuron_packages
 
     table = neuron_quant.support_matrix_table()
     assert table["dtype"].tolist() == ["INT8", "F8E4M3", "F8E5M2", "F4E2M1FN_X4"]
@@ -438,7 +438,7 @@ def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
     assert status["INT8"] == status["F8E4M3"] == "supported" and status["F4E2M1FN_X4"] == "not usable"
     assert table["sources"].str.len().gt(0).all()
     if missing_neuron_packages():
-        with pytest.raises(ImportError, match="Neuron SDK"):
+        with pytest.raises(TargetError, match="Neuron SDK"):
             neuron_quant.run_trials()
 
 
