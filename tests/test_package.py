@@ -111,7 +111,8 @@ def test_imports_have_no_cycle():
 def test_products_do_not_import_notebook_experiments():
     wrong = {m: sorted(t for t in targets if t.startswith("gemma_nb.experiments"))
              for m, targets in graph().items() if m.startswith(PRODUCTS)}
-    assert not {m: t for m, t in wrong.items() if t}, wrong
+    wrong = {m: t for m, t in wrong.items() if t}
+    assert not wrong, wrong
 
 
 def test_the_port_never_imports_its_rehearsal():

@@ -19,7 +19,7 @@ GRAPHS = [(graph, tp, experts) for tp in (1, 2) for graph, experts in
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    # tests/conftest.py's one_thread needs gemma_nb.bench (pandas), not installed here.
+    # one thread for every lowering of this module, as on the 2-core box
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
