@@ -1,22 +1,5 @@
-"""Decode benchmarks, measured and modelled (notebook 07).
-
-Measured:
-
-- ``time_steps(candidates, ...)``: per-step latency of one-token steps (an MoE layer, a decode
-  step), candidates taking turns step by step so machine drift hits all of them alike.
-- ``time_generation(models, input_ids, ...)``: time to first token, then per-token decode latency
-  of greedy generation with a KV cache; also returns the tokens, so equal outputs can be checked.
-  ``time_runners`` does the same, coarser, for deployed models that only expose ``generate``.
-- ``measure_bandwidth()``: a large read (sum) and copy: the machine's memory bandwidth, which sets
-  the floor (``floor_ms``) of any step that must read a given number of weight bytes.
-- ``sparse_breakdown_steps`` / ``breakdown_table``: a sparse MoE step split into its matmuls, its
-  call overhead and (gather variant) its weight copy, timed beside it.
-
-Both timing functions return a ``Timings``: ``summary()`` gives p50 / p90 per-token latency and
-tokens/s as the median over repeats; ``ratio(a, b)`` is the median of a's step time over b's
-in the same round (steps run moments apart).
-
-Modelled (the roofline: bytes and FLOPs per decoded token) is ``gemma_nb.decode_roofline``.
+"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the
+sparse step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``.
 """
 
 from __future__ import annotations

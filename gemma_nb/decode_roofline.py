@@ -1,13 +1,5 @@
-"""The decode roofline of notebook 07 (decode benchmark): bytes and FLOPs per step, modelled, at any batch.
-
-``gemma_nb.bench`` measures; this module models. ``step_costs`` splits a decode step's reads and
-FLOPs per rank (from ``gemma_nb.memory.plan``) into the non-expert weights, the routed experts and
-each stream's KV cache; ``batch_step`` scales them to B streams on a decode path (``BATCH_PATHS``),
-with ``expected_distinct_experts`` for B uniformly routed tokens. ``roofline`` (batch 1),
-``batch_roofline``, ``batch_limits`` (the most streams whose KV cache fits beside the weights) and
-``batch_summary`` give tokens/s and $ per million tokens over ``DEPLOYMENTS``; ``python -m gemma_nb
-plan`` calls the same functions. A step is no faster than ``max(bytes / bandwidth, FLOPs / peak)``.
-``story_decode``, ``context_sensitivity`` and ``hypotheses_table`` weigh the port's 6 tok/s.
+"""The decode roofline of notebook 07: bytes and FLOPs per decode step, modelled, at any batch, and
+the tokens/s and $ per million tokens they allow on each deployment (``python -m gemma_nb plan``).
 """
 
 from __future__ import annotations

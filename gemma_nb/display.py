@@ -1,30 +1,6 @@
-"""How an executed notebook looks to its reader: one ``setup_page()`` in every notebook's first code cell.
-
-The page is JupyterLab at its default settings (or GitHub's notebook view) about 1,000 px wide.
-``setup_page()`` makes every DataFrame a notebook shows fit that page and read cleanly:
-
-- no cell is cut short with "..." (pandas' default cuts text at 50 characters);
-- floats carry about four significant digits (``format_float``), never ``1.646104e+07``;
-- ``True``/``False`` (also as the strings ``"true"``/``"True"``) read "yes"/"no", and a missing value is a blank cell, not ``NaN`` or ``None``;
-- generated text stops at its first ``<eos>`` (``cut_at_eos``): the tokens a model keeps emitting
-  after its end-of-sequence token are noise, not an answer.
-
-``setup_page(column_formats=True)`` shows each table column in one number format
-(``column_formatter``: one count of decimals, or scientific notation for a column spanning orders of
-magnitude, with enough decimals that different values never look alike), puts a named index's name
-in the header's corner instead of a row of its own, and leaves out a default 0, 1, 2, ... index.
-Without it every cell is formatted on its own (``format_cell``).
-
-Table width is estimated from the text of its cells (``table_width_px``), the same way for a
-DataFrame before it is shown and for the HTML table stored in an executed notebook
-(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page;
-``number_format`` and ``index_label_rows`` let it hold every column to one format and every header
-to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em
-of padding either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX``
-per character (``HEADER_CHAR_WIDTH_PX`` in the bold header) plus ``CELL_PADDING_PX``; text that
-contains spaces wraps, so it counts at most ``WRAP_CHARS`` characters (or its longest word, if that
-is longer). ``CHAR_WIDTH_PX`` is the advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded
-up, so the estimate errs wide.
+"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell)
+makes tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_tables`` estimate
+their width the same way for tests/test_readers_view.py.
 """
 
 from __future__ import annotations
@@ -40,6 +16,8 @@ from gemma_nb import plots
 from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
+# JupyterLab's default theme: 12 px sans-serif cells, 0.5 em padding either side; a digit's advance
+# in Helvetica/Arial at 12 px (6.7 px) rounded up, so the estimate errs wide. Spaced text wraps.
 CHAR_WIDTH_PX = 7.0
 HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0

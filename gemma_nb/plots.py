@@ -1,8 +1,4 @@
-"""One way to draw and save every figure: seaborn theme, PNG + SVG, no timestamps.
-
-SVGs are written with ``metadata={'Date': None}`` and a fixed ``svg.hashsalt`` so re-running a
-notebook gives byte-identical files (clean git diffs of ``outputs/cpu``).
-"""
+"""One way to draw and save every figure: seaborn theme, PNG + SVG, byte-identical on a re-run."""
 
 from __future__ import annotations
 

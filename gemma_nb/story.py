@@ -1,19 +1,5 @@
-"""What outside sources published, with where each figure comes from, and when a computed value agrees.
-
-A claim is a figure someone outside this project published: the port's write-up and model card,
-Google's model card, AWS, Google and NVIDIA documents, published peer benchmarks. These are the
-only literal result figures in the project. Notebooks compute their own values and show them beside
-these with ``claims_table``; nothing here is ever used as a computed result. ``Claim.source`` names one
-or more keys (comma-separated) of ``docs/sources.md``, which says what each source is and where to
-read it: e.g. ``port-review`` (a review of the port's write-up), ``port-card`` (the port's model
-card), ``inferentia2-arch`` (AWS Neuron docs).
-
-``Claim.within`` is the range of values the figure stands for, written out beside it (never parsed
-from its text): a figure the write-up quoted as a range ("~3-4 GB", stored as its midpoint) stands
-for that range; any other figure for its value plus or minus one unit of its last written decimal,
-the write-up's own rounding (45.6 GB for 45.5-45.7 GB). ``agrees_with_claim`` words a notebook's
-verdict ("holds", "does not hold") from it. An unknown claim key raises ``UnknownClaim`` everywhere
-(``story``, ``metrics``).
+"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands
+for, and when a computed value agrees with it. Never used as a computed result.
 """
 
 from __future__ import annotations

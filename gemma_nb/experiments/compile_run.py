@@ -1,21 +1,6 @@
-"""What compiling costs, measured: the size sweep of notebook 04 (compile), its fits, plots and boxes.
-
-``gemma_nb.export`` is the library (export, runner, artifact format); this module is notebook 04's
-experiment around it: ``compile_sweep`` compiles random-weight Gemma-4 configs of growing size
-(``SWEEP_POINTS``), each in a fresh process whose RSS is sampled; ``growth_fits`` / ``fits_table`` /
-``extrapolate`` / ``plot_growth`` turn the sweep into growth laws and a 26B estimate;
-``compile_box_table`` says which inf2 box holds a peak; ``greedy_equality`` and
-``off_by_one_table`` check exported decoding against eager decoding and transformers' own recipe.
-
-Command (what ``measure_sweep_point`` runs in a fresh interpreter)::
-
-    python -m gemma_nb.experiments.compile_run '{"dims": {...}, "folder": "<dir>", "shapes": {...}}'
-
-JSON contract: ``dims`` are ``random_gemma4_config`` keyword arguments, ``shapes`` ``StepShapes``
-fields (optional). The command compiles into ``folder`` and prints one JSON object on its **last
-stdout line** (``gemma_nb.peak_rss.run_measured`` reads it): ``layers``, ``import_s``, ``build_s``,
-``held_rss_bytes``, ``weight_bytes``, ``self_peak_rss_bytes`` and the ``CompileReport`` fields
-(``params``, ``export_s``, ``save_s``, ...). Anything printed earlier is ignored.
+"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
+exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
+"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line.
 """
 
 from __future__ import annotations

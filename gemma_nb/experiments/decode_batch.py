@@ -1,15 +1,5 @@
-"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed two ways.
-
-A decode step of B streams routes B tokens; the experts it must read are the union of their top-k.
-Two routing sources: ``uniform_routes`` (each token's K experts uniformly at random, whose union
-``decode_roofline.expected_distinct_experts`` predicts) and ``RealRouting``, the bundled
-checkpoint's own router on the fact prompts (``capture_real_routing``). The tiny checkpoint has 4
-MoE layers of 32 experts, top-2: a token's choices across its 4 layers, numbered
-``layer x 32 + expert``, are 8 of 128 ids, the 26B layer's shape, and under uniform routing their
-union follows the same formula (2/32 = 8/128), so the real router's skew can be replayed on the
-full-size layer. ``time_batch_sweep`` times the experts modules of ``gemma_nb.experts`` at every B
-with ``gemma_nb.bench.time_steps``; ``batch_table`` adds bytes, bandwidth floors and tokens/s,
-``crossovers`` and ``verdict_table`` say where dense overtakes sparse, measured and predicted.
+"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed uniformly
+or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level, its
-metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``). ``local_server()`` runs this
-project's server (``python -m gemma_nb serve``) on a free loopback port in a subprocess, so the cpu
-reference run measures a real server, not a mock; ``wait_until_healthy`` polls its ``/health``.
+"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level,
+its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``).
 """
 
 from __future__ import annotations
