@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import seaborn as sns
 import torch
+from transformers import DynamicCache, Gemma4ForCausalLM
 
 from gemma_nb.experts import int8_linear
 from gemma_nb.hardware import GB
@@ -160,8 +162,6 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
 
 def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[float], torch.Tensor]:
     """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     _sync(device)
     start = time.perf_counter()
@@ -262,8 +262,6 @@ def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = tor
     there, so the 26B (50.5 GB in bf16) never touches host RAM on a GPU box. For benchmarks only:
     random weights say nothing about answers, only about time.
     """
-    from transformers import Gemma4ForCausalLM
-
     torch.manual_seed(seed)
     with torch.device(device):
         model = Gemma4ForCausalLM._from_config(config, dtype=dtype)
@@ -434,8 +432,6 @@ def explain_floor_gap(row: Mapping[str, float], target_x: float = 1.5, probe_gb_
 
 def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) -> None:
     """Per-step latency of each candidate (ms, log scale): box + points, all repeats pooled."""
-    import seaborn as sns
-
     names = list(candidates or timings.candidates)
     data = timings.steps[timings.steps["candidate"].isin(names)]
     sns.boxplot(data=data, x="ms", y="candidate", order=names, ax=ax, color="0.85", fliersize=0, linewidth=0.8)

@@ -12,6 +12,10 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+import pandas as pd
+from IPython import get_ipython
+
 from gemma_nb import plots
 from gemma_nb.story import get_claim, with_unit
 
@@ -56,8 +60,6 @@ def format_float(value: float) -> str:
 def format_cell(value: Any) -> str:
     """One table cell as shown: bools as yes/no, missing as blank, floats by ``format_float``,
     large integers with thousands separators, text cut at its first ``<eos>``."""
-    import numpy as np
-
     if value is None:
         return ""
     if isinstance(value, (bool, np.bool_)):
@@ -72,8 +74,6 @@ def format_cell(value: Any) -> str:
             return "yes" if value.lower() == "true" else "no"
         return cut_at_eos(value)
     try:
-        import pandas as pd
-
         if pd.isna(value):
             return ""
     except (TypeError, ValueError):
@@ -167,14 +167,10 @@ def _special(value) -> str | None:
 
 
 def _is_number(value) -> bool:
-    import numpy as np
-
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 def _format_column(column) -> list[str]:
-    import pandas as pd
-
     numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
     # an object column of numbers (a transposed table of dicts) gets one format like a float column
     numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
@@ -191,8 +187,6 @@ def tidy(frame, column_formats: bool = False):
     With ``column_formats`` each numeric column has one format (``column_formatter``), else each
     cell is formatted on its own (``format_cell``).
     """
-    import pandas as pd
-
     if isinstance(frame, pd.Series):
         return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
     if column_formats:
@@ -205,8 +199,6 @@ def tidy(frame, column_formats: bool = False):
 
 
 def _tidy_index(index):
-    import pandas as pd
-
     if isinstance(index, pd.MultiIndex):
         return pd.MultiIndex.from_tuples([tuple(format_cell(v) for v in labels) for labels in index],
                                          names=index.names)
@@ -244,8 +236,6 @@ def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float
 
 def frame_rows(frame) -> list[list[str]]:
     """The cell texts a DataFrame shows, header row(s) and index column(s) included."""
-    import pandas as pd
-
     shown = tidy(frame) if isinstance(frame, (pd.DataFrame, pd.Series)) else frame
     if isinstance(shown, pd.Series):
         shown = shown.to_frame()
@@ -362,8 +352,6 @@ def mixed_format_columns(body: list[list[str]]) -> dict[int, set[str]]:
 
 def _shown(frame, column_formats: bool):
     """``frame`` as the page shows it, and whether its index is shown."""
-    import pandas as pd
-
     shown = tidy(frame, column_formats)
     if not hasattr(shown, "to_html"):
         shown = shown.to_frame()
@@ -396,19 +384,13 @@ def setup_page(column_formats: bool = False) -> None:
 
     Call it first thing in a notebook. Outside IPython only the pandas options are set.
     ``column_formats``: one number format per column, index names in the header's corner, no
-    default 0, 1, 2, ... index (the module's docstring).
+    default 0, 1, 2, ... index.
     """
-    import pandas as pd
-
     pd.set_option("display.max_colwidth", None)
     pd.set_option("display.max_columns", None)
     pd.set_option("display.max_rows", MAX_ROWS)
     pd.set_option("display.width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX))
     pd.set_option("display.float_format", format_float)
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython ships with the notebook stack
-        return
     shell = get_ipython()
     if shell is None:
         return
@@ -425,8 +407,6 @@ def setup_page(column_formats: bool = False) -> None:
 def headline_table(rows: Iterable[dict]):
     """A notebook's headline rows (``metrics.headline``) as a reader reads them: figure, value with its
     unit, and the claim it answers as the source wrote it (blank when none)."""
-    import pandas as pd
-
     def value(row) -> str:
         shown = row["value"] if isinstance(row["value"], str) else format_cell(row["value"])
         return with_unit(shown, row.get("unit", ""))

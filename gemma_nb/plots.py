@@ -13,6 +13,7 @@ matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
 
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
+from IPython.display import display  # noqa: E402
 
 from gemma_nb.paths import figures_dir  # noqa: E402
 
@@ -205,8 +206,6 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
 
     Use it instead of ``plt.show()``. Raises ValueError naming what overlaps, or for an empty ``alt``.
     """
-    from IPython.display import display
-
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
     overlaps = collisions(fig)

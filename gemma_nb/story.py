@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import pandas as pd
+
 
 class UnknownClaim(KeyError, ValueError):
     """A claim key that is not in ``CLAIMS`` (a ``KeyError`` for lookups, a ``ValueError`` for arguments)."""
@@ -166,8 +168,6 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
     ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
     a claim needs a source before it can be compared.
     """
-    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
-
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
@@ -190,8 +190,6 @@ def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str
     quoted range or a bound; ``holds``: the value lies within the claim's rounding or range (a lower
     bound: it is at most the claim's upper end).
     """
-    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
-
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():

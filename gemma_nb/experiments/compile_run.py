@@ -18,11 +18,18 @@ import pandas as pd
 import psutil
 import torch
 from torch import nn
+from transformers import GenerationConfig
+from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
 
 from gemma_nb.evaluate import greedy_generate
 from gemma_nb.export import StepRunner, StepShapes, compile_model, export_steps, exported_runner, set_traceable_experts
 from gemma_nb.hardware import GB, INSTANCES
 from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
+
+_start = time.perf_counter()
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
+
+TINY_IMPORT_S = time.perf_counter() - _start   # what a sweep point's import_s reports (a fresh process)
 
 # Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
 # four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
@@ -52,11 +59,7 @@ def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None
     Meant to run in a fresh process (``measure_sweep_point``) so its peak RSS is its own.
     ``held_rss_bytes``: the process's RSS with the model built, just before the export starts.
     """
-    start = time.perf_counter()
-    # imported here, not at the top, because this import is what import_s times (in a fresh process)
-    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
-
-    import_s = time.perf_counter() - start
+    import_s = TINY_IMPORT_S
     start = time.perf_counter()
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
     build_s = time.perf_counter() - start
@@ -216,11 +219,8 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
                                max_cache_len: int = 128) -> list[int]:
     """New tokens from transformers' own recipe: ``convert_and_export_with_cache`` (1-token decode,
     StaticCache) and ``TorchExportableModuleWithStaticCache.generate``, whose loop feeds each
-    generated token one position too far (see the module docstring).
+    generated token one position too far (``off_by_one_table``).
     """
-    from transformers import GenerationConfig
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
-
     set_traceable_experts(model)
     saved = model.generation_config
     model.generation_config = GenerationConfig(
