@@ -121,8 +121,8 @@ class Rehearsal:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
         import openai
 
-        from gemma_nb.experiments.endpoint_bench import wait_until_healthy
         from gemma_nb.ranks import free_port
+        from gemma_nb.serving.client_bench import wait_until_healthy
 
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
