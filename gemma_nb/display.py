@@ -112,17 +112,10 @@ def _scientific(value: float, decimals: int) -> str:
 
 
 def column_formatter(values) -> Callable[[Any], str]:
-    """One number format for a whole column of floats: a function from a value to its text.
-
-    Integral columns show whole numbers (thousands separated when any reaches 10,000). Other
-    columns get one count of decimals: enough for ``SIGNIFICANT_DIGITS`` significant digits of the
-    smallest non-zero magnitude, never more than the values have (a column rounded to 3 decimals
-    shows 3), and more where two different values would otherwise look alike (11.3137 and 11.3125
-    never both read "11.31"). A column that was not rounded (it needs more than
-    ``ROUNDED_DECIMALS`` decimals) and holds a magnitude below ``SCIENTIFIC_BELOW``, or spans
-    ``SCIENTIFIC_SPAN`` or more below 1, is written in scientific notation throughout. Zero is "0"
-    and a missing value blank in every format.
-    """
+    """One number format for a whole column: whole numbers for an integral column, else one count of
+    decimals (``SIGNIFICANT_DIGITS`` of the smallest magnitude, no more than the values have, more
+    where two values would look alike), or scientific notation for an unrounded column of tiny or
+    widely spread magnitudes."""
     finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
     magnitudes = [abs(v) for v in finite if v != 0.0]
     if not magnitudes or all(v.is_integer() for v in finite):
@@ -181,12 +174,8 @@ def _format_column(column) -> list[str]:
 
 
 def tidy(frame, column_formats: bool = False):
-    """A copy of ``frame`` (DataFrame or Series) with every cell and index label formatted for the page.
-
-    The result holds strings only, so what the reader sees does not depend on pandas' options.
-    With ``column_formats`` each numeric column has one format (``column_formatter``), else each
-    cell is formatted on its own (``format_cell``).
-    """
+    """A copy of ``frame`` (DataFrame or Series) as strings for the page: one format per numeric column
+    (``column_formats``) or per cell."""
     if isinstance(frame, pd.Series):
         return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
     if column_formats:
@@ -222,10 +211,7 @@ def cell_width_chars(text: str) -> int:
 
 
 def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
-    """Estimated rendered width of a table given as rows of cell texts (header rows included).
-
-    The first ``header_rows`` rows are set in bold, at ``HEADER_CHAR_WIDTH_PX`` per character.
-    """
+    """Estimated rendered width of a table given as rows of cell texts, the first ``header_rows`` bold."""
     widths: dict[int, float] = {}
     for index, row in enumerate(rows):
         char_px = HEADER_CHAR_WIDTH_PX if index < header_rows else CHAR_WIDTH_PX
@@ -302,9 +288,7 @@ class _TableParser(html.parser.HTMLParser):
 
 def html_tables(markup: str) -> list[list[list[str]]]:
     """Every ``<table>`` in ``markup`` as rows of cell texts (``th`` and ``td``)."""
-    parser = _TableParser()
-    parser.feed(markup)
-    return parser.tables
+    return [header + body for header, body in html_table_parts(markup)]
 
 
 def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]]]:
@@ -380,12 +364,8 @@ def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
 
 
 def setup_page(column_formats: bool = False) -> None:
-    """Pandas options, IPython table formatters and the plot theme for a notebook; idempotent.
-
-    Call it first thing in a notebook. Outside IPython only the pandas options are set.
-    ``column_formats``: one number format per column, index names in the header's corner, no
-    default 0, 1, 2, ... index.
-    """
+    """Pandas options, IPython table formatters (``column_formats``: one number format per column, index
+    names in the header's corner, no default index) and the plot theme; idempotent."""
     pd.set_option("display.max_colwidth", None)
     pd.set_option("display.max_columns", None)
     pd.set_option("display.max_rows", MAX_ROWS)
@@ -416,7 +396,5 @@ def headline_table(rows: Iterable[dict]):
 
 
 def scientific(values, digits: int = 2):
-    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits,
-    "0" for zero and blank for a missing value: one format for a column that spans orders of
-    magnitude, at a precision the reader needs (a KL of 5.3e-06 needs no third digit)."""
+    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits."""
     return values.map(lambda v: _special(v) if _special(v) is not None else _scientific(float(v), digits - 1))
