@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import IPython.display
 import matplotlib
 import matplotlib.collections
 import matplotlib.text
@@ -13,7 +14,6 @@ matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
 
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
-from IPython.display import display  # noqa: E402
 
 from gemma_nb.paths import figures_dir  # noqa: E402
 
@@ -213,7 +213,7 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
         plt.close(fig)
         raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
     paths = save_figure(fig, target, name)
-    display(fig, metadata={"image/png": {"alt": alt.strip()}})
+    IPython.display.display(fig, metadata={"image/png": {"alt": alt.strip()}})
     plt.close(fig)
     return paths
 
