@@ -33,8 +33,7 @@ class Claim:
 
     @property
     def decimals(self) -> int:
-        """Decimals of the figure as written: those of one unit of its last decimal (a quoted range:
-        those of its ends)."""
+        """Decimals of the figure as written (a quoted range: those of its ends)."""
         low, high = self.within
         return max(0, -math.floor(math.log10((high - low) / 2) + 1e-9)) if self.is_point else _decimals(low, high)
 
@@ -155,19 +154,14 @@ def with_unit(number: str, unit: str) -> str:
 
 @dataclass(frozen=True)
 class LowerBound:
-    """A computed figure that bounds the claimed one from below (say, a peak measured by a smaller
-    run): ``claims_table`` shows it as "≥ value", with no difference, and it holds if it is at most the claim."""
+    """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
 
     value: float
 
 
 def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = None):
-    """Claimed vs computed as numbers: claim, claimed, computed, unit, diff, diff_pct, source
-    (notebooks 04, 05 and 07 show it; ``claims_table`` is the readers' version).
-
-    ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
-    a claim needs a source before it can be compared.
-    """
+    """Claimed vs computed (claim key -> value) as numbers, with their difference; ``claims_table`` is
+    the readers' version."""
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
@@ -180,16 +174,9 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
 
 
 def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
-    """The story's figures beside this run's, as a reader reads them: figure, claimed, computed, diff,
-    holds, source.
-
-    ``computed`` maps claim keys to the values this run computed, or to ``LowerBound(value)``. An
-    unknown key is an error: a claim needs a source before it can be compared. ``claimed`` is the
-    figure as written, with its unit; ``computed`` has one decimal more than the claim (two more
-    than a quoted range), so a reader sees whether it rounds to it; ``diff`` (in %) is given only for a single figure, never for a
-    quoted range or a bound; ``holds``: the value lies within the claim's rounding or range (a lower
-    bound: it is at most the claim's upper end).
-    """
+    """The story's figures beside this run's (claim key -> value or ``LowerBound``), as a reader reads
+    them: computed with one decimal more than the claim (two more than a quoted range), diff in %
+    for a single figure only, and whether it holds."""
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
