@@ -40,14 +40,11 @@ def cut_at_eos(text: str, eos: str = EOS) -> str:
 def format_float(value: float) -> str:
     """A float as a reader wants it: about four significant digits, thousands separated, no exponent
     unless the value is tiny; integral values without decimals; NaN as a blank."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
+    special = _special(value)
+    if special is not None:
+        return special
     value = float(value)
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
     magnitude = abs(value)
-    if value == 0.0:
-        return "0"
     if magnitude >= 1e4 or value == round(value):
         return f"{value:,.0f}"
     if magnitude < 1e-4:

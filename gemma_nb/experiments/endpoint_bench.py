@@ -27,12 +27,8 @@ def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | No
 
 
 def summarize(requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per concurrency level: TTFT and ITL percentiles, per-request and aggregate tok/s.
-
-    ``tok_s_per_request`` is the median decode rate one client sees; ``tok_s_total`` every token of the
-    level over its wall time. One generation at a time keeps ``tok_s_total`` flat while TTFT grows with
-    the queue; a batching server raises ``tok_s_total`` instead.
-    """
+    """One row per concurrency level: TTFT and ITL percentiles, the median decode rate one client sees,
+    and every token of the level over its wall time (``tok_s_total``)."""
     rows = []
     for level, group in requests.groupby("concurrency", sort=True):
         gaps = [g for gaps in group["itl_ms"] for g in gaps]
@@ -44,12 +40,8 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
-    """(metrics, headline rows) for ``save_metrics`` from a ``benchmark_endpoint`` table.
-
-    The story's decode speed (``decode_tok_s``, 6 tok/s) is attached as the claim only when an
-    external ``endpoint`` was measured (the port's container is the same deploy); the local
-    server runs the tiny checkpoint, which answers a different question.
-    """
+    """(metrics, headline rows) for ``save_metrics``; the story's 6 tok/s is the claim only for an
+    external ``endpoint`` (the local server runs the tiny checkpoint)."""
     if requests is None:
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
