@@ -137,16 +137,9 @@ def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense",
     step = batch_step(costs, 1, experts)
     by_group = dict(costs.bytes_by_group)
     by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
-    return {
-        "scheme": costs.scheme,
-        "experts": experts,
-        "tp": tp,
-        "context_len": context_len,
-        "bytes_per_token": step["bytes"],
-        "flops_per_token": step["flops"],
-        "weights_bytes_per_rank": costs.weights_bytes,
-        "bytes_by_group": by_group,
-    }
+    return {"scheme": costs.scheme, "experts": experts, "tp": tp, "context_len": context_len,
+            "bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
+            "weights_bytes_per_rank": costs.weights_bytes, "bytes_by_group": by_group}
 
 
 @dataclass(frozen=True)
