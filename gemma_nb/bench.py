@@ -1,22 +1,5 @@
-"""Decode benchmarks, measured and modelled (notebook 07).
-
-Measured:
-
-- ``time_steps(candidates, ...)``: per-step latency of one-token steps (an MoE layer, a decode
-  step), candidates taking turns step by step so machine drift hits all of them alike.
-- ``time_generation(models, input_ids, ...)``: time to first token, then per-token decode latency
-  of greedy generation with a KV cache; also returns the tokens, so equal outputs can be checked.
-  ``time_runners`` does the same, coarser, for deployed models that only expose ``generate``.
-- ``measure_bandwidth()``: a large read (sum) and copy: the machine's memory bandwidth, which sets
-  the floor (``floor_ms``) of any step that must read a given number of weight bytes.
-- ``sparse_breakdown_steps`` / ``breakdown_table``: a sparse MoE step split into its matmuls, its
-  call overhead and (gather variant) its weight copy, timed beside it.
-
-Both timing functions return a ``Timings``: ``summary()`` gives p50 / p90 per-token latency and
-tokens/s as the median over repeats; ``ratio(a, b)`` is the median of a's step time over b's
-in the same round (steps run moments apart).
-
-Modelled (the roofline: bytes and FLOPs per decoded token) is ``gemma_nb.decode_roofline``.
+"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the
+sparse step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``.
 """
 
 from __future__ import annotations
@@ -29,22 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import seaborn as sns
 import torch
+from transformers import DynamicCache, Gemma4ForCausalLM
 
 from gemma_nb.experts import int8_linear
 from gemma_nb.hardware import GB
 from gemma_nb.memory import tensor_bytes
 
 EXPERT_MODES = ("dense", "sparse")
-# `make test` re-executes the notebooks to compare their outputs, and nbval compares no timing:
-# under GEMMA_NB_TIMING=smoke (tests/check_notebooks.py sets it) every timing loop runs once, only to
-# show that it runs.
+# GEMMA_NB_TIMING=smoke (tests/check_notebooks.py): every timing loop runs once; nbval compares no timing
 TIMING_ENV = "GEMMA_NB_TIMING"
-
-
-# --------------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------------
 
 
 def _sync(device: str) -> None:
@@ -74,12 +52,8 @@ def _rotated(names: Sequence[str], shift: int) -> list[str]:
 
 @dataclass
 class Timings:
-    """Per-step latencies of several candidates measured side by side.
-
-    ``steps``: one row per timed step: ``candidate``, ``repeat``, ``step``, ``ms``.
-    ``first_token``: generation only: ``candidate``, ``repeat``, ``ttft_ms`` (prefill + first token).
-    ``tokens``: generation only: candidate -> generated token ids (LongTensor [1, S + n]).
-    """
+    """Per-step latencies (``steps``: candidate, repeat, step, ms) of candidates timed side by side;
+    generation adds ``first_token`` (candidate, repeat, ttft_ms) and ``tokens`` (candidate -> [1, S + n])."""
 
     steps: pd.DataFrame
     first_token: pd.DataFrame | None = None
@@ -101,9 +75,8 @@ class Timings:
         return table
 
     def summary(self) -> pd.DataFrame:
-        """One row per candidate: p50 / p90 / mean / min step latency (ms, all steps of all repeats),
-        ``tok_s`` (median over repeats of steps / time), ``tok_s_min``/``tok_s_max`` over repeats,
-        and ``ttft_ms`` (median over repeats) for generation."""
+        """One row per candidate: step latency percentiles (ms, all repeats), tok/s (median and range over
+        repeats), and for generation ``ttft_ms`` (median over repeats)."""
         rows = []
         per_repeat = self.per_repeat()
         for name in self.candidates:
@@ -118,12 +91,8 @@ class Timings:
         return pd.DataFrame(rows).set_index("candidate")
 
     def ratio(self, numerator: str, denominator: str) -> float:
-        """Median over rounds of numerator's step time / denominator's step time in the same round.
-
-        A round is one step of every candidate, back to back (``time_steps``; for generation, one
-        decode step index of one repeat). A ratio > 1 means ``numerator`` is slower. Pairing
-        steps that ran moments apart cancels drift and bursts of load on a shared machine.
-        """
+        """Median over rounds (one step of every candidate, back to back) of numerator's step time over
+        denominator's: > 1 means ``numerator`` is slower; pairing steps moments apart cancels drift."""
         self._check(numerator)
         self._check(denominator)
         table = self.steps.pivot_table(index=["repeat", "step"], columns="candidate", values="ms")
@@ -141,15 +110,8 @@ class Timings:
 
 def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, repeats: int = 5, warmup: int = 2,
                device: str = "cpu") -> Timings:
-    """Time one-token steps of each candidate, interleaved.
-
-    ``candidates``: name -> ``fn(i)`` doing one step; ``i`` counts the calls of that candidate
-    (0, 1, ... across repeats), so a step can take the i-th routing of a prepared list. Each
-    candidate first runs ``warmup`` untimed steps. Then, per repeat, ``steps`` rounds: each round
-    runs one timed step of every candidate, in an order that rotates by one each round, so a burst
-    of load on a shared machine hits all candidates alike. On cuda the device is synchronised
-    around every step.
-    """
+    """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
+    untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
     _check_counts(steps=steps, repeats=repeats, warmup=warmup)
     if not candidates:
         raise ValueError("candidates is empty: pass {name: step_fn}")
@@ -177,8 +139,6 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
 
 def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[float], torch.Tensor]:
     """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     _sync(device)
     start = time.perf_counter()
@@ -200,14 +160,9 @@ def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str
 
 def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3, warmup: int = 1,
                     device: str = "cpu") -> Timings:
-    """Greedy generation of ``new_tokens`` tokens by each model, interleaved across repeats.
-
-    ``models``: name -> a transformers causal LM, or a zero-argument function that prepares the
-    model (e.g. swaps its experts) and returns it: called before each of that candidate's runs,
-    outside the timed region. Time to first token = prefill + the first token; the per-token rows
-    are the ``new_tokens - 1`` decode steps after it. Raises ValueError if a model's tokens change
-    between repeats (non-deterministic decoding would make the comparison meaningless).
-    """
+    """Greedy generation of ``new_tokens`` by each model (or zero-argument function returning it, called
+    untimed before each run), interleaved across repeats: TTFT, then the decode steps. A model whose
+    tokens change between repeats is an error."""
     _check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (one first token, then decode steps)")
@@ -241,14 +196,8 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
 
 
 def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3) -> pd.DataFrame:
-    """Time to first token and decode tok/s of deployed models that expose only ``generate``.
-
-    ``runners``: name -> object with ``generate(input_ids, max_new_tokens)`` (a slim deploy, a
-    Neuron deploy). Per repeat and runner (order rotating): ``ttft_s`` = time of ``generate(ids, 1)``;
-    ``decode_tok_s`` = ``(new_tokens - 1) / (time of generate(ids, new_tokens) - ttft_s)``. Coarser
-    than ``time_generation`` (no per-token latencies), but needs nothing from the runner's inside.
-    Returns one row per runner: medians over repeats and the generated tokens.
-    """
+    """Median TTFT (``generate(ids, 1)``) and decode tok/s of runners exposing only
+    ``generate(input_ids, max_new_tokens)``, with their tokens: one row per runner."""
     _check_counts(new_tokens=new_tokens, repeats=repeats)
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (one first token, then decode steps)")
@@ -266,39 +215,21 @@ def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, re
             rows.append({"runner": name, "repeat": repeat, "ttft_s": ttft_s,
                          "decode_tok_s": (new_tokens - 1) / max(total_s - ttft_s, 1e-9),
                          "tokens": torch.as_tensor(tokens)[0].tolist()})
-    table = pd.DataFrame(rows)
-    summary = table.groupby("runner", sort=False).agg(ttft_s=("ttft_s", "median"), decode_tok_s=("decode_tok_s", "median"),
-                                                      tokens=("tokens", "last"))
-    return summary
+    return pd.DataFrame(rows).groupby("runner", sort=False).agg(
+        ttft_s=("ttft_s", "median"), decode_tok_s=("decode_tok_s", "median"), tokens=("tokens", "last"))
 
 
 def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A ``Gemma4ForCausalLM`` with random weights allocated and initialised directly on ``device``.
-
-    Built under ``torch.device(device)``: every parameter is created on the device and initialised
-    there, so the 26B (50.5 GB in bf16) never touches host RAM on a GPU box. For benchmarks only:
-    random weights say nothing about answers, only about time.
-    """
-    from transformers import Gemma4ForCausalLM
-
+    """A random-weight ``Gemma4ForCausalLM`` built directly on ``device`` (the 26B never touches host RAM)."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = Gemma4ForCausalLM._from_config(config, dtype=dtype)
     return model.eval()
 
 
-# --------------------------------------------------------------------------------------------
-# Memory bandwidth
-# --------------------------------------------------------------------------------------------
-
-
 def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str = "cpu") -> dict:
-    """Read and copy bandwidth over a bf16 buffer of ``nbytes`` (far larger than any cache).
-
-    ``read_gb_s``: ``nbytes`` / time of ``buffer.sum()``; ``copy_gb_s``: 2 x ``nbytes`` (read + write)
-    / time of ``dst.copy_(src)``. Best of ``repeats`` (the STREAM convention: the machine can do at
-    least this), with the median alongside. GB = 10^9 bytes.
-    """
+    """Read (``sum``) and copy (read + write) GB/s over a bf16 buffer of ``nbytes``: best of ``repeats``
+    (the STREAM convention), with the median alongside."""
     _check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
@@ -331,11 +262,8 @@ def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
 
 def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int, experts: str = "dense",
                     dtype: str = "bf16") -> int:
-    """Weight bytes one token must read in one MoE layer: all E experts (dense) or its top-k (sparse).
-
-    ``dtype`` is a ``gemma_nb.memory`` format (``bf16``, ``int8`` with fp32 row scales, ...). At full
-    size: dense bf16 1.52 GB, sparse bf16 95.2 MB, sparse int8 47.7 MB.
-    """
+    """Weight bytes one token reads in one MoE layer (``dtype`` a ``gemma_nb.memory`` format): all E
+    experts (dense) or its top-k (sparse)."""
     check_experts_mode(experts)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
@@ -349,17 +277,10 @@ def check_experts_mode(experts: str) -> None:
         raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}")
 
 
-# --------------------------------------------------------------------------------------------
-# One MoE layer: candidates, and where a sparse step's time goes
-# --------------------------------------------------------------------------------------------
-
-
 def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
                 routes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[int], Any]]:
-    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``.
-
-    A fresh routing per step keeps a step from finding the previous step's experts in cache.
-    """
+    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh
+    routing per step (no experts left in cache)."""
     if not routes:
         raise ValueError("routes is empty: pass [(top_k_index, top_k_weights), ...] (see moe.random_routing)")
     return {name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)])) for name, module in modules.items()}
@@ -385,17 +306,9 @@ def _kernel_only(module, hidden_states, routes):
 
 def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tiny_hidden_states: torch.Tensor,
                            routes, prefix: str, gather: bool = True) -> dict[str, Callable[[int], Any]]:
-    """Candidates that split one sparse decode step (1 token) into what it is made of:
-
-    - ``<prefix>:kernel``: the 2 K matmuls alone on the selected experts' weights (the weight
-      stream through the kernel; its GB/s is the kernel's reach).
-    - ``<prefix>:overhead``: the same SparseExperts at tiny width (H=64, I=16: weights ~0 bytes)
-      with the same E and K: Python, dispatch, routing checks and the combine.
-    - ``<prefix>:gather_copy``: ``gate_up_proj[idx]`` and ``down_proj[idx]`` alone, what
-      ``selection="gather"`` adds before its matmuls (only with ``gather=True``).
-
-    The kernel path calls ``experts.int8_linear`` for int8 (the fused cpu kernel where usable).
-    """
+    """A sparse decode step split into candidates: ``<prefix>:kernel`` (the 2 K matmuls alone),
+    ``<prefix>:overhead`` (the same layer at tiny width: dispatch, routing, combine) and, with
+    ``gather``, ``<prefix>:gather_copy`` (the weight gather ``selection="gather"`` adds)."""
     steps = {
         f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),
         f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)]),
@@ -408,13 +321,8 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
 
 def breakdown_table(timings: Timings, prefixes: Sequence[str], weight_bytes: Mapping[str, float],
                     bandwidth_bytes_s: float) -> pd.DataFrame:
-    """Per sparse candidate: measured p50, its bandwidth floor, and the parts measured beside it (ms).
-
-    ``weight_bytes``: prefix -> bytes one step must read. Columns: ``floor_ms``, ``step_ms`` (p50),
-    ``x_floor`` (step / floor), ``best_step_ms`` / ``best_x_floor`` (the fastest step), ``kernel_ms`` and ``kernel_gb_s`` (achieved by the matmuls alone),
-    ``overhead_ms`` (tiny layer), ``kernel_plus_overhead_ms`` (what the two explain),
-    ``gather_copy_ms`` (NaN when not timed).
-    """
+    """Per sparse candidate (``weight_bytes``: prefix -> bytes a step reads): its p50 and fastest step
+    against its bandwidth floor, and the parts ``sparse_breakdown_steps`` timed beside it (ms)."""
     rows = []
     for prefix in prefixes:
         floor = floor_ms(weight_bytes[prefix], bandwidth_bytes_s)
@@ -444,15 +352,8 @@ def explain_floor_gap(row: Mapping[str, float], target_x: float = 1.5, probe_gb_
     return text
 
 
-# --------------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------------
-
-
 def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) -> None:
     """Per-step latency of each candidate (ms, log scale): box + points, all repeats pooled."""
-    import seaborn as sns
-
     names = list(candidates or timings.candidates)
     data = timings.steps[timings.steps["candidate"].isin(names)]
     sns.boxplot(data=data, x="ms", y="candidate", order=names, ax=ax, color="0.85", fliersize=0, linewidth=0.8)

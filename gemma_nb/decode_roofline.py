@@ -1,13 +1,5 @@
-"""The decode roofline of notebook 07 (decode benchmark): bytes and FLOPs per step, modelled, at any batch.
-
-``gemma_nb.bench`` measures; this module models. ``step_costs`` splits a decode step's reads and
-FLOPs per rank (from ``gemma_nb.memory.plan``) into the non-expert weights, the routed experts and
-each stream's KV cache; ``batch_step`` scales them to B streams on a decode path (``BATCH_PATHS``),
-with ``expected_distinct_experts`` for B uniformly routed tokens. ``roofline`` (batch 1),
-``batch_roofline``, ``batch_limits`` (the most streams whose KV cache fits beside the weights) and
-``batch_summary`` give tokens/s and $ per million tokens over ``DEPLOYMENTS``; ``python -m gemma_nb
-plan`` calls the same functions. A step is no faster than ``max(bytes / bandwidth, FLOPs / peak)``.
-``story_decode``, ``context_sensitivity`` and ``hypotheses_table`` weigh the port's 6 tok/s.
+"""The decode roofline of notebook 07: bytes and FLOPs per decode step, modelled, at any batch, and
+the tokens/s and $ per million tokens they allow on each deployment (``python -m gemma_nb plan``).
 """
 
 from __future__ import annotations
@@ -45,9 +37,8 @@ SELECTIVE_LOADING_THRESHOLD = 1.0
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts per layer in a step of ``batch`` tokens, each routed to ``top_k``
-    of ``num_experts`` uniformly at random: E (1 - (1 - K/E)^B). 8.0, 15.5, 29.1, 51.6, 82.4, 111.8,
-    125.9 at B = 1, 2, 4, ... 64 for E = 128, K = 8. 0 for a dense model (E = 0)."""
+    """Expected distinct experts per layer for ``batch`` tokens each routed uniformly to ``top_k`` of
+    ``num_experts``: E (1 - (1 - K/E)^B); 0 for a dense model."""
     _check_batch(batch)
     if not num_experts:
         return 0.0
@@ -75,14 +66,8 @@ def _check_batch(batch) -> None:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """One decode step's costs per rank, split so each part scales with the batch its own way.
-
-    Bytes: ``fixed_bytes`` (the non-expert weights, read once per step whatever the batch),
-    ``experts_bytes`` (every routed expert on this rank), ``kv_bytes_per_stream`` (one stream's KV
-    cache at ``context_len``). FLOPs per token: ``fixed_flops_per_token`` (non-expert matmuls and
-    attention over the context), ``experts_flops_per_token`` (all E experts). ``weights_bytes``:
-    resident weights per rank; ``bytes_by_group``: the batch-1 reads by group, all experts.
-    """
+    """One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
+    non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes`` resident."""
 
     scheme: str
     tp: int
@@ -99,12 +84,8 @@ class StepCosts:
 
 
 def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0) -> StepCosts:
-    """``StepCosts`` of ``config`` under ``scheme`` at TP degree ``tp``, from ``memory.plan``.
-
-    Experts are assumed split across ranks evenly (NxD Inference shards their intermediate
-    dimension), so a routed expert loads every rank alike. FLOPs: 2 per matrix weight, plus
-    attention over the context (4 x context x heads x head_dim per layer), divided by ``tp``.
-    """
+    """``StepCosts`` from ``memory.plan``: experts split evenly across ranks (NxD shards their
+    intermediate dimension); FLOPs 2 per matrix weight plus attention over the context, over ``tp``."""
     facts = model_facts(config)
     the_plan = plan(config, tp, scheme, context_len=context_len)
     table = the_plan.table.set_index("group")
@@ -127,11 +108,8 @@ def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: i
 
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
-    """Bytes and FLOPs per rank of one decode step of ``batch`` streams on decode ``path``.
-
-    ``experts_read``: expert weight sets read per layer (E; the expected distinct count; or NxD's
-    B x K while selective loading); ``experts_computed_per_token``: experts each token runs.
-    """
+    """Bytes and FLOPs per rank of one decode step of ``batch`` streams on ``path``, with the expert
+    weight sets read per layer and the experts each token runs."""
     _check_batch(batch)
     check_batch_path(path)
     experts, top_k = costs.num_experts, costs.top_k
@@ -153,37 +131,21 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
 
 def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1,
                    context_len: int = 0) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1, ``batch_step``).
-
-    ``experts``: ``dense`` (all routed experts in full) or ``sparse`` (``top_k / E`` of them),
-    plus every group a step uses in full and the KV cache of ``context_len`` tokens.
-    """
+    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
     check_experts_mode(experts)
     costs = step_costs(config, scheme, tp, context_len)
     step = batch_step(costs, 1, experts)
     by_group = dict(costs.bytes_by_group)
     by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
-    return {
-        "scheme": costs.scheme,
-        "experts": experts,
-        "tp": tp,
-        "context_len": context_len,
-        "bytes_per_token": step["bytes"],
-        "flops_per_token": step["flops"],
-        "weights_bytes_per_rank": costs.weights_bytes,
-        "bytes_by_group": by_group,
-    }
+    return {"scheme": costs.scheme, "experts": experts, "tp": tp, "context_len": context_len,
+            "bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
+            "weights_bytes_per_rank": costs.weights_bytes, "bytes_by_group": by_group}
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """The model served on ``ranks`` devices of one kind, tensor-parallel, with one weight scheme.
-
-    ``device``: a key of ``gemma_nb.hardware.DEVICES`` or a ``Device`` (e.g. ``measured_cpu``).
-    ``usd_per_hour``: for the whole deployment; ``None`` = the device's $/h x ranks x replicas
-    (``None`` if unknown). ``replicas``: copies of the model serving side by side on the box (data
-    parallel; ``plan`` puts cores // TP on an inf2), which multiply its tokens/s.
-    """
+    """The model served on ``ranks`` devices (a ``DEVICES`` key or a ``Device``), tensor-parallel, in
+    ``replicas`` data-parallel copies; ``usd_per_hour`` defaults to the device's price x ranks x replicas."""
 
     name: str
     device: str | Device
@@ -206,8 +168,7 @@ class Deployment:
         return None if per_device is None else per_device * self.ranks * self.replicas
 
     def runtime_allowance(self) -> RuntimeAllowance:
-        """HBM per rank the device's runtime takes besides weights and KV cache: on a NeuronCore,
-        notebook 01's inferred window (``memory.inferred_runtime_allowance``); elsewhere none is modelled."""
+        """HBM per rank the runtime takes: on a NeuronCore notebook 01's inferred window, else none."""
         if self.resolved_device().name in NEURON_DEVICES:
             return inferred_runtime_allowance()
         return RuntimeAllowance(0, 0, "none modelled for this device")
@@ -234,12 +195,8 @@ def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | 
 
 
 def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
-    """One decode step of ``batch`` streams per replica on ``deployment``: time, tokens/s, $ per 10^6 tokens.
-
-    ``memory_ms`` = bytes / bandwidth, ``compute_ms`` = FLOPs / bf16 peak (int8 weights are upcast
-    for the matmul, as NxD does; 0 when the device has no FLOP figure), ``step_ms`` the larger;
-    ``tok_s`` = every replica's streams per second, ``tok_s_per_stream`` = one user's rate.
-    """
+    """One decode step of ``batch`` streams per replica: ``step_ms`` = max(bytes / bandwidth, FLOPs /
+    bf16 peak), tokens/s (all replicas, and per stream) and $ per 10^6 tokens."""
     device = deployment.resolved_device()
     if not device.bandwidth_bytes_s:
         raise ValueError(f"device {device.name!r} has no bandwidth figure; measure it (hardware.measured_cpu)")
@@ -257,16 +214,8 @@ def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) 
 
 def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
              context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
-    """Predicted batch-1 decode speed of ``config`` on each deployment, dense vs sparse experts.
-
-    Every step also reads the KV cache of ``context_len`` tokens (default: the port's static
-    512-token cache, in each scheme's KV dtype, fp32 for the port's builds).
-
-    Per row: ``gb_per_token`` (per rank), ``gflop_per_token`` (per rank), ``memory_ms``,
-    ``compute_ms``, ``bound`` (the larger), ``tok_s`` = 1000 / max(...), ``fits`` (weights + KV
-    per rank within the device memory), ``usd_per_hour``, ``usd_per_m_tokens`` (``step_speed``).
-    An upper bound: real steps add kernel launches, collectives and the host loop.
-    """
+    """Predicted batch-1 decode speed (an upper bound) on each deployment, dense vs sparse experts,
+    reading a ``context_len`` KV cache; ``fits``: weights + KV within the device memory."""
     rows = []
     for deployment in deployments:
         device = deployment.resolved_device()
@@ -287,17 +236,9 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
     return pd.DataFrame(rows)
 
 
-# --------------------------------------------------------------------------------------------
-# Beyond one stream: how many fit, and what each batch decodes and costs
-# --------------------------------------------------------------------------------------------
-
-
 def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: int) -> int | None:
-    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``.
-
-    0 when the weights alone do not leave room for one stream; ``None`` when there is no KV cache
-    (``context_len`` 0: HBM sets no limit on the batch).
-    """
+    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None
+    without a KV cache (no limit)."""
     free = int(hbm_bytes_per_rank) - int(costs.weights_bytes) - int(allowance_bytes)
     kv = int(costs.kv_bytes_per_stream)
     if kv == 0:
@@ -307,9 +248,7 @@ def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: in
 
 def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAllowance | None = None,
                  hbm_bytes_per_rank: int | None = None) -> dict:
-    """The largest batch at both ends of the runtime allowance: ``largest_batch`` with the most
-    the runtime may take (``allowance.high_bytes``: every stream then fits), ``largest_batch_if_low``
-    with the least. ``hbm_bytes_per_rank``: default the device's memory."""
+    """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the least."""
     allowance = allowance or deployment.runtime_allowance()
     hbm = deployment.resolved_device().hbm_bytes if hbm_bytes_per_rank is None else hbm_bytes_per_rank
     if hbm is None:
@@ -321,12 +260,8 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
 
 def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                    context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
-    """``step_speed`` for every deployment, decode path and batch in ``batches``, one row each.
-
-    ``fits``: the batch's KV cache fits beside the weights with the most runtime memory the
-    allowance allows (``batch_limits``); ``fits_if_low`` with the least. Columns as ``step_speed``
-    plus ``deployment``, ``gb_per_step`` (per rank).
-    """
+    """``step_speed`` for every deployment, decode path and batch, with whether it fits at either end
+    of the runtime allowance (``batch_limits``)."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -342,12 +277,8 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
 
 def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
                   paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
-    """Per deployment and decode path: one stream, and the most streams that fit (both allowance ends).
-
-    Columns: ``largest_batch`` / ``largest_batch_if_low`` (``batch_limits``), ``tok_s_b1``,
-    ``usd_per_m_b1``, ``tok_s_at_largest`` / ``usd_per_m_at_largest`` (at ``largest_batch``),
-    ``tok_s_if_low`` / ``usd_per_m_if_low`` (at ``largest_batch_if_low``); NaN where none fits.
-    """
+    """Per deployment and decode path: tok/s and $ per 10^6 tokens at one stream and at the most that
+    fit (both allowance ends); NaN where none fits."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -365,18 +296,9 @@ def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, conte
 
 def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, scheme: str = "int8_squeeze",
                  device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
-    """The story's decode figures on inf2.xlarge, computed, with the hypotheses for its 6 tok/s.
-
-    Each step reads the weights it uses plus the KV cache of ``context_len`` tokens (default the
-    port's static 512-token fp32 cache, which a static graph reads in full whatever the prompt's
-    length; ``kv_gb_per_token`` says how much). Returns per-chip bytes (both ranks) and tok/s: ``dense_gb_per_token`` / ``dense_tok_s`` (the
-    DenseExperts roofline), ``sparse_*`` (top-k gather), ``upcast_gb_per_token`` /
-    ``upcast_tok_s`` (HYPOTHESIS: each step the int8 experts are upcast to a bf16 copy in HBM and
-    read again: 1 + 2 + 2 bytes per expert weight), ``compute_bound_tok_s`` (FLOPs / peak: what
-    "compute-bound" would allow), ``expert_flops_waste_x`` (E / K), ``answer_500_tokens_s`` at each
-    rate, and $ per million tokens at the measured rate (``measured_tok_s``, default the story's
-    claim) and at the rooflines.
-    """
+    """The story's decode figures on inf2.xlarge, per chip: the dense, sparse and upcast (HYPOTHESIS:
+    int8 experts upcast to a bf16 copy in HBM, 1 + 2 + 2 bytes per weight) rooflines, the compute
+    bound, and time and $ per answer at each and at the measured rate (default the claim)."""
     facts = model_facts(config)
     bandwidth = DEVICES[device].bandwidth_bytes_s
     peak = DEVICES[device].bf16_flops
@@ -414,12 +336,7 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
 
 
 def context_sensitivity(config, context_lens: Sequence[int], **story_kwargs) -> pd.DataFrame:
-    """``story_decode`` at each KV-cache length: how much the roofline depends on the context.
-
-    One row per ``context_len``: ``kv_gb_per_token`` (per chip), ``dense_tok_s``, ``sparse_tok_s``
-    and their ratio ``sparse_vs_dense_x``. The cache grows with every token while the weights stay,
-    so the sparse path, which reads fewer weight bytes, loses a larger share of its speed to it.
-    """
+    """``story_decode``'s dense and sparse tok/s at each KV-cache length, and their ratio."""
     if not context_lens:
         raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
     bad = [n for n in context_lens if int(n) != n or n < 0]
@@ -491,10 +408,7 @@ def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None =
 
 
 def _reference_in_legend(ax, value: float | None, label: str) -> None:
-    """A dashed vertical line at the story's figure, named in the legend (a label on the line would sit on the bars).
-
-    The legend goes outside the axes, on the right: inside, it would cover the longest bars' labels.
-    """
+    """A dashed line at the story's figure, named in the legend, outside the axes (clear of the bars)."""
     if value is not None:
         ax.axvline(value, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)

@@ -1,30 +1,6 @@
-"""How an executed notebook looks to its reader: one ``setup_page()`` in every notebook's first code cell.
-
-The page is JupyterLab at its default settings (or GitHub's notebook view) about 1,000 px wide.
-``setup_page()`` makes every DataFrame a notebook shows fit that page and read cleanly:
-
-- no cell is cut short with "..." (pandas' default cuts text at 50 characters);
-- floats carry about four significant digits (``format_float``), never ``1.646104e+07``;
-- ``True``/``False`` (also as the strings ``"true"``/``"True"``) read "yes"/"no", and a missing value is a blank cell, not ``NaN`` or ``None``;
-- generated text stops at its first ``<eos>`` (``cut_at_eos``): the tokens a model keeps emitting
-  after its end-of-sequence token are noise, not an answer.
-
-``setup_page(column_formats=True)`` shows each table column in one number format
-(``column_formatter``: one count of decimals, or scientific notation for a column spanning orders of
-magnitude, with enough decimals that different values never look alike), puts a named index's name
-in the header's corner instead of a row of its own, and leaves out a default 0, 1, 2, ... index.
-Without it every cell is formatted on its own (``format_cell``).
-
-Table width is estimated from the text of its cells (``table_width_px``), the same way for a
-DataFrame before it is shown and for the HTML table stored in an executed notebook
-(``html_tables``), so ``tests/test_readers_view.py`` can hold every executed notebook to the page;
-``number_format`` and ``index_label_rows`` let it hold every column to one format and every header
-to one row. The estimate, for JupyterLab's default theme (tables in a 12 px sans-serif font, 0.5 em
-of padding either side of a cell): each column is as wide as its widest cell, at ``CHAR_WIDTH_PX``
-per character (``HEADER_CHAR_WIDTH_PX`` in the bold header) plus ``CELL_PADDING_PX``; text that
-contains spaces wraps, so it counts at most ``WRAP_CHARS`` characters (or its longest word, if that
-is longer). ``CHAR_WIDTH_PX`` is the advance of a digit in Helvetica/Arial at 12 px (6.7 px) rounded
-up, so the estimate errs wide.
+"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell)
+makes tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_tables`` estimate
+their width the same way for tests/test_readers_view.py.
 """
 
 from __future__ import annotations
@@ -36,10 +12,16 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+import pandas as pd
+from IPython import get_ipython
+
 from gemma_nb import plots
 from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
+# JupyterLab's default theme: 12 px sans-serif cells, 0.5 em padding either side; a digit's advance
+# in Helvetica/Arial at 12 px (6.7 px) rounded up, so the estimate errs wide. Spaced text wraps.
 CHAR_WIDTH_PX = 7.0
 HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0
@@ -58,14 +40,11 @@ def cut_at_eos(text: str, eos: str = EOS) -> str:
 def format_float(value: float) -> str:
     """A float as a reader wants it: about four significant digits, thousands separated, no exponent
     unless the value is tiny; integral values without decimals; NaN as a blank."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
+    special = _special(value)
+    if special is not None:
+        return special
     value = float(value)
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
     magnitude = abs(value)
-    if value == 0.0:
-        return "0"
     if magnitude >= 1e4 or value == round(value):
         return f"{value:,.0f}"
     if magnitude < 1e-4:
@@ -78,8 +57,6 @@ def format_float(value: float) -> str:
 def format_cell(value: Any) -> str:
     """One table cell as shown: bools as yes/no, missing as blank, floats by ``format_float``,
     large integers with thousands separators, text cut at its first ``<eos>``."""
-    import numpy as np
-
     if value is None:
         return ""
     if isinstance(value, (bool, np.bool_)):
@@ -94,8 +71,6 @@ def format_cell(value: Any) -> str:
             return "yes" if value.lower() == "true" else "no"
         return cut_at_eos(value)
     try:
-        import pandas as pd
-
         if pd.isna(value):
             return ""
     except (TypeError, ValueError):
@@ -134,17 +109,10 @@ def _scientific(value: float, decimals: int) -> str:
 
 
 def column_formatter(values) -> Callable[[Any], str]:
-    """One number format for a whole column of floats: a function from a value to its text.
-
-    Integral columns show whole numbers (thousands separated when any reaches 10,000). Other
-    columns get one count of decimals: enough for ``SIGNIFICANT_DIGITS`` significant digits of the
-    smallest non-zero magnitude, never more than the values have (a column rounded to 3 decimals
-    shows 3), and more where two different values would otherwise look alike (11.3137 and 11.3125
-    never both read "11.31"). A column that was not rounded (it needs more than
-    ``ROUNDED_DECIMALS`` decimals) and holds a magnitude below ``SCIENTIFIC_BELOW``, or spans
-    ``SCIENTIFIC_SPAN`` or more below 1, is written in scientific notation throughout. Zero is "0"
-    and a missing value blank in every format.
-    """
+    """One number format for a whole column: whole numbers for an integral column, else one count of
+    decimals (``SIGNIFICANT_DIGITS`` of the smallest magnitude, no more than the values have, more
+    where two values would look alike), or scientific notation for an unrounded column of tiny or
+    widely spread magnitudes."""
     finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
     magnitudes = [abs(v) for v in finite if v != 0.0]
     if not magnitudes or all(v.is_integer() for v in finite):
@@ -189,14 +157,10 @@ def _special(value) -> str | None:
 
 
 def _is_number(value) -> bool:
-    import numpy as np
-
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 def _format_column(column) -> list[str]:
-    import pandas as pd
-
     numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
     # an object column of numbers (a transposed table of dicts) gets one format like a float column
     numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
@@ -207,14 +171,8 @@ def _format_column(column) -> list[str]:
 
 
 def tidy(frame, column_formats: bool = False):
-    """A copy of ``frame`` (DataFrame or Series) with every cell and index label formatted for the page.
-
-    The result holds strings only, so what the reader sees does not depend on pandas' options.
-    With ``column_formats`` each numeric column has one format (``column_formatter``), else each
-    cell is formatted on its own (``format_cell``).
-    """
-    import pandas as pd
-
+    """A copy of ``frame`` (DataFrame or Series) as strings for the page: one format per numeric column
+    (``column_formats``) or per cell."""
     if isinstance(frame, pd.Series):
         return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
     if column_formats:
@@ -227,8 +185,6 @@ def tidy(frame, column_formats: bool = False):
 
 
 def _tidy_index(index):
-    import pandas as pd
-
     if isinstance(index, pd.MultiIndex):
         return pd.MultiIndex.from_tuples([tuple(format_cell(v) for v in labels) for labels in index],
                                          names=index.names)
@@ -252,10 +208,7 @@ def cell_width_chars(text: str) -> int:
 
 
 def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
-    """Estimated rendered width of a table given as rows of cell texts (header rows included).
-
-    The first ``header_rows`` rows are set in bold, at ``HEADER_CHAR_WIDTH_PX`` per character.
-    """
+    """Estimated rendered width of a table given as rows of cell texts, the first ``header_rows`` bold."""
     widths: dict[int, float] = {}
     for index, row in enumerate(rows):
         char_px = HEADER_CHAR_WIDTH_PX if index < header_rows else CHAR_WIDTH_PX
@@ -266,8 +219,6 @@ def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float
 
 def frame_rows(frame) -> list[list[str]]:
     """The cell texts a DataFrame shows, header row(s) and index column(s) included."""
-    import pandas as pd
-
     shown = tidy(frame) if isinstance(frame, (pd.DataFrame, pd.Series)) else frame
     if isinstance(shown, pd.Series):
         shown = shown.to_frame()
@@ -334,9 +285,7 @@ class _TableParser(html.parser.HTMLParser):
 
 def html_tables(markup: str) -> list[list[list[str]]]:
     """Every ``<table>`` in ``markup`` as rows of cell texts (``th`` and ``td``)."""
-    parser = _TableParser()
-    parser.feed(markup)
-    return parser.tables
+    return [header + body for header, body in html_table_parts(markup)]
 
 
 def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]]]:
@@ -384,8 +333,6 @@ def mixed_format_columns(body: list[list[str]]) -> dict[int, set[str]]:
 
 def _shown(frame, column_formats: bool):
     """``frame`` as the page shows it, and whether its index is shown."""
-    import pandas as pd
-
     shown = tidy(frame, column_formats)
     if not hasattr(shown, "to_html"):
         shown = shown.to_frame()
@@ -414,23 +361,13 @@ def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
 
 
 def setup_page(column_formats: bool = False) -> None:
-    """Pandas options, IPython table formatters and the plot theme for a notebook; idempotent.
-
-    Call it first thing in a notebook. Outside IPython only the pandas options are set.
-    ``column_formats``: one number format per column, index names in the header's corner, no
-    default 0, 1, 2, ... index (the module's docstring).
-    """
-    import pandas as pd
-
+    """Pandas options, IPython table formatters (``column_formats``: one number format per column, index
+    names in the header's corner, no default index) and the plot theme; idempotent."""
     pd.set_option("display.max_colwidth", None)
     pd.set_option("display.max_columns", None)
     pd.set_option("display.max_rows", MAX_ROWS)
     pd.set_option("display.width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX))
     pd.set_option("display.float_format", format_float)
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython ships with the notebook stack
-        return
     shell = get_ipython()
     if shell is None:
         return
@@ -447,8 +384,6 @@ def setup_page(column_formats: bool = False) -> None:
 def headline_table(rows: Iterable[dict]):
     """A notebook's headline rows (``metrics.headline``) as a reader reads them: figure, value with its
     unit, and the claim it answers as the source wrote it (blank when none)."""
-    import pandas as pd
-
     def value(row) -> str:
         shown = row["value"] if isinstance(row["value"], str) else format_cell(row["value"])
         return with_unit(shown, row.get("unit", ""))
@@ -458,7 +393,5 @@ def headline_table(rows: Iterable[dict]):
 
 
 def scientific(values, digits: int = 2):
-    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits,
-    "0" for zero and blank for a missing value: one format for a column that spans orders of
-    magnitude, at a precision the reader needs (a KL of 5.3e-06 needs no third digit)."""
+    """``values`` (a Series) as text in scientific notation with ``digits`` significant digits."""
     return values.map(lambda v: _special(v) if _special(v) is not None else _scientific(float(v), digits - 1))

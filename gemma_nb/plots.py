@@ -1,14 +1,11 @@
-"""One way to draw and save every figure: seaborn theme, PNG + SVG, no timestamps.
-
-SVGs are written with ``metadata={'Date': None}`` and a fixed ``svg.hashsalt`` so re-running a
-notebook gives byte-identical files (clean git diffs of ``outputs/cpu``).
-"""
+"""One way to draw and save every figure: seaborn theme, PNG + SVG, byte-identical on a re-run."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import IPython.display
 import matplotlib
 import matplotlib.collections
 import matplotlib.text
@@ -63,11 +60,8 @@ def reference_line(ax, value: float, label: str, axis: str = "y", **kwargs) -> N
 
 
 def save_figure(fig, target: str, name: str) -> dict[str, Path]:
-    """Save ``fig`` as ``figures/<name>.png`` and ``.svg`` under the target's output folder.
-
-    ``name`` starts with the notebook number (``01_bytes_per_rank``) so REPORT.md can group them.
-    Returns the two paths.
-    """
+    """Save ``fig`` as ``figures/<name>.png`` and ``.svg`` under the target's outputs (``name`` starts
+    with the notebook number, ``01_bytes_per_rank``); returns the two paths."""
     if not name or "/" in name or name.endswith((".png", ".svg")):
         raise ValueError(f"figure name {name!r} must be a bare stem like '01_bytes_per_rank'")
     folder = figures_dir(target)
@@ -75,11 +69,6 @@ def save_figure(fig, target: str, name: str) -> dict[str, Path]:
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
     fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
     return paths
-
-
-# --------------------------------------------------------------------------------------------
-# Showing a figure: saved, checked for labels that collide, displayed with its alt text
-# --------------------------------------------------------------------------------------------
 
 
 def _tick_labels(ax):
@@ -204,13 +193,8 @@ def collisions(fig) -> list[str]:
 
 
 def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
-    """Save ``fig`` (``save_figure``), refuse it if labels collide, display it with ``alt`` as its
-    alternative text (what a screen reader or nbconvert's HTML gives for the image), and close it.
-
-    Use it instead of ``plt.show()``. Raises ValueError naming what overlaps, or for an empty ``alt``.
-    """
-    from IPython.display import display
-
+    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it, display it with ``alt``
+    as its alternative text, and close it."""
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
     overlaps = collisions(fig)
@@ -218,7 +202,7 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
         plt.close(fig)
         raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
     paths = save_figure(fig, target, name)
-    display(fig, metadata={"image/png": {"alt": alt.strip()}})
+    IPython.display.display(fig, metadata={"image/png": {"alt": alt.strip()}})
     plt.close(fig)
     return paths
 

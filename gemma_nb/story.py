@@ -1,19 +1,5 @@
-"""What outside sources published, with where each figure comes from, and when a computed value agrees.
-
-A claim is a figure someone outside this project published: the port's write-up and model card,
-Google's model card, AWS, Google and NVIDIA documents, published peer benchmarks. These are the
-only literal result figures in the project. Notebooks compute their own values and show them beside
-these with ``claims_table``; nothing here is ever used as a computed result. ``Claim.source`` names one
-or more keys (comma-separated) of ``docs/sources.md``, which says what each source is and where to
-read it: e.g. ``port-review`` (a review of the port's write-up), ``port-card`` (the port's model
-card), ``inferentia2-arch`` (AWS Neuron docs).
-
-``Claim.within`` is the range of values the figure stands for, written out beside it (never parsed
-from its text): a figure the write-up quoted as a range ("~3-4 GB", stored as its midpoint) stands
-for that range; any other figure for its value plus or minus one unit of its last written decimal,
-the write-up's own rounding (45.6 GB for 45.5-45.7 GB). ``agrees_with_claim`` words a notebook's
-verdict ("holds", "does not hold") from it. An unknown claim key raises ``UnknownClaim`` everywhere
-(``story``, ``metrics``).
+"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands
+for, and when a computed value agrees with it. Never used as a computed result.
 """
 
 from __future__ import annotations
@@ -21,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import pandas as pd
 
 
 class UnknownClaim(KeyError, ValueError):
@@ -45,8 +33,7 @@ class Claim:
 
     @property
     def decimals(self) -> int:
-        """Decimals of the figure as written: those of one unit of its last decimal (a quoted range:
-        those of its ends)."""
+        """Decimals of the figure as written (a quoted range: those of its ends)."""
         low, high = self.within
         return max(0, -math.floor(math.log10((high - low) / 2) + 1e-9)) if self.is_point else _decimals(low, high)
 
@@ -167,21 +154,14 @@ def with_unit(number: str, unit: str) -> str:
 
 @dataclass(frozen=True)
 class LowerBound:
-    """A computed figure that bounds the claimed one from below (say, a peak measured by a smaller
-    run): ``claims_table`` shows it as "≥ value", with no difference, and it holds if it is at most the claim."""
+    """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
 
     value: float
 
 
 def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = None):
-    """Claimed vs computed as numbers: claim, claimed, computed, unit, diff, diff_pct, source
-    (notebooks 04, 05 and 07 show it; ``claims_table`` is the readers' version).
-
-    ``computed`` maps claim keys to the values this run computed. An unknown key is an error:
-    a claim needs a source before it can be compared.
-    """
-    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
-
+    """Claimed vs computed (claim key -> value) as numbers, with their difference; ``claims_table`` is
+    the readers' version."""
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
@@ -194,18 +174,9 @@ def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = 
 
 
 def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
-    """The story's figures beside this run's, as a reader reads them: figure, claimed, computed, diff,
-    holds, source.
-
-    ``computed`` maps claim keys to the values this run computed, or to ``LowerBound(value)``. An
-    unknown key is an error: a claim needs a source before it can be compared. ``claimed`` is the
-    figure as written, with its unit; ``computed`` has one decimal more than the claim (two more
-    than a quoted range), so a reader sees whether it rounds to it; ``diff`` (in %) is given only for a single figure, never for a
-    quoted range or a bound; ``holds``: the value lies within the claim's rounding or range (a lower
-    bound: it is at most the claim's upper end).
-    """
-    import pandas as pd  # here, not at the top: the xla environment (.venv-xla) imports story without pandas
-
+    """The story's figures beside this run's (claim key -> value or ``LowerBound``), as a reader reads
+    them: computed with one decimal more than the claim (two more than a quoted range), diff in %
+    for a single figure only, and whether it holds."""
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():

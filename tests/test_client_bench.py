@@ -30,7 +30,7 @@ def server(serve_in_thread):
     model, tokenizer = load_model(BUNDLED_ID)
     app = served.create_app(TransformersRuntime(model, tokenizer), model_name=BUNDLED_ID)
     with serve_in_thread(app) as root:
-        endpoint_bench.wait_until_healthy(root + "/v1", timeout_s=60)
+        client_bench.wait_until_healthy(root + "/v1", timeout_s=60)
         yield root + "/v1"
 
 
@@ -87,7 +87,7 @@ def test_errors_are_reported(server):
 
 
 def test_local_server_starts_serves_and_stops():
-    with endpoint_bench.local_server(runtime="transformers", queue_size=2) as base_url:
+    with client_bench.local_server(runtime="transformers", queue_size=2) as base_url:
         assert client_bench.served_model(base_url) == BUNDLED_ID
         requests = client_bench.benchmark_endpoint(base_url, concurrency=(1,), requests_per_level=1,
                                                    max_tokens=4, warmup=False)
@@ -99,5 +99,5 @@ def test_local_server_starts_serves_and_stops():
 
 def test_local_server_reports_a_failed_start():
     with pytest.raises(EndpointError, match="no-such-folder"):
-        with endpoint_bench.local_server(model_id="./no-such-folder", runtime="transformers"):
+        with client_bench.local_server(model_id="./no-such-folder", runtime="transformers"):
             pass

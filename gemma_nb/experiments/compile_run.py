@@ -1,21 +1,6 @@
-"""What compiling costs, measured: the size sweep of notebook 04 (compile), its fits, plots and boxes.
-
-``gemma_nb.export`` is the library (export, runner, artifact format); this module is notebook 04's
-experiment around it: ``compile_sweep`` compiles random-weight Gemma-4 configs of growing size
-(``SWEEP_POINTS``), each in a fresh process whose RSS is sampled; ``growth_fits`` / ``fits_table`` /
-``extrapolate`` / ``plot_growth`` turn the sweep into growth laws and a 26B estimate;
-``compile_box_table`` says which inf2 box holds a peak; ``greedy_equality`` and
-``off_by_one_table`` check exported decoding against eager decoding and transformers' own recipe.
-
-Command (what ``measure_sweep_point`` runs in a fresh interpreter)::
-
-    python -m gemma_nb.experiments.compile_run '{"dims": {...}, "folder": "<dir>", "shapes": {...}}'
-
-JSON contract: ``dims`` are ``random_gemma4_config`` keyword arguments, ``shapes`` ``StepShapes``
-fields (optional). The command compiles into ``folder`` and prints one JSON object on its **last
-stdout line** (``gemma_nb.peak_rss.run_measured`` reads it): ``layers``, ``import_s``, ``build_s``,
-``held_rss_bytes``, ``weight_bytes``, ``self_peak_rss_bytes`` and the ``CompileReport`` fields
-(``params``, ``export_s``, ``save_s``, ...). Anything printed earlier is ignored.
+"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
+exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
+"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line.
 """
 
 from __future__ import annotations
@@ -33,11 +18,18 @@ import pandas as pd
 import psutil
 import torch
 from torch import nn
+from transformers import GenerationConfig
+from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
 
 from gemma_nb.evaluate import greedy_generate
 from gemma_nb.export import StepRunner, StepShapes, compile_model, export_steps, exported_runner, set_traceable_experts
 from gemma_nb.hardware import GB, INSTANCES
 from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
+
+_start = time.perf_counter()
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
+
+TINY_IMPORT_S = time.perf_counter() - _start   # what a sweep point's import_s reports (a fresh process)
 
 # Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
 # four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
@@ -62,23 +54,15 @@ SWEEP_POINTS: dict[str, dict] = {
 
 def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None, seed: int = 0,
                 dtype: str = "bfloat16") -> dict:
-    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``; return figures.
-
-    Meant to run in a fresh process (``measure_sweep_point``) so its peak RSS is its own.
-    ``held_rss_bytes``: the process's RSS with the model built, just before the export starts.
-    """
-    start = time.perf_counter()
-    # imported here, not at the top, because this import is what import_s times (in a fresh process)
-    from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
-
-    import_s = time.perf_counter() - start
+    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``, in a fresh process
+    (``measure_sweep_point``); ``held_rss_bytes``: the RSS with the model built, before the export."""
     start = time.perf_counter()
     model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
     build_s = time.perf_counter() - start
     held = psutil.Process().memory_info().rss
     report = compile_model(model, folder, StepShapes(**(shapes or {})))
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return {"layers": model.config.num_hidden_layers, "import_s": import_s, "build_s": build_s,
+    return {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s,
             "held_rss_bytes": held, "weight_bytes": weight_bytes, **report.as_dict()}
 
 
@@ -94,13 +78,7 @@ def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | Non
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
                   keep: bool = False):
-    """``measure_sweep_point`` for each named config, one fresh process each; a DataFrame.
-
-    Each point's artifact is deleted after it is measured unless ``keep`` (they are only timed).
-    Columns: params, layers, weight_gb, held_rss_gb (model built), peak_rss_gb (sampled, process
-    tree), peak_hwm_gb (kernel high-water mark), export_s, save_s, compile_s (= export + save),
-    build_s, wall_s (the whole process, interpreter start to exit).
-    """
+    """``measure_sweep_point`` for each named config, one row each; artifacts deleted unless ``keep``."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name
@@ -209,12 +187,8 @@ def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts
 
 
 def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0):
-    """Which inf2 instance can hold a compile's peak host memory, with and without swap, and its cost.
-
-    ``peak_host_gb``: label -> peak host RAM in GB (e.g. the story's 180 and this notebook's lower
-    bound); ``compile_hours``: label -> hours of one compile, priced at each instance's on-demand
-    rate. Host RAM in GB (10^9 bytes), converted from the catalog's GiB.
-    """
+    """Which inf2 instance holds each peak host memory (label -> GB), with and without swap, and what
+    each compile (label -> hours) costs on it."""
     rows = []
     for inst in INSTANCES.values():
         row = {"instance": inst.name, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": inst.usd_per_hour}
@@ -229,13 +203,8 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
 
 def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                                max_cache_len: int = 128) -> list[int]:
-    """New tokens from transformers' own recipe: ``convert_and_export_with_cache`` (1-token decode,
-    StaticCache) and ``TorchExportableModuleWithStaticCache.generate``, whose loop feeds each
-    generated token one position too far (see the module docstring).
-    """
-    from transformers import GenerationConfig
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache, convert_and_export_with_cache
-
+    """New tokens from transformers' own export recipe and its ``generate``, whose loop feeds each
+    generated token one position too far (``off_by_one_table``)."""
     set_traceable_experts(model)
     saved = model.generation_config
     model.generation_config = GenerationConfig(
@@ -250,8 +219,7 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
 
 
 class _UnliftOnce:
-    """An exported program whose ``module()`` is built once: transformers' ``generate`` calls it
-    for every token (the same module each time, its KV buffers shared), which costs seconds."""
+    """An exported program whose ``module()`` is built once, not per token by transformers' ``generate``."""
 
     def __init__(self, program):
         self.program = program
@@ -266,9 +234,8 @@ class _UnliftOnce:
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
                      runners: Mapping[str, StepRunner] | None = None):
-    """Per model: how many greedy tokens transformers' export recipe and this module's exported
-    steps get equal to eager decoding (same prompt, ``max_new_tokens`` each). ``runners``: already
-    exported steps for some of the models (the others are exported here)."""
+    """Per model: greedy tokens equal to eager decoding from transformers' export recipe and from
+    ``export_steps`` (``runners``: steps already exported for some models)."""
     prompt = input_ids.shape[1]
     shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
     rows = []
@@ -284,7 +251,7 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
-    """``python -m gemma_nb.experiments.compile_run '<job json>'``: one sweep point; prints the result as the last stdout line."""
+    """One sweep point (``dims``, ``folder``, ``shapes``); prints its JSON as the last stdout line."""
     job = json.loads(argv[0])
     result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
     result["self_peak_rss_bytes"] = self_peak_rss_bytes()

@@ -1,15 +1,5 @@
-"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed two ways.
-
-A decode step of B streams routes B tokens; the experts it must read are the union of their top-k.
-Two routing sources: ``uniform_routes`` (each token's K experts uniformly at random, whose union
-``decode_roofline.expected_distinct_experts`` predicts) and ``RealRouting``, the bundled
-checkpoint's own router on the fact prompts (``capture_real_routing``). The tiny checkpoint has 4
-MoE layers of 32 experts, top-2: a token's choices across its 4 layers, numbered
-``layer x 32 + expert``, are 8 of 128 ids, the 26B layer's shape, and under uniform routing their
-union follows the same formula (2/32 = 8/128), so the real router's skew can be replayed on the
-full-size layer. ``time_batch_sweep`` times the experts modules of ``gemma_nb.experts`` at every B
-with ``gemma_nb.bench.time_steps``; ``batch_table`` adds bytes, bandwidth floors and tokens/s,
-``crossovers`` and ``verdict_table`` say where dense overtakes sparse, measured and predicted.
+"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed uniformly
+or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted.
 """
 
 from __future__ import annotations
@@ -54,11 +44,8 @@ class RealRouting:
 
 @torch.inference_mode()
 def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: int = 3) -> RealRouting:
-    """Greedy-decode ``new_tokens`` tokens after each prompt, then record which experts every layer's
-    router picks for each token a decode step feeds back (the ``new_tokens`` generated ones).
-
-    ``prompt`` numbers follow ``prompts``' order; prompts of one length run as one batch (no padding).
-    """
+    """Greedy-decode ``new_tokens`` after each prompt (one batch per prompt length), then record the
+    experts every layer's router picks for each generated token fed back."""
     found = moe.experts_modules(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no routed experts to record")
@@ -86,11 +73,8 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
 
 
 def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``rows`` as routings of one ``num_experts``-expert, top-``top_k`` layer: id = layer x E_tiny + expert.
-
-    Weights are each layer's router weights divided by the layer count (they sum to 1 again).
-    ValueError unless layers x experts and layers x K match the target layer (128 and 8 for the 26B).
-    """
+    """Tokens ``rows`` as routings of one ``num_experts``-expert, top-``top_k`` layer: id = layer x E_tiny
+    + expert, weights over the layer count (they sum to 1 again)."""
     if real.layers * real.num_experts != num_experts or real.layers * real.index.shape[2] != top_k:
         raise ValueError(f"{real.layers} layers x {real.num_experts} experts, top-{real.index.shape[2]}, do not make one "
                          f"{num_experts}-expert top-{top_k} layer; route the bundled checkpoint (4 x 32, top-2)")
@@ -112,13 +96,8 @@ def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top
 
 
 def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: int = 200, seed: int = 0) -> pd.DataFrame:
-    """Distinct experts per layer for B tokens: the uniform formula, uniform draws, and the real router.
-
-    Per batch (rows) at the checkpoint's own size (E experts per layer, top-K) and on the 26B
-    layer's ids (all layers together): ``formula``, ``uniform`` (mean over ``draws`` random
-    routings), ``real`` (mean over ``draws`` draws of B tokens from different prompts, averaged
-    over layers), ``real_vs_uniform`` = real / formula.
-    """
+    """Distinct experts per layer for B tokens, at the checkpoint's size and on the 26B layer's ids: the
+    uniform formula, the mean of ``draws`` uniform routings, and of ``draws`` real ones."""
     experts, top_k = real.num_experts, real.index.shape[2]
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -151,17 +130,9 @@ def steps_at(batch: int, steps_at_batch_1: int) -> int:
 def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
                      hidden_size: int, batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8,
                      dense_sources: Sequence[str] = ("uniform",), device: str = "cpu", seed: int = 0) -> pd.DataFrame:
-    """p50 step time of every layer at every batch, for each routing source, with ``bench.time_steps``.
-
-    ``layers``: name -> experts module (``"dense bf16"``, ``"sparse int8"``, ...: the name's first
-    word is the path, its last the dtype). ``routes``: source -> ``fn(batch, count)`` giving
-    ``count`` routings. Dense layers are timed only under ``dense_sources``: DenseExperts computes
-    every expert for every token, so routing changes only the zeros of its router weights, not its
-    work. One warm-up step where more than one step is timed. Rows: ``batch``, ``source``,
-    ``layer``, ``path``, ``dtype``, ``p50_ms``, ``min_ms``, ``steps``, ``experts_read`` (weight sets
-    the module reads per step, repeats included) and ``distinct_experts`` (the routings' union), means
-    over the timed steps. Under ``GEMMA_NB_TIMING=smoke`` only the first two batches are timed.
-    """
+    """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch for each routing
+    source (``fn(batch, count)``), with the expert weight sets read; dense layers only under
+    ``dense_sources`` (routing does not change their work)."""
     rows = []
     for batch in batches[:2] if bench.smoke_timing() else batches:
         steps = steps_at(batch, steps_at_batch_1)
@@ -194,14 +165,8 @@ def _experts_read(module, chosen) -> float:
 
 
 def batch_table(sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_bytes_s: float) -> pd.DataFrame:
-    """Per routing source, dtype and batch: experts and bytes read, p50 step ms, floor, tokens/s, dense and sparse.
-
-    ``expert_bytes``: dtype -> bytes of one expert's weights (``bench.moe_layer_bytes(..., "sparse")
-    / K``). Dense rows under a source that was not timed for dense reuse the uniform timing (see
-    ``time_batch_sweep``). Columns per path ``p``: ``p_experts_read``, ``p_gb``, ``p_floor_ms``,
-    ``p_p50_ms``, ``p_tok_s`` (B tokens per step / p50), ``p_x_floor``; ``distinct_experts`` (the
-    timed routings' union); ``sparse_vs_dense_x`` = dense / sparse p50.
-    """
+    """Per routing source, dtype and batch, dense and sparse: experts and bytes read (``expert_bytes``:
+    dtype -> one expert's), p50, bandwidth floor, tokens/s; dense untimed under a source reuses uniform."""
     rows = []
     for (source, dtype, batch), group in sweep.groupby(["source", "dtype", "batch"], sort=False):
         by_path = group.set_index("path")
@@ -227,14 +192,8 @@ def first_batch(batches: Sequence[int], condition: Sequence[bool]) -> int | None
 
 
 def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
-    """Where dense is no slower than sparse: measured per dtype and source, and predicted from bytes.
-
-    ``measured``: dtype -> source -> the first B whose dense p50 <= sparse p50 (``None``: none in
-    the sweep). ``bytes_this_sparse``: the first B whose dense bytes <= this sparse path's
-    (``SparseExperts``: B x K reads below B x K = E, then each distinct expert once).
-    ``bytes_selective_loading``: the same for NxD's per-token selective loading (B x K reads at
-    every B). ``nxd_rule``: where NxD switches to all experts (B x K / E >= its threshold).
-    """
+    """The first B where dense is no slower than sparse: measured per dtype and source, predicted from
+    bytes for this sparse path and for NxD's selective loading, and where NxD's rule switches."""
     batches = sorted(table["batch"].unique().tolist())
     measured = {dtype: {source: first_batch(group["batch"].tolist(), (group["dense_p50_ms"] <= group["sparse_p50_ms"]).tolist())
                         for source, group in by_dtype.sort_values("batch").groupby("source", sort=False)}
@@ -276,8 +235,7 @@ def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
 
 
 def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
-    """What ``deployment`` decodes (tokens/s, all streams) and costs ($ per million tokens) for one
-    stream and for the most that fit at each end of the runtime allowance; columns (path, metric)."""
+    """``deployment``'s tokens/s and $ per million tokens for one stream and for the most that fit."""
     rows = summary[summary["deployment"] == deployment].set_index("path")
     if rows.empty:
         raise ValueError(f"deployment {deployment!r} is not in the summary; it has {', '.join(summary['deployment'].unique())}")
@@ -291,10 +249,6 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
     table.index.name = deployment
     return table
 
-
-# --------------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------------
 
 def _batch_axis(ax, batches, label: str) -> None:
     """A log-2 batch axis labelled 1, 2, 4, ... rather than 2^0, 2^1, ..."""
@@ -336,12 +290,8 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
                         reference_label: str = "", legend: str | None = "best") -> None:
-    """One deployment's roofline vs batch per decode path (``rows`` of ``decode_roofline.batch_roofline``).
-
-    ``metric``: ``tok_s`` (the deployment's tokens/s, all streams) or ``usd_per_m_tokens``. Shaded:
-    batches whose KV cache fits only if the runtime takes little (light), or never (darker), from
-    ``limits``. ``legend``: its location, or ``None`` for none.
-    """
+    """One deployment's ``metric`` (``tok_s`` or ``usd_per_m_tokens``) vs batch per decode path, shaded
+    where the KV cache fits only if the runtime takes little, or never."""
     for path, group in rows.groupby("path", sort=False):
         group = group.sort_values("batch")
         _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])
@@ -360,10 +310,6 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
     if legend:
         ax.legend(loc=legend, fontsize=8)
 
-
-# --------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------
 
 BATCH_METRIC_COLUMNS = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb",
                         "dense_floor_ms", "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")

@@ -1,29 +1,15 @@
-"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level, its
-metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``). ``local_server()`` runs this
-project's server (``python -m gemma_nb serve``) on a free loopback port in a subprocess, so the cpu
-reference run measures a real server, not a mock; ``wait_until_healthy`` polls its ``/health``.
+"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level,
+its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Sequence
-from pathlib import Path
-
-import httpx
 import pandas as pd
 
 from gemma_nb import plots
 from gemma_nb.metrics import headline
 from gemma_nb.paths import artifacts_dir
-from gemma_nb.ranks import free_port
-from gemma_nb.serving.client_bench import EndpointError, base_url, benchmark_endpoint, percentile
-from gemma_nb.tiny import BUNDLED_ID
+from gemma_nb.serving.client_bench import benchmark_endpoint, local_server, percentile
 
 
 def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
@@ -41,12 +27,8 @@ def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | No
 
 
 def summarize(requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per concurrency level: TTFT and ITL percentiles, per-request and aggregate tok/s.
-
-    ``tok_s_per_request`` is the median decode rate one client sees; ``tok_s_total`` every token of the
-    level over its wall time. One generation at a time keeps ``tok_s_total`` flat while TTFT grows with
-    the queue; a batching server raises ``tok_s_total`` instead.
-    """
+    """One row per concurrency level: TTFT and ITL percentiles, the median decode rate one client sees,
+    and every token of the level over its wall time (``tok_s_total``)."""
     rows = []
     for level, group in requests.groupby("concurrency", sort=True):
         gaps = [g for gaps in group["itl_ms"] for g in gaps]
@@ -58,12 +40,8 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
-    """(metrics, headline rows) for ``save_metrics`` from a ``benchmark_endpoint`` table.
-
-    The story's decode speed (``decode_tok_s``, 6 tok/s) is attached as the claim only when an
-    external ``endpoint`` was measured (the port's container is the same deploy); the local
-    server runs the tiny checkpoint, which answers a different question.
-    """
+    """(metrics, headline rows) for ``save_metrics``; the story's 6 tok/s is the claim only for an
+    external ``endpoint`` (the local server runs the tiny checkpoint)."""
     if requests is None:
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
@@ -111,57 +89,3 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     if title:
         _ = fig.suptitle(title)
     return fig
-
-
-def wait_until_healthy(url: str, timeout_s: float = 180.0, process: subprocess.Popen | None = None,
-                       log_path: Path | None = None) -> float:
-    """Poll ``GET /health`` (beside ``/v1``) until it answers 200; returns the seconds waited.
-
-    Raises ``TimeoutError`` after ``timeout_s``, or ``EndpointError`` at once if ``process`` exits (with
-    the tail of its log) or the server reports that its model failed to load.
-    """
-    health, started = base_url(url).removesuffix("/v1") + "/health", time.perf_counter()
-    while True:
-        if process is not None and process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
-            raise EndpointError(f"the server exited with status {process.returncode} before it was healthy:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError, ValueError):  # not listening yet, or not JSON
-            response = httpx.get(health, timeout=2.0)
-            if response.status_code == 200:
-                return time.perf_counter() - started
-            if response.json().get("status") == "error":
-                raise EndpointError(f"{health} reports that the model failed to load: {response.json().get('error')}")
-        if time.perf_counter() - started > timeout_s:
-            raise TimeoutError(f"{health} did not answer 200 within {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", queue_size: int = 8,
-                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
-    """Run ``python -m gemma_nb serve`` on a free loopback port; yields its base URL (``.../v1``).
-
-    ``runtime``: the server's ``--runtime`` (``extra_args`` may add ``--artifact``). Its log goes to a
-    temporary file, shown if it fails to start; the process is terminated (then killed) when the block
-    ends. ``env`` adds environment variables (e.g. the API key, never a flag).
-    """
-    port = free_port()
-    command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
-               "--runtime", runtime, "--port", str(port), "--queue-size", str(queue_size), "--log-level", "warning",
-               *extra_args]
-    with tempfile.TemporaryDirectory(prefix="gemma-nb-serve-") as folder:
-        log_path = Path(folder) / "server.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-        url = f"http://127.0.0.1:{port}/v1"
-        try:
-            wait_until_healthy(url, ready_timeout_s, process, log_path)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)

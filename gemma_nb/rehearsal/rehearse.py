@@ -25,6 +25,7 @@ from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
 from gemma_nb.ranks import free_port
 from gemma_nb.rehearsal import nxd_model
+from gemma_nb.serving.client_bench import wait_until_healthy
 from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 from gemma_nb.tools import plan as planner
 from gemma_nb.tools import runbook
@@ -96,7 +97,6 @@ class Rehearsal:
 
     def serve(self, artifact: Path) -> str:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
-        from gemma_nb.experiments.endpoint_bench import wait_until_healthy
 
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
