@@ -97,7 +97,6 @@ class Rehearsal:
 
     def serve(self, artifact: Path) -> str:
         """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
-
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
         command = command.replace("--host 0.0.0.0 --port 8080", f"--host 127.0.0.1 --port {port}")
