@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import matplotlib.ticker
 import pandas as pd
 import seaborn as sns
 import torch
@@ -360,6 +361,7 @@ def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) 
     sns.stripplot(data=data, x="ms", y="candidate", order=names, ax=ax, size=2.5, alpha=0.6, hue="candidate",
                   hue_order=names, legend=False, palette="colorblind")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # a narrow span labels minor ticks, which collide
     ax.set_xlabel("per-token latency (ms, log scale)")
     ax.set_ylabel("")
 
@@ -375,5 +377,6 @@ def plot_tok_s(measured: Mapping[str, float], ceilings: Mapping[str, float], ax,
                       label="bandwidth ceiling" if pos == 0 else None)
     ax.set_xticks(list(positions), names, rotation=20, ha="right")
     ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", fontsize=9)

@@ -358,6 +358,7 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV-cache length read per step (tokens, log scale; 0 drawn at 1)")
     ax.set_ylabel("tokens/s, bandwidth roofline")
+    ax.set_ylim(0, 1.8 * table[["dense_tok_s", "sparse_tok_s"]].to_numpy().max())   # room for the labels
     ax.legend(loc="upper right", fontsize=9)
     if marked_context_len is not None:
         reference_line(ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x")
@@ -370,7 +371,7 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     """
     measured = story["measured_tok_s"]
     rows = [
-        ("measured by the port (seed)", "claim", None, measured),
+        ("measured by the port (its model card)", "claim", None, measured),
         ("bandwidth roofline, DenseExperts: every int8 expert read once per token", "computed bound",
          story["dense_gb_per_token"], story["dense_tok_s"]),
         ("HYPOTHESIS: int8 experts upcast to a bf16 copy in HBM, then read (1+2+2 B per weight)", "hypothesis",

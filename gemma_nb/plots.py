@@ -164,7 +164,7 @@ def _points_inside(box, ax) -> int:
 def collisions(fig) -> list[str]:
     """What overlaps in ``fig`` once drawn: two texts (labels, titles, annotations, tick labels);
     a text inside the axes crossed by a line or covering a scatter point; a legend over a text,
-    a line, a bar or a point of its axes. Each as a short sentence; empty when nothing does."""
+    a line, a bar or a point of its axes, or past the figure's edge. Each as a short sentence; empty when nothing does."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
@@ -182,6 +182,8 @@ def collisions(fig) -> list[str]:
             found.append(f"text {_label(text)} covers {points} point(s)")
     for legend in _legends(fig):
         box = legend.get_window_extent(renderer)
+        if not (fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1):
+            found.append("the legend reaches past the figure's edge (its frame is cut)")
         found += [f"the legend covers text {_label(text)}" for text, text_box, _ in texts if box.overlaps(text_box)]
         for ax in ([legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes):
             found += [f"the legend covers {name}" for name in _lines_through(box, ax)]

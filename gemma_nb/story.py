@@ -108,26 +108,6 @@ CLAIMS: dict[str, Claim] = {
                                  within=(15.9, 16.1)),
     "answer_500_tokens_s": Claim(83.0, "s", "time for a 500-token answer", "port-review",
                                  within=(82.9, 83.1)),
-    "dense_roofline_tok_s": Claim(33.0, "tok/s", "DenseExperts bandwidth roofline on inf2.xlarge", "inf2-roofline",
-                                  within=(32.9, 33.1)),
-    "sparse_roofline_tok_s": Claim(178.0, "tok/s", "top-8 gather bandwidth roofline on inf2.xlarge", "inf2-roofline",
-                                   within=(177.9, 178.1)),
-    "dense_gb_per_token": Claim(26.4, "GB", "bytes read per token by DenseExperts (int8 experts/MLP/head, bf16 attention)", "inf2-roofline",
-                                within=(26.3, 26.5)),
-    "sparse_gb_per_token": Claim(4.9, "GB", "bytes read per token with a top-8 gather", "inf2-roofline",
-                                 within=(4.8, 5.0)),
-    "dense_gflop_per_token": Claim(46.0, "GFLOP", "compute per token, DenseExperts", "inf2-roofline",
-                                   within=(45.9, 46.1)),
-    "upcast_hypothesis_gb_per_token": Claim(118.0, "GB", "HYPOTHESIS: traffic per token if int8 experts are upcast to a bf16 copy each step", "inf2-roofline",
-                                            within=(117.9, 118.1)),
-    "upcast_hypothesis_tok_s": Claim(7.5, "tok/s", "HYPOTHESIS: decode speed under that upcast traffic", "inf2-roofline",
-                                     within=(7.4, 7.6)),
-    "cpu_read_gb_s": Claim(24.0, "GB/s", "read bandwidth of the 2-core reference box", "reference-box",
-                           within=(23.9, 24.1)),
-    "cpu_layer_dense_bf16_ms": Claim(96.0, "ms", "one full-size MoE layer, all 128 experts, bf16, 1 token", "reference-box",
-                                     within=(95.9, 96.1)),
-    "cpu_layer_grouped_mm_bf16_ms": Claim(7.8, "ms", "one full-size MoE layer, transformers grouped_mm, bf16, 1 token", "reference-box",
-                                          within=(7.7, 7.9)),
     "nxdi_trn2_tok_s": Claim(117.5, "tok/s", "NxDI contrib port on trn2.48xlarge TP=8 bf16 (TPOT 8.3-8.8 ms)", "nxdi-source",
                              within=(117.4, 117.6)),
     "gpt_fast_mixtral_int8_tok_s": Claim(97.9, "tok/s", "gpt-fast Mixtral int8 on 1 A100", "gpt-fast",
@@ -157,20 +137,6 @@ class LowerBound:
     """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
 
     value: float
-
-
-def compare(computed: Mapping[str, float], claims: Mapping[str, Claim] | None = None):
-    """Claimed vs computed (claim key -> value) as numbers, with their difference; ``claims_table`` is
-    the readers' version."""
-    claims = CLAIMS if claims is None else claims
-    rows = []
-    for key, value in computed.items():
-        claim = get_claim(key, claims)
-        diff = float(value) - claim.value
-        rows.append({"claim": claim.text, "claimed": claim.value, "computed": float(value), "unit": claim.unit,
-                     "diff": diff, "diff_pct": 100.0 * diff / claim.value if claim.value else float("nan"),
-                     "source": claim.source})
-    return pd.DataFrame(rows, columns=["claim", "claimed", "computed", "unit", "diff", "diff_pct", "source"])
 
 
 def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):

@@ -147,6 +147,7 @@ def test_scientific_and_headline_table():
 
 def test_collisions_name_what_overlaps():
     import matplotlib
+    import matplotlib.pyplot
 
     matplotlib.use("Agg")
     fig, ax = plots.subplots(figsize=(6, 4))
@@ -162,6 +163,11 @@ def test_collisions_name_what_overlaps():
     ax.get_legend().remove()
     ax.set_xticks([0, 1], ["a rather long tick label", "another long tick label"], rotation=30)
     assert plots.collisions(fig) == []   # rotated labels are checked as the rotated boxes they are
+    fig, ax = matplotlib.pyplot.subplots(figsize=(4, 3))   # no constrained layout to make room for it
+    ax.plot([0, 1], [0, 1], label="a line")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.2, 1.0))
+    assert plots.collisions(fig) == ["the legend reaches past the figure's edge (its frame is cut)"]
+    matplotlib.pyplot.close("all")
 
 
 def test_label_points_finds_free_places():

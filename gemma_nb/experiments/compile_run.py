@@ -166,10 +166,11 @@ def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
         ax_time.plot(params / 1e6, seconds, color=points.get_facecolor()[0], linewidth=1)
     ax_rss.plot(params / 1e6, rss["intercept"] + rss["slope"] * params, color="0.4",
                 label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} bytes/param")
-    for ax, label in ((ax_rss, "peak host RSS (GB)"), (ax_time, "export + save (s)")):
+    for ax, label, top in ((ax_rss, "peak host RSS (GB)", sweep["peak_rss_gb"].max()),
+                           (ax_time, "export + save (s)", sweep["compile_s"].max())):
         ax.set_xlabel("parameters (millions)")
         ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.8 * top)   # room above the data for the legend
         ax.legend(loc="upper left", fontsize=9)
 
 

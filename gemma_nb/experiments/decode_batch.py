@@ -270,6 +270,7 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
     _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
     ax.set_ylabel(f"distinct experts per layer (of {num_experts})")
+    ax.set_ylim(0, 1.4 * num_experts)   # room above the ceiling for the legend
     ax.legend(loc="upper left", fontsize=8)
 
 
@@ -285,7 +286,9 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
     _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
     ax.set_yscale("log")
     ax.set_ylabel("layer tokens/s (log; dashed: bandwidth ceiling)")
-    ax.legend(loc="lower right", fontsize=8)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * 30)   # a decade and more above the data for the legend
+    ax.legend(loc="upper left", fontsize=8, ncols=2)
 
 
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,

@@ -84,8 +84,9 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     summary = summarize(requests)
     _ = ax_tok.plot(summary["concurrency"], summary["tok_s_total"], marker="o", label="all clients together")
     _ = ax_tok.plot(summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client")
-    _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, None))
-    _ = ax_tok.legend()
+    top = 1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()   # room for the legend
+    _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, top))
+    _ = ax_tok.legend(loc="upper left", fontsize=8)
     if title:
         _ = fig.suptitle(title)
     return fig
