@@ -168,7 +168,7 @@ def config_26b():
 
 def test_story_decode_reproduces_the_story_roofline_without_kv(config_26b):
     story = decode_roofline.story_decode(config_26b, context_len=0)
-    # The source's roofline (docs/sources.md, "inf2-roofline"): DenseExperts ~26.4 GB/token -> <= ~33 tok/s;
+    # The roofline without the KV cache: DenseExperts ~26.4 GB/token -> <= ~33 tok/s;
     # top-8 ~4.9 GB -> <= ~178 tok/s; upcast hypothesis ~118 GB -> ~7.5 tok/s; it leaves the KV cache out.
     assert story["kv_gb_per_token"] == 0.0
     assert story["dense_gb_per_token"] == pytest.approx(26.4, abs=0.1)
