@@ -6,23 +6,24 @@ import socket
 import pandas as pd
 import pytest
 
+from gemma_nb import endpoint
+from gemma_nb.endpoint import EndpointError
 from gemma_nb.experiments import endpoint_bench
 from gemma_nb.modelio import load_model
 from gemma_nb.ranks import free_port
 from gemma_nb.serving import app as served
 from gemma_nb.serving import client_bench
 from gemma_nb.serving.backends import TransformersRuntime
-from gemma_nb.serving.client_bench import EndpointError
 from gemma_nb.tiny import BUNDLED_ID
 
 
 def test_base_url():
-    assert client_bench.base_url("http://10.0.0.5:8000/v1") == "http://10.0.0.5:8000/v1"
+    assert endpoint.base_url("http://10.0.0.5:8000/v1") == "http://10.0.0.5:8000/v1"
     # A bare host means the usual /v1 API, as the port's container serves it on :8080.
-    assert client_bench.base_url("http://localhost:8080") == "http://localhost:8080/v1"
-    assert client_bench.base_url("https://example.com/proxy/v1/") == "https://example.com/proxy/v1"
+    assert endpoint.base_url("http://localhost:8080") == "http://localhost:8080/v1"
+    assert endpoint.base_url("https://example.com/proxy/v1/") == "https://example.com/proxy/v1"
     with pytest.raises(ValueError, match="'localhost:8080' is not an http\\(s\\) URL"):
-        client_bench.base_url("localhost:8080")
+        endpoint.base_url("localhost:8080")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def server(serve_in_thread):
     model, tokenizer = load_model(BUNDLED_ID)
     app = served.create_app(TransformersRuntime(model, tokenizer), model_name=BUNDLED_ID)
     with serve_in_thread(app) as root:
-        client_bench.wait_until_healthy(root + "/v1", timeout_s=60)
+        endpoint.wait_until_healthy(root + "/v1", timeout_s=60)
         yield root + "/v1"
 
 
@@ -87,7 +88,7 @@ def test_errors_are_reported(server):
 
 
 def test_local_server_starts_serves_and_stops():
-    with client_bench.local_server(runtime="transformers", queue_size=2) as base_url:
+    with endpoint.local_server(runtime="transformers", queue_size=2) as base_url:
         assert client_bench.served_model(base_url) == BUNDLED_ID
         requests = client_bench.benchmark_endpoint(base_url, concurrency=(1,), requests_per_level=1,
                                                    max_tokens=4, warmup=False)
@@ -99,5 +100,5 @@ def test_local_server_starts_serves_and_stops():
 
 def test_local_server_reports_a_failed_start():
     with pytest.raises(EndpointError, match="no-such-folder"):
-        with client_bench.local_server(model_id="./no-such-folder", runtime="transformers"):
+        with endpoint.local_server(model_id="./no-such-folder", runtime="transformers"):
             pass

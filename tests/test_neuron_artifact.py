@@ -113,9 +113,9 @@ def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
 def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact, monkeypatch):
     import openai
 
+    from gemma_nb.endpoint import wait_until_healthy
     from gemma_nb.serving import backends
     from gemma_nb.serving.app import create_app
-    from gemma_nb.serving.client_bench import wait_until_healthy
 
     folder, _ = moved_artifact
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)

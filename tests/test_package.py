@@ -59,6 +59,11 @@ def test_the_package_is_anchor_sized():
     assert total <= MAX_TOTAL_LINES, f"gemma_nb has {total} lines; the limit is {MAX_TOTAL_LINES}"
 
 
+def test_the_server_stays_small():
+    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / "serving").rglob("*.py"))
+    assert lines <= 1_200, f"gemma_nb/serving has {lines} lines; the limit is 1,200"
+
+
 def test_no_module_over_the_limit():
     big = {str(p.relative_to(REPO)): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"

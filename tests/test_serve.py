@@ -17,12 +17,12 @@ import openai
 import pytest
 import torch
 
+from gemma_nb.endpoint import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
 from gemma_nb.serving import backends as G
 from gemma_nb.serving import backends as R
 from gemma_nb.serving import serve
-from gemma_nb.serving.client_bench import local_server, wait_until_healthy
 from gemma_nb.tiny import BUNDLED_ID
 
 FRANCE = [{"role": "user", "content": "The capital of France is"}]

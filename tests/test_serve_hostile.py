@@ -20,11 +20,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gemma_nb.endpoint import local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
 from gemma_nb.serving import serve
 from gemma_nb.serving.backends import TransformersRuntime
-from gemma_nb.serving.client_bench import local_server, wait_until_healthy
 from gemma_nb.tiny import BUNDLED_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
+from gemma_nb.endpoint import wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
 from gemma_nb.serving.backends import TransformersRuntime
-from gemma_nb.serving.client_bench import wait_until_healthy
 from gemma_nb.tiny import BUNDLED_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")

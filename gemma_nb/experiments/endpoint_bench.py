@@ -7,9 +7,10 @@ from __future__ import annotations
 import pandas as pd
 
 from gemma_nb import plots
+from gemma_nb.endpoint import local_server
 from gemma_nb.metrics import headline
 from gemma_nb.paths import artifacts_dir
-from gemma_nb.serving.client_bench import benchmark_endpoint, local_server, percentile
+from gemma_nb.serving.client_bench import benchmark_endpoint, percentile
 
 
 def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",

@@ -18,6 +18,7 @@ import openai
 import torch
 
 from gemma_nb import memory
+from gemma_nb.endpoint import wait_until_healthy
 from gemma_nb.hardware import GiB
 from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
 from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
@@ -25,7 +26,6 @@ from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
 from gemma_nb.ranks import free_port
 from gemma_nb.rehearsal import nxd_model
-from gemma_nb.serving.client_bench import wait_until_healthy
 from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 from gemma_nb.tools import plan as planner
 from gemma_nb.tools import runbook

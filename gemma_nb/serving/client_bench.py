@@ -1,45 +1,22 @@
-"""TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with the ``openai``
-client (notebook 07): greedy streamed chats at a few concurrency levels; the key from ``API_KEY_ENVS``. ``local_server`` runs
-this project's server on a loopback port to measure, ``wait_until_healthy`` polls its ``/health``."""
+"""TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with the
+``openai`` client (notebook 07): greedy streamed chats at a few concurrency levels; the key from ``API_KEY_ENVS``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 import openai
 import pandas as pd
 
-from gemma_nb.ranks import free_port
-from gemma_nb.tiny import BUNDLED_ID
+from gemma_nb.endpoint import EndpointError, base_url
 
 API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_CONCURRENCY = (1, 2, 4)
-
-
-class EndpointError(RuntimeError):
-    """The endpoint answered with an error, could not be reached, or did not stream in OpenAI's format."""
-
-
-def base_url(url: str) -> str:
-    """``url`` as an OpenAI base URL ending in ``/v1`` (a bare ``http://host:8080`` means its ``/v1``)."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"endpoint {url!r} is not an http(s) URL; expected an OpenAI-compatible base URL "
-                         "such as http://127.0.0.1:8080/v1")
-    path = parts.path.rstrip("/")
-    return f"{parts.scheme}://{parts.netloc}{path if path.endswith('/v1') else path + '/v1'}"
 
 
 def _client(url: str, api_key: str | None, timeout_s: float) -> openai.OpenAI:
@@ -116,57 +93,3 @@ def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFA
         wall = time.perf_counter() - started
         rows += [{"concurrency": level, "request": index, **timing, "level_wall_s": wall} for index, timing in enumerate(timings)]
     return pd.DataFrame(rows)
-
-
-def wait_until_healthy(url: str, timeout_s: float = 180.0, process: subprocess.Popen | None = None,
-                       log_path: Path | None = None) -> float:
-    """Poll ``GET /health`` (beside ``/v1``) until it answers 200; returns the seconds waited.
-
-    Raises ``TimeoutError`` after ``timeout_s``, or ``EndpointError`` at once if ``process`` exits (with
-    the tail of its log) or the server reports that its model failed to load.
-    """
-    health, started = base_url(url).removesuffix("/v1") + "/health", time.perf_counter()
-    while True:
-        if process is not None and process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
-            raise EndpointError(f"the server exited with status {process.returncode} before it was healthy:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError, ValueError):  # not listening yet, or not JSON
-            response = httpx.get(health, timeout=2.0)
-            if response.status_code == 200:
-                return time.perf_counter() - started
-            if response.json().get("status") == "error":
-                raise EndpointError(f"{health} reports that the model failed to load: {response.json().get('error')}")
-        if time.perf_counter() - started > timeout_s:
-            raise TimeoutError(f"{health} did not answer 200 within {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", queue_size: int = 8,
-                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
-    """Run ``python -m gemma_nb serve`` on a free loopback port; yields its base URL (``.../v1``).
-
-    ``runtime``: the server's ``--runtime`` (``extra_args`` may add ``--artifact``). Its log goes to a
-    temporary file, shown if it fails to start; the process is terminated (then killed) when the block
-    ends. ``env`` adds environment variables (e.g. the API key, never a flag).
-    """
-    port = free_port()
-    command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
-               "--runtime", runtime, "--port", str(port), "--queue-size", str(queue_size), "--log-level", "warning",
-               *extra_args]
-    with tempfile.TemporaryDirectory(prefix="gemma-nb-serve-") as folder:
-        log_path = Path(folder) / "server.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-        url = f"http://127.0.0.1:{port}/v1"
-        try:
-            wait_until_healthy(url, ready_timeout_s, process, log_path)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
