@@ -14,6 +14,8 @@ EXTRAS ?= cpu,dev
 XLA_VENV := .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed
+# No pip cache: the wheels would stay on disk beside what they unpack to (the xla one is ~8 GB).
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: install xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
 
@@ -28,11 +30,9 @@ envs:
 ## notebook dependencies (--no-deps; envs/xla/requirements.txt lists what the lowering imports).
 xla: $(XLA_STAMP)
 
-$(XLA_STAMP): envs/xla/requirements.txt pyproject.toml
+$(XLA_STAMP): envs/xla/requirements.txt envs/xla/cuda-libs.txt envs/xla/install.sh pyproject.toml
 	@test -x $(XLA_PY) || $(PYTHON) -m venv $(XLA_VENV)
-	$(XLA_PY) -m pip install --quiet --upgrade pip
-	$(XLA_PY) -m pip install --quiet -r envs/xla/requirements.txt
-	$(XLA_PY) -m pip install --quiet --no-deps -e .
+	sh envs/xla/install.sh $(XLA_PY)
 	@touch $(XLA_STAMP)
 
 $(STAMP): pyproject.toml
