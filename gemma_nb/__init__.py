@@ -4,6 +4,5 @@ __version__ = "0.1.0"
 
 import warnings as _warnings
 
-# tqdm.auto (imported by transformers) warns when ipywidgets is absent, printing an absolute
-# site-packages path on stderr: noise in every notebook and a machine-specific nbval output.
+# tqdm.auto (via transformers) warns without ipywidgets, naming this machine's site-packages in nbval's output.
 _warnings.filterwarnings("ignore", message="IProgress not found")

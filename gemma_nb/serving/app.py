@@ -68,8 +68,7 @@ class Engine:
 
     def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
                  step_delay_s: float, slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
-        if queue_size < 1:
-            raise ValueError(f"queue_size={queue_size} must be at least 1 (the generating request counts)")
+        assert queue_size >= 1, "queue_size counts the generating request"
         self._load, self.metrics, self.queue_size, self.step_delay_s = load, (metrics := ServerMetrics()), queue_size, step_delay_s
         self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
         self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
@@ -304,8 +303,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts`` (None:
     any) are the Host names answered; ``on_load_failure(error)`` is called if the load fails; ``step_delay_s``
     slows every token (tests, demos)."""
-    if not 1 <= max_tokens <= max_tokens_cap:
-        raise ValueError(f"max_tokens={max_tokens} must be between 1 and max_tokens_cap={max_tokens_cap}")
+    assert 1 <= max_tokens <= max_tokens_cap, "max_tokens must be between 1 and max_tokens_cap"
     engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
                     queue_size, max_tokens, step_delay_s, slot_watchdog_s, on_load_failure)
 

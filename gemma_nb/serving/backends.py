@@ -69,8 +69,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One token id from next-token ``logits`` [vocab] under ``params``."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    # In float64 and shifted so the best score is 0 before dividing: a tiny temperature then sends
-    # the others to -inf instead of overflowing all to inf (softmax NaN).
+    # float64, the best score shifted to 0 first: a tiny temperature sends the rest to -inf, not all to inf (NaN)
     scores = logits.double()
     scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
@@ -152,10 +151,8 @@ class Generation:
 
 def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters to keep unsent: a possible stop-string start or a partial character."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for stop in stops:
-        hold = max(hold, next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0))
-    return hold
+    starts = (next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0) for stop in stops)
+    return max(int(text.endswith("\ufffd")), 0, *starts)
 
 
 def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling) -> Generation:

@@ -104,7 +104,6 @@ def counting_refusals(metrics: served.ServerMetrics):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m gemma_nb serve``; returns the exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

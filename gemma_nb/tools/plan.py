@@ -135,11 +135,9 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
     """Per experts mode, the roofline's tok/s (whole box), tok/s per stream, $ per 10^6 tokens at ``batch``."""
     if not batch:
         return None
-    out = {"batch": batch}
-    for mode in decode_roofline.EXPERT_MODES:
-        speed = decode_roofline.step_speed(costs, deployment, batch, mode)
-        out[mode] = {key: speed[key] for key in ("tok_s", "tok_s_per_stream", "usd_per_m_tokens", "step_ms", "bound")}
-    return out
+    speeds = {mode: decode_roofline.step_speed(costs, deployment, batch, mode) for mode in decode_roofline.EXPERT_MODES}
+    keys = ("tok_s", "tok_s_per_stream", "usd_per_m_tokens", "step_ms", "bound")
+    return {"batch": batch, **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()}}
 
 
 def instance_decode(costs, instance: str, tp: int, scheme: str, budget: str, allowance) -> dict | None:
@@ -198,16 +196,15 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
     marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
     best = (fitting or marginal or [None])[0]
-    chosen = next(row for row in rows if row["instance"] == instance) if instance else best
+    chosen = (next(row for row in rows if row["instance"] == instance) if instance else best) or {}
     table = the_plan.table.set_index("group")
     return {
         "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
-        "context_len": context_len, "budget": budget, "instance": chosen["instance"] if chosen else None,
-        "fits": bool(chosen and chosen["fits"]), "verdict": chosen["verdict"] if chosen else NO_FIT,
+        "context_len": context_len, "budget": budget, "instance": chosen.get("instance"),
+        "fits": bool(chosen.get("fits")), "verdict": chosen.get("verdict", NO_FIT),
         "total_bytes_per_rank": the_plan.total_bytes, "total_gb_per_rank": the_plan.total_gb,
-        "budget_gb_per_core": chosen["budget_gb"] if chosen else None,
-        "headroom_gb": chosen["headroom_gb"] if chosen else None,
-        "headroom_gb_if_low": chosen["headroom_gb_if_low"] if chosen else None,
+        "budget_gb_per_core": chosen.get("budget_gb"), "headroom_gb": chosen.get("headroom_gb"),
+        "headroom_gb_if_low": chosen.get("headroom_gb_if_low"),
         "groups": {group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
                            "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
                            "host_bytes": int(row["host_bytes"])} for group, row in table.iterrows()},
@@ -382,7 +379,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    """``python -m gemma_nb plan``; the exit status is ``EXIT_CODES``'s, 2 on bad input."""
     try:
         source = read_config(args.config)
         allowance = None if args.runtime_allowance is None else memory.given_runtime_allowance(args.runtime_allowance)

@@ -226,9 +226,7 @@ def check_artifact(folder: str) -> Check:
 
 def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
     """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
-    checks, config_source = [], None
-    if artifact and Path(artifact, "config.json").is_file():
-        config_source = Path(artifact)
+    checks, config_source = [], Path(artifact) if artifact and Path(artifact, "config.json").is_file() else None
     if model_id:
         folder = local_model_dir(model_id)
         checks.append(check_model(system, str(folder) if folder else model_id))
