@@ -186,7 +186,7 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
         ours = ours + (out * dense.T[..., None]).sum(0)
     expected = source(x, index, weights)
     assert (ours - expected).norm() / expected.norm() < 0.02
-    with pytest.raises(ValueError, match="moe_intermediate_size=64 is not divisible by tp=3"):
+    with pytest.raises(AssertionError, match="moe_intermediate_size=64 is not divisible by tp=3"):
         convert_checkpoint(model.state_dict(), config, tp=3)
 
 

@@ -83,16 +83,10 @@ def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
     build = record.get("build") or {}
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "graphs": graphs_of(record),
-        "decode_graph": routed_decode_graph(record),
-        "tp_degree": build.get("tp_degree"),
-        "max_len": build.get("max_len"),
-        "bucket": build.get("bucket"),
-        "sdk": record.get("sdk", "Neuron SDK"),
-        "versions": record.get("versions", {}),
-        "files": files,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
+        "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"),
+        "max_len": build.get("max_len"), "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"),
+        "versions": record.get("versions", {}), "files": files,
     }
     (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -33,7 +33,6 @@ COMPILER_ARGS = {"dense": "--model-type transformer --auto-cast all --auto-cast-
                  "sparse": "--model-type transformer --auto-cast=none -O1"}
 # bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
-EXPERT_MODES = DECODE_PATHS
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
 SDK_PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
 
@@ -53,17 +52,13 @@ class NeuronBuildConfig:
     decode_experts: str = "dense"  # the decode graph beside the dense prefill
 
     def __post_init__(self) -> None:
-        # ModelBuilder routes by input shape and both decode graphs take the same: one artifact per decode path
         if self.decode_experts not in DECODE_PATHS:
             raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
                              "one artifact per decode path (compile twice for both)")
         if not self.compiler_workdir:
             self.compiler_workdir = str(Path(self.output_dir) / "compiler_workdir")
         self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
-        if self.bucket > self.max_len:
-            raise ValueError(f"bucket={self.bucket} exceeds max_len={self.max_len}: the prefill must fit the KV cache")
-        if self.tp_degree < 1:
-            raise ValueError(f"tp_degree={self.tp_degree} must be >= 1 (the port used 2, one rank per NeuronCore)")
+        assert 1 <= self.tp_degree and self.bucket <= self.max_len, (self.tp_degree, self.bucket, self.max_len)
 
     def graph_keys(self) -> dict[str, str]:
         """ModelBuilder key -> experts module of that graph."""
@@ -79,10 +74,7 @@ def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, slidin
     """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32, one_hot
     [1, 1, MAX, S], full and sliding additive masks [1, 1, S, MAX], last_index [1] int32)."""
     tokens = embeds.shape[1]
-    if len(positions) != tokens:
-        raise ValueError(f"{len(positions)} positions for {tokens} embedded tokens; give one position per token")
-    if max(positions) >= max_len:
-        raise ValueError(f"position {max(positions)} is outside the {max_len}-slot KV cache")
+    assert len(positions) == tokens and max(positions) < max_len, (positions, tokens, max_len)
     pos = torch.tensor(positions, dtype=torch.int32)  # int32, as NxD Inference traces: no native int64
     one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
     one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
@@ -120,12 +112,9 @@ class OneHotCache:
 
 def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
     """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
-    shapes = []
-    for h, d in layer_kv_heads(config):
-        if h % tp_degree:
-            raise ValueError(f"{h} KV heads do not split over tp_degree={tp_degree}")
-        shapes.append((1, h // tp_degree, max_len, d))
-    return shapes
+    heads = layer_kv_heads(config)
+    assert all(h % tp_degree == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp_degree}"
+    return [(1, h // tp_degree, max_len, d) for h, d in heads]
 
 
 class _NoEmbedding(nn.Module):
@@ -142,7 +131,7 @@ class NeuronGemma4(nn.Module):
 
     def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
         super().__init__()
-        assert experts in EXPERT_MODES, experts
+        assert experts in DECODE_PATHS, experts
         check_exportable_config(config)
         config = config.__class__.from_dict(config.to_dict())
         config.final_logit_softcapping = None  # applied on the host, after the vocab gather
@@ -192,11 +181,8 @@ class NeuronGemma4(nn.Module):
 
 
 def _materialize(lm: nn.Module, config) -> None:
-    """Give the skeleton's remaining meta tensors real cpu storage, attributes kept; rebuild the rotary tables.
-
-    NxD layers' parameters (tagged ``tensor_model_parallel``) stay as NxD made them: ModelBuilder's sharding pass
-    reads the tags and dtypes on meta, and plain parameters there made it keep whole tensors ("expected shape").
-    """
+    """Give the skeleton's untagged meta tensors real cpu storage, attributes kept; rebuild the rotary tables.
+    NxD's tagged parameters stay on meta: ModelBuilder's sharding reads their tags and dtypes there."""
     for module in lm.modules():
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
@@ -247,8 +233,8 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
     """The full checkpoint ModelBuilder shards for ``NeuronGemma4``: names prefixed ``lm.``, the shared MLP, the
     experts (``experts_checkpoint``) and the lm_head (from the tied embedding) int8, the embedding dropped."""
-    if config.moe_intermediate_size % tp:
-        raise ValueError(f"moe_intermediate_size={config.moe_intermediate_size} is not divisible by tp={tp}")
+    inter = config.moe_intermediate_size
+    assert inter % tp == 0, f"moe_intermediate_size={inter} is not divisible by tp={tp}"
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
@@ -281,18 +267,9 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
     return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
 
 
-def build_module(config, build: NeuronBuildConfig, scalars: dict, experts: str = "dense", sdk=None):
-    """(module, aliases) for ModelBuilder: the NxD module with its layer scalars filled."""
-    module = NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
-    fill_layer_scalars(module, scalars)
-    return module, module.input_output_aliases()
-
-
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
-    """A ModelBuilder with one instance per graph (key -> experts), traced with the bucket's or one token.
-
-    The layer scalars are read once here; the weights only by ``checkpoint_loader``, when ModelBuilder shards.
-    """
+    """A ModelBuilder with one instance per graph (key -> experts), traced with the bucket's or one token;
+    the weights are read only by ``checkpoint_loader``, when ModelBuilder shards."""
     scalars = read_layer_scalars(build.model_dir)
 
     class GemmaInstance(sdk.BaseModelInstance):
@@ -301,8 +278,9 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             self.experts = experts
 
         def load_module(self):
-            self.module, aliases = build_module(config, build, scalars, experts=self.experts)
-            self.input_output_aliases = [aliases]
+            self.module = NeuronGemma4(config, build, parallel=True, experts=self.experts)
+            fill_layer_scalars(self.module, scalars)
+            self.input_output_aliases = [self.module.input_output_aliases()]
 
     def checkpoint_loader():
         return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
@@ -348,20 +326,11 @@ def _build_record(build: NeuronBuildConfig, sdk, graphs: dict, shard_check_s: fl
     workdir = Path(build.compiler_workdir)
     neffs = _files(workdir, "*.neff")
     return {
-        "build": asdict(build),
-        "sdk": sdk_label(sdk),
-        "graphs": graphs,
-        "routed_graphs": build.routed_graphs(),
-        "shard_check_s": shard_check_s,
-        "compile_s": sampler.wall_s,
-        "peak_host_rss_bytes": sampler.peak_rss_bytes,
-        "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
-        "neff_files": neffs,
-        "neff_bytes": sum(neffs.values()),
-        "compiler_workdir_bytes": sum(_files(workdir).values()),
-        "artifact": MODEL_FILE,
-        "artifact_bytes": artifact.stat().st_size,
-        "versions": package_versions(SDK_PACKAGES),
+        "build": asdict(build), "sdk": sdk_label(sdk), "graphs": graphs, "routed_graphs": build.routed_graphs(),
+        "shard_check_s": shard_check_s, "compile_s": sampler.wall_s, "peak_host_rss_bytes": sampler.peak_rss_bytes,
+        "peak_host_hwm_bytes": sampler.peak_hwm_bytes, "neff_files": neffs, "neff_bytes": sum(neffs.values()),
+        "compiler_workdir_bytes": sum(_files(workdir).values()), "artifact": MODEL_FILE,
+        "artifact_bytes": artifact.stat().st_size, "versions": package_versions(SDK_PACKAGES),
     }
 
 

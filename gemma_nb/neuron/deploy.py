@@ -20,7 +20,7 @@ from gemma_nb.bench import time_runners
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
-from gemma_nb.neuron.build import host_logits, step_inputs
+from gemma_nb.neuron.build import host_logits, sdk_label, step_inputs
 from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.neuron.sdk import close_runtime
 from gemma_nb.peak_rss import HostMemorySampler
@@ -57,8 +57,7 @@ class NeuronStepRunner:
         padded[:, :prompt] = ids
         self.step_times_s = []
         start = time.perf_counter()
-        # Padding slots (positions prompt..bucket-1) are rewritten by the decode steps before any
-        # query can see them: the masks only open slots at or before the query's position.
+        # the padding's slots are rewritten by the decode steps before the masks open them to a query
         tokens = [int(self.step(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
         self.step_times_s.append(time.perf_counter() - start)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
@@ -87,8 +86,7 @@ class CpuStateGraph:
 
 
 def load_artifact(artifact_dir: str | Path):
-    """``torch.jit.load`` the artifact and put its weights on the NeuronCores; the graph callable (``.model``,
-    ``.sdk``)."""
+    """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
@@ -101,7 +99,7 @@ def load_artifact(artifact_dir: str | Path):
         return out[0] if isinstance(out, (tuple, list)) else out
 
     graph.model = model
-    graph.sdk = "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if sdk.emulated else "Neuron SDK"
+    graph.sdk = sdk_label(sdk)
     return graph
 
 

@@ -34,10 +34,8 @@ def lm_head_kwargs(hidden_size: int, vocab_size: int, quantized: bool = True, dt
 
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
                   pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
-    """The head: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear``, from ``sdk`` (default the SDK's).
-
-    Build it where NxD's parallel state exists; with ``pad=True`` pass its output through ``trim_padded_logits``.
-    """
+    """The head: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` from ``sdk`` (default the SDK's),
+    built inside NxD's parallel state; with ``pad=True`` its output goes through ``trim_padded_logits``."""
     sdk = import_nxd() if sdk is None else sdk
     kwargs = lm_head_kwargs(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad)
     kwargs["tensor_model_parallel_group"] = tensor_model_parallel_group

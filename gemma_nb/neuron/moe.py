@@ -49,9 +49,7 @@ class _ExpertMajorExperts(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, sdk=None, activation: str = "gelu_pytorch_tanh"):
         super().__init__()
         sdk = import_nxd() if sdk is None else sdk
-        if intermediate_size % tp:
-            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}: each rank "
-                             "holds an equal slice of every expert")
+        assert intermediate_size % tp == 0, f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}"
         self.num_experts, self.hidden_size, self.tp = num_experts, hidden_size, tp
         self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
         self.act_fn = ACT2FN[activation]
@@ -88,9 +86,8 @@ class NeuronSparseExperts(_ExpertMajorExperts):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         tokens, top_k = top_k_index.shape
-        if tokens * top_k / self.num_experts >= SELECTIVE_LOADING_THRESHOLD:
-            raise ValueError(f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: selective loading is "
-                             "the decode path; compile prefill with NeuronDenseExperts")
+        assert tokens * top_k / self.num_experts < SELECTIVE_LOADING_THRESHOLD, \
+            f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: a decode path"
         rows = []
         for token in range(tokens):  # as NxD's forward_selective_loading: one gather per token
             outputs = self._experts(hidden_states[token: token + 1], expert_indices=top_k_index[token])  # [K, 1, H]
@@ -108,8 +105,7 @@ def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pref
     """One layer's full (unsharded) entries for either experts module, from transformers' ``gate_up_proj [E, 2I, H]``
     and ``down_proj [E, H, I]``: the same for every TP degree (ModelBuilder's sharding cuts them)."""
     experts, two_inter, hidden = gate_up_proj.shape
-    if tuple(down_proj.shape) != (experts, hidden, two_inter // 2):
-        raise ValueError(f"down_proj {tuple(down_proj.shape)} does not match gate_up_proj {tuple(gate_up_proj.shape)}")
+    assert tuple(down_proj.shape) == (experts, hidden, two_inter // 2), (down_proj.shape, gate_up_proj.shape)
     out = {}
     for name, tensor in (("gate_up", gate_up_proj), ("down", down_proj)):
         out[f"{prefix}{name}.weight"], out[f"{prefix}{name}.scale"] = expert_major_int8(tensor, f"{prefix}{name}")

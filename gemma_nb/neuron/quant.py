@@ -77,16 +77,12 @@ def support_matrix_table():
 
 
 def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD's ``scale_dequantize``, out of place and for a 2-D output too (the experts' ``[T, out]``).
-
-    NxD's multiplies in place by ``scale.unsqueeze(-2)``, ``[1, 1, out]`` for a layer's ``scale.T``, which a 2-D
-    output cannot take; here the factor's extra leading size-1 dims are dropped. 3-D numbers equal NxD's.
-    """
+    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too: the factor's extra leading
+    size-1 dims (``[1, 1, out]`` for a layer's ``scale.T``) are dropped. 3-D numbers equal NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
-        if any(size != 1 for size in factor.shape[:extra]):
-            raise ValueError(f"scale {tuple(scale.shape)} does not broadcast to the output {tuple(tensor.shape)}")
+        assert all(size == 1 for size in factor.shape[:extra]), f"scale {tuple(scale.shape)} does not broadcast"
         factor = factor.reshape(factor.shape[extra:])
     return (tensor.to(torch.float32) * factor).to(upcast_dtype)
 
@@ -137,9 +133,6 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
     """On a NeuronCore: per dtype, ``ok``, the ``stage`` reached (or failed), ``max_abs_diff`` against the cpu
     matmul, the ``error``; a DataFrame. ``TargetError`` at once without the SDK."""
     sdk = import_nxd()
-    NxDParallelState, QuantizedColumnParallel = sdk.NxDParallelState, sdk.QuantizedColumnParallel
-    ModelBuilder = sdk.ModelBuilderV2
-
     patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.02
@@ -148,9 +141,9 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
     for dtype_name in dtypes:
         row = {"dtype": dtype_name, "ok": False, "stage": "build", "max_abs_diff": None, "error": ""}
         try:
-            with NxDParallelState(world_size=1, tensor_model_parallel_size=1):
-                layer = QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
-                                                dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
+            with sdk.NxDParallelState(world_size=1, tensor_model_parallel_size=1):
+                layer = sdk.QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
+                                                    dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
                 model = _TrialLinear(layer).eval()
                 row["stage"] = "load_weights"
                 state, dequantized = trial_weights(dtype_name, weight)
@@ -158,7 +151,7 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
                 got = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
                 assert all(expected.get(k) == v for k, v in got.items()), (got, expected)
                 row["stage"] = "trace"
-                builder = ModelBuilder(model).trace(args=(x,), tag=f"quant_{dtype_name.lower()}")
+                builder = sdk.ModelBuilderV2(model).trace(args=(x,), tag=f"quant_{dtype_name.lower()}")
                 row["stage"] = "compile"
                 nxd_model = builder.compile(compiler_workdir=f"{workdir}/{dtype_name.lower()}")
                 row["stage"] = "run"

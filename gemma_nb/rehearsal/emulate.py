@@ -63,11 +63,10 @@ class AliasedGraphs:
                     parameter.copy_(self.state[name])
             outputs = module(*inputs)
             for parameter, index in module.input_output_aliases().items():
-                name = names[id(parameter)]
-                if outputs[index].shape != self.state[name].shape or outputs[index].dtype != self.state[name].dtype:
-                    raise RuntimeError(f"output {index} {tuple(outputs[index].shape)} {outputs[index].dtype} cannot "
-                                       f"alias state {name} {tuple(self.state[name].shape)} {self.state[name].dtype}")
-                self.state[name] = outputs[index].detach().clone()
+                name, out = names[id(parameter)], outputs[index]
+                assert (out.shape, out.dtype) == (self.state[name].shape, self.state[name].dtype), \
+                    f"output {index} {tuple(out.shape)} {out.dtype} cannot alias state {name}"
+                self.state[name] = out.detach().clone()
         self.calls[kind] += 1
         self.logits.append(outputs[0][0, -1].detach().clone())
         return outputs[0]
@@ -166,8 +165,7 @@ def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: lis
 
 
 def _matching(picks: list, reference: list) -> float:
-    if len(picks) != len(reference):
-        raise RuntimeError(f"{len(picks)} router choices against {len(reference)} in the reference")
+    assert len(picks) == len(reference), (len(picks), len(reference))
     return sum(a == b for a, b in zip(picks, reference)) / len(reference)
 
 
@@ -203,24 +201,14 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
     bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
                   threads_per_rank=1, timeout_s=timeout_s)
     return {
-        "model_id": model_id,
-        "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
-        "tp": tp,
-        "ranks": len(ranks),
-        "activation_dtype": build.dtype,
-        "max_len": max_len,
-        "bucket": bucket,
-        "prompts": len(prompts_ids),
-        "new_tokens": new_tokens,
-        **_compare_ranks(ranks, reference),
-        "router_choices": len(choices),
-        "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
+        "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
+        "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
+        "prompts": len(prompts_ids), "new_tokens": new_tokens, **_compare_ranks(ranks, reference),
+        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
         "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
-        "router_ranks_agree": all(r == bf16[0] for r in bf16),
-        "prompt_texts": list(prompts),
+        "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
         "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
-        "reference_tokens": expected,
-        "tokens_per_rank": [r["tokens"] for r in ranks],
+        "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -236,14 +224,11 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
         "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
         "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
         "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
-        "max_abs_logit_diff_dense": logit_diff("dense"),
-        "max_abs_logit_diff_sparse": logit_diff("sparse"),
+        "max_abs_logit_diff_dense": logit_diff("dense"), "max_abs_logit_diff_sparse": logit_diff("sparse"),
         "max_abs_logit_reference": float(reference["logits"]["dense"].abs().max()),
-        "kv_heads_unsharded": reference["kv_heads"],
-        "kv_heads_per_rank": ranks[0]["kv_heads"],
+        "kv_heads_unsharded": reference["kv_heads"], "kv_heads_per_rank": ranks[0]["kv_heads"],
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
-        "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks),
-        "graph_calls_per_rank": ranks[0]["graph_calls"],
+        "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks), "graph_calls_per_rank": ranks[0]["graph_calls"],
     }
 

@@ -37,11 +37,8 @@ from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
-# Allowed |logits(XLA) - logits(eager)|, in ulps of the largest |logit|. XLA's cpu backend fuses
-# and reorders the same arithmetic (and keeps some bf16 intermediates in fp32), so the two runs
-# round differently. In fp32 that stays within a few ulps: the exact comparison. In bf16 the
-# roundings compound through the layers, for eager and XLA alike (each row's ``bf16_rounding``,
-# eager bf16 against eager fp32, is of the same size as its bf16 difference), hence the wider bound.
+# Allowed |logits(XLA) - logits(eager)| in ulps of the largest |logit|: XLA fuses and reorders, so it rounds
+# differently; in bf16 the roundings compound through the layers (of the size of each row's ``bf16_rounding``).
 TOLERANCE_ULPS = {torch.bfloat16: 32, torch.float32: 64}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
 PROMPT_TOKENS = 12   # real tokens in the padded prefill (the rest of the bucket is padding)
@@ -62,8 +59,7 @@ def hlo_opcodes(hlo_text: str) -> list[str]:
         match = _INSTRUCTION.match(line)
         if match:
             opcode = _OPCODE.search(match.group(1))
-            if opcode is None:
-                raise ValueError(f"HLO instruction without an opcode: {line.strip()[:120]!r}")
+            assert opcode is not None, f"HLO instruction without an opcode: {line.strip()[:120]!r}"
             opcodes.append(opcode.group(1))
     return opcodes
 
@@ -98,8 +94,7 @@ def takes_whole_leading_slices(gather: dict) -> bool:
 def hlo_counts(hlo_text: str) -> dict:
     """Instructions, gathers, gathers of a graph parameter, and those taking whole leading-axis slices."""
     opcodes = hlo_opcodes(hlo_text)
-    if not opcodes:
-        raise ValueError("no HLO instructions found: expected the text of torch_xla._XLAC._get_xla_tensors_hlo")
+    assert opcodes, "no HLO instructions found"
     weights = [g for g in hlo_gathers(hlo_text) if g["of_parameter"]]
     return {"hlo_instructions": len(opcodes), "gathers": opcodes.count("gather"), "weight_gathers": len(weights),
             "weight_gathers_leading_axis": sum(takes_whole_leading_slices(g) for g in weights)}
@@ -112,18 +107,15 @@ def aten_fallbacks(counter_names) -> list[str]:
 
 def ulp(value: float, dtype: torch.dtype) -> float:
     """The spacing of ``dtype`` numbers at ``|value|`` (bf16: 7 stored mantissa bits, fp32: 23)."""
-    if dtype not in MANTISSA_BITS:
-        raise ValueError(f"dtype {dtype} is not one of {', '.join(map(str, MANTISSA_BITS))}")
+    assert dtype in MANTISSA_BITS, f"{dtype} is not one of {list(MANTISSA_BITS)}"
     if value == 0:
         return 0.0
     return 2.0 ** (math.floor(math.log2(abs(value))) - MANTISSA_BITS[dtype])
 
 
 def tolerance(eager: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest |XLA - eager| accepted for the logits ``eager`` of a ``dtype`` graph:
-    ``TOLERANCE_ULPS[dtype]`` ulps of its largest |logit|."""
-    if dtype not in TOLERANCE_ULPS:
-        raise ValueError(f"dtype {dtype} has no tolerance rule; the graphs are built in bfloat16 or float32")
+    """The largest |XLA - eager| accepted for a ``dtype`` graph's logits: ``TOLERANCE_ULPS[dtype]`` ulps of the largest."""
+    assert dtype in TOLERANCE_ULPS, f"{dtype} has no tolerance rule"
     return TOLERANCE_ULPS[dtype] * ulp(float(eager.abs().max()), dtype)
 
 
@@ -183,7 +175,7 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
     return json.loads(done.stdout)
 
 
-# Column names of the notebook's tables: what each row field means, shortly.
+# the notebook's column names of the row fields
 STRUCTURE_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "tokens": "tokens",
                      "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "to-host transfers",
                      "xla_executions": "XLA graphs", "hlo_instructions": "HLO ops", "gathers": "gathers",
@@ -223,22 +215,14 @@ def _import_xla():
     return torch_xla, metrics
 
 
-def _first(outputs):
-    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-
-
-def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """Run ``module(*inputs)`` eagerly, then as one step on the XLA device (counters cleared after the move):
-    the row of fallbacks, transfers, executions, HLO counts, ``max_abs_diff`` and ``tolerance``, or ``error``."""
-    return _lower_step(module, inputs, dtype, **labels)[0]
-
-
-def _lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> tuple[dict, torch.Tensor]:
-    """:func:`lower_step`'s row and the eager logits (fp32 copy)."""
+def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> tuple[dict, torch.Tensor]:
+    """Run ``module(*inputs)`` eagerly, then as one step on the XLA device (counters cleared after the move): the
+    row (fallbacks, transfers, executions, HLO counts, ``max_abs_diff``, ``tolerance`` or ``error``), eager logits."""
     torch_xla, metrics = _import_xla()
     module.eval()
     with torch.no_grad():
-        eager = _first(module(*inputs)).float()
+        eager = module(*inputs)
+        eager = (eager[0] if isinstance(eager, (tuple, list)) else eager).float()
         device = torch_xla.device()
         module.to(device)
         on_device = tuple(t.to(device) for t in inputs)
@@ -253,14 +237,9 @@ def _lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **la
         except Exception as failure:  # noqa: BLE001 -- recorded: a fallback op may fail on the cpu
             error = f"{type(failure).__name__}: {str(failure).splitlines()[0]}"
         transfers = metrics.metric_data("TransferFromDeviceTime")
-        row = {
-            **labels,
-            "dtype": str(dtype).removeprefix("torch."),
-            "aten_fallbacks": aten_fallbacks(metrics.counter_names()),
-            "device_to_host_transfers": transfers[0] if transfers else 0,
-            "xla_executions": metrics.counter_value("ExecuteComputation") or 0,
-            "error": error,
-        }
+        row = {**labels, "dtype": str(dtype).removeprefix("torch."), "aten_fallbacks": aten_fallbacks(metrics.counter_names()),
+               "device_to_host_transfers": transfers[0] if transfers else 0,
+               "xla_executions": metrics.counter_value("ExecuteComputation") or 0, "error": error}
         if error is not None:
             return {**row, "hlo_instructions": None, "gathers": None, "weight_gathers": None,
                     "weight_gathers_leading_axis": None, "max_abs_diff": None, "tolerance": None}, eager
@@ -341,8 +320,8 @@ def _cpu_module(config, state, build, experts: str):
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
     """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
     rounding (eager bf16 against eager fp32)."""
-    row, eager = _lower_step(make_module(dtype), inputs, dtype, **labels)
-    exact, fp32_eager = _lower_step(make_module(torch.float32),
+    row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
+    exact, fp32_eager = lower_step(make_module(torch.float32),
                                     tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
     if exact["error"] or exact["aten_fallbacks"] or exact["device_to_host_transfers"]:
         raise RuntimeError(f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}")
@@ -383,7 +362,7 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     for experts in ("transformers", "sparse"):
         module = _cpu_module(config, state, build, experts)
         fill_cache(module)
-        rows.append(lower_step(module, inputs, dtype, graph="decode", tp=1, experts=f"{experts} (cpu)", tokens=1))
+        rows.append(lower_step(module, inputs, dtype, graph="decode", tp=1, experts=f"{experts} (cpu)", tokens=1)[0])
     return rows
 
 

@@ -43,16 +43,8 @@ _STATE: ParallelState | None = None
 def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
     """Set the parallel state the stand-in layers read at construction (and keep for their forward)."""
     global _STATE
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r} must be a positive integer (the port used 2)")
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
-    if group is not None:
-        if dist.get_world_size(group) != tp:
-            raise ValueError(f"the process group has {dist.get_world_size(group)} ranks but tp={tp}; "
-                             "start one rank per shard")
-        if dist.get_rank(group) != rank:
-            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
+    assert type(tp) is int and 0 <= rank < tp, (tp, rank)
+    assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), "tp, rank != the group's"
     previous, _STATE = _STATE, ParallelState(tp, rank, group, spmd)
     try:
         yield _STATE
@@ -167,18 +159,13 @@ def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
         raise TypeError(f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses")
 
 
-def _padding(size: int, multiple: int) -> int:
-    return (-size) % multiple
-
-
 def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_output: bool, dtype, stride: int,
                   pad: bool, group) -> int:
-    """The sizes both column-parallel stand-ins set, as NxD's do: the padded output and this rank's
-    share of it (``output_size_per_partition``). Returns the TP degree."""
+    """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's share; the TP degree."""
     layer.tensor_parallel_group = group or current_state()
     tp = layer.tensor_parallel_group.tp
     layer.input_size, layer.gather_output, layer.stride, layer.dtype = input_size, gather_output, stride, dtype
-    layer.pad, layer.pad_size = pad, _padding(output_size, tp) if pad else 0
+    layer.pad, layer.pad_size = pad, (-output_size) % tp if pad else 0
     layer.output_size = output_size + layer.pad_size
     layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
     return tp
@@ -199,8 +186,7 @@ class BaseParallelLinear(nn.Module):
 
     def _make_weight(self, shape, dtype, device, partition_dim: int, stride: int) -> None:
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-        # Tagged after registration, as NxD does (on meta or on cpu): init_on_device's hook has
-        # replaced the parameter by then, so the tags land on the one the module holds.
+        # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
 
 

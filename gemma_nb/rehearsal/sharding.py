@@ -91,9 +91,8 @@ def shard_children(module: nn.Module, checkpoint: dict, rank: int, prefix: str =
         return
     for name, parameter in module.named_parameters(recurse=False):
         key = prefix + name
-        part_rank = rank
-        if getattr(parameter, "rank_ordering", None) is not None:
-            part_rank = parameter.rank_ordering[rank]
+        ordering = getattr(parameter, "rank_ordering", None)
+        part_rank = rank if ordering is None else ordering[rank]
         if hasattr(parameter, "get_tensor_from_state_dict"):
             tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
         elif key in checkpoint:
@@ -110,8 +109,7 @@ def shard_children(module: nn.Module, checkpoint: dict, rank: int, prefix: str =
 
 def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
     """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict)."""
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank={rank} is outside 0..{tp - 1} for tp={tp}")
+    assert 0 <= rank < tp, (rank, tp)
     state = dict(checkpoint)
     preprocess_checkpoint(module, state)
     cast_weights(state, module)

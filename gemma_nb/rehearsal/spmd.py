@@ -69,10 +69,7 @@ def _all_reduce_impl(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
     group, rank = context
     parts = group.exchange(rank, tensor)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total
+    return sum(parts[1:], parts[0].clone())
 
 
 def _all_gather_impl(tensor: torch.Tensor, dim: int) -> torch.Tensor:

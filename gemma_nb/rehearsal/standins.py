@@ -18,20 +18,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from gemma_nb.rehearsal import nxd_layers, nxd_quant
+from gemma_nb.rehearsal import nxd_quant
 from gemma_nb.rehearsal.nxd_layers import (
     NXD_CONTRACT_VERSION,
     ColumnParallelLinear,
-    ParallelState,
     RowParallelLinear,
     SPMDRank,
-    current_state,
-    gather_from_tensor_model_parallel_region,
     mappings,
     model_parallel,
-    reduce_from_tensor_model_parallel_region,
     scatter_to_process_group_spmd,
-    set_tensor_model_parallel_attributes,
 )
 from gemma_nb.rehearsal.nxd_quant import (
     QuantizationType,
@@ -63,10 +58,5 @@ def cpu_sdk() -> SimpleNamespace:
     )
 
 
-__all__ = [
-    "NXD_CONTRACT_VERSION", "ParallelState", "model_parallel", "current_state", "cpu_sdk", "mappings",
-    "ColumnParallelLinear", "RowParallelLinear", "SPMDRank", "QuantizationType", "QuantizedDtype", "ScaleDtype",
-    "sdk_scale_dequantize", "scatter_to_process_group_spmd", "reduce_from_tensor_model_parallel_region",
-    "gather_from_tensor_model_parallel_region", "init_on_device", "init_on_meta", "shard_checkpoint",
-    "load_rank_module", "set_tensor_model_parallel_attributes", "bind_quantized_layers", "nxd_layers",
-]
+__all__ = ["NXD_CONTRACT_VERSION", "model_parallel", "cpu_sdk", "sdk_scale_dequantize", "init_on_device", "init_on_meta",
+           "shard_checkpoint", "load_rank_module", "bind_quantized_layers"]
