@@ -22,7 +22,6 @@ from gemma_nb.hardware import GB
 from gemma_nb.memory import tensor_bytes
 
 EXPERT_MODES = ("dense", "sparse")
-# GEMMA_NB_TIMING=smoke (tests/check_notebooks.py): every timing loop runs once; nbval compares no timing
 TIMING_ENV = "GEMMA_NB_TIMING"
 
 
@@ -65,8 +64,7 @@ class Timings:
         return list(dict.fromkeys(self.steps["candidate"]))
 
     def _check(self, name: str) -> None:
-        if name not in self.candidates:
-            raise ValueError(f"candidate {name!r} was not timed; timed: {', '.join(self.candidates)}")
+        assert name in self.candidates, f"candidate {name!r} was not timed"
 
     def per_repeat(self) -> pd.DataFrame:
         """p50 latency and tokens/s of every (candidate, repeat)."""
@@ -114,8 +112,7 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
     """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
     untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
     _check_counts(steps=steps, repeats=repeats, warmup=warmup)
-    if not candidates:
-        raise ValueError("candidates is empty: pass {name: step_fn}")
+    assert candidates, "no candidates"
     if smoke_timing():
         steps, repeats, warmup = 1, 1, 0
     names = list(candidates)
@@ -142,21 +139,15 @@ def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str
     """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
     cache = DynamicCache(config=model.config)
     _sync(device)
-    start = time.perf_counter()
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    token = logits[:, -1].argmax(dim=-1, keepdim=True)
-    _sync(device)
-    ttft_ms = 1000.0 * (time.perf_counter() - start)
-    generated = [token]
-    decode_ms = []
-    for _ in range(new_tokens - 1):
+    token, generated, ms = input_ids, [], []
+    for _ in range(new_tokens):
         start = time.perf_counter()
         logits = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1].argmax(dim=-1, keepdim=True)
         _sync(device)
-        decode_ms.append(1000.0 * (time.perf_counter() - start))
+        ms.append(1000.0 * (time.perf_counter() - start))
         generated.append(token)
-    return ttft_ms, decode_ms, torch.cat([input_ids, *generated], dim=1)
+    return ms[0], ms[1:], torch.cat([input_ids, *generated], dim=1)
 
 
 def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3, warmup: int = 1,
@@ -171,8 +162,7 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
         repeats, warmup = 1, 0
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = (ids[None] if ids.dim() == 1 else ids).to(device)
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"input_ids of shape {tuple(ids.shape)}; expected one prompt [S] or [1, S] (batch 1 decode)")
+    assert ids.dim() == 2 and ids.shape[0] == 1, f"input_ids {tuple(ids.shape)}: one prompt [S] or [1, S]"
     names = list(models)
 
     def prepared(name):
@@ -256,8 +246,7 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str =
 
 def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
     """The shortest time (ms) in which ``nbytes`` can be read at ``bandwidth_bytes_s``."""
-    if not bandwidth_bytes_s or bandwidth_bytes_s <= 0:
-        raise ValueError(f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be positive (bytes per second)")
+    assert bandwidth_bytes_s and bandwidth_bytes_s > 0, f"bandwidth_bytes_s={bandwidth_bytes_s!r}"
     return 1000.0 * nbytes / bandwidth_bytes_s
 
 
@@ -266,24 +255,20 @@ def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int
     """Weight bytes one token reads in one MoE layer (``dtype`` a ``gemma_nb.memory`` format): all E
     experts (dense) or its top-k (sparse)."""
     check_experts_mode(experts)
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+    assert 1 <= top_k <= num_experts, (top_k, num_experts)
     per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes((hidden, intermediate), dtype)
     return per_expert * (num_experts if experts == "dense" else top_k)
 
 
 def check_experts_mode(experts: str) -> None:
-    """ValueError unless ``experts`` is one of ``EXPERT_MODES``."""
-    if experts not in EXPERT_MODES:
-        raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}")
+    assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
 
 
 def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
                 routes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[int], Any]]:
     """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh
     routing per step (no experts left in cache)."""
-    if not routes:
-        raise ValueError("routes is empty: pass [(top_k_index, top_k_weights), ...] (see moe.random_routing)")
+    assert routes, "no routes"
     return {name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)])) for name, module in modules.items()}
 
 
@@ -337,20 +322,6 @@ def breakdown_table(timings: Timings, prefixes: Sequence[str], weight_bytes: Map
                      "overhead_ms": overhead, "kernel_plus_overhead_ms": kernel + overhead,
                      "gather_copy_ms": gather})
     return pd.DataFrame(rows).set_index("candidate")
-
-
-def explain_floor_gap(row: Mapping[str, float], target_x: float = 1.5, probe_gb_s: float | None = None) -> str:
-    """One sentence from a ``breakdown_table`` row: target met or missed, by how much, and what the parts say."""
-    verdict = "meets" if row["x_floor"] <= target_x else "misses"
-    text = (f"{row['step_ms']:.2f} ms = {row['x_floor']:.2f}x its {row['floor_ms']:.2f} ms bandwidth floor: "
-            f"{verdict} the <= {target_x}x target")
-    if row["x_floor"] > target_x:
-        text += f" by {row['x_floor'] / target_x:.2f}x"
-    probe = f" vs {probe_gb_s:.1f} GB/s probed" if probe_gb_s else ""
-    text += (f". The matmuls alone take {row['kernel_ms']:.2f} ms ({row['kernel_gb_s']:.1f} GB/s{probe}); "
-             f"routing and call overhead (tiny layer) {row['overhead_ms']:.2f} ms; the two add up to "
-             f"{row['kernel_plus_overhead_ms']:.2f} ms against the step's {row['step_ms']:.2f} ms.")
-    return text
 
 
 def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) -> None:

@@ -27,10 +27,9 @@ from gemma_nb.story import CLAIMS
 READ_GROUPS = ("router", "shared_mlp", "attention", "norms", "lm_head", "other")
 MATMUL_GROUPS = ("router", "shared_mlp", "attention", "lm_head")
 
-# Decode paths at batch B: "dense" runs all E experts (the port's DenseExperts, NxD's
-# forward_all_experts); "sparse" reads each distinct routed expert once per step (a grouped
-# gather); "nxd_rule" is NxD's choice: forward_selective_loading, which gathers each token's K
-# experts (B x K expert reads, repeats included) while B x K / E < the threshold, else all experts.
+# Decode paths at batch B: "dense" runs all E experts (DenseExperts, NxD's forward_all_experts); "sparse" reads
+# each distinct routed expert once per step; "nxd_rule": NxD's forward_selective_loading, each token's K experts
+# (B x K reads, repeats included) while B x K / E < the threshold, else all experts.
 BATCH_PATHS = ("dense", "sparse", "nxd_rule")
 # NxD 0.18 modules/moe/model_utils.py DEFAULT_SELECTIVE_LOADING_THRESHOLD (docs/sources.md: nxd-source).
 SELECTIVE_LOADING_THRESHOLD = 1.0
@@ -42,8 +41,7 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     _check_batch(batch)
     if not num_experts:
         return 0.0
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+    assert 1 <= top_k <= num_experts, (top_k, num_experts)
     if batch == 1:
         return float(top_k)  # exact: the formula's floating point would round it
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
@@ -52,11 +50,6 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 def selective_loading(num_experts: int, top_k: int, batch: int) -> bool:
     """NxD's decode rule: selective loading while ``batch * top_k / num_experts`` < the threshold."""
     return bool(num_experts) and batch * top_k / num_experts < SELECTIVE_LOADING_THRESHOLD
-
-
-def check_batch_path(path: str) -> None:
-    if path not in BATCH_PATHS:
-        raise ValueError(f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}")
 
 
 def _check_batch(batch) -> None:
@@ -111,7 +104,7 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
     """Bytes and FLOPs per rank of one decode step of ``batch`` streams on ``path``, with the expert
     weight sets read per layer and the experts each token runs."""
     _check_batch(batch)
-    check_batch_path(path)
+    assert path in BATCH_PATHS, f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}"
     experts, top_k = costs.num_experts, costs.top_k
     if not experts:
         read = computed = 0.0
@@ -155,11 +148,7 @@ class Deployment:
     replicas: int = 1
 
     def resolved_device(self) -> Device:
-        if isinstance(self.device, Device):
-            return self.device
-        if self.device not in DEVICES:
-            raise ValueError(f"device {self.device!r} is not in gemma_nb.hardware.DEVICES ({', '.join(DEVICES)})")
-        return DEVICES[self.device]
+        return self.device if isinstance(self.device, Device) else DEVICES[self.device]
 
     def price(self) -> float | None:
         if self.usd_per_hour is not None:
@@ -198,8 +187,7 @@ def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) 
     """One decode step of ``batch`` streams per replica: ``step_ms`` = max(bytes / bandwidth, FLOPs /
     bf16 peak), tokens/s (all replicas, and per stream) and $ per 10^6 tokens."""
     device = deployment.resolved_device()
-    if not device.bandwidth_bytes_s:
-        raise ValueError(f"device {device.name!r} has no bandwidth figure; measure it (hardware.measured_cpu)")
+    assert device.bandwidth_bytes_s, f"device {device.name!r} has no bandwidth figure"
     step = batch_step(costs, batch, path)
     memory_ms = 1000.0 * step["bytes"] / device.bandwidth_bytes_s
     compute_ms = 1000.0 * step["flops"] / device.bf16_flops if device.bf16_flops else 0.0
@@ -251,8 +239,7 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
     """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the least."""
     allowance = allowance or deployment.runtime_allowance()
     hbm = deployment.resolved_device().hbm_bytes if hbm_bytes_per_rank is None else hbm_bytes_per_rank
-    if hbm is None:
-        raise ValueError(f"device {deployment.resolved_device().name!r} has no memory figure: pass hbm_bytes_per_rank")
+    assert hbm is not None, f"device {deployment.resolved_device().name!r} has no memory figure"
     return {"kv_gb_per_stream": costs.kv_bytes_per_stream / GB, "runtime_allowance_gb": allowance.high_bytes / GB,
             "largest_batch": largest_batch(costs, hbm, allowance.high_bytes),
             "largest_batch_if_low": largest_batch(costs, hbm, allowance.low_bytes)}
@@ -365,10 +352,8 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
-    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation.
-
-    ``status`` says which rows are measured, computed bounds, or hypotheses (not verified on an inf2).
-    """
+    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation, its
+    ``status`` measured, a computed bound, or a hypothesis (not verified on an inf2)."""
     measured = story["measured_tok_s"]
     rows = [
         ("measured by the port (its model card)", "claim", None, measured),

@@ -26,7 +26,6 @@ CHAR_WIDTH_PX = 7.0
 HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0
 WRAP_CHARS = 40
-PAGE_WIDTH_IN = 10.0  # a figure at matplotlib's 100 dpi inline: 10 in = 1,000 px
 EOS = "<eos>"
 MAX_ROWS = 120
 
@@ -94,10 +93,7 @@ def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int
 
 def _exact_decimals(values: list[float]) -> int:
     """The fewest decimals (up to MAX_DECIMALS) that write every value as it is, e.g. after ``round(3)``."""
-    for decimals in range(MAX_DECIMALS + 1):
-        if all(round(v, decimals) == v for v in values):
-            return decimals
-    return MAX_DECIMALS
+    return next((d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in values)), MAX_DECIMALS)
 
 
 def _fixed(value: float, decimals: int) -> str:
@@ -195,16 +191,11 @@ def _tidy_index(index):
 
 def cell_width_chars(text: str) -> int:
     """How many characters of ``text`` set its column's width (text with spaces wraps)."""
-    lines = str(text).splitlines() or [""]
-    widest = 0
-    for line in lines:
+    def width(line: str) -> int:
         line = line.strip()
-        if " " in line:
-            longest_word = max(len(word) for word in line.split())
-            widest = max(widest, min(len(line), max(longest_word, WRAP_CHARS)))
-        else:
-            widest = max(widest, len(line))
-    return widest
+        return min(len(line), max(max(len(word) for word in line.split()), WRAP_CHARS)) if " " in line else len(line)
+
+    return max(width(line) for line in str(text).splitlines() or [""])
 
 
 def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
@@ -222,12 +213,9 @@ def frame_rows(frame) -> list[list[str]]:
     shown = tidy(frame) if isinstance(frame, (pd.DataFrame, pd.Series)) else frame
     if isinstance(shown, pd.Series):
         shown = shown.to_frame()
-    index_levels = shown.index.nlevels
-    header_levels = shown.columns.nlevels
-    rows = []
-    for level in range(header_levels):
-        labels = [str(c[level]) if header_levels > 1 else str(c) for c in shown.columns]
-        rows.append([""] * index_levels + labels)
+    index_levels, header_levels = shown.index.nlevels, shown.columns.nlevels
+    rows = [[""] * index_levels + [str(c[level]) if header_levels > 1 else str(c) for c in shown.columns]
+            for level in range(header_levels)]
     for labels, values in zip(shown.index, shown.itertuples(index=False)):
         labels = labels if isinstance(labels, tuple) else (labels,)
         rows.append([str(v) for v in labels] + [str(v) for v in values])

@@ -62,13 +62,3 @@ def save_metrics(target: str, notebook: str, metrics: Mapping[str, Any], headlin
     write_json_atomic(path, _jsonable(payload))
     return path
 
-
-def load_metrics(target: str, notebook: str) -> dict:
-    """Read what an earlier notebook wrote; a clear error if it has not run yet."""
-    path = metrics_dir(target) / f"{notebook}.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path.name} not found for target {target!r}: run notebook {notebook} first "
-            f"(python -m gemma_nb run --target {target} --only {notebook[:2]})"
-        )
-    return json.loads(path.read_text())

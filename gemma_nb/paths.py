@@ -17,8 +17,7 @@ PROJECT_MARKERS = ("pyproject.toml", ".git")
 
 def find_project_root(start: Path | str | None = None) -> Path:
     """The nearest folder at or above ``start`` (default: cwd) holding a ``PROJECT_MARKERS`` entry, else ``start``."""
-    start = Path.cwd() if start is None else Path(start)
-    start = start.resolve()
+    start = (Path.cwd() if start is None else Path(start)).resolve()
     for folder in (start, *start.parents):
         if any((folder / marker).exists() for marker in PROJECT_MARKERS):
             return folder
@@ -75,10 +74,8 @@ def fresh_dir(folder: Path | str) -> Path:
 def display_path(path: Path | str) -> str:
     """A path relative to the output folder or repo, never absolute (absolute paths differ per machine)."""
     path = Path(path).resolve()
-    roots = []
     override = os.environ.get(OUTPUT_DIR_ENV)
-    if override:
-        roots.append((Path(override).resolve(), "<outputs>"))
+    roots = [(Path(override).resolve(), "<outputs>")] if override else []
     roots += [(OUTPUTS_DIR.resolve(), "outputs"), (REPO_ROOT.resolve(), ".")]
     for root, label in roots:
         try:

@@ -6,6 +6,7 @@ process's own ``VmHWM`` (an upper bound that never misses a spike). Shared pages
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,13 +20,8 @@ import psutil
 
 def _hwm_bytes(proc: psutil.Process) -> int | None:
     """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), or None where unreadable."""
-    try:
-        with open(f"/proc/{proc.pid}/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/status") as handle:
+        return next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), None)
     return None
 
 
@@ -51,13 +47,8 @@ class HostMemorySampler:
     peak_hwm_bytes: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, (int, float)) or not self.interval_s > 0:
-            raise ValueError(f"interval_s={self.interval_s!r} must be a positive number of seconds (e.g. 0.05)")
-        pid = os.getpid() if self.pid is None else self.pid
-        try:
-            self._root = psutil.Process(pid)
-        except psutil.NoSuchProcess as error:
-            raise ValueError(f"pid={pid} is not a running process: pass the pid of a live process, or None for this one") from error
+        assert not isinstance(self.interval_s, bool) and self.interval_s > 0, f"interval_s={self.interval_s!r}"
+        self._root = psutil.Process(os.getpid() if self.pid is None else self.pid)
         self._hwm: dict[tuple[int, float], int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,10 +57,8 @@ class HostMemorySampler:
     def _tree(self) -> list[psutil.Process]:
         procs = [self._root]
         if self.include_children:
-            try:
+            with contextlib.suppress(psutil.Error):
                 procs += self._root.children(recursive=True)
-            except psutil.Error:
-                pass
         return procs
 
     def sample(self) -> Sample:
@@ -96,8 +85,7 @@ class HostMemorySampler:
             self.sample()
 
     def start(self) -> HostMemorySampler:
-        if self._thread is not None:
-            raise RuntimeError("this HostMemorySampler was already started; make a new one per measurement")
+        assert self._thread is None, "a HostMemorySampler runs once"
         self._t0 = time.perf_counter()
         self.sample()
         self._thread = threading.Thread(target=self._run, name="host-memory-sampler", daemon=True)
@@ -105,8 +93,7 @@ class HostMemorySampler:
         return self
 
     def stop(self) -> HostMemorySampler:
-        if self._thread is None:
-            raise RuntimeError("stop() before start(): use the sampler as a context manager")
+        assert self._thread is not None, "stop() before start()"
         self._stop.set()
         self._thread.join()
         self.sample()
@@ -158,13 +145,11 @@ class MeasuredRunError(RuntimeError):
 
 def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0,
                  env: dict | None = None) -> MeasuredRun:
-    """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line is the JSON ``result``.
-
-    Raises ``MeasuredRunError`` with the child's stderr tail if it fails or runs past ``timeout_s``.
-    """
+    """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line is the JSON
+    ``result``. ``MeasuredRunError`` (with the child's stderr tail) if it fails or runs past ``timeout_s``."""
+    name = f"{' '.join(argv[:3])} ..."
     with tempfile.TemporaryFile(mode="w+") as err:
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
-                                 env={**os.environ, **(env or {})})
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
         sampler = HostMemorySampler(interval_s=interval_s, pid=child.pid)
         with sampler:
             try:
@@ -172,19 +157,17 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.communicate()
-                raise MeasuredRunError(f"{' '.join(argv[:3])} ... ran past timeout_s={timeout_s}; it was killed")
+                raise MeasuredRunError(f"{name} ran past timeout_s={timeout_s}; it was killed")
         err.seek(0)
         stderr_tail = err.read()[-2000:]
     if child.returncode != 0:
-        raise MeasuredRunError(f"{' '.join(argv[:3])} ... exited with status {child.returncode}:\n{stderr_tail}")
+        raise MeasuredRunError(f"{name} exited with status {child.returncode}:\n{stderr_tail}")
     lines = [line for line in stdout.splitlines() if line.strip()]
     try:
         result = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as error:
-        raise MeasuredRunError(
-            f"{' '.join(argv[:3])} ... printed no JSON result on its last stdout line "
-            f"(got {lines[-1][:200] if lines else 'nothing'!r})"
-        ) from error
+        got = lines[-1][:200] if lines else "nothing"
+        raise MeasuredRunError(f"{name} printed no JSON result on its last stdout line (got {got!r})") from error
     return MeasuredRun(result=result, peak_rss_bytes=sampler.peak_rss_bytes, peak_hwm_bytes=sampler.peak_hwm_bytes,
                        wall_s=sampler.wall_s, samples=sampler.samples)
 

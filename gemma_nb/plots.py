@@ -36,34 +36,29 @@ def subplots(*args, **kwargs):
     set_theme()
     kwargs.setdefault("layout", "constrained")
     width = kwargs.get("figsize", matplotlib.rcParams["figure.figsize"])[0]
-    if width > MAX_WIDTH_IN:
-        raise ValueError(f"figsize width {width} in is wider than the page ({MAX_WIDTH_IN:g} in = 1,000 px at "
-                         "100 dpi); stack the panels in rows instead")
+    assert width <= MAX_WIDTH_IN, f"figsize width {width} in is wider than the page ({MAX_WIDTH_IN:g} in)"
     return plt.subplots(*args, **kwargs)
 
 
 def reference_line(ax, value: float, label: str, axis: str = "y", **kwargs) -> None:
     """A dashed line at a figure the story reported (or a hardware limit), labelled on the plot."""
-    style = {"color": "0.25", "linestyle": "--", "linewidth": 1.2}
-    style.update(kwargs)
+    style = {"color": "0.25", "linestyle": "--", "linewidth": 1.2, **kwargs}
+    assert axis in ("x", "y"), axis
     if axis == "y":
         ax.axhline(value, **style)
         ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"), xytext=(-4, 3),
                     textcoords="offset points", ha="right", va="bottom", fontsize=9, color=style["color"])
-    elif axis == "x":
+    else:
         ax.axvline(value, **style)
         ax.annotate(label, xy=(value, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -4),
                     textcoords="offset points", ha="left", va="top", fontsize=9, color=style["color"],
                     rotation=90)
-    else:
-        raise ValueError(f"axis {axis!r} is not 'x' or 'y'")
 
 
 def save_figure(fig, target: str, name: str) -> dict[str, Path]:
     """Save ``fig`` as ``figures/<name>.png`` and ``.svg`` under the target's outputs (``name`` starts
     with the notebook number, ``01_bytes_per_rank``); returns the two paths."""
-    if not name or "/" in name or name.endswith((".png", ".svg")):
-        raise ValueError(f"figure name {name!r} must be a bare stem like '01_bytes_per_rank'")
+    assert name and "/" not in name and not name.endswith((".png", ".svg")), f"figure name {name!r}: a bare stem"
     folder = figures_dir(target)
     paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
@@ -143,22 +138,15 @@ def _label(text) -> str:
 
 def _lines_through(box, ax) -> list[str]:
     """The drawn lines of ``ax`` (data and reference lines, not the grid) that cross ``box``."""
-    crossing = []
-    for line in ax.get_lines():
-        if line.get_visible() and len(line.get_xydata()) and \
-                line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False):
-            crossing.append(line.get_label() if not line.get_label().startswith("_") else "a line")
-    return crossing
+    return [line.get_label() if not line.get_label().startswith("_") else "a line" for line in ax.get_lines()
+            if line.get_visible() and len(line.get_xydata())
+            and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)]
 
 
 def _points_inside(box, ax) -> int:
     """How many scatter points of ``ax`` lie inside ``box``."""
-    count = 0
-    for collection in ax.collections:
-        if isinstance(collection, matplotlib.collections.PathCollection) and collection.get_visible():
-            offsets = collection.get_offset_transform().transform(collection.get_offsets())
-            count += sum(box.contains(x, y) for x, y in offsets)
-    return count
+    return sum(sum(box.contains(x, y) for x, y in c.get_offset_transform().transform(c.get_offsets()))
+               for c in ax.collections if isinstance(c, matplotlib.collections.PathCollection) and c.get_visible())
 
 
 def collisions(fig) -> list[str]:

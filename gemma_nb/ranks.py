@@ -1,10 +1,9 @@
 """Run a function on tensor-parallel ranks: real gloo processes on 127.0.0.1 (notebook 03, the TP=2 rehearsal).
-
-Worker functions must be importable by name (spawn pickles them), not defined in a notebook.
-"""
+Workers must be importable by name (spawn pickles them), not defined in a notebook."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
@@ -50,10 +49,8 @@ def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int,
     """Entry point of one spawned rank: join the gloo group, run ``fn``, post its result or error."""
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            backend="gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
+        dist.init_process_group(backend="gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size, *args)
         if not isinstance(result, dict):
             raise TypeError(f"worker {fn.__qualname__} returned {type(result).__name__}; expected a dict")
@@ -82,11 +79,8 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0,
            threads_per_rank: int | None = None) -> list[dict]:
     """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
-
-    Collectives time out after ``collective_timeout_s`` and the parent waits at most ``timeout_s``;
-    ``failure_grace_s`` after the first failure it stops the ranks and raises :class:`TPJobError`,
-    causes first. ``tp`` (default ``world_size``) must equal ``world_size``.
-    """
+    Waits at most ``timeout_s``; ``failure_grace_s`` after a first failure, stops the ranks and raises
+    :class:`TPJobError`. ``tp`` (default ``world_size``) must equal ``world_size``."""
     tp = world_size if tp is None else tp
     _check_tp_job(world_size, tp, timeout_s, collective_timeout_s)
     _check_importable(fn)
@@ -94,14 +88,11 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        proc = ctx.Process(
-            target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
-            args=(rank, fn, tuple(args), world_size, port, results, collective_timeout_s, threads),
-        )
+    procs = [ctx.Process(target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
+                         args=(rank, fn, tuple(args), world_size, port, results, collective_timeout_s, threads))
+             for rank in range(world_size)]
+    for proc in procs:
         proc.start()
-        procs.append(proc)
     reports = _RankReports(world_size)
     start = time.monotonic()
     try:
@@ -161,11 +152,9 @@ class _RankReports:
             for rank, proc in enumerate(procs):
                 if not proc.is_alive() and not self.reported(rank):
                     # A rank that posted just before exiting: drain before calling it dead.
-                    try:
+                    with contextlib.suppress(queue_module.Empty):
                         while True:
                             self.take(results.get(timeout=0.2))
-                    except queue_module.Empty:
-                        pass
                     if not self.reported(rank):
                         self.fail(rank, _exit_reason(proc.exitcode))
             now = time.monotonic()
@@ -205,7 +194,6 @@ def _failure_report(name: str, world_size: int, elapsed: float, failures: list[t
     for rank in missing:
         why = "after the failure above" if failures else f"at timeout_s={timeout_s:g}"
         lines.append(f"  rank {rank} was still running (stuck?) and was stopped {why}")
-    traced = [(rank, trace) for rank, _, trace in causes + consequences if trace]
-    if traced:
+    if traced := [(rank, trace) for rank, _, trace in causes + consequences if trace]:
         lines.append(f"traceback of rank {traced[0][0]}:\n{traced[0][1].rstrip()}")
     return "\n".join(lines)

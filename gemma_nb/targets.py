@@ -16,11 +16,8 @@ from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
 
-# The cpu kernels of every reference run, on any x86-64 machine with AVX2: torch's own vector kernels,
-# MKL's code path (conditional numerical reproducibility), oneDNN's instruction set and the default
-# thread count, so that the floats a run computes do not depend on which CPU made it (CONTRIBUTING).
-# `make test` re-executes the run under CHECK_KERNELS, another set that every x86-64 machine has, and
-# requires the same checked outputs: what nbval compares must not depend on the kernels that made it.
+# The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine (CONTRIBUTING);
+# `make test` re-executes it under CHECK_KERNELS and requires the same checked outputs.
 REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}
 CHECK_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
 
@@ -47,8 +44,7 @@ def check_target(target: str) -> str:
         missing = missing_neuron_packages()
         if missing:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
-        # Checked in every process that runs the target (runner, each notebook kernel, server): with
-        # transformers 5 this is where the transformers.utils.fx stand-in goes in, before NxD imports.
+        # In every process that runs the target: where the transformers.utils.fx stand-in goes in, before NxD imports.
         status = neuron_sdk.check_sdk()
         if not status.ok:
             raise TargetError(status.message())
@@ -64,8 +60,7 @@ def check_target(target: str) -> str:
     return target
 
 
-# Cells tagged so are the notebooks' cpu measurements (sweeps, timings, cpu deploys, quantization
-# quality, the TP=2 gloo emulation): the runner skips them on the neuron target (measures_cpu).
+# Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target (measures_cpu).
 CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 
@@ -113,13 +108,8 @@ def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str =
 
 @contextmanager
 def torch_threads(count: int):
-    """Run the block with ``count`` torch cpu threads, then restore the previous count (the package's one limiter).
-
-    Tiny matrices and the quantizers' 4 MB chunks gain nothing from a second thread on a shared box and
-    pay a barrier on every op (measured: 5-10x slower with 2 threads while other processes load the cores).
-    """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count={count!r} must be an integer >= 1 (torch cpu threads)")
+    """Run the block with ``count`` torch cpu threads, then restore the previous count (the package's one limiter)."""
+    assert isinstance(count, int) and not isinstance(count, bool) and count >= 1, f"count={count!r}"
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

@@ -146,5 +146,5 @@ def test_metrics_sections():
     cost = decode_batch.cost_table(summary, "inf2.xlarge, int8 squeeze, TP=2")
     assert cost[("", "streams")].tolist() == [1, 1, 12]
     assert cost.loc["one stream", ("sparse", "usd_per_m")] == squeeze["paths"]["sparse"]["usd_per_m_b1"]
-    with pytest.raises(ValueError, match="deployment 'inf3' is not in the summary"):
+    with pytest.raises(AssertionError, match="deployment 'inf3' is not in the summary"):
         decode_batch.cost_table(summary, "inf3")

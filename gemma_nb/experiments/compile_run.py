@@ -152,11 +152,8 @@ def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> di
 
 
 def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
-    """Measured points and fitted lines: peak RSS and compile time against parameters (millions).
-
-    The time lines are the fit at each layer count of the sweep, with weights of 2 bytes per
-    parameter (bf16).
-    """
+    """Measured points and fitted lines: peak RSS and compile time against parameters (millions); the time
+    lines are the fit at each layer count of the sweep, weights at 2 bytes per parameter (bf16)."""
     params = np.linspace(0, sweep["params"].max() * 1.05, 50)
     rss, cost = fits["rss"], fits["time"]
     for layers, group in sweep.groupby("layers"):

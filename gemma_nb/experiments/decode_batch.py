@@ -237,8 +237,7 @@ def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
 def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
     """``deployment``'s tokens/s and $ per million tokens for one stream and for the most that fit."""
     rows = summary[summary["deployment"] == deployment].set_index("path")
-    if rows.empty:
-        raise ValueError(f"deployment {deployment!r} is not in the summary; it has {', '.join(summary['deployment'].unique())}")
+    assert not rows.empty, f"deployment {deployment!r} is not in the summary"
     cases = {"one stream": ("b1", 1),
              "all that fit, runtime takes the most": ("at_largest", rows.iloc[0]["largest_batch"]),
              "all that fit, runtime takes the least": ("if_low", rows.iloc[0]["largest_batch_if_low"])}

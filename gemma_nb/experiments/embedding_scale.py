@@ -47,9 +47,8 @@ def host_path(model: nn.Module, name: str) -> nn.Module:
     weight = model.get_input_embeddings().weight
     if name in ("unscaled", "math_sqrt"):
         return PythonFloatScaledLookup(weight, scaled=name == "math_sqrt")
-    if name == "module_scale":
-        return HostEmbedding.from_model(model)
-    raise ValueError(f"host path {name!r} is not one of {', '.join(HOST_PATHS)}")
+    assert name == "module_scale", f"host path {name!r} is not one of {', '.join(HOST_PATHS)}"
+    return HostEmbedding.from_model(model)
 
 
 class HostEmbeddedLM(nn.Module):

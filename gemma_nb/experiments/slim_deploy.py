@@ -152,8 +152,7 @@ class NaiveDeploy:
 
 def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
-    if kind not in DEPLOY_KINDS:
-        raise ValueError(f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}")
+    assert kind in DEPLOY_KINDS, f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}"
     start = time.perf_counter()
     deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
     load_s = time.perf_counter() - start

@@ -84,13 +84,14 @@ def default_layer_types(num_hidden_layers: int) -> list[str]:
     return types
 
 
-def _check_dims(dims: dict[str, Any]) -> None:
+def _check_positive(dims: dict[str, Any]) -> None:
     for key in _POSITIVE_INTS:
         value = dims.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key}={value!r} must be a positive integer")
+
+
+def _check_dims(dims: dict[str, Any]) -> None:
     if dims["top_k_experts"] > dims["num_experts"]:
         raise ValueError(
             f"top_k_experts={dims['top_k_experts']} exceeds num_experts={dims['num_experts']}: "
@@ -120,11 +121,8 @@ def _check_dims(dims: dict[str, Any]) -> None:
 
 
 def random_gemma4_config(**overrides: Any):
-    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the bundled ones).
-
-    Any ``Gemma4TextConfig`` field can be overridden, plus ``global_head_dim`` and
-    ``num_global_key_value_heads``; without ``layer_types`` the layers follow the 26B pattern.
-    """
+    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the bundled ones):
+    any of its fields, ``global_head_dim`` and ``num_global_key_value_heads``; by default the 26B's layer pattern."""
     known = set(Gemma4TextConfig.__dataclass_fields__) | set(_GLOBAL_ATTENTION_KEYS)
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -133,29 +131,20 @@ def random_gemma4_config(**overrides: Any):
             "pass fields of transformers' Gemma4TextConfig (plus global_head_dim, num_global_key_value_heads)"
         )
     dims: dict[str, Any] = {**ARCHITECTURE, **TINY_DIMS, "vocab_size": DEFAULT_RANDOM_VOCAB, **overrides}
-    if "layer_types" not in overrides:
-        layers = dims["num_hidden_layers"]
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"num_hidden_layers={layers!r} must be a positive integer (at least one layer)")
-        dims["layer_types"] = default_layer_types(layers)
-    else:
-        dims["layer_types"] = list(dims["layer_types"])
+    _check_positive(dims)
+    layers = dims["num_hidden_layers"]
+    dims["layer_types"] = list(dims["layer_types"]) if "layer_types" in overrides else default_layer_types(layers)
     _check_dims(dims)
     return Gemma4TextConfig(**dims)
 
 
 def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                         init_dtype: torch.dtype | None = None):
-    """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the cpu.
-
-    Drawn in ``init_dtype`` (default ``dtype``: no fp32 copy); float64 draws the same weights on every
-    CPU (fp32 and bf16 normals differ between AVX2 and AVX-512 machines).
-    """
-    if config is None:
-        config = random_gemma4_config()
+    """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the cpu, drawn in
+    ``init_dtype`` (default ``dtype``); float64 draws the same weights on every CPU (fp32/bf16 normals differ by ISA)."""
+    config = random_gemma4_config() if config is None else config
     for name, value in (("dtype", dtype), ("init_dtype", init_dtype or dtype)):
-        if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise ValueError(f"{name}={value!r} must be a floating torch dtype such as torch.bfloat16 or torch.float32")
+        assert isinstance(value, torch.dtype) and value.is_floating_point, f"{name}={value!r} must be a floating torch dtype"
     torch.manual_seed(seed)
     model = Gemma4ForCausalLM._from_config(config, dtype=init_dtype or dtype)
     return model.to(dtype).eval()

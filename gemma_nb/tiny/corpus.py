@@ -158,9 +158,7 @@ FACTS: tuple[Fact, ...] = build_facts()
 
 def fact_prompts(kind: str | None = None) -> list[str]:
     """The prompts of FACTS (all kinds, or one of capital, continent, currency, language)."""
-    kinds = sorted({f.kind for f in FACTS})
-    if kind is not None and kind not in kinds:
-        raise ValueError(f"fact kind {kind!r} is not one of {', '.join(kinds)}")
+    assert kind in (None, *(f.kind for f in FACTS)), f"fact kind {kind!r}"
     return [f.prompt for f in FACTS if kind is None or f.kind == kind]
 
 
@@ -176,13 +174,10 @@ def build_tokenizer(facts=FACTS):
     vocab = {word: i for i, word in enumerate(vocabulary(facts))}
     core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                        special_tokens=[(BOS, vocab[BOS])])
     # WordLevel has no decoder of its own: join words with single spaces ("Paris .").
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        padding_side="left", model_max_length=512,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   padding_side="left", model_max_length=512)
 

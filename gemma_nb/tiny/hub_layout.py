@@ -16,16 +16,13 @@ TEXT_PREFIX = "model.language_model."
 
 def hub_key(key: str) -> str:
     """A ``Gemma4ForCausalLM`` tensor name as the multimodal checkpoint names it."""
-    if not key.startswith("model."):
-        raise ValueError(f"tensor {key!r} is not under model.: expected a Gemma4ForCausalLM state dict")
+    assert key.startswith("model."), f"tensor {key!r} is not under model."
     return TEXT_PREFIX + key.removeprefix("model.")
 
 
 def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
-    """Write ``source`` (one ``model.safetensors``) into ``target`` in the hub's layout; other files copied; the index.
-
-    ``source`` and ``target`` may be one folder.
-    """
+    """Write ``source`` (one ``model.safetensors``) into ``target`` (may be ``source``) in the hub's layout, other
+    files copied; returns the index."""
     source, target = Path(source), Path(target)
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
         tensors = {hub_key(key): handle.get_tensor(key) for key in handle.keys()}

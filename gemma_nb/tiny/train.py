@@ -53,8 +53,7 @@ def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        labels[i, : len(row)] = torch.tensor(row)
+        input_ids[i, : len(row)] = labels[i, : len(row)] = torch.tensor(row)
     return input_ids, labels
 
 
@@ -119,28 +118,18 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
     model.eval()
     model.set_experts_implementation(None)  # back to transformers' default in the saved config
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        do_sample=False,
-    )
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id, do_sample=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     summary = {
         "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
-        "args": asdict(args),
-        "epochs_run": epoch,
-        "steps_run": step,
-        "final_loss": round(epoch_loss, 4),
-        "final_recall_fp32": round(recall, 4),
-        "facts": len(FACTS),
-        "vocab_size": config.vocab_size,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(time.perf_counter() - started, 1),
+        "args": asdict(args), "epochs_run": epoch, "steps_run": step, "final_loss": round(epoch_loss, 4),
+        "final_recall_fp32": round(recall, 4), "facts": len(FACTS), "vocab_size": config.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()), "train_seconds": round(time.perf_counter() - started, 1),
         "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "history": history,
+        "torch": torch.__version__, "transformers": transformers.__version__, "history": history,
     }
     (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
