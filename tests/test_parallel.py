@@ -30,7 +30,7 @@ from gemma_nb.ranks import TPJobError, run_tp
 
 HIDDEN = 64
 # Job wall-clock bounds: generous for a loaded 2-core box, far below "hangs forever".
-JOB_BOUND_S = 60
+JOB_BOUND_S = 120   # generous: two ranks import torch on a loaded 2-core box
 
 
 # --- workers (run inside the spawned ranks) -----------------------------------------------------
@@ -196,7 +196,7 @@ def test_worker_defined_in_a_notebook_is_refused():
 def _failure(job, **kwargs) -> tuple[str, float]:
     start = time.monotonic()
     with pytest.raises(TPJobError) as info:
-        run_tp(job, world_size=2, timeout_s=JOB_BOUND_S, failure_grace_s=1.0, **kwargs)
+        run_tp(job, world_size=2, timeout_s=JOB_BOUND_S, failure_grace_s=5.0, **kwargs)
     return str(info.value), time.monotonic() - start
 
 
