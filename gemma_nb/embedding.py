@@ -74,15 +74,13 @@ def default_probe_ids(vocab_size: int, count: int = DEFAULT_PROBE_TOKENS) -> tor
 class HostEmbedding(nn.Module):
     """Token ids -> ``weight[ids] * scale``, the scale rounded to the weight dtype like the module's.
 
-    ``probe_ids`` / ``probe_expected`` (the model's own output for a few ids, set by ``from_model``) are
-    saved with the table and re-checked by ``from_file``, so a deploy with no model on the host checks it too.
+    ``probe_ids`` / ``probe_expected`` (the model's output for a few ids) are saved with the table and re-checked
+    by ``from_file``, so a deploy with no model on the host checks it too.
     """
 
     def __init__(self, weight: torch.Tensor, scale: float | torch.Tensor):
         super().__init__()
-        if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.is_floating_point():
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"weight must be a 2-D float tensor [vocab, hidden], got {shape}")
+        assert weight.ndim == 2 and weight.is_floating_point(), f"weight must be a 2-D float tensor, got {tuple(weight.shape)}"
         self.register_buffer("weight", weight.detach(), persistent=False)
         self.register_buffer("scale", _as_scale(scale, weight.dtype).to(weight.device), persistent=False)
         self.probe_ids: torch.Tensor | None = None

@@ -68,11 +68,8 @@ def load_gemma4_26b_config(path: str | Path = GEMMA4_26B_CONFIG_PATH):
 
 @dataclass(frozen=True)
 class ParamRecord:
-    """One unique parameter (or persistent buffer) and how TP splits it.
-
-    ``split``: ``"out"`` (output rows divided), ``"in"`` (input columns divided), ``"experts"``
-    (expert axis divided), ``"kv"`` (KV heads divided, or one per rank when TP exceeds them), ``"none"``.
-    """
+    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows
+    (``"out"``), input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
 
     name: str
     group: str
@@ -101,7 +98,7 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Everything the planner needs from one meta-device build, kept after the model is dropped."""
+    """What the planner needs from one meta-device build."""
 
     model_class: str
     records: tuple[ParamRecord, ...]
@@ -280,10 +277,9 @@ def model_facts(config) -> ModelFacts:
 
 
 def inventory(config):
-    """Unique parameters per group, one row per group in ``GROUPS`` order (tied weights once).
+    """Unique parameters (tied once) and persistent buffer elements per group, in ``GROUPS`` order.
 
-    ``buffers``: persistent buffer elements (in the state dict, not in ``params``);
-    ``share_non_embedding_pct`` is blank for the embedding rows. ``attrs``: model_class, total_params, tied.
+    ``attrs``: model_class, total_params, tied.
     """
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
@@ -408,8 +404,7 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
 
 def check_plain(dtype: str, what: str) -> None:
     get_format(dtype)
-    if dtype not in PLAIN_DTYPES:
-        raise ValueError(f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}")
+    assert dtype in PLAIN_DTYPES, f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}"
 
 
 def check_context(context_len, batch) -> None:
