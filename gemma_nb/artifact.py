@@ -85,10 +85,8 @@ Step = Callable[..., torch.Tensor]
 
 @dataclass
 class StepRunner:
-    """Greedy decoding with a prefill step and a decode step that share one KV cache.
-
-    ``prefill`` / ``decode`` take ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds.
-    """
+    """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` / ``decode`` take
+    ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
 
     prefill: Step
     decode: Step

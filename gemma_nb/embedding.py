@@ -105,10 +105,8 @@ class HostEmbedding(nn.Module):
     @classmethod
     def from_file(cls, path: str | Path, scale: float | torch.Tensor | None = None, dtype: torch.dtype | None = None,
                   shape: tuple[int, int] | None = None) -> HostEmbedding:
-        """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe.
-
-        ``scale`` is needed only for a file without scale metadata (both present: they must agree).
-        """
+        """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe. ``scale`` is needed
+        only for a file without scale metadata (both present: they must agree)."""
         path = Path(path)
         tensors, metadata = _read_embedding_file(path)
         weight = tensors[WEIGHT_KEY]
@@ -147,10 +145,8 @@ class HostEmbedding(nn.Module):
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
     def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
-        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit.
-
-        A module on the meta device (the slim deploy's structure) has no table: then only shape, dtype and scale.
-        """
+        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
+        deploy's structure) has no table: then only shape, dtype and scale."""
         if module.weight.is_meta:
             _verify_scale_only(self, module)
             return
@@ -268,10 +264,8 @@ def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
 
 def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
                      probe_ids: torch.Tensor | None = None, found_scale: torch.Tensor | None = None) -> None:
-    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``.
-
-    ``EmbeddingScaleError`` names the scale expected and found (``found_scale``, else estimated from norms).
-    """
+    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``. ``EmbeddingScaleError`` names
+    the scale expected and found (``found_scale``, else estimated from norms)."""
     weight = module.weight
     if probe_ids is None:
         probe_ids = default_probe_ids(weight.shape[0])

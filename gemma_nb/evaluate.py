@@ -48,10 +48,8 @@ def _as_batch(input_ids) -> torch.Tensor:
 
 @torch.inference_mode()
 def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
-    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens.
-
-    A row that emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has.
-    """
+    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens. A row that
+    emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
     ids = _as_batch(input_ids)
@@ -113,10 +111,8 @@ def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]
 
 @torch.inference_mode()
 def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced.
-
-    ``facts``: objects with ``prompt`` and ``answer`` (default: the bundled corpus).
-    """
+    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced. ``facts``: objects
+    with ``prompt`` and ``answer`` (default: the bundled corpus)."""
     facts = list(FACTS if facts is None else facts)
     assert facts, "facts is empty"
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
@@ -146,7 +142,8 @@ def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> 
     correct = []
     for fact, tokens in zip(facts, generated):
         answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
-        assert len(tokens) >= len(answer), f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer"
+        assert len(tokens) >= len(answer), (
+            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer")
         correct.append(list(tokens[: len(answer)]) == answer)
     return sum(correct) / len(correct), correct
 
@@ -215,10 +212,8 @@ def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
-    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token.
-
-    Returns ``match``, ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``.
-    """
+    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token. Returns ``match``,
+    ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
     if isinstance(input_ids, str):
         assert tokenizer is not None, "input_ids is a string: pass tokenizer="
         input_ids = tokenizer(input_ids).input_ids

@@ -377,9 +377,6 @@ class SparseExperts(RoutedExperts):
 class QuantizedExperts(SparseExperts):
     """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert dequantized just before use)."""
 
-    def __init__(self, gate_up: QuantizedTensor, down: QuantizedTensor, act_fn: Callable):
-        super().__init__(gate_up, down, act_fn)
-
     @classmethod
     def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts") -> QuantizedExperts:
         """``experts``' float weights quantized to ``fmt`` (one of ``gemma_nb.formats.QUANTIZED_FORMATS``)."""

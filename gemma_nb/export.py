@@ -101,10 +101,8 @@ def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max
 
 
 class DeviceBody(nn.Module):
-    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) -> logits`` fp32.
-
-    ``kv`` is written in place from ``start``; the model is held outside the module tree, so a program owns no weights.
-    """
+    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) -> logits`` fp32. ``kv`` is
+    written in place from ``start``; the model is held outside the module tree, so a program owns no weights."""
 
     def __init__(self, model: nn.Module, max_cache_len: int):
         super().__init__()
@@ -238,10 +236,8 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
 
 def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | None = None,
                   scheme: str | None = None, reference_tokens: dict | None = None) -> CompileReport:
-    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding.
-
-    ``scheme``: the quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check.
-    """
+    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding. ``scheme``: the
+    quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check."""
     shapes = shapes or StepShapes()
     folder = fresh_dir(folder)  # a partial run hard-links the previous artifacts: never write through one
     sha = config_fingerprint(model.config)

@@ -62,7 +62,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order: upcast, matmul, scale rows in fp32."""
+    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows scaled in fp32)."""
     assert q.dtype == torch.int8 and q.dim() == 2, f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
     assert scale.shape == (q.shape[0], 1), f"scale must have shape [out, 1], got {tuple(scale.shape)}"
     return scale_rows(torch.nn.functional.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
@@ -309,10 +309,8 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
 
 
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
-    """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread.
-
-    NaN/inf raise ValueError naming ``name``; all-zero rows dequantize to zero.
-    """
+    """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
+    ValueError naming ``name``; all-zero rows dequantize to zero."""
     spec = weight_format(fmt)
     assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
     shape = tuple(weight.shape)

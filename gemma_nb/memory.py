@@ -50,9 +50,7 @@ SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/so
 @dataclass(frozen=True)
 class Scheme:
     """A placement: dtype per group (else ``default_dtype``, also for a quantized group's vectors), what TP shards.
-
-    ``embedding_on_device=False``: looked up on the host, 0 HBM; a tied head on the device is its own copy.
-    """
+    ``embedding_on_device=False``: looked up on the host, 0 HBM; a tied head on the device is its own copy."""
 
     name: str
     description: str = ""
@@ -77,9 +75,6 @@ class Scheme:
 
     def dtype(self, group: str) -> str:
         return self.dtypes.get(group, self.default_dtype)
-
-    def with_allowance(self, runtime_allowance_bytes: int) -> Scheme:
-        return replace(self, runtime_allowance_bytes=int(runtime_allowance_bytes))
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -179,7 +174,7 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
     check_tp(config, tp)
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
-        sch = sch.with_allowance(runtime_allowance_bytes)
+        sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
     per_group, head_detail = _group_bytes(facts, sch, tp)
     rows = _group_rows(per_group, sch, tp, head_detail) + _kv_and_allowance_rows(config, sch, tp, context_len, batch)
     table = pd.DataFrame(rows)
@@ -256,9 +251,7 @@ def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: st
                      tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, budget_bytes: int = 16 * GiB,
                      short_by_bytes: int | None = None) -> dict:
     """The allowances (``min_to_fail < a <= max_to_fit``) with which ``failing`` overflows and ``fitting`` fits a core.
-
-    ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then.
-    """
+    ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then."""
     failing_static = plan(config, tp, failing, context_len, runtime_allowance_bytes=0).total_bytes
     fitting_static = plan(config, tp, fitting, context_len, runtime_allowance_bytes=0).total_bytes
     window = {

@@ -55,10 +55,8 @@ def make_experts(source: nn.Module, impl: str, config=None, **options) -> nn.Mod
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
-    """Replace every MoE layer's experts module in place; returns ``model``.
-
-    Float weights are shared, so swapping among float kinds is free and reversible; ``*_int8`` is one-way.
-    """
+    """Replace every MoE layer's experts module in place; returns ``model``. Float weights are shared, so swapping among float
+    kinds is free and reversible; ``*_int8`` is one-way."""
     found = experts_modules(model)
     assert found, f"{type(model).__name__} has no routed-experts modules"
     config = getattr(model, "config", None)
@@ -102,10 +100,8 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
 
 def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor,
                     routes: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Each module's largest distance from ``modules[reference]``'s output over ``routes``.
-
-    ``bf16_ulps``: that distance in bf16 rounding steps (2^-8) of the largest reference element.
-    """
+    """Each module's largest distance from ``modules[reference]``'s output over ``routes``. ``bf16_ulps``: that distance in bf16
+    rounding steps (2^-8) of the largest reference element."""
     assert reference in modules, f"reference {reference!r} is not one of {', '.join(modules)}"
     with torch.inference_mode():
         wanted = [modules[reference](hidden_states, *route).float() for route in routes]

@@ -277,10 +277,8 @@ def model_facts(config) -> ModelFacts:
 
 
 def inventory(config):
-    """Unique parameters (tied once) and persistent buffer elements per group, in ``GROUPS`` order.
-
-    ``attrs``: model_class, total_params, tied.
-    """
+    """Unique parameters (tied once) and persistent buffer elements per group, in ``GROUPS`` order. ``attrs``: model_class,
+    total_params, tied."""
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
@@ -387,10 +385,8 @@ def _layer_kv_values(layer: AttentionLayer, tp: int) -> int:
 
 def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16",
                    cap_sliding: bool = False) -> int:
-    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens.
-
-    Every layer is sized for the whole context (the port's static buffers) unless ``cap_sliding``.
-    """
+    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
+    port's static buffers) unless ``cap_sliding``."""
     check_context(context_len, batch)
     check_plain(dtype, "KV cache")
     check_tp(config, tp)

@@ -214,46 +214,40 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
 @torch.no_grad()
 def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4"), tokens: int = 4,
                             top_k: int = 8, seed: int = 0):
-    """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format).
-
-    A row per (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens.
-    """
+    """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format). A row per
+    (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens."""
     with torch_threads(1):
-        return _full_size_experts_check(experts, formats, tokens, top_k, seed)
-
-
-def _full_size_experts_check(experts, formats, tokens, top_k, seed):
-    generator = torch.Generator().manual_seed(seed)
-    dtype = experts.gate_up_proj.dtype
-    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
-    index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
-    # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
-    float_experts = SparseExperts.from_experts(experts)
-    reference = float_experts.grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
-    rows, seconds = [], {}
-    for fmt in formats:
-        weight_format(fmt)
-        start = time.perf_counter()
-        quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
-        seconds[fmt] = time.perf_counter() - start
-        for tensor_name, tensor in (("gate_up_proj", quantized.gate_up), ("down_proj", quantized.down)):
-            weight = getattr(experts, tensor_name)
+        generator = torch.Generator().manual_seed(seed)
+        dtype = experts.gate_up_proj.dtype
+        hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
+        index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
+        # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
+        float_experts = SparseExperts.from_experts(experts)
+        reference = float_experts.grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
+        rows, seconds = [], {}
+        for fmt in formats:
+            weight_format(fmt)
+            start = time.perf_counter()
+            quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
+            seconds[fmt] = time.perf_counter() - start
+            for tensor_name, tensor in (("gate_up_proj", quantized.gate_up), ("down_proj", quantized.down)):
+                weight = getattr(experts, tensor_name)
+                rows.append({
+                    "format": fmt, "tensor": tensor_name, "shape": "x".join(map(str, tensor.shape)),
+                    "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
+                    "rel_error_expert0": quantization_error(weight[0], tensor[0])["rel_error"],
+                })
+            output = quantized(hidden, index, weights.to(dtype)).float()
             rows.append({
-                "format": fmt, "tensor": tensor_name, "shape": "x".join(map(str, tensor.shape)),
-                "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
-                "rel_error_expert0": quantization_error(weight[0], tensor[0])["rel_error"],
+                "format": fmt, "tensor": "layer", "shape": "",
+                "stored_bytes": quantized.nbytes,
+                "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
+                "rel_error_output": float((output - reference).norm() / reference.norm()),
             })
-        output = quantized(hidden, index, weights.to(dtype)).float()
-        rows.append({
-            "format": fmt, "tensor": "layer", "shape": "",
-            "stored_bytes": quantized.nbytes,
-            "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
-            "rel_error_output": float((output - reference).norm() / reference.norm()),
-        })
-        del quantized
-    table = pd.DataFrame(rows)
-    table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])
-    return table, seconds
+            del quantized
+        table = pd.DataFrame(rows)
+        table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])
+        return table, seconds
 
 
 def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
