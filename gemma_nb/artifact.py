@@ -75,13 +75,9 @@ class StepShapes:
     def __post_init__(self) -> None:
         for key in ("max_cache_len", "prefill_len", "batch_size"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key}={value!r} must be a positive integer")
-        if self.batch_size != 1:
-            raise ValueError(f"batch_size={self.batch_size}: the exported steps decode one sequence (batch 1), as the port did")
-        if self.prefill_len > self.max_cache_len:
-            raise ValueError(f"prefill_len={self.prefill_len} exceeds max_cache_len={self.max_cache_len}: "
-                             "the prefill bucket must fit in the KV cache")
+            assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{key}={value!r}"
+        assert self.batch_size == 1, f"batch_size={self.batch_size}: the exported steps decode one sequence"
+        assert self.prefill_len <= self.max_cache_len, f"prefill_len={self.prefill_len} > max_cache_len"
 
 
 Step = Callable[..., torch.Tensor]
@@ -89,10 +85,8 @@ Step = Callable[..., torch.Tensor]
 
 @dataclass
 class StepRunner:
-    """Greedy decoding with a prefill step and a decode step that share one KV cache.
-
-    ``prefill`` / ``decode`` take ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds.
-    """
+    """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` / ``decode`` take
+    ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
 
     prefill: Step
     decode: Step

@@ -74,15 +74,13 @@ def default_probe_ids(vocab_size: int, count: int = DEFAULT_PROBE_TOKENS) -> tor
 class HostEmbedding(nn.Module):
     """Token ids -> ``weight[ids] * scale``, the scale rounded to the weight dtype like the module's.
 
-    ``probe_ids`` / ``probe_expected`` (the model's own output for a few ids, set by ``from_model``) are
-    saved with the table and re-checked by ``from_file``, so a deploy with no model on the host checks it too.
+    ``probe_ids`` / ``probe_expected`` (the model's output for a few ids) are saved with the table and re-checked
+    by ``from_file``, so a deploy with no model on the host checks it too.
     """
 
     def __init__(self, weight: torch.Tensor, scale: float | torch.Tensor):
         super().__init__()
-        if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.is_floating_point():
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"weight must be a 2-D float tensor [vocab, hidden], got {shape}")
+        assert weight.ndim == 2 and weight.is_floating_point(), f"weight must be a 2-D float tensor, got {tuple(weight.shape)}"
         self.register_buffer("weight", weight.detach(), persistent=False)
         self.register_buffer("scale", _as_scale(scale, weight.dtype).to(weight.device), persistent=False)
         self.probe_ids: torch.Tensor | None = None
@@ -107,10 +105,8 @@ class HostEmbedding(nn.Module):
     @classmethod
     def from_file(cls, path: str | Path, scale: float | torch.Tensor | None = None, dtype: torch.dtype | None = None,
                   shape: tuple[int, int] | None = None) -> HostEmbedding:
-        """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe.
-
-        ``scale`` is needed only for a file without scale metadata (both present: they must agree).
-        """
+        """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe. ``scale`` is needed
+        only for a file without scale metadata (both present: they must agree)."""
         path = Path(path)
         tensors, metadata = _read_embedding_file(path)
         weight = tensors[WEIGHT_KEY]
@@ -149,10 +145,8 @@ class HostEmbedding(nn.Module):
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
     def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
-        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit.
-
-        A module on the meta device (the slim deploy's structure) has no table: then only shape, dtype and scale.
-        """
+        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
+        deploy's structure) has no table: then only shape, dtype and scale."""
         if module.weight.is_meta:
             _verify_scale_only(self, module)
             return
@@ -270,10 +264,8 @@ def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
 
 def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
                      probe_ids: torch.Tensor | None = None, found_scale: torch.Tensor | None = None) -> None:
-    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``.
-
-    ``EmbeddingScaleError`` names the scale expected and found (``found_scale``, else estimated from norms).
-    """
+    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``. ``EmbeddingScaleError`` names
+    the scale expected and found (``found_scale``, else estimated from norms)."""
     weight = module.weight
     if probe_ids is None:
         probe_ids = default_probe_ids(weight.shape[0])

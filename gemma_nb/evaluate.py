@@ -28,39 +28,28 @@ def as_logits_fn(model: Model) -> LogitsFn:
         def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
             return model(input_ids=input_ids, use_cache=False).logits
         return logits_fn
-    if callable(model):
-        def call(input_ids: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids)
-            logits = getattr(out, "logits", out)
-            if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
-                shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-                raise ValueError(
-                    f"candidate returned {shape} for input_ids of shape {tuple(input_ids.shape)}; "
-                    "a logits_fn must return logits [B, S, V] for input_ids [B, S]"
-                )
-            return logits
-        return call
-    raise ValueError(
-        f"model {type(model).__name__} is neither a transformers causal LM nor a callable "
-        "logits_fn(input_ids [B, S]) -> logits [B, S, V]"
-    )
+    assert callable(model), f"model {type(model).__name__} is neither a causal LM nor a logits_fn"
+
+    def call(input_ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids)
+        logits = getattr(out, "logits", out)
+        assert isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == input_ids.shape, (
+            "a logits_fn must return logits [B, S, V] for input_ids [B, S]")
+        return logits
+    return call
 
 
 def _as_batch(input_ids) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids of shape {tuple(ids.shape)}; expected token ids [S] or [B, S] with S >= 1")
+    ids = ids[None] if ids.dim() == 1 else ids
+    assert ids.dim() == 2 and ids.shape[1] > 0, f"input_ids {tuple(ids.shape)}: expected token ids [S] or [B, S]"
     return ids
 
 
 @torch.inference_mode()
 def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
-    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens.
-
-    A row that emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has.
-    """
+    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens. A row that
+    emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
     ids = _as_batch(input_ids)
@@ -87,8 +76,7 @@ def _device_of(model) -> torch.device:
     if isinstance(model, CachedLogits):
         model = model.model
     if isinstance(model, torch.nn.Module):
-        for parameter in model.parameters():
-            return parameter.device
+        return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
     return torch.device("cpu")
 
 
@@ -123,13 +111,10 @@ def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]
 
 @torch.inference_mode()
 def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced.
-
-    ``facts``: objects with ``prompt`` and ``answer`` (default: the bundled corpus).
-    """
+    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced. ``facts``: objects
+    with ``prompt`` and ``answer`` (default: the bundled corpus)."""
     facts = list(FACTS if facts is None else facts)
-    if not facts:
-        raise ValueError("facts is empty; pass at least one fact with .prompt and .answer, or None for the corpus")
+    assert facts, "facts is empty"
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
     answers = [tokenizer(f.answer, add_special_tokens=False).input_ids for f in facts]
     generated: list[list[int]] = [[] for _ in facts]
@@ -153,14 +138,12 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
 def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> tuple[float, list[bool]]:
     """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list per fact)."""
     facts = list(facts)
-    if len(facts) != len(generated):
-        raise ValueError(f"{len(generated)} token lists for {len(facts)} facts; pass one list per fact, in order")
+    assert len(facts) == len(generated), f"{len(generated)} token lists for {len(facts)} facts"
     correct = []
     for fact, tokens in zip(facts, generated):
         answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
-        if len(tokens) < len(answer):
-            raise ValueError(f"{len(tokens)} tokens decoded after {fact.prompt!r}, its answer has {len(answer)}; "
-                             "decode at least as many steps as the longest answer")
+        assert len(tokens) >= len(answer), (
+            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer")
         correct.append(list(tokens[: len(answer)]) == answer)
     return sum(correct) / len(correct), correct
 
@@ -202,62 +185,46 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
     for ids in batches:
         ref = ref_fn(ids.to(_device_of(reference))).float().cpu()
         cand = cand_fn(ids.to(_device_of(candidate))).float().cpu()
-        if ref.shape != cand.shape:
-            raise ValueError(f"reference logits {tuple(ref.shape)} and candidate logits {tuple(cand.shape)} differ in shape")
+        assert ref.shape == cand.shape, f"reference logits {tuple(ref.shape)}, candidate {tuple(cand.shape)}"
         ref_logp, cand_logp = ref.log_softmax(-1), cand.log_softmax(-1)
         kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         kl_sum += float(kl.sum())
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
-    return {
-        "top1_agreement": agree / positions,
-        "kl_mean": kl_sum / positions,
-        "max_abs_diff": max_abs,
-        "positions": positions,
-    }
+    return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs,
+            "positions": positions}
 
 
 def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
     if input_ids_batches is None:
-        if tokenizer is None:
-            raise ValueError("input_ids_batches is None; pass token id batches, or a tokenizer to use the corpus sentences")
+        assert tokenizer is not None, "input_ids_batches is None: pass a tokenizer= for the corpus sentences"
         return prompt_batches(tokenizer)
     if isinstance(input_ids_batches, torch.Tensor):
         return [_as_batch(input_ids_batches)]
     items = list(input_ids_batches)
-    if items and all(isinstance(item, str) for item in items):
-        if tokenizer is None:
-            raise ValueError("input_ids_batches holds strings; pass tokenizer= to tokenize them")
+    assert items, "input_ids_batches is empty"
+    if all(isinstance(item, str) for item in items):
+        assert tokenizer is not None, "input_ids_batches holds strings: pass tokenizer="
         return prompt_batches(tokenizer, items)
-    if not items:
-        raise ValueError("input_ids_batches is empty; pass at least one batch of token ids")
     return [_as_batch(item) for item in items]
 
 
 @torch.inference_mode()
 def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
-    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token.
-
-    Returns ``match``, ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``.
-    """
+    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token. Returns ``match``,
+    ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
     if isinstance(input_ids, str):
-        if tokenizer is None:
-            raise ValueError("input_ids is a string; pass tokenizer= to tokenize it")
+        assert tokenizer is not None, "input_ids is a string: pass tokenizer="
         input_ids = tokenizer(input_ids).input_ids
     ids = _as_batch(input_ids)
-    if ids.shape[0] != 1:
-        raise ValueError(f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence ([S] or [1, S])")
+    assert ids.shape[0] == 1, f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
     prompt_len = ids.shape[1]
     ref_tokens = greedy_generate(reference, ids, steps)[0, prompt_len:].tolist()
     cand_tokens = greedy_generate(candidate, ids, steps)[0, prompt_len:].tolist()
     first = next((i for i, (r, c) in enumerate(zip(ref_tokens, cand_tokens)) if r != c), None)
-    result = {
-        "match": first is None,
-        "first_divergent_step": first,
-        "reference_tokens": ref_tokens,
-        "candidate_tokens": cand_tokens,
-    }
+    result = {"match": first is None, "first_divergent_step": first, "reference_tokens": ref_tokens,
+              "candidate_tokens": cand_tokens}
     if tokenizer is not None:
         result["reference_text"] = tokenizer.decode(ref_tokens)
         result["candidate_text"] = tokenizer.decode(cand_tokens)

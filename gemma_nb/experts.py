@@ -1,8 +1,7 @@
-"""Gemma-4's routed experts, one family: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07).
+"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07).
 
 Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index
 [T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
-A new kernel is one ``RoutedExperts`` subclass here and one line in ``KERNELS``.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ INT8_KERNELS = ("fused", "upcast")
 DENSE_TOKEN_CHUNK = 32
 # Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x the layer).
 EXPERT_CHUNK = 16
-# torch._weight_int8pack_mm's AVX-512 kernel steps over the input dimension 16 at a time with
-# aligned loads and no tail: other sizes read past the row (wrong numbers or a crash).
+# torch._weight_int8pack_mm's AVX-512 kernel reads K 16 at a time, aligned, no tail (else wrong numbers or a crash).
 INT8PACK_K_MULTIPLE = 16
 INT8PACK_ALIGN_BYTES = 32
 
@@ -57,11 +55,8 @@ def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 
 
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast for these operands.
-
-    The cpu kernel wants ``x [M, K]`` bf16 contiguous with 32-byte aligned rows, K a multiple of 16
-    (no tail loop), ``q`` contiguous; fp32 and fp16 take a scalar loop on x86, so they fall back too.
-    """
+    """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``, contiguous,
+    32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall back too)."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
     if x.shape[1] % INT8PACK_K_MULTIPLE or not (x.is_contiguous() and q.is_contiguous()):
@@ -73,10 +68,8 @@ def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
                 fused: bool = True) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel where usable, else upcast.
-
-    ``kernel_scale [N]`` is ``scale`` rounded to ``x.dtype`` (the fused kernel's, as gpt-fast stores it).
-    """
+    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel (``kernel_scale [N]`` in
+    ``x.dtype``) where usable, else upcast."""
     if fused and int8pack_usable(x, q):
         return torch._weight_int8pack_mm(x, q, kernel_scale)
     return int8_matmul(x, q, scale)
@@ -116,22 +109,19 @@ def int8_dense_upcast(x, router_weights, gate_up, gate_up_scale, down, down_scal
 
 def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     """``tensor`` as a frozen parameter sharing its storage (itself if it already is one)."""
-    if isinstance(tensor, nn.Parameter):
-        return tensor
-    return nn.Parameter(tensor, requires_grad=False)
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 class RoutedExperts(nn.Module):
     """The experts' weights and one expert's MLP; each subclass is one strategy over them.
 
-    ``weights``: ``"float"`` (the model's tensors, shared), ``"int8"`` (int8 buffers with fp32 scales
-    ``[E, out, 1]``, quantized here or passed as ``scales=``) or ``"quantized"`` (two ``QuantizedTensor``).
+    ``weights``: ``"float"`` (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``)
+    or ``"quantized"`` (two ``QuantizedTensor``).
     """
 
     def __init__(self, gate_up_proj, down_proj, act_fn: Callable, int8: bool = False,
                  compute_dtype: torch.dtype | None = None, int8_kernel: str = "fused",
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
-        if int8_kernel not in INT8_KERNELS:
-            raise ValueError(f"int8_kernel {int8_kernel!r} is not one of {', '.join(INT8_KERNELS)}")
+        assert int8_kernel in INT8_KERNELS, f"int8_kernel {int8_kernel!r} is not one of {', '.join(INT8_KERNELS)}"
         self.fused = int8_kernel == "fused"
         self.num_experts, two_inter, self.hidden_dim = gate_up_proj.shape
         self.intermediate_dim = two_inter // 2
@@ -179,9 +169,8 @@ class RoutedExperts(nn.Module):
     @classmethod
     def from_experts(cls, experts: nn.Module, int8: bool = False, **options):
         """Built on another experts module's float tensors (shared when float, quantized when ``int8``)."""
-        if getattr(experts, "int8", False) or getattr(experts, "weights", "float") != "float":
-            raise ValueError(f"{type(experts).__name__} already holds quantized weights; reload the model "
-                             "and build from its float experts")
+        assert not getattr(experts, "int8", False) and getattr(experts, "weights", "float") == "float", (
+            f"{type(experts).__name__} already holds quantized weights")
         return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, int8=int8, **options)
 
     @classmethod
@@ -255,10 +244,7 @@ class RoutedExperts(nn.Module):
 
 
 class DenseExperts(RoutedExperts):
-    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op).
-
-    Static shapes, no data-dependent control flow, at E/K times top-k routing's work and traffic.
-    """
+    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op): static shapes."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out_dtype = hidden_states.dtype
@@ -295,19 +281,17 @@ class DenseExperts(RoutedExperts):
 class SparseExperts(RoutedExperts):
     """Only the routed experts' weights are read: ``K / E`` of DenseExperts' traffic per token.
 
-    Decode (``T * K < E``): a static loop over the (token, expert) pairs that ``torch.export`` traces;
-    ``selection`` ``"view"`` reads each expert in place, ``"gather"`` copies the K experts' weights first
-    (NxD Inference's selective loading). Prefill: tokens grouped by expert, each expert run once (eager only).
+    Decode (``T * K < E``): a static loop over (token, expert) pairs; ``selection="view"`` reads each expert in
+    place, ``"gather"`` copies the K experts' weights first. Prefill: tokens grouped by expert (eager only).
     """
 
     def __init__(self, gate_up_proj, down_proj, act_fn, int8: bool = False, compute_dtype=None,
                  int8_kernel: str = "fused", scales=None, selection: str = "view"):
         super().__init__(gate_up_proj, down_proj, act_fn, int8=int8, compute_dtype=compute_dtype,
                          int8_kernel=int8_kernel, scales=scales)
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection {selection!r} is not one of {', '.join(SELECTIONS)}")
-        if selection == "gather" and self.weights == "quantized":
-            raise ValueError(f"selection 'gather' needs float or int8 weights, not {self.fmt}: use 'view'")
+        assert selection in SELECTIONS, f"selection {selection!r} is not one of {', '.join(SELECTIONS)}"
+        assert selection != "gather" or self.weights != "quantized", (
+            f"selection 'gather' needs float or int8 weights, not {self.fmt}")
         self.selection = selection
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -368,10 +352,8 @@ class SparseExperts(RoutedExperts):
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
-        """Tokens grouped by expert, each routed expert run once on its rows, in ascending expert order.
-
-        ``accumulate_dtype=None``: summed in ``x.dtype``, transformers' eager loop bit for bit.
-        """
+        """Tokens grouped by expert, each routed expert run once, ascending; ``accumulate_dtype=None``: summed in
+        ``x.dtype``, transformers' eager loop bit for bit."""
         tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
@@ -393,14 +375,7 @@ class SparseExperts(RoutedExperts):
 
 
 class QuantizedExperts(SparseExperts):
-    """Experts on ``QuantizedTensor`` weights of any format, run as transformers' eager loop.
-
-    Each routed expert is dequantized to the activation dtype just before its matmuls; on float
-    weights this equals transformers' eager ``Gemma4TextExperts`` bit for bit.
-    """
-
-    def __init__(self, gate_up: QuantizedTensor, down: QuantizedTensor, act_fn: Callable):
-        super().__init__(gate_up, down, act_fn)
+    """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert dequantized just before use)."""
 
     @classmethod
     def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts") -> QuantizedExperts:
@@ -415,10 +390,7 @@ class QuantizedExperts(SparseExperts):
 
 
 class Int8Experts(RoutedExperts):
-    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise.
-
-    Both paths are a few vectorised ops, so exported programs stay small (per-expert loops would unroll E times).
-    """
+    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise (no per-expert loop)."""
 
     def __init__(self, gate_up, down, act_fn, scales):
         super().__init__(gate_up, down, act_fn, int8=True, int8_kernel="upcast", scales=scales)
@@ -426,8 +398,7 @@ class Int8Experts(RoutedExperts):
     @classmethod
     def from_quantized(cls, experts: RoutedExperts) -> Int8Experts:
         """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
-        if experts.fmt != "int8":
-            raise ValueError(f"experts quantized to {experts.fmt!r}; Int8Experts takes int8 (the squeeze's format)")
+        assert experts.fmt == "int8", f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
         if experts.weights == "quantized":
             gate_up, down = experts.gate_up, experts.down
             return cls(gate_up.data, down.data, experts.act_fn, scales=(gate_up.scale, down.scale))

@@ -62,8 +62,7 @@ def check_exportable_config(config) -> None:
 
 def set_traceable_experts(model: nn.Module, implementation: str = DEFAULT_EXPERTS) -> str:
     """Switch transformers' ``eager`` experts (a data-dependent loop) to a ``torch.export``-able one; return it."""
-    if implementation not in TRACEABLE_EXPERTS:
-        raise ValueError(f"experts implementation {implementation!r} is not one of {', '.join(TRACEABLE_EXPERTS)}")
+    assert implementation in TRACEABLE_EXPERTS, f"{implementation!r} is not one of {', '.join(TRACEABLE_EXPERTS)}"
     current = getattr(model.config, "_experts_implementation", None)
     if current in TRACEABLE_EXPERTS:
         return current
@@ -74,13 +73,11 @@ def set_traceable_experts(model: nn.Module, implementation: str = DEFAULT_EXPERT
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer but the host's embedding table (a tied lm_head kept by its name)."""
     weights = {name: tensor.detach() for name, tensor in model.named_parameters(remove_duplicate=False)}
-    non_persistent = set()
-    for module_name, module in model.named_modules():
-        for buffer_name in getattr(module, "_non_persistent_buffers_set", ()):
-            non_persistent.add(f"{module_name}.{buffer_name}" if module_name else buffer_name)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        if name not in non_persistent:
-            weights[name] = tensor.detach()
+    non_persistent = {f"{module_name}.{buffer_name}" if module_name else buffer_name
+                      for module_name, module in model.named_modules()
+                      for buffer_name in getattr(module, "_non_persistent_buffers_set", ())}
+    weights.update((name, tensor.detach()) for name, tensor in model.named_buffers(remove_duplicate=False)
+                   if name not in non_persistent)
     weights.pop(HOST_EMBEDDING_KEY, None)
     return weights
 
@@ -104,11 +101,8 @@ def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max
 
 
 class DeviceBody(nn.Module):
-    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) -> logits`` fp32.
-
-    ``kv`` (``kv_cache_shapes``) is written in place from ``start``; ``last_index``: which position's
-    logits to return. The model is held outside the module tree, so an exported program owns no weights.
-    """
+    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) -> logits`` fp32. ``kv`` is
+    written in place from ``start``; the model is held outside the module tree, so a program owns no weights."""
 
     def __init__(self, model: nn.Module, max_cache_len: int):
         super().__init__()
@@ -242,10 +236,8 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
 
 def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | None = None,
                   scheme: str | None = None, reference_tokens: dict | None = None) -> CompileReport:
-    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding.
-
-    ``scheme``: the quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check.
-    """
+    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding. ``scheme``: the
+    quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check."""
     shapes = shapes or StepShapes()
     folder = fresh_dir(folder)  # a partial run hard-links the previous artifacts: never write through one
     sha = config_fingerprint(model.config)

@@ -1,7 +1,6 @@
-"""Weight formats, one registry: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
+"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
 
-Every quantized format works along the output rows of ``[out, in]`` (or ``[E, out, in]``, each expert on
-its own); ``tensor_bytes`` is the byte formula, ``QuantizedTensor.nbytes`` what is stored: the tests check they agree.
+Quantized formats work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert).
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ INT8_MIN_SCALE = 1e-8
 
 def check_finite(weight: torch.Tensor, name: str = "weight") -> None:
     """Raise ValueError naming ``name`` if ``weight`` holds NaN or inf (a broken checkpoint)."""
-    if not torch.is_floating_point(weight):
-        raise ValueError(f"tensor {name!r} has dtype {weight.dtype}; expected a floating-point weight to quantize")
+    assert torch.is_floating_point(weight), f"{name!r} is {weight.dtype}"
     finite = torch.isfinite(weight)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
@@ -35,16 +33,11 @@ def check_finite(weight: torch.Tensor, name: str = "weight") -> None:
 
 def _channel_absmax(weight: torch.Tensor, axis: int) -> torch.Tensor:
     """absmax over the input axis, keepdim: one value per channel along ``axis`` (N-D: the ``out`` axis only)."""
-    if weight.dim() < 2:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} is not a matrix; expected [out, in] or [E, out, in]")
+    assert weight.dim() >= 2, f"weight {tuple(weight.shape)} is not a matrix"
     axis = axis % weight.dim()
     if weight.dim() == 2 and axis == 1:
         return weight.abs().amax(dim=0, keepdim=True)
-    if axis != weight.dim() - 2:
-        raise ValueError(
-            f"channel axis {axis} of a {weight.dim()}-D weight {tuple(weight.shape)} is not supported; "
-            f"use the output-row axis {weight.dim() - 2} (0 for a 2-D [out, in] weight)"
-        )
+    assert axis == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
     return weight.abs().amax(dim=-1, keepdim=True)
 
 
@@ -69,14 +62,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, in NxD's order.
-
-    The weight is upcast to ``x.dtype`` for the matmul, the output scaled per row in fp32: column-separable,
-    so a head split by rows across ranks gives the same numbers.
-    """
+    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows scaled in fp32)."""
     assert q.dtype == torch.int8 and q.dim() == 2, f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
-    if scale.shape != (q.shape[0], 1):
-        raise ValueError(f"scale must have shape [out, 1] = {(q.shape[0], 1)}; got {tuple(scale.shape)}")
+    assert scale.shape == (q.shape[0], 1), f"scale must have shape [out, 1], got {tuple(scale.shape)}"
     return scale_rows(torch.nn.functional.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
 
 
@@ -85,13 +73,9 @@ def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (out.float() * scale.float()).to(dtype)
 
 
-
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a format stores a weight ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype.
-
-    ``per_tensor_scale``: an extra fp32 scale per matrix (NVFP4).
-    """
+    """How a format stores ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype; NVFP4 adds a per-matrix scale."""
 
     name: str
     element_bits: int
@@ -136,7 +120,6 @@ FORMATS: dict[str, WeightFormat] = {
     )
 }
 PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
-# The formats ``quantize`` writes, in the order notebook 02 shows them.
 QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")}
 
 
@@ -155,21 +138,13 @@ def weight_format(fmt: str) -> WeightFormat:
 
 
 def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
-    """Stored bytes of one tensor in format ``dtype``, scales included (per row, or per block of ``in``).
-
-    A stack ``[E, out, in]`` is E matrices; quantized formats refuse vectors (norms, biases stay plain).
-    """
+    """Stored bytes of one tensor (``[E, out, in]``: E matrices) in ``dtype``, scales included."""
     fmt = get_format(dtype)
     dims = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {dims} has a negative dimension")
+    assert all(d >= 0 for d in dims), f"shape {dims} has a negative dimension"
     if not fmt.quantized:
         return math.prod(dims) * fmt.element_bits // 8
-    if len(dims) < 2:
-        raise ValueError(
-            f"{dtype} stores matrices [out, in] with per-row or per-block scales; got shape {dims}: "
-            f"keep vectors (norms, biases) in one of {', '.join(PLAIN_DTYPES)}"
-        )
+    assert len(dims) >= 2, f"{dtype} stores matrices [out, in], got shape {dims}"
     *stack, out, inp = dims
     matrices = math.prod(stack)
     if fmt.block_size:
@@ -186,18 +161,13 @@ FP4_E2M1_MAX = 6.0
 # The 16 E2M1 codes (sign bit 3, two exponent bits, one mantissa bit), OCP MX order: 0..7 positive.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
-# Rows are quantized in fp32 chunks of about 1M elements (4 MB, cache-sized): a full 26B expert
-# tensor (gate_up_proj, 128 x 1408 x 2816 = 508M elements) never needs an fp32 copy of itself.
+# Rows are quantized in fp32 chunks of ~1M elements (4 MB): a 26B expert tensor never needs an fp32 copy.
 CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass
 class QuantizedTensor:
-    """One quantized weight: what is stored, and how to get the float weight back.
-
-    fp4 ``data`` packs two E2M1 codes per byte (element ``2j`` in the low nibble, as NxD reads them);
-    rows are zero-padded to whole blocks (stored, counted in ``nbytes``, cut off by ``dequantize``).
-    """
+    """One quantized weight. fp4 ``data``: two E2M1 codes per byte (element ``2j`` low), rows zero-padded to whole blocks."""
 
     fmt: str
     data: torch.Tensor
@@ -218,8 +188,7 @@ class QuantizedTensor:
 
     def __getitem__(self, index: int) -> QuantizedTensor:
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
-        if len(self.shape) < 3:
-            raise ValueError(f"{self.name!r} has shape {self.shape}; only stacked [E, out, in] weights can be indexed")
+        assert len(self.shape) >= 3, f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
         return QuantizedTensor(
             self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
             None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]",
@@ -232,10 +201,7 @@ class QuantizedTensor:
         values = unpack_fp4(self.data)
         block = self.format.block_size
         blocks = values.unflatten(-1, (values.shape[-1] // block, block))
-        if self.fmt == "mxfp4":
-            scale = e8m0_to_float(self.scale)
-        else:
-            scale = self.scale.float() * self.global_scale
+        scale = e8m0_to_float(self.scale) if self.fmt == "mxfp4" else self.scale.float() * self.global_scale
         weight = (blocks * scale.unsqueeze(-1)).flatten(-2)
         return weight[..., : self.shape[-1]].to(dtype)
 
@@ -245,10 +211,8 @@ def e8m0_to_float(exponent: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent.to(torch.float32) - E8M0_BIAS)
 
 
-# E2M1 rounding by counting the midpoints below |x|: the magnitude code (0..7) is the number of
-# midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that |x| passes. Round-half-to-even decides each
-# tie: where the upper neighbour has the even code the tie goes up (``>=``), else down (``>``).
-# Seven compare-and-add passes are ~5x faster on cpu than ``torch.bucketize``'s binary search.
+# E2M1 rounding: the magnitude code (0..7) counts the midpoints |x| passes; ties go to the even code
+# (``>=`` where the upper neighbour is even, else ``>``). ~5x faster on cpu than ``torch.bucketize``.
 _E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -281,10 +245,8 @@ _E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[tor
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..15 ``[..., n]`` (n even) -> bytes ``[..., n / 2]``, element 2j in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"cannot pack an odd number ({codes.shape[-1]}) of fp4 codes into bytes; pad to even")
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"fp4 codes must be uint8 0..15; got {codes.dtype}")
+    assert codes.shape[-1] % 2 == 0, f"cannot pack an odd number ({codes.shape[-1]}) of fp4 codes"
+    assert codes.dtype == torch.uint8, f"fp4 codes must be uint8, got {codes.dtype}"
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -330,10 +292,8 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
     block_absmax = _max_last(magnitude)
     _check_absmax(block_absmax, rows, name, first_row)
     if fmt.name == "mxfp4":
-        # OCP MX: shared exponent = floor(log2(absmax)) - emax(E2M1) = floor(log2(absmax)) - 2;
-        # a block whose absmax lies in (6, 8) x 2^e saturates to +-6 x 2^e, as in the spec.
-        # floor(log2(x)) read exactly off the float's exponent (frexp: x = m * 2^e, 0.5 <= m < 1):
-        # torch.log2 rounds to the nearest float, so an fp32 a few ulps below 2^k gives k, not k - 1.
+        # OCP MX: shared exponent = floor(log2(absmax)) - 2 (absmax in (6, 8) x 2^e saturates to +-6 x 2^e);
+        # floor(log2) read exactly off frexp's exponent (torch.log2 rounds up just below a power of two).
         exponent = (torch.frexp(block_absmax).exponent - 1).float() - 2
         exponent = torch.where(block_absmax > 0, exponent, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
         scale_code = (exponent + E8M0_BIAS).to(torch.uint8)
@@ -349,17 +309,10 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
 
 
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
-    """Quantize ``weight [..., out, in]`` to ``fmt``, per output row / block (leading axes: per expert).
-
-    Rows go in ~4 MB fp32 chunks on one thread, so a 26B expert tensor needs no fp32 copy of itself;
-    NaN/inf raise ValueError naming ``name``; all-zero rows dequantize to zero.
-    """
+    """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
+    ValueError naming ``name``; all-zero rows dequantize to zero."""
     spec = weight_format(fmt)
-    if not torch.is_floating_point(weight) or weight.dim() < 2:
-        raise ValueError(
-            f"tensor {name!r} is {weight.dtype} of shape {tuple(weight.shape)}; "
-            "expected a floating-point weight [out, in] or [E, out, in]"
-        )
+    assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
     shape = tuple(weight.shape)
     with torch.no_grad(), torch_threads(1):
         rows_view = weight.detach().reshape(-1, shape[-1])

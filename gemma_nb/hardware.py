@@ -5,9 +5,7 @@ HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic sa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Protocol
 
 import pandas as pd
 
@@ -41,11 +39,8 @@ class Instance:
 
     def budget_bytes(self, budget: str = "spec") -> int:
         """HBM per NeuronCore: ``"spec"`` = 16 GiB (AWS), ``"story"`` = 16 GB (the write-up)."""
-        if budget == "spec":
-            return self.hbm_per_core_bytes
-        if budget == "story":
-            return STORY_HBM_PER_CORE_BYTES
-        raise ValueError(f"budget {budget!r} is not one of {', '.join(BUDGETS)}")
+        assert budget in BUDGETS, f"budget {budget!r} is not one of {', '.join(BUDGETS)}"
+        return self.hbm_per_core_bytes if budget == "spec" else STORY_HBM_PER_CORE_BYTES
 
 
 # docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand $/h).
@@ -119,37 +114,14 @@ DEVICES: dict[str, Device] = {
 def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8_ops: float | None = None,
                  ram_bytes: int | None = None, name: str = "this_cpu") -> Device:
     """A ``Device`` for the machine a notebook runs on, from figures that notebook measured."""
-    if not bandwidth_bytes_s or bandwidth_bytes_s <= 0:
-        raise ValueError(f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive measured bandwidth in bytes/s")
+    assert bandwidth_bytes_s and bandwidth_bytes_s > 0, f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
     return Device(name, hbm_bytes=ram_bytes, bandwidth_bytes_s=float(bandwidth_bytes_s), bf16_flops=bf16_flops,
                   int8_ops=int8_ops, usd_per_hour=None, source="measured here")
 
 
-def device_table(extra: Iterable[Device] = ()):
-    """The device table as a DataFrame in GB, GB/s and TFLOP/s; ``extra`` replaces entries by name."""
-    devices = {**DEVICES, **{device.name: device for device in extra}}
-
-    def scaled(value, unit):
-        return None if value is None else value / unit
-
-    return pd.DataFrame([{"device": d.name, "hbm_gb": scaled(d.hbm_bytes, GB),
-                          "bandwidth_gb_s": scaled(d.bandwidth_bytes_s, GB), "bf16_tflops": scaled(d.bf16_flops, TERA),
-                          "int8_tops": scaled(d.int8_ops, TERA), "usd_per_hour": d.usd_per_hour, "source": d.source}
-                         for d in devices.values()])
-
-
-class _PlanLike(Protocol):
-    tp: int
-    total_bytes: int
-
-
 @dataclass(frozen=True)
 class Fit:
-    """Whether a per-rank plan fits one instance, one rank per NeuronCore.
-
-    ``headroom_bytes``: budget minus plan per core (None when the instance has too few cores);
-    ``replicas``: copies of the model the instance holds at that TP.
-    """
+    """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
 
     instance: str
     budget: str
@@ -175,8 +147,8 @@ class Fit:
         return row
 
 
-def fits(plan: _PlanLike, instance: str | Instance, budget: str = "spec") -> Fit:
-    """Does ``plan`` (bytes per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
+def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
+    """Does ``plan`` (``total_bytes`` per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
     inst = get_instance(instance)
     budget_bytes = inst.budget_bytes(budget)
     used = int(plan.total_bytes)

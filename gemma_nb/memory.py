@@ -1,6 +1,6 @@
 """Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m gemma_nb plan``).
 
-The parameter inventory the plans read is ``gemma_nb.params``' (its names importable from here too).
+The parameter inventory is ``gemma_nb.params``' (its names importable from here too).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pandas as pd
 from gemma_nb.formats import FORMATS as FORMATS
 from gemma_nb.formats import PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
-from gemma_nb.params import CONFIGS_DIR as CONFIGS_DIR
 from gemma_nb.params import GEMMA4_26B_CONFIG_PATH as GEMMA4_26B_CONFIG_PATH
 from gemma_nb.params import (
     GROUPS,
@@ -31,8 +30,6 @@ from gemma_nb.params import (
     model_facts,
     valid_tp_degrees,
 )
-from gemma_nb.params import AttentionLayer as AttentionLayer
-from gemma_nb.params import ModelFacts as ModelFacts
 from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
 from gemma_nb.params import check_gemma4_pitfalls as check_gemma4_pitfalls
 from gemma_nb.params import inventory as inventory
@@ -41,9 +38,8 @@ from gemma_nb.params import load_config as load_config
 from gemma_nb.params import param_summary as param_summary
 from gemma_nb.params import tp_problem as tp_problem
 
-# The smallest non-weight HBM the Neuron runtime takes on a core running a compiled model (Neuron docs,
-# "Neuron device memory"): 96 MiB micro-code per NeuronCore plus one 512 MiB shared-scratchpad page.
-# A real NEFF's scratchpad is often several pages, plus I/O tensors and collectives buffers: a floor.
+# The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus one
+# 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives buffers.
 RUNTIME_MICROCODE_BYTES = 96 * 2**20
 SCRATCHPAD_PAGE_BYTES = 512 * 2**20
 DEFAULT_RUNTIME_ALLOWANCE_BYTES = RUNTIME_MICROCODE_BYTES + SCRATCHPAD_PAGE_BYTES
@@ -53,12 +49,8 @@ SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/so
 
 @dataclass(frozen=True)
 class Scheme:
-    """A placement: dtype per group, what TP shards, where the embedding and lm_head live.
-
-    Groups not in ``dtypes`` use ``default_dtype``; vectors of a quantized group stay in it too.
-    ``embedding_on_device=False``: looked up on the host, 0 HBM. A tied head on the device is its own
-    copy of the table. The port's static KV buffers were fp32 (``kv_dtype``).
-    """
+    """A placement: dtype per group (else ``default_dtype``, also for a quantized group's vectors), what TP shards.
+    ``embedding_on_device=False``: looked up on the host, 0 HBM; a tied head on the device is its own copy."""
 
     name: str
     description: str = ""
@@ -74,24 +66,15 @@ class Scheme:
         object.__setattr__(self, "dtypes", dict(self.dtypes))
         object.__setattr__(self, "sharded", frozenset(self.sharded))
         for group, dtype in self.dtypes.items():
-            if group not in GROUPS:
-                raise ValueError(f"scheme {self.name!r}: group {group!r} is not one of {', '.join(GROUPS)}")
+            assert group in GROUPS, f"group {group!r} is not one of {', '.join(GROUPS)}"
             get_format(dtype)
         check_plain(self.default_dtype, f"scheme {self.name!r} default")
         check_plain(self.kv_dtype, f"scheme {self.name!r} KV cache")
-        bad = sorted(self.sharded - set(SHARDABLE_GROUPS))
-        if bad:
-            raise ValueError(f"scheme {self.name!r}: cannot shard {', '.join(bad)}; "
-                             f"shardable groups are {', '.join(SHARDABLE_GROUPS)} (lm_head: use lm_head_sharded)")
-        if self.runtime_allowance_bytes < 0:
-            raise ValueError(f"scheme {self.name!r}: runtime_allowance_bytes={self.runtime_allowance_bytes} "
-                             "must be >= 0")
+        assert self.sharded <= set(SHARDABLE_GROUPS), f"cannot shard {sorted(self.sharded - set(SHARDABLE_GROUPS))}"
+        assert self.runtime_allowance_bytes >= 0, f"runtime_allowance_bytes={self.runtime_allowance_bytes} must be >= 0"
 
     def dtype(self, group: str) -> str:
         return self.dtypes.get(group, self.default_dtype)
-
-    def with_allowance(self, runtime_allowance_bytes: int) -> Scheme:
-        return replace(self, runtime_allowance_bytes=int(runtime_allowance_bytes))
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -168,8 +151,7 @@ class Plan:
 
     def bytes(self, group: str) -> int:
         """Bytes per rank of one row (a group, ``kv_cache`` or ``runtime_allowance``)."""
-        if group not in PLAN_ROWS:
-            raise ValueError(f"group {group!r} is not one of {', '.join(PLAN_ROWS)}")
+        assert group in PLAN_ROWS, f"group {group!r} is not one of {', '.join(PLAN_ROWS)}"
         return int(self.table.set_index("group").loc[group, "bytes_per_rank"])
 
     def gb(self, group: str) -> float:
@@ -186,16 +168,13 @@ class Plan:
 
 def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len: int = SHIPPED_CONTEXT_LEN,
          batch: int = 1, runtime_allowance_bytes: int | None = None) -> Plan:
-    """Bytes per rank per group for ``scheme`` at TP ``tp``, then the KV cache and the runtime allowance rows.
-
-    ``host_bytes``: what sits on the host instead (the host embedding table).
-    """
+    """Bytes per rank per group for ``scheme`` at TP ``tp``, then KV cache and runtime allowance; ``host_bytes``: on the host."""
     sch = get_scheme(scheme)
     check_context(context_len, batch)
     check_tp(config, tp)
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
-        sch = sch.with_allowance(runtime_allowance_bytes)
+        sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
     per_group, head_detail = _group_bytes(facts, sch, tp)
     rows = _group_rows(per_group, sch, tp, head_detail) + _kv_and_allowance_rows(config, sch, tp, context_len, batch)
     table = pd.DataFrame(rows)
@@ -220,7 +199,6 @@ def _group_bytes(facts, sch: Scheme, tp: int) -> tuple[dict[str, dict[str, int]]
         entry["bytes"] += _record_bytes(rec, dtype, sch.default_dtype, tp if sharded else 1)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
-        # Tied: counted once under embeddings, but on the device the head is its own parameter.
         head = ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
         ranks = tp if sch.lm_head_sharded else 1
         per_group["lm_head"]["bytes"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, ranks)
@@ -272,11 +250,8 @@ def plans_table(plans: Iterable[Plan]):
 def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: str | Scheme = "int8_squeeze",
                      tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, budget_bytes: int = 16 * GiB,
                      short_by_bytes: int | None = None) -> dict:
-    """Which runtime allowance makes ``failing`` overflow and ``fitting`` fit a core of ``budget_bytes``.
-
-    ``min_to_fail < allowance <= max_to_fit`` reproduces both outcomes. With ``short_by_bytes`` (what if
-    ``failing`` was short by this much): the allowance that makes it so, and ``fitting``'s overflow then.
-    """
+    """The allowances (``min_to_fail < a <= max_to_fit``) with which ``failing`` overflows and ``fitting`` fits a core.
+    ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then."""
     failing_static = plan(config, tp, failing, context_len, runtime_allowance_bytes=0).total_bytes
     fitting_static = plan(config, tp, fitting, context_len, runtime_allowance_bytes=0).total_bytes
     window = {
@@ -328,17 +303,13 @@ def given_runtime_allowance(gb: float) -> RuntimeAllowance:
     return RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
 
 
-def largest_tp(config, neuron_cores: int) -> int:
-    return max(valid_tp_degrees(config, neuron_cores))
-
-
 def fit_table(config, schemes: Iterable[str | Scheme] = tuple(SCHEMES), instances: Iterable[str] = tuple(INSTANCES),
               context_len: int = SHIPPED_CONTEXT_LEN, budget: str = "spec", tp: int | None = None):
     """Instance x scheme: headroom per NeuronCore at ``tp`` (default: the largest valid TP each instance allows)."""
     rows = []
     for name in instances:
         inst = get_instance(name)
-        degree = tp if tp is not None else largest_tp(config, inst.neuron_cores)
+        degree = tp if tp is not None else max(valid_tp_degrees(config, inst.neuron_cores))
         for scheme in schemes:
             fit = fits(plan(config, degree, scheme, context_len), inst, budget)
             rows.append({"instance": inst.name, "scheme": get_scheme(scheme).name, "tp": degree,

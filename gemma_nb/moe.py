@@ -21,12 +21,9 @@ def default_selection(device: str | torch.device) -> str:
 
 def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """Every routed-experts module of ``model`` as ``(parent, attribute, module)``."""
-    found = []
-    for parent in model.modules():
-        child = getattr(parent, "experts", None)
-        if isinstance(child, nn.Module) and hasattr(child, "gate_up_proj") and hasattr(child, "down_proj"):
-            found.append((parent, "experts", child))
-    return found
+    children = ((parent, getattr(parent, "experts", None)) for parent in model.modules())
+    return [(parent, "experts", child) for parent, child in children
+            if isinstance(child, nn.Module) and hasattr(child, "gate_up_proj") and hasattr(child, "down_proj")]
 
 
 def _transformers_experts(source: nn.Module, config, experts_implementation: str | None = None) -> nn.Module:
@@ -48,26 +45,20 @@ def make_experts(source: nn.Module, impl: str, config=None, **options) -> nn.Mod
     ``transformers`` needs the model's text config; ``options`` go to the class (``selection=``, or
     ``experts_implementation=`` for transformers' module).
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    if getattr(source, "int8", False) or getattr(source, "weights", "float") != "float":
-        raise ValueError(f"the model's experts are already {type(source).__name__} with int8 weights; "
-                         "reload the model to swap to another implementation")
+    assert impl in IMPLEMENTATIONS, f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
+    assert not getattr(source, "int8", False) and getattr(source, "weights", "float") == "float", (
+        f"the experts are already {type(source).__name__} with int8 weights: reload the model")
     if impl == "transformers":
-        if config is None:
-            raise ValueError("impl 'transformers' needs the model's text config (Gemma4TextConfig)")
+        assert config is not None, "impl 'transformers' needs the model's text config"
         return _transformers_experts(source, config, **options)
     return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
-    """Replace every MoE layer's experts module in place; returns ``model``.
-
-    Float weights are shared, so swapping among float kinds is free and reversible; ``*_int8`` is one-way.
-    """
+    """Replace every MoE layer's experts module in place; returns ``model``. Float weights are shared, so swapping among float
+    kinds is free and reversible; ``*_int8`` is one-way."""
     found = experts_modules(model)
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no routed-experts modules (no '.experts' with gate_up_proj)")
+    assert found, f"{type(model).__name__} has no routed-experts modules"
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     for parent, name, module in found:
@@ -99,8 +90,7 @@ def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, d
 def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
                    device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_k_index [T, K] int64, top_k_weights [T, K] fp32)``: K distinct experts per token, weights sum to 1."""
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+    assert 1 <= top_k <= num_experts, f"top_k={top_k} must be between 1 and num_experts={num_experts}"
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(num_tokens, num_experts, generator=generator)
     weights, index = torch.softmax(scores * 4.0, dim=-1).topk(top_k, dim=-1)
@@ -110,12 +100,9 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
 
 def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor,
                     routes: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Each module's largest distance from ``modules[reference]``'s output over ``routes``.
-
-    ``bf16_ulps``: that distance in bf16 rounding steps (2^-8) of the largest reference element.
-    """
-    if reference not in modules:
-        raise ValueError(f"reference {reference!r} is not one of {', '.join(modules)}")
+    """Each module's largest distance from ``modules[reference]``'s output over ``routes``. ``bf16_ulps``: that distance in bf16
+    rounding steps (2^-8) of the largest reference element."""
+    assert reference in modules, f"reference {reference!r} is not one of {', '.join(modules)}"
     with torch.inference_mode():
         wanted = [modules[reference](hidden_states, *route).float() for route in routes]
         ref_max = max(float(w.abs().max()) for w in wanted)

@@ -68,11 +68,8 @@ def load_gemma4_26b_config(path: str | Path = GEMMA4_26B_CONFIG_PATH):
 
 @dataclass(frozen=True)
 class ParamRecord:
-    """One unique parameter (or persistent buffer) and how TP splits it.
-
-    ``split``: ``"out"`` (output rows divided), ``"in"`` (input columns divided), ``"experts"``
-    (expert axis divided), ``"kv"`` (KV heads divided, or one per rank when TP exceeds them), ``"none"``.
-    """
+    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows
+    (``"out"``), input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
 
     name: str
     group: str
@@ -101,7 +98,7 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Everything the planner needs from one meta-device build, kept after the model is dropped."""
+    """What the planner needs from one meta-device build."""
 
     model_class: str
     records: tuple[ParamRecord, ...]
@@ -280,11 +277,8 @@ def model_facts(config) -> ModelFacts:
 
 
 def inventory(config):
-    """Unique parameters per group, one row per group in ``GROUPS`` order (tied weights once).
-
-    ``buffers``: persistent buffer elements (in the state dict, not in ``params``);
-    ``share_non_embedding_pct`` is blank for the embedding rows. ``attrs``: model_class, total_params, tied.
-    """
+    """Unique parameters (tied once) and persistent buffer elements per group, in ``GROUPS`` order. ``attrs``: model_class,
+    total_params, tied."""
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
@@ -391,10 +385,8 @@ def _layer_kv_values(layer: AttentionLayer, tp: int) -> int:
 
 def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16",
                    cap_sliding: bool = False) -> int:
-    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens.
-
-    Every layer is sized for the whole context (the port's static buffers) unless ``cap_sliding``.
-    """
+    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
+    port's static buffers) unless ``cap_sliding``."""
     check_context(context_len, batch)
     check_plain(dtype, "KV cache")
     check_tp(config, tp)
@@ -408,8 +400,7 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
 
 def check_plain(dtype: str, what: str) -> None:
     get_format(dtype)
-    if dtype not in PLAIN_DTYPES:
-        raise ValueError(f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}")
+    assert dtype in PLAIN_DTYPES, f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}"
 
 
 def check_context(context_len, batch) -> None:

@@ -26,12 +26,11 @@ from gemma_nb.formats import (
 from gemma_nb.moe import random_routing
 from gemma_nb.targets import torch_threads
 
-# The formats this module quantizes to (``gemma_nb.formats.QUANTIZED_FORMATS``), by name.
 FORMATS = QUANTIZED_FORMATS
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 ``nn.Linear`` (no bias): ``qweight int8 [out, in]``, ``scale fp32 [out, 1]``; forward ``int8_matmul``."""
+    """Weight-only int8 ``nn.Linear`` (no bias): ``qweight int8 [out, in]``, ``scale fp32 [out, 1]``."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
@@ -49,8 +48,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str = "linear") -> Int8Linear:
-        if getattr(linear, "bias", None) is not None:
-            raise ValueError(f"{name!r} has a bias; Int8Linear covers the bias-free linears Gemma-4 uses")
+        assert getattr(linear, "bias", None) is None, f"{name!r} has a bias"
         return cls.from_weight(linear.weight, name=f"{name}.weight")
 
     @property
@@ -70,7 +68,7 @@ class Int8Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """Bias-free linear on a ``QuantizedTensor``, dequantized to ``x.dtype`` before the matmul (NxD's fp8/blockwise order)."""
+    """Bias-free linear on a ``QuantizedTensor``, dequantized to ``x.dtype`` before the matmul (NxD's order)."""
 
     def __init__(self, quantized: QuantizedTensor):
         super().__init__()
@@ -110,12 +108,9 @@ def resolve_scheme(scheme) -> dict[str, str]:
         scheme = memory.get_scheme(scheme).dtypes
     resolved = {}
     for group, fmt in scheme.items():
-        if group not in GROUPS:
-            if fmt in (None, "bf16", "fp32"):
-                continue
-            raise ValueError(f"group {group!r} cannot be quantized here; quantizable groups: {', '.join(GROUPS)}")
         if fmt in (None, "bf16", "fp32"):
             continue
+        assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
         weight_format(fmt)
         resolved[group] = fmt
     return resolved
@@ -123,8 +118,7 @@ def resolve_scheme(scheme) -> dict[str, str]:
 
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no Gemma4TextDecoderLayer; apply_scheme needs a Gemma-4 model")
+    assert layers, f"{type(model).__name__} has no Gemma4TextDecoderLayer"
     return layers
 
 
@@ -164,9 +158,7 @@ def _quantize_experts(layers, fmt: str):
     """Every layer's ``Gemma4TextExperts`` -> ``QuantizedExperts``; yields ((weight, quantized) pairs, stored bytes)."""
     for layer_name, layer in layers:
         experts = getattr(layer, "experts", None)
-        if experts is None or not hasattr(experts, "gate_up_proj"):
-            raise ValueError(f"{layer_name} has no stacked experts (gate_up_proj): "
-                             "the config needs enable_moe_block=True")
+        assert hasattr(experts, "gate_up_proj"), f"{layer_name} has no stacked experts (enable_moe_block=True)"
         quantized = QuantizedExperts.from_experts(experts, fmt, name=f"{layer_name}.experts")
         layer.experts = quantized
         yield ((experts.gate_up_proj, quantized.gate_up), (experts.down_proj, quantized.down)), quantized.nbytes
@@ -176,8 +168,7 @@ def _quantize_linears(model, layers, group: str, fmt: str):
     """Every linear of ``group`` -> ``Int8Linear`` / ``QuantizedLinear``; yields as ``_quantize_experts``."""
     if group == "lm_head":
         head = model.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"lm_head is {type(head).__name__}, already replaced; apply lm_head quantization once")
+        assert isinstance(head, nn.Linear), f"lm_head is {type(head).__name__}, already replaced"
         # a new quantized table; the tied float table stays with embed_tokens
         replacement = quantized_linear(head.weight.detach(), fmt, "lm_head.weight")
         model.lm_head = replacement
@@ -186,8 +177,7 @@ def _quantize_linears(model, layers, group: str, fmt: str):
         return
     for parent, attr, name in _linear_targets(layers, group):
         linear = getattr(parent, attr)
-        if linear.bias is not None:
-            raise ValueError(f"{name} has a bias; the quantized linears cover Gemma-4's bias-free ones")
+        assert linear.bias is None, f"{name} has a bias"
         replacement = quantized_linear(linear.weight.detach(), fmt, f"{name}.weight")
         setattr(parent, attr, replacement)
         yield ((linear.weight, replacement.quantized),), replacement.nbytes
@@ -224,54 +214,45 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
 @torch.no_grad()
 def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4"), tokens: int = 4,
                             top_k: int = 8, seed: int = 0):
-    """Quantize one layer's stacked experts to each format in turn: stored bytes vs ``memory.tensor_bytes``, errors.
-
-    One row per (format, tensor) plus a ``layer`` row with the output's relative error on ``tokens``
-    routed tokens; returns (table, seconds per format).
-    """
+    """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format). A row per
+    (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens."""
     with torch_threads(1):
-        return _full_size_experts_check(experts, formats, tokens, top_k, seed)
-
-
-def _full_size_experts_check(experts, formats, tokens, top_k, seed):
-    generator = torch.Generator().manual_seed(seed)
-    dtype = experts.gate_up_proj.dtype
-    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
-    index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
-    # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
-    float_experts = SparseExperts.from_experts(experts)
-    reference = float_experts.grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
-    rows, seconds = [], {}
-    for fmt in formats:
-        weight_format(fmt)
-        start = time.perf_counter()
-        quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
-        seconds[fmt] = time.perf_counter() - start
-        for tensor_name, tensor in (("gate_up_proj", quantized.gate_up), ("down_proj", quantized.down)):
-            weight = getattr(experts, tensor_name)
+        generator = torch.Generator().manual_seed(seed)
+        dtype = experts.gate_up_proj.dtype
+        hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
+        index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
+        # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
+        float_experts = SparseExperts.from_experts(experts)
+        reference = float_experts.grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
+        rows, seconds = [], {}
+        for fmt in formats:
+            weight_format(fmt)
+            start = time.perf_counter()
+            quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
+            seconds[fmt] = time.perf_counter() - start
+            for tensor_name, tensor in (("gate_up_proj", quantized.gate_up), ("down_proj", quantized.down)):
+                weight = getattr(experts, tensor_name)
+                rows.append({
+                    "format": fmt, "tensor": tensor_name, "shape": "x".join(map(str, tensor.shape)),
+                    "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
+                    "rel_error_expert0": quantization_error(weight[0], tensor[0])["rel_error"],
+                })
+            output = quantized(hidden, index, weights.to(dtype)).float()
             rows.append({
-                "format": fmt, "tensor": tensor_name, "shape": "x".join(map(str, tensor.shape)),
-                "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
-                "rel_error_expert0": quantization_error(weight[0], tensor[0])["rel_error"],
+                "format": fmt, "tensor": "layer", "shape": "",
+                "stored_bytes": quantized.nbytes,
+                "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
+                "rel_error_output": float((output - reference).norm() / reference.norm()),
             })
-        output = quantized(hidden, index, weights.to(dtype)).float()
-        rows.append({
-            "format": fmt, "tensor": "layer", "shape": "",
-            "stored_bytes": quantized.nbytes,
-            "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
-            "rel_error_output": float((output - reference).norm() / reference.norm()),
-        })
-        del quantized
-    table = pd.DataFrame(rows)
-    table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])
-    return table, seconds
+            del quantized
+        table = pd.DataFrame(rows)
+        table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])
+        return table, seconds
 
 
 def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A ``Gemma4TextExperts`` with N(0, std) weights drawn in ``dtype`` expert by expert on one thread.
-
-    Not ``moe.random_experts``' numbers, but ~3x faster on a busy 2-core box.
-    """
+    """A ``Gemma4TextExperts`` with N(0, std) weights drawn in ``dtype`` expert by expert on one thread (~3x faster
+    than ``moe.random_experts``, other numbers)."""
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator().manual_seed(seed)

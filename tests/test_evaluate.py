@@ -55,7 +55,7 @@ def test_greedy_generate_stops_at_eos(model, prompt):
 def test_greedy_generate_rejects_bad_input(model, prompt):
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         greedy_generate(model, prompt, -1)
-    with pytest.raises(ValueError, match="expected token ids"):
+    with pytest.raises(AssertionError, match="expected token ids"):
         greedy_generate(model, torch.zeros(1, 2, 3, dtype=torch.long), 1)
 
 
@@ -76,9 +76,9 @@ def test_compare_logits_sees_a_perturbation(model, prompt):
 
 
 def test_compare_logits_rejects_wrong_shapes(model, prompt):
-    with pytest.raises(ValueError, match=r"logits \[B, S, V\]"):
+    with pytest.raises(AssertionError, match=r"logits \[B, S, V\]"):
         compare_logits(model, lambda ids: torch.zeros(3), prompt)
-    with pytest.raises(ValueError, match="tokenizer="):
+    with pytest.raises(AssertionError, match="tokenizer="):
         compare_logits(model, model, ["a sentence"])
 
 
@@ -104,7 +104,7 @@ def test_greedy_match_finds_first_divergent_step(model, prompt):
 
 
 def test_greedy_match_wants_one_sequence(model):
-    with pytest.raises(ValueError, match="batch size 2"):
+    with pytest.raises(AssertionError, match="batch size 2"):
         greedy_match(model, model, torch.tensor([[2, 3], [2, 4]]), steps=2)
 
 
@@ -134,7 +134,7 @@ def test_fact_recall_counts_wrong_answers():
     accuracy, table = fact_recall(tiny, tokenizer, facts)
     assert accuracy == 0.5
     assert table["correct"].tolist() == [True, False]
-    with pytest.raises(ValueError, match="facts is empty"):
+    with pytest.raises(AssertionError, match="facts is empty"):
         fact_recall(tiny, tokenizer, [])
 
 
@@ -153,9 +153,9 @@ def test_recall_from_greedy_tokens_is_fact_recall():
     recall, correct = recall_from_tokens(tokenizer, facts, tokens)
     expected, table = fact_recall(tiny, tokenizer, facts)
     assert recall == expected and correct == table["correct"].tolist() and correct[-1] is False
-    with pytest.raises(ValueError, match="decode at least as many steps as the longest answer"):
+    with pytest.raises(AssertionError, match="decode at least as many steps as the longest answer"):
         recall_from_tokens(tokenizer, facts[:1], [tokens[0][:1]])
-    with pytest.raises(ValueError, match="1 token lists for 2 facts"):
+    with pytest.raises(AssertionError, match="1 token lists for 2 facts"):
         recall_from_tokens(tokenizer, facts[:2], tokens[:1])
 
 

@@ -89,7 +89,7 @@ def test_swap_shares_the_weight_tensors_and_reverts():
     moe.swap_experts(model, "sparse_int8")
     layer = moe.experts_modules(model)[0][2]
     assert layer.gate_up_proj.dtype == torch.int8 and layer.gate_up_scale.shape == (32, 128, 1)
-    with pytest.raises(ValueError, match="reload the model"):
+    with pytest.raises(AssertionError, match="reload the model"):
         moe.swap_experts(model, "dense")
 
 
@@ -183,11 +183,11 @@ def test_bad_inputs_name_the_problem(mid_layer):
         module(x, torch.full_like(index, 64), weights)
     with pytest.raises(AssertionError, match="down_proj"):
         E.DenseExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
-    with pytest.raises(ValueError, match="'bogus' is not one of transformers, dense"):
+    with pytest.raises(AssertionError, match="'bogus' is not one of transformers, dense"):
         moe.make_experts(experts, "bogus")
-    with pytest.raises(ValueError, match="selection 'copy'"):
+    with pytest.raises(AssertionError, match="selection 'copy'"):
         E.SparseExperts.from_experts(experts, selection="copy")
-    with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
+    with pytest.raises(AssertionError, match="top_k=9 must be between 1 and num_experts=8"):
         moe.random_routing(1, 8, 9)
 
 
