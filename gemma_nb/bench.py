@@ -1,6 +1,5 @@
-"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the
-sparse step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``.
-"""
+"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the sparse
+step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``."""
 
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ def _sync(device: str) -> None:
 
 def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
-        minimum = 0 if name == "warmup" else 1
+        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)")}.get(name, (1, ""))
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+            raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{why}")
 
 
 def smoke_timing() -> bool:
@@ -63,23 +62,18 @@ class Timings:
     def candidates(self) -> list[str]:
         return list(dict.fromkeys(self.steps["candidate"]))
 
-    def _check(self, name: str) -> None:
+    def _ms(self, name: str) -> pd.Series:
         assert name in self.candidates, f"candidate {name!r} was not timed"
-
-    def per_repeat(self) -> pd.DataFrame:
-        """p50 latency and tokens/s of every (candidate, repeat)."""
-        grouped = self.steps.groupby(["candidate", "repeat"], sort=False)["ms"]
-        table = grouped.agg(p50_ms="median", total_ms="sum", steps="count").reset_index()
-        table["tok_s"] = 1000.0 * table["steps"] / table["total_ms"]
-        return table
+        return self.steps.loc[self.steps["candidate"] == name, "ms"]
 
     def summary(self) -> pd.DataFrame:
         """One row per candidate: step latency percentiles (ms, all repeats), tok/s (median and range over
         repeats), and for generation ``ttft_ms`` (median over repeats)."""
         rows = []
-        per_repeat = self.per_repeat()
+        per_repeat = self.steps.groupby(["candidate", "repeat"], sort=False)["ms"].agg(total_ms="sum", steps="count")
+        per_repeat = per_repeat.reset_index().assign(tok_s=lambda t: 1000.0 * t["steps"] / t["total_ms"])
         for name in self.candidates:
-            ms = self.steps.loc[self.steps["candidate"] == name, "ms"]
+            ms = self._ms(name)
             tok_s = per_repeat.loc[per_repeat["candidate"] == name, "tok_s"]
             row = {"candidate": name, "p50_ms": ms.median(), "p90_ms": ms.quantile(0.9), "mean_ms": ms.mean(),
                    "min_ms": ms.min(), "tok_s": tok_s.median(), "tok_s_min": tok_s.min(), "tok_s_max": tok_s.max(),
@@ -92,19 +86,16 @@ class Timings:
     def ratio(self, numerator: str, denominator: str) -> float:
         """Median over rounds (one step of every candidate, back to back) of numerator's step time over
         denominator's: > 1 means ``numerator`` is slower; pairing steps moments apart cancels drift."""
-        self._check(numerator)
-        self._check(denominator)
+        self._ms(numerator), self._ms(denominator)  # both were timed
         table = self.steps.pivot_table(index=["repeat", "step"], columns="candidate", values="ms")
         return float((table[numerator] / table[denominator]).median())
 
     def p50_ms(self, name: str) -> float:
-        self._check(name)
-        return float(self.steps.loc[self.steps["candidate"] == name, "ms"].median())
+        return float(self._ms(name).median())
 
     def min_ms(self, name: str) -> float:
         """The fastest step: what the machine allows when nothing else interferes."""
-        self._check(name)
-        return float(self.steps.loc[self.steps["candidate"] == name, "ms"].min())
+        return float(self._ms(name).min())
 
 
 def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, repeats: int = 5, warmup: int = 2,
@@ -156,8 +147,6 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
     untimed before each run), interleaved across repeats: TTFT, then the decode steps. A model whose
     tokens change between repeats is an error."""
     _check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
-    if new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (one first token, then decode steps)")
     if smoke_timing():
         repeats, warmup = 1, 0
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -190,8 +179,6 @@ def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, re
     """Median TTFT (``generate(ids, 1)``) and decode tok/s of runners exposing only
     ``generate(input_ids, max_new_tokens)``, with their tokens: one row per runner."""
     _check_counts(new_tokens=new_tokens, repeats=repeats)
-    if new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (one first token, then decode steps)")
     repeats = 1 if smoke_timing() else repeats
     names = list(runners)
     rows = []

@@ -1,6 +1,5 @@
-"""The decode roofline of notebook 07: bytes and FLOPs per decode step, modelled, at any batch, and
-the tokens/s and $ per million tokens they allow on each deployment (``python -m gemma_nb plan``).
-"""
+"""The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode step,
+modelled, at any batch, and the tokens/s and $ per million tokens they allow on each deployment."""
 
 from __future__ import annotations
 
@@ -158,13 +157,11 @@ class Deployment:
 
     def runtime_allowance(self) -> RuntimeAllowance:
         """HBM per rank the runtime takes: on a NeuronCore notebook 01's inferred window, else none."""
-        if self.resolved_device().name in NEURON_DEVICES:
+        if self.resolved_device().name in ("neuroncore_v2", "inferentia2_chip"):
             return inferred_runtime_allowance()
         return RuntimeAllowance(0, 0, "none modelled for this device")
 
 
-NEURON_DEVICES = ("neuroncore_v2", "inferentia2_chip")
-STORY_INSTANCE = "inf2.xlarge"
 DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("inf2.xlarge, int8 squeeze, TP=2", "neuroncore_v2", 2, "int8_squeeze",
                INSTANCES["inf2.xlarge"].usd_per_hour),
@@ -212,15 +209,11 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
             costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
             speed = step_speed(costs, deployment, 1, mode)
             resident = costs.weights_bytes + costs.kv_bytes_per_stream
-            rows.append({
-                "deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
-                "scheme": deployment.scheme, "experts": mode,
-                "gb_per_token": speed["bytes"] / GB, "gflop_per_token": speed["flops"] / 1e9,
-                "memory_ms": speed["memory_ms"], "compute_ms": speed["compute_ms"], "bound": speed["bound"],
-                "tok_s": speed["tok_s"],
-                "fits": None if device.hbm_bytes is None else bool(resident <= device.hbm_bytes),
-                "usd_per_hour": speed["usd_per_hour"], "usd_per_m_tokens": speed["usd_per_m_tokens"],
-            })
+            rows.append({"deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
+                         "scheme": deployment.scheme, "experts": mode, "gb_per_token": speed["bytes"] / GB,
+                         "gflop_per_token": speed["flops"] / 1e9, **{k: speed[k] for k in ("memory_ms", "compute_ms", "bound", "tok_s")},
+                         "fits": None if device.hbm_bytes is None else bool(resident <= device.hbm_bytes),
+                         "usd_per_hour": speed["usd_per_hour"], "usd_per_m_tokens": speed["usd_per_m_tokens"]})
     return pd.DataFrame(rows)
 
 
@@ -287,32 +280,23 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
     int8 experts upcast to a bf16 copy in HBM, 1 + 2 + 2 bytes per weight) rooflines, the compute
     bound, and time and $ per answer at each and at the measured rate (default the claim)."""
     facts = model_facts(config)
-    bandwidth = DEVICES[device].bandwidth_bytes_s
-    peak = DEVICES[device].bf16_flops
+    bandwidth, peak = DEVICES[device].bandwidth_bytes_s, DEVICES[device].bf16_flops
     dense = decode_traffic(config, scheme, "dense", tp, context_len)
     sparse = decode_traffic(config, scheme, "sparse", tp, context_len)
     # The int8 experts are still read once; the bf16 copy is written, then read by the matmul.
     experts_bf16 = float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
     upcast = dense["bytes_per_token"] + 2 * experts_bf16
     measured = CLAIMS["decode_tok_s"].value if measured_tok_s is None else measured_tok_s
-    price = INSTANCES[STORY_INSTANCE].usd_per_hour
+    price = INSTANCES["inf2.xlarge"].usd_per_hour
+    expert_params = float(plan(config, tp, scheme, context_len=0).table.set_index("group").loc["experts", "params"])
     out = {
-        "context_len": context_len,
-        "kv_gb_per_token": tp * dense["bytes_by_group"]["kv_cache"] / GB,
-        "dense_gb_per_token": tp * dense["bytes_per_token"] / GB,
-        "sparse_gb_per_token": tp * sparse["bytes_per_token"] / GB,
-        "upcast_gb_per_token": tp * upcast / GB,
-        "dense_gflop_per_token": tp * dense["flops_per_token"] / 1e9,
-        "dense_expert_gflop_per_token": 2.0 * float(plan(config, tp, scheme, context_len=0).table
-                                                    .set_index("group").loc["experts", "params"]) / 1e9,
-        "sparse_gflop_per_token": tp * sparse["flops_per_token"] / 1e9,
-        "dense_tok_s": bandwidth / dense["bytes_per_token"],
-        "sparse_tok_s": bandwidth / sparse["bytes_per_token"],
-        "upcast_tok_s": bandwidth / upcast,
-        "compute_bound_tok_s": peak / dense["flops_per_token"],
-        "measured_tok_s": measured,
-        "expert_flops_waste_x": facts.num_experts / facts.top_k,
-        "usd_per_hour": price,
+        "context_len": context_len, "kv_gb_per_token": tp * dense["bytes_by_group"]["kv_cache"] / GB,
+        "dense_gb_per_token": tp * dense["bytes_per_token"] / GB, "sparse_gb_per_token": tp * sparse["bytes_per_token"] / GB,
+        "upcast_gb_per_token": tp * upcast / GB, "dense_gflop_per_token": tp * dense["flops_per_token"] / 1e9,
+        "dense_expert_gflop_per_token": 2.0 * expert_params / 1e9, "sparse_gflop_per_token": tp * sparse["flops_per_token"] / 1e9,
+        "dense_tok_s": bandwidth / dense["bytes_per_token"], "sparse_tok_s": bandwidth / sparse["bytes_per_token"],
+        "upcast_tok_s": bandwidth / upcast, "compute_bound_tok_s": peak / dense["flops_per_token"],
+        "measured_tok_s": measured, "expert_flops_waste_x": facts.num_experts / facts.top_k, "usd_per_hour": price,
     }
     out["utilisation_at_measured_pct"] = 100.0 * measured / out["compute_bound_tok_s"]
     for key in ("dense", "sparse", "upcast", "measured"):
@@ -355,17 +339,13 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     """What could make the DenseExperts deploy decode at the measured rate: one row per explanation, its
     ``status`` measured, a computed bound, or a hypothesis (not verified on an inf2)."""
     measured = story["measured_tok_s"]
-    rows = [
-        ("measured by the port (its model card)", "claim", None, measured),
-        ("bandwidth roofline, DenseExperts: every int8 expert read once per token", "computed bound",
-         story["dense_gb_per_token"], story["dense_tok_s"]),
-        ("HYPOTHESIS: int8 experts upcast to a bf16 copy in HBM, then read (1+2+2 B per weight)", "hypothesis",
-         story["upcast_gb_per_token"], story["upcast_tok_s"]),
-        ("HYPOTHESIS: compute-bound (model card's words) at full bf16 peak", "hypothesis",
-         None, story["compute_bound_tok_s"]),
-        ("bandwidth roofline, sparse top-k gather", "computed bound", story["sparse_gb_per_token"],
-         story["sparse_tok_s"]),
-    ]
+    rows = [("measured by the port (its model card)", "claim", None, measured),
+            ("bandwidth roofline, DenseExperts: every int8 expert read once per token", "computed bound",
+             story["dense_gb_per_token"], story["dense_tok_s"]),
+            ("HYPOTHESIS: int8 experts upcast to a bf16 copy in HBM, then read (1+2+2 B per weight)", "hypothesis",
+             story["upcast_gb_per_token"], story["upcast_tok_s"]),
+            ("HYPOTHESIS: compute-bound (model card's words) at full bf16 peak", "hypothesis", None, story["compute_bound_tok_s"]),
+            ("bandwidth roofline, sparse top-k gather", "computed bound", story["sparse_gb_per_token"], story["sparse_tok_s"])]
     table = pd.DataFrame(rows, columns=["explanation", "status", "gb_per_token", "tok_s"])
     table["x_measured"] = table["tok_s"] / measured
     return table

@@ -1,7 +1,5 @@
-"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell)
-makes tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_tables`` estimate
-their width the same way for tests/test_readers_view.py.
-"""
+"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
+tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_tables`` estimate their width for tests."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ def cut_at_eos(text: str, eos: str = EOS) -> str:
 
 
 def format_float(value: float) -> str:
-    """A float as a reader wants it: about four significant digits, thousands separated, no exponent
-    unless the value is tiny; integral values without decimals; NaN as a blank."""
+    """About four significant digits, thousands separated, scientific only when tiny; NaN as a blank."""
     special = _special(value)
     if special is not None:
         return special
@@ -48,14 +45,12 @@ def format_float(value: float) -> str:
         return f"{value:,.0f}"
     if magnitude < 1e-4:
         return f"{value:.3e}"
-    decimals = max(0, 3 - math.floor(math.log10(magnitude)))
-    text = f"{value:,.{decimals}f}"
+    text = f"{value:,.{max(0, 3 - math.floor(math.log10(magnitude)))}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def format_cell(value: Any) -> str:
-    """One table cell as shown: bools as yes/no, missing as blank, floats by ``format_float``,
-    large integers with thousands separators, text cut at its first ``<eos>``."""
+    """One cell as shown: bools as yes/no, missing as blank, large integers separated, text cut at ``<eos>``."""
     if value is None:
         return ""
     if isinstance(value, (bool, np.bool_)):
@@ -91,11 +86,6 @@ def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int
     return decimals
 
 
-def _exact_decimals(values: list[float]) -> int:
-    """The fewest decimals (up to MAX_DECIMALS) that write every value as it is, e.g. after ``round(3)``."""
-    return next((d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in values)), MAX_DECIMALS)
-
-
 def _fixed(value: float, decimals: int) -> str:
     return f"{value:,.{decimals}f}"
 
@@ -105,17 +95,17 @@ def _scientific(value: float, decimals: int) -> str:
 
 
 def column_formatter(values) -> Callable[[Any], str]:
-    """One number format for a whole column: whole numbers for an integral column, else one count of
-    decimals (``SIGNIFICANT_DIGITS`` of the smallest magnitude, no more than the values have, more
-    where two values would look alike), or scientific notation for an unrounded column of tiny or
-    widely spread magnitudes."""
+    """One number format for a column: whole numbers if integral, else one count of decimals
+    (``SIGNIFICANT_DIGITS`` of the smallest magnitude, no more than the values have, more where two values
+    would look alike), or scientific notation for an unrounded column of tiny or widely spread magnitudes."""
     finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
     magnitudes = [abs(v) for v in finite if v != 0.0]
     if not magnitudes or all(v.is_integer() for v in finite):
         separators = any(abs(v) >= 1e4 for v in finite)
         return _with_specials(lambda v: f"{v:,.0f}" if separators else f"{v:.0f}")
     low, high = min(magnitudes), max(magnitudes)
-    exact = _exact_decimals(finite)
+    # the fewest decimals that write every value as it is, e.g. after round(3)
+    exact = next((d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in finite)), MAX_DECIMALS)
     wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
     if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
         decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
@@ -134,10 +124,7 @@ def _missing(value) -> bool:
 
 
 def _with_specials(write: Callable[[float], str]) -> Callable[[Any], str]:
-    def formatted(value) -> str:
-        special = _special(value)
-        return write(float(value)) if special is None else special
-    return formatted
+    return lambda value: write(float(value)) if _special(value) is None else _special(value)
 
 
 def _special(value) -> str | None:
@@ -147,9 +134,7 @@ def _special(value) -> str | None:
     value = float(value)
     if value == 0.0:
         return "0"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return None
+    return ("inf" if value > 0 else "-inf") if math.isinf(value) else None
 
 
 def _is_number(value) -> bool:
@@ -160,15 +145,12 @@ def _format_column(column) -> list[str]:
     numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
     # an object column of numbers (a transposed table of dicts) gets one format like a float column
     numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
-    if not numbers:
-        return [format_cell(v) for v in column]
-    formatter = column_formatter(column.tolist())
-    return [formatter(v) for v in column]
+    write = column_formatter(column.tolist()) if numbers else format_cell
+    return [write(v) for v in column]
 
 
 def tidy(frame, column_formats: bool = False):
-    """A copy of ``frame`` (DataFrame or Series) as strings for the page: one format per numeric column
-    (``column_formats``) or per cell."""
+    """``frame`` (DataFrame or Series) as strings: one format per numeric column (``column_formats``) or per cell."""
     if isinstance(frame, pd.Series):
         return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
     if column_formats:
@@ -208,35 +190,14 @@ def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float
     return sum(px + CELL_PADDING_PX for px in widths.values())
 
 
-def frame_rows(frame) -> list[list[str]]:
-    """The cell texts a DataFrame shows, header row(s) and index column(s) included."""
-    shown = tidy(frame) if isinstance(frame, (pd.DataFrame, pd.Series)) else frame
-    if isinstance(shown, pd.Series):
-        shown = shown.to_frame()
-    index_levels, header_levels = shown.index.nlevels, shown.columns.nlevels
-    rows = [[""] * index_levels + [str(c[level]) if header_levels > 1 else str(c) for c in shown.columns]
-            for level in range(header_levels)]
-    for labels, values in zip(shown.index, shown.itertuples(index=False)):
-        labels = labels if isinstance(labels, tuple) else (labels,)
-        rows.append([str(v) for v in labels] + [str(v) for v in values])
-    return rows
-
-
-def frame_width_px(frame) -> float:
-    """Estimated width of ``frame`` as ``setup_page()`` shows it in JupyterLab."""
-    return table_width_px(frame_rows(frame))
-
-
 class _TableParser(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.tables: list[list[list[str]]] = []
         self.header_rows: list[int] = []   # per table: how many of its rows are in <thead>
-        self._in_head = False
-        self._depth = 0
+        self._in_head, self._depth, self._colspan = False, 0, 1
         self._row: list[str] | None = None
         self._cell: list[str] | None = None
-        self._colspan = 1
 
     def handle_starttag(self, tag, attrs):
         if tag == "table":
@@ -295,8 +256,8 @@ _SCIENTIFIC = re.compile(r"-?\d\.(\d+)e[+-]\d+")
 
 
 def number_format(text: str) -> str | None:
-    """The format a table cell writes its number in: "integer", "N decimals", "scientific, N decimals";
-    "" for a text every format shares (blank, 0, inf); None for a cell that is not a number."""
+    """A cell's number format: "integer", "N decimals", "scientific, N decimals"; "" for a text every format
+    shares (blank, 0, inf); None for a cell that is not a number."""
     text = text.strip()
     if text in ("", "0", "inf", "-inf"):
         return ""
@@ -351,30 +312,24 @@ def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
 def setup_page(column_formats: bool = False) -> None:
     """Pandas options, IPython table formatters (``column_formats``: one number format per column, index
     names in the header's corner, no default index) and the plot theme; idempotent."""
-    pd.set_option("display.max_colwidth", None)
-    pd.set_option("display.max_columns", None)
-    pd.set_option("display.max_rows", MAX_ROWS)
-    pd.set_option("display.width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX))
-    pd.set_option("display.float_format", format_float)
+    for option, value in (("max_colwidth", None), ("max_columns", None), ("max_rows", MAX_ROWS),
+                          ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)), ("float_format", format_float)):
+        pd.set_option(f"display.{option}", value)
     shell = get_ipython()
     if shell is None:
         return
     formatters = shell.display_formatter.formatters
-    html = functools.partial(_html, column_formats=column_formats)
-    plain = functools.partial(_plain, column_formats=column_formats)
     for kind in (pd.DataFrame, pd.Series):
-        formatters["text/html"].for_type(kind, html)
-        formatters["text/plain"].for_type(kind, plain)
-
+        formatters["text/html"].for_type(kind, functools.partial(_html, column_formats=column_formats))
+        formatters["text/plain"].for_type(kind, functools.partial(_plain, column_formats=column_formats))
     plots.set_theme()
 
 
 def headline_table(rows: Iterable[dict]):
-    """A notebook's headline rows (``metrics.headline``) as a reader reads them: figure, value with its
-    unit, and the claim it answers as the source wrote it (blank when none)."""
+    """A notebook's headline rows (``metrics.headline``): figure, value with its unit, and the claim it
+    answers as the source wrote it (blank when none)."""
     def value(row) -> str:
-        shown = row["value"] if isinstance(row["value"], str) else format_cell(row["value"])
-        return with_unit(shown, row.get("unit", ""))
+        return with_unit(row["value"] if isinstance(row["value"], str) else format_cell(row["value"]), row.get("unit", ""))
 
     return pd.DataFrame([{"figure": row["name"], "value": value(row),
                           "claimed": get_claim(row["claim"]).written() if "claim" in row else ""} for row in rows])

@@ -47,24 +47,12 @@ def reference_line(ax, value: float, label: str, axis: str = "y", **kwargs) -> N
     assert axis in ("x", "y"), axis
     if axis == "y":
         ax.axhline(value, **style)
-        ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"), xytext=(-4, 3),
-                    textcoords="offset points", ha="right", va="bottom", fontsize=9, color=style["color"])
+        place = {"xy": (1.0, value), "xycoords": ("axes fraction", "data"), "xytext": (-4, 3), "ha": "right", "va": "bottom"}
     else:
         ax.axvline(value, **style)
-        ax.annotate(label, xy=(value, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -4),
-                    textcoords="offset points", ha="left", va="top", fontsize=9, color=style["color"],
-                    rotation=90)
-
-
-def save_figure(fig, target: str, name: str) -> dict[str, Path]:
-    """Save ``fig`` as ``figures/<name>.png`` and ``.svg`` under the target's outputs (``name`` starts
-    with the notebook number, ``01_bytes_per_rank``); returns the two paths."""
-    assert name and "/" not in name and not name.endswith((".png", ".svg")), f"figure name {name!r}: a bare stem"
-    folder = figures_dir(target)
-    paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
-    fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
-    fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
-    return paths
+        place = {"xy": (value, 1.0), "xycoords": ("data", "axes fraction"), "xytext": (3, -4), "ha": "left", "va": "top",
+                 "rotation": 90}
+    ax.annotate(label, textcoords="offset points", fontsize=9, color=style["color"], **place)
 
 
 def _tick_labels(ax):
@@ -82,8 +70,7 @@ def _tick_labels(ax):
 
 
 def _texts(fig, renderer):
-    """Every drawn, non-empty text of ``fig`` with its box on the canvas (a legend's own texts
-    excluded: the legend is checked as one box)."""
+    """Every drawn, non-empty text of ``fig`` with its box on the canvas (not a legend's: it is one box)."""
     skip = {id(t) for legend in _legends(fig) for t in [*legend.get_texts(), legend.get_title()]}
     candidates = []
     for ax in fig.axes:
@@ -91,13 +78,8 @@ def _texts(fig, renderer):
         skip |= {id(t) for t in every}
         candidates += drawn
     candidates += [t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()]
-    found = []
-    for text in candidates:
-        if text.get_text().strip():
-            box = text.get_window_extent(renderer)
-            if box.width > 0 and box.height > 0:
-                found.append((text, box, _corners(text, box, renderer)))
-    return found
+    boxes = [(text, text.get_window_extent(renderer)) for text in candidates if text.get_text().strip()]
+    return [(text, box, _corners(text, box, renderer)) for text, box in boxes if box.width > 0 and box.height > 0]
 
 
 def _corners(text, box, renderer):
@@ -184,16 +166,21 @@ def collisions(fig) -> list[str]:
 
 
 def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
-    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it, display it with ``alt``
-    as its alternative text, and close it. A smoke run (``GEMMA_NB_TIMING=smoke``, nbval's) draws
-    timings no one reads and that move with the cpu, so there a collision is not refused."""
+    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as ``figures/<name>.png`` and
+    ``.svg`` under the target's outputs (``name`` starts with the notebook number, ``01_bytes_per_rank``),
+    display it with ``alt`` as its alternative text, and close it. A smoke run (``GEMMA_NB_TIMING=smoke``,
+    nbval's) draws timings no one reads and that move with the cpu, so there a collision is not refused."""
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
+    assert name and "/" not in name and not name.endswith((".png", ".svg")), f"figure name {name!r}: a bare stem"
     overlaps = collisions(fig)
     if overlaps and not smoke_timing():
         plt.close(fig)
         raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
-    paths = save_figure(fig, target, name)
+    folder = figures_dir(target)
+    paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
+    fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
+    fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})
     IPython.display.display(fig, metadata={"image/png": {"alt": alt.strip()}})
     plt.close(fig)
     return paths
@@ -204,12 +191,6 @@ LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "righ
                  (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
     (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
     for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
-
-
-def _label_conflicts(box, frame, blocked, ax) -> int:
-    inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
-    return (not inside) + sum(box.overlaps(other) for other in blocked) + len(_lines_through(box, ax)) \
-        + _points_inside(box, ax)
 
 
 def label_points(ax, points, fontsize: float = 8) -> None:
@@ -229,7 +210,9 @@ def label_points(ax, points, fontsize: float = 8) -> None:
                                fontsize=fontsize)
             box = text.get_window_extent(renderer)
             text.remove()
-            tried.append((_label_conflicts(box, frame, blocked, ax), (dx, dy, ha, va)))
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            conflicts = (not inside) + sum(box.overlaps(other) for other in blocked) + len(_lines_through(box, ax))
+            tried.append((conflicts + _points_inside(box, ax), (dx, dy, ha, va)))
             if tried[-1][0] == 0:
                 break
         dx, dy, ha, va = min(tried, key=lambda t: t[0])[1]

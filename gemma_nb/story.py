@@ -1,6 +1,5 @@
-"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands
-for, and when a computed value agrees with it. Never used as a computed result.
-"""
+"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands for,
+and when a computed value agrees with it. Never used as a computed result."""
 
 from __future__ import annotations
 
@@ -126,14 +125,9 @@ def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str
         number = float(value.value if bound else value)
         shown = with_unit(f"{number:,.{claim.decimals + (1 if claim.is_point else 2)}f}", claim.unit)
         diff = "" if bound or not claim.is_point else f"{100.0 * (number - claim.value) / claim.value:+.2f}%"
-        rows.append({
-            "figure": claim.text,
-            "claimed": claim.written(),
-            "computed": f"≥ {shown}" if bound else shown,
-            "diff": diff,
-            "holds": number <= claim.within[1] if bound else agrees_with_claim(key, number, claims),
-            "source": claim.source,
-        })
+        rows.append({"figure": claim.text, "claimed": claim.written(), "computed": f"≥ {shown}" if bound else shown,
+                     "diff": diff, "holds": number <= claim.within[1] if bound else agrees_with_claim(key, number, claims),
+                     "source": claim.source})
     return pd.DataFrame(rows, columns=["figure", "claimed", "computed", "diff", "holds", "source"])
 
 

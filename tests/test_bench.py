@@ -71,7 +71,7 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     from gemma_nb.evaluate import greedy_generate
 
     assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
-    with pytest.raises(ValueError, match="new_tokens=1 must be >= 2"):
+    with pytest.raises(ValueError, match="new_tokens=1 must be an integer >= 2"):
         bench.time_generation({"a": model}, prompt, new_tokens=1)
     with pytest.raises(AssertionError, match="count=0"):
         with torch_threads(0):
