@@ -1,8 +1,6 @@
 """How answers are scored: greedy decoding, fact recall, logit agreement, greedy token match (notebooks 02, 05, 06).
-
-A model is a transformers causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] ->
-logits [B, S, V]`` (re-run on the whole sequence each step).
-"""
+A model is a transformers causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logits [B, S, V]``
+(re-run on the whole sequence each step)."""
 
 from __future__ import annotations
 
@@ -58,7 +56,7 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
     device = _device_of(model)
     ids = ids.to(device)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-    step_fn = _cached_stepper(model) if _is_hf_model(model) else _recompute_stepper(as_logits_fn(model))
+    step_fn = _stepper(model)
     next_logits = step_fn(ids, first=True)
     for step in range(max_new_tokens):
         next_token = next_logits.argmax(dim=-1)
@@ -80,24 +78,18 @@ def _device_of(model) -> torch.device:
     return torch.device("cpu")
 
 
-def _cached_stepper(model):
+def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """``step(ids, first)`` -> next-token logits [B, V] in float: a causal LM with its KV cache, else re-run."""
+    if not _is_hf_model(model):
+        logits_fn = as_logits_fn(model)
+        return lambda ids, first: logits_fn(ids)[:, -1].float()
     state = {}
 
     def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
-        if first:
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        else:
-            out = model(input_ids=ids[:, -1:], cache=state["cache"], use_cache=True, logits_to_keep=1)
+        past = {} if first else {"cache": state["cache"]}
+        out = model(input_ids=ids if first else ids[:, -1:], **past, use_cache=True, logits_to_keep=1)
         state["cache"] = out.cache
         return out.logits[:, -1].float()
-
-    return step
-
-
-def _recompute_stepper(logits_fn: LogitsFn):
-    def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
-        return logits_fn(ids)[:, -1].float()
-
     return step
 
 
@@ -165,20 +157,15 @@ class CachedLogits:
 
 def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
     """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
-    if texts is None:
-        texts = [f.sentence for f in FACTS]
-    token_lists = [tokenizer(t).input_ids for t in texts]
+    token_lists = [tokenizer(t).input_ids for t in ([f.sentence for f in FACTS] if texts is None else texts)]
     return [torch.tensor([token_lists[i] for i in idx]) for idx in _grouped_by_length(token_lists).values()]
 
 
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
-    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch.
-
-    ``input_ids_batches``: a LongTensor [B, S], a list of them, strings (with ``tokenizer``), or None
-    (the corpus sentences). Returns ``top1_agreement``, ``kl_mean`` (KL(reference || candidate), nats),
-    ``max_abs_diff`` and ``positions``.
-    """
+    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch of
+    ``input_ids_batches``: a LongTensor [B, S], a list of them, strings (with ``tokenizer``), or None (the corpus
+    sentences). Returns ``top1_agreement``, ``kl_mean`` (KL(reference || candidate), nats), ``max_abs_diff``, ``positions``."""
     batches = _batches(input_ids_batches, tokenizer)
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
     agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0
@@ -226,6 +213,5 @@ def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32,
     result = {"match": first is None, "first_divergent_step": first, "reference_tokens": ref_tokens,
               "candidate_tokens": cand_tokens}
     if tokenizer is not None:
-        result["reference_text"] = tokenizer.decode(ref_tokens)
-        result["candidate_text"] = tokenizer.decode(cand_tokens)
+        result.update(reference_text=tokenizer.decode(ref_tokens), candidate_text=tokenizer.decode(cand_tokens))
     return result

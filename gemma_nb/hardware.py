@@ -1,11 +1,9 @@
 """Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources: docs/sources.md).
-
-HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``).
-"""
+HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -44,17 +42,12 @@ class Instance:
 
 
 # docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand $/h).
-INSTANCES: dict[str, Instance] = {
-    i.name: i
-    for i in (
-        Instance("inf2.xlarge", chips=1, neuron_cores=2, vcpus=4, host_ram_gib=16, hbm_gib=32, usd_per_hour=0.7582),
-        Instance("inf2.8xlarge", chips=1, neuron_cores=2, vcpus=32, host_ram_gib=128, hbm_gib=32, usd_per_hour=1.9679),
-        Instance("inf2.24xlarge", chips=6, neuron_cores=12, vcpus=96, host_ram_gib=384, hbm_gib=192,
-                 usd_per_hour=6.4906),
-        Instance("inf2.48xlarge", chips=12, neuron_cores=24, vcpus=192, host_ram_gib=768, hbm_gib=384,
-                 usd_per_hour=12.9813),
-    )
-}
+INSTANCES: dict[str, Instance] = {i.name: i for i in (
+    Instance("inf2.xlarge", chips=1, neuron_cores=2, vcpus=4, host_ram_gib=16, hbm_gib=32, usd_per_hour=0.7582),
+    Instance("inf2.8xlarge", chips=1, neuron_cores=2, vcpus=32, host_ram_gib=128, hbm_gib=32, usd_per_hour=1.9679),
+    Instance("inf2.24xlarge", chips=6, neuron_cores=12, vcpus=96, host_ram_gib=384, hbm_gib=192, usd_per_hour=6.4906),
+    Instance("inf2.48xlarge", chips=12, neuron_cores=24, vcpus=192, host_ram_gib=768, hbm_gib=384, usd_per_hour=12.9813),
+)}
 
 
 def get_instance(name: str | Instance) -> Instance:
@@ -90,25 +83,19 @@ class Device:
 
 TERA = 10**12
 
-DEVICES: dict[str, Device] = {
-    d.name: d
-    for d in (
-        Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA,
-               int8_ops=380 * TERA, usd_per_hour=None,
-               source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
-        Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA,
-               int8_ops=190 * TERA, usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
-               source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
-        Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA,
-               int8_ops=None, usd_per_hour=2.70,
-               source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
-        Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA,
-               int8_ops=None, usd_per_hour=None,
-               source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
-        Device("this_cpu", hbm_bytes=None, bandwidth_bytes_s=None, bf16_flops=None, int8_ops=None,
-               usd_per_hour=None, source="filled by measurement: see measured_cpu()"),
-    )
-}
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA, int8_ops=380 * TERA,
+           usd_per_hour=None, source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
+    Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA, int8_ops=190 * TERA,
+           usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
+           source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
+    Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA, int8_ops=None,
+           usd_per_hour=2.70, source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
+    Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA, int8_ops=None, usd_per_hour=None,
+           source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
+    Device("this_cpu", hbm_bytes=None, bandwidth_bytes_s=None, bf16_flops=None, int8_ops=None, usd_per_hour=None,
+           source="filled by measurement: see measured_cpu()"),
+)}
 
 
 def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8_ops: float | None = None,
@@ -139,13 +126,6 @@ class Fit:
     def headroom_gb(self) -> float | None:
         return None if self.headroom_bytes is None else self.headroom_bytes / GB
 
-    def as_dict(self) -> dict:
-        row = asdict(self)
-        row["used_gb"] = self.used_bytes / GB
-        row["budget_gb"] = self.budget_bytes / GB
-        row["headroom_gb"] = self.headroom_gb
-        return row
-
 
 def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
     """Does ``plan`` (``total_bytes`` per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
@@ -157,7 +137,6 @@ def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
                    inst.usd_per_hour, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}")
     headroom = budget_bytes - used
     ok = headroom >= 0
-    reason = (f"{headroom / GB:.2f} GB free per NeuronCore" if ok
-              else f"short by {-headroom / GB:.2f} GB per NeuronCore")
+    reason = f"{headroom / GB:.2f} GB free per NeuronCore" if ok else f"short by {-headroom / GB:.2f} GB per NeuronCore"
     return Fit(inst.name, budget, plan.tp, inst.neuron_cores, ok, used, budget_bytes, headroom,
                inst.neuron_cores // plan.tp, inst.usd_per_hour, reason)

@@ -1,8 +1,6 @@
-"""Where things live: the repo (found from the working directory), and a target's output folders.
-
-Outputs go to ``GEMMA_NB_OUTPUT_DIR`` (the runner, ``make test``), else to the git-ignored
-``outputs/interactive/<target>/``: never straight into the committed reference run.
-"""
+"""Where things live: the repo (found from the working directory), and a target's output folders: under
+``GEMMA_NB_OUTPUT_DIR`` (the runner, ``make test``), else the git-ignored ``outputs/interactive/<target>/``,
+never straight into the committed reference run."""
 
 from __future__ import annotations
 
@@ -12,14 +10,12 @@ from pathlib import Path
 
 from gemma_nb.targets import check_target_name
 
-PROJECT_MARKERS = ("pyproject.toml", ".git")
-
 
 def find_project_root(start: Path | str | None = None) -> Path:
-    """The nearest folder at or above ``start`` (default: cwd) holding a ``PROJECT_MARKERS`` entry, else ``start``."""
+    """The nearest folder at or above ``start`` (default: cwd) holding pyproject.toml or .git, else ``start``."""
     start = (Path.cwd() if start is None else Path(start)).resolve()
     for folder in (start, *start.parents):
-        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+        if any((folder / marker).exists() for marker in ("pyproject.toml", ".git")):
             return folder
     return start
 
@@ -78,9 +74,7 @@ def display_path(path: Path | str) -> str:
     roots = [(Path(override).resolve(), "<outputs>")] if override else []
     roots += [(OUTPUTS_DIR.resolve(), "outputs"), (REPO_ROOT.resolve(), ".")]
     for root, label in roots:
-        try:
+        if path.is_relative_to(root):
             rel = path.relative_to(root)
-        except ValueError:
-            continue
-        return f"{label}/{rel.as_posix()}" if str(rel) != "." else label
+            return f"{label}/{rel.as_posix()}" if str(rel) != "." else label
     return path.name

@@ -1,8 +1,6 @@
 """Peak host memory of a process and its children (``neuronx-cc`` is one), sampled on a thread (notebooks 04, 05).
-
-``peak_rss_bytes``: the largest summed RSS seen at one tick; ``peak_hwm_bytes``: the sum of each
-process's own ``VmHWM`` (an upper bound that never misses a spike). Shared pages count in every process.
-"""
+``peak_rss_bytes``: the largest summed RSS seen at one tick; ``peak_hwm_bytes``: the sum of each process's own
+``VmHWM`` (an upper bound that never misses a spike). Shared pages count in every process."""
 
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ def _hwm_bytes(proc: psutil.Process) -> int | None:
 @dataclass
 class Sample:
     """One tick: seconds since the sampler started, summed RSS of the tree, processes counted."""
-
     t_s: float
     rss_bytes: int
     processes: int
@@ -54,17 +51,13 @@ class HostMemorySampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
-    def _tree(self) -> list[psutil.Process]:
-        procs = [self._root]
+    def sample(self) -> Sample:
+        """Take one tick now (also called by the background thread)."""
+        total, counted, procs = 0, 0, [self._root]
         if self.include_children:
             with contextlib.suppress(psutil.Error):
                 procs += self._root.children(recursive=True)
-        return procs
-
-    def sample(self) -> Sample:
-        """Take one tick now (also called by the background thread)."""
-        total, counted = 0, 0
-        for proc in self._tree():
+        for proc in procs:
             try:
                 rss = proc.memory_info().rss
                 key = (proc.pid, proc.create_time())
@@ -106,21 +99,6 @@ class HostMemorySampler:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    @property
-    def baseline_rss_bytes(self) -> int:
-        """RSS of the tree at the first tick (what was resident before the measured work)."""
-        return self.samples[0].rss_bytes if self.samples else 0
-
-    def summary(self) -> dict:
-        """Peak, high-water-mark and baseline in GB (10^9 bytes), wall time and tick count."""
-        return {
-            "peak_rss_gb": self.peak_rss_bytes / 1e9,
-            "peak_hwm_gb": self.peak_hwm_bytes / 1e9,
-            "baseline_rss_gb": self.baseline_rss_bytes / 1e9,
-            "wall_s": self.wall_s,
-            "samples": len(self.samples),
-        }
-
 
 def self_peak_rss_bytes() -> int:
     """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes: exact, no sampling interval."""
@@ -131,7 +109,6 @@ def self_peak_rss_bytes() -> int:
 @dataclass
 class MeasuredRun:
     """A child process run under the sampler: its JSON result, peaks and wall time."""
-
     result: dict
     peak_rss_bytes: int
     peak_hwm_bytes: int

@@ -50,13 +50,10 @@ def check_target(target: str) -> str:
             raise TargetError(status.message())
         if status.fx_problem:
             print(FX_NOTE, file=sys.stderr)
-    elif target == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise TargetError(
-                f"target 'cuda' needs a CUDA GPU, but torch ({torch.__version__}, {build}) sees none: "
-                "run on a GPU machine with a CUDA build of torch (see README, 'Targets')"
-            )
+    elif target == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise TargetError(f"target 'cuda' needs a CUDA GPU, but torch ({torch.__version__}, {build}) sees none: "
+                          "run on a GPU machine with a CUDA build of torch (see README, 'Targets')")
     return target
 
 
@@ -71,19 +68,12 @@ def measures_cpu(target: str) -> bool:
 
 def torch_device(target: str) -> str:
     """The torch device the cpu and cuda targets compute on (neuron: host tensors stay on the cpu)."""
-    check_target_name(target)
-    return "cuda" if target == "cuda" else "cpu"
+    return "cuda" if check_target_name(target) == "cuda" else "cpu"
 
 
 def default_model_id(target: str) -> str:
     """The model a plain run uses: the bundled checkpoint, on neuron its TP=2 twin (a minutes-long smoke run)."""
-    check_target_name(target)
-    return tiny.BUNDLED_TP2_ID if target == "neuron" else tiny.BUNDLED_ID
-
-
-def model_for_target(model_id: str, target: str) -> str:
-    """``model_id`` as the target runs it: the bundled id means the TP=2 twin on neuron."""
-    return default_model_id(target) if model_id == BUNDLED_ID else model_id
+    return tiny.BUNDLED_TP2_ID if check_target_name(target) == "neuron" else tiny.BUNDLED_ID
 
 
 def local_model_dir(model_id: str) -> Path | None:
@@ -95,10 +85,11 @@ def local_model_dir(model_id: str) -> Path | None:
 
 
 def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
-    """The local checkpoint the neuron compile reads: ``override``, else ``model_id``'s (a hub id: TargetError says how)."""
+    """The local checkpoint the neuron compile reads: ``override``, else ``model_id``'s (the bundled id: its TP=2 twin
+    on neuron; a hub id: TargetError says how)."""
     if override:
         return override
-    chosen = model_for_target(model_id, target)
+    chosen = default_model_id(target) if model_id == BUNDLED_ID else model_id
     folder = local_model_dir(chosen)
     if folder is None:
         raise TargetError(f"model_id {chosen!r} is a hub id; the compile reads a local folder: "

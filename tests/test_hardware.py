@@ -35,7 +35,7 @@ def test_fits_headroom_and_too_few_cores():
     wide = fits(SimpleNamespace(tp=8, total_bytes=1), "inf2.xlarge")
     assert not wide.fits and wide.headroom_bytes is None and "TP=8 needs 8 NeuronCores" in wide.reason
     assert fits(SimpleNamespace(tp=2, total_bytes=1), "inf2.24xlarge").replicas == 6
-    assert fit.as_dict()["headroom_gb"] == pytest.approx((16 * GiB - 14 * GB) / GB)
+    assert fit.headroom_gb == pytest.approx((16 * GiB - 14 * GB) / GB)
 
 
 def test_devices_and_measured_cpu():

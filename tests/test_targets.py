@@ -9,8 +9,7 @@ from gemma_nb.targets import TargetError
 def test_default_model_per_target():
     assert targets.default_model_id("cpu") == targets.default_model_id("cuda") == tiny.BUNDLED_ID
     assert targets.default_model_id("neuron") == tiny.BUNDLED_TP2_ID
-    assert targets.model_for_target(tiny.BUNDLED_ID, "neuron") == targets.default_model_id("neuron")
-    assert targets.model_for_target("/data/gemma", "neuron") == "/data/gemma"
+    assert targets.neuron_checkpoint_dir("/data/gemma", "neuron") == "/data/gemma"
     with pytest.raises(TargetError, match="target 'tpu' is not one of cpu, neuron, cuda"):
         targets.default_model_id("tpu")
 
