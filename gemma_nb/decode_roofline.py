@@ -11,13 +11,7 @@ import seaborn as sns
 
 from gemma_nb.bench import EXPERT_MODES, check_experts_mode
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
-from gemma_nb.memory import (
-    SHIPPED_CONTEXT_LEN,
-    RuntimeAllowance,
-    inferred_runtime_allowance,
-    model_facts,
-    plan,
-)
+from gemma_nb.memory import SHIPPED_CONTEXT_LEN, RuntimeAllowance, inferred_runtime_allowance, model_facts, plan
 from gemma_nb.plots import reference_line
 from gemma_nb.story import CLAIMS
 
@@ -35,8 +29,7 @@ SELECTIVE_LOADING_THRESHOLD = 1.0
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts per layer for ``batch`` tokens each routed uniformly to ``top_k`` of
-    ``num_experts``: E (1 - (1 - K/E)^B); 0 for a dense model."""
+    """Distinct experts per layer expected for ``batch`` tokens each routed uniformly to ``top_k``: E (1 - (1 - K/E)^B)."""
     _check_batch(batch)
     if not num_experts:
         return 0.0
@@ -60,7 +53,6 @@ def _check_batch(batch) -> None:
 class StepCosts:
     """One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
     non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes`` resident."""
-
     scheme: str
     tp: int
     context_len: int
@@ -88,20 +80,15 @@ def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: i
     if facts.tied and facts.lm_head_shape is not None:
         matmul_params += float(facts.lm_head_shape[0] * facts.lm_head_shape[1])
     attention_flops = sum(4.0 * context_len * layer.q_heads * layer.head_dim for layer in facts.attention_layers)
-    return StepCosts(
-        scheme=the_plan.scheme.name, tp=tp, context_len=context_len,
-        num_experts=facts.num_experts, top_k=facts.top_k,
-        fixed_bytes=sum(by_group[group] for group in READ_GROUPS),
-        experts_bytes=by_group["experts"], kv_bytes_per_stream=by_group["kv_cache"],
-        fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
-        experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
-        weights_bytes=float(the_plan.weights_bytes), bytes_by_group=by_group,
-    )
+    return StepCosts(the_plan.scheme.name, tp, context_len, facts.num_experts, facts.top_k,
+                     fixed_bytes=sum(by_group[group] for group in READ_GROUPS), experts_bytes=by_group["experts"],
+                     kv_bytes_per_stream=by_group["kv_cache"], fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
+                     experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
+                     weights_bytes=float(the_plan.weights_bytes), bytes_by_group=by_group)
 
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
-    """Bytes and FLOPs per rank of one decode step of ``batch`` streams on ``path``, with the expert
-    weight sets read per layer and the experts each token runs."""
+    """Bytes and FLOPs per rank of one step of ``batch`` streams on ``path``, expert sets read per layer and run per token."""
     _check_batch(batch)
     assert path in BATCH_PATHS, f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}"
     experts, top_k = costs.num_experts, costs.top_k
@@ -114,11 +101,9 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
     else:
         read, computed = float(batch * top_k), float(top_k)
     share = (lambda n: n / experts) if experts else (lambda n: 0.0)
-    return {
-        "batch": batch, "path": path, "experts_read": read, "experts_computed_per_token": computed,
-        "bytes": costs.fixed_bytes + costs.experts_bytes * share(read) + costs.kv_bytes_per_stream * batch,
-        "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed)),
-    }
+    return {"batch": batch, "path": path, "experts_read": read, "experts_computed_per_token": computed,
+            "bytes": costs.fixed_bytes + costs.experts_bytes * share(read) + costs.kv_bytes_per_stream * batch,
+            "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed))}
 
 
 def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1,
@@ -138,7 +123,6 @@ def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense",
 class Deployment:
     """The model served on ``ranks`` devices (a ``DEVICES`` key or a ``Device``), tensor-parallel, in
     ``replicas`` data-parallel copies; ``usd_per_hour`` defaults to the device's price x ranks x replicas."""
-
     name: str
     device: str | Device
     ranks: int
@@ -163,8 +147,7 @@ class Deployment:
 
 
 DEPLOYMENTS: tuple[Deployment, ...] = (
-    Deployment("inf2.xlarge, int8 squeeze, TP=2", "neuroncore_v2", 2, "int8_squeeze",
-               INSTANCES["inf2.xlarge"].usd_per_hour),
+    Deployment("inf2.xlarge, int8 squeeze, TP=2", "neuroncore_v2", 2, "int8_squeeze", INSTANCES["inf2.xlarge"].usd_per_hour),
     Deployment("inf2.xlarge, bf16, TP=2", "neuroncore_v2", 2, "bf16", INSTANCES["inf2.xlarge"].usd_per_hour),
     Deployment("TPU v6e x1, int8 squeeze", "tpu_v6e_chip", 1, "int8_squeeze"),
     Deployment("TPU v6e x2, bf16, TP=2", "tpu_v6e_chip", 2, "bf16"),
@@ -175,9 +158,7 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
 
 def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | None:
     """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in all."""
-    if usd_per_hour is None or not tok_s or tok_s <= 0:
-        return None
-    return usd_per_hour / (tok_s * 3600.0) * 1e6
+    return None if usd_per_hour is None or not tok_s or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
 
 
 def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
@@ -211,15 +192,15 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
             resident = costs.weights_bytes + costs.kv_bytes_per_stream
             rows.append({"deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
                          "scheme": deployment.scheme, "experts": mode, "gb_per_token": speed["bytes"] / GB,
-                         "gflop_per_token": speed["flops"] / 1e9, **{k: speed[k] for k in ("memory_ms", "compute_ms", "bound", "tok_s")},
+                         "gflop_per_token": speed["flops"] / 1e9,
+                         **{key: speed[key] for key in ("memory_ms", "compute_ms", "bound", "tok_s")},
                          "fits": None if device.hbm_bytes is None else bool(resident <= device.hbm_bytes),
                          "usd_per_hour": speed["usd_per_hour"], "usd_per_m_tokens": speed["usd_per_m_tokens"]})
     return pd.DataFrame(rows)
 
 
 def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: int) -> int | None:
-    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None
-    without a KV cache (no limit)."""
+    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None without a KV cache."""
     free = int(hbm_bytes_per_rank) - int(costs.weights_bytes) - int(allowance_bytes)
     kv = int(costs.kv_bytes_per_stream)
     if kv == 0:
@@ -240,8 +221,7 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
 
 def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                    context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
-    """``step_speed`` for every deployment, decode path and batch, with whether it fits at either end
-    of the runtime allowance (``batch_limits``)."""
+    """``step_speed`` per deployment, decode path and batch, and whether it fits at either allowance end (``batch_limits``)."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -257,8 +237,7 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
 
 def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
                   paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
-    """Per deployment and decode path: tok/s and $ per 10^6 tokens at one stream and at the most that
-    fit (both allowance ends); NaN where none fits."""
+    """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit (either allowance end) or NaN."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -344,7 +323,8 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
              story["dense_gb_per_token"], story["dense_tok_s"]),
             ("HYPOTHESIS: int8 experts upcast to a bf16 copy in HBM, then read (1+2+2 B per weight)", "hypothesis",
              story["upcast_gb_per_token"], story["upcast_tok_s"]),
-            ("HYPOTHESIS: compute-bound (model card's words) at full bf16 peak", "hypothesis", None, story["compute_bound_tok_s"]),
+            ("HYPOTHESIS: compute-bound (model card's words) at full bf16 peak", "hypothesis", None,
+             story["compute_bound_tok_s"]),
             ("bandwidth roofline, sparse top-k gather", "computed bound", story["sparse_gb_per_token"], story["sparse_tok_s"])]
     table = pd.DataFrame(rows, columns=["explanation", "status", "gb_per_token", "tok_s"])
     table["x_measured"] = table["tok_s"] / measured
