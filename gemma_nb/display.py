@@ -132,9 +132,7 @@ def _special(value) -> str | None:
     if _missing(value):
         return ""
     value = float(value)
-    if value == 0.0:
-        return "0"
-    return ("inf" if value > 0 else "-inf") if math.isinf(value) else None
+    return "0" if value == 0.0 else ("inf" if value > 0 else "-inf") if math.isinf(value) else None
 
 
 def _is_number(value) -> bool:
@@ -195,9 +193,7 @@ class _TableParser(html.parser.HTMLParser):
         super().__init__()
         self.tables: list[list[list[str]]] = []
         self.header_rows: list[int] = []   # per table: how many of its rows are in <thead>
-        self._in_head, self._depth, self._colspan = False, 0, 1
-        self._row: list[str] | None = None
-        self._cell: list[str] | None = None
+        self._in_head, self._depth, self._colspan, self._row, self._cell = False, 0, 1, None, None
 
     def handle_starttag(self, tag, attrs):
         if tag == "table":
@@ -245,8 +241,7 @@ def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]
 
 
 def index_label_rows(header: list[list[str]]) -> list[list[str]]:
-    """Header rows that only label the index (a name in the first cell, every other cell empty):
-    the extra row pandas adds under the column names when the index has a name."""
+    """Header rows that only label the index (a name in the first cell, the rest empty): pandas' extra row for a named index."""
     return [row for row in header if len(row) > 1 and row[0] and not any(row[1:])]
 
 
@@ -303,8 +298,7 @@ def _html(frame, column_formats: bool = False) -> str:
 
 def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
     if not column_formats:   # a Series stays a Series: its own text form, name on the last line
-        printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
-        return
+        return printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
     shown, index = _shown(frame, column_formats)
     printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
 

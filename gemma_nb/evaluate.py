@@ -23,9 +23,7 @@ def _is_hf_model(model) -> bool:
 def as_logits_fn(model: Model) -> LogitsFn:
     """``model`` as a function ``input_ids [B, S] -> logits [B, S, V]`` (no KV cache)."""
     if _is_hf_model(model):
-        def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
-            return model(input_ids=input_ids, use_cache=False).logits
-        return logits_fn
+        return lambda input_ids: model(input_ids=input_ids, use_cache=False).logits
     assert callable(model), f"model {type(model).__name__} is neither a causal LM nor a logits_fn"
 
     def call(input_ids: torch.Tensor) -> torch.Tensor:
@@ -53,9 +51,8 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
     ids = _as_batch(input_ids)
     if max_new_tokens == 0:
         return ids
-    device = _device_of(model)
-    ids = ids.to(device)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    ids = ids.to(_device_of(model))
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     step_fn = _stepper(model)
     next_logits = step_fn(ids, first=True)
     for step in range(max_new_tokens):
@@ -110,20 +107,16 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
     answers = [tokenizer(f.answer, add_special_tokens=False).input_ids for f in facts]
     generated: list[list[int]] = [[] for _ in facts]
-    for _, indices in _grouped_by_length(prompts).items():
+    for indices in _grouped_by_length(prompts).values():
         steps = max(len(answers[i]) for i in indices)
         batch = torch.tensor([prompts[i] for i in indices])
         out = greedy_generate(model, batch, steps)[:, batch.shape[1]:].tolist()
         for row, i in zip(out, indices):
             generated[i] = row[: len(answers[i])]
-    table = pd.DataFrame({
-        "kind": [getattr(f, "kind", "") for f in facts],
-        "subject": [getattr(f, "subject", "") for f in facts],
-        "prompt": [f.prompt for f in facts],
-        "expected": [f.answer for f in facts],
-        "generated": [tokenizer.decode(g) for g in generated],
-        "correct": [g == a for g, a in zip(generated, answers)],
-    })
+    table = pd.DataFrame({"kind": [getattr(f, "kind", "") for f in facts], "subject": [getattr(f, "subject", "") for f in facts],
+                          "prompt": [f.prompt for f in facts], "expected": [f.answer for f in facts],
+                          "generated": [tokenizer.decode(g) for g in generated],
+                          "correct": [g == a for g, a in zip(generated, answers)]})
     return float(table["correct"].mean()), table
 
 
@@ -179,8 +172,7 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
         kl_sum += float(kl.sum())
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
-    return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs,
-            "positions": positions}
+    return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs, "positions": positions}
 
 
 def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:

@@ -91,11 +91,6 @@ CLAIMS: dict[str, Claim] = {
 }
 
 
-def source_keys(claim: Claim) -> list[str]:
-    """The ``docs/sources.md`` keys a claim names."""
-    return [key.strip() for key in claim.source.split(",") if key.strip()]
-
-
 def _decimals(*values: float) -> int:
     """The decimals ``repr`` writes the most precise of ``values`` with (3.0 -> 0, 0.37 -> 2)."""
     return max(len(repr(float(v)).split(".")[1].rstrip("0")) for v in values)
@@ -109,14 +104,12 @@ def with_unit(number: str, unit: str) -> str:
 @dataclass(frozen=True)
 class LowerBound:
     """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
-
     value: float
 
 
 def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
-    """The story's figures beside this run's (claim key -> value or ``LowerBound``), as a reader reads
-    them: computed with one decimal more than the claim (two more than a quoted range), diff in %
-    for a single figure only, and whether it holds."""
+    """The story's figures beside this run's (claim key -> value or ``LowerBound``): computed with one decimal
+    more than the claim (two more than a quoted range), diff in % for a single figure only, and whether it holds."""
     claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():

@@ -6,9 +6,14 @@ import subprocess
 import pytest
 
 from gemma_nb.paths import REPO_ROOT
-from gemma_nb.story import CLAIMS, source_keys
+from gemma_nb.story import CLAIMS
 
 SOURCES = REPO_ROOT / "docs" / "sources.md"
+
+
+def source_keys(claim) -> list[str]:
+    """The ``docs/sources.md`` keys a claim names."""
+    return [key.strip() for key in claim.source.split(",") if key.strip()]
 
 
 def defined_sources() -> set[str]:
