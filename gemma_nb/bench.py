@@ -176,8 +176,7 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
 
 
 def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3) -> pd.DataFrame:
-    """Median TTFT (``generate(ids, 1)``) and decode tok/s of runners exposing only
-    ``generate(input_ids, max_new_tokens)``, with their tokens: one row per runner."""
+    """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only ``generate(ids, max_new_tokens)``."""
     _check_counts(new_tokens=new_tokens, repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     names = list(runners)
@@ -206,8 +205,7 @@ def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = tor
 
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str = "cpu") -> dict:
-    """Read (``sum``) and copy (read + write) GB/s over a bf16 buffer of ``nbytes``: best of ``repeats``
-    (the STREAM convention), with the median alongside."""
+    """Read (``sum``) and copy GB/s over a bf16 buffer of ``nbytes``: best of ``repeats`` (STREAM's convention) and median."""
     _check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
@@ -239,8 +237,7 @@ def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
 
 def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int, experts: str = "dense",
                     dtype: str = "bf16") -> int:
-    """Weight bytes one token reads in one MoE layer (``dtype`` a ``gemma_nb.memory`` format): all E
-    experts (dense) or its top-k (sparse)."""
+    """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E experts (dense) or its top-k."""
     check_experts_mode(experts)
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
     per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes((hidden, intermediate), dtype)
@@ -253,8 +250,7 @@ def check_experts_mode(experts: str) -> None:
 
 def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
                 routes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[int], Any]]:
-    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh
-    routing per step (no experts left in cache)."""
+    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh routing each step."""
     assert routes, "no routes"
     return {name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)])) for name, module in modules.items()}
 

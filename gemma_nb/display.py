@@ -320,8 +320,7 @@ def setup_page(column_formats: bool = False) -> None:
 
 
 def headline_table(rows: Iterable[dict]):
-    """A notebook's headline rows (``metrics.headline``): figure, value with its unit, and the claim it
-    answers as the source wrote it (blank when none)."""
+    """A notebook's headline rows (``metrics.headline``): figure, value with unit, the claim as its source wrote it (or blank)."""
     def value(row) -> str:
         return with_unit(row["value"] if isinstance(row["value"], str) else format_cell(row["value"]), row.get("unit", ""))
 

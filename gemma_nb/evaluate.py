@@ -100,8 +100,7 @@ def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]
 
 @torch.inference_mode()
 def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """Greedy fact recall: (accuracy, one row per fact); a fact counts when every answer token is reproduced. ``facts``: objects
-    with ``prompt`` and ``answer`` (default: the bundled corpus)."""
+    """(accuracy, one row per fact) of greedy recall on ``facts`` (``prompt``, ``answer``; default the corpus), token by token."""
     facts = list(FACTS if facts is None else facts)
     assert facts, "facts is empty"
     prompts = [tokenizer(f.prompt).input_ids for f in facts]

@@ -83,19 +83,17 @@ def _texts(fig, renderer):
 
 
 def _corners(text, box, renderer):
-    """The four corners of ``text``'s rotated rectangle on the canvas. Its axis-aligned box is
-    ``box`` (matplotlib aligns the rotated text by that box), so both share one centre."""
-    angle = math.radians(text.get_rotation())
+    """The four corners of ``text``'s rotated rectangle on the canvas, centred on ``box``, its axis-aligned box."""
+    rotation = text.get_rotation()
+    angle = math.radians(rotation)
     if abs(math.sin(angle)) < 1e-6 or abs(math.cos(angle)) < 1e-6:
         return [(box.x0, box.y0), (box.x1, box.y0), (box.x1, box.y1), (box.x0, box.y1)]
-    rotation = text.get_rotation()
     text.set_rotation(0)
     flat = text.get_window_extent(renderer)
     text.set_rotation(rotation)
     cx, cy, c, s = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2, math.cos(angle), math.sin(angle)
-    half = [(-flat.width / 2, -flat.height / 2), (flat.width / 2, -flat.height / 2),
-            (flat.width / 2, flat.height / 2), (-flat.width / 2, flat.height / 2)]
-    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in half]
+    w, h = flat.width / 2, flat.height / 2
+    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in ((-w, -h), (w, -h), (w, h), (-w, h))]
 
 
 def _shapes_overlap(first, second) -> bool:
@@ -206,8 +204,7 @@ def label_points(ax, points, fontsize: float = 8) -> None:
     for x, y, label in points:
         tried = []
         for dx, dy, ha, va in LABEL_OFFSETS:
-            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
-                               fontsize=fontsize)
+            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=fontsize)
             box = text.get_window_extent(renderer)
             text.remove()
             inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1

@@ -85,8 +85,7 @@ def local_model_dir(model_id: str) -> Path | None:
 
 
 def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
-    """The local checkpoint the neuron compile reads: ``override``, else ``model_id``'s (the bundled id: its TP=2 twin
-    on neuron; a hub id: TargetError says how)."""
+    """The checkpoint the neuron compile reads: ``override``, else ``model_id``'s (bundled: its TP=2 twin; hub: TargetError)."""
     if override:
         return override
     chosen = default_model_id(target) if model_id == BUNDLED_ID else model_id
