@@ -53,7 +53,6 @@ def _rotated(names: Sequence[str], shift: int) -> list[str]:
 class Timings:
     """Per-step latencies (``steps``: candidate, repeat, step, ms) of candidates timed side by side;
     generation adds ``first_token`` (candidate, repeat, ttft_ms) and ``tokens`` (candidate -> [1, S + n])."""
-
     steps: pd.DataFrame
     first_token: pd.DataFrame | None = None
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -17,7 +17,6 @@ STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's 
 @dataclass(frozen=True)
 class Instance:
     """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand (us-east-1)."""
-
     name: str
     chips: int
     neuron_cores: int
@@ -71,7 +70,6 @@ def instance_table():
 @dataclass(frozen=True)
 class Device:
     """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None where unknown."""
-
     name: str
     hbm_bytes: int | None
     bandwidth_bytes_s: float | None
@@ -102,14 +100,12 @@ def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8
                  ram_bytes: int | None = None, name: str = "this_cpu") -> Device:
     """A ``Device`` for the machine a notebook runs on, from figures that notebook measured."""
     assert bandwidth_bytes_s and bandwidth_bytes_s > 0, f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
-    return Device(name, hbm_bytes=ram_bytes, bandwidth_bytes_s=float(bandwidth_bytes_s), bf16_flops=bf16_flops,
-                  int8_ops=int8_ops, usd_per_hour=None, source="measured here")
+    return Device(name, ram_bytes, float(bandwidth_bytes_s), bf16_flops, int8_ops, usd_per_hour=None, source="measured here")
 
 
 @dataclass(frozen=True)
 class Fit:
     """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
-
     instance: str
     budget: str
     tp: int

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import psutil
 
 
-def _hwm_bytes(proc: psutil.Process) -> int | None:
-    """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), or None where unreadable."""
+def _hwm_bytes(proc: psutil.Process, rss: int) -> int:
+    """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), else its ``rss`` where that is unreadable."""
     with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/status") as handle:
-        return next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), None)
-    return None
+        return next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), rss)
+    return rss
 
 
 @dataclass
@@ -34,7 +34,6 @@ class Sample:
 @dataclass
 class HostMemorySampler:
     """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
-
     interval_s: float = 0.05
     pid: int | None = None
     include_children: bool = True
@@ -65,8 +64,7 @@ class HostMemorySampler:
                 continue
             total += rss
             counted += 1
-            hwm = _hwm_bytes(proc)
-            self._hwm[key] = max(self._hwm.get(key, 0), hwm if hwm is not None else rss)
+            self._hwm[key] = max(self._hwm.get(key, 0), _hwm_bytes(proc, rss))
         tick = Sample(time.perf_counter() - self._t0, total, counted)
         self.samples.append(tick)
         self.peak_rss_bytes = max(self.peak_rss_bytes, total)
@@ -77,7 +75,7 @@ class HostMemorySampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def start(self) -> HostMemorySampler:
+    def __enter__(self) -> HostMemorySampler:
         assert self._thread is None, "a HostMemorySampler runs once"
         self._t0 = time.perf_counter()
         self.sample()
@@ -85,25 +83,16 @@ class HostMemorySampler:
         self._thread.start()
         return self
 
-    def stop(self) -> HostMemorySampler:
-        assert self._thread is not None, "stop() before start()"
+    def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
         self.sample()
         self.wall_s = time.perf_counter() - self._t0
-        return self
-
-    def __enter__(self) -> HostMemorySampler:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def self_peak_rss_bytes() -> int:
     """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes: exact, no sampling interval."""
-    hwm = _hwm_bytes(psutil.Process())
-    return hwm if hwm is not None else psutil.Process().memory_info().rss
+    return _hwm_bytes(psutil.Process(), psutil.Process().memory_info().rss)
 
 
 @dataclass
@@ -127,8 +116,7 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
     name = f"{' '.join(argv[:3])} ..."
     with tempfile.TemporaryFile(mode="w+") as err:
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
-        sampler = HostMemorySampler(interval_s=interval_s, pid=child.pid)
-        with sampler:
+        with HostMemorySampler(interval_s=interval_s, pid=child.pid) as sampler:
             try:
                 stdout, _ = child.communicate(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -145,6 +133,5 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
     except (IndexError, json.JSONDecodeError) as error:
         got = lines[-1][:200] if lines else "nothing"
         raise MeasuredRunError(f"{name} printed no JSON result on its last stdout line (got {got!r})") from error
-    return MeasuredRun(result=result, peak_rss_bytes=sampler.peak_rss_bytes, peak_hwm_bytes=sampler.peak_hwm_bytes,
-                       wall_s=sampler.wall_s, samples=sampler.samples)
+    return MeasuredRun(result, sampler.peak_rss_bytes, sampler.peak_hwm_bytes, sampler.wall_s, sampler.samples)
 
