@@ -277,10 +277,8 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
     """A sparse decode step split into candidates: ``<prefix>:kernel`` (the 2 K matmuls alone),
     ``<prefix>:overhead`` (the same layer at tiny width: dispatch, routing, combine) and, with
     ``gather``, ``<prefix>:gather_copy`` (the weight gather ``selection="gather"`` adds)."""
-    steps = {
-        f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),
-        f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)]),
-    }
+    steps = {f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),
+             f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)])}
     if gather:
         steps[f"{prefix}:gather_copy"] = lambda i: (module.gate_up_proj[routes[i % len(routes)][0][0]],
                                                     module.down_proj[routes[i % len(routes)][0][0]])
@@ -294,15 +292,12 @@ def breakdown_table(timings: Timings, prefixes: Sequence[str], weight_bytes: Map
     rows = []
     for prefix in prefixes:
         floor = floor_ms(weight_bytes[prefix], bandwidth_bytes_s)
-        step, kernel = timings.p50_ms(prefix), timings.p50_ms(f"{prefix}:kernel")
-        overhead = timings.p50_ms(f"{prefix}:overhead")
-        gather = (timings.p50_ms(f"{prefix}:gather_copy") if f"{prefix}:gather_copy" in timings.candidates
-                  else float("nan"))
+        step, kernel, overhead = (timings.p50_ms(name) for name in (prefix, f"{prefix}:kernel", f"{prefix}:overhead"))
+        gather = timings.p50_ms(f"{prefix}:gather_copy") if f"{prefix}:gather_copy" in timings.candidates else float("nan")
         rows.append({"candidate": prefix, "floor_ms": floor, "step_ms": step, "x_floor": step / floor,
                      "best_step_ms": timings.min_ms(prefix), "best_x_floor": timings.min_ms(prefix) / floor,
                      "kernel_ms": kernel, "kernel_gb_s": weight_bytes[prefix] / kernel / 1e6,
-                     "overhead_ms": overhead, "kernel_plus_overhead_ms": kernel + overhead,
-                     "gather_copy_ms": gather})
+                     "overhead_ms": overhead, "kernel_plus_overhead_ms": kernel + overhead, "gather_copy_ms": gather})
     return pd.DataFrame(rows).set_index("candidate")
 
 

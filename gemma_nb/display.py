@@ -86,10 +86,6 @@ def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int
     return decimals
 
 
-def _fixed(value: float, decimals: int) -> str:
-    return f"{value:,.{decimals}f}"
-
-
 def _scientific(value: float, decimals: int) -> str:
     return f"{value:.{decimals}e}"
 
@@ -110,8 +106,11 @@ def column_formatter(values) -> Callable[[Any], str]:
     if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
         decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
         return _with_specials(lambda v: _scientific(v, decimals))
-    decimals = _decimals_for(finite, min(wanted, exact), exact, _fixed)
-    return _with_specials(lambda v: _fixed(v, decimals))
+    def fixed(value: float, decimals: int) -> str:
+        return f"{value:,.{decimals}f}"
+
+    decimals = _decimals_for(finite, min(wanted, exact), exact, fixed)
+    return _with_specials(lambda v: fixed(v, decimals))
 
 
 def _missing(value) -> bool:
@@ -135,14 +134,11 @@ def _special(value) -> str | None:
     return "0" if value == 0.0 else ("inf" if value > 0 else "-inf") if math.isinf(value) else None
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
 def _format_column(column) -> list[str]:
     numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
     # an object column of numbers (a transposed table of dicts) gets one format like a float column
-    numbers = numbers or all(_is_number(v) or _missing(v) for v in column) and any(_is_number(v) for v in column)
+    kinds = [isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in column]
+    numbers = numbers or all(k or _missing(v) for k, v in zip(kinds, column)) and any(kinds)
     write = column_formatter(column.tolist()) if numbers else format_cell
     return [write(v) for v in column]
 
