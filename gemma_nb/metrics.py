@@ -16,11 +16,8 @@ from gemma_nb.story import get_claim
 
 def headline(name: str, value: float | int | str, unit: str = "", claim: str | None = None) -> dict:
     """One key figure. ``claim`` is a key of ``gemma_nb.story.CLAIMS`` this value answers."""
-    row: dict[str, Any] = {"name": name, "value": value, "unit": unit}
-    if claim is not None:
-        row["claim"] = claim
-        row["claimed"] = get_claim(claim).value
-    return row
+    answers = {} if claim is None else {"claim": claim, "claimed": get_claim(claim).value}
+    return {"name": name, "value": value, "unit": unit, **answers}
 
 
 def _jsonable(value: Any) -> Any:

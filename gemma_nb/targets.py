@@ -39,10 +39,8 @@ def missing_neuron_packages() -> list[str]:
 
 def check_target(target: str) -> str:
     """Fail at once, with what is missing and how to get it, if ``target`` cannot run here."""
-    check_target_name(target)
-    if target == "neuron":
-        missing = missing_neuron_packages()
-        if missing:
+    if check_target_name(target) == "neuron":
+        if missing := missing_neuron_packages():
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
         # In every process that runs the target: where the transformers.utils.fx stand-in goes in, before NxD imports.
         status = neuron_sdk.check_sdk()
