@@ -36,8 +36,7 @@ def cut_at_eos(text: str, eos: str = EOS) -> str:
 
 def format_float(value: float) -> str:
     """About four significant digits, thousands separated, scientific only when tiny; NaN as a blank."""
-    special = _special(value)
-    if special is not None:
+    if (special := _special(value)) is not None:
         return special
     value = float(value)
     magnitude = abs(value)
@@ -158,8 +157,7 @@ def tidy(frame, column_formats: bool = False):
 
 def _tidy_index(index):
     if isinstance(index, pd.MultiIndex):
-        return pd.MultiIndex.from_tuples([tuple(format_cell(v) for v in labels) for labels in index],
-                                         names=index.names)
+        return pd.MultiIndex.from_tuples([tuple(format_cell(v) for v in labels) for labels in index], names=index.names)
     if isinstance(index, pd.RangeIndex):
         return index
     return pd.Index([format_cell(v) for v in index], name=index.name)
@@ -201,8 +199,7 @@ class _TableParser(html.parser.HTMLParser):
         elif tag == "tr" and self._depth:
             self._row = []
         elif tag in ("td", "th") and self._row is not None:
-            self._cell = []
-            self._colspan = int(dict(attrs).get("colspan") or 1)
+            self._cell, self._colspan = [], int(dict(attrs).get("colspan") or 1)
 
     def handle_endtag(self, tag):
         if tag in ("td", "th") and self._cell is not None and self._row is not None:
