@@ -106,8 +106,7 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
             "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed))}
 
 
-def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1,
-                   context_len: int = 0) -> dict:
+def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
     """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
     check_experts_mode(experts)
     costs = step_costs(config, scheme, tp, context_len)
@@ -173,9 +172,8 @@ def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) 
     tok_s = deployment.replicas * batch * 1000.0 / step_ms
     price = deployment.price()
     return {**step, "memory_ms": memory_ms, "compute_ms": compute_ms, "step_ms": step_ms,
-            "bound": "memory" if memory_ms >= compute_ms else "compute", "tok_s": tok_s,
-            "tok_s_per_stream": 1000.0 / step_ms, "usd_per_hour": price,
-            "usd_per_m_tokens": usd_per_million_tokens(price, tok_s)}
+            "bound": "memory" if memory_ms >= compute_ms else "compute", "tok_s": tok_s, "tok_s_per_stream": 1000.0 / step_ms,
+            "usd_per_hour": price, "usd_per_m_tokens": usd_per_million_tokens(price, tok_s)}
 
 
 def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
@@ -203,9 +201,7 @@ def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: in
     """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None without a KV cache."""
     free = int(hbm_bytes_per_rank) - int(costs.weights_bytes) - int(allowance_bytes)
     kv = int(costs.kv_bytes_per_stream)
-    if kv == 0:
-        return None if free >= 0 else 0
-    return max(0, free // kv)
+    return (None if free >= 0 else 0) if kv == 0 else max(0, free // kv)
 
 
 def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAllowance | None = None,
