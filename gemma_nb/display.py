@@ -26,6 +26,11 @@ CELL_PADDING_PX = 12.0
 WRAP_CHARS = 40
 EOS = "<eos>"
 MAX_ROWS = 120
+SIGNIFICANT_DIGITS = 4
+MAX_DECIMALS = 8
+ROUNDED_DECIMALS = 6      # values written exactly with at most this many decimals were rounded: shown so
+SCIENTIFIC_BELOW = 1e-4   # other columns holding a smaller non-zero magnitude are shown in scientific notation,
+SCIENTIFIC_SPAN = 1e4     # and so are those whose largest magnitude is this many times their smallest (below 1)
 
 
 def cut_at_eos(text: str, eos: str = EOS) -> str:
@@ -69,13 +74,6 @@ def format_cell(value: Any) -> str:
     except (TypeError, ValueError):
         pass
     return cut_at_eos(str(value))
-
-
-SIGNIFICANT_DIGITS = 4
-MAX_DECIMALS = 8
-ROUNDED_DECIMALS = 6      # values written exactly with at most this many decimals were rounded: shown so
-SCIENTIFIC_BELOW = 1e-4   # other columns holding a smaller non-zero magnitude are shown in scientific notation,
-SCIENTIFIC_SPAN = 1e4     # and so are those whose largest magnitude is this many times their smallest (below 1)
 
 
 def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int:
@@ -238,22 +236,17 @@ def index_label_rows(header: list[list[str]]) -> list[list[str]]:
     return [row for row in header if len(row) > 1 and row[0] and not any(row[1:])]
 
 
-_INTEGER = re.compile(r"-?\d{1,3}(,\d{3})+|-?\d+")
-_FIXED = re.compile(r"-?(\d{1,3}(,\d{3})+|\d+)\.(\d+)")
-_SCIENTIFIC = re.compile(r"-?\d\.(\d+)e[+-]\d+")
-
-
 def number_format(text: str) -> str | None:
     """A cell's number format: "integer", "N decimals", "scientific, N decimals"; "" for a text every format
     shares (blank, 0, inf); None for a cell that is not a number."""
     text = text.strip()
     if text in ("", "0", "inf", "-inf"):
         return ""
-    if _INTEGER.fullmatch(text):
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+|-?\d+", text):
         return "integer"
-    if match := _FIXED.fullmatch(text):
+    if match := re.fullmatch(r"-?(\d{1,3}(,\d{3})+|\d+)\.(\d+)", text):
         return f"{len(match.group(3))} decimals"
-    if match := _SCIENTIFIC.fullmatch(text):
+    if match := re.fullmatch(r"-?\d\.(\d+)e[+-]\d+", text):
         return f"scientific, {len(match.group(1))} decimals"
     return None
 

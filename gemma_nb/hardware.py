@@ -9,7 +9,7 @@ import pandas as pd
 
 GB = 10**9
 GiB = 2**30
-
+TERA = 10**12
 BUDGETS = ("spec", "story")
 STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's words)
 
@@ -78,8 +78,6 @@ class Device:
     usd_per_hour: float | None
     source: str
 
-
-TERA = 10**12
 
 DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA, int8_ops=380 * TERA,

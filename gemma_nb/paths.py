@@ -25,6 +25,7 @@ NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 OUTPUT_DIR_ENV = "GEMMA_NB_OUTPUT_DIR"
 INTERACTIVE_DIR = OUTPUTS_DIR / "interactive"
+ARTIFACTS = "artifacts"
 
 
 def output_dir(target: str) -> Path:
@@ -48,9 +49,6 @@ def metrics_dir(target: str) -> Path:
 
 def figures_dir(target: str) -> Path:
     return _sub(target, "figures")
-
-
-ARTIFACTS = "artifacts"
 
 
 def artifacts_dir(target: str) -> Path:

@@ -18,6 +18,15 @@ import seaborn as sns  # noqa: E402
 from gemma_nb.bench import smoke_timing  # noqa: E402
 from gemma_nb.paths import figures_dir  # noqa: E402
 
+# A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
+# Wider, the browser scales it down and its 10 pt labels become unreadable.
+MAX_WIDTH_IN = 10.0
+# Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
+LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "right", "bottom"),
+                 (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
+    (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
+    for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
+
 
 def set_theme() -> None:
     sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
@@ -25,11 +34,6 @@ def set_theme() -> None:
     matplotlib.rcParams["figure.dpi"] = 100
     # the inline backend saves with bbox_inches="tight": no extra margin, so 10 in stay 1,000 px
     matplotlib.rcParams["savefig.pad_inches"] = 0.0
-
-
-# A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
-# Wider, the browser scales it down and its 10 pt labels become unreadable.
-MAX_WIDTH_IN = 10.0
 
 
 def subplots(*args, **kwargs):
@@ -182,13 +186,6 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
     IPython.display.display(fig, metadata={"image/png": {"alt": alt.strip()}})
     plt.close(fig)
     return paths
-
-
-# Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
-LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "right", "bottom"),
-                 (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
-    (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
-    for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
 
 
 def label_points(ax, points, fontsize: float = 8) -> None:

@@ -15,6 +15,8 @@ from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
 TARGETS = ("cpu", "neuron", "cuda")
+# Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target (measures_cpu).
+CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 # The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine (CONTRIBUTING);
 # `make test` re-executes it under CHECK_KERNELS and requires the same checked outputs.
@@ -53,10 +55,6 @@ def check_target(target: str) -> str:
         raise TargetError(f"target 'cuda' needs a CUDA GPU, but torch ({torch.__version__}, {build}) sees none: "
                           "run on a GPU machine with a CUDA build of torch (see README, 'Targets')")
     return target
-
-
-# Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target (measures_cpu).
-CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 
 def measures_cpu(target: str) -> bool:
