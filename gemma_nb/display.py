@@ -1,5 +1,5 @@
 """How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
-tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_tables`` estimate their width for tests."""
+tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_table_parts`` estimate their width for tests."""
 
 from __future__ import annotations
 
@@ -217,11 +217,6 @@ class _TableParser(html.parser.HTMLParser):
     def handle_data(self, data):
         if self._cell is not None:
             self._cell.append(data)
-
-
-def html_tables(markup: str) -> list[list[list[str]]]:
-    """Every ``<table>`` in ``markup`` as rows of cell texts (``th`` and ``td``)."""
-    return [header + body for header, body in html_table_parts(markup)]
 
 
 def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]]]:

@@ -166,9 +166,8 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
         cand = cand_fn(ids.to(_device_of(candidate))).float().cpu()
         assert ref.shape == cand.shape, f"reference logits {tuple(ref.shape)}, candidate {tuple(cand.shape)}"
         ref_logp, cand_logp = ref.log_softmax(-1), cand.log_softmax(-1)
-        kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        kl_sum += float(kl.sum())
+        kl_sum += float((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).sum())
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
     return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs, "positions": positions}

@@ -30,10 +30,8 @@ LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "righ
 
 def set_theme() -> None:
     sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
-    matplotlib.rcParams["svg.hashsalt"] = "gemma-nb"
-    matplotlib.rcParams["figure.dpi"] = 100
     # the inline backend saves with bbox_inches="tight": no extra margin, so 10 in stay 1,000 px
-    matplotlib.rcParams["savefig.pad_inches"] = 0.0
+    matplotlib.rcParams.update({"svg.hashsalt": "gemma-nb", "figure.dpi": 100, "savefig.pad_inches": 0.0})
 
 
 def subplots(*args, **kwargs):

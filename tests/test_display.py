@@ -47,14 +47,14 @@ def test_table_width_estimate_counts_characters_and_wraps_text():
     assert display.cell_width_chars(sentence) == display.WRAP_CHARS
     assert display.cell_width_chars("x" * 60 + " y") == 60  # a long word cannot wrap
     wide = pd.DataFrame([[1.0] * 12], columns=[f"a_long_column_name_{i}" for i in range(12)])
-    assert display.table_width_px(display.html_tables(display._html(wide))[0]) > display.PAGE_WIDTH_PX
-    assert display.table_width_px(display.html_tables(display._html(wide.T))[0]) < display.PAGE_WIDTH_PX
+    for frame, fits in ((wide, False), (wide.T, True)):
+        header, body = display.html_table_parts(display._html(frame))[0]
+        assert (display.table_width_px(header + body) < display.PAGE_WIDTH_PX) == fits
 
 
-def test_html_tables_reads_what_the_estimate_needs():
+def test_html_table_parts_reads_what_the_estimate_needs():
     frame = pd.DataFrame({"claim": ["HYPOTHESIS: a long label"], "value": [1.0]})
-    tables = display.html_tables(display._html(frame))
-    assert tables == [[["", "claim", "value"], ["0", "HYPOTHESIS: a long label", "1"]]]
+    assert display.html_table_parts(display._html(frame)) == [([["", "claim", "value"]], [["0", "HYPOTHESIS: a long label", "1"]])]
 
 
 def test_subplots_refuses_a_figure_wider_than_the_page():

@@ -42,7 +42,7 @@ def test_tables_fit_the_page_whole(path):
     problems = []
     for index, _, output in outputs(path):
         markup = _text(output.get("data", {}).get("text/html"))
-        for table in display.html_tables(markup):
+        for table in [header + body for header, body in display.html_table_parts(markup)]:
             cells = [cell for row in table for cell in row]
             width = display.table_width_px(table)
             if width > display.PAGE_WIDTH_PX:
