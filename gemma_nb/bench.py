@@ -154,8 +154,7 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
     names = list(models)
 
     def prepared(name):
-        model = models[name]
-        return model if isinstance(model, torch.nn.Module) else model()
+        return models[name] if isinstance(models[name], torch.nn.Module) else models[name]()
 
     steps, firsts, tokens = [], [], {}
     with torch.inference_mode():

@@ -1,6 +1,5 @@
-"""How answers are scored: greedy decoding, fact recall, logit agreement, greedy token match (notebooks 02, 05, 06).
-A model is a transformers causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logits [B, S, V]``
-(re-run on the whole sequence each step)."""
+"""How answers are scored (notebooks 02, 05, 06): greedy decoding, fact recall, logit agreement, token match. A model is
+a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logits [B, S, V]`` (re-run each step)."""
 
 from __future__ import annotations
 

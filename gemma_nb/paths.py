@@ -1,6 +1,5 @@
 """Where things live: the repo (found from the working directory), and a target's output folders: under
-``GEMMA_NB_OUTPUT_DIR`` (the runner, ``make test``), else the git-ignored ``outputs/interactive/<target>/``,
-never straight into the committed reference run."""
+``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``, never the reference run."""
 
 from __future__ import annotations
 

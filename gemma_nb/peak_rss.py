@@ -1,6 +1,5 @@
-"""Peak host memory of a process and its children (``neuronx-cc`` is one), sampled on a thread (notebooks 04, 05).
-``peak_rss_bytes``: the largest summed RSS seen at one tick; ``peak_hwm_bytes``: the sum of each process's own
-``VmHWM`` (an upper bound that never misses a spike). Shared pages count in every process."""
+"""Peak host memory of a process and its children (``neuronx-cc``), sampled on a thread (notebooks 04, 05): the largest
+summed RSS of a tick, and the sum of each process's ``VmHWM`` (never misses a spike). Shared pages count in each."""
 
 from __future__ import annotations
 
