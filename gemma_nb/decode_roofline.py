@@ -285,16 +285,11 @@ def context_sensitivity(config, context_lens: Sequence[int], **story_kwargs) -> 
     """``story_decode``'s dense and sparse tok/s at each KV-cache length, and their ratio."""
     if not context_lens:
         raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
-    bad = [n for n in context_lens if int(n) != n or n < 0]
-    if bad:
+    if bad := [n for n in context_lens if int(n) != n or n < 0]:
         raise ValueError(f"context_lens {bad} must be whole numbers of tokens >= 0")
-    rows = []
-    for context_len in context_lens:
-        story = story_decode(config, context_len=int(context_len), **story_kwargs)
-        rows.append({"context_len": int(context_len), "kv_gb_per_token": story["kv_gb_per_token"],
-                     "dense_tok_s": story["dense_tok_s"], "sparse_tok_s": story["sparse_tok_s"],
-                     "sparse_vs_dense_x": story["sparse_tok_s"] / story["dense_tok_s"]})
-    return pd.DataFrame(rows)
+    stories = [story_decode(config, context_len=int(n), **story_kwargs) for n in context_lens]
+    return pd.DataFrame([{**{key: s[key] for key in ("context_len", "kv_gb_per_token", "dense_tok_s", "sparse_tok_s")},
+                          "sparse_vs_dense_x": s["sparse_tok_s"] / s["dense_tok_s"]} for s in stories])
 
 
 def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | None = None) -> None:

@@ -74,11 +74,9 @@ def _tick_labels(ax):
 def _texts(fig, renderer):
     """Every drawn, non-empty text of ``fig`` with its box on the canvas (not a legend's: it is one box)."""
     skip = {id(t) for legend in _legends(fig) for t in [*legend.get_texts(), legend.get_title()]}
-    candidates = []
-    for ax in fig.axes:
-        drawn, every = _tick_labels(ax)
-        skip |= {id(t) for t in every}
-        candidates += drawn
+    ticks = [_tick_labels(ax) for ax in fig.axes]
+    skip |= {id(t) for _, every in ticks for t in every}
+    candidates = [t for drawn, _ in ticks for t in drawn]
     candidates += [t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()]
     boxes = [(text, text.get_window_extent(renderer)) for text in candidates if text.get_text().strip()]
     return [(text, box, _corners(text, box, renderer)) for text, box in boxes if box.width > 0 and box.height > 0]
