@@ -144,10 +144,8 @@ def tidy(frame, column_formats: bool = False):
     """``frame`` (DataFrame or Series) as strings: one format per numeric column (``column_formats``) or per cell."""
     if isinstance(frame, pd.Series):
         return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
-    if column_formats:
-        shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
-    else:
-        shown = frame.map(format_cell)
+    shown = (pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
+             if column_formats else frame.map(format_cell))
     shown.index = _tidy_index(frame.index)
     shown.columns = _tidy_index(frame.columns)
     return shown

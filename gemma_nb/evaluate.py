@@ -3,7 +3,6 @@ a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logi
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd
@@ -91,10 +90,8 @@ def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
 
 def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]:
     """Indices of ``token_lists`` grouped by length, so each group is a batch without padding."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for index, tokens in enumerate(token_lists):
-        groups[len(tokens)].append(index)
-    return dict(sorted(groups.items()))
+    lengths = sorted({len(tokens) for tokens in token_lists})
+    return {n: [i for i, tokens in enumerate(token_lists) if len(tokens) == n] for n in lengths}
 
 
 @torch.inference_mode()
