@@ -142,9 +142,8 @@ def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str
 
 def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3, warmup: int = 1,
                     device: str = "cpu") -> Timings:
-    """Greedy generation of ``new_tokens`` by each model (or zero-argument function returning it, called
-    untimed before each run), interleaved across repeats: TTFT, then the decode steps. A model whose
-    tokens change between repeats is an error."""
+    """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed before each run),
+    interleaved across repeats: TTFT, then the decode steps. Tokens that change between repeats are an error."""
     _check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
     if smoke_timing():
         repeats, warmup = 1, 0
@@ -273,9 +272,8 @@ def _kernel_only(module, hidden_states, routes):
 
 def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tiny_hidden_states: torch.Tensor,
                            routes, prefix: str, gather: bool = True) -> dict[str, Callable[[int], Any]]:
-    """A sparse decode step split into candidates: ``<prefix>:kernel`` (the 2 K matmuls alone),
-    ``<prefix>:overhead`` (the same layer at tiny width: dispatch, routing, combine) and, with
-    ``gather``, ``<prefix>:gather_copy`` (the weight gather ``selection="gather"`` adds)."""
+    """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone), ``<prefix>:overhead`` (the layer at tiny
+    width: dispatch, routing, combine), with ``gather`` ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
     steps = {f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),
              f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)])}
     if gather:

@@ -251,9 +251,8 @@ def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, conte
 
 def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, scheme: str = "int8_squeeze",
                  device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
-    """The story's decode figures on inf2.xlarge, per chip: the dense, sparse and upcast (HYPOTHESIS:
-    int8 experts upcast to a bf16 copy in HBM, 1 + 2 + 2 bytes per weight) rooflines, the compute
-    bound, and time and $ per answer at each and at the measured rate (default the claim)."""
+    """The story's decode figures on inf2.xlarge, per chip: dense, sparse and upcast (HYPOTHESIS: int8 experts upcast to a
+    bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the measured rate (or the claim)."""
     facts = model_facts(config)
     bandwidth, peak = DEVICES[device].bandwidth_bytes_s, DEVICES[device].bf16_flops
     dense = decode_traffic(config, scheme, "dense", tp, context_len)

@@ -88,9 +88,8 @@ def _scientific(value: float, decimals: int) -> str:
 
 
 def column_formatter(values) -> Callable[[Any], str]:
-    """One number format for a column: whole numbers if integral, else one count of decimals
-    (``SIGNIFICANT_DIGITS`` of the smallest magnitude, no more than the values have, more where two values
-    would look alike), or scientific notation for an unrounded column of tiny or widely spread magnitudes."""
+    """One number format for a column: whole numbers if integral, else one count of decimals (``SIGNIFICANT_DIGITS`` of the
+    smallest magnitude, at most the values', more where two would look alike), or scientific for unrounded tiny or wide ones."""
     finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
     magnitudes = [abs(v) for v in finite if v != 0.0]
     if not magnitudes or all(v.is_integer() for v in finite):

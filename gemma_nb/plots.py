@@ -131,9 +131,8 @@ def _points_inside(box, ax) -> int:
 
 
 def collisions(fig) -> list[str]:
-    """What overlaps in ``fig`` once drawn: two texts (labels, titles, annotations, tick labels);
-    a text inside the axes crossed by a line or covering a scatter point; a legend over a text,
-    a line, a bar or a point of its axes, or past the figure's edge. Each as a short sentence; empty when nothing does."""
+    """What overlaps in ``fig`` once drawn, as short sentences: two texts (labels, titles, annotations, ticks); a text in the
+    axes crossed by a line or covering a scatter point; a legend over a text, line, bar or point of its axes, or past the edge."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
@@ -164,10 +163,9 @@ def collisions(fig) -> list[str]:
 
 
 def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
-    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as ``figures/<name>.png`` and
-    ``.svg`` under the target's outputs (``name`` starts with the notebook number, ``01_bytes_per_rank``),
-    display it with ``alt`` as its alternative text, and close it. A smoke run (``GEMMA_NB_TIMING=smoke``,
-    nbval's) draws timings no one reads and that move with the cpu, so there a collision is not refused."""
+    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as ``figures/<name>.png`` and ``.svg``
+    (``name`` starts with the notebook number: ``01_bytes_per_rank``), display it with ``alt`` text and close it. A smoke
+    run (``GEMMA_NB_TIMING=smoke``, nbval's) draws timings no one reads and that move with the cpu: collisions pass there."""
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
     assert name and "/" not in name and not name.endswith((".png", ".svg")), f"figure name {name!r}: a bare stem"
@@ -185,9 +183,8 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
 
 
 def label_points(ax, points, fontsize: float = 8) -> None:
-    """Name each point ``(x, y, label)`` of ``ax`` with an annotation placed where it overlaps no
-    other label, point, line or legend and stays inside the axes: the first such place of
-    ``LABEL_OFFSETS``, else the one with the fewest conflicts (which ``collisions`` then reports)."""
+    """Name each point ``(x, y, label)`` of ``ax`` at the first place of ``LABEL_OFFSETS`` inside the axes clear of labels,
+    points, lines and the legend, else at the one with the fewest conflicts (which ``collisions`` then reports)."""
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
