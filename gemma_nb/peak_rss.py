@@ -50,7 +50,6 @@ class HostMemorySampler:
         self._t0 = 0.0
 
     def sample(self) -> Sample:
-        """Take one tick now (also called by the background thread)."""
         total, counted, procs = 0, 0, [self._root]
         if self.include_children:
             with contextlib.suppress(psutil.Error):

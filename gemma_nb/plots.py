@@ -125,7 +125,6 @@ def _lines_through(box, ax) -> list[str]:
 
 
 def _points_inside(box, ax) -> int:
-    """How many scatter points of ``ax`` lie inside ``box``."""
     return sum(sum(box.contains(x, y) for x, y in c.get_offset_transform().transform(c.get_offsets()))
                for c in ax.collections if isinstance(c, matplotlib.collections.PathCollection) and c.get_visible())
 

@@ -132,7 +132,6 @@ def get_claim(key: str, claims: Mapping[str, Claim] | None = None) -> Claim:
 
 
 def claim_range(key: str) -> tuple[float, float]:
-    """The values the story's figure ``CLAIMS[key]`` stands for, as ``(low, high)`` (``Claim.within``)."""
     return tuple(get_claim(key).within)
 
 

@@ -29,7 +29,6 @@ class TargetError(ValueError):
 
 
 def check_target_name(target: str) -> str:
-    """``target``, or TargetError unless it is one of TARGETS."""
     if target not in TARGETS:
         raise TargetError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     return target
