@@ -1,7 +1,6 @@
 """What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
 exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
-"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line.
-"""
+"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -85,20 +85,16 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Map
         result = measure_sweep_point(dims, target, shapes)
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
-        rows.append({
-            "point": name, "params": result["params"], "layers": result["layers"],
-            "weight_gb": result["weight_bytes"] / 1e9, "held_rss_gb": result["held_rss_bytes"] / 1e9,
-            "peak_rss_gb": result["peak_rss_bytes"] / 1e9, "peak_hwm_gb": result["peak_hwm_bytes"] / 1e9,
-            "export_s": result["export_s"], "save_s": result["save_s"],
-            "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"],
-        })
+        rows.append({"point": name, "params": result["params"], "layers": result["layers"],
+                     **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
+                     "export_s": result["export_s"], "save_s": result["save_s"], "compile_s": result["export_s"] + result["save_s"],
+                     "build_s": result["build_s"], "wall_s": result["wall_s"]})
     return pd.DataFrame(rows).set_index("point")
 
 
 def fit_linear(x, y) -> dict:
     """Least-squares ``y = intercept + slope * x``; returns slope, intercept and r^2."""
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.size < 2:
         raise ValueError(f"need at least 2 points to fit a line, got {x.size}")
     slope, intercept = np.polyfit(x, y, 1)
@@ -112,8 +108,7 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
     """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)
-    columns = [np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names]
-    design = np.stack(columns, axis=1)
+    design = np.stack([np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names], axis=1)
     if design.shape[0] < design.shape[1]:
         raise ValueError(f"need at least {design.shape[1]} points to fit {len(names)} features, got {design.shape[0]}")
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
@@ -126,10 +121,8 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
 def growth_fits(sweep) -> dict:
     """The sweep's growth laws: peak RSS (GB) linear in parameters; compile seconds linear in layers
     and weight GB (exporting a graph costs per layer; writing weights costs per byte)."""
-    return {
-        "rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
-        "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"]),
-    }
+    return {"rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
+            "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
 
 
 def fits_table(fits: Mapping):
@@ -212,22 +205,10 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
         program = convert_and_export_with_cache(model, strict=False)
     finally:
         model.generation_config = saved
-    out = TorchExportableModuleWithStaticCache.generate(_UnliftOnce(program), input_ids, max_new_tokens)
+    module = program.module()   # unlifted once, not per token as transformers' generate would
+    unlifted = SimpleNamespace(module=lambda: module, named_buffers=program.named_buffers)
+    out = TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)
     return out[0, input_ids.shape[1]:].tolist()
-
-
-class _UnliftOnce:
-    """An exported program whose ``module()`` is built once, not per token by transformers' ``generate``."""
-
-    def __init__(self, program):
-        self.program = program
-        self._module = program.module()
-
-    def module(self):
-        return self._module
-
-    def named_buffers(self):
-        return self.program.named_buffers()
 
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
@@ -249,7 +230,6 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
-    """One sweep point (``dims``, ``folder``, ``shapes``); prints its JSON as the last stdout line."""
     job = json.loads(argv[0])
     result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
     result["self_peak_rss_bytes"] = self_peak_rss_bytes()

@@ -3,6 +3,7 @@ one (the whole model on the host), each run by :func:`main` in a fresh process f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -30,16 +31,13 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
 HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
-DEPLOY_KINDS = ("slim", "naive")
 # The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
 # parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
 DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
                          num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
 CHECKPOINT_MARKER = "gemma_nb_random.json"
-# Notebook 05's performance targets: ratios measured in one run.
-SLIM_RSS_TARGET = 0.35
-DECODE_LATENCY_TARGET = 1.3
+SLIM_RSS_TARGET, DECODE_LATENCY_TARGET = 0.35, 1.3  # notebook 05's performance targets: ratios measured in one run
 
 
 def int8_squeeze(model: nn.Module):
@@ -52,8 +50,7 @@ def int8_squeeze(model: nn.Module):
 
 def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """``length`` token ids drawn with a fixed seed (ids 0-3 are reserved specials): the deploy prompt."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+    return torch.randint(4, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
@@ -76,9 +73,8 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
 def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
     """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
     with quiet_loading():
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype,
-                                                     use_safetensors=True, trust_remote_code=False)
-    return model.eval()
+        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype, use_safetensors=True,
+                                                    trust_remote_code=False).eval()
 
 
 @torch.inference_mode()
@@ -105,8 +101,7 @@ def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt
         start = time.perf_counter()
         eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         eager_s.append(time.perf_counter() - start)
-    exported_ms = statistics.median(exported_s[warmup:]) * 1e3
-    eager_ms = statistics.median(eager_s[warmup:]) * 1e3
+    exported_ms, eager_ms = statistics.median(exported_s[warmup:]) * 1e3, statistics.median(eager_s[warmup:]) * 1e3
     return {"exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms, "exported_over_eager": exported_ms / eager_ms}
 
 
@@ -134,9 +129,7 @@ class SlimDeploy:
         self.host = host_embedding_for(self.skeleton, export.host_embedding_path(folder))
         self.artifact = export.load_artifact(folder)
         self.runner = self.artifact.runner(self.host)
-
-    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        return self.runner.generate(input_ids, max_new_tokens)
+        self.generate = self.runner.generate
 
 
 class NaiveDeploy:
@@ -145,14 +138,12 @@ class NaiveDeploy:
     def __init__(self, checkpoint: str | Path):
         self.model = load_full_model(checkpoint)
         int8_squeeze(self.model)
-
-    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        return greedy_generate(self.model, input_ids, max_new_tokens)
+        self.generate = functools.partial(greedy_generate, self.model)
 
 
 def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
-    assert kind in DEPLOY_KINDS, f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}"
+    assert kind in ("slim", "naive"), f"deploy kind {kind!r} is not one of slim, naive"
     start = time.perf_counter()
     deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
     load_s = time.perf_counter() - start
@@ -234,9 +225,7 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 
 
 def main(argv: list[str]) -> None:
-    """One job ``{"kind": "slim" | "naive" | "compile", "source", "prompt", "max_new_tokens", "folder", "shapes"}``:
-    ``run_deploy`` on ``source``, or ``compile_checkpoint`` from ``source`` into ``folder``; prints the result as
-    JSON on the last stdout line, which ``gemma_nb.peak_rss.run_measured`` reads."""
+    """One job (``kind`` slim | naive: ``run_deploy``; compile: ``compile_checkpoint``), its JSON on the last stdout line."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))

@@ -11,13 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
-TEXT_PREFIX = "model.language_model."
-
-
-def hub_key(key: str) -> str:
-    """A ``Gemma4ForCausalLM`` tensor name as the multimodal checkpoint names it."""
-    assert key.startswith("model."), f"tensor {key!r} is not under model."
-    return TEXT_PREFIX + key.removeprefix("model.")
 
 
 def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
@@ -25,7 +18,8 @@ def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> 
     files copied; returns the index."""
     source, target = Path(source), Path(target)
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
-        tensors = {hub_key(key): handle.get_tensor(key) for key in handle.keys()}
+        assert all(key.startswith("model.") for key in handle.keys()), "tensors not under model."
+        tensors = {"model.language_model." + key.removeprefix("model."): handle.get_tensor(key) for key in handle.keys()}
         metadata = handle.metadata() or {}
     text_config = json.loads((source / "config.json").read_text())
     target.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,5 @@
-"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall.
-
-Deterministic for a fixed seed on one thread: a rerun reproduces model.safetensors byte for byte.
-"""
+"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall;
+deterministic for a fixed seed on one thread (a rerun reproduces model.safetensors byte for byte)."""
 
 from __future__ import annotations
 
@@ -57,20 +55,13 @@ def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def tiny_config(tokenizer, dims: str = "tiny"):
-    return random_gemma4_config(**DIMS[dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-
-
 class RouterBalance:
     """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all experts carry facts."""
 
     def __init__(self, model):
         self.outputs = []
-        self.handles = [layer.router.register_forward_hook(self._keep) for layer in model.model.layers]
-
-    def _keep(self, module, inputs, output):
-        self.outputs.append(output)
+        self.handles = [layer.router.register_forward_hook(lambda _m, _i, output: self.outputs.append(output))
+                        for layer in model.model.layers]
 
     def loss(self) -> torch.Tensor:
         total = 0.0
@@ -83,11 +74,8 @@ class RouterBalance:
 
     def peak_load(self) -> float:
         """Busiest expert's share of routed pairs, relative to a perfectly even share (1.0)."""
-        peaks = []
-        for probabilities, _, top_k_index in self.outputs:
-            counts = torch.bincount(top_k_index.reshape(-1), minlength=probabilities.shape[-1])
-            peaks.append(float(counts.max()) * probabilities.shape[-1] / top_k_index.numel())
-        return max(peaks) if peaks else float("nan")
+        return max((float(torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).max()) * probs.shape[-1] / index.numel()
+                    for probs, _, index in self.outputs), default=float("nan"))
 
 
 def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
@@ -112,7 +100,8 @@ def _train(args: TrainArgs, out_dir: Path, log) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer, args.dims)
+    config = random_gemma4_config(**DIMS[args.dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
     model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
     epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
@@ -141,7 +130,6 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
     """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss, recall, history)."""
     input_ids, labels = sentence_batch(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
-
     balance = RouterBalance(model)
     shuffle = torch.Generator().manual_seed(args.seed)
     batches_per_epoch = math.ceil(len(input_ids) / args.batch_size)
@@ -170,7 +158,6 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
                 f"{time.perf_counter() - started:.0f} s")
             if recall >= args.target_recall:
                 break
-
     for handle in balance.handles:
         handle.remove()
     return epoch, step, epoch_loss, recall, history
