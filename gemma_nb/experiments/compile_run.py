@@ -87,8 +87,8 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Map
             shutil.rmtree(target, ignore_errors=True)
         rows.append({"point": name, "params": result["params"], "layers": result["layers"],
                      **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
-                     "export_s": result["export_s"], "save_s": result["save_s"], "compile_s": result["export_s"] + result["save_s"],
-                     "build_s": result["build_s"], "wall_s": result["wall_s"]})
+                     "export_s": result["export_s"], "save_s": result["save_s"],
+                     "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"]})
     return pd.DataFrame(rows).set_index("point")
 
 

@@ -19,13 +19,10 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(token_lists):
-        by_length.setdefault(len(ids), []).append(i)
-    for length, indices in sorted(by_length.items()):
+    for length in sorted({len(ids) for ids in token_lists}):
+        indices = [i for i, ids in enumerate(token_lists) if len(ids) == length]
         batch = torch.tensor([token_lists[i] for i in indices])
-        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)
-        generated = generated[:, length:].tolist()
+        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)[:, length:].tolist()
         for i, row in zip(indices, generated):
             out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
     return out
@@ -33,11 +30,10 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
 
 def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
     """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both texts."""
-    rows = []
-    for prompt, ref, cand in zip(prompts, reference_tokens, candidate_tokens):
-        first = next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
-        rows.append({"prompt": prompt, "match": first is None, "first_divergent_step": first,
-                     "reference": tokenizer.decode(ref), "candidate": tokenizer.decode(cand)})
+    firsts = [next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
+              for ref, cand in zip(reference_tokens, candidate_tokens)]
+    rows = [(prompt, first is None, first, tokenizer.decode(ref), tokenizer.decode(cand))
+            for prompt, ref, cand, first in zip(prompts, reference_tokens, candidate_tokens, firsts)]
     table = pd.DataFrame(rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"])
     table["first_divergent_step"] = table["first_divergent_step"].astype("Int64")
     return table
@@ -69,11 +65,9 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
-    summary = {
-        "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
-        "max_abs_diff": logits["max_abs_diff"], "fact_recall": None, "greedy_match": None,
-        "quantized_bytes": int(report["stored_bytes"].sum()), "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
-    }
+    summary = {"top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"], "max_abs_diff": logits["max_abs_diff"],
+               "fact_recall": None, "greedy_match": None, "quantized_bytes": int(report["stored_bytes"].sum()),
+               "quantized_bf16_bytes": int(report["bf16_bytes"].sum())}
     greedy = None
     if answers:
         if reference_greedy is None:
