@@ -31,49 +31,29 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E40
 
 TINY_IMPORT_S = time.perf_counter() - _start   # what a sweep point's import_s reports (a fresh process)
 
-# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
-# four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
-# grows, the parameters barely), so time can be split into a per-layer and a per-byte part.
-_SMALL = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-              global_head_dim=128, num_global_key_value_heads=1, num_experts=16, top_k_experts=2,
-              moe_intermediate_size=128, vocab_size=8192)
-SWEEP_POINTS: dict[str, dict] = {
-    "w256_l2": {**_SMALL, "num_hidden_layers": 2},
-    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
-    "w1024_l2": dict(hidden_size=1024, intermediate_size=1152, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                     global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
-                     moe_intermediate_size=384, vocab_size=32768, num_hidden_layers=2),
-    "w1536_l2": dict(hidden_size=1536, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                     global_head_dim=256, num_global_key_value_heads=2, num_experts=96, top_k_experts=8,
-                     moe_intermediate_size=512, vocab_size=32768, num_hidden_layers=2),
-    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
-                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
-}
-
-
-def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None, seed: int = 0,
-                dtype: str = "bfloat16") -> dict:
-    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``, in a fresh process
-    (``measure_sweep_point``); ``held_rss_bytes``: the RSS with the model built, before the export."""
-    start = time.perf_counter()
-    model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
-    build_s = time.perf_counter() - start
-    held = psutil.Process().memory_info().rss
-    report = compile_model(model, folder, StepShapes(**(shapes or {})))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s,
-            "held_rss_bytes": held, "weight_bytes": weight_bytes, **report.as_dict()}
+# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled): four widths at two
+# layers (parameters grow ~70x) and the smallest width at 6 layers (the graph grows, the parameters barely), so time
+# can be split into a per-layer and a per-byte part.
+_SWEEP_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                 "num_global_key_value_heads", "num_experts", "top_k_experts", "moe_intermediate_size", "vocab_size",
+                 "num_hidden_layers")
+SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name, values in {
+    "w256_l2": (256, 384, 4, 2, 64, 128, 1, 16, 2, 128, 8192, 2),
+    "w256_l6": (256, 384, 4, 2, 64, 128, 1, 16, 2, 128, 8192, 6),
+    "w1024_l2": (1024, 1152, 8, 4, 128, 256, 2, 64, 4, 384, 32768, 2),
+    "w1536_l2": (1536, 1536, 16, 8, 128, 256, 2, 96, 8, 512, 32768, 2),
+    "w512_l2": (512, 768, 8, 4, 64, 128, 1, 32, 4, 256, 16384, 2),
+}.items()}
 
 
 def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
                         interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
-    """Run ``sweep_point`` in a fresh Python, sampling the RSS of that process and its children."""
+    """Build a random Gemma-4 of ``dims`` and compile it into ``folder`` in a fresh Python (``main``), sampling the RSS
+    of that process and its children; ``held_rss_bytes``: the RSS with the model built, before the export."""
     job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
     run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
-    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes,
-            "wall_s": run.wall_s}
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes, "wall_s": run.wall_s}
 
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
@@ -88,7 +68,8 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Map
         rows.append({"point": name, "params": result["params"], "layers": result["layers"],
                      **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
                      "export_s": result["export_s"], "save_s": result["save_s"],
-                     "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"]})
+                     "compile_s": result["export_s"] + result["save_s"],
+                     "build_s": result["build_s"], "wall_s": result["wall_s"]})
     return pd.DataFrame(rows).set_index("point")
 
 
@@ -158,9 +139,7 @@ def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
                 label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} bytes/param")
     for ax, label, top in ((ax_rss, "peak host RSS (GB)", sweep["peak_rss_gb"].max()),
                            (ax_time, "export + save (s)", sweep["compile_s"].max())):
-        ax.set_xlabel("parameters (millions)")
-        ax.set_ylabel(label)
-        ax.set_ylim(0, 1.8 * top)   # room above the data for the legend
+        ax.set(xlabel="parameters (millions)", ylabel=label, ylim=(0, 1.8 * top))   # room above the data for the legend
         ax.legend(loc="upper left", fontsize=9)
 
 
@@ -171,9 +150,8 @@ def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         eager = greedy_generate(reference, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
         exported = runner.generate(ids, max_new_tokens)[0, ids.shape[1]:].tolist()
-        same = sum(a == b for a, b in zip(eager, exported))
         rows.append({"prompt": prompt, "continuation": tokenizer.decode(exported[:8]),
-                     "tokens_equal": f"{same}/{len(eager)}", "match": eager == exported})
+                     "tokens_equal": f"{sum(a == b for a, b in zip(eager, exported))}/{len(eager)}", "match": eager == exported})
     return pd.DataFrame(rows)
 
 
@@ -198,9 +176,8 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
     generated token one position too far (``off_by_one_table``)."""
     set_traceable_experts(model)
     saved = model.generation_config
-    model.generation_config = GenerationConfig(
-        use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
-    )
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
+                                               cache_config={"batch_size": 1, "max_cache_len": max_cache_len})
     try:
         program = convert_and_export_with_cache(model, strict=False)
     finally:
@@ -230,9 +207,16 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
+    """One sweep point (JSON ``dims``, ``folder``, ``shapes``); prints its measurements as JSON on the last stdout line."""
     job = json.loads(argv[0])
-    result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
-    result["self_peak_rss_bytes"] = self_peak_rss_bytes()
+    start = time.perf_counter()
+    model = random_gemma4_model(random_gemma4_config(**job["dims"]), seed=0, dtype=torch.bfloat16)
+    build_s = time.perf_counter() - start
+    held = psutil.Process().memory_info().rss
+    report = compile_model(model, job["folder"], StepShapes(**(job.get("shapes") or {})))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    result = {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s, "held_rss_bytes": held,
+              "weight_bytes": weight_bytes, **report.as_dict(), "self_peak_rss_bytes": self_peak_rss_bytes()}
     print(json.dumps(result), flush=True)
 
 

@@ -77,7 +77,7 @@ def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, to
     return index.long(), (real.weights[rows] / layers).reshape(len(rows), top_k)
 
 
-def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
     """``count`` routings of ``batch`` tokens, each token's top-k uniformly at random (``moe.random_routing``)."""
     return [moe.random_routing(batch, num_experts, top_k, seed=seed * 10_000 + batch * 100 + i) for i in range(count)]
 
@@ -156,8 +156,7 @@ def batch_table(sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_
         if "dense" not in by_path.index:
             uniform = sweep[(sweep["source"] == "uniform") & (sweep["dtype"] == dtype) & (sweep["batch"] == batch)]
             by_path = pd.concat([by_path, uniform.set_index("path").loc[["dense"]]])
-        row = {"source": source, "dtype": dtype, "batch": batch,
-               "distinct_experts": by_path.loc["sparse", "distinct_experts"]}
+        row = {"source": source, "dtype": dtype, "batch": batch, "distinct_experts": by_path.loc["sparse", "distinct_experts"]}
         for path in ("dense", "sparse"):
             read, p50 = by_path.loc[path, "experts_read"], by_path.loc[path, "p50_ms"]
             nbytes = read * expert_bytes[dtype]
@@ -249,8 +248,7 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     _ = ax.plot(distinct.index, distinct["real_full_size"], "s-", color="#de8f05", label="bundled checkpoint's router")
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
     _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
-    ax.set_ylabel(f"distinct experts per layer (of {num_experts})")
-    ax.set_ylim(0, 1.4 * num_experts)   # room above the ceiling for the legend
+    ax.set(ylabel=f"distinct experts per layer (of {num_experts})", ylim=(0, 1.4 * num_experts))   # room for the legend
     ax.legend(loc="upper left", fontsize=8)
 
 
@@ -264,8 +262,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
         _ = ax.plot(group["batch"], group[f"{path}_tok_s"], "o-", color=color, label=f"{path} {dtype}, measured")
         _ = ax.plot(group["batch"], 1000.0 * group["batch"] / group[f"{path}_floor_ms"], "--", color=color, linewidth=1)
     _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
-    ax.set_yscale("log")
-    ax.set_ylabel("layer tokens/s (log; dashed: bandwidth ceiling)")
+    ax.set(yscale="log", ylabel="layer tokens/s (log; dashed: bandwidth ceiling)")
     low, high = ax.get_ylim()
     ax.set_ylim(low, high * 30)   # a decade and more above the data for the legend
     ax.legend(loc="upper left", fontsize=8, ncols=2)
@@ -288,8 +285,8 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
     if reference is not None:
         _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
     _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
-    ax.set_yscale("log")
-    ax.set_ylabel({"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
+    ax.set(yscale="log",
+           ylabel={"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
     if legend:
         ax.legend(loc=legend, fontsize=8)
 
@@ -315,8 +312,9 @@ def roofline_metrics(summary: pd.DataFrame) -> dict:
     out = {}
     for deployment, rows in summary.groupby("deployment", sort=False):
         first = rows.iloc[0]
-        out[deployment] = {key: (None if pd.isna(first[key]) else int(first[key])) if key.startswith("largest") else float(first[key])
-                           for key in ("largest_batch", "largest_batch_if_low", "kv_gb_per_stream", "runtime_allowance_gb")}
+        out[deployment] = {key: None if pd.isna(first[key]) else int(first[key])
+                           for key in ("largest_batch", "largest_batch_if_low")}
+        out[deployment].update({key: float(first[key]) for key in ("kv_gb_per_stream", "runtime_allowance_gb")})
         out[deployment]["paths"] = {row["path"]: {key: (None if pd.isna(row[key]) else float(row[key]))
                                                   for key in row.index if key.startswith(("tok_s", "usd_per_m"))}
                                     for _, row in rows.iterrows()}

@@ -62,14 +62,12 @@ def seeded_rows(seed: int, start: int, stop: int, hidden_size: int, std: float =
     (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows, never the whole fp32 table."""
     assert 0 <= start <= stop, (start, stop)
     out = torch.empty(stop - start, hidden_size, dtype=dtype)
-    block = start // SEEDED_BLOCK_ROWS
-    while block * SEEDED_BLOCK_ROWS < stop:
+    for block in range(start // SEEDED_BLOCK_ROWS, -(-stop // SEEDED_BLOCK_ROWS)):
         lo = block * SEEDED_BLOCK_ROWS
         generator = torch.Generator().manual_seed(seed * 1_000_003 + block)
         values = torch.randn(SEEDED_BLOCK_ROWS, hidden_size, generator=generator).mul_(std)
         a, b = max(lo, start), min(lo + SEEDED_BLOCK_ROWS, stop)
         out[a - start:b - start] = values[a - lo:b - lo].to(dtype)
-        block += 1
     return out
 
 
@@ -81,7 +79,7 @@ def seeded_table(seed: int, vocab_size: int, hidden_size: int, std: float = 0.02
 
 def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop: int, hidden_size: int,
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 scales of rows ``[start, stop)`` read chunk by chunk through ``rows_fn(a, b)``, padded to ``out_rows``."""
+    """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``, padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
     assert out_rows >= stop - start, (out_rows, start, stop)
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
@@ -204,7 +202,6 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         bf16_ms = _median_ms(functools.partial(bf16_head_logits, token, replicated), max(1, repeats // 2))
         del replicated
         gc.collect()
-
         rss2 = _rss_bytes()
         head = VocabParallelLMHead.from_rows(lambda a, b: seeded_rows(seed, a, b, hidden_size, std=std),
                                              vocab_size, hidden_size, tp=world_size, rank=rank)

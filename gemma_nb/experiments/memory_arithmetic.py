@@ -109,6 +109,7 @@ def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
     columns = {(label if words else name): host.budget_bytes(name) for name, label in budgets.items()}
     windows = {label: allowance_window(config, "int8_experts", "int8_squeeze", tp, context_len, budget_bytes=budget,
                                        short_by_bytes=int(claim.value * GB)) for label, budget in columns.items()}
-    table = pd.DataFrame({label: {k.replace("_bytes", "_gb"): v / GB for k, v in window.items()} for label, window in windows.items()})
+    table = pd.DataFrame({label: {k.replace("_bytes", "_gb"): v / GB for k, v in window.items()}
+                          for label, window in windows.items()})
     rows = {key: text.format(short_by=f"{claim.value:g} GB") for key, text in ALLOWANCE_ROWS.items()}
     return table.rename(index=rows) if words else table

@@ -57,7 +57,8 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
     """``(model, summary, report, greedy)`` of ``scheme`` applied to a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences, and fact recall and greedy match unless ``answers=False``."""
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences, and fact recall and greedy match unless ``answers``
+    is False."""
     facts = FACTS if facts is None else facts
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference

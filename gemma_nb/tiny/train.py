@@ -88,42 +88,38 @@ def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
 def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
     """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary; torch state restored."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    started, out_dir = time.perf_counter(), Path(out_dir)
     try:
-        return _train(args, Path(out_dir), log)
+        torch.set_num_threads(args.threads)
+        torch.use_deterministic_algorithms(True)
+        tokenizer = build_tokenizer()
+        config = random_gemma4_config(**DIMS[args.dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+        model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
+        model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
+        epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
+        model.eval()
+        model.set_experts_implementation(None)  # back to transformers' default in the saved config
+        model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                                   pad_token_id=config.pad_token_id, do_sample=False)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        summary = {
+            "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
+            "args": asdict(args), "epochs_run": epoch, "steps_run": step, "final_loss": round(epoch_loss, 4),
+            "final_recall_fp32": round(recall, 4), "facts": len(FACTS), "vocab_size": config.vocab_size,
+            "parameters": sum(p.numel() for p in model.parameters()), "train_seconds": round(time.perf_counter() - started, 1),
+            "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
+            "torch": torch.__version__, "transformers": transformers.__version__, "history": history,
+        }
+        (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
+            save_hub_layout(out_dir, out_dir)
+        return summary
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-
-
-def _train(args: TrainArgs, out_dir: Path, log) -> dict:
-    started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
-    tokenizer = build_tokenizer()
-    config = random_gemma4_config(**DIMS[args.dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
-    model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
-    epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
-    model.eval()
-    model.set_experts_implementation(None)  # back to transformers' default in the saved config
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id, do_sample=False)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    summary = {
-        "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
-        "args": asdict(args), "epochs_run": epoch, "steps_run": step, "final_loss": round(epoch_loss, 4),
-        "final_recall_fp32": round(recall, 4), "facts": len(FACTS), "vocab_size": config.vocab_size,
-        "parameters": sum(p.numel() for p in model.parameters()), "train_seconds": round(time.perf_counter() - started, 1),
-        "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
-        "torch": torch.__version__, "transformers": transformers.__version__, "history": history,
-    }
-    (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
-        save_hub_layout(out_dir, out_dir)
-    return summary
 
 
 def _fit(model, tokenizer, args: TrainArgs, log, started: float):
