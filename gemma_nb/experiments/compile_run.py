@@ -2,8 +2,6 @@
 exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
 "shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line."""
 
-from __future__ import annotations
-
 import json
 import os
 import shutil
@@ -48,8 +46,7 @@ SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name
 
 def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
                         interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
-    """Build a random Gemma-4 of ``dims`` and compile it into ``folder`` in a fresh Python (``main``), sampling the RSS
-    of that process and its children; ``held_rss_bytes``: the RSS with the model built, before the export."""
+    """Compile a random Gemma-4 of ``dims`` into ``folder`` in a fresh Python (``main``) under the RSS sampler."""
     job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
     run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
@@ -100,8 +97,7 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
 
 
 def growth_fits(sweep) -> dict:
-    """The sweep's growth laws: peak RSS (GB) linear in parameters; compile seconds linear in layers
-    and weight GB (exporting a graph costs per layer; writing weights costs per byte)."""
+    """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and weight GB (writing)."""
     return {"rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
             "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
 
@@ -126,8 +122,7 @@ def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> di
 
 
 def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
-    """Measured points and fitted lines: peak RSS and compile time against parameters (millions); the time
-    lines are the fit at each layer count of the sweep, weights at 2 bytes per parameter (bf16)."""
+    """Peak RSS and compile time vs parameters (millions), measured and fitted (time: per layer count, bf16 weights)."""
     params = np.linspace(0, sweep["params"].max() * 1.05, 50)
     rss, cost = fits["rss"], fits["time"]
     for layers, group in sweep.groupby("layers"):
@@ -156,8 +151,7 @@ def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts
 
 
 def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0):
-    """Which inf2 instance holds each peak host memory (label -> GB), with and without swap, and what
-    each compile (label -> hours) costs on it."""
+    """Per inf2 instance: holds each peak host GB (label -> GB), with and without swap; $ of each compile (label -> hours)."""
     rows = []
     for inst in INSTANCES.values():
         row = {"instance": inst.name, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": inst.usd_per_hour}
@@ -172,8 +166,7 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
 
 def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                                max_cache_len: int = 128) -> list[int]:
-    """New tokens from transformers' own export recipe and its ``generate``, whose loop feeds each
-    generated token one position too far (``off_by_one_table``)."""
+    """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one position too far)."""
     set_traceable_experts(model)
     saved = model.generation_config
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
@@ -190,8 +183,7 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
                      runners: Mapping[str, StepRunner] | None = None):
-    """Per model: greedy tokens equal to eager decoding from transformers' export recipe and from
-    ``export_steps`` (``runners``: steps already exported for some models)."""
+    """Per model: greedy tokens equal to eager from transformers' recipe and from ``export_steps`` (``runners``: exported)."""
     prompt = input_ids.shape[1]
     shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
     rows = []

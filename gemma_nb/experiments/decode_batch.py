@@ -1,8 +1,6 @@
 """Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed uniformly
 or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -66,8 +64,7 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
 
 
 def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``rows`` as routings of one ``num_experts``-expert, top-``top_k`` layer: id = layer x E_tiny
-    + expert, weights over the layer count (they sum to 1 again)."""
+    """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights / layers (sum to 1)."""
     layers, tiny_k = real.index.shape[1:]
     if layers * real.num_experts != num_experts or layers * tiny_k != top_k:
         raise ValueError(f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one "
@@ -90,8 +87,7 @@ def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top
 
 
 def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: int = 200, seed: int = 0) -> pd.DataFrame:
-    """Distinct experts per layer for B tokens, at the checkpoint's size and on the 26B layer's ids: the
-    uniform formula, the mean of ``draws`` uniform routings, and of ``draws`` real ones."""
+    """Distinct experts per layer for B tokens (and on the 26B layer's ids): formula, ``draws`` uniform and real routings."""
     experts, top_k = real.num_experts, real.index.shape[2]
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -112,8 +108,7 @@ def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: i
 def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``index [B, L, K]`` -> distinct experts per layer ``[L]`` (float)."""
     hit = torch.zeros(index.shape[1], num_experts, dtype=torch.bool)
-    hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True)
-    return hit.sum(dim=1).float()
+    return hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True).sum(dim=1).float()
 
 
 def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
@@ -173,8 +168,7 @@ def first_batch(batches: Sequence[int], condition: Sequence[bool]) -> int | None
 
 
 def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
-    """The first B where dense is no slower than sparse: measured per dtype and source, predicted from
-    bytes for this sparse path and for NxD's selective loading, and where NxD's rule switches."""
+    """The first B where dense is no slower than sparse: measured (dtype, source), predicted from bytes, and NxD's rule."""
     batches = sorted(table["batch"].unique().tolist())
     measured = {dtype: {source: first_batch(group["batch"].tolist(), (group["dense_p50_ms"] <= group["sparse_p50_ms"]).tolist())
                         for source, group in by_dtype.sort_values("batch").groupby("source", sort=False)}
@@ -270,8 +264,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
                         reference_label: str = "", legend: str | None = "best") -> None:
-    """One deployment's ``metric`` (``tok_s`` | ``usd_per_m_tokens``) vs batch per path, shaded where the KV cache fits
-    only if the runtime takes little, or never."""
+    """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
     for path, group in rows.groupby("path", sort=False):
         group = group.sort_values("batch")
         _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])

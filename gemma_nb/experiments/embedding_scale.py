@@ -1,8 +1,6 @@
 """Notebook 06 (embedding scale): three host paths for the same lookup (``HOST_PATHS``: the story's unscaled
 one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's own embedding."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 
@@ -129,8 +127,7 @@ COMPARE_COLUMNS = ["path", "dtype", "greedy", "greedy_match", "first_divergent_s
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
                        steps: int = 8, facts=None, batches=None) -> pd.DataFrame:
-    """The reference (``model`` on ``input_ids``), then each of HOST_PATHS: greedy continuation of ``prompt``,
-    fact recall, logit agreement and embedding differences (``COMPARE_COLUMNS``)."""
+    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
     facts = list(FACTS if facts is None else facts)
     batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts]) if batches is None else batches
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)

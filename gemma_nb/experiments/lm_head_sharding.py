@@ -1,8 +1,6 @@
 """Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
 (shards aligned to ``align_rows``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import functools
@@ -112,13 +110,13 @@ class VocabParallelLMHead(nn.Module):
 
     @classmethod
     def from_rows(cls, rows_fn: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int, tp: int,
-                  rank: int) -> VocabParallelLMHead:
+                  rank: int) -> "VocabParallelLMHead":
         """Rank ``rank``'s shard, reading only its own rows through ``rows_fn(a, b)``."""
         shard = vocab_shard(vocab_size, tp, rank)
         return cls(*quantize_rows(rows_fn, shard.start, shard.stop, hidden_size, out_rows=shard.rows_per_rank), shard)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> VocabParallelLMHead:
+    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
         """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
         assert weight.dim() == 2, weight.shape
         weight = weight.detach()
@@ -191,8 +189,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden_size: int,
                   hidden: torch.Tensor, repeats: int = 5, std: float = 0.02) -> dict:
-    """One rank at the real size: the replicated bf16 head, then this rank's int8 shard of its own seeded rows
-    (bytes, RSS growth, ms per token of each; the gathered logits of ``hidden``)."""
+    """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows (bytes, RSS, ms, logits)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
         replicated = seeded_table(seed, vocab_size, hidden_size, std=std)

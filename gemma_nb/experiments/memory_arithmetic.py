@@ -1,8 +1,6 @@
 """Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner (``gemma_nb.memory``),
 its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -90,10 +88,8 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, in
 
 
 ALLOWANCE_ROWS = {
-    "budget_gb": "HBM per core",
-    "failing_static_gb": "int8_experts: weights + KV cache",
-    "fitting_static_gb": "int8_squeeze: weights + KV cache",
-    "min_to_fail_gb": "int8_experts fails above this runtime allowance",
+    "budget_gb": "HBM per core", "failing_static_gb": "int8_experts: weights + KV cache",
+    "fitting_static_gb": "int8_squeeze: weights + KV cache", "min_to_fail_gb": "int8_experts fails above this runtime allowance",
     "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
     "allowance_if_short_by_gb": "runtime allowance for int8_experts to be short by {short_by}",
     "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance",

@@ -1,8 +1,6 @@
 """Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps) against the naive
 one (the whole model on the host), each run by :func:`main` in a fresh process for peak RSS and cold start."""
 
-from __future__ import annotations
-
 import functools
 import json
 import os
@@ -77,47 +75,41 @@ def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> 
                                                     trust_remote_code=False).eval()
 
 
-@torch.inference_mode()
-def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt: torch.Tensor,
-                   steps: int = 12, warmup: int = 2) -> dict:
-    """Median ms per decode step, exported program vs the model's own forward, timed in alternation after ``warmup``."""
-    exported = export.exported_runner(model, programs, shapes)
-    prompt_len = prompt.shape[1]
-    assert prompt_len <= shapes.prefill_len and prompt_len + steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
-    kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
-    padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
-    padded[:, :prompt_len] = prompt
-    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
-    exported_token = logits.argmax(-1, keepdim=True)
-    cache = DynamicCache(config=model.config)
-    eager_token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    exported_s, eager_s = [], []
-    for step in range(steps + warmup):
-        start = time.perf_counter()
-        logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
-                                 torch.tensor([prompt_len + step]), torch.tensor([0]))
-        exported_token = logits.argmax(-1, keepdim=True)
-        exported_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        eager_s.append(time.perf_counter() - start)
-    exported_ms, eager_ms = statistics.median(exported_s[warmup:]) * 1e3, statistics.median(eager_s[warmup:]) * 1e3
-    return {"exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms, "exported_over_eager": exported_ms / eager_ms}
-
-
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
-                       shapes: Mapping | None = None, latency_steps: int = 12) -> dict:
-    """Load, squeeze, decode the reference eagerly, compile into ``folder``, time exported vs eager decode."""
-    step_shapes = export.StepShapes(**(shapes or {}))
+                       shapes: Mapping | None = None, latency_steps: int = 12, warmup: int = 2) -> dict:
+    """Load, squeeze, decode the reference eagerly, compile into ``folder``; then the median ms per decode step of the
+    exported program and of the model's own forward, timed in alternation after ``warmup`` steps."""
+    shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
     export.set_traceable_experts(model)
-    ids = torch.tensor([prompt])
-    reference = greedy_generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
-    report = export.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
+    ids, prompt_len = torch.tensor([prompt]), len(prompt)
+    reference = greedy_generate(model, ids, max_new_tokens)[0, prompt_len:].tolist()
+    report = export.compile_model(model, folder, shapes, scheme=SQUEEZE,
                                   reference_tokens={"prompt": list(prompt), "tokens": reference})
-    latency = decode_latency(model, report.programs, step_shapes, ids, steps=latency_steps)
-    return {**report.as_dict(), **latency, "reference_tokens": reference}
+    assert prompt_len <= shapes.prefill_len and prompt_len + latency_steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
+    with torch.inference_mode():
+        exported = export.exported_runner(model, report.programs, shapes)
+        kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
+        padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
+        padded[:, :prompt_len] = ids
+        logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
+        exported_token = logits.argmax(-1, keepdim=True)
+        cache = DynamicCache(config=model.config)
+        eager_token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        exported_s, eager_s = [], []
+        for step in range(latency_steps + warmup):
+            start = time.perf_counter()
+            logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
+                                     torch.tensor([prompt_len + step]), torch.tensor([0]))
+            exported_token = logits.argmax(-1, keepdim=True)
+            exported_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            eager_s.append(time.perf_counter() - start)
+    exported_ms, eager_ms = statistics.median(exported_s[warmup:]) * 1e3, statistics.median(eager_s[warmup:]) * 1e3
+    return {**report.as_dict(), "exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms,
+            "exported_over_eager": exported_ms / eager_ms, "reference_tokens": reference}
 
 
 class SlimDeploy:

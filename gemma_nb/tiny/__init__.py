@@ -1,8 +1,6 @@
 """The bundled tiny Gemma-4 MoE checkpoints (the 26B-A4B's architecture at toy size, trained on ``corpus``),
 and random Gemma-4 models of any size up to one full 26B layer (notebooks 04, 05, 07)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +48,7 @@ ARCHITECTURE: dict[str, Any] = dict(
 
 DEFAULT_RANDOM_VOCAB = 2048
 _GLOBAL_ATTENTION_KEYS = ("global_head_dim", "num_global_key_value_heads")  # popped by Gemma4TextConfig.__post_init__
-_POSITIVE_INTS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "global_head_dim", "num_global_key_value_heads", "num_experts", "top_k_experts", "moe_intermediate_size",
-    "sliding_window", "max_position_embeddings",
-)
+_POSITIVE_INTS = ("vocab_size", *TINY_DIMS)  # the dimensions, all positive integers
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

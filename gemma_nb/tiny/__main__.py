@@ -1,7 +1,5 @@
 """``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``: train a checkpoint."""
 
-from __future__ import annotations
-
 import argparse
 from pathlib import Path
 

@@ -1,7 +1,5 @@
 """The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its word-level tokenizer."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors

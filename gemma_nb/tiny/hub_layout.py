@@ -1,8 +1,6 @@
 """A checkpoint folder re-laid out as the hub stores Gemma-4-26B-A4B-it (multimodal config, prefixed names,
 sharded files), weights unchanged: the TP=2 checkpoint is stored so, for the 26B's own loader."""
 
-from __future__ import annotations
-
 import json
 import shutil
 from pathlib import Path
@@ -14,8 +12,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
-    """Write ``source`` (one ``model.safetensors``) into ``target`` (may be ``source``) in the hub's layout, other
-    files copied; returns the index."""
+    """Write ``source``'s ``model.safetensors`` into ``target`` (may be ``source``) as the hub lays it out; returns the index."""
     source, target = Path(source), Path(target)
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
         assert all(key.startswith("model.") for key in handle.keys()), "tensors not under model."

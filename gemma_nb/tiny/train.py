@@ -1,8 +1,6 @@
 """Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall;
 deterministic for a fixed seed on one thread (a rerun reproduces model.safetensors byte for byte)."""
 
-from __future__ import annotations
-
 import json
 import math
 import shlex
