@@ -242,9 +242,7 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
     rows.append({"state": "after", **host})
     rows += [{"state": "after", "holder": f"rank {r['rank']}", "copy": f"lm_head rows [{r['start']}, {r['stop']})",
               "dtype": "int8 + fp32 scale", "bytes": r["shard_bytes"]} for r in results]
-    table = pd.DataFrame(rows)
-    table["gb"] = table["bytes"] / 1e9
-    return table
+    return pd.DataFrame(rows).assign(gb=lambda table: table["bytes"] / 1e9)
 
 
 def plot_bytes_per_holder(table, claims=None):

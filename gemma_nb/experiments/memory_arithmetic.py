@@ -54,18 +54,15 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, i
     bf16, int8_experts, squeeze = (plan(config, tp, scheme, context_len) for scheme in ("bf16", "int8_experts", "int8_squeeze"))
     experts_int8 = int8_experts.bytes("experts")
     return {
-        "total_params_b": summary["total_params"] / 1e9,
-        "active_params_b": summary["active_params"] / 1e9,
+        "total_params_b": summary["total_params"] / 1e9, "active_params_b": summary["active_params"] / 1e9,
         "active_params_port_card_b": summary["active_params_excl_embeddings"] / 1e9,
         "experts_bf16_gb": tensor_bytes(summary["experts_params"], "bf16") / GB,
         "experts_share_pct": summary["experts_share_non_embedding_pct"],
         "experts_share_all_weights_pct": summary["experts_share_pct"],
-        "experts_bf16_gb_per_rank": bf16.gb("experts"),
-        "experts_int8_gb_per_rank": experts_int8 / GB,
+        "experts_bf16_gb_per_rank": bf16.gb("experts"), "experts_int8_gb_per_rank": experts_int8 / GB,
         "int8_experts_gap_gb": (int8_experts.total_bytes - get_instance(instance).budget_bytes("story")) / GB,
         "int8_experts_non_expert_gb": (int8_experts.total_bytes - experts_int8) / GB,
-        "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"),
-        "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
+        "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"), "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
         "lm_head_released_gb_per_rank": (int8_experts.bytes("lm_head") - squeeze.bytes("lm_head")) / GB,
         "shared_mlp_int8_saving_gb_per_rank": (int8_experts.bytes("shared_mlp") - squeeze.bytes("shared_mlp")) / GB,
         "final_residency_gb_per_rank": (squeeze.total_bytes - squeeze.bytes("runtime_allowance")) / GB,

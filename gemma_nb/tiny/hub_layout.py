@@ -28,8 +28,7 @@ def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> 
     weight_map = {name: files[i * shards // len(names)] for i, name in enumerate(names)}
     for file in files:
         save_file({k: tensors[k].contiguous() for k in names if weight_map[k] == file}, str(target / file), metadata)
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
     (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
               "text_config": text_config, "transformers_version": text_config.get("transformers_version")}
