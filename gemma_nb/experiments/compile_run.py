@@ -1,9 +1,6 @@
 """What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
 exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
-"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line.
-"""
-
-from __future__ import annotations
+"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line."""
 
 import json
 import os
@@ -12,6 +9,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -31,49 +29,28 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E40
 
 TINY_IMPORT_S = time.perf_counter() - _start   # what a sweep point's import_s reports (a fresh process)
 
-# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
-# four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
-# grows, the parameters barely), so time can be split into a per-layer and a per-byte part.
-_SMALL = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-              global_head_dim=128, num_global_key_value_heads=1, num_experts=16, top_k_experts=2,
-              moe_intermediate_size=128, vocab_size=8192)
-SWEEP_POINTS: dict[str, dict] = {
-    "w256_l2": {**_SMALL, "num_hidden_layers": 2},
-    "w256_l6": {**_SMALL, "num_hidden_layers": 6},
-    "w1024_l2": dict(hidden_size=1024, intermediate_size=1152, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                     global_head_dim=256, num_global_key_value_heads=2, num_experts=64, top_k_experts=4,
-                     moe_intermediate_size=384, vocab_size=32768, num_hidden_layers=2),
-    "w1536_l2": dict(hidden_size=1536, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                     global_head_dim=256, num_global_key_value_heads=2, num_experts=96, top_k_experts=8,
-                     moe_intermediate_size=512, vocab_size=32768, num_hidden_layers=2),
-    "w512_l2": dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                    global_head_dim=128, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
-                    moe_intermediate_size=256, vocab_size=16384, num_hidden_layers=2),
-}
-
-
-def sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None, seed: int = 0,
-                dtype: str = "bfloat16") -> dict:
-    """Build a random-weight Gemma-4 of ``dims`` and compile it into ``folder``, in a fresh process
-    (``measure_sweep_point``); ``held_rss_bytes``: the RSS with the model built, before the export."""
-    start = time.perf_counter()
-    model = random_gemma4_model(random_gemma4_config(**dims), seed=seed, dtype=getattr(torch, dtype))
-    build_s = time.perf_counter() - start
-    held = psutil.Process().memory_info().rss
-    report = compile_model(model, folder, StepShapes(**(shapes or {})))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s,
-            "held_rss_bytes": held, "weight_bytes": weight_bytes, **report.as_dict()}
+# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled): four widths at two
+# layers (parameters grow ~70x) and the smallest width at 6 layers (the graph grows, the parameters barely), so time
+# can be split into a per-layer and a per-byte part.
+_SWEEP_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                 "num_global_key_value_heads", "num_experts", "top_k_experts", "moe_intermediate_size", "vocab_size",
+                 "num_hidden_layers")
+SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name, values in {
+    "w256_l2": (256, 384, 4, 2, 64, 128, 1, 16, 2, 128, 8192, 2),
+    "w256_l6": (256, 384, 4, 2, 64, 128, 1, 16, 2, 128, 8192, 6),
+    "w1024_l2": (1024, 1152, 8, 4, 128, 256, 2, 64, 4, 384, 32768, 2),
+    "w1536_l2": (1536, 1536, 16, 8, 128, 256, 2, 96, 8, 512, 32768, 2),
+    "w512_l2": (512, 768, 8, 4, 64, 128, 1, 32, 4, 256, 16384, 2),
+}.items()}
 
 
 def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
                         interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
-    """Run ``sweep_point`` in a fresh Python, sampling the RSS of that process and its children."""
+    """Compile a random Gemma-4 of ``dims`` into ``folder`` in a fresh Python (``main``) under the RSS sampler."""
     job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
     run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=interval_s,
                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
-    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes,
-            "wall_s": run.wall_s}
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes, "wall_s": run.wall_s}
 
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
@@ -85,20 +62,17 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Map
         result = measure_sweep_point(dims, target, shapes)
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
-        rows.append({
-            "point": name, "params": result["params"], "layers": result["layers"],
-            "weight_gb": result["weight_bytes"] / 1e9, "held_rss_gb": result["held_rss_bytes"] / 1e9,
-            "peak_rss_gb": result["peak_rss_bytes"] / 1e9, "peak_hwm_gb": result["peak_hwm_bytes"] / 1e9,
-            "export_s": result["export_s"], "save_s": result["save_s"],
-            "compile_s": result["export_s"] + result["save_s"], "build_s": result["build_s"], "wall_s": result["wall_s"],
-        })
+        rows.append({"point": name, "params": result["params"], "layers": result["layers"],
+                     **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
+                     "export_s": result["export_s"], "save_s": result["save_s"],
+                     "compile_s": result["export_s"] + result["save_s"],
+                     "build_s": result["build_s"], "wall_s": result["wall_s"]})
     return pd.DataFrame(rows).set_index("point")
 
 
 def fit_linear(x, y) -> dict:
     """Least-squares ``y = intercept + slope * x``; returns slope, intercept and r^2."""
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.size < 2:
         raise ValueError(f"need at least 2 points to fit a line, got {x.size}")
     slope, intercept = np.polyfit(x, y, 1)
@@ -112,8 +86,7 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
     """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)
-    columns = [np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names]
-    design = np.stack(columns, axis=1)
+    design = np.stack([np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names], axis=1)
     if design.shape[0] < design.shape[1]:
         raise ValueError(f"need at least {design.shape[1]} points to fit {len(names)} features, got {design.shape[0]}")
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
@@ -124,12 +97,9 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
 
 
 def growth_fits(sweep) -> dict:
-    """The sweep's growth laws: peak RSS (GB) linear in parameters; compile seconds linear in layers
-    and weight GB (exporting a graph costs per layer; writing weights costs per byte)."""
-    return {
-        "rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
-        "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"]),
-    }
+    """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and weight GB (writing)."""
+    return {"rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
+            "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
 
 
 def fits_table(fits: Mapping):
@@ -152,8 +122,7 @@ def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> di
 
 
 def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
-    """Measured points and fitted lines: peak RSS and compile time against parameters (millions); the time
-    lines are the fit at each layer count of the sweep, weights at 2 bytes per parameter (bf16)."""
+    """Peak RSS and compile time vs parameters (millions), measured and fitted (time: per layer count, bf16 weights)."""
     params = np.linspace(0, sweep["params"].max() * 1.05, 50)
     rss, cost = fits["rss"], fits["time"]
     for layers, group in sweep.groupby("layers"):
@@ -165,9 +134,7 @@ def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
                 label=f"fit: {rss['intercept']:.2f} GB + {rss['slope'] * 1e9:.2f} bytes/param")
     for ax, label, top in ((ax_rss, "peak host RSS (GB)", sweep["peak_rss_gb"].max()),
                            (ax_time, "export + save (s)", sweep["compile_s"].max())):
-        ax.set_xlabel("parameters (millions)")
-        ax.set_ylabel(label)
-        ax.set_ylim(0, 1.8 * top)   # room above the data for the legend
+        ax.set(xlabel="parameters (millions)", ylabel=label, ylim=(0, 1.8 * top))   # room above the data for the legend
         ax.legend(loc="upper left", fontsize=9)
 
 
@@ -178,15 +145,13 @@ def greedy_equality(reference: nn.Module, runner: StepRunner, tokenizer, prompts
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         eager = greedy_generate(reference, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
         exported = runner.generate(ids, max_new_tokens)[0, ids.shape[1]:].tolist()
-        same = sum(a == b for a, b in zip(eager, exported))
         rows.append({"prompt": prompt, "continuation": tokenizer.decode(exported[:8]),
-                     "tokens_equal": f"{same}/{len(eager)}", "match": eager == exported})
+                     "tokens_equal": f"{sum(a == b for a, b in zip(eager, exported))}/{len(eager)}", "match": eager == exported})
     return pd.DataFrame(rows)
 
 
 def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0):
-    """Which inf2 instance holds each peak host memory (label -> GB), with and without swap, and what
-    each compile (label -> hours) costs on it."""
+    """Per inf2 instance: holds each peak host GB (label -> GB), with and without swap; $ of each compile (label -> hours)."""
     rows = []
     for inst in INSTANCES.values():
         row = {"instance": inst.name, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": inst.usd_per_hour}
@@ -201,39 +166,24 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
 
 def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                                max_cache_len: int = 128) -> list[int]:
-    """New tokens from transformers' own export recipe and its ``generate``, whose loop feeds each
-    generated token one position too far (``off_by_one_table``)."""
+    """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one position too far)."""
     set_traceable_experts(model)
     saved = model.generation_config
-    model.generation_config = GenerationConfig(
-        use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
-    )
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
+                                               cache_config={"batch_size": 1, "max_cache_len": max_cache_len})
     try:
         program = convert_and_export_with_cache(model, strict=False)
     finally:
         model.generation_config = saved
-    out = TorchExportableModuleWithStaticCache.generate(_UnliftOnce(program), input_ids, max_new_tokens)
+    module = program.module()   # unlifted once, not per token as transformers' generate would
+    unlifted = SimpleNamespace(module=lambda: module, named_buffers=program.named_buffers)
+    out = TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)
     return out[0, input_ids.shape[1]:].tolist()
-
-
-class _UnliftOnce:
-    """An exported program whose ``module()`` is built once, not per token by transformers' ``generate``."""
-
-    def __init__(self, program):
-        self.program = program
-        self._module = program.module()
-
-    def module(self):
-        return self._module
-
-    def named_buffers(self):
-        return self.program.named_buffers()
 
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
                      runners: Mapping[str, StepRunner] | None = None):
-    """Per model: greedy tokens equal to eager decoding from transformers' export recipe and from
-    ``export_steps`` (``runners``: steps already exported for some models)."""
+    """Per model: greedy tokens equal to eager from transformers' recipe and from ``export_steps`` (``runners``: exported)."""
     prompt = input_ids.shape[1]
     shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
     rows = []
@@ -249,10 +199,16 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
-    """One sweep point (``dims``, ``folder``, ``shapes``); prints its JSON as the last stdout line."""
+    """One sweep point (JSON ``dims``, ``folder``, ``shapes``); prints its measurements as JSON on the last stdout line."""
     job = json.loads(argv[0])
-    result = sweep_point(job["dims"], job["folder"], job.get("shapes"))
-    result["self_peak_rss_bytes"] = self_peak_rss_bytes()
+    start = time.perf_counter()
+    model = random_gemma4_model(random_gemma4_config(**job["dims"]), seed=0, dtype=torch.bfloat16)
+    build_s = time.perf_counter() - start
+    held = psutil.Process().memory_info().rss
+    report = compile_model(model, job["folder"], StepShapes(**(job.get("shapes") or {})))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    result = {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s, "held_rss_bytes": held,
+              "weight_bytes": weight_bytes, **report.as_dict(), "self_peak_rss_bytes": self_peak_rss_bytes()}
     print(json.dumps(result), flush=True)
 
 

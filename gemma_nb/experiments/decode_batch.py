@@ -1,8 +1,5 @@
 """Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed uniformly
-or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted.
-"""
-
-from __future__ import annotations
+or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,17 +17,12 @@ SOURCES = ("uniform", "real")
 
 @dataclass(frozen=True)
 class RealRouting:
-    """The router's choices for decode-step tokens: ``index [N, L, K]`` expert ids per layer,
-    ``weights [N, L, K]``, ``prompt [N]`` which prompt each token continues; ``num_experts`` per layer."""
+    """Decode-step tokens' routing: ``index``/``weights [N, L, K]``, ``prompt [N]`` (which prompt each continues)."""
 
     index: torch.Tensor
     weights: torch.Tensor
     prompt: torch.Tensor
     num_experts: int
-
-    @property
-    def layers(self) -> int:
-        return self.index.shape[1]
 
     def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         """Row numbers of ``batch`` tokens from ``batch`` different prompts (B streams, one token each)."""
@@ -44,8 +36,7 @@ class RealRouting:
 
 @torch.inference_mode()
 def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: int = 3) -> RealRouting:
-    """Greedy-decode ``new_tokens`` after each prompt (one batch per prompt length), then record the
-    experts every layer's router picks for each generated token fed back."""
+    """Every layer's router choices for ``new_tokens`` greedy tokens fed back after each prompt (batched by length)."""
     found = moe.experts_modules(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no routed experts to record")
@@ -73,17 +64,17 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
 
 
 def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``rows`` as routings of one ``num_experts``-expert, top-``top_k`` layer: id = layer x E_tiny
-    + expert, weights over the layer count (they sum to 1 again)."""
-    if real.layers * real.num_experts != num_experts or real.layers * real.index.shape[2] != top_k:
-        raise ValueError(f"{real.layers} layers x {real.num_experts} experts, top-{real.index.shape[2]}, do not make one "
+    """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights / layers (sum to 1)."""
+    layers, tiny_k = real.index.shape[1:]
+    if layers * real.num_experts != num_experts or layers * tiny_k != top_k:
+        raise ValueError(f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one "
                          f"{num_experts}-expert top-{top_k} layer; route the bundled checkpoint (4 x 32, top-2)")
-    offset = (torch.arange(real.layers) * real.num_experts)[None, :, None]
+    offset = (torch.arange(layers) * real.num_experts)[None, :, None]
     index = (real.index[rows] + offset).reshape(len(rows), top_k)
-    return index.long(), (real.weights[rows] / real.layers).reshape(len(rows), top_k)
+    return index.long(), (real.weights[rows] / layers).reshape(len(rows), top_k)
 
 
-def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
     """``count`` routings of ``batch`` tokens, each token's top-k uniformly at random (``moe.random_routing``)."""
     return [moe.random_routing(batch, num_experts, top_k, seed=seed * 10_000 + batch * 100 + i) for i in range(count)]
 
@@ -96,8 +87,7 @@ def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top
 
 
 def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: int = 200, seed: int = 0) -> pd.DataFrame:
-    """Distinct experts per layer for B tokens, at the checkpoint's size and on the 26B layer's ids: the
-    uniform formula, the mean of ``draws`` uniform routings, and of ``draws`` real ones."""
+    """Distinct experts per layer for B tokens (and on the 26B layer's ids): formula, ``draws`` uniform and real routings."""
     experts, top_k = real.num_experts, real.index.shape[2]
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -111,31 +101,24 @@ def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: i
                      "real_vs_uniform": float(torch.stack(real_counts).mean()) / formula})
     table = pd.DataFrame(rows).set_index("batch")
     for column in ("formula", "uniform", "real"):
-        table[f"{column}_full_size"] = table[column] * real.layers
+        table[f"{column}_full_size"] = table[column] * real.index.shape[1]
     return table
 
 
 def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``index [B, L, K]`` -> distinct experts per layer ``[L]`` (float)."""
     hit = torch.zeros(index.shape[1], num_experts, dtype=torch.bool)
-    hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True)
-    return hit.sum(dim=1).float()
-
-
-def steps_at(batch: int, steps_at_batch_1: int) -> int:
-    """Timed steps at ``batch``: ``steps_at_batch_1 // batch``, at least 1 (a dense step at B = 64 takes seconds)."""
-    return max(1, steps_at_batch_1 // batch)
+    return hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True).sum(dim=1).float()
 
 
 def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
                      hidden_size: int, batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8,
                      dense_sources: Sequence[str] = ("uniform",), device: str = "cpu", seed: int = 0) -> pd.DataFrame:
-    """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch for each routing
-    source (``fn(batch, count)``), with the expert weight sets read; dense layers only under
-    ``dense_sources`` (routing does not change their work)."""
+    """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch (``steps_at_batch_1 // batch`` steps)
+    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense only under ``dense_sources``."""
     rows = []
     for batch in batches[:2] if bench.smoke_timing() else batches:
-        steps = steps_at(batch, steps_at_batch_1)
+        steps = max(1, steps_at_batch_1 // batch)   # a dense step at B = 64 takes seconds
         warmup = 1 if steps > 1 else 0
         x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(seed + batch)).to(torch.bfloat16).to(device)
         by_source = {source: make(batch, steps + warmup) for source, make in routes.items()}
@@ -146,8 +129,10 @@ def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str,
                     continue
                 key = f"{name} | {source}"
                 candidates[key] = bench.layer_steps({key: module}, x, [(i.to(device), w.to(device)) for i, w in chosen])[key]
-                read[key] = (_experts_read(module, chosen[warmup:]),
-                             sum(index.unique().numel() for index, _ in chosen[warmup:]) / steps)
+                timed = chosen[warmup:]
+                read[key] = (sum(module.experts_read(index) for index, _ in timed) / len(timed)
+                             if hasattr(module, "experts_read") else float(module.num_experts),
+                             sum(index.unique().numel() for index, _ in timed) / steps)
         timings = bench.time_steps(candidates, steps=steps, repeats=1, warmup=warmup, device=device)
         for key in candidates:
             name, source = key.split(" | ")
@@ -157,24 +142,16 @@ def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str,
     return pd.DataFrame(rows)
 
 
-def _experts_read(module, chosen) -> float:
-    """Mean expert weight sets the module reads per step over the timed routings."""
-    if hasattr(module, "experts_read"):
-        return sum(module.experts_read(index) for index, _ in chosen) / len(chosen)
-    return float(module.num_experts)
-
-
 def batch_table(sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_bytes_s: float) -> pd.DataFrame:
-    """Per routing source, dtype and batch, dense and sparse: experts and bytes read (``expert_bytes``:
-    dtype -> one expert's), p50, bandwidth floor, tokens/s; dense untimed under a source reuses uniform."""
+    """Per source, dtype and batch, dense and sparse: experts and bytes read (``expert_bytes``: dtype -> one
+    expert's), p50, bandwidth floor, tokens/s; dense untimed under a source reuses uniform's."""
     rows = []
     for (source, dtype, batch), group in sweep.groupby(["source", "dtype", "batch"], sort=False):
         by_path = group.set_index("path")
         if "dense" not in by_path.index:
             uniform = sweep[(sweep["source"] == "uniform") & (sweep["dtype"] == dtype) & (sweep["batch"] == batch)]
             by_path = pd.concat([by_path, uniform.set_index("path").loc[["dense"]]])
-        row = {"source": source, "dtype": dtype, "batch": batch,
-               "distinct_experts": by_path.loc["sparse", "distinct_experts"]}
+        row = {"source": source, "dtype": dtype, "batch": batch, "distinct_experts": by_path.loc["sparse", "distinct_experts"]}
         for path in ("dense", "sparse"):
             read, p50 = by_path.loc[path, "experts_read"], by_path.loc[path, "p50_ms"]
             nbytes = read * expert_bytes[dtype]
@@ -187,13 +164,11 @@ def batch_table(sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_
 
 
 def first_batch(batches: Sequence[int], condition: Sequence[bool]) -> int | None:
-    """The first batch where ``condition`` holds, or ``None``."""
     return next((b for b, ok in zip(batches, condition) if ok), None)
 
 
 def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
-    """The first B where dense is no slower than sparse: measured per dtype and source, predicted from
-    bytes for this sparse path and for NxD's selective loading, and where NxD's rule switches."""
+    """The first B where dense is no slower than sparse: measured (dtype, source), predicted from bytes, and NxD's rule."""
     batches = sorted(table["batch"].unique().tolist())
     measured = {dtype: {source: first_batch(group["batch"].tolist(), (group["dense_p50_ms"] <= group["sparse_p50_ms"]).tolist())
                         for source, group in by_dtype.sort_values("batch").groupby("source", sort=False)}
@@ -221,8 +196,7 @@ def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
         ratios = table[(table["source"] == "uniform") & (table["dtype"] == dtype)].set_index("batch")["sparse_vs_dense_x"]
         rows.append((f"sparse's lead over dense ({dtype}), B = {ratios.index[0]} -> {ratios.index[-1]}",
                      f"{ratios.iloc[0]:.1f}x -> {ratios.iloc[-1]:.1f}x", "dense p50 / sparse p50, uniform routing"))
-    dense = table[(table["source"] == "uniform")].groupby("dtype")
-    for dtype, group in dense:
+    for dtype, group in table[table["source"] == "uniform"].groupby("dtype"):
         group = group.set_index("batch")
         rows.append((f"dense {dtype} step, B = {group.index[-1]} vs B = {group.index[0]}",
                      f"{group['dense_p50_ms'].iloc[-1] / group['dense_p50_ms'].iloc[0]:.1f}x",
@@ -250,7 +224,7 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
 
 
 def _batch_axis(ax, batches, label: str) -> None:
-    """A log-2 batch axis labelled 1, 2, 4, ... rather than 2^0, 2^1, ..."""
+    """A log-2 batch axis labelled 1, 2, 4, ..."""
     ax.set_xscale("log", base=2)
     ticks = sorted({int(b) for b in batches})
     ax.set_xticks(ticks, [str(b) for b in ticks])
@@ -268,8 +242,7 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     _ = ax.plot(distinct.index, distinct["real_full_size"], "s-", color="#de8f05", label="bundled checkpoint's router")
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
     _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
-    ax.set_ylabel(f"distinct experts per layer (of {num_experts})")
-    ax.set_ylim(0, 1.4 * num_experts)   # room above the ceiling for the legend
+    ax.set(ylabel=f"distinct experts per layer (of {num_experts})", ylim=(0, 1.4 * num_experts))   # room for the legend
     ax.legend(loc="upper left", fontsize=8)
 
 
@@ -283,8 +256,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
         _ = ax.plot(group["batch"], group[f"{path}_tok_s"], "o-", color=color, label=f"{path} {dtype}, measured")
         _ = ax.plot(group["batch"], 1000.0 * group["batch"] / group[f"{path}_floor_ms"], "--", color=color, linewidth=1)
     _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
-    ax.set_yscale("log")
-    ax.set_ylabel("layer tokens/s (log; dashed: bandwidth ceiling)")
+    ax.set(yscale="log", ylabel="layer tokens/s (log; dashed: bandwidth ceiling)")
     low, high = ax.get_ylim()
     ax.set_ylim(low, high * 30)   # a decade and more above the data for the legend
     ax.legend(loc="upper left", fontsize=8, ncols=2)
@@ -292,8 +264,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
                         reference_label: str = "", legend: str | None = "best") -> None:
-    """One deployment's ``metric`` (``tok_s`` or ``usd_per_m_tokens``) vs batch per decode path, shaded
-    where the KV cache fits only if the runtime takes little, or never."""
+    """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
     for path, group in rows.groupby("path", sort=False):
         group = group.sort_values("batch")
         _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])
@@ -307,8 +278,8 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
     if reference is not None:
         _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
     _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
-    ax.set_yscale("log")
-    ax.set_ylabel({"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
+    ax.set(yscale="log",
+           ylabel={"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
     if legend:
         ax.legend(loc=legend, fontsize=8)
 
@@ -334,8 +305,9 @@ def roofline_metrics(summary: pd.DataFrame) -> dict:
     out = {}
     for deployment, rows in summary.groupby("deployment", sort=False):
         first = rows.iloc[0]
-        out[deployment] = {key: (None if pd.isna(first[key]) else int(first[key])) if key.startswith("largest") else float(first[key])
-                           for key in ("largest_batch", "largest_batch_if_low", "kv_gb_per_stream", "runtime_allowance_gb")}
+        out[deployment] = {key: None if pd.isna(first[key]) else int(first[key])
+                           for key in ("largest_batch", "largest_batch_if_low")}
+        out[deployment].update({key: float(first[key]) for key in ("kv_gb_per_stream", "runtime_allowance_gb")})
         out[deployment]["paths"] = {row["path"]: {key: (None if pd.isna(row[key]) else float(row[key]))
                                                   for key in row.index if key.startswith(("tok_s", "usd_per_m"))}
                                     for _, row in rows.iterrows()}

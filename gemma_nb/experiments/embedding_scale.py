@@ -1,8 +1,6 @@
 """Notebook 06 (embedding scale): three host paths for the same lookup (``HOST_PATHS``: the story's unscaled
 one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's own embedding."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 
@@ -13,15 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb import evaluate
-from gemma_nb.embedding import (
-    EmbeddingCheckError,
-    HostEmbedding,
-    default_probe_ids,
-    dtype_name,
-    unit_in_last_place,
-    verify_host_path,
-)
+from gemma_nb import embedding, evaluate
+from gemma_nb.embedding import EmbeddingCheckError, HostEmbedding, default_probe_ids, dtype_name, unit_in_last_place
 from gemma_nb.plots import reference_line
 from gemma_nb.tiny import FACTS
 
@@ -56,11 +47,7 @@ class HostEmbeddedLM(nn.Module):
 
     def __init__(self, model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        self.model, self.host = model, host
-
-    @property
-    def config(self):
-        return self.model.config
+        self.model, self.host, self.config = model, host, model.config
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -83,8 +70,7 @@ def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dic
     exact = math.sqrt(hidden_size)
     buffer = torch.tensor(exact, dtype=torch.float32)
     cast = buffer.to(dtype)
-    ulp = unit_in_last_place(cast).item()
-    error = cast.item() - exact
+    ulp, error = unit_in_last_place(cast).item(), cast.item() - exact
     return {"hidden_size": hidden_size, "dtype": dtype_name(dtype), "sqrt_exact": exact, "scale_float32": buffer.item(),
             "scale_in_dtype": cast.item(), "ulp": ulp, "rounding_error": error, "rounding_error_ulps": error / ulp,
             "rounding_error_pct": 100.0 * error / exact}
@@ -94,8 +80,7 @@ def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch
                           probe_ids: torch.Tensor | None = None) -> dict:
     """``host(ids)`` vs ``embed_tokens(ids)`` on ``probe_ids``: % of elements differing, max ulps, max |diff|, norm ratio."""
     module = model.get_input_embeddings()
-    if probe_ids is None:
-        probe_ids = default_probe_ids(module.weight.shape[0])
+    probe_ids = default_probe_ids(module.weight.shape[0]) if probe_ids is None else probe_ids
     with torch.no_grad():
         reference = module(probe_ids.to(module.weight.device)).cpu()
         candidate = host(probe_ids).cpu()
@@ -111,7 +96,7 @@ def self_check_table(model: nn.Module) -> pd.DataFrame:
     rows = []
     for name in HOST_PATHS:
         try:
-            verify_host_path(host_path(model, name), module)
+            embedding.verify_host_path(host_path(model, name), module)
             error = None
         except EmbeddingCheckError as caught:
             error = caught
@@ -122,10 +107,9 @@ def self_check_table(model: nn.Module) -> pd.DataFrame:
 
 def _scores(model: nn.Module, name: str, reference_logits, batches) -> tuple[HostEmbeddedLM, dict]:
     """Host path ``name`` on ``model`` and its embedding differences and logit agreement over ``batches``."""
-    host = host_path(model, name)
-    candidate = HostEmbeddedLM(model, host)
+    candidate = host_path_model(model, name)
     logits = evaluate.compare_logits(reference_logits, candidate, batches)
-    return candidate, {**host_path_elementwise(model, host), "top1_agreement": logits["top1_agreement"],
+    return candidate, {**host_path_elementwise(model, candidate.host), "top1_agreement": logits["top1_agreement"],
                        "kl_mean": logits["kl_mean"], "max_logit_diff": logits["max_abs_diff"]}
 
 
@@ -143,19 +127,16 @@ COMPARE_COLUMNS = ["path", "dtype", "greedy", "greedy_match", "first_divergent_s
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
                        steps: int = 8, facts=None, batches=None) -> pd.DataFrame:
-    """The reference (``model`` on ``input_ids``), then each of HOST_PATHS: greedy continuation of ``prompt``,
-    fact recall, logit agreement and embedding differences (``COMPARE_COLUMNS``)."""
+    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
     facts = list(FACTS if facts is None else facts)
-    if batches is None:
-        batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
+    batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts]) if batches is None else batches
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
     reference_logits = evaluate.CachedLogits(model)
     prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
     reference_tokens = evaluate.greedy_generate(model, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
-    rows = [{"path": "reference (input_ids)", "dtype": dtype, "greedy": tokenizer.decode(reference_tokens),
-             "greedy_match": True, "first_divergent_step": None, "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0],
-             "top1_agreement": 1.0, "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0,
-             "max_diff_ulps": 0.0}]
+    rows = [{"path": "reference (input_ids)", "dtype": dtype, "greedy": tokenizer.decode(reference_tokens), "greedy_match": True,
+             "first_divergent_step": None, "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0], "top1_agreement": 1.0,
+             "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0, "max_diff_ulps": 0.0}]
     for name in HOST_PATHS:
         candidate, scores = _scores(model, name, reference_logits, batches)
         tokens = evaluate.greedy_generate(candidate, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()

@@ -1,8 +1,5 @@
 """Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level,
-its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``).
-"""
-
-from __future__ import annotations
+its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``)."""
 
 import pandas as pd
 
@@ -28,8 +25,7 @@ def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | No
 
 
 def summarize(requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per concurrency level: TTFT and ITL percentiles, the median decode rate one client sees,
-    and every token of the level over its wall time (``tok_s_total``)."""
+    """Per concurrency level: TTFT and ITL percentiles, one client's median decode rate, all tokens / wall (``tok_s_total``)."""
     rows = []
     for level, group in requests.groupby("concurrency", sort=True):
         gaps = [g for gaps in group["itl_ms"] for g in gaps]
@@ -41,34 +37,29 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
-    """(metrics, headline rows) for ``save_metrics``; the story's 6 tok/s is the claim only for an
-    external ``endpoint`` (the local server runs the tiny checkpoint)."""
+    """(metrics, headline rows); the story's 6 tok/s is the claim only for an external ``endpoint`` (local: tiny checkpoint)."""
     if requests is None:
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
     lowest, highest = summary.index.min(), summary.index.max()
-    metrics = {
-        "measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
-        "requests_per_level": int(summary["requests"].iloc[0]),
-        "max_tokens": int(requests["completion_tokens"].max()),
-        "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()} for c, row in summary.iterrows()},
-        "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
-        "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"]),
-    }
-    rows = [
+    metrics = {"measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
+               "requests_per_level": int(summary["requests"].iloc[0]), "max_tokens": int(requests["completion_tokens"].max()),
+               "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()}
+                                  for c, row in summary.iterrows()},
+               "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
+               "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"])}
+    return metrics, [
         headline("endpoint TTFT p50, 1 client", round(summary.loc[lowest, "ttft_ms_p50"], 1), "ms"),
         headline("endpoint ITL p50, 1 client", round(summary.loc[lowest, "itl_ms_p50"], 2), "ms"),
         headline("endpoint decode speed, 1 client", round(summary.loc[lowest, "tok_s_per_request"], 1), "tok/s",
                  claim="decode_tok_s" if endpoint else None),
-        headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s"),
-    ]
-    return metrics, rows
+        headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s")]
 
 
 def inter_token_latencies(requests: pd.DataFrame) -> pd.DataFrame:
     """Every gap between streamed tokens, long format: columns concurrency, itl_ms."""
-    rows = [(level, gap) for level, gaps in zip(requests["concurrency"], requests["itl_ms"]) for gap in gaps]
-    return pd.DataFrame(rows, columns=["concurrency", "itl_ms"])
+    return pd.DataFrame([(level, gap) for level, gaps in zip(requests["concurrency"], requests["itl_ms"]) for gap in gaps],
+                        columns=["concurrency", "itl_ms"])
 
 
 def plot_benchmark(requests: pd.DataFrame, title: str = ""):
@@ -89,5 +80,5 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, top))
     _ = ax_tok.legend(loc="upper left", fontsize=8)
     if title:
-        _ = fig.suptitle(title)
+        fig.suptitle(title)
     return fig

@@ -1,8 +1,6 @@
 """Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
 (shards aligned to ``align_rows``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import functools
@@ -62,14 +60,12 @@ def seeded_rows(seed: int, start: int, stop: int, hidden_size: int, std: float =
     (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows, never the whole fp32 table."""
     assert 0 <= start <= stop, (start, stop)
     out = torch.empty(stop - start, hidden_size, dtype=dtype)
-    block = start // SEEDED_BLOCK_ROWS
-    while block * SEEDED_BLOCK_ROWS < stop:
+    for block in range(start // SEEDED_BLOCK_ROWS, -(-stop // SEEDED_BLOCK_ROWS)):
         lo = block * SEEDED_BLOCK_ROWS
         generator = torch.Generator().manual_seed(seed * 1_000_003 + block)
         values = torch.randn(SEEDED_BLOCK_ROWS, hidden_size, generator=generator).mul_(std)
         a, b = max(lo, start), min(lo + SEEDED_BLOCK_ROWS, stop)
         out[a - start:b - start] = values[a - lo:b - lo].to(dtype)
-        block += 1
     return out
 
 
@@ -81,7 +77,7 @@ def seeded_table(seed: int, vocab_size: int, hidden_size: int, std: float = 0.02
 
 def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop: int, hidden_size: int,
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 scales of rows ``[start, stop)`` read chunk by chunk through ``rows_fn(a, b)``, padded to ``out_rows``."""
+    """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``, padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
     assert out_rows >= stop - start, (out_rows, start, stop)
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
@@ -114,13 +110,13 @@ class VocabParallelLMHead(nn.Module):
 
     @classmethod
     def from_rows(cls, rows_fn: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int, tp: int,
-                  rank: int) -> VocabParallelLMHead:
+                  rank: int) -> "VocabParallelLMHead":
         """Rank ``rank``'s shard, reading only its own rows through ``rows_fn(a, b)``."""
         shard = vocab_shard(vocab_size, tp, rank)
         return cls(*quantize_rows(rows_fn, shard.start, shard.stop, hidden_size, out_rows=shard.rows_per_rank), shard)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> VocabParallelLMHead:
+    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
         """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
         assert weight.dim() == 2, weight.shape
         weight = weight.detach()
@@ -193,8 +189,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden_size: int,
                   hidden: torch.Tensor, repeats: int = 5, std: float = 0.02) -> dict:
-    """One rank at the real size: the replicated bf16 head, then this rank's int8 shard of its own seeded rows
-    (bytes, RSS growth, ms per token of each; the gathered logits of ``hidden``)."""
+    """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows (bytes, RSS, ms, logits)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
         replicated = seeded_table(seed, vocab_size, hidden_size, std=std)
@@ -204,7 +199,6 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         bf16_ms = _median_ms(functools.partial(bf16_head_logits, token, replicated), max(1, repeats // 2))
         del replicated
         gc.collect()
-
         rss2 = _rss_bytes()
         head = VocabParallelLMHead.from_rows(lambda a, b: seeded_rows(seed, a, b, hidden_size, std=std),
                                              vocab_size, hidden_size, tp=world_size, rank=rank)
@@ -248,9 +242,7 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
     rows.append({"state": "after", **host})
     rows += [{"state": "after", "holder": f"rank {r['rank']}", "copy": f"lm_head rows [{r['start']}, {r['stop']})",
               "dtype": "int8 + fp32 scale", "bytes": r["shard_bytes"]} for r in results]
-    table = pd.DataFrame(rows)
-    table["gb"] = table["bytes"] / 1e9
-    return table
+    return pd.DataFrame(rows).assign(gb=lambda table: table["bytes"] / 1e9)
 
 
 def plot_bytes_per_holder(table, claims=None):

@@ -1,8 +1,6 @@
 """Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner (``gemma_nb.memory``),
 its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -11,15 +9,7 @@ import seaborn as sns
 
 from gemma_nb.formats import tensor_bytes
 from gemma_nb.hardware import GB, get_instance
-from gemma_nb.memory import (
-    PLAN_ROWS,
-    SHIPPED_CONTEXT_LEN,
-    Plan,
-    allowance_window,
-    kv_cache_bytes_per_token,
-    param_summary,
-    plan,
-)
+from gemma_nb.memory import PLAN_ROWS, SHIPPED_CONTEXT_LEN, Plan, allowance_window, kv_cache_bytes_per_token, param_summary, plan
 from gemma_nb.story import claim_range, get_claim
 
 
@@ -61,23 +51,18 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, i
     """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``), keyed
     by the ``gemma_nb.story`` claim it answers; ``experts_share_pct`` is of the non-embedding weights (the 93%)."""
     summary = param_summary(config)
-    bf16 = plan(config, tp, "bf16", context_len)
-    int8_experts = plan(config, tp, "int8_experts", context_len)
-    squeeze = plan(config, tp, "int8_squeeze", context_len)
+    bf16, int8_experts, squeeze = (plan(config, tp, scheme, context_len) for scheme in ("bf16", "int8_experts", "int8_squeeze"))
     experts_int8 = int8_experts.bytes("experts")
     return {
-        "total_params_b": summary["total_params"] / 1e9,
-        "active_params_b": summary["active_params"] / 1e9,
+        "total_params_b": summary["total_params"] / 1e9, "active_params_b": summary["active_params"] / 1e9,
         "active_params_port_card_b": summary["active_params_excl_embeddings"] / 1e9,
         "experts_bf16_gb": tensor_bytes(summary["experts_params"], "bf16") / GB,
         "experts_share_pct": summary["experts_share_non_embedding_pct"],
         "experts_share_all_weights_pct": summary["experts_share_pct"],
-        "experts_bf16_gb_per_rank": bf16.gb("experts"),
-        "experts_int8_gb_per_rank": experts_int8 / GB,
+        "experts_bf16_gb_per_rank": bf16.gb("experts"), "experts_int8_gb_per_rank": experts_int8 / GB,
         "int8_experts_gap_gb": (int8_experts.total_bytes - get_instance(instance).budget_bytes("story")) / GB,
         "int8_experts_non_expert_gb": (int8_experts.total_bytes - experts_int8) / GB,
-        "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"),
-        "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
+        "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"), "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
         "lm_head_released_gb_per_rank": (int8_experts.bytes("lm_head") - squeeze.bytes("lm_head")) / GB,
         "shared_mlp_int8_saving_gb_per_rank": (int8_experts.bytes("shared_mlp") - squeeze.bytes("shared_mlp")) / GB,
         "final_residency_gb_per_rank": (squeeze.total_bytes - squeeze.bytes("runtime_allowance")) / GB,
@@ -89,8 +74,7 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, i
 
 def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge"):
     """The write-up's "~3-4 GB short" read three ways for the int8-experts build: GB per rank, inside the claim?"""
-    failing = plan(config, tp, "int8_experts", context_len)
-    host = get_instance(instance)
+    failing, host = plan(config, tp, "int8_experts", context_len), get_instance(instance)
     rows = [
         ("what the build holds in HBM per rank besides its experts", (failing.total_bytes - failing.bytes("experts")) / GB),
         ("how far the build overflows the story's 16 GB core", (failing.total_bytes - host.budget_bytes("story")) / GB),
@@ -101,10 +85,8 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, in
 
 
 ALLOWANCE_ROWS = {
-    "budget_gb": "HBM per core",
-    "failing_static_gb": "int8_experts: weights + KV cache",
-    "fitting_static_gb": "int8_squeeze: weights + KV cache",
-    "min_to_fail_gb": "int8_experts fails above this runtime allowance",
+    "budget_gb": "HBM per core", "failing_static_gb": "int8_experts: weights + KV cache",
+    "fitting_static_gb": "int8_squeeze: weights + KV cache", "min_to_fail_gb": "int8_experts fails above this runtime allowance",
     "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
     "allowance_if_short_by_gb": "runtime allowance for int8_experts to be short by {short_by}",
     "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance",
@@ -115,15 +97,12 @@ def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
                     words: bool = True):
     """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the claim's middle;
     rows in words (``ALLOWANCE_ROWS``), or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
-    host = get_instance(instance)
-    claim = get_claim("int8_experts_gap_gb")
-    short_by = int(claim.value * GB)
+    host, claim = get_instance(instance), get_claim("int8_experts_gap_gb")
     budgets = {"story": "16 GB core (the story)", "spec": "16 GiB core (AWS)"}
     columns = {(label if words else name): host.budget_bytes(name) for name, label in budgets.items()}
-    table = pd.DataFrame({
-        label: {k.replace("_bytes", "_gb"): v / GB for k, v in
-                allowance_window(config, "int8_experts", "int8_squeeze", tp, context_len, budget_bytes=budget,
-                                 short_by_bytes=short_by).items()}
-        for label, budget in columns.items()})
+    windows = {label: allowance_window(config, "int8_experts", "int8_squeeze", tp, context_len, budget_bytes=budget,
+                                       short_by_bytes=int(claim.value * GB)) for label, budget in columns.items()}
+    table = pd.DataFrame({label: {k.replace("_bytes", "_gb"): v / GB for k, v in window.items()}
+                          for label, window in windows.items()})
     rows = {key: text.format(short_by=f"{claim.value:g} GB") for key, text in ALLOWANCE_ROWS.items()}
     return table.rename(index=rows) if words else table

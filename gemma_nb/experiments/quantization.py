@@ -1,8 +1,6 @@
 """Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the float model
 (logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and the Pareto plot."""
 
-from __future__ import annotations
-
 import copy
 import math
 
@@ -19,13 +17,10 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(token_lists):
-        by_length.setdefault(len(ids), []).append(i)
-    for length, indices in sorted(by_length.items()):
+    for length in sorted({len(ids) for ids in token_lists}):
+        indices = [i for i, ids in enumerate(token_lists) if len(ids) == length]
         batch = torch.tensor([token_lists[i] for i in indices])
-        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)
-        generated = generated[:, length:].tolist()
+        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)[:, length:].tolist()
         for i, row in zip(indices, generated):
             out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
     return out
@@ -33,11 +28,10 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
 
 def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
     """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both texts."""
-    rows = []
-    for prompt, ref, cand in zip(prompts, reference_tokens, candidate_tokens):
-        first = next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
-        rows.append({"prompt": prompt, "match": first is None, "first_divergent_step": first,
-                     "reference": tokenizer.decode(ref), "candidate": tokenizer.decode(cand)})
+    firsts = [next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
+              for ref, cand in zip(reference_tokens, candidate_tokens)]
+    rows = [(prompt, first is None, first, tokenizer.decode(ref), tokenizer.decode(cand))
+            for prompt, ref, cand, first in zip(prompts, reference_tokens, candidate_tokens, firsts)]
     table = pd.DataFrame(rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"])
     table["first_divergent_step"] = table["first_divergent_step"].astype("Int64")
     return table
@@ -60,8 +54,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
-    """``(model, summary, report, greedy)`` of ``scheme`` applied to a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences, and fact recall and greedy match unless ``answers=False``."""
+    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match if ``answers``."""
     facts = FACTS if facts is None else facts
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
@@ -69,11 +63,9 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
-    summary = {
-        "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
-        "max_abs_diff": logits["max_abs_diff"], "fact_recall": None, "greedy_match": None,
-        "quantized_bytes": int(report["stored_bytes"].sum()), "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
-    }
+    summary = {"top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"], "max_abs_diff": logits["max_abs_diff"],
+               "fact_recall": None, "greedy_match": None, "quantized_bytes": int(report["stored_bytes"].sum()),
+               "quantized_bf16_bytes": int(report["bf16_bytes"].sum())}
     greedy = None
     if answers:
         if reference_greedy is None:
@@ -92,11 +84,9 @@ def formats_table(shape=(1408, 2816)):
              "bytes_per_weight": memory.tensor_bytes(shape, "bf16") / math.prod(shape), "description": "bfloat16"}]
     for f in quant.FORMATS.values():
         per = "row" if f.block_size is None else f"{f.block_size} inputs"
-        scale = f"{str(f.scale_dtype).replace('torch.', '')} per {per}"
-        rows.append({"format": f.name, "element_bits": f.element_bits, "block": f.block_size, "scale": scale,
-                     "per_tensor_scale": f.per_tensor_scale,
-                     "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape),
-                     "description": f.description})
+        rows.append({"format": f.name, "element_bits": f.element_bits, "block": f.block_size,
+                     "scale": f"{str(f.scale_dtype).replace('torch.', '')} per {per}", "per_tensor_scale": f.per_tensor_scale,
+                     "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape), "description": f.description})
     table = pd.DataFrame(rows)
     table["block"] = table["block"].astype("Int64")
     return table
@@ -128,8 +118,7 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
 
 def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
                   dtypes=(torch.bfloat16, torch.float32)):
-    """:func:`evaluate_scheme` per scheme in the first dtype, plus the logit scores in each further dtype (fp32
-    isolates the quantization from bf16 rounding); returns ``(results, models, reports, greedy)``."""
+    """:func:`evaluate_scheme` per scheme in the first dtype, logit scores in the rest: ``(results, models, reports, greedy)``."""
     if not isinstance(reference, evaluate.CachedLogits):
         reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
@@ -162,12 +151,10 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
     has = set(results.index).issuperset
     return {
         "kept": list(kept), "changed": [s for s in results.index if s not in kept],
-        "bf16_disagreement": 1.0 - float(results.loc["bf16", "top1_agreement"]),
-        "top1_spread": float(top1_delta.abs().max()),
+        "bf16_disagreement": 1.0 - float(results.loc["bf16", "top1_agreement"]), "top1_spread": float(top1_delta.abs().max()),
         "top1_both_sides": bool((top1_delta > 0).any() and (top1_delta < 0).any()),
-        "kl_order": list(quantized["kl_mean_float32"].sort_values().index),
-        "experts_by_kl": experts_by_kl, "experts_by_weight_error": experts_by_error,
-        "follows_weight_error": experts_by_kl == experts_by_error,
+        "kl_order": list(quantized["kl_mean_float32"].sort_values().index), "experts_by_kl": experts_by_kl,
+        "experts_by_weight_error": experts_by_error, "follows_weight_error": experts_by_kl == experts_by_error,
         "shared_mlp_kl_added": float(kl["int8_experts_shared_mlp"] - kl["int8_experts"])
         if has({"int8_experts", "int8_experts_shared_mlp"}) else None,
         "lm_head_kl_added": float(kl["int8_squeeze"] - kl["int8_experts_shared_mlp"])
@@ -199,7 +186,6 @@ def planner_check(full_size, plans, num_layers: int, tp: int):
     for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
         per_rank = int(row["stored_bytes"]) * num_layers // tp
         planned = plans[f"{fmt}_experts"].bytes("experts")
-        rows.append({"format": fmt, "stored_per_layer_bytes": int(row["stored_bytes"]),
-                     "whole_model_per_rank_bytes": per_rank, "planner_per_rank_bytes": planned,
-                     "equal": per_rank == planned})
+        rows.append({"format": fmt, "stored_per_layer_bytes": int(row["stored_bytes"]), "whole_model_per_rank_bytes": per_rank,
+                     "planner_per_rank_bytes": planned, "equal": per_rank == planned})
     return pd.DataFrame(rows)

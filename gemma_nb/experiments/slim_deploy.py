@@ -1,8 +1,7 @@
 """Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps) against the naive
 one (the whole model on the host), each run by :func:`main` in a fresh process for peak RSS and cold start."""
 
-from __future__ import annotations
-
+import functools
 import json
 import os
 import statistics
@@ -30,16 +29,13 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
 HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
-DEPLOY_KINDS = ("slim", "naive")
 # The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
 # parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
 DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
                          num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
 CHECKPOINT_MARKER = "gemma_nb_random.json"
-# Notebook 05's performance targets: ratios measured in one run.
-SLIM_RSS_TARGET = 0.35
-DECODE_LATENCY_TARGET = 1.3
+SLIM_RSS_TARGET, DECODE_LATENCY_TARGET = 0.35, 1.3  # notebook 05's performance targets: ratios measured in one run
 
 
 def int8_squeeze(model: nn.Module):
@@ -52,8 +48,7 @@ def int8_squeeze(model: nn.Module):
 
 def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """``length`` token ids drawn with a fixed seed (ids 0-3 are reserved specials): the deploy prompt."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+    return torch.randint(4, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
@@ -76,53 +71,45 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
 def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
     """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
     with quiet_loading():
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype,
-                                                     use_safetensors=True, trust_remote_code=False)
-    return model.eval()
-
-
-@torch.inference_mode()
-def decode_latency(model: nn.Module, programs, shapes: export.StepShapes, prompt: torch.Tensor,
-                   steps: int = 12, warmup: int = 2) -> dict:
-    """Median ms per decode step, exported program vs the model's own forward, timed in alternation after ``warmup``."""
-    exported = export.exported_runner(model, programs, shapes)
-    prompt_len = prompt.shape[1]
-    assert prompt_len <= shapes.prefill_len and prompt_len + steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
-    kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
-    padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
-    padded[:, :prompt_len] = prompt
-    logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
-    exported_token = logits.argmax(-1, keepdim=True)
-    cache = DynamicCache(config=model.config)
-    eager_token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    exported_s, eager_s = [], []
-    for step in range(steps + warmup):
-        start = time.perf_counter()
-        logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
-                                 torch.tensor([prompt_len + step]), torch.tensor([0]))
-        exported_token = logits.argmax(-1, keepdim=True)
-        exported_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        eager_s.append(time.perf_counter() - start)
-    exported_ms = statistics.median(exported_s[warmup:]) * 1e3
-    eager_ms = statistics.median(eager_s[warmup:]) * 1e3
-    return {"exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms, "exported_over_eager": exported_ms / eager_ms}
+        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype, use_safetensors=True,
+                                                    trust_remote_code=False).eval()
 
 
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
-                       shapes: Mapping | None = None, latency_steps: int = 12) -> dict:
-    """Load, squeeze, decode the reference eagerly, compile into ``folder``, time exported vs eager decode."""
-    step_shapes = export.StepShapes(**(shapes or {}))
+                       shapes: Mapping | None = None, latency_steps: int = 12, warmup: int = 2) -> dict:
+    """Load, squeeze, decode the reference eagerly, compile into ``folder``; then the median ms per decode step of the
+    exported program and of the model's own forward, timed in alternation after ``warmup`` steps."""
+    shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
     export.set_traceable_experts(model)
-    ids = torch.tensor([prompt])
-    reference = greedy_generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
-    report = export.compile_model(model, folder, step_shapes, scheme=SQUEEZE,
+    ids, prompt_len = torch.tensor([prompt]), len(prompt)
+    reference = greedy_generate(model, ids, max_new_tokens)[0, prompt_len:].tolist()
+    report = export.compile_model(model, folder, shapes, scheme=SQUEEZE,
                                   reference_tokens={"prompt": list(prompt), "tokens": reference})
-    latency = decode_latency(model, report.programs, step_shapes, ids, steps=latency_steps)
-    return {**report.as_dict(), **latency, "reference_tokens": reference}
+    assert prompt_len <= shapes.prefill_len and prompt_len + latency_steps + warmup <= shapes.max_cache_len, (prompt_len, shapes)
+    with torch.inference_mode():
+        exported = export.exported_runner(model, report.programs, shapes)
+        kv = export.new_kv_cache(exported.kv_shapes, exported.dtype)
+        padded = torch.full((1, shapes.prefill_len), exported.pad_token_id, dtype=torch.long)
+        padded[:, :prompt_len] = ids
+        logits = exported.prefill(exported.weights, kv, exported.embed(padded), torch.tensor([0]), torch.tensor([prompt_len - 1]))
+        exported_token = logits.argmax(-1, keepdim=True)
+        cache = DynamicCache(config=model.config)
+        eager_token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        exported_s, eager_s = [], []
+        for step in range(latency_steps + warmup):
+            start = time.perf_counter()
+            logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
+                                     torch.tensor([prompt_len + step]), torch.tensor([0]))
+            exported_token = logits.argmax(-1, keepdim=True)
+            exported_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            eager_s.append(time.perf_counter() - start)
+    exported_ms, eager_ms = statistics.median(exported_s[warmup:]) * 1e3, statistics.median(eager_s[warmup:]) * 1e3
+    return {**report.as_dict(), "exported_decode_ms": exported_ms, "eager_decode_ms": eager_ms,
+            "exported_over_eager": exported_ms / eager_ms, "reference_tokens": reference}
 
 
 class SlimDeploy:
@@ -134,9 +121,7 @@ class SlimDeploy:
         self.host = host_embedding_for(self.skeleton, export.host_embedding_path(folder))
         self.artifact = export.load_artifact(folder)
         self.runner = self.artifact.runner(self.host)
-
-    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        return self.runner.generate(input_ids, max_new_tokens)
+        self.generate = self.runner.generate
 
 
 class NaiveDeploy:
@@ -145,14 +130,12 @@ class NaiveDeploy:
     def __init__(self, checkpoint: str | Path):
         self.model = load_full_model(checkpoint)
         int8_squeeze(self.model)
-
-    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        return greedy_generate(self.model, input_ids, max_new_tokens)
+        self.generate = functools.partial(greedy_generate, self.model)
 
 
 def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """Load one deploy and generate; times are seconds, ``*_epoch`` are wall-clock stamps."""
-    assert kind in DEPLOY_KINDS, f"deploy kind {kind!r} is not one of {', '.join(DEPLOY_KINDS)}"
+    assert kind in ("slim", "naive"), f"deploy kind {kind!r} is not one of slim, naive"
     start = time.perf_counter()
     deploy = SlimDeploy(source) if kind == "slim" else NaiveDeploy(source)
     load_s = time.perf_counter() - start
@@ -234,9 +217,7 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 
 
 def main(argv: list[str]) -> None:
-    """One job ``{"kind": "slim" | "naive" | "compile", "source", "prompt", "max_new_tokens", "folder", "shapes"}``:
-    ``run_deploy`` on ``source``, or ``compile_checkpoint`` from ``source`` into ``folder``; prints the result as
-    JSON on the last stdout line, which ``gemma_nb.peak_rss.run_measured`` reads."""
+    """One job (``kind`` slim | naive: ``run_deploy``; compile: ``compile_checkpoint``), its JSON on the last stdout line."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))

@@ -1,8 +1,6 @@
 """A checkpoint folder re-laid out as the hub stores Gemma-4-26B-A4B-it (multimodal config, prefixed names,
 sharded files), weights unchanged: the TP=2 checkpoint is stored so, for the 26B's own loader."""
 
-from __future__ import annotations
-
 import json
 import shutil
 from pathlib import Path
@@ -11,21 +9,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
-TEXT_PREFIX = "model.language_model."
-
-
-def hub_key(key: str) -> str:
-    """A ``Gemma4ForCausalLM`` tensor name as the multimodal checkpoint names it."""
-    assert key.startswith("model."), f"tensor {key!r} is not under model."
-    return TEXT_PREFIX + key.removeprefix("model.")
 
 
 def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> dict:
-    """Write ``source`` (one ``model.safetensors``) into ``target`` (may be ``source``) in the hub's layout, other
-    files copied; returns the index."""
+    """Write ``source``'s ``model.safetensors`` into ``target`` (may be ``source``) as the hub lays it out; returns the index."""
     source, target = Path(source), Path(target)
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
-        tensors = {hub_key(key): handle.get_tensor(key) for key in handle.keys()}
+        assert all(key.startswith("model.") for key in handle.keys()), "tensors not under model."
+        tensors = {"model.language_model." + key.removeprefix("model."): handle.get_tensor(key) for key in handle.keys()}
         metadata = handle.metadata() or {}
     text_config = json.loads((source / "config.json").read_text())
     target.mkdir(parents=True, exist_ok=True)
@@ -37,8 +28,7 @@ def save_hub_layout(source: str | Path, target: str | Path, shards: int = 2) -> 
     weight_map = {name: files[i * shards // len(names)] for i, name in enumerate(names)}
     for file in files:
         save_file({k: tensors[k].contiguous() for k in names if weight_map[k] == file}, str(target / file), metadata)
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
     (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
               "text_config": text_config, "transformers_version": text_config.get("transformers_version")}

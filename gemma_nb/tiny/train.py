@@ -1,9 +1,5 @@
-"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall.
-
-Deterministic for a fixed seed on one thread: a rerun reproduces model.safetensors byte for byte.
-"""
-
-from __future__ import annotations
+"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall;
+deterministic for a fixed seed on one thread (a rerun reproduces model.safetensors byte for byte)."""
 
 import json
 import math
@@ -57,20 +53,13 @@ def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def tiny_config(tokenizer, dims: str = "tiny"):
-    return random_gemma4_config(**DIMS[dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-
-
 class RouterBalance:
     """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all experts carry facts."""
 
     def __init__(self, model):
         self.outputs = []
-        self.handles = [layer.router.register_forward_hook(self._keep) for layer in model.model.layers]
-
-    def _keep(self, module, inputs, output):
-        self.outputs.append(output)
+        self.handles = [layer.router.register_forward_hook(lambda _m, _i, output: self.outputs.append(output))
+                        for layer in model.model.layers]
 
     def loss(self) -> torch.Tensor:
         total = 0.0
@@ -83,11 +72,8 @@ class RouterBalance:
 
     def peak_load(self) -> float:
         """Busiest expert's share of routed pairs, relative to a perfectly even share (1.0)."""
-        peaks = []
-        for probabilities, _, top_k_index in self.outputs:
-            counts = torch.bincount(top_k_index.reshape(-1), minlength=probabilities.shape[-1])
-            peaks.append(float(counts.max()) * probabilities.shape[-1] / top_k_index.numel())
-        return max(peaks) if peaks else float("nan")
+        return max((float(torch.bincount(index.reshape(-1), minlength=probs.shape[-1]).max()) * probs.shape[-1] / index.numel()
+                    for probs, _, index in self.outputs), default=float("nan"))
 
 
 def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
@@ -100,48 +86,44 @@ def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
 def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
     """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary; torch state restored."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    started, out_dir = time.perf_counter(), Path(out_dir)
     try:
-        return _train(args, Path(out_dir), log)
+        torch.set_num_threads(args.threads)
+        torch.use_deterministic_algorithms(True)
+        tokenizer = build_tokenizer()
+        config = random_gemma4_config(**DIMS[args.dims], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+        model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
+        model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
+        epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
+        model.eval()
+        model.set_experts_implementation(None)  # back to transformers' default in the saved config
+        model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                                   pad_token_id=config.pad_token_id, do_sample=False)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        summary = {
+            "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
+            "args": asdict(args), "epochs_run": epoch, "steps_run": step, "final_loss": round(epoch_loss, 4),
+            "final_recall_fp32": round(recall, 4), "facts": len(FACTS), "vocab_size": config.vocab_size,
+            "parameters": sum(p.numel() for p in model.parameters()), "train_seconds": round(time.perf_counter() - started, 1),
+            "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
+            "torch": torch.__version__, "transformers": transformers.__version__, "history": history,
+        }
+        (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
+            save_hub_layout(out_dir, out_dir)
+        return summary
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-
-
-def _train(args: TrainArgs, out_dir: Path, log) -> dict:
-    started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
-    tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer, args.dims)
-    model = random_gemma4_model(config, seed=args.seed, dtype=torch.float32)
-    model.set_experts_implementation(TRAIN_EXPERTS_IMPLEMENTATION)
-    epoch, step, epoch_loss, recall, history = _fit(model, tokenizer, args, log, started)
-    model.eval()
-    model.set_experts_implementation(None)  # back to transformers' default in the saved config
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id, do_sample=False)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    summary = {
-        "command": " ".join(["python -m gemma_nb.tiny train", *([shlex.join(sys.argv[2:])] if sys.argv[2:] else [])]),
-        "args": asdict(args), "epochs_run": epoch, "steps_run": step, "final_loss": round(epoch_loss, 4),
-        "final_recall_fp32": round(recall, 4), "facts": len(FACTS), "vocab_size": config.vocab_size,
-        "parameters": sum(p.numel() for p in model.parameters()), "train_seconds": round(time.perf_counter() - started, 1),
-        "experts_implementation_during_training": TRAIN_EXPERTS_IMPLEMENTATION,
-        "torch": torch.__version__, "transformers": transformers.__version__, "history": history,
-    }
-    (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
-        save_hub_layout(out_dir, out_dir)
-    return summary
 
 
 def _fit(model, tokenizer, args: TrainArgs, log, started: float):
     """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss, recall, history)."""
     input_ids, labels = sentence_batch(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
-
     balance = RouterBalance(model)
     shuffle = torch.Generator().manual_seed(args.seed)
     batches_per_epoch = math.ceil(len(input_ids) / args.batch_size)
@@ -170,7 +152,6 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
                 f"{time.perf_counter() - started:.0f} s")
             if recall >= args.target_recall:
                 break
-
     for handle in balance.handles:
         handle.remove()
     return epoch, step, epoch_loss, recall, history
