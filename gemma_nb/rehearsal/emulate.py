@@ -34,10 +34,8 @@ DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The 
 def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
                 experts: str = "dense", group=None) -> NeuronGemma4:
     """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
-    def factory():
-        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
-
-    module = load_rank_module(factory, checkpoint, build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
+    module = load_rank_module(lambda: NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts), checkpoint,
+                              build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
     fill_layer_scalars(module, hf_state)
     return module
 
@@ -83,22 +81,10 @@ def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "flo
     return config, hf_state, build, checkpoint, embed
 
 
-def _kv_heads(module, config) -> dict[str, int]:
-    """KV heads of this rank's state, per layer type (every layer of a type holds the same)."""
-    heads = {}
-    for layer_type, cache in zip(config.layer_types, module.k_cache):
-        heads.setdefault(layer_type, int(cache.shape[1]))
-    return heads
-
-
 def _onehot_state_ok(state: dict, last_position: int) -> bool:
     """Every cache slot up to the last written position holds values, every later slot is still zero."""
-    for tensor in state.values():
-        written = tensor[0, :, : last_position + 1].abs().sum(dim=(0, 2))
-        untouched = tensor[0, :, last_position + 1:]
-        if not bool((written > 0).all()) or bool(untouched.abs().sum() != 0):
-            return False
-    return True
+    return all(bool((t[0, :, : last_position + 1].abs().sum(dim=(0, 2)) > 0).all())
+               and bool(t[0, :, last_position + 1:].abs().sum() == 0) for t in state.values())
 
 
 def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens: int, sdk, rank: int = 0,
@@ -119,9 +105,11 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
             onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
             for kind, count in graphs.calls.items():
                 calls[kind] += count
-    return {"tokens": tokens, "logits": {mode: torch.cat(values) for mode, values in logits.items()},
-            "kv_heads": _kv_heads(modules["dense"], config), "onehot_state_ok": onehot_ok,
-            "graph_calls": calls, "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
+    # KV heads of this rank's state per layer type (every layer of a type holds the same)
+    kv_heads = {kind: int(cache.shape[1]) for kind, cache in zip(config.layer_types, modules["dense"].k_cache)}
+    return {"tokens": tokens, "logits": {mode: torch.cat(values) for mode, values in logits.items()}, "kv_heads": kv_heads,
+            "onehot_state_ok": onehot_ok, "graph_calls": calls,
+            "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:

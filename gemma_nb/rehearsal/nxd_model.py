@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,7 +97,7 @@ class EmulatedNxDModel:
                 for name, (shape, dtype) in graph["spec"]["weights"].items():
                     if name not in shard:
                         raise RuntimeError(f"rank {rank}: the checkpoint holds no weight {name!r} the graph needs")
-                    if [list(shard[name].shape), str(shard[name].dtype).removeprefix("torch.")] != [shape, dtype]:
+                    if _meta(shard[name]) != [shape, dtype]:
                         raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
                                            f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
 
@@ -150,11 +151,11 @@ class EmulatedNxDModel:
         return [out for index, out in enumerate(per_rank[0]) if index not in aliases]
 
 
+@dataclass
 class EmulatedExecutor:
     """What ``trace`` returns and ``torch.jit.load`` gives back: ``executor(*inputs)``, ``.nxd_model``, ``.save``."""
 
-    def __init__(self, nxd_model: EmulatedNxDModel):
-        self.nxd_model = nxd_model
+    nxd_model: EmulatedNxDModel
 
     def __call__(self, *inputs):
         return self.nxd_model(list(inputs))
@@ -175,25 +176,18 @@ def executor_from_saved(module) -> EmulatedExecutor:
     return EmulatedExecutor(EmulatedNxDModel(graphs, spec["shape_map"], spec["tp"], list(module.weights)))
 
 
-def _is_saved(module) -> bool:
-    try:
-        return json.loads(module.spec).get("marker") == SAVED_MARKER
-    except (AttributeError, RuntimeError, ValueError):
-        return False
-
-
 _JIT_LOAD = torch.jit.load
 
 
 def jit_load(*args, **kwargs):
-    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote."""
+    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote (what importing
+    the emulated ``neuronx_distributed.trace.model_builder`` installs)."""
     module = _JIT_LOAD(*args, **kwargs)
-    return executor_from_saved(module) if _is_saved(module) else module
-
-
-def register() -> None:
-    """What importing the emulated ``neuronx_distributed.trace.model_builder`` does (module docstring)."""
-    torch.jit.load = jit_load
+    try:
+        saved = json.loads(module.spec).get("marker") == SAVED_MARKER
+    except (AttributeError, RuntimeError, ValueError):
+        saved = False
+    return executor_from_saved(module) if saved else module
 
 
 def _marker_op(inputs):
