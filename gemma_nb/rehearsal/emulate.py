@@ -1,7 +1,6 @@
-"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05).
-
-Each rank's weights are cut as ModelBuilder cuts them; a prefill and a decode graph share one aliased KV state.
-Activations run in fp32 so that a token flip can only come from the sharding; the bf16 router check is apart.
+"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05):
+weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one aliased KV state, activations in fp32
+so that a token flip can only come from the sharding (the bf16 router check is apart).
 """
 
 from __future__ import annotations
@@ -14,15 +13,7 @@ from transformers import AutoTokenizer
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton, resolve_model_id
-from gemma_nb.neuron.build import (
-    KV_STATE_PREFIXES,
-    NeuronBuildConfig,
-    NeuronGemma4,
-    convert_checkpoint,
-    fill_layer_scalars,
-    read_hf_state,
-    text_config,
-)
+from gemma_nb.neuron import build as B
 from gemma_nb.neuron.deploy import NeuronStepRunner
 from gemma_nb.ranks import run_tp
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module, model_parallel
@@ -31,12 +22,12 @@ from gemma_nb.tiny import BUNDLED_TP2_ID
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
 
 
-def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
-                experts: str = "dense", group=None) -> NeuronGemma4:
+def rank_module(config, build: B.NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
+                experts: str = "dense", group=None) -> B.NeuronGemma4:
     """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
-    module = load_rank_module(lambda: NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts), checkpoint,
-                              build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
-    fill_layer_scalars(module, hf_state)
+    module = load_rank_module(lambda: B.NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts), checkpoint,
+                              build.tp_degree, rank, group, not_in_checkpoint=B.KV_STATE_PREFIXES)
+    B.fill_layer_scalars(module, hf_state)
     return module
 
 
@@ -47,7 +38,7 @@ class AliasedGraphs:
         self.graphs = {"prefill": prefill, "decode": decode}
         self.bucket = bucket
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
-                      if name.startswith(KV_STATE_PREFIXES)}
+                      if name.startswith(B.KV_STATE_PREFIXES)}
         self.calls = {"prefill": 0, "decode": 0}
         self.logits: list[torch.Tensor] = []  # every call's logits output, for the comparison
 
@@ -71,11 +62,11 @@ class AliasedGraphs:
 
 
 def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "float32"):
-    config = text_config(model_dir)
-    hf_state = read_hf_state(model_dir)
-    build = NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
+    config = B.text_config(model_dir)
+    hf_state = B.read_hf_state(model_dir)
+    build = B.NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
                               dtype=dtype)
-    checkpoint = convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
+    checkpoint = B.convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
     return config, hf_state, build, checkpoint, embed

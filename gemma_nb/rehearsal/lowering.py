@@ -20,15 +20,7 @@ import pandas as pd
 import torch
 
 from gemma_nb.moe import swap_experts
-from gemma_nb.neuron.build import (
-    NeuronBuildConfig,
-    NeuronGemma4,
-    convert_checkpoint,
-    package_versions,
-    read_hf_state,
-    step_inputs,
-    text_config,
-)
+from gemma_nb.neuron import build as B
 from gemma_nb.neuron.lm_head import HeadOnly, lm_head_state_dict
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.rehearsal.emulate import rank_module
@@ -217,8 +209,9 @@ def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **lab
 
 
 def _tiny(model_dir: Path | str):
-    # the shipped shapes
-    return text_config(model_dir), read_hf_state(model_dir), NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    """(config, state, the build at the shipped shapes)."""
+    build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    return B.text_config(model_dir), B.read_hf_state(model_dir), build
 
 
 def _embedded(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
@@ -230,14 +223,14 @@ def prefill_inputs(config, state: dict, build) -> tuple:
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
     ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
-    return step_inputs(_embedded(config, state, ids), list(range(build.bucket)), build.max_len,
+    return B.step_inputs(_embedded(config, state, ids), list(range(build.bucket)), build.max_len,
                        config.sliding_window, PROMPT_TOKENS - 1)
 
 
 def decode_inputs(config, state: dict, build) -> tuple:
     """One seeded token at ``DECODE_POSITION``."""
     ids = torch.randint(3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1))
-    return step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
+    return B.step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
 
 
 def fill_cache(module) -> None:
@@ -280,7 +273,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
             def make_module(module_dtype, experts=experts, graph=graph):
                 # rank 0's NeuronGemma4 on the cpu stand-ins, loaded as ModelBuilder loads it
                 module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
-                checkpoint = convert_checkpoint(state, config, tp, dtype=module_dtype)
+                checkpoint = B.convert_checkpoint(state, config, tp, dtype=module_dtype)
                 module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
                 if graph == "decode":
                     fill_cache(module)
@@ -303,7 +296,7 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     inputs = decode_inputs(config, state, build)
     rows = []
     for experts in ("transformers", "sparse"):
-        module = NeuronGemma4(config, build, parallel=False)
+        module = B.NeuronGemma4(config, build, parallel=False)
         # The bundled checkpoints tie lm_head to the embedding and store the table once.
         module.load_state({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
         if experts != "transformers":
@@ -315,13 +308,13 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
 
 
 def versions() -> dict:
-    return package_versions(("torch", "torch-xla", "transformers"))
+    return B.package_versions(("torch", "torch-xla", "transformers"))
 
 
 def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
-    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
     out = {"versions": versions(), "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
            "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
            "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from gemma_nb.rehearsal import nxd_model
 from gemma_nb.rehearsal.nxd_layers import ParallelState, state_or_none, use_state
-from gemma_nb.rehearsal.sharding import cast_weights, init_on_meta, preprocess_checkpoint, shard_children
+from gemma_nb.rehearsal.sharding import init_on_meta, preprocess_checkpoint, shard_children
 
 logger = logging.getLogger("Neuron")
 AUTO_CAST_WARNING = "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
@@ -44,7 +44,6 @@ def parallel_state(tp: int):
 
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
     preprocess_checkpoint(model, checkpoint)
-    cast_weights(checkpoint, model)
     shards = []
     for rank in range(tp):
         shard = dict(checkpoint)
