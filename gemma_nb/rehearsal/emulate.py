@@ -35,8 +35,7 @@ class AliasedGraphs:
     """A prefill graph and a decode graph over one KV state, written back through the aliases."""
 
     def __init__(self, prefill, decode, bucket: int):
-        self.graphs = {"prefill": prefill, "decode": decode}
-        self.bucket = bucket
+        self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
                       if name.startswith(B.KV_STATE_PREFIXES)}
         self.calls = {"prefill": 0, "decode": 0}
@@ -62,10 +61,9 @@ class AliasedGraphs:
 
 
 def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "float32"):
-    config = B.text_config(model_dir)
-    hf_state = B.read_hf_state(model_dir)
+    config, hf_state = B.text_config(model_dir), B.read_hf_state(model_dir)
     build = B.NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
-                              dtype=dtype)
+                                dtype=dtype)
     checkpoint = B.convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
@@ -152,10 +150,8 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, n
                 bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    result = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                        dist.group.WORLD)
-    result["rank"] = rank
-    return result
+    return decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
+                      dist.group.WORLD)
 
 
 def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
@@ -179,27 +175,14 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
                    threads_per_rank=1, timeout_s=timeout_s)
     bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
                   threads_per_rank=1, timeout_s=timeout_s)
-    return {
-        "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
-        "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
-        "prompts": len(prompts_ids), "new_tokens": new_tokens, **_compare_ranks(ranks, reference),
-        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
-        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
-        "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
-        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
-        "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
 
-
-def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
-    """Every rank's greedy tokens and logits against the unsharded reference's (see ``tp_emulation``)."""
-    expected = reference["tokens"]["dense"]
-
-    def logit_diff(mode: str) -> float:
+    def logit_diff(mode: str) -> float:  # every rank's logits against the unsharded reference's
         return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
 
     return {
+        "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
+        "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
+        "prompts": len(prompts_ids), "new_tokens": new_tokens,
         "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
         "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
         "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
@@ -209,5 +192,11 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks), "graph_calls_per_rank": ranks[0]["graph_calls"],
+        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
+        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
+        "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
+        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
+        "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
+        "wall_s": round(time.perf_counter() - started, 1),
     }
 

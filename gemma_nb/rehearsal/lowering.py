@@ -214,23 +214,19 @@ def _tiny(model_dir: Path | str):
     return B.text_config(model_dir), B.read_hf_state(model_dir), build
 
 
-def _embedded(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
-    return state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
-
-
-def prefill_inputs(config, state: dict, build) -> tuple:
-    """The prefill bucket: ``PROMPT_TOKENS`` seeded token ids padded to ``build.bucket``, embedded as the host does."""
-    generator = torch.Generator().manual_seed(SEED)
-    ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
-    ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
-    return B.step_inputs(_embedded(config, state, ids), list(range(build.bucket)), build.max_len,
-                       config.sliding_window, PROMPT_TOKENS - 1)
-
-
-def decode_inputs(config, state: dict, build) -> tuple:
-    """One seeded token at ``DECODE_POSITION``."""
-    ids = torch.randint(3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1))
-    return B.step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
+def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
+    """The prefill bucket (``PROMPT_TOKENS`` seeded token ids, padded) or one seeded token at ``DECODE_POSITION``,
+    embedded as the host does."""
+    if graph == "prefill":
+        generator = torch.Generator().manual_seed(SEED)
+        ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
+        ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
+        positions, last = list(range(build.bucket)), (PROMPT_TOKENS - 1,)
+    else:
+        ids = torch.randint(3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1))
+        positions, last = [DECODE_POSITION], ()
+    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
+    return B.step_inputs(embeds, positions, build.max_len, config.sliding_window, *last)
 
 
 def fill_cache(module) -> None:
@@ -266,7 +262,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     """Each graph the neuron build traces, at each TP degree, lowered on the XLA cpu device."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
-    steps = {"prefill": prefill_inputs(config, state, build), "decode": decode_inputs(config, state, build)}
+    steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
@@ -293,7 +289,7 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
     an exception in the XLA step is recorded as the row's ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
-    inputs = decode_inputs(config, state, build)
+    inputs = seeded_inputs(config, state, build, "decode")
     rows = []
     for experts in ("transformers", "sparse"):
         module = B.NeuronGemma4(config, build, parallel=False)

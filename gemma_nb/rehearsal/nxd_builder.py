@@ -1,7 +1,5 @@
-"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores.
-
-Each graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc; no NEFF is written.
-"""
+"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores; each
+graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc, and no NEFF is written."""
 
 from __future__ import annotations
 
@@ -58,9 +56,7 @@ class BaseModelInstance:
     """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its aliases."""
 
     def __init__(self, module_cls, input_output_aliases):
-        self.module_cls = module_cls
-        self.module = None
-        self.input_output_aliases = [input_output_aliases]
+        self.module_cls, self.module, self.input_output_aliases = module_cls, None, [input_output_aliases]
 
     def load_module(self):
         self.module = self.module_cls()

@@ -87,8 +87,7 @@ class _QuantizedLinear(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
         self.weight.get_tensor_from_state_dict = _from_state_dict("weight")
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
-            self.scale = nn.Parameter(torch.ones(1, device=device), requires_grad=False)
-            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+            scale_shape, split = [1], False
         elif self.quantization_type in _PER_CHANNEL:
             scale_shape = [1] * len(weight_shape)
             scale_shape[channel_axis] = weight_shape[channel_axis]
@@ -96,13 +95,14 @@ class _QuantizedLinear(nn.Module):
                 if experts is None:
                     raise ValueError(f"{type(self).__name__}: expert-wise scales need an experts layer")
                 scale_shape[0] = experts
-            self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
-            if partition_dim == channel_axis:  # the scale is split with the channels it scales
-                set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
-            else:
-                set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+            split = partition_dim == channel_axis  # the scale is split with the channels it scales
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
+        self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
+        if split:
+            set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
+        else:
+            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
         self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
         self.register_parameter("bias", None)
 

@@ -49,9 +49,8 @@ def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
 def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
     """The subprocesses' environment: the emulated SDK on the path, the budget, one cpu thread per torch
     op, no hub access, and the API key the server asks for (the runbook's ``export GEMMA_NB_API_KEY``)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT),
-                                                                      os.environ.get("PYTHONPATH")])),
-            "PATH": os.pathsep.join([str(SDK_PATH / "bin"), os.environ.get("PATH", "")]),
+    python_path = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": python_path, "PATH": os.pathsep.join([str(SDK_PATH / "bin"), os.environ.get("PATH", "")]),
             "GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
             "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY,
             # the emulated NeuronCores are threads of one process: each computes on one cpu thread (the
@@ -122,24 +121,19 @@ def builds_record(serving: Path) -> dict:
     builds = {}
     for folder in (serving / "artifacts" / f"04_neuron_{decode}" for decode in DECODE_PATHS):
         artifact = read_artifact(folder)
-        record, files = artifact.record, artifact.manifest["files"]
+        record, files, build = artifact.record, artifact.manifest["files"], NeuronBuildConfig(**artifact.record["build"])
         compiled = json.loads((SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text())
+        # the graph the emulated runtime's router reaches in model.pt for a prefill and a decode call
+        router = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt"))).nxd_model.router
+        routed = {kind: router(example_inputs(artifact.config, build, tokens))[0]
+                  for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
         builds[record["build"]["decode_experts"]] = {
             "decode_experts": record["build"]["decode_experts"], "routed_graphs": record["routed_graphs"],
-            "routed_by_the_emulated_runtime": routed(folder), "graphs": artifact.graphs,
+            "routed_by_the_emulated_runtime": routed, "graphs": artifact.graphs,
             "compiler_args": record["build"]["compiler_args"], "sdk": record["sdk"], "artifact_files_bytes": files,
             "artifact_bytes": sum(files.values()), "compiler_workdir_bytes": compiled["compiler_workdir_bytes"],
             "answer": answers[folder.name]}
     return builds
-
-
-def routed(folder: Path) -> dict:
-    """The graph the emulated runtime's router reaches in ``folder``'s ``model.pt`` for a prefill and a decode call."""
-    artifact = read_artifact(folder)
-    build = NeuronBuildConfig(**artifact.record["build"])
-    executor = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt")))
-    return {kind: executor.nxd_model.router(example_inputs(artifact.config, build, tokens))[0]
-            for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
 
 
 def disk_drift(record: dict, committed: dict | None) -> list[str]:

@@ -1,5 +1,4 @@
-"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget.
-
+"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget:
 ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
 ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
 """
@@ -142,7 +141,8 @@ class Cores:
         if start_rank + len(bytes_per_core) > self.count:
             raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
                                   f"but this instance has {self.count} (emulated): use an instance with more cores")
-        self.release(model)  # initialising a loaded model again replaces its allocation
+        self.held.pop(id(model), None)  # initialising a loaded model again replaces its allocation
+        self.models = [m for m in self.models if m is not model]
         per_core = [0] * self.count
         for core, need in enumerate(bytes_per_core, start_rank):
             need += self.runtime_bytes
@@ -154,10 +154,6 @@ class Cores:
             per_core[core] = need
         self.held[id(model)] = per_core
         self.models.append(model)
-
-    def release(self, model) -> None:
-        self.held.pop(id(model), None)
-        self.models = [m for m in self.models if m is not model]
 
 
 _CORES: Cores | None = None
