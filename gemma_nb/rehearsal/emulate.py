@@ -107,8 +107,7 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
     scores = []
     hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
              for layer in module.lm.model.layers]
-    picks = {"fp32_softmax": [], "bf16_softmax": []}
-    k = config.top_k_experts
+    picks, k = {"fp32_softmax": [], "bf16_softmax": []}, config.top_k_experts
     try:
         for ids, answer in zip(prompts_ids, answers):
             graphs = AliasedGraphs(module, module, build.bucket)

@@ -333,11 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
     result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for row in result["graphs"] + result.get("contrast", []):
-            print(row)
+    rows = result["graphs"] + result.get("contrast", [])
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, rows)))
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 
