@@ -1,7 +1,6 @@
-"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05).
-
-Each rank's weights are cut as ModelBuilder cuts them; a prefill and a decode graph share one aliased KV state.
-Activations run in fp32 so that a token flip can only come from the sharding; the bf16 router check is apart.
+"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05):
+weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one aliased KV state, activations in fp32
+so that a token flip can only come from the sharding (the bf16 router check is apart).
 """
 
 from __future__ import annotations
@@ -14,15 +13,7 @@ from transformers import AutoTokenizer
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton, resolve_model_id
-from gemma_nb.neuron.build import (
-    KV_STATE_PREFIXES,
-    NeuronBuildConfig,
-    NeuronGemma4,
-    convert_checkpoint,
-    fill_layer_scalars,
-    read_hf_state,
-    text_config,
-)
+from gemma_nb.neuron import build as B
 from gemma_nb.neuron.deploy import NeuronStepRunner
 from gemma_nb.ranks import run_tp
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module, model_parallel
@@ -31,14 +22,12 @@ from gemma_nb.tiny import BUNDLED_TP2_ID
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
 
 
-def rank_module(config, build: NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
-                experts: str = "dense", group=None) -> NeuronGemma4:
+def rank_module(config, build: B.NeuronBuildConfig, checkpoint: dict, hf_state: dict, rank: int, sdk,
+                experts: str = "dense", group=None) -> B.NeuronGemma4:
     """Rank ``rank``'s ``NeuronGemma4`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
-    def factory():
-        return NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts)
-
-    module = load_rank_module(factory, checkpoint, build.tp_degree, rank, group, not_in_checkpoint=KV_STATE_PREFIXES)
-    fill_layer_scalars(module, hf_state)
+    module = load_rank_module(lambda: B.NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=experts), checkpoint,
+                              build.tp_degree, rank, group, not_in_checkpoint=B.KV_STATE_PREFIXES)
+    B.fill_layer_scalars(module, hf_state)
     return module
 
 
@@ -46,10 +35,9 @@ class AliasedGraphs:
     """A prefill graph and a decode graph over one KV state, written back through the aliases."""
 
     def __init__(self, prefill, decode, bucket: int):
-        self.graphs = {"prefill": prefill, "decode": decode}
-        self.bucket = bucket
+        self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
-                      if name.startswith(KV_STATE_PREFIXES)}
+                      if name.startswith(B.KV_STATE_PREFIXES)}
         self.calls = {"prefill": 0, "decode": 0}
         self.logits: list[torch.Tensor] = []  # every call's logits output, for the comparison
 
@@ -73,32 +61,19 @@ class AliasedGraphs:
 
 
 def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "float32"):
-    config = text_config(model_dir)
-    hf_state = read_hf_state(model_dir)
-    build = NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
-                              dtype=dtype)
-    checkpoint = convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
+    config, hf_state = B.text_config(model_dir), B.read_hf_state(model_dir)
+    build = B.NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
+                                dtype=dtype)
+    checkpoint = B.convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
     return config, hf_state, build, checkpoint, embed
 
 
-def _kv_heads(module, config) -> dict[str, int]:
-    """KV heads of this rank's state, per layer type (every layer of a type holds the same)."""
-    heads = {}
-    for layer_type, cache in zip(config.layer_types, module.k_cache):
-        heads.setdefault(layer_type, int(cache.shape[1]))
-    return heads
-
-
 def _onehot_state_ok(state: dict, last_position: int) -> bool:
     """Every cache slot up to the last written position holds values, every later slot is still zero."""
-    for tensor in state.values():
-        written = tensor[0, :, : last_position + 1].abs().sum(dim=(0, 2))
-        untouched = tensor[0, :, last_position + 1:]
-        if not bool((written > 0).all()) or bool(untouched.abs().sum() != 0):
-            return False
-    return True
+    return all(bool((t[0, :, : last_position + 1].abs().sum(dim=(0, 2)) > 0).all())
+               and bool(t[0, :, last_position + 1:].abs().sum() == 0) for t in state.values())
 
 
 def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens: int, sdk, rank: int = 0,
@@ -119,9 +94,11 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
             onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
             for kind, count in graphs.calls.items():
                 calls[kind] += count
-    return {"tokens": tokens, "logits": {mode: torch.cat(values) for mode, values in logits.items()},
-            "kv_heads": _kv_heads(modules["dense"], config), "onehot_state_ok": onehot_ok,
-            "graph_calls": calls, "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
+    # KV heads of this rank's state per layer type (every layer of a type holds the same)
+    kv_heads = {kind: int(cache.shape[1]) for kind, cache in zip(config.layer_types, modules["dense"].k_cache)}
+    return {"tokens": tokens, "logits": {mode: torch.cat(values) for mode, values in logits.items()}, "kv_heads": kv_heads,
+            "onehot_state_ok": onehot_ok, "graph_calls": calls,
+            "aliased_state_tensors": len(modules["dense"].input_output_aliases())}
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
@@ -130,8 +107,7 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
     scores = []
     hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
              for layer in module.lm.model.layers]
-    picks = {"fp32_softmax": [], "bf16_softmax": []}
-    k = config.top_k_experts
+    picks, k = {"fp32_softmax": [], "bf16_softmax": []}, config.top_k_experts
     try:
         for ids, answer in zip(prompts_ids, answers):
             graphs = AliasedGraphs(module, module, build.bucket)
@@ -173,10 +149,8 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, n
                 bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    result = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                        dist.group.WORLD)
-    result["rank"] = rank
-    return result
+    return decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
+                      dist.group.WORLD)
 
 
 def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
@@ -200,27 +174,14 @@ def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_token
                    threads_per_rank=1, timeout_s=timeout_s)
     bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
                   threads_per_rank=1, timeout_s=timeout_s)
-    return {
-        "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
-        "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
-        "prompts": len(prompts_ids), "new_tokens": new_tokens, **_compare_ranks(ranks, reference),
-        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
-        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
-        "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
-        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
-        "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
 
-
-def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
-    """Every rank's greedy tokens and logits against the unsharded reference's (see ``tp_emulation``)."""
-    expected = reference["tokens"]["dense"]
-
-    def logit_diff(mode: str) -> float:
+    def logit_diff(mode: str) -> float:  # every rank's logits against the unsharded reference's
         return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
 
     return {
+        "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
+        "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
+        "prompts": len(prompts_ids), "new_tokens": new_tokens,
         "tokens_equal_dense": all(r["tokens"]["dense"] == expected for r in ranks),
         "tokens_equal_sparse": all(r["tokens"]["sparse"] == expected for r in ranks),
         "ranks_agree": all(r["tokens"] == ranks[0]["tokens"] for r in ranks),
@@ -230,5 +191,11 @@ def _compare_ranks(ranks: list[dict], reference: dict) -> dict:
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks), "graph_calls_per_rank": ranks[0]["graph_calls"],
+        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
+        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
+        "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
+        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
+        "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
+        "wall_s": round(time.perf_counter() - started, 1),
     }
 

@@ -20,15 +20,7 @@ import pandas as pd
 import torch
 
 from gemma_nb.moe import swap_experts
-from gemma_nb.neuron.build import (
-    NeuronBuildConfig,
-    NeuronGemma4,
-    convert_checkpoint,
-    package_versions,
-    read_hf_state,
-    step_inputs,
-    text_config,
-)
+from gemma_nb.neuron import build as B
 from gemma_nb.neuron.lm_head import HeadOnly, lm_head_state_dict
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.rehearsal.emulate import rank_module
@@ -47,47 +39,43 @@ SEED = 0
 TP_DEGREES = (1, 2)
 
 # One HLO instruction per line: "  [ROOT ]%name = <shape> opcode(operands), attributes".
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s+(.*)$")
+_NAME = r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+"
+_INSTRUCTION = re.compile(_NAME + r"(.*)$")
 # The opcode is the first identifier directly followed by "(": a shape holds "f32[", never "f32(".
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
+_GATHER = re.compile(_NAME + r"\S+\s+gather\(\w+\[([\d,]*)\]\S*\s+%?([\w.\-]+),")
+_PARAMETER = re.compile(_NAME + r"\S+\s+parameter\(")
+_BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
 
 
 def hlo_opcodes(hlo_text: str) -> list[str]:
     """The opcode of every instruction in an HLO module's text, all computations included."""
     opcodes = []
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if match:
-            opcode = _OPCODE.search(match.group(1))
-            assert opcode is not None, f"HLO instruction without an opcode: {line.strip()[:120]!r}"
-            opcodes.append(opcode.group(1))
+    for match in filter(None, map(_INSTRUCTION.match, hlo_text.splitlines())):
+        opcode = _OPCODE.search(match.group(2))
+        assert opcode is not None, f"HLO instruction without an opcode: {match.group(0).strip()[:120]!r}"
+        opcodes.append(opcode.group(1))
     return opcodes
 
 
-_GATHER = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s+\S+\s+gather\(\w+\[([\d,]*)\]\S*\s+%?([\w.\-]+),")
-_PARAMETER = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+\S+\s+parameter\(")
-_BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
-
-
 def hlo_gathers(hlo_text: str) -> list[dict]:
-    """Every ``gather`` of an HLO module's text: operand shape, whether the operand is a graph parameter,
-    ``start_index_map`` and ``slice_sizes``."""
+    """Every ``gather``: operand shape, whether the operand is a graph parameter, start_index_map, slice_sizes."""
     parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
     found = []
     for line in hlo_text.splitlines():
-        match = _GATHER.match(line)
-        if not match:
-            continue
-        attributes = {key: [int(v) for v in value.split(",") if v] for key, value in _BRACES.findall(line)}
-        found.append({"operand_shape": [int(v) for v in match.group(1).split(",") if v],
-                      "of_parameter": match.group(2) in parameters,
-                      "start_index_map": attributes.get("start_index_map", []),
-                      "slice_sizes": attributes.get("slice_sizes", [])})
+        if match := _GATHER.match(line):
+            attributes = {key: _ints(value) for key, value in _BRACES.findall(line)}
+            found.append({"operand_shape": _ints(match.group(2)), "of_parameter": match.group(3) in parameters,
+                          "start_index_map": attributes.get("start_index_map", []),
+                          "slice_sizes": attributes.get("slice_sizes", [])})
     return found
 
 
 def takes_whole_leading_slices(gather: dict) -> bool:
-    """Whether a gather indexes only the leading axis and takes whole slices of everything else."""
     return gather["start_index_map"] == [0] and gather["slice_sizes"] == [1, *gather["operand_shape"][1:]]
 
 
@@ -108,13 +96,11 @@ def aten_fallbacks(counter_names) -> list[str]:
 def ulp(value: float, dtype: torch.dtype) -> float:
     """The spacing of ``dtype`` numbers at ``|value|`` (bf16: 7 stored mantissa bits, fp32: 23)."""
     assert dtype in MANTISSA_BITS, f"{dtype} is not one of {list(MANTISSA_BITS)}"
-    if value == 0:
-        return 0.0
-    return 2.0 ** (math.floor(math.log2(abs(value))) - MANTISSA_BITS[dtype])
+    return 0.0 if value == 0 else 2.0 ** (math.floor(math.log2(abs(value))) - MANTISSA_BITS[dtype])
 
 
 def tolerance(eager: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest |XLA - eager| accepted for a ``dtype`` graph's logits: ``TOLERANCE_ULPS[dtype]`` ulps of the largest."""
+    """The largest |XLA - eager| accepted: ``TOLERANCE_ULPS[dtype]`` ulps of the largest eager logit."""
     assert dtype in TOLERANCE_ULPS, f"{dtype} has no tolerance rule"
     return TOLERANCE_ULPS[dtype] * ulp(float(eager.abs().max()), dtype)
 
@@ -125,30 +111,6 @@ def lowered_cleanly(rows: list[dict]) -> bool:
         row["error"] is None and not row["aten_fallbacks"] and row["device_to_host_transfers"] == 0
         and row["xla_executions"] == 1 and row["max_abs_diff"] <= row["tolerance"]
         and row.get("max_abs_diff_fp32", 0.0) <= row.get("tolerance_fp32", 0.0) for row in rows)
-
-
-def summary(report: dict) -> str:
-    """The report in sentences (deterministic: counts and pass/fail, no floats), for the notebook."""
-    rows, versions = report["graphs"], report["versions"]
-    clean = [row for row in rows if lowered_cleanly([row])]
-    tps = sorted({row["tp"] for row in rows})
-    text = (f"At torch {versions['torch']} / torch-xla {versions['torch-xla']}, **{len(clean)} of {len(rows)}** "
-            f"graphs (prefill, dense decode, sparse decode and the lm_head, at TP={' and '.join(map(str, tps))}) "
-            "lower to one XLA graph per step with no aten fallback and no device-to-host transfer, with logits "
-            f"equal to eager within {TOLERANCE_ULPS[torch.float32]} fp32 ulps of the largest logit (fp32 build) "
-            f"and {TOLERANCE_ULPS[torch.bfloat16]} bf16 ulps (bf16 build).")
-    failed = [f"{row['graph']} (tp={row['tp']}, {row['experts']})" for row in rows if row not in clean]
-    if failed:
-        text += f" **Not clean: {', '.join(failed)}** (see the tables)."
-    by_key = {(row["graph"], row["tp"], row["experts"]): row for row in rows}
-    extra = {tp: by_key[("decode", tp, "sparse")]["gathers"] - by_key[("decode", tp, "dense")]["gathers"]
-             for tp in tps if ("decode", tp, "sparse") in by_key and ("decode", tp, "dense") in by_key}
-    if extra:
-        counts = " and ".join(f"{n} at TP={tp}" for tp, n in extra.items())
-        text += (f" The selective-loading decode holds more gather instructions than the dense decode ({counts}): "
-                 "in every layer it gathers the routed experts' gate/up and down weights and their scales, whole "
-                 "experts on the weights' leading axis.")
-    return text
 
 
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
@@ -164,9 +126,7 @@ def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
 
 def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900) -> dict:
     """Run this module's check in the xla environment (a subprocess) and return its JSON report."""
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"]
-    if contrast:
-        command.append("--contrast")
+    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"] + (["--contrast"] if contrast else [])
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s)
     if done.returncode:
@@ -241,46 +201,32 @@ def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **lab
                "device_to_host_transfers": transfers[0] if transfers else 0,
                "xla_executions": metrics.counter_value("ExecuteComputation") or 0, "error": error}
         if error is not None:
-            return {**row, "hlo_instructions": None, "gathers": None, "weight_gathers": None,
-                    "weight_gathers_leading_axis": None, "max_abs_diff": None, "tolerance": None}, eager
+            return {**row, **dict.fromkeys(("hlo_instructions", "gathers", "weight_gathers", "weight_gathers_leading_axis",
+                                            "max_abs_diff", "tolerance"))}, eager
         row.update(hlo_counts(hlo))
         logits = outputs[0].cpu().float()
-    row["max_abs_diff"] = float((logits - eager).abs().max())
-    row["tolerance"] = tolerance(eager, dtype)
-    return row, eager
+    return {**row, "max_abs_diff": float((logits - eager).abs().max()), "tolerance": tolerance(eager, dtype)}, eager
 
 
 def _tiny(model_dir: Path | str):
-    config = text_config(model_dir)
-    state = read_hf_state(model_dir)
-    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")  # the shipped shapes
-    return config, state, build
+    """(config, state, the build at the shipped shapes)."""
+    build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    return B.text_config(model_dir), B.read_hf_state(model_dir), build
 
 
-def _embedded(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
-    return state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
-
-
-def prefill_inputs(config, state: dict, build) -> tuple:
-    """The prefill bucket: ``PROMPT_TOKENS`` seeded token ids padded to ``build.bucket``, embedded as the host does."""
-    generator = torch.Generator().manual_seed(SEED)
-    ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
-    ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
-    return step_inputs(_embedded(config, state, ids), list(range(build.bucket)), build.max_len,
-                       config.sliding_window, PROMPT_TOKENS - 1)
-
-
-def decode_inputs(config, state: dict, build) -> tuple:
-    """One seeded token at ``DECODE_POSITION``."""
-    generator = torch.Generator().manual_seed(SEED + 1)
-    ids = torch.randint(3, config.vocab_size, (1, 1), generator=generator)
-    return step_inputs(_embedded(config, state, ids), [DECODE_POSITION], build.max_len, config.sliding_window)
-
-
-def head_inputs(config, state: dict) -> tuple:
-    """The lm_head's input: one token's final hidden state ``[1, 1, H]`` in bf16 (seeded, unit RMS)."""
-    generator = torch.Generator().manual_seed(SEED + 3)
-    return (torch.randn(1, 1, config.hidden_size, generator=generator).to(torch.bfloat16),)
+def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
+    """The prefill bucket (``PROMPT_TOKENS`` seeded token ids, padded) or one seeded token at ``DECODE_POSITION``,
+    embedded as the host does."""
+    if graph == "prefill":
+        generator = torch.Generator().manual_seed(SEED)
+        ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
+        ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
+        positions, last = list(range(build.bucket)), (PROMPT_TOKENS - 1,)
+    else:
+        ids = torch.randint(3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1))
+        positions, last = [DECODE_POSITION], ()
+    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
+    return B.step_inputs(embeds, positions, build.max_len, config.sliding_window, *last)
 
 
 def fill_cache(module) -> None:
@@ -289,13 +235,6 @@ def fill_cache(module) -> None:
     with torch.no_grad():
         for state in [*module.k_cache, *module.v_cache]:
             state.copy_(torch.randn(state.shape, generator=generator))
-
-
-def rank_graph_module(config, state: dict, build, tp: int, experts: str):
-    """Rank 0's ``NeuronGemma4`` at TP=``tp`` on the cpu stand-ins, loaded as ModelBuilder loads it."""
-    build = replace(build, tp_degree=tp)
-    checkpoint = convert_checkpoint(state, config, tp, dtype=getattr(torch, build.dtype))
-    return rank_module(config, build, checkpoint, state, 0, cpu_sdk(), experts=experts, group=None)
 
 
 def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
@@ -307,22 +246,12 @@ def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bf
                             checkpoint, tp, 0)
 
 
-def _cpu_module(config, state, build, experts: str):
-    """``NeuronGemma4(parallel=False)`` at TP=1 with ``gemma_nb.moe``'s ``experts`` swapped in (the contrast)."""
-    module = NeuronGemma4(config, build, parallel=False)
-    # The bundled checkpoints tie lm_head to the embedding and store the table once.
-    module.load_state({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
-    if experts != "transformers":
-        swap_experts(module.lm, experts)
-    return module
-
-
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
     """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
     rounding (eager bf16 against eager fp32)."""
     row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = lower_step(make_module(torch.float32),
-                                    tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
+                                   tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
     if exact["error"] or exact["aten_fallbacks"] or exact["device_to_host_transfers"]:
         raise RuntimeError(f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}")
     return {**row, "bf16_rounding": float((eager - fp32_eager).abs().max()),
@@ -333,21 +262,25 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     """Each graph the neuron build traces, at each TP degree, lowered on the XLA cpu device."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
-    steps = {"prefill": prefill_inputs(config, state, build), "decode": decode_inputs(config, state, build)}
+    steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
             def make_module(module_dtype, experts=experts, graph=graph):
-                module_build = replace(build, dtype=str(module_dtype).removeprefix("torch."))
-                module = rank_graph_module(config, state, module_build, tp, experts)
+                # rank 0's NeuronGemma4 on the cpu stand-ins, loaded as ModelBuilder loads it
+                module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
+                checkpoint = B.convert_checkpoint(state, config, tp, dtype=module_dtype)
+                module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
                 if graph == "decode":
                     fill_cache(module)
                 return module
 
             rows.append(lower_in_both_dtypes(make_module, steps[graph], dtype, graph=graph, tp=tp, experts=experts,
                                              tokens=steps[graph][0].shape[1]))
+        # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
+        hidden = torch.randn(1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3))
         rows.append(lower_in_both_dtypes(lambda module_dtype: rank_head_module(config, state, tp, module_dtype),
-                                         head_inputs(config, state), dtype, graph="lm_head", tp=tp, experts=None,
+                                         (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp, experts=None,
                                          tokens=1))
     return rows
 
@@ -356,24 +289,28 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
     an exception in the XLA step is recorded as the row's ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
-    dtype = getattr(torch, build.dtype)
-    inputs = decode_inputs(config, state, build)
+    inputs = seeded_inputs(config, state, build, "decode")
     rows = []
     for experts in ("transformers", "sparse"):
-        module = _cpu_module(config, state, build, experts)
+        module = B.NeuronGemma4(config, build, parallel=False)
+        # The bundled checkpoints tie lm_head to the embedding and store the table once.
+        module.load_state({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+        if experts != "transformers":
+            swap_experts(module.lm, experts)
         fill_cache(module)
-        rows.append(lower_step(module, inputs, dtype, graph="decode", tp=1, experts=f"{experts} (cpu)", tokens=1)[0])
+        rows.append(lower_step(module, inputs, getattr(torch, build.dtype), graph="decode", tp=1,
+                               experts=f"{experts} (cpu)", tokens=1)[0])
     return rows
 
 
 def versions() -> dict:
-    return package_versions(("torch", "torch-xla", "transformers"))
+    return B.package_versions(("torch", "torch-xla", "transformers"))
 
 
 def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
-    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
     out = {"versions": versions(), "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
            "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
            "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
@@ -396,11 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
     result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for row in result["graphs"] + result.get("contrast", []):
-            print(row)
+    rows = result["graphs"] + result.get("contrast", [])
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, rows)))
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 

@@ -1,11 +1,8 @@
-"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores.
-
-Each graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc; no NEFF is written.
-"""
+"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores; each
+graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc, and no NEFF is written."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import shutil
@@ -15,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gemma_nb.rehearsal import nxd_model
-from gemma_nb.rehearsal.nxd_layers import ParallelState, set_state, state_or_none
-from gemma_nb.rehearsal.sharding import cast_weights, init_on_meta, preprocess_checkpoint, shard_children
+from gemma_nb.rehearsal.nxd_layers import ParallelState, state_or_none, use_state
+from gemma_nb.rehearsal.sharding import init_on_meta, preprocess_checkpoint, shard_children
 
 logger = logging.getLogger("Neuron")
 AUTO_CAST_WARNING = "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
@@ -38,20 +35,13 @@ def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     return compiler_args
 
 
-@contextlib.contextmanager
 def parallel_state(tp: int):
     """``parallel_state.initialize_model_parallel(tp)`` ... ``destroy_model_parallel()``, for the emulated cores."""
-    previous = state_or_none()
-    set_state(ParallelState(tp, spmd=True))
-    try:
-        yield
-    finally:
-        set_state(previous)
+    return use_state(ParallelState(tp, spmd=True))
 
 
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
     preprocess_checkpoint(model, checkpoint)
-    cast_weights(checkpoint, model)
     shards = []
     for rank in range(tp):
         shard = dict(checkpoint)
@@ -66,9 +56,7 @@ class BaseModelInstance:
     """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its aliases."""
 
     def __init__(self, module_cls, input_output_aliases):
-        self.module_cls = module_cls
-        self.module = None
-        self.input_output_aliases = [input_output_aliases]
+        self.module_cls, self.module, self.input_output_aliases = module_cls, None, [input_output_aliases]
 
     def load_module(self):
         self.module = self.module_cls()
@@ -85,8 +73,7 @@ class ModelBuilder:
         if unsupported:
             raise TypeError(f"the emulated ModelBuilder does not implement {sorted(unsupported)}")
         self.router, self.tp_degree, self.checkpoint_loader = router, tp_degree, checkpoint_loader
-        self.start_rank_id = start_rank_id
-        self.compiler_workdir = compiler_workdir or "/tmp/nxd_model/"
+        self.start_rank_id, self.compiler_workdir = start_rank_id, compiler_workdir or "/tmp/nxd_model/"
         self.model_collection: dict = {}
 
     def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
@@ -133,23 +120,12 @@ class ModelBuilder:
         return nxd_model.EmulatedExecutor(model)
 
 
-class NxDParallelState:
+def NxDParallelState(world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported):
     """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state for building."""
-
-    def __init__(self, world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported):
-        if unsupported or world_size != tensor_model_parallel_size:
-            raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
-                            f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
-        self.tp = tensor_model_parallel_size
-        self._context = None
-
-    def __enter__(self):
-        self._context = parallel_state(self.tp)
-        self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._context.__exit__(*exc)
+    if unsupported or world_size != tensor_model_parallel_size:
+        raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
+                        f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
+    return parallel_state(tensor_model_parallel_size)
 
 
 class NxDModelV2:
@@ -179,8 +155,7 @@ class ModelBuilderV2:
     """v2 (``trace/model_builder_v2.py``), as the module docstring says."""
 
     def __init__(self, model, weights_to_skip_layout_optimization=None):
-        self.model = model
-        self.traces: dict = {}
+        self.model, self.graphs, self.shape_map, self.tp = model, {}, {}, None
 
     def trace(self, args=None, kwargs=None, tag: str | None = None, spmd: bool = True):
         state = state_or_none()
@@ -189,17 +164,15 @@ class ModelBuilderV2:
         if kwargs:
             raise TypeError("the emulated ModelBuilder v2 traces positional arguments only")
         args = args if isinstance(args, tuple) else (args,)
-        tag = tag or f"graph_{len(self.traces)}"
-        self.traces[tag] = (nxd_model.trace_graph(self.model, args, {}, state.tp), args, state.tp)
+        tag = tag or f"graph_{len(self.graphs)}"
+        self.graphs[tag] = nxd_model.trace_graph(self.model, args, {}, state.tp)
+        self.shape_map[nxd_model.shape_key(args)], self.tp = (tag, 0), self.tp or state.tp
         return self
 
     def compile(self, priority_model_key=None, compiler_workdir=None, compiler_args=None, max_workers=None):
-        if not self.traces:
+        if not self.graphs:
             raise ValueError("No traces available for compilation. Call trace() first.")
-        graphs = {tag: graph for tag, (graph, _, _) in self.traces.items()}
-        shape_map = {nxd_model.shape_key(args): (tag, 0) for tag, (_, args, _) in self.traces.items()}
-        tp = next(iter(self.traces.values()))[2]
-        return NxDModelV2(nxd_model.EmulatedNxDModel(graphs, shape_map, tp))
+        return NxDModelV2(nxd_model.EmulatedNxDModel(dict(self.graphs), dict(self.shape_map), self.tp))
 
 
 def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None, load_on_device: bool = False,

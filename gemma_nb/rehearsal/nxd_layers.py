@@ -1,7 +1,5 @@
-"""NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts).
-
-Collectives go to a gloo group (``group``), the emulated NeuronCores (``spmd=True``), or nowhere (one rank's
-graph, collectives as identities: its outputs are that rank's partial sums).
+"""NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts). Collectives
+go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums).
 """
 
 from __future__ import annotations
@@ -19,37 +17,35 @@ from gemma_nb.rehearsal import spmd
 
 NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
 
-_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "rank_ordering")
-
 
 @dataclass(frozen=True)
 class ParallelState:
-    """What a stand-in layer captures when it is built: TP degree, this rank, the gloo group (or None),
-    and whether its collectives run between emulated NeuronCores (``spmd``)."""
+    """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
 
     tp: int
     rank: int = 0
     group: object = None
     spmd: bool = False
 
-    def size(self) -> int:
-        return self.tp
-
 
 _STATE: ParallelState | None = None
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
-    """Set the parallel state the stand-in layers read at construction (and keep for their forward)."""
+def use_state(state: ParallelState | None):
+    """The parallel state the stand-in layers read at construction (and keep for their forward), for the duration."""
     global _STATE
-    assert type(tp) is int and 0 <= rank < tp, (tp, rank)
-    assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), "tp, rank != the group's"
-    previous, _STATE = _STATE, ParallelState(tp, rank, group, spmd)
+    previous, _STATE = _STATE, state
     try:
-        yield _STATE
+        yield state
     finally:
         _STATE = previous
+
+
+def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
+    assert type(tp) is int and 0 <= rank < tp, (tp, rank)
+    assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), "tp, rank != the group's"
+    return use_state(ParallelState(tp, rank, group, spmd))
 
 
 def current_state() -> ParallelState:
@@ -57,12 +53,6 @@ def current_state() -> ParallelState:
         raise RuntimeError("the stand-in NxD layers need a parallel state: build them inside "
                            "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)")
     return _STATE
-
-
-def set_state(state: ParallelState | None) -> None:
-    """Set (or, with None, clear) the parallel state: the emulated ``parallel_state`` module's entry point."""
-    global _STATE
-    _STATE = state
 
 
 def state_or_none() -> ParallelState | None:
@@ -77,31 +67,21 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int,
                                          num_partitions: int, rank_ordering: list | None = None) -> None:
-    """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering``
-    that does not name every rank."""
-    for name in _PARALLEL_ATTRIBUTES:
+    """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering`` missing a rank."""
+    tags = {"tensor_model_parallel": is_parallel, "partition_dim": dim, "partition_stride": stride,
+            "num_partitions": num_partitions, "rank_ordering": rank_ordering}
+    for name in tags:
         if hasattr(tensor, name):
             raise AssertionError(f"tensor already carries {name}")
     if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
         raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
-    tensor.tensor_model_parallel = is_parallel
-    tensor.partition_dim = dim
-    tensor.partition_stride = stride
-    tensor.num_partitions = num_partitions
-    tensor.rank_ordering = rank_ordering
-
-
-def _group(process_group) -> ParallelState:
-    return process_group if process_group is not None else current_state()
-
-
-def copy_to_tensor_model_parallel_region(input_, process_group=None):
-    return input_
+    for name, value in tags.items():
+        setattr(tensor, name, value)
 
 
 def reduce_from_tensor_model_parallel_region(input_, process_group=None):
     """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a group."""
-    state = _group(process_group)
+    state = process_group or current_state()
     if state.tp > 1 and state.spmd:
         return spmd.all_reduce(input_)
     if state.tp == 1 or state.group is None:
@@ -113,7 +93,7 @@ def reduce_from_tensor_model_parallel_region(input_, process_group=None):
 
 def gather_from_tensor_model_parallel_region(input_, process_group=None):
     """All-gather along the last dim over the TP group; identity at tp=1 or without a group."""
-    state = _group(process_group)
+    state = process_group or current_state()
     if state.tp > 1 and state.spmd:
         return spmd.all_gather(input_, -1)
     if state.tp == 1 or state.group is None:
@@ -125,7 +105,7 @@ def gather_from_tensor_model_parallel_region(input_, process_group=None):
 
 def scatter_to_tensor_model_parallel_region(input_, process_group=None):
     """This rank's slice of the last dim (the rank known to the process, as in NxD)."""
-    state = _group(process_group)
+    state = process_group or current_state()
     if state.tp == 1:
         return input_
     size = _divide(input_.shape[-1], state.tp, "last dim")
@@ -134,7 +114,7 @@ def scatter_to_tensor_model_parallel_region(input_, process_group=None):
 
 def scatter_to_process_group_spmd(input_, partition_dim: int, rank: torch.Tensor, process_group=None):
     """The ``rank``-th slice along ``partition_dim``, with ``rank`` a tensor (SPMD: one trace, every rank)."""
-    state = _group(process_group)
+    state = process_group or current_state()
     if input_.size(partition_dim) % state.tp:
         raise AssertionError(f"tensor dim to scatter ({input_.size(partition_dim)}) must be multiple of group "
                              f"size ({state.tp})")
@@ -144,7 +124,6 @@ def scatter_to_process_group_spmd(input_, partition_dim: int, rank: torch.Tensor
 
 
 mappings = SimpleNamespace(
-    copy_to_tensor_model_parallel_region=copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region=reduce_from_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region=gather_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region=scatter_to_tensor_model_parallel_region,
@@ -172,13 +151,12 @@ def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_ou
 
 
 def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
-               dtype, stride: int, group) -> int:
-    """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``); the TP degree."""
+               dtype, stride: int, group) -> None:
+    """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``)."""
     layer.tensor_parallel_group = group or current_state()
     layer.input_size, layer.output_size, layer.input_is_parallel = input_size, output_size, input_is_parallel
     layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
     layer.input_size_per_partition = _divide(input_size, layer.tensor_parallel_group.tp, "input_size")
-    return layer.tensor_parallel_group.tp
 
 
 class BaseParallelLinear(nn.Module):
@@ -188,6 +166,10 @@ class BaseParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
         # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
+
+    def _make_bias(self, bias: bool, size: int, dtype, device) -> None:
+        self.register_parameter("bias", nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
+                                if bias else None)
 
 
 class ColumnParallelLinear(BaseParallelLinear):
@@ -204,13 +186,9 @@ class ColumnParallelLinear(BaseParallelLinear):
         tp = _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad,
                            tensor_model_parallel_group)
         self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
-        if bias:
-            size = self.output_size if gather_output else self.output_size_per_partition
-            self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
-            if not gather_output:
-                set_tensor_model_parallel_attributes(self.bias, True, 0, stride, tp)
-        else:
-            self.register_parameter("bias", None)
+        self._make_bias(bias, self.output_size if gather_output else self.output_size_per_partition, dtype, device)
+        if bias and not gather_output:
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride, tp)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
@@ -241,19 +219,15 @@ class RowParallelLinear(BaseParallelLinear):
                    tensor_model_parallel_group)
         self.reduce_dtype = reduce_dtype
         self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        self._make_bias(bias, output_size, dtype, device)
 
     def forward(self, input_):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
         output = F.linear(input_, self.weight)
         if self.reduce_output:
-            dtype = output.dtype
-            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype), self.tensor_parallel_group)
-            output = output.to(dtype)
+            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype),
+                                                              self.tensor_parallel_group).to(output.dtype)
         return output + self.bias if self.bias is not None else output
 
 
@@ -262,9 +236,5 @@ class SPMDRank(nn.Module):
 
     def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None):
         super().__init__()
-        self.world_size = world_size
         self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
         set_tensor_model_parallel_attributes(self.rank, True, 0, 1, world_size)
-
-    def get_rank(self) -> torch.Tensor:
-        return self.rank

@@ -1,6 +1,5 @@
-"""NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores.
-
-A call is routed by its inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
+"""NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call is routed by its
+inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
 """
 
 from __future__ import annotations
@@ -8,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,10 +39,9 @@ def _swapped(module: nn.Module, tensors: dict):
 class _Graph(nn.Module):
     """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module on those tensors."""
 
-    def __init__(self, module: nn.Module, weight_names: list[str], state_names: list[str]):
+    def __init__(self, module: nn.Module, names: list[str]):
         super().__init__()
-        self._held = [module]  # not a submodule: its own parameters must not be saved with the graph
-        self.names = weight_names + state_names
+        self._held, self.names = [module], names  # not a submodule: its parameters must not be saved with the graph
 
     def forward(self, *tensors):
         with _swapped(self._held[0], dict(zip(self.names, tensors))):
@@ -56,16 +55,16 @@ def _meta(tensor: torch.Tensor) -> list:
 
 def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int) -> dict:
     """``module`` traced for the emulated cores: ``{"program": ScriptModule, "spec": {...}}``."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    state_names = [names[id(p)] for p in aliases]
-    weight_names = [name for name in names.values() if name not in state_names]
     parameters = dict(module.named_parameters())
-    weights, states = [parameters[n] for n in weight_names], [parameters[n] for n in state_names]
-    graph = _Graph(module.eval(), weight_names, state_names)
+    names = {id(p): name for name, p in parameters.items()}
+    state_names = [names[id(p)] for p in aliases]
+    weight_names = [name for name in parameters if name not in state_names]
+    tensors = [parameters[n] for n in weight_names + state_names]
+    graph = _Graph(module.eval(), weight_names + state_names)
     with torch.no_grad(), spmd.tracing(tp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.jit.trace(graph, (*weights, *states, *example_inputs), strict=False, check_trace=False)
-        outputs = graph(*weights, *states, *example_inputs)
+        program = torch.jit.trace(graph, (*tensors, *example_inputs), strict=False, check_trace=False)
+        outputs = graph(*tensors, *example_inputs)
     spec = {"weights": {n: _meta(parameters[n]) for n in weight_names},
             "states": {n: _meta(parameters[n]) for n in state_names},
             "inputs": [_meta(t) for t in example_inputs], "outputs": len(outputs),
@@ -84,8 +83,7 @@ class EmulatedNxDModel:
     def __init__(self, graphs: dict, shape_map: dict, tp: int, weights: list[dict] | None = None):
         self.graphs, self.shape_map, self.tp = graphs, shape_map, tp
         self.saved_weights = weights  # the weights inside the artifact (initialize_with_saved_weights)
-        self.weights = self.states = None
-        self.loaded = False
+        self.weights, self.states, self.loaded = None, None, False
         self.calls = dict.fromkeys(graphs, 0)
 
     def _check_weights(self, weights: list[dict]) -> None:
@@ -96,7 +94,7 @@ class EmulatedNxDModel:
                 for name, (shape, dtype) in graph["spec"]["weights"].items():
                     if name not in shard:
                         raise RuntimeError(f"rank {rank}: the checkpoint holds no weight {name!r} the graph needs")
-                    if [list(shard[name].shape), str(shard[name].dtype).removeprefix("torch.")] != [shape, dtype]:
+                    if _meta(shard[name]) != [shape, dtype]:
                         raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
                                            f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
 
@@ -116,8 +114,7 @@ class EmulatedNxDModel:
         self.initialize(self.saved_weights, start_rank_tensor)
 
     def unloaded(self) -> None:
-        self.weights = self.states = None
-        self.loaded = False
+        self.weights, self.states, self.loaded = None, None, False
 
     def router(self, inputs) -> tuple[str, int]:
         key = shape_key(inputs)
@@ -130,19 +127,18 @@ class EmulatedNxDModel:
             raise ValueError(NOT_INITIALIZED)
         name, _ = self.router(inputs)
         graph = self.graphs[name]
-        traced = [dtype for _, dtype in graph["spec"]["inputs"]]
-        given = [str(t.dtype).removeprefix("torch.") for t in inputs]
+        spec = graph["spec"]
+        traced, given = [dtype for _, dtype in spec["inputs"]], [_meta(t)[1] for t in inputs]
         if given != traced:
             raise RuntimeError(f"graph {name!r} was traced with input dtypes {traced}, called with {given}")
-        weight_names, state_names = list(graph["spec"]["weights"]), list(graph["spec"]["states"])
 
         def job(rank):
             with torch.no_grad():
-                return graph["program"](*[self.weights[rank][n] for n in weight_names],
-                                        *[self.states[rank][n] for n in state_names], *inputs)
+                return graph["program"](*[self.weights[rank][n] for n in spec["weights"]],
+                                        *[self.states[rank][n] for n in spec["states"]], *inputs)
 
         per_rank = spmd.run_on_cores([lambda rank=rank: job(rank) for rank in range(self.tp)])
-        aliases = {int(index): state for index, state in graph["spec"]["aliases"].items()}
+        aliases = {int(index): state for index, state in spec["aliases"].items()}
         for rank, outputs in enumerate(per_rank):
             for index, state in aliases.items():
                 self.states[rank][state] = outputs[index]
@@ -150,11 +146,11 @@ class EmulatedNxDModel:
         return [out for index, out in enumerate(per_rank[0]) if index not in aliases]
 
 
+@dataclass
 class EmulatedExecutor:
     """What ``trace`` returns and ``torch.jit.load`` gives back: ``executor(*inputs)``, ``.nxd_model``, ``.save``."""
 
-    def __init__(self, nxd_model: EmulatedNxDModel):
-        self.nxd_model = nxd_model
+    nxd_model: EmulatedNxDModel
 
     def __call__(self, *inputs):
         return self.nxd_model(list(inputs))
@@ -175,25 +171,18 @@ def executor_from_saved(module) -> EmulatedExecutor:
     return EmulatedExecutor(EmulatedNxDModel(graphs, spec["shape_map"], spec["tp"], list(module.weights)))
 
 
-def _is_saved(module) -> bool:
-    try:
-        return json.loads(module.spec).get("marker") == SAVED_MARKER
-    except (AttributeError, RuntimeError, ValueError):
-        return False
-
-
 _JIT_LOAD = torch.jit.load
 
 
 def jit_load(*args, **kwargs):
-    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote."""
+    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote (what importing
+    the emulated ``neuronx_distributed.trace.model_builder`` installs)."""
     module = _JIT_LOAD(*args, **kwargs)
-    return executor_from_saved(module) if _is_saved(module) else module
-
-
-def register() -> None:
-    """What importing the emulated ``neuronx_distributed.trace.model_builder`` does (module docstring)."""
-    torch.jit.load = jit_load
+    try:
+        saved = json.loads(module.spec).get("marker") == SAVED_MARKER
+    except (AttributeError, RuntimeError, ValueError):
+        saved = False
+    return executor_from_saved(module) if saved else module
 
 
 def _marker_op(inputs):

@@ -1,7 +1,5 @@
-"""NxD's quantized layers as cpu stand-ins (neuronx-distributed 0.18's ``quantization_layers.py``).
-
-int8/fp8 per-tensor or per-channel, the expert-fused layers with ``expert_indices``; ``scale_dequantize`` is kept
-in place as NxD writes it, so a 2-D input fails here as on the box unless the port's patch is applied.
+"""NxD 0.18's ``quantization_layers.py`` as cpu stand-ins: int8/fp8 per-tensor or per-channel, the expert-fused
+layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ NOT_EMULATED = ("the emulated SDK does not implement {what} (on the box the SDK 
 
 
 def sdk_scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD 0.18's ``scale_dequantize`` as written."""
     upcast = tensor.to(torch.float32)
     upcast *= scale.unsqueeze(len(scale.shape) - 1)
     return upcast.to(upcast_dtype)
@@ -82,15 +79,15 @@ class _QuantizedLinear(nn.Module):
         if self.quantization_type == QuantizationType.BLOCKWISE_SYMMETRIC:
             raise NotImplementedError(NOT_EMULATED.format(what="blockwise quantization"))
         if self.quantized_dtype == QuantizedDtype.F4E2M1FN_X4 or self.scale_dtype != ScaleDtype.F32:
-            raise NotImplementedError(NOT_EMULATED.format(what=f"{self.quantized_dtype.name} with {self.scale_dtype.name} scales"))
+            what = f"{self.quantized_dtype.name} with {self.scale_dtype.name} scales"
+            raise NotImplementedError(NOT_EMULATED.format(what=what))
         tp = self.tensor_parallel_group.tp
         self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
                                    requires_grad=False)
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
         self.weight.get_tensor_from_state_dict = _from_state_dict("weight")
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
-            self.scale = nn.Parameter(torch.ones(1, device=device), requires_grad=False)
-            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+            scale_shape, split = [1], False
         elif self.quantization_type in _PER_CHANNEL:
             scale_shape = [1] * len(weight_shape)
             scale_shape[channel_axis] = weight_shape[channel_axis]
@@ -98,24 +95,28 @@ class _QuantizedLinear(nn.Module):
                 if experts is None:
                     raise ValueError(f"{type(self).__name__}: expert-wise scales need an experts layer")
                 scale_shape[0] = experts
-            self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
-            if partition_dim == channel_axis:  # the scale is split with the channels it scales
-                set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
-            else:
-                set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+            split = partition_dim == channel_axis  # the scale is split with the channels it scales
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
+        self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
+        if split:
+            set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
+        else:
+            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
         self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
+        self.register_parameter("bias", None)
 
     def _scale_dequantize(self, output, scale):
         return self.quantization_layers.scale_dequantize(tensor=output, scale=scale, upcast_dtype=output.dtype)
 
+    def _matmul(self, input_):
+        output = F.linear(input_, direct_cast_dequantize(self.weight, input_.dtype))
+        return self._scale_dequantize(output, self.scale.T)
+
 
 def _channel_axis(quantization_type, axis: int | None, only: int) -> int:
-    if QuantizationType(quantization_type) in _PER_CHANNEL:
-        axis = only if axis is None else axis
-        if axis != only:
-            raise AssertionError(f"Only per_channel_axis={only} supported for post-matmul output dequantization")
+    if QuantizationType(quantization_type) in _PER_CHANNEL and axis not in (None, only):
+        raise AssertionError(f"Only per_channel_axis={only} supported for post-matmul output dequantization")
     return only if axis is None else axis
 
 
@@ -136,11 +137,9 @@ class QuantizedColumnParallel(_QuantizedLinear):
         _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
         self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype, axis,
                     stride, device, dtype, scale_dtype, rank_ordering)
-        self.register_parameter("bias", None)
 
     def forward(self, input_):
-        output = F.linear(input_, direct_cast_dequantize(self.weight, input_.dtype))
-        output = self._scale_dequantize(output, self.scale.T)
+        output = self._matmul(input_)
         if self.gather_output:  # no trim of a padded vocab: NxD 0.18's quantized layer leaves it on
             output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
         return output
@@ -174,13 +173,11 @@ class QuantizedRowParallel(_QuantizedLinear):
                    tensor_model_parallel_group)
         self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype, axis,
                     stride, device, dtype, scale_dtype, rank_ordering)
-        self.register_parameter("bias", None)
 
     def forward(self, input_):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
-        output = F.linear(input_, direct_cast_dequantize(self.weight, input_.dtype))
-        output = self._scale_dequantize(output, self.scale.T)
+        output = self._matmul(input_)
         if self.reduce_output:
             output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
         return output
@@ -188,10 +185,9 @@ class QuantizedRowParallel(_QuantizedLinear):
 
 def _experts_matmul(layer, input_, expert_indices):
     """The expert-fused layers' forward up to the scale: index experts on the leading axis, upcast, einsum."""
+    weight, scale = layer.weight, layer.scale
     if expert_indices is not None:
-        weight, scale = layer.weight[expert_indices, :, :], layer.scale[expert_indices, :, :]
-    else:
-        weight, scale = layer.weight, layer.scale
+        weight, scale = weight[expert_indices, :, :], scale[expert_indices, :, :]
     if input_.shape[0] != weight.shape[0] and input_.shape[0] > 1:
         raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
                            f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
@@ -222,7 +218,6 @@ class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
         _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
                     axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
-        self.register_parameter("bias", None)
 
     def forward(self, input_, expert_indices=None):
         return _experts_matmul(self, input_, expert_indices)
@@ -245,7 +240,6 @@ class QuantizedExpertFusedRowParallel(_QuantizedLinear):
         _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
                     axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
-        self.register_parameter("bias", None)
 
     def forward(self, input_, expert_indices=None):
         output = _experts_matmul(self, input_, expert_indices)

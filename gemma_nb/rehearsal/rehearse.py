@@ -49,31 +49,29 @@ def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
 def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
     """The subprocesses' environment: the emulated SDK on the path, the budget, one cpu thread per torch
     op, no hub access, and the API key the server asks for (the runbook's ``export GEMMA_NB_API_KEY``)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["PATH"] = os.pathsep.join([str(SDK_PATH / "bin"), env.get("PATH", "")])
-    env.update({"GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
-                "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY,
-                # the emulated NeuronCores are threads of one process: each computes on one cpu thread (the
-                # tiny graphs run ~3x faster so on a 2-core box than with torch's two threads per op)
-                "OMP_NUM_THREADS": "1"})
-    return env
+    python_path = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": python_path, "PATH": os.pathsep.join([str(SDK_PATH / "bin"), os.environ.get("PATH", "")]),
+            "GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
+            "HF_HUB_OFFLINE": "1", "GEMMA_NB_API_KEY": API_KEY,
+            # the emulated NeuronCores are threads of one process: each computes on one cpu thread (the
+            # tiny graphs run ~3x faster so on a 2-core box than with torch's two threads per op)
+            "OMP_NUM_THREADS": "1"}
 
 
 class Rehearsal:
     """The steps run so far and their record; :meth:`step` runs one command."""
 
     def __init__(self, env: dict):
-        self.env, self.torch = env, torch.__version__
-        self.steps: list[dict] = []
+        self.env, self.torch, self.steps = env, torch.__version__, []
 
-    def _record(self, name: str, command: str, status: str, seconds: float, detail: str = "") -> dict:
-        entry = {"name": name, "command": command, "status": status, "seconds": round(seconds, 1), "torch": self.torch}
-        if detail:
-            entry["detail"] = detail
-        self.steps.append(entry)
+    def _record(self, name: str, command: str, seconds: float, detail: str = "", failure: str = "") -> None:
+        """Record a step, ``failed`` with ``failure`` (then raised as ``RuntimeError``) or ``ok``."""
+        status = "failed" if failure else "ok"
+        self.steps.append({"name": name, "command": command, "status": status, "seconds": round(seconds, 1),
+                           "torch": self.torch, **({"detail": detail} if detail else {})})
         print(f"[rehearse] {name}: {status} in {seconds:.1f} s: {command}", file=sys.stderr, flush=True)
-        return entry
+        if failure:
+            raise RuntimeError(failure)
 
     def step(self, name: str, command: str, timeout_s: float = 900) -> None:
         """Run a runbook command (``python`` is this interpreter); raise ``RuntimeError`` on failure."""
@@ -81,10 +79,8 @@ class Rehearsal:
         started = time.perf_counter()
         done = subprocess.run(argv, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         tail = (done.stdout + done.stderr)[-4000:]
-        self._record(name, command, "ok" if done.returncode == 0 else "failed", time.perf_counter() - started,
-                     "" if done.returncode == 0 else tail)
-        if done.returncode:
-            raise RuntimeError(f"rehearsal step {name} failed (exit {done.returncode}):\n{tail}")
+        self._record(name, command, time.perf_counter() - started, tail if done.returncode else "",
+                     f"rehearsal step {name} failed (exit {done.returncode}):\n{tail}" if done.returncode else "")
 
     def copy(self, source: Path, target: Path) -> None:
         """Runbook step 7's rsync, as a copy to a fresh folder without the compiler workdir."""
@@ -92,7 +88,7 @@ class Rehearsal:
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("compiler_workdir", RECORD))
-        self._record("copy", runbook.COMMANDS["copy"][0] + f"  (as: copy to {target.relative_to(REPO_ROOT)})", "ok",
+        self._record("copy", runbook.COMMANDS["copy"][0] + f"  (as: copy to {target.relative_to(REPO_ROOT)})",
                      time.perf_counter() - started)
 
     def serve(self, artifact: Path) -> str:
@@ -100,25 +96,21 @@ class Rehearsal:
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT)))
         command = command.replace("--host 0.0.0.0 --port 8080", f"--host 127.0.0.1 --port {port}")
-        started = time.perf_counter()
-        log = SMOKE_DIR / "serve.log"
+        started, log = time.perf_counter(), SMOKE_DIR / "serve.log"
         with open(log, "w") as handle:
             process = subprocess.Popen([sys.executable, *command.split()[1:]], cwd=REPO_ROOT, env=self.env,
                                        stdout=handle, stderr=subprocess.STDOUT)
         try:
             wait_until_healthy(f"http://127.0.0.1:{port}/v1", timeout_s=300, process=process, log_path=log)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-            served = client.models.list().data[0].id
-            reply = client.chat.completions.create(model=served, temperature=0, max_tokens=8,
+            reply = client.chat.completions.create(model=client.models.list().data[0].id, temperature=0, max_tokens=8,
                                                    messages=[{"role": "user", "content": PROMPT}])
             answer = reply.choices[0].message.content
         finally:
             process.terminate()
             process.wait(timeout=60)
-        self._record("serve", command, "ok" if "Paris" in answer else "failed", time.perf_counter() - started,
-                     f"answered {answer!r}")
-        if "Paris" not in answer:
-            raise RuntimeError(f"the server answered {answer!r} to {PROMPT!r}, not Paris")
+        self._record("serve", command, time.perf_counter() - started, f"answered {answer!r}",
+                     "" if "Paris" in answer else f"the server answered {answer!r} to {PROMPT!r}, not Paris")
         return answer
 
 
@@ -129,34 +121,19 @@ def builds_record(serving: Path) -> dict:
     builds = {}
     for folder in (serving / "artifacts" / f"04_neuron_{decode}" for decode in DECODE_PATHS):
         artifact = read_artifact(folder)
+        record, files, build = artifact.record, artifact.manifest["files"], NeuronBuildConfig(**artifact.record["build"])
         compiled = json.loads((SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text())
-        builds[artifact.record["build"]["decode_experts"]] = {
-            "decode_experts": artifact.record["build"]["decode_experts"], "routed_graphs": artifact.record["routed_graphs"],
-            "routed_by_the_emulated_runtime": routed(folder),
-            "graphs": artifact.graphs, "compiler_args": artifact.record["build"]["compiler_args"], "sdk": artifact.record["sdk"],
-            "artifact_files_bytes": artifact.manifest["files"], "artifact_bytes": sum(artifact.manifest["files"].values()),
-            "compiler_workdir_bytes": compiled["compiler_workdir_bytes"], "answer": answers[folder.name]}
+        # the graph the emulated runtime's router reaches in model.pt for a prefill and a decode call
+        router = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt"))).nxd_model.router
+        routed = {kind: router(example_inputs(artifact.config, build, tokens))[0]
+                  for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
+        builds[record["build"]["decode_experts"]] = {
+            "decode_experts": record["build"]["decode_experts"], "routed_graphs": record["routed_graphs"],
+            "routed_by_the_emulated_runtime": routed, "graphs": artifact.graphs,
+            "compiler_args": record["build"]["compiler_args"], "sdk": record["sdk"], "artifact_files_bytes": files,
+            "artifact_bytes": sum(files.values()), "compiler_workdir_bytes": compiled["compiler_workdir_bytes"],
+            "answer": answers[folder.name]}
     return builds
-
-
-def scale_figures() -> dict:
-    """What the planner scales the builds by (``planner.disk_needs``), for the smoke run's checkpoint:
-    its device weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)."""
-    config = text_config(TP2_CHECKPOINT_DIR)
-    table = read_hf_state(TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight")
-    table = table["model.embed_tokens.weight"]
-    return {"model_id": BUNDLED_TP2_ID, "scale": {"device_weight_bytes": planner.device_weight_bytes(config),
-                                                  "embedding_table_bytes": table.numel() * table.element_size()}}
-
-
-def routed(folder: Path) -> dict:
-    """The graph the emulated runtime's router reaches in ``folder``'s ``model.pt`` for a prefill and a
-    decode call (measured, beside the build record's ``routed_graphs``)."""
-    artifact = read_artifact(folder)
-    build = NeuronBuildConfig(**artifact.record["build"])
-    executor = nxd_model.executor_from_saved(torch.jit.load(str(folder / "model.pt")))
-    return {kind: executor.nxd_model.router(example_inputs(artifact.config, build, tokens))[0]
-            for kind, tokens in (("prefill", build.bucket), ("decode", 1))}
 
 
 def disk_drift(record: dict, committed: dict | None) -> list[str]:
@@ -178,13 +155,18 @@ def rehearse() -> dict:
                            "run it in .venv-xla (make rehearse)")
     hbm, runtime_bytes = emulated_hbm_bytes()
     rehearsal = Rehearsal(environment(hbm, runtime_bytes))
-    stamp = REPO_ROOT / ENV_STAMP
-    if stamp.is_file():
-        rehearsal._record("install", runbook.COMMANDS["install"][-1], "ok", float(stamp.read_text().strip() or 0),
+    if (stamp := REPO_ROOT / ENV_STAMP).is_file():
+        rehearsal._record("install", runbook.COMMANDS["install"][-1], float(stamp.read_text().strip() or 0),
                           "seconds of make rehearse-env, when it last ran")
+    # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device weight bytes
+    # (the planner's, as for the 26B) and its embedding table as stored (fp32)
+    weights = planner.device_weight_bytes(text_config(TP2_CHECKPOINT_DIR))
+    table = read_hf_state(TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight")["model.embed_tokens.weight"]
     record = {"emulated_sdk": "gemma_nb.rehearsal (torch-neuronx and neuronx-distributed emulated on the cpu)",
               "torch": rehearsal.torch, "hbm_bytes_per_core": hbm, "runtime_bytes_per_model": runtime_bytes,
-              **scale_figures(), "steps": rehearsal.steps}
+              "model_id": BUNDLED_TP2_ID, "scale": {"device_weight_bytes": weights,
+                                                    "embedding_table_bytes": table.numel() * table.element_size()},
+              "steps": rehearsal.steps}
     started = time.perf_counter()
     try:
         rehearsal.step("preflight", runbook.COMMANDS["preflight"][0])
@@ -219,6 +201,4 @@ def main() -> int:
         print("the builds on disk no longer match docs/rehearsal.json, the runbook's disk basis: " + "; ".join(drift)
               + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} docs/rehearsal.json && "
               "python -m gemma_nb runbook", file=sys.stderr)
-        return 1
-    return 0
-
+    return 1 if drift else 0

@@ -1,7 +1,5 @@
-"""ModelBuilder's checkpoint path, emulated: the module on the meta device, the checkpoint cut per rank.
-
-As NxD 0.18's ``init_on_device``, ``preprocess_checkpoint``, ``cast_weights`` and ``shard_children``: each
-parallel parameter cut along its ``partition_dim`` by ``rank_ordering`` and stride, its shape checked.
+"""ModelBuilder's checkpoint path, emulated as NxD 0.18's ``init_on_device``, ``preprocess_checkpoint``, ``cast_weights``
+and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride.
 """
 
 from __future__ import annotations
@@ -55,18 +53,13 @@ def invoke_preshard_hooks(module: nn.Module, checkpoint: dict, prefix: str = "")
             invoke_preshard_hooks(child, checkpoint, prefix + name + ".")
 
 
-def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> list[str]:
-    """Pre-shard hooks, then the keys the module does not have dropped (returned, as NxD warns them)."""
+def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> None:
+    """In place: pre-shard hooks, the keys the module does not have dropped (NxD warns them), then ModelBuilder's
+    ``cast_weights``: each tensor cast to its parameter's dtype."""
     invoke_preshard_hooks(module, checkpoint)
     own = module.state_dict(keep_vars=True)
-    dropped = [key for key in checkpoint if key not in own]
-    for key in dropped:
+    for key in [key for key in checkpoint if key not in own]:
         del checkpoint[key]
-    return dropped
-
-
-def cast_weights(checkpoint: dict, module: nn.Module) -> None:
-    """ModelBuilder.cast_weights: each checkpoint tensor cast to its parameter's dtype."""
     for name, parameter in module.named_parameters():
         if name in checkpoint and checkpoint[name].dtype != parameter.dtype:
             checkpoint[name] = checkpoint[name].to(parameter.dtype)
@@ -112,7 +105,6 @@ def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) ->
     assert 0 <= rank < tp, (rank, tp)
     state = dict(checkpoint)
     preprocess_checkpoint(module, state)
-    cast_weights(state, module)
     shard_children(module, state, rank)
     return state
 

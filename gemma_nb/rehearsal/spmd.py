@@ -1,5 +1,4 @@
-"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget.
-
+"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget:
 ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
 ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
 """
@@ -24,7 +23,6 @@ class _Group:
     """The rendezvous of ``size`` rank threads: each puts its tensor in a slot, all read every slot."""
 
     def __init__(self, size: int):
-        self.size = size
         self.barrier = threading.Barrier(size)
         self.slots: list[torch.Tensor | None] = [None] * size
 
@@ -36,11 +34,7 @@ class _Group:
         return gathered
 
 
-_LOCAL = threading.local()
-
-
-def _rank_context() -> tuple[_Group, int] | None:
-    return getattr(_LOCAL, "context", None)
+_LOCAL = threading.local()  # .context: (group, rank) on a core thread; .tracing: the tp of a program being traced
 
 
 @contextlib.contextmanager
@@ -63,21 +57,19 @@ def _outside(name: str) -> int:
 
 
 def _all_reduce_impl(tensor: torch.Tensor) -> torch.Tensor:
-    context = _rank_context()
+    context = getattr(_LOCAL, "context", None)
     if context is None:
         _outside("all_reduce")
         return tensor.clone()
-    group, rank = context
-    parts = group.exchange(rank, tensor)
+    parts = context[0].exchange(context[1], tensor)
     return sum(parts[1:], parts[0].clone())
 
 
 def _all_gather_impl(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    context = _rank_context()
+    context = getattr(_LOCAL, "context", None)
     if context is None:
         return torch.cat([tensor] * _outside("all_gather"), dim=dim)
-    group, rank = context
-    return torch.cat(group.exchange(rank, tensor), dim=dim).contiguous()
+    return torch.cat(context[0].exchange(context[1], tensor), dim=dim).contiguous()
 
 
 _LIBRARY = torch.library.Library("nxd_emulated", "DEF")
@@ -141,26 +133,19 @@ class Cores:
     held: dict = field(default_factory=dict)  # model id -> bytes per core (list)
     models: list = field(default_factory=list)  # loaded models, told when the runtime closes
 
-    @classmethod
-    def from_env(cls) -> Cores:
-        return cls(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
-                   hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
-                   runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
-
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
 
     def allocate(self, model, bytes_per_core: list[int], start_rank: int = 0) -> None:
         """Hold ``bytes_per_core[r]`` on core ``start_rank + r`` for ``model``, or raise ``AllocationError``."""
-        cores = len(bytes_per_core)
-        if start_rank + cores > self.count:
-            raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + cores - 1} but this "
-                                  f"instance has {self.count} (emulated): use an instance with more cores")
-        self.release(model)  # initialising a loaded model again replaces its allocation
+        if start_rank + len(bytes_per_core) > self.count:
+            raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
+                                  f"but this instance has {self.count} (emulated): use an instance with more cores")
+        self.held.pop(id(model), None)  # initialising a loaded model again replaces its allocation
+        self.models = [m for m in self.models if m is not model]
         per_core = [0] * self.count
-        for rank, need in enumerate(bytes_per_core):
+        for core, need in enumerate(bytes_per_core, start_rank):
             need += self.runtime_bytes
-            core = start_rank + rank
             if self.used(core) + need > self.hbm_bytes:
                 raise AllocationError(
                     f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 Allocation Failure "
@@ -170,17 +155,6 @@ class Cores:
         self.held[id(model)] = per_core
         self.models.append(model)
 
-    def release(self, model) -> None:
-        self.held.pop(id(model), None)
-        self.models = [m for m in self.models if m is not model]
-
-    def close(self) -> None:
-        """``Runtime().unsafe_close()``: every model is unloaded and its memory given back."""
-        for model in self.models:
-            model.unloaded()
-        self.held.clear()
-        self.models.clear()
-
 
 _CORES: Cores | None = None
 
@@ -189,12 +163,18 @@ def cores() -> Cores:
     """This process's emulated NeuronCores (sized from the environment on first use)."""
     global _CORES
     if _CORES is None:
-        _CORES = Cores.from_env()
+        _CORES = Cores(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
+                       hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
+                       runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
     return _CORES
 
 
 def close_runtime() -> None:
-    cores().close()
+    """``Runtime().unsafe_close()``: every model is unloaded and its memory given back."""
+    for model in cores().models:
+        model.unloaded()
+    cores().held.clear()
+    cores().models.clear()
 
 
 class Runtime:
@@ -202,4 +182,3 @@ class Runtime:
 
     def unsafe_close(self) -> None:
         close_runtime()
-

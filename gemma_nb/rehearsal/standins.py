@@ -18,43 +18,30 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from gemma_nb.rehearsal import nxd_quant
-from gemma_nb.rehearsal.nxd_layers import (
-    NXD_CONTRACT_VERSION,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SPMDRank,
-    mappings,
-    model_parallel,
-    scatter_to_process_group_spmd,
-)
-from gemma_nb.rehearsal.nxd_quant import (
-    QuantizationType,
-    QuantizedDtype,
-    ScaleDtype,
-    direct_cast_dequantize,
-    sdk_scale_dequantize,
-)
+from gemma_nb.rehearsal import nxd_layers as L
+from gemma_nb.rehearsal import nxd_quant as Q
+from gemma_nb.rehearsal.nxd_layers import NXD_CONTRACT_VERSION, model_parallel
+from gemma_nb.rehearsal.nxd_quant import sdk_scale_dequantize
 from gemma_nb.rehearsal.sharding import init_on_device, init_on_meta, load_rank_module, shard_checkpoint
 
 
 def bind_quantized_layers(quantization_layers) -> dict:
     """The quantized stand-ins subclassed to look ``scale_dequantize`` up in ``quantization_layers``."""
     bound = {"quantization_layers": quantization_layers}
-    return {cls.__name__: type(cls.__name__, (cls,), bound) for cls in nxd_quant.QUANTIZED_LAYERS}
+    return {cls.__name__: type(cls.__name__, (cls,), bound) for cls in Q.QUANTIZED_LAYERS}
 
 
 def cpu_sdk() -> SimpleNamespace:
     """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched ``quantization_layers``."""
     quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize,
-                                          direct_cast_dequantize=direct_cast_dequantize)
+                                          direct_cast_dequantize=Q.direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
     return SimpleNamespace(
-        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, SPMDRank=SPMDRank,
-        scatter_to_process_group_spmd=scatter_to_process_group_spmd, mappings=mappings,
-        quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        ScaleDtype=ScaleDtype, **classes, is_standin=True, emulated=False,
+        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear, SPMDRank=L.SPMDRank,
+        scatter_to_process_group_spmd=L.scatter_to_process_group_spmd, mappings=L.mappings,
+        quantization_layers=quantization_layers, QuantizationType=Q.QuantizationType, QuantizedDtype=Q.QuantizedDtype,
+        ScaleDtype=Q.ScaleDtype, **classes, emulated=False,
     )
 
 

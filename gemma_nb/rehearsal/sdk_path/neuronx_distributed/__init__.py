@@ -1,8 +1,5 @@
-"""Emulated neuronx-distributed (gemma_nb.rehearsal, NOT the Neuron SDK), 0.18's import surface.
-
-As in 0.18, the package imports its ``pipeline`` package first, which imports
-``transformers.utils.fx`` (removed in transformers 5): ``gemma_nb.neuron.sdk``'s workaround meets
-the same failure here as on the box.
+"""Emulated neuronx-distributed (gemma_nb.rehearsal, NOT the Neuron SDK), 0.18's import surface. As in 0.18, it imports
+``pipeline`` first, which imports ``transformers.utils.fx`` (gone in transformers 5): the port's workaround meets it here too.
 """
 
 from neuronx_distributed import parallel_layers, pipeline, quantization, trace, utils  # noqa: F401

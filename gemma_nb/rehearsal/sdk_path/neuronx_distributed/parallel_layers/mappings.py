@@ -1,7 +1,6 @@
 """Emulated ``parallel_layers/mappings.py``."""
 
 from gemma_nb.rehearsal.nxd_layers import (  # noqa: F401
-    copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_process_group_spmd,

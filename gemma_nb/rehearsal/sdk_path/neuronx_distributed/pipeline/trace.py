@@ -1,6 +1,4 @@
-"""Emulated: NxD 0.18 ``pipeline/trace.py`` defines ``HFTracerWrapper(NxDTracer, HFTracer)`` from
-transformers' ``HFTracer`` whenever transformers is installed (``transformers.utils.fx``, which
-transformers 5 removed)."""
+"""Emulated NxD 0.18 ``pipeline/trace.py``: ``HFTracerWrapper`` from ``transformers.utils.fx`` (gone in transformers 5)."""
 
 import importlib.util
 

@@ -1,8 +1,9 @@
 """Emulated ``trace/model_builder.py`` (v1). Importing it lets ``torch.jit.load`` read the emulated
 artifacts, as importing the real one registers the classes a real artifact needs."""
 
-from gemma_nb.rehearsal import nxd_builder, nxd_model
+import torch
+
+from gemma_nb.rehearsal import nxd_model
 from gemma_nb.rehearsal.nxd_builder import BaseModelInstance, ModelBuilder, append_default_compiler_flags  # noqa: F401
 
-nxd_model.register()
-__all__ = ["BaseModelInstance", "ModelBuilder", "append_default_compiler_flags", "nxd_builder"]
+torch.jit.load = nxd_model.jit_load
