@@ -138,13 +138,11 @@ def test_int8_matmul_follows_nxd_order_and_splits_by_rows_exactly():
 
 def test_int8_linear_module():
     linear = torch.nn.Linear(40, 24, bias=False)
-    module = Int8Linear.from_linear(linear, name="mlp.up_proj")
+    module = Int8Linear.from_weight(linear.weight, name="mlp.up_proj.weight")
     assert module.nbytes == 24 * 40 + 24 * 4 == memory.tensor_bytes((24, 40), "int8")
     x = torch.randn(2, 40)
     assert torch.equal(module(x), int8_matmul(x, module.qweight, module.scale))
     assert set(module.state_dict()) == {"qweight", "scale"}
-    with pytest.raises(AssertionError, match="has a bias"):
-        Int8Linear.from_linear(torch.nn.Linear(4, 4), name="with_bias")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +384,10 @@ def test_apply_scheme_int8_squeeze_replaces_groups_and_unties_the_head(tiny_mode
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
     with pytest.raises(AssertionError, match="already replaced"):
         apply_scheme(model, {"lm_head": "int8"})
+    with_bias = copy.deepcopy(tiny_model)
+    with_bias.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(AssertionError, match=r"layers\.1\.self_attn\.o_proj has a bias"):
+        apply_scheme(with_bias, {"attention": "int8"})
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_experts", "nvfp4_experts", {"attention": "mxfp4"}])
