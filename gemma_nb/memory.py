@@ -107,20 +107,14 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     return SCHEMES[scheme]
 
 
-def _rank_shape(rec: ParamRecord, tp: int) -> tuple[int, ...]:
-    """The shape of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways."""
-    shape = list(rec.shape)
-    if tp == 1 or rec.split == "none" or not shape:
-        return tuple(shape)
-    axis = {"experts": 0, "kv": 0, "out": -2 if len(shape) >= 2 else 0, "in": -1}[rec.split]
-    shape[axis] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
-    return tuple(shape)
-
-
 def _record_bytes(rec: ParamRecord, dtype: str, default_dtype: str, tp: int) -> int:
-    shape = _rank_shape(rec, tp)
+    """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors: a plain dtype)."""
+    shape = list(rec.shape)
+    if tp > 1 and rec.split != "none" and shape:
+        axis = {"experts": 0, "kv": 0, "out": -2 if len(shape) >= 2 else 0, "in": -1}[rec.split]
+        shape[axis] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
     use = dtype if (len(shape) >= 2 and not rec.is_buffer) else (dtype if dtype in PLAIN_DTYPES else default_dtype)
-    return tensor_bytes(shape, use)
+    return tensor_bytes(tuple(shape), use)
 
 
 @dataclass(frozen=True)
@@ -134,13 +128,8 @@ class Plan:
     batch: int
     table: Any  # pandas DataFrame
 
-    @property
-    def total_bytes(self) -> int:
-        return int(self.table["bytes_per_rank"].sum())
-
-    @property
-    def total_gb(self) -> float:
-        return self.total_bytes / GB
+    total_bytes = property(lambda self: int(self.table["bytes_per_rank"].sum()))
+    total_gb = property(lambda self: self.total_bytes / GB)
 
     def bytes(self, group: str) -> int:
         """Bytes per rank of one row (a group, ``kv_cache`` or ``runtime_allowance``)."""
@@ -168,8 +157,15 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
         sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
-    rows = _group_rows(facts, sch, tp) + _kv_and_allowance_rows(config, sch, tp, context_len, batch)
-    table = pd.DataFrame(rows)
+    default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
+    table = pd.DataFrame(_group_rows(facts, sch, tp) + [
+        {"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated", "params": 0,
+         "bytes_per_rank": kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype), "host_bytes": 0,
+         "detail": f"K and V, {context_len} tokens x batch {batch}"},
+        {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
+         "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
+         "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
+                    else "allowance for runtime buffers (set by caller)")}])
     table["gb_per_rank"] = table["bytes_per_rank"] / GB
     table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
     return Plan(facts.model_class, sch, tp, context_len, batch, table)
@@ -192,24 +188,12 @@ def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
         head = ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
         device["lm_head"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, tp if sch.lm_head_sharded else 1)
         head_detail = "tied: a device copy of the embedding table; "
+    details = {g: "looked up on the host; 0 HBM" for g in GROUPS if on_host[g]}
+    details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
     return [{"group": g, "dtype": sch.dtype(g),
              "placement": "host" if on_host[g] else "sharded" if sharded(g) and tp > 1 else "replicated",
-             "params": params[g], "bytes_per_rank": device[g], "host_bytes": host[g],
-             "detail": ("looked up on the host; 0 HBM" if on_host[g] else head_detail + (
-                 "vocab-parallel" if sch.lm_head_sharded else "full copy per rank") if g == "lm_head" else "")}
+             "params": params[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
             for g in GROUPS]
-
-
-def _kv_and_allowance_rows(config, sch: Scheme, tp: int, context_len: int, batch: int) -> list[dict]:
-    kv = kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype)
-    default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
-    return [{"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated",
-             "params": 0, "bytes_per_rank": kv, "host_bytes": 0,
-             "detail": f"K and V, {context_len} tokens x batch {batch}"},
-            {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
-             "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
-             "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
-                        else "allowance for runtime buffers (set by caller)")}]
 
 
 def plans_table(plans: Iterable[Plan]):
@@ -227,17 +211,12 @@ def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: st
     ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then."""
     failing_static = plan(config, tp, failing, context_len, runtime_allowance_bytes=0).total_bytes
     fitting_static = plan(config, tp, fitting, context_len, runtime_allowance_bytes=0).total_bytes
-    window = {
-        "budget_bytes": int(budget_bytes),
-        "failing_static_bytes": failing_static,
-        "fitting_static_bytes": fitting_static,
-        "min_to_fail_bytes": int(budget_bytes) - failing_static,
-        "max_to_fit_bytes": int(budget_bytes) - fitting_static,
-    }
+    budget = int(budget_bytes)
+    window = {"budget_bytes": budget, "failing_static_bytes": failing_static, "fitting_static_bytes": fitting_static,
+              "min_to_fail_bytes": budget - failing_static, "max_to_fit_bytes": budget - fitting_static}
     if short_by_bytes is not None:
-        allowance = int(budget_bytes) + int(short_by_bytes) - failing_static
-        window["allowance_if_short_by_bytes"] = allowance
-        window["fitting_overflow_then_bytes"] = fitting_static + allowance - int(budget_bytes)
+        allowance = budget + int(short_by_bytes) - failing_static
+        window |= {"allowance_if_short_by_bytes": allowance, "fitting_overflow_then_bytes": fitting_static + allowance - budget}
     return window
 
 
@@ -248,10 +227,7 @@ class RuntimeAllowance:
     low_bytes: int
     high_bytes: int
     source: str
-
-    @property
-    def is_window(self) -> bool:
-        return self.low_bytes != self.high_bytes
+    is_window = property(lambda self: self.low_bytes != self.high_bytes)
 
 
 @functools.cache
