@@ -34,7 +34,8 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
                   num_experts: int, hidden_dim: int) -> None:
     """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
     tokens, top_k = top_k_index.shape
-    assert hidden_states.shape == (tokens, hidden_dim), f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]"
+    assert hidden_states.shape == (tokens, hidden_dim), (
+        f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]")
     assert top_k_weights.shape == top_k_index.shape, f"top_k_weights {tuple(top_k_weights.shape)} != {tuple(top_k_index.shape)}"
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
@@ -146,15 +147,12 @@ class RoutedExperts(nn.Module):
     def fmt(self) -> str:
         if self.weights == "quantized":
             return self.gate_up.fmt
-        return "int8" if self.int8 else str(self.gate_up_proj.dtype).replace("torch.", "")
+        return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
 
     @property
     def weight_bytes(self) -> int:
-        """Stored bytes of all experts' weights, scales included."""
-        if self.weights == "quantized":
-            return self.gate_up.nbytes + self.down.nbytes
-        names = ("gate_up_proj", "down_proj") + (("gate_up_scale", "down_scale") if self.int8 else ())
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        """Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     nbytes = weight_bytes
 
@@ -241,9 +239,8 @@ class DenseExperts(RoutedExperts):
 
 
 class SparseExperts(RoutedExperts):
-    """Only the routed experts' weights are read: ``K / E`` of DenseExperts' traffic per token. Decode (``T * K < E``):
-    a static loop over (token, expert) pairs; ``selection="view"`` reads each expert in place, ``"gather"`` copies
-    the K experts' weights first. Prefill: tokens grouped by expert (eager only)."""
+    """Only the routed experts' weights (``K / E`` of DenseExperts' traffic). Decode (``T * K < E``): a static loop over
+    (token, expert) pairs, ``selection="view"`` reading each in place, ``"gather"`` copying the K first. Else grouped (eager)."""
 
     def __init__(self, gate_up_proj, down_proj, act_fn, selection: str = "view", **options):
         super().__init__(gate_up_proj, down_proj, act_fn, **options)
