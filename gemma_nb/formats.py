@@ -20,14 +20,9 @@ INT8_QMAX = 127
 INT8_MIN_SCALE = 1e-8
 
 
-def quantize_int8_per_channel(
-    weight: torch.Tensor, axis: int = 0, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8, as the port quantized its experts, shared MLP and lm_head.
-
-    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis`` is the
-    channel axis (0 for ``[out, in]``, 1 for stacked ``[E, out, in]``); ``scale`` keeps it, size 1 elsewhere.
-    """
+def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 as the port quantized its experts, shared MLP and lm_head: ``scale = max(absmax(row) / 127,
+    1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the channel axis (0: ``[out, in]``, 1: ``[E, out, in]``)."""
     assert torch.is_floating_point(weight), f"{name!r} is {weight.dtype}"
     assert weight.dim() >= 2, f"weight {tuple(weight.shape)} is not a matrix"
     axis = axis % weight.dim()
@@ -160,10 +155,8 @@ class QuantizedTensor:
     def __getitem__(self, index: int) -> QuantizedTensor:
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
         assert len(self.shape) >= 3, f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
-        return QuantizedTensor(
-            self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
-            None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]",
-        )
+        return QuantizedTensor(self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
+                               None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight of ``shape``, computed in fp32 and returned as ``dtype``."""
@@ -207,11 +200,6 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     assert codes.shape[-1] % 2 == 0, f"cannot pack an odd number ({codes.shape[-1]}) of fp4 codes"
     assert codes.dtype == torch.uint8, f"fp4 codes must be uint8, got {codes.dtype}"
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """bytes ``[..., m]`` -> uint8 codes ``[..., 2m]`` (inverse of :func:`pack_fp4`)."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

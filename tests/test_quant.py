@@ -23,7 +23,6 @@ from gemma_nb.formats import (  # noqa: E402
     quantize,
     quantize_int8_per_channel,
     unpack_fp4,
-    unpack_fp4_codes,
 )
 from gemma_nb.formats import QUANTIZED_FORMATS as FORMATS  # noqa: E402
 from gemma_nb.quant import Int8Linear, apply_scheme  # noqa: E402
@@ -34,6 +33,11 @@ FAST = settings(max_examples=40, deadline=None)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 E4M3_MAX = 448.0
+
+
+def unpack_fp4_codes(packed):
+    """bytes [..., m] -> uint8 codes [..., 2m], element 2j from the low nibble (pack_fp4's inverse)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
 def _rows(draw, max_rows=6, max_cols=70):
