@@ -93,14 +93,12 @@ QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("
 
 
 def get_format(dtype: str) -> WeightFormat:
-    """The ``WeightFormat`` named ``dtype`` (plain or quantized)."""
     if dtype not in FORMATS:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
     return FORMATS[dtype]
 
 
 def weight_format(fmt: str) -> WeightFormat:
-    """The quantized format named ``fmt``."""
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(QUANTIZED_FORMATS)}")
     return QUANTIZED_FORMATS[fmt]
@@ -143,14 +141,10 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     name: str = "weight"
 
-    @property
-    def format(self) -> WeightFormat:
-        return weight_format(self.fmt)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes actually stored: elements + scales (+ per-tensor scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale) if t is not None)
+    format = property(lambda self: weight_format(self.fmt))
+    # Bytes actually stored: elements + scales (+ per-tensor scales).
+    nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
+                                       if t is not None))
 
     def __getitem__(self, index: int) -> QuantizedTensor:
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""

@@ -39,9 +39,7 @@ from gemma_nb.params import tp_problem as tp_problem
 
 # The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus one
 # 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives buffers.
-RUNTIME_MICROCODE_BYTES = 96 * 2**20
-SCRATCHPAD_PAGE_BYTES = 512 * 2**20
-DEFAULT_RUNTIME_ALLOWANCE_BYTES = RUNTIME_MICROCODE_BYTES + SCRATCHPAD_PAGE_BYTES
+DEFAULT_RUNTIME_ALLOWANCE_BYTES = (96 + 512) * 2**20
 
 SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/sources.md: port-recipe)
 

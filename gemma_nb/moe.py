@@ -59,15 +59,6 @@ def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
     return model
 
 
-def experts_kind(model: nn.Module) -> str:
-    """Which implementation the model's experts use now (``transformers``, ``dense``, ``sparse_int8``, ...)."""
-    kinds = set()
-    for _, _, module in experts_modules(model):
-        name = next((name for name, cls in KERNELS.items() if isinstance(module, cls)), "transformers")
-        kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
-    return ",".join(sorted(kinds))
-
-
 def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                    std: float = 0.02) -> nn.Module:
     """One layer's ``Gemma4TextExperts`` with deterministic N(0, std) weights drawn in ``dtype`` on ``device``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,14 +198,6 @@ def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
     return tuple(AttentionLayer(None, heads, kv, head_dim, None) for _ in range(config.num_hidden_layers))
 
 
-def _moe_sizes(config, records: Iterable[ParamRecord]) -> tuple[int, int]:
-    """(num_experts, top_k) from the config's field names across MoE families; (0, 0) when dense."""
-    experts = next((r.shape[0] for r in records if r.group == "experts" and len(r.shape) >= 3), 0)
-    experts = experts or getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    top_k = getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None) or 0
-    return int(experts or 0), int(top_k or 0)
-
-
 _FACTS_CACHE: dict[str, ModelFacts] = {}
 
 
@@ -240,12 +232,15 @@ def model_facts(config) -> ModelFacts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     input_emb, output_emb = model.get_input_embeddings(), model.get_output_embeddings()
-    input_ids = {id(p) for p in input_emb.parameters()} if input_emb is not None else set()
-    output_ids = {id(p) for p in output_emb.parameters()} if output_emb is not None else set()
+    input_ids, output_ids = ({id(p) for p in emb.parameters()} if emb is not None else set() for emb in (input_emb, output_emb))
     records = _records(model, input_ids, output_ids)
+    # (num_experts, top_k): the stacked experts' axis, else the config's field names across MoE families; 0 when dense
+    experts = next((r.shape[0] for r in records if r.group == "experts" and len(r.shape) >= 3), 0)
+    experts = experts or getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    top_k = getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None) or 0
     facts = ModelFacts(type(model).__name__, tuple(records), bool(output_ids) and output_ids <= input_ids,
                        tuple(output_emb.weight.shape) if output_emb is not None else None,
-                       _attention_layers(model, config), *_moe_sizes(config, records))
+                       _attention_layers(model, config), int(experts), int(top_k))
     del model
     if len(_FACTS_CACHE) > 32:
         _FACTS_CACHE.clear()
