@@ -1,8 +1,6 @@
-"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07).
-
-Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index
-[T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
-"""
+"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07). Each is a drop-in
+for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
+on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
 
 from __future__ import annotations
 
@@ -198,10 +196,8 @@ class RoutedExperts(nn.Module):
 
     def _inputs(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
-        if self.weights == "quantized":
-            return hidden_states
-        dtype = self.compute_dtype if self.int8 else self.gate_up_proj.dtype
-        return hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
+        dtype = None if self.weights == "quantized" else self.compute_dtype if self.int8 else self.gate_up_proj.dtype
+        return hidden_states if dtype in (None, hidden_states.dtype) else hidden_states.to(dtype)
 
     def extra_repr(self) -> str:
         weights = "int8 per-channel + fp32 scales" if self.weights == "int8" else self.fmt

@@ -1,7 +1,5 @@
-"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
-
-Quantized formats work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert).
-"""
+"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02). Quantized formats
+work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert)."""
 
 from __future__ import annotations
 

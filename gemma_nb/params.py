@@ -254,11 +254,8 @@ def inventory(config):
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
-        if rec.is_buffer:
-            buffers[rec.group] += rec.numel
-        else:
-            params[rec.group] += rec.numel
-            tensors[rec.group] += 1
+        (buffers if rec.is_buffer else params)[rec.group] += rec.numel
+        tensors[rec.group] += 0 if rec.is_buffer else 1
     total = sum(params.values())
     embedding_groups = ("embeddings", "lm_head", "per_layer_embeddings")
     non_embedding = total - sum(params[g] for g in embedding_groups)
@@ -316,10 +313,8 @@ def valid_tp_degrees(config, max_tp: int = 64) -> list[int]:
 
 def check_tp(config, tp) -> int:
     """``tp``, or ValueError naming it, why, and the degrees that work."""
-    problem = tp_problem(config, tp)
-    if problem:
-        choices = ", ".join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))
-        raise ValueError(f"{problem}; choose one of {choices}")
+    if problem := tp_problem(config, tp):
+        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
     return tp
 
 
