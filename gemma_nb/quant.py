@@ -98,13 +98,10 @@ def resolve_scheme(scheme) -> dict[str, str]:
     """A planner scheme (name or ``memory.Scheme``: its formats only) or ``{group: format}`` -> the groups to quantize."""
     if isinstance(scheme, (str, memory.Scheme)):
         scheme = memory.get_scheme(scheme).dtypes
-    resolved = {}
-    for group, fmt in scheme.items():
-        if fmt in (None, "bf16", "fp32"):
-            continue
+    resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
+    for group, fmt in resolved.items():
         assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
         weight_format(fmt)
-        resolved[group] = fmt
     return resolved
 
 
