@@ -1,8 +1,7 @@
 """The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06).
 
-``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it
-equals ``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md).
-"""
+``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it equals
+``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ SCALE_DTYPE_KEY = "embed_scale_dtype"
 PROBE_IDS_KEY = "probe_ids"
 PROBE_EXPECTED_KEY = "probe_expected"
 DEFAULT_PROBE_TOKENS = 256
+FIX = "Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."
 
 
 class EmbeddingCheckError(ValueError):
@@ -47,11 +47,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def module_scale(module: nn.Module) -> torch.Tensor:
     """The scale ``module`` multiplies by, as it does: ``embed_scale.to(weight.dtype)`` (1 for a plain ``nn.Embedding``)."""
-    weight = module.weight
     scale = getattr(module, "embed_scale", None)
     if scale is None:
-        return torch.ones((), dtype=weight.dtype)
-    return torch.as_tensor(scale).detach().to(device="cpu", dtype=weight.dtype)
+        return torch.ones((), dtype=module.weight.dtype)
+    return torch.as_tensor(scale).detach().to(device="cpu", dtype=module.weight.dtype)
 
 
 def _as_scale(scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,11 +71,9 @@ def default_probe_ids(vocab_size: int, count: int = DEFAULT_PROBE_TOKENS) -> tor
 
 
 class HostEmbedding(nn.Module):
-    """Token ids -> ``weight[ids] * scale``, the scale rounded to the weight dtype like the module's.
-
-    ``probe_ids`` / ``probe_expected`` (the model's output for a few ids) are saved with the table and re-checked
-    by ``from_file``, so a deploy with no model on the host checks it too.
-    """
+    """Token ids -> ``weight[ids] * scale``, the scale rounded to the weight dtype like the module's. ``probe_ids`` /
+    ``probe_expected`` (the model's output for a few ids) are saved with the table and re-checked by ``from_file``,
+    so a deploy with no model on the host checks it too."""
 
     def __init__(self, weight: torch.Tensor, scale: float | torch.Tensor):
         super().__init__()
@@ -93,8 +90,7 @@ class HostEmbedding(nn.Module):
         if getattr(module, "embed_scale", None) is None:
             raise EmbeddingCheckError(
                 f"{type(module).__name__} has no embed_scale: expected Gemma-4's Gemma4TextScaledWordEmbedding "
-                "(model.get_input_embeddings()); a plain nn.Embedding carries no scale to copy"
-            )
+                "(model.get_input_embeddings()); a plain nn.Embedding carries no scale to copy")
         host = cls(module.weight, module_scale(module))
         host.verify_against(module)
         host.probe_ids = default_probe_ids(module.weight.shape[0])
@@ -119,25 +115,18 @@ class HostEmbedding(nn.Module):
                 raise EmbeddingScaleError(
                     f"embedding file {path.name!r}: its table and scale do not reproduce the source model's "
                     f"probe outputs stored beside them. " + _diagnosis(
-                        host.probe_expected, found, F.embedding(host.probe_ids, weight), host.scale, host.scale)
-                )
+                        host.probe_expected, found, F.embedding(host.probe_ids, weight), host.scale, host.scale))
         return host
 
     def save(self, path: str | Path) -> Path:
         """Write ``weight``, the scale (as applied, in the weight dtype) and any probe to safetensors."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {
-            "format": FILE_FORMAT,
-            SCALE_KEY: repr(self.scale.item()),
-            SCALE_DTYPE_KEY: dtype_name(self.weight.dtype),
-            "vocab_size": str(self.weight.shape[0]),
-            "hidden_size": str(self.weight.shape[1]),
-        }
+        metadata = {"format": FILE_FORMAT, SCALE_KEY: repr(self.scale.item()), SCALE_DTYPE_KEY: dtype_name(self.weight.dtype),
+                    "vocab_size": str(self.weight.shape[0]), "hidden_size": str(self.weight.shape[1])}
         tensors = {WEIGHT_KEY: self.weight.contiguous()}
         if self.probe_ids is not None:
-            tensors[PROBE_IDS_KEY] = self.probe_ids.contiguous()
-            tensors[PROBE_EXPECTED_KEY] = self.probe_expected.contiguous()
+            tensors |= {PROBE_IDS_KEY: self.probe_ids.contiguous(), PROBE_EXPECTED_KEY: self.probe_expected.contiguous()}
         save_file(tensors, str(path), metadata=metadata)
         return path
 
@@ -147,10 +136,24 @@ class HostEmbedding(nn.Module):
     def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
         """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
         deploy's structure) has no table: then only shape, dtype and scale."""
-        if module.weight.is_meta:
-            _verify_scale_only(self, module)
-            return
-        verify_host_path(self, module, probe_ids, found_scale=self.scale)
+        weight, what = module.weight, type(module).__name__
+        if not weight.is_meta:
+            return verify_host_path(self, module, probe_ids, found_scale=self.scale)
+        if getattr(module, "embed_scale", None) is not None and module.embed_scale.is_meta:
+            raise EmbeddingCheckError(
+                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build "
+                "the structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers "
+                "stay real; the file's own probe was already checked by from_file")
+        if tuple(self.weight.shape) != tuple(weight.shape) or self.weight.dtype != weight.dtype:
+            raise EmbeddingCheckError(
+                f"host embedding is {dtype_name(self.weight.dtype)} {tuple(self.weight.shape)}, the model's {what} is "
+                f"{dtype_name(weight.dtype)} {tuple(weight.shape)}; save the host table from the same model in the same dtype")
+        expected, hidden = module_scale(module), weight.shape[1]
+        if not torch.equal(self.scale.cpu(), expected):
+            raise EmbeddingScaleError(
+                f"host embedding scale {self.scale.item()!r} differs from the model's embed_scale cast to "
+                f"{dtype_name(weight.dtype)}, {expected.item()!r} (sqrt(hidden_size={hidden}) = {math.sqrt(hidden):.6f})"
+                + ("; looks unscaled." if self.scale.item() == 1.0 else ".") + " " + FIX)
 
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
@@ -159,51 +162,38 @@ class HostEmbedding(nn.Module):
 
 def _read_embedding_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of an embedding file, or an EmbeddingFileError naming it."""
-    name = path.name
+    name, allowed = path.name, ([WEIGHT_KEY], sorted([WEIGHT_KEY, PROBE_IDS_KEY, PROBE_EXPECTED_KEY]))
     if not path.is_file():
-        raise EmbeddingFileNotFoundError(
-            f"embedding file {name!r} not found (looked in {path.parent.name or '.'}/): "
-            "write it with HostEmbedding.from_model(model).save(path)"
-        )
+        raise EmbeddingFileNotFoundError(f"embedding file {name!r} not found (looked in {path.parent.name or '.'}/): "
+                                         "write it with HostEmbedding.from_model(model).save(path)")
     try:
         with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            keys = sorted(handle.keys())
-            if keys not in ([WEIGHT_KEY], sorted([WEIGHT_KEY, PROBE_IDS_KEY, PROBE_EXPECTED_KEY])):
-                raise EmbeddingFileError(
-                    f"embedding file {name!r} holds tensors {keys}; expected one named {WEIGHT_KEY!r} "
-                    f"[vocab, hidden] (plus optionally {PROBE_IDS_KEY!r} and {PROBE_EXPECTED_KEY!r}) "
-                    "as written by HostEmbedding.save"
-                )
-            tensors = {key: handle.get_tensor(key) for key in keys}
+            metadata, keys = handle.metadata() or {}, sorted(handle.keys())
+            tensors = {key: handle.get_tensor(key) for key in keys} if keys in allowed else None
     except (SafetensorError, OSError, ValueError) as error:
-        if isinstance(error, EmbeddingFileError):
-            raise
         raise EmbeddingFileError(
             f"embedding file {name!r} is not a readable safetensors file ({error}); expected the file "
             "HostEmbedding.save writes. A torch .pt table (like the port's embed_tokens.pt) carries no "
-            "scale: load it with torch.load(..., weights_only=True) and save HostEmbedding(weight, scale)"
-        ) from error
+            "scale: load it with torch.load(..., weights_only=True) and save HostEmbedding(weight, scale)") from error
+    if tensors is None:
+        raise EmbeddingFileError(
+            f"embedding file {name!r} holds tensors {keys}; expected one named {WEIGHT_KEY!r} [vocab, hidden] "
+            f"(plus optionally {PROBE_IDS_KEY!r} and {PROBE_EXPECTED_KEY!r}) as written by HostEmbedding.save")
     return tensors, metadata
 
 
 def _check_table(name: str, weight: torch.Tensor, dtype: torch.dtype | None, shape) -> None:
+    what, want = f"embedding file {name!r}: {WEIGHT_KEY!r}", dtype_name(dtype)
     if weight.ndim != 2 or not weight.is_floating_point():
-        raise EmbeddingFileError(
-            f"embedding file {name!r}: {WEIGHT_KEY!r} is {dtype_name(weight.dtype)} of shape "
-            f"{tuple(weight.shape)}; expected a 2-D float table [vocab, hidden]"
-        )
+        raise EmbeddingFileError(f"{what} is {dtype_name(weight.dtype)} of shape {tuple(weight.shape)}; "
+                                 "expected a 2-D float table [vocab, hidden]")
     if shape is not None and tuple(weight.shape) != tuple(shape):
-        raise EmbeddingFileError(
-            f"embedding file {name!r}: {WEIGHT_KEY!r} has shape {tuple(weight.shape)}, expected "
-            f"{tuple(shape)} (vocab_size, hidden_size): was it saved from another model?"
-        )
+        raise EmbeddingFileError(f"{what} has shape {tuple(weight.shape)}, expected {tuple(shape)} "
+                                 "(vocab_size, hidden_size): was it saved from another model?")
     if dtype is not None and weight.dtype != dtype:
         raise EmbeddingFileError(
-            f"embedding file {name!r}: {WEIGHT_KEY!r} is {dtype_name(weight.dtype)}, expected "
-            f"{dtype_name(dtype)}; save the table from a model in {dtype_name(dtype)} (the scale is "
-            "rounded in the weight dtype, so casting after loading would not match the module)"
-        )
+            f"{what} is {dtype_name(weight.dtype)}, expected {want}; save the table from a model in {want} (the scale is "
+            "rounded in the weight dtype, so casting after loading would not match the module)")
 
 
 def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) -> torch.Tensor:
@@ -214,52 +204,22 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
             raise EmbeddingFileError(
                 f"embedding file {name!r} has no {SCALE_KEY!r} in its metadata and no scale= was given; "
                 "expected the scale Gemma-4's embedding multiplies by (sqrt(hidden_size)): re-save with "
-                "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale"
-            )
+                "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale")
         return _as_scale(scale, dtype)
-    stored_dtype = metadata.get(SCALE_DTYPE_KEY)
-    if stored_dtype != dtype_name(dtype):
+    if (stored_dtype := metadata.get(SCALE_DTYPE_KEY)) != dtype_name(dtype):
         raise EmbeddingFileError(
             f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
-            f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save"
-        )
+            f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save")
     try:
         stored_scale = _as_scale(float(stored), dtype)
     except ValueError as error:
         raise EmbeddingFileError(
-            f"embedding file {name!r}: {SCALE_KEY}={stored!r} in metadata is not a positive number"
-        ) from error
+            f"embedding file {name!r}: {SCALE_KEY}={stored!r} in metadata is not a positive number") from error
     if scale is not None and not torch.equal(_as_scale(scale, dtype), stored_scale):
         raise EmbeddingScaleError(
             f"embedding file {name!r} stores {SCALE_KEY}={stored_scale.item()!r} but scale="
-            f"{_as_scale(scale, dtype).item()!r} was given ({dtype_name(dtype)}); drop scale= to use the file's"
-        )
+            f"{_as_scale(scale, dtype).item()!r} was given ({dtype_name(dtype)}); drop scale= to use the file's")
     return stored_scale
-
-
-def _verify_scale_only(host: HostEmbedding, module: nn.Module) -> None:
-    weight = module.weight
-    if getattr(module, "embed_scale", None) is not None and module.embed_scale.is_meta:
-        raise EmbeddingCheckError(
-            f"the model's {type(module).__name__}.embed_scale is on the meta device, so there is no scale to "
-            "check against: build the structure with accelerate.init_empty_weights() (include_buffers=False, "
-            "its default) so buffers stay real; the file's own probe was already checked by from_file"
-        )
-    if tuple(host.weight.shape) != tuple(weight.shape) or host.weight.dtype != weight.dtype:
-        raise EmbeddingCheckError(
-            f"host embedding is {dtype_name(host.weight.dtype)} {tuple(host.weight.shape)}, the model's "
-            f"{type(module).__name__} is {dtype_name(weight.dtype)} {tuple(weight.shape)}; "
-            "save the host table from the same model in the same dtype"
-        )
-    expected = module_scale(module)
-    if not torch.equal(host.scale.cpu(), expected):
-        hidden = weight.shape[1]
-        raise EmbeddingScaleError(
-            f"host embedding scale {host.scale.item()!r} differs from the model's embed_scale cast to "
-            f"{dtype_name(weight.dtype)}, {expected.item()!r} (sqrt(hidden_size={hidden}) = {math.sqrt(hidden):.6f})"
-            + ("; looks unscaled." if host.scale.item() == 1.0 else ".")
-            + " Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."
-        )
 
 
 def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
@@ -267,8 +227,7 @@ def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Mo
     """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``. ``EmbeddingScaleError`` names
     the scale expected and found (``found_scale``, else estimated from norms)."""
     weight = module.weight
-    if probe_ids is None:
-        probe_ids = default_probe_ids(weight.shape[0])
+    probe_ids = default_probe_ids(weight.shape[0]) if probe_ids is None else probe_ids
     with torch.no_grad():
         expected = module(probe_ids.to(weight.device)).cpu()
         found = host(probe_ids).cpu()
@@ -276,43 +235,38 @@ def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Mo
             raise EmbeddingCheckError(
                 f"host embedding gives {dtype_name(found.dtype)} {tuple(found.shape)} for the probe ids, "
                 f"the model's {type(module).__name__} gives {dtype_name(expected.dtype)} {tuple(expected.shape)}; "
-                "build the host table from the same model in the same dtype"
-            )
-        if torch.equal(found, expected):
-            return
-        raw = F.embedding(probe_ids.to(weight.device), weight).cpu()
-        raise EmbeddingScaleError(
-            f"host embedding does not reproduce {type(module).__name__}(ids) bit for bit on {probe_ids.numel()} "
-            "probe ids: " + _diagnosis(expected, found, raw, module_scale(module), found_scale)
-        )
+                "build the host table from the same model in the same dtype")
+        if not torch.equal(found, expected):
+            raw = F.embedding(probe_ids.to(weight.device), weight).cpu()
+            raise EmbeddingScaleError(
+                f"host embedding does not reproduce {type(module).__name__}(ids) bit for bit on {probe_ids.numel()} "
+                "probe ids: " + _diagnosis(expected, found, raw, module_scale(module), found_scale))
 
 
 def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     """Which scale was expected and found, how far apart the outputs are, and what that looks like."""
-    dtype = dtype_name(expected.dtype)
-    hidden = expected.shape[-1]
+    dtype, hidden = dtype_name(expected.dtype), expected.shape[-1]
     expected32, found32, raw32 = expected.float(), found.float(), raw.float()
     max_abs = (expected32 - found32).abs().max().item()
     differ_pct = 100.0 * (expected != found).float().mean().item()
     ratio = (expected32.norm() / found32.norm()).item() if found32.norm() > 0 else math.inf
     effective = (found32.norm() / raw32.norm()).item() if raw32.norm() > 0 else math.nan
     found_text = f"{found_scale.item()!r} ({dtype})" if found_scale is not None else f"~{effective:.6g} (effective)"
+    ulp = unit_in_last_place(expected_scale).item()
     lines = [
         f"expected scale {expected_scale.item()!r} (the module's embed_scale cast to {dtype}), found {found_text}; "
         f"max |Δ| = {max_abs:.4g}, {differ_pct:.1f}% of elements differ, norm ratio model/host = {ratio:.6g}."
     ]
     if abs(ratio - math.sqrt(hidden)) < 0.02 * math.sqrt(hidden):
         lines.append(f"Looks unscaled: the ratio ≈ sqrt(hidden_size) = {math.sqrt(hidden):.4f}.")
-    elif found_scale is None and abs(effective - expected_scale.item()) <= unit_in_last_place(expected_scale).item():
+    elif found_scale is None and abs(effective - expected_scale.item()) <= ulp:
         lines.append(
-            f"The scale is right to within one {dtype} ulp ({unit_in_last_place(expected_scale).item():g}) but applied differently: "
+            f"The scale is right to within one {dtype} ulp ({ulp:g}) but applied differently: "
             f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
-            f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}."
-        )
+            f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
     elif found_scale is not None and torch.equal(found_scale.cpu(), expected_scale):
         lines.append("Same scale, different output: the table itself differs from the model's.")
-    lines.append("Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file).")
-    return " ".join(lines)
+    return " ".join(lines + [FIX])
 
 
 def unit_in_last_place(value: torch.Tensor) -> torch.Tensor:
@@ -324,5 +278,4 @@ def unit_in_last_place(value: torch.Tensor) -> torch.Tensor:
 def host_embedding_for(skeleton: nn.Module, path: Path):
     """The host table from ``path``, its scale checked against the skeleton's (a meta buffer: rebuilt as its constructor does)."""
     module = skeleton.get_input_embeddings()
-    scale = torch.tensor(module.scalar_embed_scale)
-    return HostEmbedding.from_file(path, scale=scale, shape=tuple(module.weight.shape))
+    return HostEmbedding.from_file(path, scale=torch.tensor(module.scalar_embed_scale), shape=tuple(module.weight.shape))

@@ -1,8 +1,6 @@
-"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07).
-
-Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index
-[T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
-"""
+"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07). Each is a drop-in
+for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
+on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
 
 from __future__ import annotations
 
@@ -12,14 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb.formats import (
-    QuantizedTensor,
-    int8_matmul,
-    quantize,
-    register_quantized,
-    registered_quantized,
-    scale_rows,
-)
+from gemma_nb.formats import QuantizedTensor, int8_matmul, quantize, register_quantized, registered_quantized, scale_rows
 
 SELECTIONS = ("view", "gather")
 # "fused": torch._weight_int8pack_mm on the cpu; "upcast": a copy of each weight in the activation dtype, then matmul.
@@ -41,7 +32,8 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
                   num_experts: int, hidden_dim: int) -> None:
     """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
     tokens, top_k = top_k_index.shape
-    assert hidden_states.shape == (tokens, hidden_dim), f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]"
+    assert hidden_states.shape == (tokens, hidden_dim), (
+        f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]")
     assert top_k_weights.shape == top_k_index.shape, f"top_k_weights {tuple(top_k_weights.shape)} != {tuple(top_k_index.shape)}"
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
@@ -57,11 +49,9 @@ def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``, contiguous,
     32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall back too)."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % INT8PACK_K_MULTIPLE:
         return False
-    if x.shape[1] % INT8PACK_K_MULTIPLE or not (x.is_contiguous() and q.is_contiguous()):
-        return False
-    if (x.storage_offset() * x.element_size()) % INT8PACK_ALIGN_BYTES:
+    if not (x.is_contiguous() and q.is_contiguous()) or (x.storage_offset() * x.element_size()) % INT8PACK_ALIGN_BYTES:
         return False
     return _is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0
 
@@ -81,41 +71,14 @@ def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tenso
     return act_fn(gate) * up
 
 
-def int8_gather_upcast(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, act_fn):
-    """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32, summed in fp32."""
-    dtype = x.dtype
-    hidden = torch.matmul(gate_up[top_k_index].to(dtype), x[:, None, :, None])  # [T, K, 2I, 1]
-    hidden = gated(scale_rows(hidden, gate_up_scale[top_k_index], dtype), act_fn, dim=2)  # [T, K, I, 1]
-    out = scale_rows(torch.matmul(down[top_k_index].to(dtype), hidden), down_scale[top_k_index], torch.float32)
-    return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
-
-
-def int8_dense_upcast(x, router_weights, gate_up, gate_up_scale, down, down_scale, act_fn):
-    """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by ``router_weights [T, E]``."""
-    dtype, tokens = x.dtype, x.shape[0]
-    num_experts, two_inter, _ = gate_up.shape
-    out = torch.zeros(tokens, down.shape[1], dtype=torch.float32, device=x.device)
-    for first in range(0, num_experts, EXPERT_CHUNK):
-        chunk = slice(first, min(first + EXPERT_CHUNK, num_experts))
-        experts = chunk.stop - chunk.start
-        hidden = x @ gate_up[chunk].reshape(experts * two_inter, -1).to(dtype).T
-        hidden = scale_rows(hidden, gate_up_scale[chunk].reshape(1, -1), dtype)
-        hidden = gated(hidden.reshape(tokens, experts, two_inter), act_fn).transpose(0, 1)  # [e, T, I]
-        partial = torch.bmm(hidden, down[chunk].to(dtype).transpose(1, 2)).float()
-        partial = partial * down_scale[chunk].transpose(1, 2)  # [e, T, H]
-        out += (partial * router_weights[:, chunk].T[:, :, None]).sum(0)
-    return out
-
-
 def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     """``tensor`` as a frozen parameter sharing its storage (itself if it already is one)."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-class RoutedExperts(nn.Module):
-    """The experts' weights and one expert's MLP; each subclass is one strategy over them.
 
-    ``weights``: ``"float"`` (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``)
-    or ``"quantized"`` (two ``QuantizedTensor``).
-    """
+
+class RoutedExperts(nn.Module):
+    """The experts' weights and one expert's MLP; each subclass is one strategy over them. ``weights``: ``"float"``
+    (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``) or ``"quantized"``."""
 
     def __init__(self, gate_up_proj, down_proj, act_fn: Callable, int8: bool = False,
                  compute_dtype: torch.dtype | None = None, int8_kernel: str = "fused",
@@ -127,12 +90,9 @@ class RoutedExperts(nn.Module):
         self.intermediate_dim = two_inter // 2
         assert tuple(down_proj.shape) == (self.num_experts, self.hidden_dim, self.intermediate_dim), (
             f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj {tuple(gate_up_proj.shape)}")
-        self.act_fn = act_fn
-        self.int8 = bool(int8)
-        self.compute_dtype = compute_dtype
+        self.act_fn, self.int8, self.compute_dtype = act_fn, bool(int8), compute_dtype
         if isinstance(gate_up_proj, QuantizedTensor):
-            self.weights = "quantized"
-            self._quantized_meta = {}
+            self.weights, self._quantized_meta = "quantized", {}
             register_quantized(self, "gate_up", gate_up_proj)
             register_quantized(self, "down", down_proj)
         elif self.int8:
@@ -141,8 +101,7 @@ class RoutedExperts(nn.Module):
         else:
             self.weights = "float"
             assert gate_up_proj.dtype.is_floating_point, f"{gate_up_proj.dtype} weights need int8=True and scales="
-            self.gate_up_proj = as_parameter(gate_up_proj)
-            self.down_proj = as_parameter(down_proj)
+            self.gate_up_proj, self.down_proj = as_parameter(gate_up_proj), as_parameter(down_proj)
 
     def _init_int8(self, gate_up_proj, down_proj, scales, compute_dtype) -> None:
         if scales is None:
@@ -150,20 +109,16 @@ class RoutedExperts(nn.Module):
             dtype = compute_dtype or gate_up_proj.dtype
             gate_up = quantize(gate_up_proj.detach(), "int8", name="gate_up_proj")
             down = quantize(down_proj.detach(), "int8", name="down_proj")
-            (q_gate_up, s_gate_up), (q_down, s_down) = (gate_up.data, gate_up.scale), (down.data, down.scale)
+            weights, scales = (gate_up.data, down.data), (gate_up.scale, down.scale)
         else:
-            dtype = compute_dtype or torch.bfloat16
-            (q_gate_up, q_down), (s_gate_up, s_down) = (gate_up_proj, down_proj), scales
-            assert q_gate_up.dtype == q_down.dtype == torch.int8
-            assert s_gate_up.shape == (*q_gate_up.shape[:2], 1) and s_down.shape == (*q_down.shape[:2], 1)
-        self.register_buffer("gate_up_proj", q_gate_up)
-        self.register_buffer("gate_up_scale", s_gate_up.float())
-        self.register_buffer("down_proj", q_down)
-        self.register_buffer("down_scale", s_down.float())
-        if self.fused:
-            # The fused cpu kernel wants 1-D scales in the activation dtype: derived, not saved.
-            self.register_buffer("gate_up_kernel_scale", s_gate_up[..., 0].to(dtype), persistent=False)
-            self.register_buffer("down_kernel_scale", s_down[..., 0].to(dtype), persistent=False)
+            dtype, weights = compute_dtype or torch.bfloat16, (gate_up_proj, down_proj)
+            assert gate_up_proj.dtype == down_proj.dtype == torch.int8
+            assert all(s.shape == (*q.shape[:2], 1) for q, s in zip(weights, scales))
+        for prefix, q, s in zip(("gate_up", "down"), weights, scales):
+            self.register_buffer(f"{prefix}_proj", q)
+            self.register_buffer(f"{prefix}_scale", s.float())
+            if self.fused:  # the fused cpu kernel wants 1-D scales in the activation dtype: derived, not saved
+                self.register_buffer(f"{prefix}_kernel_scale", s[..., 0].to(dtype), persistent=False)
         self.compute_dtype = dtype
 
     @classmethod
@@ -179,138 +134,132 @@ class RoutedExperts(nn.Module):
         if other.weights == "quantized":
             return cls(other.gate_up, other.down, other.act_fn, **options)
         if other.int8:
-            options = {"compute_dtype": other.compute_dtype, **options}
             return cls(other.gate_up_proj, other.down_proj, other.act_fn, int8=True,
-                       scales=(other.gate_up_scale, other.down_scale), **options)
+                       scales=(other.gate_up_scale, other.down_scale), **{"compute_dtype": other.compute_dtype, **options})
         return cls(other.gate_up_proj, other.down_proj, other.act_fn, **options)
 
-    @property
-    def gate_up(self) -> QuantizedTensor:
-        return registered_quantized(self, "gate_up")
-
-    @property
-    def down(self) -> QuantizedTensor:
-        return registered_quantized(self, "down")
+    gate_up = property(lambda self: registered_quantized(self, "gate_up"))  # QuantizedTensor, as are down's
+    down = property(lambda self: registered_quantized(self, "down"))
 
     @property
     def fmt(self) -> str:
         if self.weights == "quantized":
             return self.gate_up.fmt
-        return "int8" if self.int8 else str(self.gate_up_proj.dtype).replace("torch.", "")
+        return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
 
     @property
     def weight_bytes(self) -> int:
-        """Stored bytes of all experts' weights, scales included."""
-        if self.weights == "quantized":
-            return self.gate_up.nbytes + self.down.nbytes
-        names = ("gate_up_proj", "down_proj") + (("gate_up_scale", "down_scale") if self.int8 else ())
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        """Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     nbytes = weight_bytes
 
-    def expert_weights(self, expert, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.weights == "quantized":
-            return self.gate_up[expert].dequantize(dtype), self.down[expert].dequantize(dtype)
-        return self.gate_up_proj[expert], self.down_proj[expert]
+    def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to ``dtype``."""
+        quantized = self.weights == "quantized"
+        pair = (self.gate_up, self.down) if quantized else (self.gate_up_proj, self.down_proj)
+        pair = pair if expert is None else tuple(w[expert] for w in pair)
+        return tuple(w.dequantize(dtype) for w in pair) if quantized else pair
 
     def expert_mlp(self, x: torch.Tensor, expert: int | torch.SymInt) -> torch.Tensor:
         """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's weights."""
         if not self.int8:
-            gate_up, down = self.expert_weights(expert, x.dtype)
+            gate_up, down = self.float_weights(x.dtype, expert)
             return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
-        kernel_scales = (None, None)
-        if self.fused:
-            kernel_scales = (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert])
-        gate_up = int8_linear(x, self.gate_up_proj[expert], kernel_scales[0], self.gate_up_scale[expert], self.fused)
-        return int8_linear(gated(gate_up, self.act_fn), self.down_proj[expert], kernel_scales[1],
-                           self.down_scale[expert], self.fused)
+        gate_up_ks, down_ks = (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert]) if self.fused else (None, None)
+        gate_up = int8_linear(x, self.gate_up_proj[expert], gate_up_ks, self.gate_up_scale[expert], self.fused)
+        return int8_linear(gated(gate_up, self.act_fn), self.down_proj[expert], down_ks, self.down_scale[expert], self.fused)
+
+    def _gather_upcast(self, x, top_k_index, top_k_weights):
+        """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32, summed in fp32."""
+        dtype = x.dtype
+        hidden = torch.matmul(self.gate_up_proj[top_k_index].to(dtype), x[:, None, :, None])  # [T, K, 2I, 1]
+        hidden = gated(scale_rows(hidden, self.gate_up_scale[top_k_index], dtype), self.act_fn, dim=2)  # [T, K, I, 1]
+        out = scale_rows(torch.matmul(self.down_proj[top_k_index].to(dtype), hidden), self.down_scale[top_k_index],
+                         torch.float32)
+        return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
+
+    def _dense_upcast(self, x, router_weights):
+        """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by ``router_weights [T, E]``."""
+        dtype, tokens, two_inter = x.dtype, x.shape[0], 2 * self.intermediate_dim
+        out = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32, device=x.device)
+        for first in range(0, self.num_experts, EXPERT_CHUNK):
+            chunk = slice(first, min(first + EXPERT_CHUNK, self.num_experts))
+            experts = chunk.stop - chunk.start
+            hidden = x @ self.gate_up_proj[chunk].reshape(experts * two_inter, -1).to(dtype).T
+            hidden = scale_rows(hidden, self.gate_up_scale[chunk].reshape(1, -1), dtype)
+            hidden = gated(hidden.reshape(tokens, experts, two_inter), self.act_fn).transpose(0, 1)  # [e, T, I]
+            partial = torch.bmm(hidden, self.down_proj[chunk].to(dtype).transpose(1, 2)).float()
+            partial = partial * self.down_scale[chunk].transpose(1, 2)  # [e, T, H]
+            out += (partial * router_weights[:, chunk].T[:, :, None]).sum(0)
+        return out
 
     def _inputs(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
-        if self.weights == "quantized":
-            return hidden_states
-        dtype = self.compute_dtype if self.int8 else self.gate_up_proj.dtype
-        return hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
+        dtype = None if self.weights == "quantized" else self.compute_dtype if self.int8 else self.gate_up_proj.dtype
+        return hidden_states if dtype in (None, hidden_states.dtype) else hidden_states.to(dtype)
 
     def extra_repr(self) -> str:
-        weights = {"int8": "int8 per-channel + fp32 scales", "quantized": self.fmt}.get(self.weights, self.fmt)
+        weights = "int8 per-channel + fp32 scales" if self.weights == "int8" else self.fmt
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, weights={weights}")
-
-    def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.weights == "quantized":
-            return self.gate_up.dequantize(dtype), self.down.dequantize(dtype)
-        return self.gate_up_proj, self.down_proj
 
 
 class DenseExperts(RoutedExperts):
     """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op): static shapes."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out_dtype = hidden_states.dtype
         x = self._inputs(hidden_states, top_k_index, top_k_weights)
         weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E]
         chunks = [self._chunk(x[s:s + DENSE_TOKEN_CHUNK], weights[s:s + DENSE_TOKEN_CHUNK])
                   for s in range(0, x.shape[0], DENSE_TOKEN_CHUNK)]
-        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        return out.to(out_dtype)
+        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).to(hidden_states.dtype)
 
     def _chunk(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.int8 and not self.fused:
-            return int8_dense_upcast(x, weights, self.gate_up_proj, self.gate_up_scale, self.down_proj,
-                                     self.down_scale, self.act_fn)
+            return self._dense_upcast(x, weights)
         tokens, experts, inter = x.shape[0], self.num_experts, self.intermediate_dim
         if self.int8:
-            flat_gate_up = self.gate_up_proj.view(experts * 2 * inter, self.hidden_dim)
-            gate_up = int8_linear(x, flat_gate_up, self.gate_up_kernel_scale.view(-1),
-                                  self.gate_up_scale.view(-1, 1), self.fused)
+            gate_up = int8_linear(x, self.gate_up_proj.view(experts * 2 * inter, self.hidden_dim),
+                                  self.gate_up_kernel_scale.view(-1), self.gate_up_scale.view(-1, 1))
         else:
-            gate_up_proj, down_proj = self.stacked_weights(x.dtype)
+            gate_up_proj, down_proj = self.float_weights(x.dtype)
             gate_up = F.linear(x, gate_up_proj.reshape(experts * 2 * inter, self.hidden_dim))
         hidden = gated(gate_up.view(tokens, experts, 2 * inter), self.act_fn).transpose(0, 1).contiguous()  # [E, T, I]
         if self.int8:
-            per_expert = torch.stack([
-                int8_linear(hidden[e], self.down_proj[e], self.down_kernel_scale[e], self.down_scale[e], self.fused)
-                for e in range(experts)
-            ])  # [E, T, H]
+            per_expert = torch.stack([int8_linear(hidden[e], self.down_proj[e], self.down_kernel_scale[e], self.down_scale[e])
+                                      for e in range(experts)])  # [E, T, H]
         else:
             per_expert = torch.bmm(hidden, down_proj.transpose(1, 2))  # [E, T, H]
         return (per_expert.float() * weights.t()[:, :, None]).sum(dim=0)
 
 
 class SparseExperts(RoutedExperts):
-    """Only the routed experts' weights are read: ``K / E`` of DenseExperts' traffic per token.
+    """Only the routed experts' weights (``K / E`` of DenseExperts' traffic). Decode (``T * K < E``): a static loop over
+    (token, expert) pairs, ``selection="view"`` reading each in place, ``"gather"`` copying the K first. Else grouped (eager)."""
 
-    Decode (``T * K < E``): a static loop over (token, expert) pairs; ``selection="view"`` reads each expert in
-    place, ``"gather"`` copies the K experts' weights first. Prefill: tokens grouped by expert (eager only).
-    """
-
-    def __init__(self, gate_up_proj, down_proj, act_fn, int8: bool = False, compute_dtype=None,
-                 int8_kernel: str = "fused", scales=None, selection: str = "view"):
-        super().__init__(gate_up_proj, down_proj, act_fn, int8=int8, compute_dtype=compute_dtype,
-                         int8_kernel=int8_kernel, scales=scales)
+    def __init__(self, gate_up_proj, down_proj, act_fn, selection: str = "view", **options):
+        super().__init__(gate_up_proj, down_proj, act_fn, **options)
         assert selection in SELECTIONS, f"selection {selection!r} is not one of {', '.join(SELECTIONS)}"
         assert selection != "gather" or self.weights != "quantized", (
             f"selection 'gather' needs float or int8 weights, not {self.fmt}")
         self.selection = selection
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out_dtype = hidden_states.dtype
         x = self._inputs(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
-        if tokens * top_k < self.num_experts:
-            decode = self._decode_gather if self.selection == "gather" else self._decode_view
-            out = decode(x, top_k_index, top_k_weights)
-        else:
+        if tokens * top_k >= self.num_experts:
             out = self.grouped(x, top_k_index, top_k_weights)
-        return out.to(out_dtype)
+        elif self.selection == "gather":
+            out = self._decode_gather(x, top_k_index, top_k_weights)
+        else:
+            out = self._decode(x, top_k_weights, lambda token, t, k: self.expert_mlp(token, self._expert_id(top_k_index, t, k)))
+        return out.to(hidden_states.dtype)
 
     def experts_read(self, top_k_index: torch.Tensor) -> int:
         """Expert weight sets a forward reads: T x K on the decode path, each distinct expert once when grouped."""
         tokens, top_k = top_k_index.shape
-        if tokens * top_k < self.num_experts:
-            return tokens * top_k
-        return int(top_k_index.unique().numel())
+        return tokens * top_k if tokens * top_k < self.num_experts else int(top_k_index.unique().numel())
 
     def _expert_id(self, top_k_index: torch.Tensor, t: int, k: int):
         expert = top_k_index[t, k].item()
@@ -318,38 +267,30 @@ class SparseExperts(RoutedExperts):
         torch._check(expert < self.num_experts)
         return expert
 
-    def _decode_view(self, x, top_k_index, top_k_weights):
+    @staticmethod
+    def _decode(x, top_k_weights, mlp):
+        """Each token's K expert outputs ``mlp(token [1, H], t, k)``, weighted and summed in fp32: ``[T, H]``."""
         rows = []
         for t in range(x.shape[0]):
             token = x[t:t + 1]
-            outputs = torch.cat([self.expert_mlp(token, self._expert_id(top_k_index, t, k))
-                                 for k in range(top_k_index.shape[1])])  # [K, H]
+            outputs = torch.cat([mlp(token, t, k) for k in range(top_k_weights.shape[1])])  # [K, H]
             rows.append(top_k_weights[t:t + 1].float() @ outputs.float())  # [1, H]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _decode_gather(self, x, top_k_index, top_k_weights):
         if self.int8 and not self.fused:
-            return int8_gather_upcast(x, top_k_index, top_k_weights, self.gate_up_proj, self.gate_up_scale,
-                                      self.down_proj, self.down_scale, self.act_fn)
+            return self._gather_upcast(x, top_k_index, top_k_weights)
         gate_up_w = self.gate_up_proj[top_k_index]  # [T, K, 2I, H]: a copy of the K experts' weights
         down_w = self.down_proj[top_k_index]  # [T, K, H, I]
         if self.int8:
-            return self._decode_gather_fused(x, top_k_index, top_k_weights, gate_up_w, down_w)
+            gate_up_s, gate_up_ks = self.gate_up_scale[top_k_index], self.gate_up_kernel_scale[top_k_index]
+            down_s, down_ks = self.down_scale[top_k_index], self.down_kernel_scale[top_k_index]
+            return self._decode(x, top_k_weights, lambda token, t, k: int8_linear(
+                gated(int8_linear(token, gate_up_w[t, k], gate_up_ks[t, k], gate_up_s[t, k]), self.act_fn),
+                down_w[t, k], down_ks[t, k], down_s[t, k]))
         hidden = gated(torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1), self.act_fn)  # [T, K, I]
         outputs = torch.matmul(down_w, hidden[..., None]).squeeze(-1)  # [T, K, H]
         return (outputs.float() * top_k_weights.float()[..., None]).sum(dim=1)
-
-    def _decode_gather_fused(self, x, top_k_index, top_k_weights, gate_up_w, down_w):
-        gate_up_s, gate_up_ks = self.gate_up_scale[top_k_index], self.gate_up_kernel_scale[top_k_index]
-        down_s, down_ks = self.down_scale[top_k_index], self.down_kernel_scale[top_k_index]
-        rows = []
-        for t in range(top_k_index.shape[0]):
-            outputs = []
-            for k in range(top_k_index.shape[1]):
-                hidden = gated(int8_linear(x[t:t + 1], gate_up_w[t, k], gate_up_ks[t, k], gate_up_s[t, k]), self.act_fn)
-                outputs.append(int8_linear(hidden, down_w[t, k], down_ks[t, k], down_s[t, k]))
-            rows.append(top_k_weights[t:t + 1].float() @ torch.cat(outputs).float())
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
         """Tokens grouped by expert, each routed expert run once, ascending; ``accumulate_dtype=None``: summed in
@@ -357,8 +298,7 @@ class SparseExperts(RoutedExperts):
         tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
-        token_of = order // top_k
-        weight_of = top_k_weights.reshape(-1)[order]
+        token_of, weight_of = order // top_k, top_k_weights.reshape(-1)[order]
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         out = torch.zeros(tokens, self.hidden_dim, dtype=accumulate_dtype or x.dtype, device=x.device)
         start = 0
@@ -407,12 +347,10 @@ class Int8Experts(RoutedExperts):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
-        args = (self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale, self.act_fn)
         if hidden_states.shape[0] == 1:
-            out = int8_gather_upcast(hidden_states, top_k_index, top_k_weights, *args)
+            out = self._gather_upcast(hidden_states, top_k_index, top_k_weights)
         else:
-            router_weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)
-            out = int8_dense_upcast(hidden_states, router_weights, *args)
+            out = self._dense_upcast(hidden_states, dense_router_weights(top_k_index, top_k_weights, self.num_experts))
         return out.to(hidden_states.dtype)
 
 

@@ -1,7 +1,5 @@
-"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
-
-Quantized formats work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert).
-"""
+"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02). Quantized formats
+work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gemma_nb.targets import torch_threads
@@ -19,38 +18,16 @@ INT8_QMAX = 127
 INT8_MIN_SCALE = 1e-8
 
 
-def check_finite(weight: torch.Tensor, name: str = "weight") -> None:
-    """Raise ValueError naming ``name`` if ``weight`` holds NaN or inf (a broken checkpoint)."""
+def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 as the port quantized its experts, shared MLP and lm_head: ``scale = max(absmax(row) / 127,
+    1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the channel axis (0: ``[out, in]``, 1: ``[E, out, in]``)."""
     assert torch.is_floating_point(weight), f"{name!r} is {weight.dtype}"
-    finite = torch.isfinite(weight)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
-        raise ValueError(
-            f"tensor {name!r} holds {int((~finite).sum())} non-finite values (first at index {bad}, "
-            f"value {weight[tuple(bad)].item()}); fix the checkpoint before quantizing it"
-        )
-
-
-def _channel_absmax(weight: torch.Tensor, axis: int) -> torch.Tensor:
-    """absmax over the input axis, keepdim: one value per channel along ``axis`` (N-D: the ``out`` axis only)."""
     assert weight.dim() >= 2, f"weight {tuple(weight.shape)} is not a matrix"
     axis = axis % weight.dim()
-    if weight.dim() == 2 and axis == 1:
-        return weight.abs().amax(dim=0, keepdim=True)
-    assert axis == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
-    return weight.abs().amax(dim=-1, keepdim=True)
-
-
-def quantize_int8_per_channel(
-    weight: torch.Tensor, axis: int = 0, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8, as the port quantized its experts, shared MLP and lm_head.
-
-    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis`` is the
-    channel axis (0 for ``[out, in]``, 1 for stacked ``[E, out, in]``); ``scale`` keeps it, size 1 elsewhere.
-    """
-    check_finite(weight, name)
-    absmax = _channel_absmax(weight.float(), axis)
+    assert (weight.dim(), axis) == (2, 1) or axis == weight.dim() - 2, (
+        f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}")
+    absmax = weight.float().abs().amax(dim=0 if (weight.dim(), axis) == (2, 1) else -1, keepdim=True)
+    _check_absmax(absmax, weight.detach().reshape(-1, weight.shape[-1]), name, 0)
     scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
     q = torch.round(weight.float() / scale).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
     return q, scale
@@ -65,7 +42,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows scaled in fp32)."""
     assert q.dtype == torch.int8 and q.dim() == 2, f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
     assert scale.shape == (q.shape[0], 1), f"scale must have shape [out, 1], got {tuple(scale.shape)}"
-    return scale_rows(torch.nn.functional.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
+    return scale_rows(F.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
 
 
 def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,20 +65,10 @@ class WeightFormat:
     def quantized(self) -> bool:
         return self.scale_dtype is not None
 
-    @property
-    def row_scale_bytes(self) -> int:
-        """Bytes of scale per output row (int8, fp8)."""
-        return self.scale_dtype.itemsize if self.quantized and self.block_size is None else 0
-
-    @property
-    def block_scale_bytes(self) -> int:
-        """Bytes per block scale (fp4 formats)."""
-        return self.scale_dtype.itemsize if self.quantized and self.block_size else 0
-
-    @property
-    def matrix_scale_bytes(self) -> int:
-        """Bytes per matrix (NVFP4's fp32 per-tensor scale)."""
-        return 4 if self.per_tensor_scale else 0
+    # Scale bytes per output row (int8, fp8), per block (fp4) and per matrix (NVFP4's fp32 per-tensor scale).
+    row_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size is None else 0)
+    block_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size else 0)
+    matrix_scale_bytes = property(lambda f: 4 if f.per_tensor_scale else 0)
 
 
 FORMATS: dict[str, WeightFormat] = {
@@ -124,14 +91,12 @@ QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("
 
 
 def get_format(dtype: str) -> WeightFormat:
-    """The ``WeightFormat`` named ``dtype`` (plain or quantized)."""
     if dtype not in FORMATS:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
     return FORMATS[dtype]
 
 
 def weight_format(fmt: str) -> WeightFormat:
-    """The quantized format named ``fmt``."""
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(QUANTIZED_FORMATS)}")
     return QUANTIZED_FORMATS[fmt]
@@ -146,14 +111,12 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
         return math.prod(dims) * fmt.element_bits // 8
     assert len(dims) >= 2, f"{dtype} stores matrices [out, in], got shape {dims}"
     *stack, out, inp = dims
-    matrices = math.prod(stack)
     if fmt.block_size:
         blocks = -(-inp // fmt.block_size)
         row_bytes = blocks * fmt.block_size * fmt.element_bits // 8 + blocks * fmt.block_scale_bytes
     else:
         row_bytes = inp * fmt.element_bits // 8
-    row_bytes += fmt.row_scale_bytes
-    return matrices * (out * row_bytes + fmt.matrix_scale_bytes)
+    return math.prod(stack) * (out * (row_bytes + fmt.row_scale_bytes) + fmt.matrix_scale_bytes)
 
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -176,23 +139,16 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     name: str = "weight"
 
-    @property
-    def format(self) -> WeightFormat:
-        return weight_format(self.fmt)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes actually stored: elements + scales (+ per-tensor scales)."""
-        tensors = [self.data, self.scale] + ([self.global_scale] if self.global_scale is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+    format = property(lambda self: weight_format(self.fmt))
+    # Bytes actually stored: elements + scales (+ per-tensor scales).
+    nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
+                                       if t is not None))
 
     def __getitem__(self, index: int) -> QuantizedTensor:
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
         assert len(self.shape) >= 3, f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
-        return QuantizedTensor(
-            self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
-            None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]",
-        )
+        return QuantizedTensor(self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
+                               None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight of ``shape``, computed in fp32 and returned as ``dtype``."""
@@ -214,33 +170,21 @@ def e8m0_to_float(exponent: torch.Tensor) -> torch.Tensor:
 # E2M1 rounding: the magnitude code (0..7) counts the midpoints |x| passes; ties go to the even code
 # (``>=`` where the upper neighbour is even, else ``>``). ~5x faster on cpu than ``torch.bucketize``.
 _E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_E2M1_LUT = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+# byte -> (value of the low nibble, value of the high nibble)
+_E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=-1)
 
 
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values -> OCP E2M1 codes 0..15 of the nearest value (ties to even, saturating at +-6; never -0)."""
-    return _e2m1_codes(x.abs(), torch.lt(x, 0))
-
-
-def _e2m1_codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(x: torch.Tensor, negative: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values -> OCP E2M1 codes 0..15 of the nearest value (ties to even, saturating at +-6; never -0).
+    With ``negative`` given, ``x`` holds magnitudes and ``negative`` their signs."""
+    magnitude, negative = (x.abs(), torch.lt(x, 0)) if negative is None else (x, negative)
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
     for midpoint, tie_goes_up in _E2M1_MIDPOINTS:
         code += torch.ge(magnitude, midpoint) if tie_goes_up else torch.gt(magnitude, midpoint)
     # the sign bit only where the magnitude code is not 0 (-0.2 rounds to +0)
     code |= (negative & code.bool()).to(torch.uint8) << 3
     return code
-
-
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to the nearest E2M1 value (the float behind :func:`e2m1_codes`)."""
-    codes = e2m1_codes(x)
-    return _E2M1_LUT.to(codes.device).index_select(0, codes.flatten().int()).view(codes.shape)
-
-
-_E2M1_LUT = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-
-
-# byte -> (value of the low nibble, value of the high nibble)
-_E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=-1)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -250,34 +194,16 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """bytes ``[..., m]`` -> uint8 codes ``[..., 2m]`` (inverse of :func:`pack_fp4`)."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """bytes ``[..., m]`` -> fp32 E2M1 values ``[..., 2m]`` (one lookup per byte: both nibbles' values)."""
     pairs = _E2M1_BYTE_LUT.to(packed.device).index_select(0, packed.flatten().int())
     return pairs.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def _absmax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last axis (NaN propagates, so a non-finite row shows up here)."""
-    return x.abs().amax(dim=-1)
-
-
-def _max_last(magnitude: torch.Tensor) -> torch.Tensor:
-    """max over a short power-of-two last axis (a block) by halving: ~4x faster on cpu than amax."""
-    while magnitude.shape[-1] > 1:
-        half = magnitude.shape[-1] // 2
-        magnitude = torch.maximum(magnitude[..., :half], magnitude[..., half:])
-    return magnitude[..., 0]
-
-
 def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Tensor | None, name: str, first_row: int):
     """fp32 ``[R, in]`` (a private copy, padded for fp4; modified in place) -> (data, scale)."""
     if fmt.block_size is None:
-        absmax = _absmax(rows).unsqueeze(-1)
+        absmax = rows.abs().amax(dim=-1).unsqueeze(-1)
         _check_absmax(absmax, rows, name, first_row)
         if fmt.name == "int8":
             scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
@@ -288,8 +214,11 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
         scale = (absmax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
         return rows.div_(scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
     blocks = rows.unflatten(-1, (rows.shape[-1] // fmt.block_size, fmt.block_size))
-    magnitude = blocks.abs()
-    block_absmax = _max_last(magnitude)
+    magnitude = block_absmax = blocks.abs()
+    while block_absmax.shape[-1] > 1:  # max over the block by halving: ~4x faster on cpu than amax
+        half = block_absmax.shape[-1] // 2
+        block_absmax = torch.maximum(block_absmax[..., :half], block_absmax[..., half:])
+    block_absmax = block_absmax[..., 0]
     _check_absmax(block_absmax, rows, name, first_row)
     if fmt.name == "mxfp4":
         # OCP MX: shared exponent = floor(log2(absmax)) - 2 (absmax in (6, 8) x 2^e saturates to +-6 x 2^e);
@@ -304,7 +233,7 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
         effective = scale_code.float() * global_scale
     # a block whose scale is 0 (all zero, or an NVFP4 block scale below e4m3's range) encodes zeros
     inverse = torch.where(effective > 0, 1.0 / effective, 0.0)
-    codes = _e2m1_codes(magnitude.mul_(inverse.unsqueeze(-1)), torch.lt(blocks, 0)).flatten(-2)
+    codes = e2m1_codes(magnitude.mul_(inverse.unsqueeze(-1)), torch.lt(blocks, 0)).flatten(-2)
     return pack_fp4(codes), scale_code
 
 
@@ -313,55 +242,40 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
     ValueError naming ``name``; all-zero rows dequantize to zero."""
     spec = weight_format(fmt)
     assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
-    shape = tuple(weight.shape)
+    shape, cols = tuple(weight.shape), weight.shape[-1]
+    padded = cols if spec.block_size is None else -(-cols // spec.block_size) * spec.block_size
     with torch.no_grad(), torch_threads(1):
-        rows_view = weight.detach().reshape(-1, shape[-1])
-        n_rows, rows_per_matrix = rows_view.shape[0], shape[-2]
-        chunk_rows = max(1, CHUNK_ELEMENTS // max(shape[-1], 1))
-
+        rows_view = weight.detach().reshape(-1, cols)
+        rows_per_matrix, chunk_rows = shape[-2], max(1, CHUNK_ELEMENTS // max(cols, 1))
+        starts = range(0, rows_view.shape[0], chunk_rows)
         global_scale = None
         if spec.per_tensor_scale:
-            row_absmax = torch.cat([_absmax(rows_view[i:i + chunk_rows].float()) for i in range(0, n_rows, chunk_rows)])
+            row_absmax = torch.cat([rows_view[i:i + chunk_rows].float().abs().amax(dim=-1) for i in starts])
             _check_absmax(row_absmax, rows_view, name, 0)
             matrix_absmax = row_absmax.view(-1, rows_per_matrix).amax(dim=-1)
             # NVFP4: the largest element maps to 6 x 448, the top of E2M1 x e4m3
             global_scale = torch.where(matrix_absmax > 0, matrix_absmax / (FP4_E2M1_MAX * FP8_E4M3_MAX), 1.0)
-
-        data_chunks, scale_chunks = [], []
-        for start in range(0, n_rows, chunk_rows):
-            chunk = _padded_fp32_copy(rows_view[start:start + chunk_rows], spec.block_size)
+        pieces = []
+        for start in starts:
+            rows = rows_view[start:start + chunk_rows]
+            # a fresh fp32 copy (never a view of the caller's weight), zero-padded to whole blocks
+            chunk = rows.to(torch.float32, copy=True) if padded == cols else F.pad(rows.float(), (0, padded - cols))
             chunk_global = None
             if global_scale is not None:
                 matrix = torch.arange(start, start + chunk.shape[0], device=chunk.device) // rows_per_matrix
                 chunk_global = global_scale[matrix].unsqueeze(-1)
-            data, scale = _quantize_rows(chunk, spec, chunk_global, name, start)
-            data_chunks.append(data)
-            scale_chunks.append(scale)
-        lead = shape[:-1]
-        data = torch.cat(data_chunks).reshape(*lead, -1)
-        scale = torch.cat(scale_chunks).reshape(*lead, -1)
+            pieces.append(_quantize_rows(chunk, spec, chunk_global, name, start))
+        data, scale = (torch.cat(part).reshape(*shape[:-1], -1) for part in zip(*pieces))
         if global_scale is not None:
             global_scale = global_scale.reshape(*shape[:-2], 1, 1)
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)
-
-
-def _padded_fp32_copy(rows: torch.Tensor, multiple: int | None) -> torch.Tensor:
-    """A fresh fp32 copy of ``rows`` (never a view of the caller's weight), zero-padded to ``multiple``."""
-    cols = rows.shape[-1]
-    padded = cols if multiple is None else -(-cols // multiple) * multiple
-    if padded == cols:
-        return rows.to(torch.float32, copy=True)
-    out = torch.zeros(rows.shape[0], padded, dtype=torch.float32, device=rows.device)
-    out[:, :cols] = rows
-    return out
 
 
 def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row: int) -> None:
     """A non-finite absmax means a NaN/inf weight: raise ValueError naming the tensor and where."""
     if bool(torch.isfinite(absmax).all()):
         return
-    finite = torch.isfinite(rows)
-    row, col = (~finite).nonzero()[0].tolist()
+    row, col = (~torch.isfinite(rows)).nonzero()[0].tolist()
     raise ValueError(
         f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
         f"{first_row + row}, column {col}); fix the checkpoint before quantizing it"
@@ -371,13 +285,11 @@ def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row
 @torch.no_grad()
 def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict[str, float]:
     """Relative Frobenius error ``|W - Q(W)| / |W|`` and max absolute error, in fp32, chunked by matrix."""
-    diff_sq = ref_sq = 0.0
-    max_abs = 0.0
+    diff_sq = ref_sq = max_abs = 0.0
     matrices = weight.reshape(-1, *weight.shape[-2:])
     for i in range(matrices.shape[0]):
         ref = matrices[i].float()
-        deq = (quantized[i] if weight.dim() > 2 else quantized).dequantize(torch.float32)
-        diff = ref - deq
+        diff = ref - (quantized[i] if weight.dim() > 2 else quantized).dequantize(torch.float32)
         diff_sq += float(diff.square().sum())
         ref_sq += float(ref.square().sum())
         max_abs = max(max_abs, float(diff.abs().max()))
@@ -386,14 +298,13 @@ def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict
 
 def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTensor) -> None:
     """Store a QuantizedTensor's tensors as buffers of ``module`` (format and shape in ``module._quantized_meta``)."""
-    module.register_buffer(f"{prefix}_data", quantized.data)
-    module.register_buffer(f"{prefix}_scale", quantized.scale)
-    module.register_buffer(f"{prefix}_global_scale", quantized.global_scale)
+    for part in ("data", "scale", "global_scale"):
+        module.register_buffer(f"{prefix}_{part}", getattr(quantized, part))
     module._quantized_meta[prefix] = (quantized.fmt, quantized.shape, quantized.name)
 
 
 def registered_quantized(module: nn.Module, prefix: str) -> QuantizedTensor:
     """The QuantizedTensor stored by :func:`register_quantized` under ``prefix``."""
     fmt, shape, name = module._quantized_meta[prefix]
-    return QuantizedTensor(fmt, getattr(module, f"{prefix}_data"), getattr(module, f"{prefix}_scale"), shape,
-                           getattr(module, f"{prefix}_global_scale"), name)
+    data, scale, global_scale = (getattr(module, f"{prefix}_{part}") for part in ("data", "scale", "global_scale"))
+    return QuantizedTensor(fmt, data, scale, shape, global_scale, name)

@@ -1,10 +1,9 @@
 """Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m gemma_nb plan``).
-
-The parameter inventory is ``gemma_nb.params``' (its names importable from here too).
-"""
+The parameter inventory is ``gemma_nb.params``' (its names importable from here too)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -40,9 +39,7 @@ from gemma_nb.params import tp_problem as tp_problem
 
 # The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus one
 # 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives buffers.
-RUNTIME_MICROCODE_BYTES = 96 * 2**20
-SCRATCHPAD_PAGE_BYTES = 512 * 2**20
-DEFAULT_RUNTIME_ALLOWANCE_BYTES = RUNTIME_MICROCODE_BYTES + SCRATCHPAD_PAGE_BYTES
+DEFAULT_RUNTIME_ALLOWANCE_BYTES = (96 + 512) * 2**20
 
 SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/sources.md: port-recipe)
 
@@ -108,26 +105,14 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     return SCHEMES[scheme]
 
 
-def _rank_shape(rec: ParamRecord, tp: int) -> tuple[int, ...]:
-    """The shape of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways."""
-    shape = list(rec.shape)
-    if tp == 1 or rec.split == "none" or not shape:
-        return tuple(shape)
-    if rec.split == "experts":
-        shape[0] = -(-shape[0] // tp)
-    elif rec.split == "kv":
-        shape[0] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim
-    elif rec.split == "out":
-        shape[-2 if len(shape) >= 2 else 0] = -(-shape[-2 if len(shape) >= 2 else 0] // tp)
-    elif rec.split == "in":
-        shape[-1] = -(-shape[-1] // tp)
-    return tuple(shape)
-
-
 def _record_bytes(rec: ParamRecord, dtype: str, default_dtype: str, tp: int) -> int:
-    shape = _rank_shape(rec, tp)
+    """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors: a plain dtype)."""
+    shape = list(rec.shape)
+    if tp > 1 and rec.split != "none" and shape:
+        axis = {"experts": 0, "kv": 0, "out": -2 if len(shape) >= 2 else 0, "in": -1}[rec.split]
+        shape[axis] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
     use = dtype if (len(shape) >= 2 and not rec.is_buffer) else (dtype if dtype in PLAIN_DTYPES else default_dtype)
-    return tensor_bytes(shape, use)
+    return tensor_bytes(tuple(shape), use)
 
 
 @dataclass(frozen=True)
@@ -141,13 +126,8 @@ class Plan:
     batch: int
     table: Any  # pandas DataFrame
 
-    @property
-    def total_bytes(self) -> int:
-        return int(self.table["bytes_per_rank"].sum())
-
-    @property
-    def total_gb(self) -> float:
-        return self.total_bytes / GB
+    total_bytes = property(lambda self: int(self.table["bytes_per_rank"].sum()))
+    total_gb = property(lambda self: self.total_bytes / GB)
 
     def bytes(self, group: str) -> int:
         """Bytes per rank of one row (a group, ``kv_cache`` or ``runtime_allowance``)."""
@@ -175,68 +155,43 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
         sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
-    per_group, head_detail = _group_bytes(facts, sch, tp)
-    rows = _group_rows(per_group, sch, tp, head_detail) + _kv_and_allowance_rows(config, sch, tp, context_len, batch)
-    table = pd.DataFrame(rows)
+    default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
+    table = pd.DataFrame(_group_rows(facts, sch, tp) + [
+        {"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated", "params": 0,
+         "bytes_per_rank": kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype), "host_bytes": 0,
+         "detail": f"K and V, {context_len} tokens x batch {batch}"},
+        {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
+         "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
+         "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
+                    else "allowance for runtime buffers (set by caller)")}])
     table["gb_per_rank"] = table["bytes_per_rank"] / GB
     table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
     return Plan(facts.model_class, sch, tp, context_len, batch, table)
 
 
-def _group_bytes(facts, sch: Scheme, tp: int) -> tuple[dict[str, dict[str, int]], str]:
-    """Per group: whole-model ``params``, HBM ``bytes`` of one rank and ``host`` bytes; and the lm_head's detail."""
-    per_group = {g: {"params": 0, "bytes": 0, "host": 0} for g in GROUPS}
+def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
+    """One row per weight group: whole-model ``params``, HBM bytes of one rank, host bytes, placement and a detail."""
+    def sharded(group: str) -> bool:
+        return sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
+
+    on_host = {g: g in ("embeddings", "per_layer_embeddings") and not sch.embedding_on_device for g in GROUPS}
+    params, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
-        group = rec.group
-        dtype = sch.dtype(group)
-        entry = per_group[group]
         if not rec.is_buffer:
-            entry["params"] += rec.numel
-        if group in ("embeddings", "per_layer_embeddings") and not sch.embedding_on_device:
-            entry["host"] += _record_bytes(rec, dtype, sch.default_dtype, 1)
-            continue
-        sharded = sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
-        entry["bytes"] += _record_bytes(rec, dtype, sch.default_dtype, tp if sharded else 1)
+            params[rec.group] += rec.numel
+        ranks = 1 if on_host[rec.group] or not sharded(rec.group) else tp
+        (host if on_host[rec.group] else device)[rec.group] += _record_bytes(rec, sch.dtype(rec.group), sch.default_dtype, ranks)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
         head = ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
-        ranks = tp if sch.lm_head_sharded else 1
-        per_group["lm_head"]["bytes"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, ranks)
+        device["lm_head"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, tp if sch.lm_head_sharded else 1)
         head_detail = "tied: a device copy of the embedding table; "
-    return per_group, head_detail
-
-
-def _group_rows(per_group, sch: Scheme, tp: int, head_detail: str) -> list[dict]:
-    """The plan's table rows for the weight groups: placement, dtype, bytes and a detail each."""
-    rows = []
-    for g in GROUPS:
-        entry = per_group[g]
-        if g in ("embeddings", "per_layer_embeddings") and not sch.embedding_on_device:
-            placement = "host"
-        elif g == "lm_head":
-            placement = "sharded" if sch.lm_head_sharded and tp > 1 else "replicated"
-        else:
-            placement = "sharded" if g in sch.sharded and tp > 1 else "replicated"
-        detail = ""
-        if g == "lm_head":
-            detail = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
-        if g in ("embeddings", "per_layer_embeddings") and placement == "host":
-            detail = "looked up on the host; 0 HBM"
-        rows.append({"group": g, "dtype": sch.dtype(g), "placement": placement, "params": entry["params"],
-                     "bytes_per_rank": entry["bytes"], "host_bytes": entry["host"], "detail": detail})
-    return rows
-
-
-def _kv_and_allowance_rows(config, sch: Scheme, tp: int, context_len: int, batch: int) -> list[dict]:
-    kv = kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype)
-    default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
-    return [{"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated",
-             "params": 0, "bytes_per_rank": kv, "host_bytes": 0,
-             "detail": f"K and V, {context_len} tokens x batch {batch}"},
-            {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
-             "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
-             "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
-                        else "allowance for runtime buffers (set by caller)")}]
+    details = {g: "looked up on the host; 0 HBM" for g in GROUPS if on_host[g]}
+    details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
+    return [{"group": g, "dtype": sch.dtype(g),
+             "placement": "host" if on_host[g] else "sharded" if sharded(g) and tp > 1 else "replicated",
+             "params": params[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
+            for g in GROUPS]
 
 
 def plans_table(plans: Iterable[Plan]):
@@ -254,17 +209,12 @@ def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: st
     ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then."""
     failing_static = plan(config, tp, failing, context_len, runtime_allowance_bytes=0).total_bytes
     fitting_static = plan(config, tp, fitting, context_len, runtime_allowance_bytes=0).total_bytes
-    window = {
-        "budget_bytes": int(budget_bytes),
-        "failing_static_bytes": failing_static,
-        "fitting_static_bytes": fitting_static,
-        "min_to_fail_bytes": int(budget_bytes) - failing_static,
-        "max_to_fit_bytes": int(budget_bytes) - fitting_static,
-    }
+    budget = int(budget_bytes)
+    window = {"budget_bytes": budget, "failing_static_bytes": failing_static, "fitting_static_bytes": fitting_static,
+              "min_to_fail_bytes": budget - failing_static, "max_to_fit_bytes": budget - fitting_static}
     if short_by_bytes is not None:
-        allowance = int(budget_bytes) + int(short_by_bytes) - failing_static
-        window["allowance_if_short_by_bytes"] = allowance
-        window["fitting_overflow_then_bytes"] = fitting_static + allowance - int(budget_bytes)
+        allowance = budget + int(short_by_bytes) - failing_static
+        window |= {"allowance_if_short_by_bytes": allowance, "fitting_overflow_then_bytes": fitting_static + allowance - budget}
     return window
 
 
@@ -275,25 +225,16 @@ class RuntimeAllowance:
     low_bytes: int
     high_bytes: int
     source: str
-
-    @property
-    def is_window(self) -> bool:
-        return self.low_bytes != self.high_bytes
+    is_window = property(lambda self: self.low_bytes != self.high_bytes)
 
 
-_INFERRED: dict[int, RuntimeAllowance] = {}
-
-
+@functools.cache
 def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
     """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    key = int(budget_bytes)
-    if key not in _INFERRED:
-        window = allowance_window(load_gemma4_26b_config(), "int8_experts", "int8_squeeze", 2, SHIPPED_CONTEXT_LEN,
-                                  budget_bytes=key)
-        _INFERRED[key] = RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
-                                          "inferred from the port's failed int8-experts and fitting int8-squeeze builds "
-                                          "(notebook 01)")
-    return _INFERRED[key]
+    window = allowance_window(load_gemma4_26b_config(), "int8_experts", "int8_squeeze", 2, SHIPPED_CONTEXT_LEN,
+                              budget_bytes=int(budget_bytes))
+    return RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
+                            "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)")
 
 
 def given_runtime_allowance(gb: float) -> RuntimeAllowance:

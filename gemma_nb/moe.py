@@ -26,32 +26,25 @@ def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             if isinstance(child, nn.Module) and hasattr(child, "gate_up_proj") and hasattr(child, "down_proj")]
 
 
-def _transformers_experts(source: nn.Module, config, experts_implementation: str | None = None) -> nn.Module:
+def make_experts(source: nn.Module, impl: str, config=None, experts_implementation: str | None = None,
+                 **options) -> nn.Module:
+    """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared. ``transformers``
+    needs the model's text config (``experts_implementation=`` its kernel); ``options`` go to the class (``selection=``)."""
+    assert impl in IMPLEMENTATIONS, f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
+    assert not getattr(source, "int8", False) and getattr(source, "weights", "float") == "float", (
+        f"the experts are already {type(source).__name__} with int8 weights: reload the model")
+    if impl != "transformers":
+        return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
+    assert config is not None and not options, f"impl 'transformers' needs the model's text config and takes no {set(options)}"
     if experts_implementation is not None:
         # A private copy: the model's config (shared by every layer) keeps its own choice.
         config = copy.deepcopy(config)
         config._experts_implementation = experts_implementation
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
-    module.gate_up_proj = as_parameter(source.gate_up_proj)
-    module.down_proj = as_parameter(source.down_proj)
+    module.gate_up_proj, module.down_proj = as_parameter(source.gate_up_proj), as_parameter(source.down_proj)
     module.act_fn = source.act_fn
     return module
-
-
-def make_experts(source: nn.Module, impl: str, config=None, **options) -> nn.Module:
-    """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared.
-
-    ``transformers`` needs the model's text config; ``options`` go to the class (``selection=``, or
-    ``experts_implementation=`` for transformers' module).
-    """
-    assert impl in IMPLEMENTATIONS, f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
-    assert not getattr(source, "int8", False) and getattr(source, "weights", "float") == "float", (
-        f"the experts are already {type(source).__name__} with int8 weights: reload the model")
-    if impl == "transformers":
-        assert config is not None, "impl 'transformers' needs the model's text config"
-        return _transformers_experts(source, config, **options)
-    return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
@@ -64,15 +57,6 @@ def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
     for parent, name, module in found:
         setattr(parent, name, make_experts(module, impl, config=config, **options))
     return model
-
-
-def experts_kind(model: nn.Module) -> str:
-    """Which implementation the model's experts use now (``transformers``, ``dense``, ``sparse_int8``, ...)."""
-    kinds = set()
-    for _, _, module in experts_modules(model):
-        name = next((name for name, cls in KERNELS.items() if isinstance(module, cls)), "transformers")
-        kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
-    return ",".join(sorted(kinds))
 
 
 def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from gemma_nb.formats import FORMATS, PLAIN_DTYPES, get_format
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
-GEMMA4_26B_CONFIG_PATH = CONFIGS_DIR / "gemma4_26b_a4b.json"
+GEMMA4_26B_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "gemma4_26b_a4b.json"
 
 GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings", "lm_head", "per_layer_embeddings",
           "other")
@@ -68,8 +67,8 @@ def load_gemma4_26b_config(path: str | Path = GEMMA4_26B_CONFIG_PATH):
 
 @dataclass(frozen=True)
 class ParamRecord:
-    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows
-    (``"out"``), input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
+    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows (``"out"``),
+    input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
 
     name: str
     group: str
@@ -123,21 +122,15 @@ _REPLICATED_NAMES = {"kv_a_proj_with_mqa", "q_a_proj"}
 def _split_for(module_name: str, leaf: str, ndim: int) -> str:
     if module_name in _KV_NAMES:
         return "kv"
-    if module_name in _REPLICATED_NAMES:
-        return "none"
     if module_name in _ROW_NAMES:
         return "in" if leaf == "weight" and ndim >= 2 else "none"
-    if module_name in _COLUMN_NAMES or ndim >= 2:
-        return "out"
-    return "none"
+    return "out" if module_name not in _REPLICATED_NAMES and (module_name in _COLUMN_NAMES or ndim >= 2) else "none"
 
 
 def _classify(name: str, owner, is_input_embedding: bool, is_output_embedding: bool, ndim: int) -> tuple[str, str]:
     """(group, split) of one parameter, from its dotted name and owning module's class."""
-    parts = name.split(".")
-    leaf, module_parts = parts[-1], parts[:-1]
-    module_name = module_parts[-1] if module_parts else ""
-    cls = type(owner).__name__
+    *module_parts, leaf = parts = name.split(".")
+    module_name, cls = module_parts[-1] if module_parts else "", type(owner).__name__
     if is_input_embedding:
         return "embeddings", "none"
     if is_output_embedding:
@@ -169,8 +162,7 @@ def check_causal_lm_config(config) -> None:
                          "pass e.g. load_gemma4_26b_config() or transformers.MixtralConfig(...)")
     model_type = getattr(config, "model_type", None)
     what = f"config {type(config).__name__} (model_type {model_type!r})"
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text_config is not config:
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config:
         raise ValueError(f"{what} is multimodal; pass its language model's config: config.get_text_config()")
     if getattr(config, "is_encoder_decoder", False) or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise ValueError(f"{what} is an encoder or encoder-decoder model; the planner handles decoder-only "
@@ -182,14 +174,15 @@ def check_causal_lm_config(config) -> None:
 
 def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
     """Per-layer KV geometry read off the built modules (Gemma-4's head_dim and KV heads vary per layer)."""
-    if getattr(config, "kv_lora_rank", None):
-        return _mla_layers(config)
+    if getattr(config, "kv_lora_rank", None):  # MLA (DeepSeek): one latent plus the shared rope key per layer per token
+        head_dim, latent = config.qk_nope_head_dim + config.qk_rope_head_dim, config.kv_lora_rank + config.qk_rope_head_dim
+        return tuple(AttentionLayer(None, config.num_attention_heads, 0, head_dim, None, latent)
+                     for _ in range(config.num_hidden_layers))
     layers = []
-    for _, mod in model.named_modules():
-        q_proj = getattr(mod, "q_proj", None)
+    for mod in model.modules():
+        q_proj, k_proj = getattr(mod, "q_proj", None), getattr(mod, "k_proj", None)
         if not isinstance(q_proj, nn.Linear):
             continue
-        k_proj = getattr(mod, "k_proj", None)
         head_dim = getattr(mod, "head_dim", None) or getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
         kv_heads = k_proj.out_features // head_dim if isinstance(k_proj, nn.Linear) else 0
@@ -205,51 +198,28 @@ def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
     return tuple(AttentionLayer(None, heads, kv, head_dim, None) for _ in range(config.num_hidden_layers))
 
 
-def _mla_layers(config) -> tuple[AttentionLayer, ...]:
-    """Multi-head latent attention (DeepSeek): one latent plus the shared rope key cached per layer per token."""
-    head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    latent = config.kv_lora_rank + config.qk_rope_head_dim
-    return tuple(AttentionLayer(None, config.num_attention_heads, 0, head_dim, None, latent)
-                 for _ in range(config.num_hidden_layers))
-
-
-def _moe_sizes(config, records: Iterable[ParamRecord]) -> tuple[int, int]:
-    """(num_experts, top_k) from the config's field names across MoE families; (0, 0) when dense."""
-    experts = next((r.shape[0] for r in records if r.group == "experts" and len(r.shape) >= 3), 0)
-    if not experts:
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    top_k = getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None) or 0
-    return int(experts or 0), int(top_k or 0)
-
-
 _FACTS_CACHE: dict[str, ModelFacts] = {}
 
 
 def _records(model, input_ids: set, output_ids: set) -> list[ParamRecord]:
     """Every unique parameter and persistent buffer of ``model``, classified."""
-    modules = dict(model.named_modules())
-    records, seen = [], set()
+    modules, records, seen = dict(model.named_modules()), [], set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
         owner = modules.get(name.rsplit(".", 1)[0], model)
         group, split = _classify(name, owner, id(param) in input_ids, id(param) in output_ids, param.dim())
-        kv_heads = head_dim = 0
-        if split == "kv":
-            head_dim = getattr(modules.get(name.rsplit(".", 2)[0]), "head_dim", None) or 0
-            if head_dim:
-                kv_heads = param.shape[0] // head_dim
-            else:
-                split = "out"
+        head_dim = (getattr(modules.get(name.rsplit(".", 2)[0]), "head_dim", None) or 0) if split == "kv" else 0
+        split = "out" if split == "kv" and not head_dim else split  # a KV projection without head_dim: split its rows
+        kv_heads = param.shape[0] // head_dim if head_dim else 0
         records.append(ParamRecord(name, group, tuple(param.shape), split, False, kv_heads, head_dim))
     for module_name, module in modules.items():
         for buf_name, buf in module.named_buffers(recurse=False):
-            if buf_name in module._non_persistent_buffers_set:
-                continue
-            name = f"{module_name}.{buf_name}" if module_name else buf_name
-            group, _ = _classify(name, module, False, False, buf.dim())
-            records.append(ParamRecord(name, group, tuple(buf.shape), "none", True))
+            if buf_name not in module._non_persistent_buffers_set:
+                name = f"{module_name}.{buf_name}" if module_name else buf_name
+                group, _ = _classify(name, module, False, False, buf.dim())
+                records.append(ParamRecord(name, group, tuple(buf.shape), "none", True))
     return records
 
 
@@ -262,13 +232,15 @@ def model_facts(config) -> ModelFacts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     input_emb, output_emb = model.get_input_embeddings(), model.get_output_embeddings()
-    input_ids = {id(p) for p in input_emb.parameters()} if input_emb is not None else set()
-    output_ids = {id(p) for p in output_emb.parameters()} if output_emb is not None else set()
+    input_ids, output_ids = ({id(p) for p in emb.parameters()} if emb is not None else set() for emb in (input_emb, output_emb))
     records = _records(model, input_ids, output_ids)
-    tied = bool(output_ids) and output_ids <= input_ids
-    lm_head_shape = tuple(output_emb.weight.shape) if output_emb is not None else None
-    facts = ModelFacts(type(model).__name__, tuple(records), tied, lm_head_shape,
-                       _attention_layers(model, config), *_moe_sizes(config, records))
+    # (num_experts, top_k): the stacked experts' axis, else the config's field names across MoE families; 0 when dense
+    experts = next((r.shape[0] for r in records if r.group == "experts" and len(r.shape) >= 3), 0)
+    experts = experts or getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    top_k = getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None) or 0
+    facts = ModelFacts(type(model).__name__, tuple(records), bool(output_ids) and output_ids <= input_ids,
+                       tuple(output_emb.weight.shape) if output_emb is not None else None,
+                       _attention_layers(model, config), int(experts), int(top_k))
     del model
     if len(_FACTS_CACHE) > 32:
         _FACTS_CACHE.clear()
@@ -282,23 +254,16 @@ def inventory(config):
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
-        if rec.is_buffer:
-            buffers[rec.group] += rec.numel
-        else:
-            params[rec.group] += rec.numel
-            tensors[rec.group] += 1
+        (buffers if rec.is_buffer else params)[rec.group] += rec.numel
+        tensors[rec.group] += 0 if rec.is_buffer else 1
     total = sum(params.values())
     embedding_groups = ("embeddings", "lm_head", "per_layer_embeddings")
     non_embedding = total - sum(params[g] for g in embedding_groups)
     rows = []
     for g in GROUPS:
-        note = ""
-        if g == "lm_head" and facts.tied:
-            note = "tied to the input embedding: counted once, under embeddings"
-        elif g == "embeddings" and facts.tied:
-            note = "also the lm_head weight (tied)"
-        elif buffers[g]:
-            note = "buffers: persistent, in the state dict, not parameters"
+        note = ("tied to the input embedding: counted once, under embeddings" if g == "lm_head" and facts.tied
+                else "also the lm_head weight (tied)" if g == "embeddings" and facts.tied
+                else "buffers: persistent, in the state dict, not parameters" if buffers[g] else "")
         rows.append({"group": g, "params": params[g], "tensors": tensors[g],
                      "share_pct": 100.0 * params[g] / total if total else 0.0,
                      "share_non_embedding_pct": (None if g in embedding_groups
@@ -313,36 +278,22 @@ def param_summary(config) -> dict:
     """Headline counts: total, per group, active per token (embeddings count as active), the experts' share."""
     inv = inventory(config).set_index("group")
     facts = model_facts(config)
-    total = int(inv["params"].sum())
-    experts = int(inv.loc["experts", "params"])
+    total, experts = int(inv["params"].sum()), int(inv.loc["experts", "params"])
     embeddings = int(inv.loc["embeddings", "params"] + inv.loc["lm_head", "params"]
                      + inv.loc["per_layer_embeddings", "params"])
-    routed_active = experts * facts.top_k // facts.num_experts if facts.num_experts else experts
-    active = total - experts + routed_active
-    return {
-        "total_params": total,
-        **{f"{g}_params": int(inv.loc[g, "params"]) for g in GROUPS},
-        "non_embedding_params": total - embeddings,
-        "num_experts": facts.num_experts,
-        "top_k": facts.top_k,
-        "active_params": active,
-        "active_params_excl_embeddings": active - embeddings,
-        "experts_share_pct": 100.0 * experts / total if total else 0.0,
-        "experts_share_non_embedding_pct": 100.0 * experts / (total - embeddings) if total > embeddings else 0.0,
-        "persistent_buffer_elems": int(inv["buffers"].sum()),
-        "tied": facts.tied,
-    }
-
-
-def _check_tp_int(tp) -> int:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r} must be an integer >= 1 (the tensor-parallel degree: ranks = NeuronCores)")
-    return tp
+    active = total - experts + (experts * facts.top_k // facts.num_experts if facts.num_experts else experts)
+    return {"total_params": total, **{f"{g}_params": int(inv.loc[g, "params"]) for g in GROUPS},
+            "non_embedding_params": total - embeddings, "num_experts": facts.num_experts, "top_k": facts.top_k,
+            "active_params": active, "active_params_excl_embeddings": active - embeddings,
+            "experts_share_pct": 100.0 * experts / total if total else 0.0,
+            "experts_share_non_embedding_pct": 100.0 * experts / (total - embeddings) if total > embeddings else 0.0,
+            "persistent_buffer_elems": int(inv["buffers"].sum()), "tied": facts.tied}
 
 
 def tp_problem(config, tp: int) -> str | None:
     """Why ``tp`` cannot shard ``config`` (None if it can): heads, KV heads (or tp % KV heads), experts must divide."""
-    _check_tp_int(tp)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be an integer >= 1 (the tensor-parallel degree: ranks = NeuronCores)")
     facts = model_facts(config)
     for layer in facts.attention_layers:
         if layer.q_heads % tp:
@@ -362,10 +313,8 @@ def valid_tp_degrees(config, max_tp: int = 64) -> list[int]:
 
 def check_tp(config, tp) -> int:
     """``tp``, or ValueError naming it, why, and the degrees that work."""
-    problem = tp_problem(config, tp)
-    if problem:
-        choices = ", ".join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))
-        raise ValueError(f"{problem}; choose one of {choices}")
+    if problem := tp_problem(config, tp):
+        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
     return tp
 
 
@@ -378,11 +327,6 @@ def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
     return kv_cache_bytes(config, tp, 1, 1, dtype)
 
 
-def _layer_kv_values(layer: AttentionLayer, tp: int) -> int:
-    heads = 2 * kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim if layer.kv_heads else 0
-    return heads + layer.latent_dim
-
-
 def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16",
                    cap_sliding: bool = False) -> int:
     """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
@@ -390,11 +334,11 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
     check_context(context_len, batch)
     check_plain(dtype, "KV cache")
     check_tp(config, tp)
-    per_elem = FORMATS[dtype].element_bits // 8
-    total = 0
+    per_elem, total = FORMATS[dtype].element_bits // 8, 0
     for layer in model_facts(config).attention_layers:
         tokens = min(context_len, layer.sliding_window) if cap_sliding and layer.sliding_window else context_len
-        total += _layer_kv_values(layer, tp) * per_elem * tokens
+        heads = 2 * kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim if layer.kv_heads else 0
+        total += (heads + layer.latent_dim) * per_elem * tokens
     return total * batch
 
 

@@ -34,6 +34,15 @@ def _prompts():
     return fact_prompts()[:3]
 
 
+def experts_kind(model) -> str:
+    """Which implementation the model's experts use now (transformers, dense, sparse_int8, ...)."""
+    kinds = set()
+    for _, _, module in moe.experts_modules(model):
+        name = next((name for name, cls in E.KERNELS.items() if isinstance(module, cls)), "transformers")
+        kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
+    return ",".join(sorted(kinds))
+
+
 def _generate(model, prompts):
     return [greedy_generate(model, ids, NEW_TOKENS) for ids in prompts]
 
@@ -45,12 +54,12 @@ def test_dense_and_sparse_match_transformers_greedy_tokens_on_bundled_checkpoint
     try:
         for impl, options in (("dense", {}), ("sparse", {}), ("sparse", {"selection": "gather"})):
             moe.swap_experts(model, impl, **options)
-            assert moe.experts_kind(model) == impl
+            assert experts_kind(model) == impl
             for got, want in zip(_generate(model, prompts), reference):
                 assert torch.equal(got, want), f"{impl} {options} diverged from transformers"
     finally:
         moe.swap_experts(model, "transformers")
-    assert moe.experts_kind(model) == "transformers"
+    assert experts_kind(model) == "transformers"
 
 
 def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bundled):
@@ -84,7 +93,7 @@ def test_swap_shares_the_weight_tensors_and_reverts():
     assert [m.gate_up_proj.data_ptr() for _, _, m in moe.experts_modules(model)] == before
     moe.swap_experts(model, "dense")
     moe.swap_experts(model, "transformers")
-    assert moe.experts_kind(model) == "transformers"
+    assert experts_kind(model) == "transformers"
     assert [m.gate_up_proj.data_ptr() for _, _, m in moe.experts_modules(model)] == before
     moe.swap_experts(model, "sparse_int8")
     layer = moe.experts_modules(model)[0][2]

@@ -23,7 +23,6 @@ from gemma_nb.formats import (  # noqa: E402
     quantize,
     quantize_int8_per_channel,
     unpack_fp4,
-    unpack_fp4_codes,
 )
 from gemma_nb.formats import QUANTIZED_FORMATS as FORMATS  # noqa: E402
 from gemma_nb.quant import Int8Linear, apply_scheme  # noqa: E402
@@ -34,6 +33,11 @@ FAST = settings(max_examples=40, deadline=None)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 E4M3_MAX = 448.0
+
+
+def unpack_fp4_codes(packed):
+    """bytes [..., m] -> uint8 codes [..., 2m], element 2j from the low nibble (pack_fp4's inverse)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
 def _rows(draw, max_rows=6, max_cols=70):
@@ -138,13 +142,11 @@ def test_int8_matmul_follows_nxd_order_and_splits_by_rows_exactly():
 
 def test_int8_linear_module():
     linear = torch.nn.Linear(40, 24, bias=False)
-    module = Int8Linear.from_linear(linear, name="mlp.up_proj")
+    module = Int8Linear.from_weight(linear.weight, name="mlp.up_proj.weight")
     assert module.nbytes == 24 * 40 + 24 * 4 == memory.tensor_bytes((24, 40), "int8")
     x = torch.randn(2, 40)
     assert torch.equal(module(x), int8_matmul(x, module.qweight, module.scale))
     assert set(module.state_dict()) == {"qweight", "scale"}
-    with pytest.raises(AssertionError, match="has a bias"):
-        Int8Linear.from_linear(torch.nn.Linear(4, 4), name="with_bias")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,10 +168,13 @@ def test_fp4_codes_pack_and_unpack_round_trip():
 
 
 def test_e2m1_rounding_ties_to_even_and_saturates():
+    def round_to_e2m1(x):
+        return torch.tensor(FP4_E2M1_VALUES)[formats.e2m1_codes(x).long()]
+
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    assert formats.round_to_e2m1(midpoints).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
-    assert formats.round_to_e2m1(-midpoints).tolist() == [0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
-    assert formats.round_to_e2m1(torch.tensor([7.0, -1e9, 0.26, -0.2])).tolist() == [6.0, -6.0, 0.5, 0.0]
+    assert round_to_e2m1(midpoints).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert round_to_e2m1(-midpoints).tolist() == [0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
+    assert round_to_e2m1(torch.tensor([7.0, -1e9, 0.26, -0.2])).tolist() == [6.0, -6.0, 0.5, 0.0]
     assert formats.e2m1_codes(torch.tensor([-0.2, -0.0])).tolist() == [0, 0]  # never a negative-zero code
 
 
@@ -383,6 +388,10 @@ def test_apply_scheme_int8_squeeze_replaces_groups_and_unties_the_head(tiny_mode
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
     with pytest.raises(AssertionError, match="already replaced"):
         apply_scheme(model, {"lm_head": "int8"})
+    with_bias = copy.deepcopy(tiny_model)
+    with_bias.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(AssertionError, match=r"layers\.1\.self_attn\.o_proj has a bias"):
+        apply_scheme(with_bias, {"attention": "int8"})
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_experts", "nvfp4_experts", {"attention": "mxfp4"}])
