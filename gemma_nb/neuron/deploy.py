@@ -90,7 +90,7 @@ def load_artifact(artifact_dir: str | Path):
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{MODEL_FILE} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
+        raise FileNotFoundError(f"{MODEL_FILE} not found in {path.parent.name}/: run gemma_nb.neuron.build.compile_neuron first")
     model = torch.jit.load(str(path))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
@@ -116,12 +116,10 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
     """The slim deploy of a validated artifact folder, timed and sampled: (runner, figures); ``load`` turns the
     folder into the graph (``load_artifact``; a cpu stand-in in the tests)."""
     artifact = read_artifact(artifact_dir)
-    embedding_path = artifact.path(HOST_EMBEDDING_FILE)
+    config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
-        config = artifact.config
-        skeleton = model_skeleton(config)
         start = time.perf_counter()
-        host = host_embedding_for(skeleton, embedding_path)
+        host = host_embedding_for(model_skeleton(config), embedding_path)
         embedding_load_s = time.perf_counter() - start
         start = time.perf_counter()
         graph = (load or load_artifact)(artifact.folder)

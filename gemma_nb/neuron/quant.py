@@ -7,7 +7,6 @@ and records the stage each reached; ``scale_dequantize`` is the one patch of NxD
 from __future__ import annotations
 
 import traceback
-from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
@@ -16,54 +15,35 @@ from torch import nn
 from gemma_nb import formats
 from gemma_nb.neuron.moe import import_nxd
 
-
-@dataclass(frozen=True)
-class SdkSupport:
-    """One NxD quantized dtype: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so."""
-
-    dtype: str  # QuantizedDtype member name
-    torch_container: str  # the torch dtype NxD stores it in
-    quantization_types: str
-    inference_on_inf2: str  # "supported" | "not usable" | "not established"
-    evidence: str
-    sources: str
-
-
-SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
-    SdkSupport(
-        "INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
-        "supported",
-        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP "
-        "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
-        "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
-        "(in place: the port monkey-patched an out-of-place version to trace).",
-        "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
-    ),
-    SdkSupport(
-        "F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
-        "supported",
-        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
-        "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
-        "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
-        "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
-    ),
-    SdkSupport(
-        "F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
-        "not established",
-        "The enum exists; no source or document we read shows it used for inference on inf2.",
-        "quantization_config.py (QuantizedDtype)",
-    ),
-    SdkSupport(
-        "F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
-        "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
-        "not usable",
-        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 "
-        "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
-        "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
-        "the MX paths live under experimental/quantization/microscaling.",
-        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
-        "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
-    ),
+# One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so.
+SUPPORT_COLUMNS = ("dtype", "torch_container", "quantization_types", "inference_on_inf2", "evidence", "sources")
+SDK_SUPPORT_MATRIX = (
+    ("INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
+     "supported",
+     "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP "
+     "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
+     "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
+     "(in place: the port monkey-patched an out-of-place version to trace).",
+     "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py"),
+    ("F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
+     "supported",
+     "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
+     "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
+     "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
+     "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md"),
+    ("F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
+     "not established",
+     "The enum exists; no source or document we read shows it used for inference on inf2.",
+     "quantization_config.py (QuantizedDtype)"),
+    ("F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
+     "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
+     "not usable",
+     "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 "
+     "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
+     "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
+     "the MX paths live under experimental/quantization/microscaling.",
+     "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
+     "(get_float4x4_torch_dtype, is_ocp_mx_quantized)"),
 )
 
 TRIAL_DTYPES = ("INT8", "F8E4M3", "F4E2M1FN_X4")
@@ -72,13 +52,12 @@ MX_BLOCK = 32
 
 
 def support_matrix_table():
-    """``SDK_SUPPORT_MATRIX`` as a DataFrame, one row per dtype."""
-    return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
+    return pd.DataFrame(list(SDK_SUPPORT_MATRIX), columns=list(SUPPORT_COLUMNS))
 
 
 def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too: the factor's extra leading
-    size-1 dims (``[1, 1, out]`` for a layer's ``scale.T``) are dropped. 3-D numbers equal NxD's."""
+    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too (the factor's extra leading
+    size-1 dims dropped); 3-D numbers equal NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
@@ -92,7 +71,7 @@ def patch_scale_dequantize(quantization_layers) -> None:
     quantization_layers.scale_dequantize = scale_dequantize
 
 
-class _TrialLinear(nn.Module):
+class _TrialLinear(nn.Module):  # the layer as ``layer``: checkpoint keys ``layer.weight`` / ``layer.scale``
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
