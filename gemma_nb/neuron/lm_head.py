@@ -18,32 +18,18 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."
 
 
-def lm_head_kwargs(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
-                   pad: bool = False) -> dict:
-    """The head's constructor arguments, NxD enums named as strings (printable without the SDK)."""
-    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad)
-    if quantized:
-        kwargs.update(
-            quantized_dtype="QuantizedDtype.INT8",
-            quantization_type="QuantizationType.PER_CHANNEL_SYMMETRIC",
-            quantization_per_channel_axis=0,
-            scale_dtype=torch.float32,
-        )
-    return kwargs
-
-
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
                   pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
     """The head: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` from ``sdk`` (default the SDK's),
     built inside NxD's parallel state; with ``pad=True`` its output goes through ``trim_padded_logits``."""
     sdk = import_nxd() if sdk is None else sdk
-    kwargs = lm_head_kwargs(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad)
-    kwargs["tensor_model_parallel_group"] = tensor_model_parallel_group
+    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad,
+                  tensor_model_parallel_group=tensor_model_parallel_group)
     if not quantized:
         return sdk.ColumnParallelLinear(**kwargs)
-    kwargs["quantized_dtype"] = sdk.QuantizedDtype.INT8
-    kwargs["quantization_type"] = sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
-    return sdk.QuantizedColumnParallel(**kwargs)
+    return sdk.QuantizedColumnParallel(**kwargs, quantized_dtype=sdk.QuantizedDtype.INT8,
+                                       quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+                                       quantization_per_channel_axis=0, scale_dtype=torch.float32)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

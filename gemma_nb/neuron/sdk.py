@@ -1,8 +1,7 @@
 """The one import of the Neuron SDK, and its transformers-5 workaround (every notebook on the neuron target).
 
-neuronx-distributed's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed. When,
-and only when, the import fails on it, a stand-in module whose ``HFTracer`` refuses to be built goes into
-``sys.modules``: only NxD's pipeline-parallel tracing of HF models, unused here, is lost.
+NxD's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed: only when the import
+fails on it, a stand-in whose ``HFTracer`` refuses to be built goes into ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ def fx_stand_in() -> types.ModuleType:
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
-
         def __init__(self, *args, **kwargs):
             raise RuntimeError(
                 f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging Face "
@@ -65,8 +63,7 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
     return True
 
 
-def is_fx_problem(error: BaseException) -> bool:
-    """Whether an import error is the transformers-5 ``transformers.utils.fx`` problem."""
+def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transformers.utils.fx`` problem
     name = getattr(error, "name", None) or ""
     return isinstance(error, ImportError) and (name == FX_MODULE or FX_MODULE in str(error))
 
@@ -75,7 +72,6 @@ def is_fx_problem(error: BaseException) -> bool:
 class SdkStatus:
     """What ``check_sdk`` found: ``missing`` pip names (the only "SDK missing" case), whether the fx problem
     appeared and the stand-in went in, any other import ``error``, and whether the SDK is the emulated one."""
-
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False
     workaround_applied: bool = False
@@ -134,23 +130,17 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
-    from neuronx_distributed.quantization import quantization_layers
+    from neuronx_distributed.quantization import quantization_layers as layers
     from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
-    from neuronx_distributed.quantization.quantization_layers import (
-        QuantizedColumnParallel,
-        QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel,
-        QuantizedRowParallel,
-    )
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
         torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
         SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
-        quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        ScaleDtype=ScaleDtype, QuantizedColumnParallel=QuantizedColumnParallel,
-        QuantizedRowParallel=QuantizedRowParallel, QuantizedExpertFusedColumnParallel=QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel=QuantizedExpertFusedRowParallel, model_builder=model_builder,
+        quantization_layers=layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
+        ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
+        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel,
+        QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel, model_builder=model_builder,
         BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
         ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
         fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
