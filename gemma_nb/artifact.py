@@ -227,8 +227,7 @@ def load_program(path: Path) -> tuple[torch.export.ExportedProgram, dict]:
 
 
 def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str, expected_from: str) -> None:
-    """Check a weights file's header (not its data; ``safe_open`` catches truncation) against the expected
-    tensors and config."""
+    """Check a weights file's header (not its data) against the expected tensors and config."""
     _require(path, "the device weights (safetensors)")
     size = path.stat().st_size
     if size < 8:

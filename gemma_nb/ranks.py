@@ -102,7 +102,15 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
     try:
         done, failures = _collect(results, procs, start, timeout_s, failure_grace_s)
     finally:
-        _stop_ranks(procs, results)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
     missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
     if failures or missing:
         raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing,
@@ -111,8 +119,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
 
 
 def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: float):
-    """Read reports until every rank reported, ``failure_grace_s`` after the first failure, or ``timeout_s``:
-    (results by rank, failures (rank, reason, traceback) as they arrived)."""
+    """(results by rank, failures as they came) until all reported, ``failure_grace_s`` past a failure, or timeout."""
     done: dict[int, dict] = {}
     failures: list[tuple[int, str, str]] = []
     first_failure_at = None
@@ -149,18 +156,6 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
         if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
             break
     return done, failures
-
-
-def _stop_ranks(procs, results) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-    results.close()
 
 
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],

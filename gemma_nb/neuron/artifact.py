@@ -80,8 +80,7 @@ def export_host_embedding(model_dir: str | Path, path: str | Path):
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
-    """After the model and build record are saved: the serving files, then ``manifest.json`` (format, graphs,
-    shapes, every file with its size). Returns the manifest."""
+    """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
     write_serving_files(model_dir, artifact_dir)
     artifact_dir = Path(artifact_dir)
     missing = [name for name in REQUIRED_FILES if not (artifact_dir / name).is_file()]
@@ -101,8 +100,7 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
 
 @dataclass(frozen=True)
 class NeuronArtifact:
-    """A validated artifact folder: its manifest, build record, text config, and the manifest's shapes and graphs;
-    ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
+    """A validated artifact folder; ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
 
     folder: Path
     manifest: dict
@@ -131,8 +129,7 @@ def built_artifacts(target: str = "neuron") -> list[Path]:
 
 
 def artifact_labels(folders) -> dict[str, Path]:
-    """Name each artifact folder by the decode graph a decode step runs in it (``dense`` or
-    ``sparse``; a plain ``decode`` graph is the port's DenseExperts one); empty entries are skipped."""
+    """Each folder named by its decode graph (``dense``, ``sparse``; plain ``decode`` is dense), empty ones skipped."""
     labels = {}
     for folder in (f for f in folders if f):
         graph = read_artifact(folder).decode_graph

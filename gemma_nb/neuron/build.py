@@ -19,7 +19,7 @@ from transformers import Gemma4ForCausalLM
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
-from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
@@ -167,8 +167,7 @@ class NeuronGemma4(nn.Module):
 
 
 def _materialize(lm: nn.Module, config) -> None:
-    """Give the skeleton's untagged meta tensors real cpu storage, attributes kept; rebuild the rotary tables.
-    NxD's tagged parameters stay on meta: ModelBuilder's sharding reads their tags and dtypes there."""
+    """Give untagged meta tensors cpu storage (NxD's tagged ones stay for sharding); rebuild the rotary tables."""
     for module in lm.modules():
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
@@ -252,9 +251,9 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
-    """A ModelBuilder with one instance per graph (key -> experts), traced with the bucket's or one token;
-    the weights are read only by ``checkpoint_loader``, when ModelBuilder shards."""
-    scalars = read_layer_scalars(build.model_dir)
+    """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
+    # the traced module needs only these one-number buffers from the checkpoint besides what ModelBuilder loads
+    scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
 
     class GemmaInstance(sdk.BaseModelInstance):
         def __init__(self, experts: str):
@@ -283,8 +282,7 @@ def _files(folder: Path, pattern: str = "*") -> dict[str, int]:
 
 
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
-    """Shard-check, trace, compile and ``torch.jit.save`` the graphs (weights inside) into a fresh artifact
-    folder; return and write the build record (times, peak host RSS with neuronx-cc's subprocesses, sizes)."""
+    """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the build record."""
     sdk = import_sdk()
     config = text_config(build.model_dir)
     out_dir = fresh_dir(build.output_dir)

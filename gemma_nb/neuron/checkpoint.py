@@ -19,8 +19,7 @@ def text_key(key: str) -> str | None:
 
 
 def read_hf_state(model_dir: str | Path, only=None) -> dict:
-    """The text model's tensors of a local HF checkpoint (``*.safetensors``, one file or the hub's
-    shards), in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks a subset (the rest is never read)."""
+    """The text tensors of a HF checkpoint folder in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks those read."""
     state = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -34,12 +33,6 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
     if only is None and "model.embed_tokens.weight" not in state:
         raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
     return state
-
-
-def read_layer_scalars(model_dir: str | Path) -> dict:
-    """Only the decoder layers' ``layer_scalar`` buffers (one number each): what the traced module
-    needs from the checkpoint besides the weights ModelBuilder loads."""
-    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))
 
 
 def text_config(model_dir: str | Path):

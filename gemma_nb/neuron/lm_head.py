@@ -20,8 +20,7 @@ HEAD_PREFIX = "lm_head."
 
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
                   pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
-    """The head: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` from ``sdk`` (default the SDK's),
-    built inside NxD's parallel state; with ``pad=True`` its output goes through ``trim_padded_logits``."""
+    """The int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` head; built in NxD's parallel state."""
     sdk = import_nxd() if sdk is None else sdk
     kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad,
                   tensor_model_parallel_group=tensor_model_parallel_group)
@@ -75,8 +74,7 @@ class HeadOnly(nn.Module):
 
 def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = True, tokens: int = 1,
                     compiler_workdir: str | None = None):
-    """Trace, compile and load the head alone on ``tp`` NeuronCores (ModelBuilder v2); the NxDModel, which maps
-    bf16 hidden states ``[1, tokens, H]`` to gathered logits. Not run here."""
+    """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
     try:
         from neuronx_distributed import ModelBuilder, NxDParallelState, shard_checkpoint
         from neuronx_distributed.quantization import quantization_layers

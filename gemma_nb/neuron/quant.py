@@ -56,8 +56,7 @@ def support_matrix_table():
 
 
 def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too (the factor's extra leading
-    size-1 dims dropped); 3-D numbers equal NxD's."""
+    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too; 3-D numbers equal NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
@@ -90,8 +89,7 @@ def _layer_kwargs(dtype_name: str, sdk) -> dict:
 
 
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial:
-    int8 per channel, fp8 per channel at Neuron's +-240, fp4 as MXFP4 viewed as uint16."""
+    """(NxD state dict, the fp32 weight it dequantizes to): int8, fp8 at Neuron's +-240, MXFP4 viewed as uint16."""
     if dtype_name == "INT8":
         q, scale = formats.quantize_int8_per_channel(weight, name="trial.weight")
         return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
@@ -109,8 +107,7 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
 
 def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 256, tokens: int = 4,
                workdir: str = "/tmp/gemma_nb_quant_trials", seed: int = 0):
-    """On a NeuronCore: per dtype, ``ok``, the ``stage`` reached (or failed), ``max_abs_diff`` against the cpu
-    matmul, the ``error``; a DataFrame. ``TargetError`` at once without the SDK."""
+    """On a NeuronCore, per dtype: ``ok``, the ``stage`` reached, ``max_abs_diff`` against the cpu, the ``error``."""
     sdk = import_nxd()
     patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)

@@ -33,8 +33,7 @@ FX_NOTE = (
 
 
 def fx_stand_in() -> types.ModuleType:
-    """A module named ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, so NxD's
-    ``HFTracerWrapper`` has a consistent method order) raises when constructed."""
+    """A ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built."""
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
@@ -70,8 +69,7 @@ def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transfo
 
 @dataclass
 class SdkStatus:
-    """What ``check_sdk`` found: ``missing`` pip names (the only "SDK missing" case), whether the fx problem
-    appeared and the stand-in went in, any other import ``error``, and whether the SDK is the emulated one."""
+    """What ``check_sdk`` found; ``missing`` pip names are the only "SDK missing" case."""
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False
     workaround_applied: bool = False
@@ -99,8 +97,7 @@ class SdkStatus:
 
 def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
               modules: dict | None = None) -> SdkStatus:
-    """Try the SDK imports; on the ``transformers.utils.fx`` error, apply the stand-in and try again (the
-    arguments are the system queries, replaceable by fakes)."""
+    """Try the SDK imports, again after the stand-in on the fx error; the arguments can be fakes."""
     status = SdkStatus(missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None])
     if status.missing:
         return status
@@ -119,8 +116,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
 
 
 def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
-    """The SDK pieces the neuron code uses as one namespace, or ``ImportError`` naming what is missing and the fix;
-    ``note`` prints ``FX_NOTE`` when the workaround was needed."""
+    """The SDK pieces as one namespace, or ``ImportError`` naming what is missing and the fix."""
     status = check_sdk()
     if not status.ok:
         raise ImportError(f"cannot use the Neuron SDK: {status.message()}")
