@@ -82,7 +82,6 @@ Step = Callable[..., torch.Tensor]
 class StepRunner:
     """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` / ``decode`` take
     ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
-
     prefill: Step
     decode: Step
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -160,18 +159,6 @@ def _require(path: Path, what: str) -> Path:
         raise ArtifactNotFoundError(f"{path.name} not found in {path.parent.name}/: expected {what}, written by "
                                     "gemma_nb.export.compile_model (notebook 04); re-run the compile")
     return path
-
-
-def read_manifest(folder: str | Path) -> dict:  # checked for its format
-    path = _require(Path(folder) / MANIFEST, "the artifact manifest (JSON)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ArtifactError(f"{path.name} is not valid JSON ({error}); expected the manifest compile_model writes") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ArtifactError(f"{path.name} has format {found!r}; expected {FORMAT!r}")
-    return manifest
 
 
 _SAFETENSORS_DTYPES = {
@@ -255,7 +242,6 @@ def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str
 @dataclass
 class Artifact:
     """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked against."""
-
     folder: Path
     manifest: dict
     programs: dict[str, torch.export.ExportedProgram]
@@ -278,7 +264,14 @@ def check_artifact(folder: str | Path) -> dict:
     if not folder.is_dir():
         raise ArtifactNotFoundError(f"artifact folder {folder.name}/ not found: expected the folder compile_model writes "
                                     "(notebook 04 writes it under artifacts/); run the compile first")
-    manifest = read_manifest(folder)
+    path = _require(folder / MANIFEST, "the artifact manifest (JSON)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{path.name} is not valid JSON ({error}); expected the manifest compile_model writes") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(f"{path.name} has format {found!r}; expected {FORMAT!r}")
     sha = manifest["config_sha"]
     expected = manifest["weights"]["tensors"]
     for entry in manifest["programs"].values():

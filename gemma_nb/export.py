@@ -181,11 +181,9 @@ class CompileReport:
     programs: dict = field(default_factory=dict, repr=False)  # the exported programs, in memory
 
     def as_dict(self) -> dict:
-        return {
-            "export_s": self.export_s, "save_s": self.save_s, "params": self.params,
-            "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
-            "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha,
-        }
+        return {"export_s": self.export_s, "save_s": self.save_s, "params": self.params,
+                "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
+                "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha}
 
 
 def experts_implementation(model: nn.Module) -> str:
@@ -198,12 +196,8 @@ def experts_implementation(model: nn.Module) -> str:
 def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_bytes, sha, scheme, reference) -> dict:
     config = model.config
     return {
-        "format": FORMAT,
-        "config_sha": sha,
-        "config": json.loads(config.to_json_string(use_diff=False)),
-        "dtype": dtype_name(_float_dtype(weights)),
-        "scheme": scheme,
-        "experts_implementation": experts_implementation(model),
+        "format": FORMAT, "config_sha": sha, "config": json.loads(config.to_json_string(use_diff=False)),
+        "dtype": dtype_name(_float_dtype(weights)), "scheme": scheme, "experts_implementation": experts_implementation(model),
         "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
         "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
@@ -211,8 +205,7 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
                     "tensors": tensor_specs(weights)},
         "host_embedding": {"file": HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
                            "dtype": dtype_name(host.weight.dtype), "bytes": (folder / HOST_EMBEDDING_FILE).stat().st_size},
-        "reference": reference,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "reference": reference, "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
 

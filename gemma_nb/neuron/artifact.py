@@ -88,12 +88,10 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
         raise ArtifactError(f"cannot finish the artifact in {artifact_dir.name}/: {', '.join(missing)} missing")
     build = record.get("build") or {}
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
-        "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"),
-        "max_len": build.get("max_len"), "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"),
-        "versions": record.get("versions", {}), "files": files,
-    }
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
+                "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"), "max_len": build.get("max_len"),
+                "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"), "versions": record.get("versions", {}),
+                "files": files}
     (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -101,7 +99,6 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
 @dataclass(frozen=True)
 class NeuronArtifact:
     """A validated artifact folder; ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
-
     folder: Path
     manifest: dict
     record: dict

@@ -152,11 +152,9 @@ class NeuronGemma4(nn.Module):
     def forward(self, embeds, position_ids, one_hot, full_mask, sliding_mask, last_index):
         cache = OneHotCache(list(self.k_cache), list(self.v_cache), one_hot)
         dtype = next(p for n, p in self.lm.named_parameters() if n.endswith("norm.weight")).dtype
-        out = self.lm(
-            inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
-            attention_mask={"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)},
-            logits_to_keep=last_index,
-        )
+        masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
+        out = self.lm(inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
+                      attention_mask=masks, logits_to_keep=last_index)
         return (out.logits.float(), *cache.new_keys, *cache.new_values)
 
     def load_state(self, state_dict: dict) -> None:

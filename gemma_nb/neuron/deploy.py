@@ -29,7 +29,6 @@ from gemma_nb.peak_rss import HostMemorySampler
 @dataclass
 class NeuronStepRunner:
     """Greedy decoding over a compiled graph pair keeping its KV cache as device state; ``embed``: ids -> embeddings."""
-
     graph: Callable
     embed: Callable[[torch.Tensor], torch.Tensor]
     config: object

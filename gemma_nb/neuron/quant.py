@@ -7,6 +7,7 @@ and records the stage each reached; ``scale_dequantize`` is the one patch of NxD
 from __future__ import annotations
 
 import traceback
+from collections import OrderedDict
 
 import pandas as pd
 import torch
@@ -18,30 +19,26 @@ from gemma_nb.neuron.moe import import_nxd
 # One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so.
 SUPPORT_COLUMNS = ("dtype", "torch_container", "quantization_types", "inference_on_inf2", "evidence", "sources")
 SDK_SUPPORT_MATRIX = (
-    ("INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
-     "supported",
-     "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP "
-     "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
-     "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
-     "(in place: the port monkey-patched an out-of-place version to trace).",
+    ("INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)", "supported",
+     "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP and lm_head with "
+     "QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast (direct_cast_dequantize), matmul, "
+     "then scale_dequantize multiplies the output by the fp32 scale (in place: the port monkey-patched an out-of-place "
+     "version to trace).",
      "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py"),
-    ("F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
-     "supported",
-     "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
-     "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
-     "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
+    ("F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise", "supported",
+     "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style FP8_EXP4 with range "
+     "+-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by "
+     "448/240 (values beyond 240 may become NaN).",
      "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md"),
-    ("F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
-     "not established",
+    ("F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric", "not established",
      "The enum exists; no source or document we read shows it used for inference on inf2.",
      "quantization_config.py (QuantizedDtype)"),
     ("F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
-     "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
-     "not usable",
-     "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 "
-     "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
-     "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
-     "the MX paths live under experimental/quantization/microscaling.",
+     "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX", "not usable",
+     "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 ('FP4 "
+     "dequantization in torch is only supported on CPU'): a torch reference that cannot be traced for a NeuronCore. The "
+     "blockwise_mm NKI kernel is pre-production and failed to import for the port; the MX paths live under "
+     "experimental/quantization/microscaling.",
      "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
      "(get_float4x4_torch_dtype, is_ocp_mx_quantized)"),
 )
@@ -68,15 +65,6 @@ def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: to
 def patch_scale_dequantize(quantization_layers) -> None:
     """Point ``quantization_layers.scale_dequantize`` (looked up by NxD's layers at call time) at ours."""
     quantization_layers.scale_dequantize = scale_dequantize
-
-
-class _TrialLinear(nn.Module):  # the layer as ``layer``: checkpoint keys ``layer.weight`` / ``layer.scale``
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)
 
 
 def _layer_kwargs(dtype_name: str, sdk) -> dict:
@@ -120,7 +108,7 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
             with sdk.NxDParallelState(world_size=1, tensor_model_parallel_size=1):
                 layer = sdk.QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
                                                     dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
-                model = _TrialLinear(layer).eval()
+                model = nn.Sequential(OrderedDict(layer=layer)).eval()  # checkpoint keys layer.weight / layer.scale
                 row["stage"] = "load_weights"
                 state, dequantized = trial_weights(dtype_name, weight)
                 expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

@@ -17,19 +17,14 @@ import torch
 import torch.fx
 
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
-NEURON_HELP = (
-    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
-    "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
-    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
-)
+NEURON_HELP = ("the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
+               "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)")
 SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
-FX_NOTE = (
-    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), "
-    "which transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import "
-    "succeeds. Only NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it."
-)
+FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
+           "transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import succeeds. Only "
+           "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it.")
 
 
 def fx_stand_in() -> types.ModuleType:
@@ -38,11 +33,9 @@ def fx_stand_in() -> types.ModuleType:
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
         def __init__(self, *args, **kwargs):
-            raise RuntimeError(
-                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging Face "
-                "models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD pipeline "
-                "parallelism use transformers 4.x in a separate environment."
-            )
+            raise RuntimeError(f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
+                               "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
+                               "pipeline parallelism use transformers 4.x in a separate environment.")
 
     module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
     module.HFTracer = HFTracer
