@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
-from gemma_nb.neuron.checkpoint import text_config, text_key
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import artifacts_dir
 
 FORMAT = "gemma-nb-neuron-artifact"
@@ -68,15 +67,12 @@ def routed_decode_graph(record: dict) -> str:
 
 
 def export_host_embedding(model_dir: str | Path, path: str | Path):
-    """Write the host embedding file (table + scale) from a HF checkpoint, reading only that tensor."""
+    """Write the host embedding file (table + scale) from a HF checkpoint, reading only the text model's table."""
     module = model_skeleton(text_config(model_dir)).get_input_embeddings()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
-                    weight = handle.get_tensor(key)
-                    return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
-    raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+    state = read_hf_state(model_dir, only=lambda name: name == "model.embed_tokens.weight")
+    if not state:
+        raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+    return HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(module.scalar_embed_scale)).save(path)
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:

@@ -35,12 +35,6 @@ def int8_kwargs(sdk, dtype: torch.dtype) -> dict:  # NxD's int8 per-channel (axi
                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=0)
 
 
-def experts_kwargs(sdk, dtype: torch.dtype) -> dict:  # the expert-fused layers: int8 expert-wise, axis 2, fp32 scales
-    return dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8, scale_dtype=torch.float32,
-                quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC,
-                quantization_per_channel_axis=2)
-
-
 class _ExpertMajorExperts(nn.Module):
     """``gate_up [E, H, 2I/tp]`` and ``down [E, I/tp, H]`` per rank: NxD's expert-fused int8 layers."""
 
@@ -53,10 +47,12 @@ class _ExpertMajorExperts(nn.Module):
         self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
         self.act_fn = ACT2FN[activation]
         self.reduce = sdk.mappings.reduce_from_tensor_model_parallel_region
+        int8 = dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8, scale_dtype=torch.float32,  # expert-wise
+                    quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=2)
         self.gate_up = sdk.QuantizedExpertFusedColumnParallel(num_experts, hidden_size, 2 * intermediate_size, stride=2,
-                                                              is_fused_gate_up=True, **experts_kwargs(sdk, dtype))
+                                                              is_fused_gate_up=True, **int8)
         self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
-                                                        **experts_kwargs(sdk, dtype))
+                                                        **int8)
         assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * self.local_inter), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
