@@ -19,7 +19,7 @@ from transformers import Gemma4ForCausalLM
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
-from gemma_nb.neuron.checkpoint import read_hf_state, text_config
+from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
@@ -244,14 +244,12 @@ def fill_layer_scalars(module: NeuronGemma4, scalars: dict) -> None:
 
 
 def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch.Tensor, ...]:
-    embeds = torch.zeros(1, tokens, config.hidden_size)
-    return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
+    return step_inputs(torch.zeros(1, tokens, config.hidden_size), list(range(tokens)), build.max_len, config.sliding_window)
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
     """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
-    # the traced module needs only these one-number buffers from the checkpoint besides what ModelBuilder loads
-    scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
+    scalars = read_layer_scalars(build.model_dir)
 
     class GemmaInstance(sdk.BaseModelInstance):
         def __init__(self, experts: str):

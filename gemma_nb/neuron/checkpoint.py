@@ -39,3 +39,8 @@ def text_config(model_dir: str | Path):
     """The text model's config of a checkpoint or artifact folder (the language model of a multimodal one)."""
     config = AutoConfig.from_pretrained(str(model_dir))
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def read_layer_scalars(model_dir: str | Path) -> dict:
+    """Only the layers' ``layer_scalar`` buffers: what the traced module needs besides the weights ModelBuilder loads."""
+    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))
