@@ -21,10 +21,8 @@ from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 HF_TOKEN_ENV = "HF_TOKEN"
 # owner/name as the hub spells it (no leading dot or slash, one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_HUB_HELP = (
-    "pass a local folder holding config.json, model.safetensors and tokenizer.json as model_id, "
-    f"or run where the hub is reachable (unset HF_HUB_OFFLINE; set {HF_TOKEN_ENV} for gated models)"
-)
+_HUB_HELP = ("pass a local folder holding config.json, model.safetensors and tokenizer.json as model_id, or run where the "
+             f"hub is reachable (unset HF_HUB_OFFLINE; set {HF_TOKEN_ENV} for gated models)")
 
 
 class ModelNotFoundError(ValueError):

@@ -113,8 +113,8 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         results.close()
     missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
     if failures or missing:
-        raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing,
-                                         timeout_s))
+        elapsed = time.monotonic() - start
+        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, failures, missing, timeout_s))
     return [done[r] for r in range(world_size)]
 
 

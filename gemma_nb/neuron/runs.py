@@ -49,9 +49,8 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
         finally:
             release(runner)
         rows.append({"build": Path(folder).name, "decode_graph": read_artifact(folder).decode_graph,
-                     "completion": answer["completion"], "new_tokens": answer["new_tokens"],
-                     "neff_load_s": figures["neff_load_s"], "peak_host_rss_bytes": figures["peak_host_rss_bytes"],
-                     "sdk": figures["sdk"]})
+                     "completion": answer["completion"], "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
+                     "peak_host_rss_bytes": figures["peak_host_rss_bytes"], "sdk": figures["sdk"]})
     return rows
 
 

@@ -78,8 +78,7 @@ class SdkStatus:
             modules = ", ".join(name for name, pip in SDK_PACKAGES.items() if pip in self.missing)
             return f"{', '.join(self.missing)} not installed (no module {modules}): {NEURON_HELP}"
         if self.error:
-            hint = (" (the transformers.utils.fx stand-in was applied and the import still failed)"
-                    if self.fx_problem else "")
+            hint = " (the transformers.utils.fx stand-in was applied and the import still failed)" if self.fx_problem else ""
             return (f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
                     "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)")
         found = EMULATED_LABEL if self.emulated else "torch-neuronx and neuronx-distributed"
