@@ -30,8 +30,7 @@ HOST_EMBEDDING_KEY = "model.embed_tokens.weight"
 PROGRAM_EXTRA = "gemma_nb_program.json"
 
 
-def weights_file(rank: int = 0) -> str:
-    """The weights file of tensor-parallel rank ``rank`` (NxD names its files the same way)."""
+def weights_file(rank: int = 0) -> str:  # named as NxD names a rank's file
     return f"tp{rank}_weights.safetensors"
 
 
@@ -54,10 +53,7 @@ def layer_kv_heads(config) -> list[tuple[int, int]]:
 
 def kv_cache_shapes(config, max_cache_len: int, batch_size: int = 1) -> list[tuple[int, ...]]:
     """Keys then values per layer, ``[batch, kv_heads, max_len, head_dim]``; sliding layers get the full length."""
-    shapes = []
-    for heads, dim in layer_kv_heads(config):
-        shapes += [(batch_size, heads, max_cache_len, dim)] * 2
-    return shapes
+    return [(batch_size, heads, max_cache_len, dim) for heads, dim in layer_kv_heads(config) for _ in range(2)]
 
 
 def new_kv_cache(shapes, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -67,7 +63,6 @@ def new_kv_cache(shapes, dtype: torch.dtype) -> list[torch.Tensor]:
 @dataclass
 class StepShapes:
     """The static shapes both programs are built for."""
-
     max_cache_len: int = 128
     prefill_len: int = 32
     batch_size: int = 1
@@ -87,7 +82,6 @@ Step = Callable[..., torch.Tensor]
 class StepRunner:
     """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` / ``decode`` take
     ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
-
     prefill: Step
     decode: Step
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -98,7 +92,11 @@ class StepRunner:
     pad_token_id: int = 0
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
-    def _check(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """Prompt plus greedy continuation, LongTensor [1, S + n] (n <= max_new_tokens; stops after eos)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
         if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
@@ -112,16 +110,8 @@ class StepRunner:
                 f"{prompt} prompt + {max_new_tokens} new tokens need {prompt + max_new_tokens - 1} cache slots, "
                 f"more than max_cache_len={self.shapes.max_cache_len}: ask for fewer tokens or compile "
                 "with a larger StepShapes(max_cache_len=...)")
-
-    @torch.inference_mode()
-    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
-        """Prompt plus greedy continuation, LongTensor [1, S + n] (n <= max_new_tokens; stops after eos)."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        ids = ids[None] if ids.dim() == 1 else ids
-        self._check(ids, max_new_tokens)
         if max_new_tokens == 0:
             return ids
-        prompt = ids.shape[1]
         kv = new_kv_cache(self.kv_shapes, self.dtype)
         padded = torch.full((1, self.shapes.prefill_len), self.pad_token_id, dtype=torch.long)
         padded[:, :prompt] = ids
@@ -152,8 +142,7 @@ def config_fingerprint(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:
-    """name -> [shape, dtype name] for a dict of tensors."""
+def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:  # name -> [shape, dtype name]
     return {name: [list(t.shape), dtype_name(t.dtype)] for name, t in weights.items()}
 
 
@@ -172,43 +161,10 @@ def _require(path: Path, what: str) -> Path:
     return path
 
 
-def read_manifest(folder: str | Path) -> dict:
-    """The artifact's manifest.json, checked for its format."""
-    path = _require(Path(folder) / MANIFEST, "the artifact manifest (JSON)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ArtifactError(f"{path.name} is not valid JSON ({error}); expected the manifest compile_model writes") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ArtifactError(f"{path.name} has format {found!r}; expected {FORMAT!r}")
-    return manifest
-
-
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
-
-
-def safetensors_header(path: Path) -> tuple[dict[str, list], dict[str, str]]:
-    """(name -> [shape, dtype], metadata) of a safetensors file, header only (``safe_open`` catches truncation)."""
-    size = path.stat().st_size
-    if size < 8:
-        raise ArtifactError(f"{path.name} is {size} bytes: too short to be a safetensors file (expected an 8-byte header length)")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            specs = {}
-            for name in handle.keys():
-                tensor = handle.get_slice(name)
-                specs[name] = [list(tensor.get_shape()), _SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())]
-    except SafetensorError as error:
-        if "not fully covered" in str(error):
-            raise ArtifactError(f"{path.name} is truncated: {size} bytes on disk, its header describes more ({error}); "
-                                "copy or download the file again") from error
-        raise ArtifactError(f"{path.name} is not a readable safetensors file ({error}); expected a safetensors file") from error
-    return specs, metadata
 
 
 def check_tensor_specs(found: Mapping[str, list], expected: Mapping[str, list], file_name: str, expected_from: str) -> None:
@@ -260,7 +216,21 @@ def load_program(path: Path) -> tuple[torch.export.ExportedProgram, dict]:
 def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str, expected_from: str) -> None:
     """Check a weights file's header (not its data) against the expected tensors and config."""
     _require(path, "the device weights (safetensors)")
-    found, metadata = safetensors_header(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise ArtifactError(f"{path.name} is {size} bytes: too short to be a safetensors file (expected an 8-byte header length)")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            found = {}
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                found[name] = [list(tensor.get_shape()), _SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())]
+    except SafetensorError as error:
+        if "not fully covered" in str(error):
+            raise ArtifactError(f"{path.name} is truncated: {size} bytes on disk, its header describes more ({error}); "
+                                "copy or download the file again") from error
+        raise ArtifactError(f"{path.name} is not a readable safetensors file ({error}); expected a safetensors file") from error
     sha = metadata.get("config_sha")
     if sha is not None and sha != config_sha:
         raise ArtifactError(
@@ -269,28 +239,13 @@ def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str
     check_tensor_specs(found, expected, path.name, expected_from)
 
 
-def open_weights(path: Path, names) -> dict[str, torch.Tensor]:
-    """Memory-map the tensors ``names`` of a (checked) weights file: read from disk only when touched."""
-    with safe_open(str(path), framework="pt") as handle:
-        return {name: handle.get_tensor(name) for name in names}
-
-
 @dataclass
 class Artifact:
     """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked against."""
-
     folder: Path
     manifest: dict
     programs: dict[str, torch.export.ExportedProgram]
     weights: dict[str, torch.Tensor]
-
-    @property
-    def shapes(self) -> StepShapes:
-        return StepShapes(**self.manifest["shapes"])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.manifest["dtype"])
 
     def config(self):
         return Gemma4TextConfig.from_dict(self.manifest["config"])
@@ -298,9 +253,9 @@ class Artifact:
     def runner(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> StepRunner:
         return StepRunner(
             prefill=self.programs["prefill"].module(), decode=self.programs["decode"].module(), embed=embed,
-            weights=self.weights, kv_shapes=[tuple(s) for s in self.manifest["kv_cache"]], dtype=self.dtype,
-            shapes=self.shapes, pad_token_id=self.manifest["config"].get("pad_token_id") or 0,
-        )
+            weights=self.weights, kv_shapes=[tuple(s) for s in self.manifest["kv_cache"]],
+            dtype=getattr(torch, self.manifest["dtype"]), shapes=StepShapes(**self.manifest["shapes"]),
+            pad_token_id=self.manifest["config"].get("pad_token_id") or 0)
 
 
 def check_artifact(folder: str | Path) -> dict:
@@ -309,7 +264,14 @@ def check_artifact(folder: str | Path) -> dict:
     if not folder.is_dir():
         raise ArtifactNotFoundError(f"artifact folder {folder.name}/ not found: expected the folder compile_model writes "
                                     "(notebook 04 writes it under artifacts/); run the compile first")
-    manifest = read_manifest(folder)
+    path = _require(folder / MANIFEST, "the artifact manifest (JSON)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{path.name} is not valid JSON ({error}); expected the manifest compile_model writes") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(f"{path.name} has format {found!r}; expected {FORMAT!r}")
     sha = manifest["config_sha"]
     expected = manifest["weights"]["tensors"]
     for entry in manifest["programs"].values():
@@ -331,7 +293,9 @@ def load_artifact(folder: str | Path) -> Artifact:
     folder = Path(folder)
     manifest = check_artifact(folder)
     programs = {name: load_program(folder / entry["file"])[0] for name, entry in manifest["programs"].items()}
-    weights = open_weights(folder / manifest["weights"]["files"][0], manifest["weights"]["tensors"])
+    # memory-mapped: read from disk only when touched
+    with safe_open(str(folder / manifest["weights"]["files"][0]), framework="pt") as handle:
+        weights = {name: handle.get_tensor(name) for name in manifest["weights"]["tensors"]}
     return Artifact(folder=folder, manifest=manifest, programs=programs, weights=weights)
 
 

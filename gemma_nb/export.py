@@ -119,22 +119,11 @@ class DeviceBody(nn.Module):
         return out.logits[:, -1, :].float()
 
 
-def _example_inputs(model: nn.Module, weights, shapes: StepShapes, tokens: int):
-    config = model.config
-    dtype = _float_dtype(weights)
-    kv = new_kv_cache(kv_cache_shapes(config, shapes.max_cache_len), dtype)
-    embeds = torch.zeros(shapes.batch_size, tokens, config.hidden_size, dtype=dtype)
-    return (weights, kv, embeds, torch.zeros(1, dtype=torch.long), torch.tensor([tokens - 1]))
-
-
 def _float_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
     """The activation dtype: the norms' (int8 tensors excluded)."""
-    for name, tensor in weights.items():
-        if name.endswith("norm.weight") and tensor.is_floating_point():
-            return tensor.dtype
-    dtype = next((tensor.dtype for tensor in weights.values() if tensor.is_floating_point()), None)
-    assert dtype is not None, "no floating-point weight: expected a Gemma-4 model's parameters"
-    return dtype
+    floats = [(name, tensor.dtype) for name, tensor in weights.items() if tensor.is_floating_point()]
+    assert floats, "no floating-point weight: expected a Gemma-4 model's parameters"
+    return next((dtype for name, dtype in floats if name.endswith("norm.weight")), floats[0][1])
 
 
 def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str, torch.export.ExportedProgram]:
@@ -143,10 +132,14 @@ def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str
     set_traceable_experts(model)
     body = DeviceBody(model, shapes.max_cache_len)
     weights = device_weights(model)
+    dtype = _float_dtype(weights)
     programs = {}
     with torch.no_grad():
         for name, tokens in (("prefill", shapes.prefill_len), ("decode", 1)):
-            program = torch.export.export(body, _example_inputs(model, weights, shapes, tokens), strict=False)
+            kv = new_kv_cache(kv_cache_shapes(model.config, shapes.max_cache_len), dtype)
+            embeds = torch.zeros(shapes.batch_size, tokens, model.config.hidden_size, dtype=dtype)
+            inputs = (weights, kv, embeds, torch.zeros(1, dtype=torch.long), torch.tensor([tokens - 1]))
+            program = torch.export.export(body, inputs, strict=False)
             # Export keeps its example inputs (here: every weight) to save them with the program.
             program._example_inputs = None
             programs[name] = program
@@ -174,54 +167,37 @@ def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.Export
     return _runner(model, programs["prefill"].module(), programs["decode"].module(), shapes)
 
 
-def stored_elements(tensors) -> int:
-    """Elements of distinct storages among ``tensors``: a tied table counted once, int8 copies counted."""
-    seen: dict[tuple[int, int], int] = {}
-    for t in tensors:
-        seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.numel()
-    return sum(seen.values())
-
-
 @dataclass
 class CompileReport:
     """What ``compile_model`` wrote and how long each part took."""
-
     folder: Path
     export_s: float
     save_s: float
     program_bytes: dict[str, int]
     weights_bytes: int
     host_embedding_bytes: int
-    params: int
+    params: int  # elements of distinct storages: a tied table counted once, int8 copies counted
     config_sha: str
     programs: dict = field(default_factory=dict, repr=False)  # the exported programs, in memory
 
     def as_dict(self) -> dict:
-        return {
-            "export_s": self.export_s, "save_s": self.save_s, "params": self.params,
-            "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
-            "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha,
-        }
+        return {"export_s": self.export_s, "save_s": self.save_s, "params": self.params,
+                "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
+                "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha}
 
 
 def experts_implementation(model: nn.Module) -> str:
     """What computes the routed experts: a replacing module's class, else transformers' ``_experts_implementation``."""
     names = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")}
     replaced = sorted(names - {"Gemma4TextExperts"})
-    if replaced:
-        return ", ".join(replaced)
-    return str(getattr(model.config, "_experts_implementation", None))
+    return ", ".join(replaced) if replaced else str(getattr(model.config, "_experts_implementation", None))
 
 
 def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_bytes, sha, scheme, reference) -> dict:
     config = model.config
     return {
-        "format": FORMAT,
-        "config_sha": sha,
-        "config": json.loads(config.to_json_string(use_diff=False)),
-        "dtype": dtype_name(_float_dtype(weights)),
-        "scheme": scheme,
-        "experts_implementation": experts_implementation(model),
+        "format": FORMAT, "config_sha": sha, "config": json.loads(config.to_json_string(use_diff=False)),
+        "dtype": dtype_name(_float_dtype(weights)), "scheme": scheme, "experts_implementation": experts_implementation(model),
         "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
         "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
@@ -229,8 +205,7 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
                     "tensors": tensor_specs(weights)},
         "host_embedding": {"file": HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
                            "dtype": dtype_name(host.weight.dtype), "bytes": (folder / HOST_EMBEDDING_FILE).stat().st_size},
-        "reference": reference,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "reference": reference, "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
 
@@ -261,4 +236,5 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     return CompileReport(
         folder=folder, export_s=export_s, save_s=save_s, program_bytes=program_bytes,
         weights_bytes=manifest["weights"]["bytes"], host_embedding_bytes=manifest["host_embedding"]["bytes"],
-        params=stored_elements([*weights.values(), host.weight]), config_sha=sha, programs=programs)
+        params=sum({(t.untyped_storage().data_ptr(), t.storage_offset()): t.numel()
+                    for t in [*weights.values(), host.weight]}.values()), config_sha=sha, programs=programs)

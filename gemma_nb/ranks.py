@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 LOOPBACK = "127.0.0.1"
+# gloo's words when a collective lost its peer: a consequence of another rank's failure.
+_PEER_LOSS = ("closed by peer", "reset by peer", "timed out", "broken pipe")
 
 
 class TPJobError(RuntimeError):
@@ -31,17 +33,6 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def _check_importable(fn: Callable) -> None:
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", "")
-    if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
-        raise ValueError(
-            f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
-            "by name, so it must be a top-level function of an importable module (a notebook or script defines "
-            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding"
-        )
 
 
 def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int, results,
@@ -67,12 +58,28 @@ def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int,
 def _exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code} without reporting a result"
+    if code >= 0:
+        return f"exited with code {code} without reporting a result"
+    try:
+        return f"killed by signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _check_tp_job(fn: Callable, world_size, tp, timeout_s: float, collective_timeout_s: float) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
+    if tp != world_size:
+        raise ValueError(f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
+                         f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})")
+    if timeout_s <= 0 or collective_timeout_s <= 0:
+        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
+            "by name, so it must be a top-level function of an importable module (a notebook or script defines "
+            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding")
 
 
 def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, tp: int | None = None,
@@ -81,9 +88,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
     """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
     Waits at most ``timeout_s``; ``failure_grace_s`` after a first failure, stops the ranks and raises
     :class:`TPJobError`. ``tp`` (default ``world_size``) must equal ``world_size``."""
-    tp = world_size if tp is None else tp
-    _check_tp_job(world_size, tp, timeout_s, collective_timeout_s)
-    _check_importable(fn)
+    _check_tp_job(fn, world_size, world_size if tp is None else tp, timeout_s, collective_timeout_s)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -93,107 +98,77 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
-    reports = _RankReports(world_size)
     start = time.monotonic()
     try:
-        reports.collect(results, procs, start, timeout_s, failure_grace_s)
+        done, failures = _collect(results, procs, start, timeout_s, failure_grace_s)
     finally:
-        _stop_ranks(procs, results)
-    elapsed = time.monotonic() - start
-    missing = [r for r in range(world_size) if not reports.reported(r)]
-    if reports.failures or missing:
-        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, reports.failures, missing, timeout_s))
-    return [reports.done[r] for r in range(world_size)]
-
-
-def _check_tp_job(world_size, tp, timeout_s: float, collective_timeout_s: float) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
-    if tp != world_size:
-        raise ValueError(
-            f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
-            f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})"
-        )
-    if timeout_s <= 0 or collective_timeout_s <= 0:
-        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
-
-
-class _RankReports:
-    """What the ranks reported: results by rank, and failures (rank, reason, traceback) as they arrived."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.done: dict[int, dict] = {}
-        self.failures: list[tuple[int, str, str]] = []
-        self.first_failure_at: float | None = None
-
-    def reported(self, rank: int) -> bool:
-        return rank in self.done or any(r == rank for r, _, _ in self.failures)
-
-    def fail(self, rank: int, reason: str, trace: str = "") -> None:
-        self.failures.append((rank, reason, trace))
-        self.first_failure_at = self.first_failure_at or time.monotonic()
-
-    def take(self, message) -> None:
-        rank, status = message[0], message[1]
-        if status == "ok":
-            self.done[rank] = pickle.loads(message[2])
-        else:
-            self.fail(rank, message[2], message[3])
-
-    def collect(self, results, procs, start: float, timeout_s: float, failure_grace_s: float) -> None:
-        """Read reports until every rank reported, ``failure_grace_s`` after the first failure, or ``timeout_s``."""
-        while not all(self.reported(r) for r in range(self.world_size)):
-            try:
-                self.take(results.get(timeout=0.1))
-                continue
-            except queue_module.Empty:
-                pass
-            for rank, proc in enumerate(procs):
-                if not proc.is_alive() and not self.reported(rank):
-                    # A rank that posted just before exiting: drain before calling it dead.
-                    with contextlib.suppress(queue_module.Empty):
-                        while True:
-                            self.take(results.get(timeout=0.2))
-                    if not self.reported(rank):
-                        self.fail(rank, _exit_reason(proc.exitcode))
-            now = time.monotonic()
-            if self.first_failure_at is not None and now - self.first_failure_at > failure_grace_s:
-                break
-            if now - start > timeout_s:
-                break
-
-
-def _stop_ranks(procs, results) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
             proc.join(timeout=5)
-    results.close()
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+    missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
+    if failures or missing:
+        elapsed = time.monotonic() - start
+        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, failures, missing, timeout_s))
+    return [done[r] for r in range(world_size)]
 
 
-# gloo's words when a collective lost its peer: a consequence of another rank's failure.
-_PEER_LOSS = ("closed by peer", "reset by peer", "timed out", "broken pipe")
+def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: float):
+    """(results by rank, failures as they came) until all reported, ``failure_grace_s`` past a failure, or timeout."""
+    done: dict[int, dict] = {}
+    failures: list[tuple[int, str, str]] = []
+    first_failure_at = None
+
+    def reported(rank: int) -> bool:
+        return rank in done or any(r == rank for r, _, _ in failures)
+
+    def fail(rank: int, reason: str, trace: str = "") -> None:
+        nonlocal first_failure_at
+        failures.append((rank, reason, trace))
+        first_failure_at = first_failure_at or time.monotonic()
+
+    def take(message) -> None:
+        if message[1] == "ok":
+            done[message[0]] = pickle.loads(message[2])
+        else:
+            fail(message[0], message[2], message[3])
+
+    while not all(reported(r) for r in range(len(procs))):
+        try:
+            take(results.get(timeout=0.1))
+            continue
+        except queue_module.Empty:
+            pass
+        for rank, proc in enumerate(procs):
+            if not proc.is_alive() and not reported(rank):
+                # A rank that posted just before exiting: drain before calling it dead.
+                with contextlib.suppress(queue_module.Empty):
+                    while True:
+                        take(results.get(timeout=0.2))
+                if not reported(rank):
+                    fail(rank, _exit_reason(proc.exitcode))
+        now = time.monotonic()
+        if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
+            break
+    return done, failures
 
 
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
                     missing: list[int], timeout_s: float) -> str:
     """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
-    def is_consequence(reason: str) -> bool:
-        return any(words in reason.lower() for words in _PEER_LOSS)
-
-    causes = [f for f in failures if not is_consequence(f[1])]
-    consequences = [f for f in failures if is_consequence(f[1])]
+    consequence = [any(words in f[1].lower() for words in _PEER_LOSS) for f in failures]
+    causes = [f for f, c in zip(failures, consequence) if not c]
+    consequences = [f for f, c in zip(failures, consequence) if c]
     lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]
     lines += [f"  rank {rank}: {reason}" for rank, reason, _ in causes]
     lines += [f"  rank {rank} (waiting on a failed or stuck peer): {reason}" for rank, reason, _ in consequences]
-    for rank in missing:
-        why = "after the failure above" if failures else f"at timeout_s={timeout_s:g}"
-        lines.append(f"  rank {rank} was still running (stuck?) and was stopped {why}")
+    why = "after the failure above" if failures else f"at timeout_s={timeout_s:g}"
+    lines += [f"  rank {rank} was still running (stuck?) and was stopped {why}" for rank in missing]
     if traced := [(rank, trace) for rank, _, trace in causes + consequences if trace]:
         lines.append(f"traceback of rank {traced[0][0]}:\n{traced[0][1].rstrip()}")
     return "\n".join(lines)

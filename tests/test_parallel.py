@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -233,7 +234,9 @@ def test_nxd_head_checkpoint_is_made_from_the_embedding_and_sdk_is_import_guarde
     assert torch.equal(state["lm_head.weight"], q) and torch.equal(state["lm_head.scale"], scale)
     assert state["lm_head.weight"].dtype == torch.int8 and state["lm_head.scale"].shape == (10, 1)
     assert lm_head.lm_head_state_dict(embed, quantized=False)["lm_head.weight"].dtype == torch.bfloat16
-    kwargs = lm_head.lm_head_kwargs(2816, 262144)
+    enums = SimpleNamespace(INT8="int8", PER_CHANNEL_SYMMETRIC="per_channel")
+    kwargs = lm_head.build_lm_head(2816, 262144, sdk=SimpleNamespace(QuantizedColumnParallel=dict, QuantizedDtype=enums,
+                                                                      QuantizationType=enums))
     assert kwargs["gather_output"] is True and kwargs["bias"] is False and kwargs["quantization_per_channel_axis"] == 0
     with pytest.raises(ValueError, match="pass embed_key='model.language_model.embed_tokens.weight'"):
         lm_head.untie_lm_head({"model.language_model.embed_tokens.weight": embed})

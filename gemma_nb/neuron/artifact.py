@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
-from gemma_nb.neuron.checkpoint import text_config, text_key
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import artifacts_dir
 
 FORMAT = "gemma-nb-neuron-artifact"
@@ -30,6 +29,7 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 REQUIRED_FILES = (MODEL_FILE, BUILD_RECORD, HOST_EMBEDDING_FILE, CONFIG_FILE, "tokenizer_config.json")
+DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
 
 
 class ArtifactError(ValueError):
@@ -43,105 +43,66 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list
         raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
                             "compiled from (config, tokenizer and *.safetensors)")
     artifact_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in (CONFIG_FILE, *TOKENIZER_FILES):
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, artifact_dir / name)
-            written.append(name)
+    written = [name for name in (CONFIG_FILE, *TOKENIZER_FILES) if (model_dir / name).is_file()]
+    for name in written:
+        shutil.copyfile(model_dir / name, artifact_dir / name)
     if "tokenizer_config.json" not in written or not {"tokenizer.json", "tokenizer.model"} & set(written):
         raise ArtifactError(f"{model_dir.name}/ has no complete tokenizer (tokenizer_config.json and tokenizer.json "
                             "or tokenizer.model): download the whole model folder, not only the weights")
     export_host_embedding(model_dir, artifact_dir / HOST_EMBEDDING_FILE)
-    written.append(HOST_EMBEDDING_FILE)
-    return written
+    return [*written, HOST_EMBEDDING_FILE]
 
 
 def graphs_of(record: dict) -> list[str]:
-    """The graph keys a build holds: ``record["graphs"]`` when the build lists them, else the
-    prefill and the decode graph ``build.decode_experts`` names (or the port's plain pair)."""
-    if record.get("graphs"):
-        return list(record["graphs"])
+    """The graph keys a build holds: ``record["graphs"]``, else those ``build.decode_experts`` names (or the plain pair)."""
     choice = (record.get("build") or {}).get("decode_experts")
-    if choice in ("dense", "sparse"):
-        return ["prefill", f"decode_{choice}"]
-    return ["prefill", "decode"]
+    default = ["prefill", f"decode_{choice}"] if choice in DECODE_PATHS else ["prefill", "decode"]
+    return list(record["graphs"]) if record.get("graphs") else default
 
 
 def routed_decode_graph(record: dict) -> str:
-    """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes:
-    ``build.routed_graphs()``); the record says which when it can."""
+    """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes), as the record says."""
     routed = (record.get("routed_graphs") or {}).get("decode")
     return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
 
 
-def write_manifest(artifact_dir: str | Path, record: dict) -> dict:
-    """``manifest.json``: format, version, graphs, shapes, and every file of the folder with its size."""
+def export_host_embedding(model_dir: str | Path, path: str | Path):
+    """Write the host embedding file (table + scale) from a HF checkpoint, reading only the text model's table."""
+    module = model_skeleton(text_config(model_dir)).get_input_embeddings()
+    state = read_hf_state(model_dir, only=lambda name: name == "model.embed_tokens.weight")
+    if not state:
+        raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+    return HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(module.scalar_embed_scale)).save(path)
+
+
+def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
+    """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
+    write_serving_files(model_dir, artifact_dir)
     artifact_dir = Path(artifact_dir)
     missing = [name for name in REQUIRED_FILES if not (artifact_dir / name).is_file()]
     if missing:
         raise ArtifactError(f"cannot finish the artifact in {artifact_dir.name}/: {', '.join(missing)} missing")
     build = record.get("build") or {}
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
-        "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"),
-        "max_len": build.get("max_len"), "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"),
-        "versions": record.get("versions", {}), "files": files,
-    }
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
+                "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"), "max_len": build.get("max_len"),
+                "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"), "versions": record.get("versions", {}),
+                "files": files}
     (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
-def export_host_embedding(model_dir: str | Path, path: str | Path):
-    """Write the host embedding file (table + scale) from a HF checkpoint, reading only that tensor."""
-    config = text_config(model_dir)
-    module = model_skeleton(config).get_input_embeddings()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if text_key(key) == "model.embed_tokens.weight":  # the text model's table, not a tower's
-                    weight = handle.get_tensor(key)
-                    return HostEmbedding(weight, torch.tensor(module.scalar_embed_scale)).save(path)
-    raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
-
-
-def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
-    """After the model and build record are saved: serving files, then the manifest. Returns the manifest."""
-    write_serving_files(model_dir, artifact_dir)
-    return write_manifest(artifact_dir, record)
-
-
 @dataclass(frozen=True)
 class NeuronArtifact:
-    """A validated artifact folder: its manifest, build record and text config."""
-
+    """A validated artifact folder; ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
     folder: Path
     manifest: dict
     record: dict
     config: object
-
-    @property
-    def max_len(self) -> int:
-        return int(self.manifest["max_len"])
-
-    @property
-    def bucket(self) -> int:
-        return int(self.manifest["bucket"])
-
-    @property
-    def graphs(self) -> list[str]:
-        return list(self.manifest["graphs"])
-
-    @property
-    def decode_graph(self) -> str:
-        """The decode graph a decode step runs (see ``routed_decode_graph``)."""
-        return self.manifest["decode_graph"]
-
-    def path(self, name: str) -> Path:
-        return self.folder / name
-
-
-DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
+    max_len: int
+    bucket: int
+    graphs: list[str]
+    decode_graph: str
 
 
 def default_artifact_dir(target: str = "neuron", decode_experts: str = "dense") -> Path:
@@ -161,8 +122,7 @@ def built_artifacts(target: str = "neuron") -> list[Path]:
 
 
 def artifact_labels(folders) -> dict[str, Path]:
-    """Name each artifact folder by the decode graph a decode step runs in it (``dense`` or
-    ``sparse``; a plain ``decode`` graph is the port's DenseExperts one); empty entries are skipped."""
+    """Each folder named by its decode graph (``dense``, ``sparse``; plain ``decode`` is dense), empty ones skipped."""
     labels = {}
     for folder in (f for f in folders if f):
         graph = read_artifact(folder).decode_graph
@@ -177,11 +137,10 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     if not folder.is_dir():
         raise ArtifactError(f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
                             "(notebook 04's outputs/neuron/artifacts/04_neuron), copied whole to this box")
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
+    if not (folder / MANIFEST).is_file():
         raise ArtifactError(f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
                             "with gemma_nb.neuron.build.compile_neuron (an older build: rerun finish_artifact on it)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{folder.name}/{MANIFEST} is format {manifest.get('format')!r} version "
                             f"{manifest.get('format_version')!r}; this gemma_nb reads {FORMAT!r} version "
@@ -197,6 +156,5 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     if missing:
         raise ArtifactError(f"{folder.name}/{MANIFEST} lists no {', '.join(missing)}: compile again")
     record = json.loads((folder / BUILD_RECORD).read_text())
-
-    return NeuronArtifact(folder, manifest, record, text_config(folder))
-
+    return NeuronArtifact(folder, manifest, record, text_config(folder), int(manifest["max_len"]),
+                          int(manifest["bucket"]), list(manifest["graphs"]), manifest["decode_graph"])

@@ -40,7 +40,6 @@ SDK_PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "
 @dataclass
 class NeuronBuildConfig:
     """What one compile is built for; recorded next to the artifact."""
-
     model_dir: str
     output_dir: str
     tp_degree: int = 2
@@ -60,12 +59,10 @@ class NeuronBuildConfig:
         self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
         assert 1 <= self.tp_degree and self.bucket <= self.max_len, (self.tp_degree, self.bucket, self.max_len)
 
-    def graph_keys(self) -> dict[str, str]:
-        """ModelBuilder key -> experts module of that graph."""
+    def graph_keys(self) -> dict[str, str]:  # ModelBuilder key -> experts module of that graph
         return {"prefill": "dense", f"decode_{self.decode_experts}": self.decode_experts}
 
-    def routed_graphs(self) -> dict[str, str]:
-        """The graph a prefill (S = bucket) and a decode step (S = 1) reach: NxDModel routes by input shape."""
+    def routed_graphs(self) -> dict[str, str]:  # the graph a prefill (S = bucket) and a decode (S = 1) reach
         return {"prefill": "prefill", "decode": f"decode_{self.decode_experts}"}
 
 
@@ -95,7 +92,6 @@ def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor)
 
 class OneHotCache:
     """The cache transformers' attention calls: each layer's K/V written with ``onehot_update`` and kept."""
-
     is_compileable = False
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
@@ -110,16 +106,7 @@ class OneHotCache:
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
-def kv_state_shapes(config, max_len: int, tp_degree: int) -> list[tuple[int, int, int, int]]:
-    """Per layer, the KV state one rank holds: [1, kv_heads / TP, max_len, head_dim]."""
-    heads = layer_kv_heads(config)
-    assert all(h % tp_degree == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp_degree}"
-    return [(1, h // tp_degree, max_len, d) for h, d in heads]
-
-
-class _NoEmbedding(nn.Module):
-    """Where ``embed_tokens`` was: the host embeds."""
-
+class _NoEmbedding(nn.Module):  # where ``embed_tokens`` was: the host embeds
     def forward(self, input_ids):
         raise RuntimeError("the traced graph takes inputs_embeds; token ids are embedded on the host")
 
@@ -152,25 +139,22 @@ class NeuronGemma4(nn.Module):
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
             self.lm.model.embed_tokens = _NoEmbedding()
         self.lm.eval()
-        shapes = kv_state_shapes(config, build.max_len, tp)
+        heads = layer_kv_heads(config)  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
+        assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
+        shapes = [(1, h // tp, build.max_len, d) for h, d in heads]
         self.k_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
         self.v_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
 
     def input_output_aliases(self) -> dict:
         """State tensor -> output index: logits are output 0, then every K, then every V."""
-        layers = len(self.k_cache)
-        aliases = {p: 1 + i for i, p in enumerate(self.k_cache)}
-        aliases.update({p: 1 + layers + i for i, p in enumerate(self.v_cache)})
-        return aliases
+        return {p: 1 + i for i, p in enumerate([*self.k_cache, *self.v_cache])}
 
     def forward(self, embeds, position_ids, one_hot, full_mask, sliding_mask, last_index):
         cache = OneHotCache(list(self.k_cache), list(self.v_cache), one_hot)
         dtype = next(p for n, p in self.lm.named_parameters() if n.endswith("norm.weight")).dtype
-        out = self.lm(
-            inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
-            attention_mask={"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)},
-            logits_to_keep=last_index,
-        )
+        masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
+        out = self.lm(inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
+                      attention_mask=masks, logits_to_keep=last_index)
         return (out.logits.float(), *cache.new_keys, *cache.new_values)
 
     def load_state(self, state_dict: dict) -> None:
@@ -181,8 +165,7 @@ class NeuronGemma4(nn.Module):
 
 
 def _materialize(lm: nn.Module, config) -> None:
-    """Give the skeleton's untagged meta tensors real cpu storage, attributes kept; rebuild the rotary tables.
-    NxD's tagged parameters stay on meta: ModelBuilder's sharding reads their tags and dtypes there."""
+    """Give untagged meta tensors cpu storage (NxD's tagged ones stay for sharding); rebuild the rotary tables."""
     for module in lm.modules():
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
@@ -208,22 +191,20 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
     """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in place)."""
     patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D [T, H]
     experts_cls = NeuronDenseExperts if experts == "dense" else NeuronSparseExperts
+    int8 = int8_kwargs(sdk, dtype)
     for layer in lm.model.layers:
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(attn, name, None)
-            if old is not None:
+            if (old := getattr(attn, name, None)) is not None:
                 setattr(attn, name, sdk.ColumnParallelLinear(old.in_features, old.out_features, bias=False,
                                                              gather_output=False, dtype=dtype))
         attn.o_proj = sdk.RowParallelLinear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False,
                                             input_is_parallel=True, dtype=dtype)
-        mlp = layer.mlp
         for name in ("gate_proj", "up_proj"):
             old = getattr(mlp, name)
-            setattr(mlp, name, sdk.QuantizedColumnParallel(old.in_features, old.out_features, gather_output=False,
-                                                           **int8_kwargs(sdk, dtype)))
+            setattr(mlp, name, sdk.QuantizedColumnParallel(old.in_features, old.out_features, gather_output=False, **int8))
         mlp.down_proj = sdk.QuantizedRowParallel(mlp.down_proj.in_features, mlp.down_proj.out_features,
-                                                 input_is_parallel=True, **int8_kwargs(sdk, dtype))
+                                                 input_is_parallel=True, **int8)
         layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
                                     dtype=dtype, sdk=sdk, activation=config.hidden_activation)
     lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
@@ -263,13 +244,11 @@ def fill_layer_scalars(module: NeuronGemma4, scalars: dict) -> None:
 
 
 def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch.Tensor, ...]:
-    embeds = torch.zeros(1, tokens, config.hidden_size)
-    return step_inputs(embeds, list(range(tokens)), build.max_len, config.sliding_window)
+    return step_inputs(torch.zeros(1, tokens, config.hidden_size), list(range(tokens)), build.max_len, config.sliding_window)
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
-    """A ModelBuilder with one instance per graph (key -> experts), traced with the bucket's or one token;
-    the weights are read only by ``checkpoint_loader``, when ModelBuilder shards."""
+    """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
     scalars = read_layer_scalars(build.model_dir)
 
     class GemmaInstance(sdk.BaseModelInstance):
@@ -299,8 +278,7 @@ def _files(folder: Path, pattern: str = "*") -> dict[str, int]:
 
 
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
-    """Shard-check, trace, compile and ``torch.jit.save`` the graphs (weights inside) into a fresh artifact
-    folder; return and write the build record (times, peak host RSS with neuronx-cc's subprocesses, sizes)."""
+    """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the build record."""
     sdk = import_sdk()
     config = text_config(build.model_dir)
     out_dir = fresh_dir(build.output_dir)
@@ -316,22 +294,18 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     # the trace left the weights on the NeuronCores: free them, or the next build in this process cannot load
     del traced
     sdk.close_runtime()
-    record = _build_record(build, sdk, graphs, shard_check_s, sampler, artifact)
-    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
-    finish_artifact(build.model_dir, out_dir, record)
-    return record
-
-
-def _build_record(build: NeuronBuildConfig, sdk, graphs: dict, shard_check_s: float, sampler, artifact: Path) -> dict:
     workdir = Path(build.compiler_workdir)
     neffs = _files(workdir, "*.neff")
-    return {
+    record = {
         "build": asdict(build), "sdk": sdk_label(sdk), "graphs": graphs, "routed_graphs": build.routed_graphs(),
         "shard_check_s": shard_check_s, "compile_s": sampler.wall_s, "peak_host_rss_bytes": sampler.peak_rss_bytes,
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes, "neff_files": neffs, "neff_bytes": sum(neffs.values()),
         "compiler_workdir_bytes": sum(_files(workdir).values()), "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size, "versions": package_versions(SDK_PACKAGES),
     }
+    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    finish_artifact(build.model_dir, out_dir, record)
+    return record
 
 
 def sdk_label(sdk) -> str:
@@ -339,8 +313,7 @@ def sdk_label(sdk) -> str:
     return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
 
 
-def package_versions(packages) -> dict:
-    """Installed version of each distribution, None where it is not installed."""
+def package_versions(packages) -> dict:  # None where not installed
     found = {}
     for package in packages:
         try:

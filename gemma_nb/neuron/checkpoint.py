@@ -19,8 +19,7 @@ def text_key(key: str) -> str | None:
 
 
 def read_hf_state(model_dir: str | Path, only=None) -> dict:
-    """The text model's tensors of a local HF checkpoint (``*.safetensors``, one file or the hub's
-    shards), in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks a subset (the rest is never read)."""
+    """The text tensors of a HF checkpoint folder in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks those read."""
     state = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -36,13 +35,12 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
     return state
 
 
-def read_layer_scalars(model_dir: str | Path) -> dict:
-    """Only the decoder layers' ``layer_scalar`` buffers (one number each): what the traced module
-    needs from the checkpoint besides the weights ModelBuilder loads."""
-    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))
-
-
 def text_config(model_dir: str | Path):
     """The text model's config of a checkpoint or artifact folder (the language model of a multimodal one)."""
     config = AutoConfig.from_pretrained(str(model_dir))
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def read_layer_scalars(model_dir: str | Path) -> dict:
+    """Only the layers' ``layer_scalar`` buffers: what the traced module needs besides the weights ModelBuilder loads."""
+    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))

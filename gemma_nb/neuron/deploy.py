@@ -28,9 +28,7 @@ from gemma_nb.peak_rss import HostMemorySampler
 
 @dataclass
 class NeuronStepRunner:
-    """Greedy decoding over a compiled prefill/decode pair that keeps its KV cache as device state; ``embed``
-    maps ids [1, S] to scaled embeddings, ``max_len`` / ``bucket`` are the compiled shapes."""
-
+    """Greedy decoding over a compiled graph pair keeping its KV cache as device state; ``embed``: ids -> embeddings."""
     graph: Callable
     embed: Callable[[torch.Tensor], torch.Tensor]
     config: object
@@ -69,8 +67,7 @@ class NeuronStepRunner:
 
 
 class CpuStateGraph:
-    """The cpu variant of the traced module as a graph: writes the returned K/V back into its state,
-    as the Neuron runtime does for aliased outputs, and returns the logits."""
+    """The cpu module as a graph: returned K/V written back into its state, as the runtime does; returns logits."""
 
     def __init__(self, module):
         self.module = module
@@ -90,7 +87,7 @@ def load_artifact(artifact_dir: str | Path):
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     path = Path(artifact_dir) / MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{MODEL_FILE} not found in {Path(artifact_dir).name}/: run gemma_nb.neuron.build.compile_neuron first")
+        raise FileNotFoundError(f"{MODEL_FILE} not found in {path.parent.name}/: run gemma_nb.neuron.build.compile_neuron first")
     model = torch.jit.load(str(path))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
@@ -104,8 +101,7 @@ def load_artifact(artifact_dir: str | Path):
 
 
 def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -> None:
-    """Unload a deployed model: one 26B build (~12.7 GB per rank) fills most of 2 x 16 GiB, so the next cannot
-    load until the runtime is closed (``close``, a fake in the tests)."""
+    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once ``close`` ran."""
     runner.graph = None
     gc.collect()
     (close or close_runtime)()
@@ -113,15 +109,12 @@ def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -
 
 def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
                 load: Callable[[Path], Callable] | None = None) -> tuple[NeuronStepRunner, dict]:
-    """The slim deploy of a validated artifact folder, timed and sampled: (runner, figures); ``load`` turns the
-    folder into the graph (``load_artifact``; a cpu stand-in in the tests)."""
+    """(runner, figures) of a validated artifact, timed and sampled; ``load`` makes the graph (``load_artifact``)."""
     artifact = read_artifact(artifact_dir)
-    embedding_path = artifact.path(HOST_EMBEDDING_FILE)
+    config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
-        config = artifact.config
-        skeleton = model_skeleton(config)
         start = time.perf_counter()
-        host = host_embedding_for(skeleton, embedding_path)
+        host = host_embedding_for(model_skeleton(config), embedding_path)
         embedding_load_s = time.perf_counter() - start
         start = time.perf_counter()
         graph = (load or load_artifact)(artifact.folder)
@@ -147,8 +140,7 @@ def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: 
 
 def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
                         load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
-    """Decode speed of artifacts (name -> folder), each deployed, timed and released before the next: two 26B
-    builds do not fit the NeuronCores together."""
+    """Decode speed of artifacts (name -> folder), each released before the next: two 26B builds do not fit."""
     tables = []
     for name, folder in artifacts.items():
         runner, figures = slim_deploy(folder, load=load)

@@ -18,32 +18,17 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."
 
 
-def lm_head_kwargs(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
-                   pad: bool = False) -> dict:
-    """The head's constructor arguments, NxD enums named as strings (printable without the SDK)."""
-    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad)
-    if quantized:
-        kwargs.update(
-            quantized_dtype="QuantizedDtype.INT8",
-            quantization_type="QuantizationType.PER_CHANNEL_SYMMETRIC",
-            quantization_per_channel_axis=0,
-            scale_dtype=torch.float32,
-        )
-    return kwargs
-
-
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
                   pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
-    """The head: int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` from ``sdk`` (default the SDK's),
-    built inside NxD's parallel state; with ``pad=True`` its output goes through ``trim_padded_logits``."""
+    """The int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` head; built in NxD's parallel state."""
     sdk = import_nxd() if sdk is None else sdk
-    kwargs = lm_head_kwargs(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad)
-    kwargs["tensor_model_parallel_group"] = tensor_model_parallel_group
+    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad,
+                  tensor_model_parallel_group=tensor_model_parallel_group)
     if not quantized:
         return sdk.ColumnParallelLinear(**kwargs)
-    kwargs["quantized_dtype"] = sdk.QuantizedDtype.INT8
-    kwargs["quantization_type"] = sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
-    return sdk.QuantizedColumnParallel(**kwargs)
+    return sdk.QuantizedColumnParallel(**kwargs, quantized_dtype=sdk.QuantizedDtype.INT8,
+                                       quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+                                       quantization_per_channel_axis=0, scale_dtype=torch.float32)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -65,10 +50,8 @@ def untie_lm_head(state_dict: dict, quantized: bool = True, embed_key: str = EMB
     """``state_dict`` plus the head's entries made from ``embed_key`` (a ModelBuilder ``checkpoint_loader``'s)."""
     if embed_key not in state_dict:
         found = [k for k in state_dict if k.endswith("embed_tokens.weight")]
-        raise ValueError(
-            f"state dict has no {embed_key!r} to build the lm_head from"
-            + (f"; found {found[0]!r}: pass embed_key={found[0]!r}" if found else "; pass the tied embedding's key as embed_key")
-        )
+        fix = f"found {found[0]!r}: pass embed_key={found[0]!r}" if found else "pass the tied embedding's key as embed_key"
+        raise ValueError(f"state dict has no {embed_key!r} to build the lm_head from; {fix}")
     out = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
     out.update(lm_head_state_dict(state_dict[embed_key], quantized=quantized, prefix=prefix))
     return out
@@ -89,8 +72,7 @@ class HeadOnly(nn.Module):
 
 def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = True, tokens: int = 1,
                     compiler_workdir: str | None = None):
-    """Trace, compile and load the head alone on ``tp`` NeuronCores (ModelBuilder v2); the NxDModel, which maps
-    bf16 hidden states ``[1, tokens, H]`` to gathered logits. Not run here."""
+    """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
     try:
         from neuronx_distributed import ModelBuilder, NxDParallelState, shard_checkpoint
         from neuronx_distributed.quantization import quantization_layers

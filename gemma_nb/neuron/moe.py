@@ -4,6 +4,7 @@ One expert-major layout for both graphs (NxD Inference's MoE layout): ``gate_up 
 the gate and up halves) and ``down [E, I/tp, H]``, int8 with expert-wise fp32 scales ``[E, 1, out]``. Not NxD's
 ``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``, and its prefill path needs kernels inf2 lacks.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,17 +30,9 @@ def import_nxd() -> SimpleNamespace:
         raise TargetError(str(error)) from None
 
 
-def int8_kwargs(sdk, dtype: torch.dtype) -> dict:
-    """NxD's int8 per-channel (axis 0) layer arguments, fp32 scales, no bias."""
+def int8_kwargs(sdk, dtype: torch.dtype) -> dict:  # NxD's int8 per-channel (axis 0) layers, no bias
     return dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8,
                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=0)
-
-
-def experts_kwargs(sdk, dtype: torch.dtype) -> dict:
-    """NxD's int8 expert-wise per-channel (axis 2) arguments of the expert-fused layers, fp32 scales."""
-    return dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8, scale_dtype=torch.float32,
-                quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC,
-                quantization_per_channel_axis=2)
 
 
 class _ExpertMajorExperts(nn.Module):
@@ -54,10 +47,12 @@ class _ExpertMajorExperts(nn.Module):
         self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
         self.act_fn = ACT2FN[activation]
         self.reduce = sdk.mappings.reduce_from_tensor_model_parallel_region
+        int8 = dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8, scale_dtype=torch.float32,  # expert-wise
+                    quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=2)
         self.gate_up = sdk.QuantizedExpertFusedColumnParallel(num_experts, hidden_size, 2 * intermediate_size, stride=2,
-                                                              is_fused_gate_up=True, **experts_kwargs(sdk, dtype))
+                                                              is_fused_gate_up=True, **int8)
         self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
-                                                        **experts_kwargs(sdk, dtype))
+                                                        **int8)
         assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * self.local_inter), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
@@ -95,19 +90,14 @@ class NeuronSparseExperts(_ExpertMajorExperts):
         return self._all_reduce(torch.stack(rows), hidden_states.dtype)
 
 
-def expert_major_int8(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``[E, out, in]`` -> NxD's int8 ``[E, in, out]`` and fp32 scales ``[E, 1, out]``."""
-    q, scale = quantize_int8_per_channel(weight, axis=1, name=name)  # [E, out, in], [E, out, 1]
-    return q.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
-
-
 def experts_checkpoint(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, prefix: str = "") -> dict:
-    """One layer's full (unsharded) entries for either experts module, from transformers' ``gate_up_proj [E, 2I, H]``
-    and ``down_proj [E, H, I]``: the same for every TP degree (ModelBuilder's sharding cuts them)."""
+    """One layer's unsharded entries from transformers' ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
     experts, two_inter, hidden = gate_up_proj.shape
     assert tuple(down_proj.shape) == (experts, hidden, two_inter // 2), (down_proj.shape, gate_up_proj.shape)
     out = {}
     for name, tensor in (("gate_up", gate_up_proj), ("down", down_proj)):
-        out[f"{prefix}{name}.weight"], out[f"{prefix}{name}.scale"] = expert_major_int8(tensor, f"{prefix}{name}")
+        q, scale = quantize_int8_per_channel(tensor, axis=1, name=f"{prefix}{name}")  # [E, out, in], [E, out, 1]
+        out[f"{prefix}{name}.weight"] = q.transpose(1, 2).contiguous()  # NxD's int8 [E, in, out]
+        out[f"{prefix}{name}.scale"] = scale.transpose(1, 2).contiguous()  # fp32 [E, 1, out]
     return out
 

@@ -7,7 +7,7 @@ and records the stage each reached; ``scale_dequantize`` is the one patch of NxD
 from __future__ import annotations
 
 import traceback
-from dataclasses import asdict, dataclass
+from collections import OrderedDict
 
 import pandas as pd
 import torch
@@ -16,54 +16,31 @@ from torch import nn
 from gemma_nb import formats
 from gemma_nb.neuron.moe import import_nxd
 
-
-@dataclass(frozen=True)
-class SdkSupport:
-    """One NxD quantized dtype: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so."""
-
-    dtype: str  # QuantizedDtype member name
-    torch_container: str  # the torch dtype NxD stores it in
-    quantization_types: str
-    inference_on_inf2: str  # "supported" | "not usable" | "not established"
-    evidence: str
-    sources: str
-
-
-SDK_SUPPORT_MATRIX: tuple[SdkSupport, ...] = (
-    SdkSupport(
-        "INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
-        "supported",
-        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP "
-        "and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast "
-        "(direct_cast_dequantize), matmul, then scale_dequantize multiplies the output by the fp32 scale "
-        "(in place: the port monkey-patched an out-of-place version to trace).",
-        "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
-    ),
-    SdkSupport(
-        "F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise",
-        "supported",
-        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style "
-        "FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 "
-        "and asks for checkpoints to be rescaled by 448/240 (values beyond 240 may become NaN).",
-        "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
-    ),
-    SdkSupport(
-        "F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric",
-        "not established",
-        "The enum exists; no source or document we read shows it used for inference on inf2.",
-        "quantization_config.py (QuantizedDtype)",
-    ),
-    SdkSupport(
-        "F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
-        "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
-        "not usable",
-        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 "
-        "('FP4 dequantization in torch is only supported on CPU'): a torch reference that cannot be traced "
-        "for a NeuronCore. The blockwise_mm NKI kernel is pre-production and failed to import for the port; "
-        "the MX paths live under experimental/quantization/microscaling.",
-        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
-        "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
-    ),
+# One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so.
+SUPPORT_COLUMNS = ("dtype", "torch_container", "quantization_types", "inference_on_inf2", "evidence", "sources")
+SDK_SUPPORT_MATRIX = (
+    ("INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)", "supported",
+     "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP and lm_head with "
+     "QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast (direct_cast_dequantize), matmul, "
+     "then scale_dequantize multiplies the output by the fp32 scale (in place: the port monkey-patched an out-of-place "
+     "version to trace).",
+     "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py"),
+    ("F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise", "supported",
+     "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style FP8_EXP4 with range "
+     "+-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by "
+     "448/240 (values beyond 240 may become NaN).",
+     "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md"),
+    ("F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric", "not established",
+     "The enum exists; no source or document we read shows it used for inference on inf2.",
+     "quantization_config.py (QuantizedDtype)"),
+    ("F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
+     "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX", "not usable",
+     "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 ('FP4 "
+     "dequantization in torch is only supported on CPU'): a torch reference that cannot be traced for a NeuronCore. The "
+     "blockwise_mm NKI kernel is pre-production and failed to import for the port; the MX paths live under "
+     "experimental/quantization/microscaling.",
+     "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
+     "(get_float4x4_torch_dtype, is_ocp_mx_quantized)"),
 )
 
 TRIAL_DTYPES = ("INT8", "F8E4M3", "F4E2M1FN_X4")
@@ -72,13 +49,11 @@ MX_BLOCK = 32
 
 
 def support_matrix_table():
-    """``SDK_SUPPORT_MATRIX`` as a DataFrame, one row per dtype."""
-    return pd.DataFrame([asdict(entry) for entry in SDK_SUPPORT_MATRIX])
+    return pd.DataFrame(list(SDK_SUPPORT_MATRIX), columns=list(SUPPORT_COLUMNS))
 
 
 def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
-    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too: the factor's extra leading
-    size-1 dims (``[1, 1, out]`` for a layer's ``scale.T``) are dropped. 3-D numbers equal NxD's."""
+    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too; 3-D numbers equal NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
@@ -92,15 +67,6 @@ def patch_scale_dequantize(quantization_layers) -> None:
     quantization_layers.scale_dequantize = scale_dequantize
 
 
-class _TrialLinear(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)
-
-
 def _layer_kwargs(dtype_name: str, sdk) -> dict:
     QuantizationType, QuantizedDtype, ScaleDtype = sdk.QuantizationType, sdk.QuantizedDtype, sdk.ScaleDtype
     if dtype_name == "F4E2M1FN_X4":
@@ -111,8 +77,7 @@ def _layer_kwargs(dtype_name: str, sdk) -> dict:
 
 
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(NxD state dict ``{"layer.weight", "layer.scale"}``, the fp32 weight it dequantizes to) for a trial:
-    int8 per channel, fp8 per channel at Neuron's +-240, fp4 as MXFP4 viewed as uint16."""
+    """(NxD state dict, the fp32 weight it dequantizes to): int8, fp8 at Neuron's +-240, MXFP4 viewed as uint16."""
     if dtype_name == "INT8":
         q, scale = formats.quantize_int8_per_channel(weight, name="trial.weight")
         return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
@@ -130,8 +95,7 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
 
 def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 256, tokens: int = 4,
                workdir: str = "/tmp/gemma_nb_quant_trials", seed: int = 0):
-    """On a NeuronCore: per dtype, ``ok``, the ``stage`` reached (or failed), ``max_abs_diff`` against the cpu
-    matmul, the ``error``; a DataFrame. ``TargetError`` at once without the SDK."""
+    """On a NeuronCore, per dtype: ``ok``, the ``stage`` reached, ``max_abs_diff`` against the cpu, the ``error``."""
     sdk = import_nxd()
     patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(seed)
@@ -144,7 +108,7 @@ def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 
             with sdk.NxDParallelState(world_size=1, tensor_model_parallel_size=1):
                 layer = sdk.QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
                                                     dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
-                model = _TrialLinear(layer).eval()
+                model = nn.Sequential(OrderedDict(layer=layer)).eval()  # checkpoint keys layer.weight / layer.scale
                 row["stage"] = "load_weights"
                 state, dequantized = trial_weights(dtype_name, weight)
                 expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

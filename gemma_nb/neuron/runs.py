@@ -18,19 +18,14 @@ from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
 
 
-def build_shapes(model_dir: str | Path) -> dict:
-    """``SMOKE_SHAPES`` for the bundled TP=2 checkpoint, the shipped build's (``NeuronBuildConfig``'s) otherwise."""
-    return dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
-
-
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """``compile_neuron`` once per decode path, in order, each into its own artifact folder; the build records."""
-    if isinstance(decode_experts, str):
-        decode_experts = [decode_experts]
+    """``compile_neuron`` once per decode path, in order, each into its own artifact folder (the bundled TP=2
+    checkpoint at ``SMOKE_SHAPES``, others at ``NeuronBuildConfig``'s); the build records."""
+    shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     records = {}
-    for decode in decode_experts:
+    for decode in [decode_experts] if isinstance(decode_experts, str) else decode_experts:
         build = NeuronBuildConfig(model_dir=str(model_dir), output_dir=str(default_artifact_dir(target, decode)),
-                                  decode_experts=decode, **build_shapes(model_dir))
+                                  decode_experts=decode, **shapes)
         records[decode] = compile_neuron(build)
     return records
 
@@ -38,16 +33,14 @@ def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
 def builds_table(records: dict):
     """One row per build: its graphs, flags, SDK, shapes, the compile's time, peak host RSS and bytes."""
     return pd.DataFrame([{
-        "decode_experts": name, "graphs": ", ".join(r["graphs"]), "compiler_args": r["build"]["compiler_args"],
-        "sdk": r["sdk"], "max_len": r["build"]["max_len"], "bucket": r["build"]["bucket"],
-        "compile_s": r["compile_s"], "peak_host_rss_gb": r["peak_host_rss_bytes"] / 1e9,
-        "artifact_gb": r["artifact_bytes"] / 1e9, "neff_gb": r["neff_bytes"] / 1e9,
+        "decode_experts": name, "graphs": ", ".join(r["graphs"]), "compiler_args": r["build"]["compiler_args"], "sdk": r["sdk"],
+        "max_len": r["build"]["max_len"], "bucket": r["build"]["bucket"], "compile_s": r["compile_s"],
+        "peak_host_rss_gb": r["peak_host_rss_bytes"] / 1e9, "artifact_gb": r["artifact_bytes"] / 1e9, "neff_gb": r["neff_bytes"] / 1e9,
     } for name, r in records.items()]).set_index("decode_experts")
 
 
 def answer_each(folders, prompt: str = "The capital of France is", max_new_tokens: int = 16) -> list[dict]:
-    """Deploy each artifact folder, answer ``prompt`` greedily, release it (the runtime closed) before the
-    next: one row per build with its decode graph, answer, NEFF load time and peak host RSS."""
+    """Per artifact folder, deployed and released in turn: its decode graph, greedy answer, NEFF load time, peak RSS."""
     rows = []
     for folder in folders:
         runner, figures = slim_deploy(folder)
@@ -56,15 +49,13 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
         finally:
             release(runner)
         rows.append({"build": Path(folder).name, "decode_graph": read_artifact(folder).decode_graph,
-                     "completion": answer["completion"], "new_tokens": answer["new_tokens"],
-                     "neff_load_s": figures["neff_load_s"], "peak_host_rss_bytes": figures["peak_host_rss_bytes"],
-                     "sdk": figures["sdk"]})
+                     "completion": answer["completion"], "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
+                     "peak_host_rss_bytes": figures["peak_host_rss_bytes"], "sdk": figures["sdk"]})
     return rows
 
 
 def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
-    """Notebook 07's neuron section: ``benchmark_artifacts`` of every build, one at a time (the runtime
-    closed in between), named by the decode graph each reaches, with the greedy continuation it decoded."""
+    """Notebook 07's neuron section: ``benchmark_artifacts`` of every build with the continuation it decoded."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids

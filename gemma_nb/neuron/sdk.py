@@ -1,8 +1,7 @@
 """The one import of the Neuron SDK, and its transformers-5 workaround (every notebook on the neuron target).
 
-neuronx-distributed's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed. When,
-and only when, the import fails on it, a stand-in module whose ``HFTracer`` refuses to be built goes into
-``sys.modules``: only NxD's pipeline-parallel tracing of HF models, unused here, is lost.
+NxD's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed: only when the import
+fails on it, a stand-in whose ``HFTracer`` refuses to be built goes into ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -18,34 +17,25 @@ import torch
 import torch.fx
 
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
-NEURON_HELP = (
-    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
-    "installed from AWS's Neuron pip index on an inf2/trn1 instance: "
-    "see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
-)
+NEURON_HELP = ("the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
+               "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)")
 SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
-FX_NOTE = (
-    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), "
-    "which transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import "
-    "succeeds. Only NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it."
-)
+FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
+           "transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import succeeds. Only "
+           "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it.")
 
 
 def fx_stand_in() -> types.ModuleType:
-    """A module named ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, so NxD's
-    ``HFTracerWrapper`` has a consistent method order) raises when constructed."""
+    """A ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built."""
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
-
         def __init__(self, *args, **kwargs):
-            raise RuntimeError(
-                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging Face "
-                "models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD pipeline "
-                "parallelism use transformers 4.x in a separate environment."
-            )
+            raise RuntimeError(f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
+                               "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
+                               "pipeline parallelism use transformers 4.x in a separate environment.")
 
     module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
     module.HFTracer = HFTracer
@@ -65,17 +55,14 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
     return True
 
 
-def is_fx_problem(error: BaseException) -> bool:
-    """Whether an import error is the transformers-5 ``transformers.utils.fx`` problem."""
+def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transformers.utils.fx`` problem
     name = getattr(error, "name", None) or ""
     return isinstance(error, ImportError) and (name == FX_MODULE or FX_MODULE in str(error))
 
 
 @dataclass
 class SdkStatus:
-    """What ``check_sdk`` found: ``missing`` pip names (the only "SDK missing" case), whether the fx problem
-    appeared and the stand-in went in, any other import ``error``, and whether the SDK is the emulated one."""
-
+    """What ``check_sdk`` found; ``missing`` pip names are the only "SDK missing" case."""
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False
     workaround_applied: bool = False
@@ -91,8 +78,7 @@ class SdkStatus:
             modules = ", ".join(name for name, pip in SDK_PACKAGES.items() if pip in self.missing)
             return f"{', '.join(self.missing)} not installed (no module {modules}): {NEURON_HELP}"
         if self.error:
-            hint = (" (the transformers.utils.fx stand-in was applied and the import still failed)"
-                    if self.fx_problem else "")
+            hint = " (the transformers.utils.fx stand-in was applied and the import still failed)" if self.fx_problem else ""
             return (f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
                     "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)")
         found = EMULATED_LABEL if self.emulated else "torch-neuronx and neuronx-distributed"
@@ -103,8 +89,7 @@ class SdkStatus:
 
 def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
               modules: dict | None = None) -> SdkStatus:
-    """Try the SDK imports; on the ``transformers.utils.fx`` error, apply the stand-in and try again (the
-    arguments are the system queries, replaceable by fakes)."""
+    """Try the SDK imports, again after the stand-in on the fx error; the arguments can be fakes."""
     status = SdkStatus(missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None])
     if status.missing:
         return status
@@ -123,8 +108,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
 
 
 def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
-    """The SDK pieces the neuron code uses as one namespace, or ``ImportError`` naming what is missing and the fix;
-    ``note`` prints ``FX_NOTE`` when the workaround was needed."""
+    """The SDK pieces as one namespace, or ``ImportError`` naming what is missing and the fix."""
     status = check_sdk()
     if not status.ok:
         raise ImportError(f"cannot use the Neuron SDK: {status.message()}")
@@ -134,23 +118,17 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
-    from neuronx_distributed.quantization import quantization_layers
+    from neuronx_distributed.quantization import quantization_layers as layers
     from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
-    from neuronx_distributed.quantization.quantization_layers import (
-        QuantizedColumnParallel,
-        QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel,
-        QuantizedRowParallel,
-    )
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
         torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
         SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
-        quantization_layers=quantization_layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        ScaleDtype=ScaleDtype, QuantizedColumnParallel=QuantizedColumnParallel,
-        QuantizedRowParallel=QuantizedRowParallel, QuantizedExpertFusedColumnParallel=QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel=QuantizedExpertFusedRowParallel, model_builder=model_builder,
+        quantization_layers=layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
+        ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
+        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel,
+        QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel, model_builder=model_builder,
         BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
         ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
         fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
