@@ -4,8 +4,6 @@
 reads it (a missing, truncated or mismatched file raises ``ArtifactError`` naming it).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import time

@@ -1,8 +1,6 @@
 """Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the sparse
 step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``."""
 
-from __future__ import annotations
-
 import os
 import statistics
 import time

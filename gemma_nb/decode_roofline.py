@@ -1,8 +1,6 @@
 """The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode step,
 modelled, at any batch, and the tokens/s and $ per million tokens they allow on each deployment."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 

@@ -1,8 +1,6 @@
 """How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
 tables fit a ~1,000 px JupyterLab page; ``table_width_px`` and ``html_table_parts`` estimate their width for tests."""
 
-from __future__ import annotations
-
 import functools
 import html.parser
 import math

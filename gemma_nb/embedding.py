@@ -3,8 +3,6 @@
 ``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it equals
 ``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md)."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +82,7 @@ class HostEmbedding(nn.Module):
         self.probe_expected: torch.Tensor | None = None
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> HostEmbedding:
+    def from_model(cls, model: nn.Module) -> "HostEmbedding":
         """The host embedding of a Gemma-4 causal LM (or its embedding module), checked bit for bit against it."""
         module = model if isinstance(model, nn.Embedding) else model.get_input_embeddings()
         if getattr(module, "embed_scale", None) is None:
@@ -100,7 +98,7 @@ class HostEmbedding(nn.Module):
 
     @classmethod
     def from_file(cls, path: str | Path, scale: float | torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                  shape: tuple[int, int] | None = None) -> HostEmbedding:
+                  shape: tuple[int, int] | None = None) -> "HostEmbedding":
         """Load a file ``save`` wrote; refuse another ``dtype`` / ``shape`` than expected, re-check the probe. ``scale`` is needed
         only for a file without scale metadata (both present: they must agree)."""
         path = Path(path)

@@ -1,8 +1,6 @@
 """How answers are scored (notebooks 02, 05, 06): greedy decoding, fact recall, logit agreement, token match. A model is
 a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logits [B, S, V]`` (re-run each step)."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd

@@ -2,8 +2,6 @@
 for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
 on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 import torch
@@ -129,7 +127,7 @@ class RoutedExperts(nn.Module):
         return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, int8=int8, **options)
 
     @classmethod
-    def sharing(cls, other: RoutedExperts, **options):
+    def sharing(cls, other: "RoutedExperts", **options):
         """A ``cls`` on exactly ``other``'s weights (float, int8 or quantized): no copy, no re-quantization."""
         if other.weights == "quantized":
             return cls(other.gate_up, other.down, other.act_fn, **options)
@@ -318,7 +316,7 @@ class QuantizedExperts(SparseExperts):
     """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert dequantized just before use)."""
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts") -> QuantizedExperts:
+    def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts") -> "QuantizedExperts":
         """``experts``' float weights quantized to ``fmt`` (one of ``gemma_nb.formats.QUANTIZED_FORMATS``)."""
         gate_up = quantize(experts.gate_up_proj, fmt, name=f"{name}.gate_up_proj")
         down = quantize(experts.down_proj, fmt, name=f"{name}.down_proj")
@@ -336,7 +334,7 @@ class Int8Experts(RoutedExperts):
         super().__init__(gate_up, down, act_fn, int8=True, int8_kernel="upcast", scales=scales)
 
     @classmethod
-    def from_quantized(cls, experts: RoutedExperts) -> Int8Experts:
+    def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
         """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
         assert experts.fmt == "int8", f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
         if experts.weights == "quantized":

@@ -4,8 +4,6 @@
 weights; ``compile_model`` writes them with the weights beside (the format: ``gemma_nb.artifact``).
 """
 
-from __future__ import annotations
-
 import json
 import time
 from collections.abc import Mapping

@@ -1,8 +1,6 @@
 """Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02). Quantized formats
 work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert)."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,7 +142,7 @@ class QuantizedTensor:
     nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
                                        if t is not None))
 
-    def __getitem__(self, index: int) -> QuantizedTensor:
+    def __getitem__(self, index: int) -> "QuantizedTensor":
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
         assert len(self.shape) >= 3, f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
         return QuantizedTensor(self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),

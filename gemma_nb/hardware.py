@@ -1,8 +1,6 @@
 """Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources: docs/sources.md).
 HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import pandas as pd

@@ -1,8 +1,6 @@
 """Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m gemma_nb plan``).
 The parameter inventory is ``gemma_nb.params``' (its names importable from here too)."""
 
-from __future__ import annotations
-
 import functools
 import math
 from collections.abc import Iterable, Mapping

@@ -1,7 +1,5 @@
 """Metrics JSON: what each notebook computed (``save_metrics``), with its headline figures for the runner's report."""
 
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -3,8 +3,6 @@
 Safetensors only, never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never printed.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import re

@@ -1,7 +1,5 @@
 """Swapping the routed experts of a loaded Gemma-4 model, and inputs to compare them (notebook 07)."""
 
-from __future__ import annotations
-
 import copy
 
 import pandas as pd

@@ -1,7 +1,5 @@
 """A causal LM's parameter inventory from its config (notebook 01): groups, TP splits, KV geometry, TP checks."""
 
-from __future__ import annotations
-
 import json
 import math
 from collections.abc import Mapping

@@ -1,8 +1,6 @@
 """Where things live: the repo (found from the working directory), and a target's output folders: under
 ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``, never the reference run."""
 
-from __future__ import annotations
-
 import os
 import shutil
 from pathlib import Path

@@ -1,8 +1,6 @@
 """Peak host memory of a process and its children (``neuronx-cc``), sampled on a thread (notebooks 04, 05): the largest
 summed RSS of a tick, and the sum of each process's ``VmHWM`` (never misses a spike). Shared pages count in each."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os
@@ -73,7 +71,7 @@ class HostMemorySampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def __enter__(self) -> HostMemorySampler:
+    def __enter__(self) -> "HostMemorySampler":
         assert self._thread is None, "a HostMemorySampler runs once"
         self._t0 = time.perf_counter()
         self.sample()

@@ -1,7 +1,5 @@
 """One way to draw and save every figure: seaborn theme, PNG + SVG, byte-identical on a re-run."""
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 

@@ -1,7 +1,5 @@
 """Quantized linears and the planner's schemes applied to a loaded Gemma-4 model, measured (notebook 02)."""
 
-from __future__ import annotations
-
 import math
 import time
 from collections.abc import Mapping
@@ -40,7 +38,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.float())
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> Int8Linear:
+    def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
         """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
         assert weight.dim() == 2, f"{name!r} has shape {tuple(weight.shape)}"
         quantized = quantize(weight, "int8", name=name)

@@ -1,8 +1,6 @@
 """Run a function on tensor-parallel ranks: real gloo processes on 127.0.0.1 (notebook 03, the TP=2 rehearsal).
 Workers must be importable by name (spawn pickles them), not defined in a notebook."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import pickle

@@ -1,8 +1,6 @@
 """What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands for,
 and when a computed value agrees with it. Never used as a computed result."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass

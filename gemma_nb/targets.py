@@ -1,7 +1,5 @@
 """The three targets a notebook can run on (cpu, the reference run; neuron, SDK 2.31 on inf2; cuda), behind one check."""
 
-from __future__ import annotations
-
 import importlib.util
 import sys
 from contextlib import contextmanager

@@ -4,8 +4,6 @@
 every file with its size, so a truncated copy fails at load, not as a wrong answer.
 """
 
-from __future__ import annotations
-
 import json
 import shutil
 from dataclasses import dataclass

@@ -4,8 +4,6 @@ Swaps: q/k/v column- and o row-parallel, shared MLP and lm_head int8, experts as
 and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)`` is the same graph at TP=1.
 """
 
-from __future__ import annotations
-
 import json
 import time
 from dataclasses import asdict, dataclass

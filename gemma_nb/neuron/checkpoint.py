@@ -1,8 +1,6 @@
 """A hub Gemma-4 checkpoint folder's text model, for the neuron build: its config and tensors (vision and audio
 towers dropped, names as ``Gemma4ForCausalLM``'s)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from safetensors import safe_open

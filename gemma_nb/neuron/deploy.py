@@ -4,8 +4,6 @@ Everything comes from the artifact folder; the KV cache stays on the device (ali
 takes any callable with the graph's signature, so the tests run it on ``NeuronGemma4(parallel=False)``.
 """
 
-from __future__ import annotations
-
 import gc
 import time
 from collections.abc import Callable

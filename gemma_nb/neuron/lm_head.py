@@ -4,8 +4,6 @@ Its ``weight`` int8 ``[V, H]`` and ``scale`` fp32 ``[V, 1]`` come from the embed
 the softcap runs on the host. NxD's quantized layer does not trim a padded vocab: ``trim_padded_logits`` does.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

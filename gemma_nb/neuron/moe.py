@@ -5,8 +5,6 @@ the gate and up halves) and ``down [E, I/tp, H]``, int8 with expert-wise fp32 sc
 ``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``, and its prefill path needs kernels inf2 lacks.
 """
 
-from __future__ import annotations
-
 from types import SimpleNamespace
 
 import torch

@@ -4,8 +4,6 @@
 and records the stage each reached; ``scale_dequantize`` is the one patch of NxD this repo applies.
 """
 
-from __future__ import annotations
-
 import traceback
 from collections import OrderedDict
 

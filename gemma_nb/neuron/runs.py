@@ -3,8 +3,6 @@
 The 26B compiles at the shipped shapes; the bundled TP=2 checkpoint (the smoke run) at ``SMOKE_SHAPES``.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import pandas as pd

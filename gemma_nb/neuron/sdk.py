@@ -4,8 +4,6 @@ NxD's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformer
 fails on it, a stand-in whose ``HFTracer`` refuses to be built goes into ``sys.modules``.
 """
 
-from __future__ import annotations
-
 import importlib
 import importlib.util
 import sys

@@ -3,8 +3,6 @@ weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one ali
 so that a token flip can only come from the sharding (the bf16 router check is apart).
 """
 
-from __future__ import annotations
-
 import time
 
 import torch

@@ -4,8 +4,6 @@ Each graph must lower to one XLA graph per step, with no aten fallback, no devic
 equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

@@ -1,8 +1,6 @@
 """ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores; each
 graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc, and no NEFF is written."""
 
-from __future__ import annotations
-
 import logging
 import re
 import shutil

@@ -2,8 +2,6 @@
 go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums).
 """
 
-from __future__ import annotations
-
 import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace

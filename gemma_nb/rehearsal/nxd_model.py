@@ -2,8 +2,6 @@
 inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import warnings

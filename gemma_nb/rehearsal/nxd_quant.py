@@ -2,8 +2,6 @@
 layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it.
 """
 
-from __future__ import annotations
-
 import enum
 
 import torch

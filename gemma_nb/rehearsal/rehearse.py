@@ -4,8 +4,6 @@ Preflight, the smoke run, the copy to a serving folder, the deploy, the server a
 record goes to ``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s disk figures.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

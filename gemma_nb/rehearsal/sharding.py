@@ -2,8 +2,6 @@
 and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

@@ -3,8 +3,6 @@
 ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import threading

@@ -14,8 +14,6 @@ once the emulated ``neuronx_distributed.trace.model_builder`` is imported; 8. ot
 ``Runtime().unsafe_close()``; 10. ``neuron-ls`` prints the emulated cores (``"emulated": true``).
 """
 
-from __future__ import annotations
-
 from types import SimpleNamespace
 
 from gemma_nb.rehearsal import nxd_layers as L
