@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import page_width
 import pandas as pd
 import pytest
 
@@ -42,19 +43,19 @@ def test_tidy_shows_words_and_blanks():
 
 def test_table_width_estimate_counts_characters_and_wraps_text():
     # one column: widest cell 10 characters -> 10 x 7 px + 12 px padding
-    assert display.table_width_px([["header"], ["0123456789"]]) == 10 * display.CHAR_WIDTH_PX + display.CELL_PADDING_PX
+    assert page_width.table_width_px([["header"], ["0123456789"]]) == 10 * display.CHAR_WIDTH_PX + page_width.CELL_PADDING_PX
     sentence = "a " * 100  # 200 characters with spaces: wraps at WRAP_CHARS
-    assert display.cell_width_chars(sentence) == display.WRAP_CHARS
-    assert display.cell_width_chars("x" * 60 + " y") == 60  # a long word cannot wrap
+    assert page_width.cell_width_chars(sentence) == page_width.WRAP_CHARS
+    assert page_width.cell_width_chars("x" * 60 + " y") == 60  # a long word cannot wrap
     wide = pd.DataFrame([[1.0] * 12], columns=[f"a_long_column_name_{i}" for i in range(12)])
     for frame, fits in ((wide, False), (wide.T, True)):
-        header, body = display.html_table_parts(display._html(frame))[0]
-        assert (display.table_width_px(header + body) < display.PAGE_WIDTH_PX) == fits
+        header, body = page_width.html_table_parts(display._html(frame))[0]
+        assert (page_width.table_width_px(header + body) < display.PAGE_WIDTH_PX) == fits
 
 
 def test_html_table_parts_reads_what_the_estimate_needs():
     frame = pd.DataFrame({"claim": ["HYPOTHESIS: a long label"], "value": [1.0]})
-    assert display.html_table_parts(display._html(frame)) == [([["", "claim", "value"]], [["0", "HYPOTHESIS: a long label", "1"]])]
+    assert page_width.html_table_parts(display._html(frame)) == [([["", "claim", "value"]], [["0", "HYPOTHESIS: a long label", "1"]])]
 
 
 def test_subplots_refuses_a_figure_wider_than_the_page():
@@ -100,36 +101,36 @@ def test_outputs_are_found_from_the_working_directory_not_the_installed_package(
 def test_column_formatter_gives_a_column_one_format(values, shown):
     formatter = display.column_formatter(values)
     assert [formatter(v) for v in values] == shown
-    assert len({display.number_format(s) for s in shown} - {""}) == 1
+    assert len({page_width.number_format(s) for s in shown} - {""}) == 1
 
 
 def test_number_format_reads_what_a_cell_shows():
-    assert display.number_format("25,233,141,760") == "integer"
-    assert display.number_format("0.0484") == "4 decimals"
-    assert display.number_format("-1,234.50") == "2 decimals"
-    assert display.number_format("4.80e-05") == "scientific, 2 decimals"
-    assert display.number_format("0") == display.number_format("") == ""
-    assert display.number_format("yes") is None and display.number_format("45.6 GB") is None
+    assert page_width.number_format("25,233,141,760") == "integer"
+    assert page_width.number_format("0.0484") == "4 decimals"
+    assert page_width.number_format("-1,234.50") == "2 decimals"
+    assert page_width.number_format("4.80e-05") == "scientific, 2 decimals"
+    assert page_width.number_format("0") == page_width.number_format("") == ""
+    assert page_width.number_format("yes") is None and page_width.number_format("45.6 GB") is None
     body = [["a", "0.25", "1"], ["b", "4.000e-06", "2"], ["c", "0.03125", "x"]]
-    assert display.mixed_format_columns(body) == {1: {"2 decimals", "scientific, 3 decimals", "5 decimals"}}
+    assert page_width.mixed_format_columns(body) == {1: {"2 decimals", "scientific, 3 decimals", "5 decimals"}}
 
 
 def test_column_formats_put_the_index_name_in_the_corner_and_hide_a_default_index():
     named = pd.DataFrame({"gb": [22.84, 0.022]}, index=pd.Index(["experts", "router"], name="group"))
-    header, body = display.html_table_parts(display._html(named, column_formats=True))[0]
+    header, body = page_width.html_table_parts(display._html(named, column_formats=True))[0]
     assert header == [["group", "gb"]] and body == [["experts", "22.840"], ["router", "0.022"]]
-    assert not display.index_label_rows(header)
-    header, _ = display.html_table_parts(display._html(named))[0]   # the per-cell style keeps pandas' extra row
-    assert display.index_label_rows(header) == [["group", ""]]
+    assert not page_width.index_label_rows(header)
+    header, _ = page_width.html_table_parts(display._html(named))[0]   # the per-cell style keeps pandas' extra row
+    assert page_width.index_label_rows(header) == [["group", ""]]
     plain = pd.DataFrame({"scheme": ["bf16", "int8"], "kl": [0.0484, 0.0002]})
-    header, body = display.html_table_parts(display._html(plain, column_formats=True))[0]
+    header, body = page_width.html_table_parts(display._html(plain, column_formats=True))[0]
     assert header == [["scheme", "kl"]] and body == [["bf16", "0.0484"], ["int8", "0.0002"]]
 
 
 def test_header_cells_count_bold_in_the_width_estimate():
     rows = [["a_long_column_name"], ["1"]]
-    assert display.table_width_px(rows, header_rows=1) > display.table_width_px(rows)
-    assert display.table_width_px(rows, header_rows=1) == 18 * display.HEADER_CHAR_WIDTH_PX + display.CELL_PADDING_PX
+    assert page_width.table_width_px(rows, header_rows=1) > page_width.table_width_px(rows)
+    assert page_width.table_width_px(rows, header_rows=1) == 18 * page_width.HEADER_CHAR_WIDTH_PX + page_width.CELL_PADDING_PX
 
 
 def test_scientific_and_headline_table():

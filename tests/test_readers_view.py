@@ -1,7 +1,7 @@
 """The executed reference run as a reader sees it (outputs/cpu/*.ipynb in JupyterLab or on GitHub).
 
 Every displayed table must fit a ~1,000 px page at JupyterLab's default font (the estimate is
-``gemma_nb.display.table_width_px``, documented there), show no cell cut short with "..." and no
+``page_width.table_width_px`` in tests/page_width.py, documented there), show no cell cut short with "..." and no
 NaN; generated text stops at its first <eos>; figures are at most 1,000 px wide; no nbval marker is
 left in a cell's source (they are cell tags).
 """
@@ -12,6 +12,7 @@ import re
 import struct
 from pathlib import Path
 
+import page_width
 import pytest
 
 from gemma_nb import display
@@ -42,9 +43,9 @@ def test_tables_fit_the_page_whole(path):
     problems = []
     for index, _, output in outputs(path):
         markup = _text(output.get("data", {}).get("text/html"))
-        for table in [header + body for header, body in display.html_table_parts(markup)]:
+        for table in [header + body for header, body in page_width.html_table_parts(markup)]:
             cells = [cell for row in table for cell in row]
-            width = display.table_width_px(table)
+            width = page_width.table_width_px(table)
             if width > display.PAGE_WIDTH_PX:
                 problems.append(f"cell {index}: table ~{width:.0f} px wide (header {table[0][:6]})")
             cut = [c for c in cells if "..." in c or "…" in c]

@@ -21,6 +21,7 @@ import re
 import shutil
 
 import nbformat
+import page_width
 import pytest
 
 from gemma_nb import decode_roofline, display
@@ -351,7 +352,7 @@ def test_the_number_reader_reads_prose_not_names():
 
 def _tables(name):
     for index, _, output in outputs(name):
-        for header, body in display.html_table_parts(_text(output.get("data", {}).get("text/html"))):
+        for header, body in page_width.html_table_parts(_text(output.get("data", {}).get("text/html"))):
             yield index, header, body
 
 
@@ -359,11 +360,11 @@ def _tables(name):
 def test_tables_have_one_header_row_one_format_per_column_and_fit_with_a_bold_header(name):
     problems = []
     for index, header, body in _tables(name):
-        if display.index_label_rows(header):
-            problems.append(f"cell {index}: a header row of index labels {display.index_label_rows(header)}")
-        for column, formats in display.mixed_format_columns(body).items():
+        if page_width.index_label_rows(header):
+            problems.append(f"cell {index}: a header row of index labels {page_width.index_label_rows(header)}")
+        for column, formats in page_width.mixed_format_columns(body).items():
             problems.append(f"cell {index}: column {(header[-1] + [''] * column)[column]!r} mixes {sorted(formats)}")
-        width = display.table_width_px(header + body, header_rows=len(header))
+        width = page_width.table_width_px(header + body, header_rows=len(header))
         if width > display.PAGE_WIDTH_PX:
             problems.append(f"cell {index}: ~{width:.0f} px wide with its bold header")
     assert not problems, "\n".join(problems)
