@@ -17,9 +17,7 @@ from gemma_nb.tools.plan_input import read_config
 
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehearse's record, committed
 
-DEFAULT_TP = 2
-DEFAULT_SCHEME = "int8_squeeze"
-NEURON_DEVICE = "neuroncore_v2"
+DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
 JSON_DOC = {
@@ -81,28 +79,23 @@ def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHE
     return tp * int(weights["bytes_per_rank"].sum())
 
 
-def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:
-    """``make rehearse``'s record (``rehearsal.json``), or None where there is none."""
-    path = Path(path)
-    return json.loads(path.read_text()) if path.is_file() else None
+def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:  # None where make rehearse left none
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
 
 
 def disk_needs(config, record: dict) -> dict:
     """Disk (bytes) for the compile box and the serving box: ``record``'s builds (``rehearsal.json``) scaled to
     ``config``, ``model.pt`` and the compiler workdir by the device weight bytes, the embedding file by its table."""
-    scale = record["scale"]
+    scale, checkpoint = record["scale"], _bf16_weight_bytes(config)
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
-    embedding = 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]
-    builds = {}
-    for name, build in record["builds"].items():
-        files = build["artifact_files_bytes"]
-        scaled = sum(size * (device if file == "model.pt" else embedding if file == "embed_tokens.safetensors" else 1)
-                     for file, size in files.items())
-        builds[name] = {"artifact_bytes": int(scaled), "compiler_workdir_bytes": int(build["compiler_workdir_bytes"] * device)}
-    checkpoint = _bf16_weight_bytes(config)
+    factor = {"model.pt": device,
+              "embed_tokens.safetensors": 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]}
+
+    builds = {name: {"artifact_bytes": int(sum(size * factor.get(file, 1) for file, size in b["artifact_files_bytes"].items())),
+                     "compiler_workdir_bytes": int(b["compiler_workdir_bytes"] * device)} for name, b in record["builds"].items()}
     return {
-        "builds": builds,
-        "checkpoint_bytes": checkpoint,
+
+        "builds": builds, "checkpoint_bytes": checkpoint,
         "compile_disk_bytes": checkpoint + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
         "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
         "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, scaled by "
@@ -140,31 +133,24 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
     return {"batch": batch, **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()}}
 
 
-def instance_decode(costs, instance: str, tp: int, scheme: str, budget: str, allowance) -> dict | None:
-    """The roofline at batch 1 and the largest batch, dense and sparse, for ``cores // tp`` replicas (None: too few cores)."""
-    inst = get_instance(instance)
-    if tp > inst.neuron_cores:
-        return None
-    deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
-                                            replicas=inst.neuron_cores // tp)
-    limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
-    return {"replicas": deployment.replicas, "largest_batch": limits["largest_batch"],
-            "largest_batch_if_low": limits["largest_batch_if_low"], "batch_1": _speeds(costs, deployment, 1),
-            "at_largest_batch": _speeds(costs, deployment, limits["largest_batch"]),
-            "at_largest_batch_if_low": _speeds(costs, deployment, limits["largest_batch_if_low"])}
 
-
-def _instance_rows(the_plan, costs, scheme: str, tp: int, budget: str, allowance) -> list[dict]:
-    rows = []
-    for inst in INSTANCES.values():
-        fit = fits(the_plan, inst, budget)
-        verdict, if_low = judge(fit, allowance)
-        rows.append({"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
-                     "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
-                     "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
-                     "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
-                     "reason": fit.reason, "decode": instance_decode(costs, inst.name, tp, scheme, budget, allowance)})
-    return rows
+def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allowance) -> dict:
+    """The verdict on ``inst``; its decode: the roofline at batch 1 and the largest batch, ``cores // tp`` replicas."""
+    fit, decode = fits(the_plan, inst, budget), None
+    verdict, if_low = judge(fit, allowance)
+    if tp <= inst.neuron_cores:
+        deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
+                                                replicas=inst.neuron_cores // tp)
+        limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
+        batches = {"batch_1": 1, "at_largest_batch": limits["largest_batch"], "at_largest_batch_if_low": limits["largest_batch_if_low"]}
+        decode = {"replicas": deployment.replicas, "largest_batch": limits["largest_batch"],
+                  "largest_batch_if_low": limits["largest_batch_if_low"],
+                  **{key: _speeds(costs, deployment, batch) for key, batch in batches.items()}}
+    return {"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
+            "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
+            "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
+            "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
+            "reason": fit.reason, "decode": decode}
 
 
 def _decode_basis(costs, rows: list[dict]) -> dict:
@@ -192,7 +178,7 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     allowance = allowance or memory.inferred_runtime_allowance()
     the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)
-    rows = _instance_rows(the_plan, costs, scheme, tp, budget, allowance)
+    rows = [_instance_row(the_plan, costs, inst, scheme, tp, budget, allowance) for inst in INSTANCES.values()]
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
     marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
     best = (fitting or marginal or [None])[0]
@@ -218,13 +204,6 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     }
 
 
-def _cheapest_fitting(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> tuple[float, str] | None:
-    the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
-    options = [(inst.usd_per_hour, inst.name) for inst in INSTANCES.values()
-               if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
-    return min(options) if options else None
-
-
 def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
     """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
@@ -232,13 +211,11 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     schemes = [name for name, sch in memory.SCHEMES.items()
                if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)]
     options = []
-    for degree in degrees:
-        for name in schemes:
-            found = (degree, name) != (tp, scheme) and _cheapest_fitting(config, name, degree, context_len, budget, allowance)
-            if found:
-                flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "",
-                                             f"--scheme {name}" if name != scheme else "") if f)
-                options.append((found[0], name != scheme, degree, flags, found[1]))
+    for degree, name in ((d, n) for d in degrees for n in schemes if (d, n) != (tp, scheme)):
+        the_plan = memory.plan(config, degree, name, context_len, runtime_allowance_bytes=allowance.high_bytes)
+        flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "", f"--scheme {name}" if name != scheme else "") if f)
+        options += [(inst.usd_per_hour, name != scheme, degree, flags, inst.name) for inst in INSTANCES.values()
+                    if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
     if options:
         usd, _, _, flags, instance = min(options)
         return f"Try {flags}: it fits {instance} (${usd:.4f}/h), the cheapest change that does."
@@ -251,11 +228,11 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
 
 
 def format_report(report: dict) -> str:
-    return "\n".join([*_format_header(report), *_format_groups(report), *_format_instances(report),
-                      *_format_decode(report), *_format_verdict(report)])
+    return "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)])
 
 
 def _format_header(report: dict) -> list[str]:
+    """The model, its allowance and notes, the groups' bytes per rank, each instance's verdict."""
     params, allowance = report["params"], report["runtime_allowance"]
     lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
              f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
@@ -263,25 +240,18 @@ def _format_header(report: dict) -> list[str]:
              f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
              f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
              + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else "")]
-    if allowance["low_gb"] != allowance["high_gb"]:
-        lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
-                     f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)")
-    else:
-        lines.append(f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
-    return [*lines, *(f"note: {note}" for note in report["notes"]), ""]
-
-
-def _format_groups(report: dict) -> list[str]:
-    lines = [f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
+    lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
+                 f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)"
+                 if allowance["low_gb"] != allowance["high_gb"] else
+                 f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
+    lines += [*(f"note: {note}" for note in report["notes"]), "",
+              f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
     for group, row in report["groups"].items():
         if row["bytes_per_rank"] or row["host_bytes"]:
             where = f"{row['gb_per_rank']:12.3f}" if row["placement"] != "host" else f"{'(host)':>12}"
             lines.append(f"  {group:<22}{row['dtype']:<7}{row['placement']:<12}{where}")
-    return [*lines, f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", ""]
-
-
-def _format_instances(report: dict) -> list[str]:
-    lines = [f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
+    lines += [f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", "",
+              f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
     for row in report["instances"]:
         headroom = "-" if row["headroom_gb"] is None else f"{row['headroom_gb']:+.2f}"
         if row["headroom_gb_if_low"] is not None and row["headroom_gb_if_low"] != row["headroom_gb"]:
@@ -309,8 +279,9 @@ def _format_decode(report: dict) -> list[str]:
                 continue
             shown.add(speeds["batch"])
             starred = starred or bool(mark)
-            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{_usd(speeds[mode]['usd_per_m_tokens']):>8}"
-                            for mode in ("dense", "sparse"))
+            usd = {mode: "-" if speeds[mode]["usd_per_m_tokens"] is None else f"{speeds[mode]['usd_per_m_tokens']:.2f}"
+                   for mode in ("dense", "sparse")}
+            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{usd[mode]:>8}" for mode in usd)
             streams = f"{speeds['batch'] * decode['replicas']}{mark}"
             lines.append(f"  {row['instance'] if key == 'batch_1' else '':<15}{streams:>9}{cells}")
     if starred:
@@ -319,10 +290,6 @@ def _format_decode(report: dict) -> list[str]:
         distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
         lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
     return [*lines, ""]
-
-
-def _usd(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def _format_verdict(report: dict) -> list[str]:
@@ -338,8 +305,7 @@ def _format_verdict(report: dict) -> list[str]:
             lines.append(f"{words} {row['instance']} ({row['budget_gb']:.2f} GB per NeuronCore, headroom "
                          f"{row['headroom_gb']:+.2f} GB" + (f", {row['headroom_gb_if_low']:+.2f} GB if the runtime takes "
                                                            "the window's least" if row["verdict"] == MARGINAL else "") + ")")
-    if report["cheapest_fit"]:
-        cheapest = report["cheapest_fit"]
+    if cheapest := report["cheapest_fit"]:
         lines.append(f"cheapest that fits: {cheapest['instance']} at ${cheapest['usd_per_hour']:.4f}/h")
     elif report["instance"] is not None:
         lines.append(f"nothing fits. {report['advice']}")
@@ -350,10 +316,7 @@ def _format_verdict(report: dict) -> list[str]:
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = int(text) if text.strip().isdecimal() else 0
     if value < 1 or str(value) != text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value

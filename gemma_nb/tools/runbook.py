@@ -59,14 +59,10 @@ def figures() -> dict:
     compile_min, decode_tok_s = CLAIMS["compile_minutes"].value, CLAIMS["decode_tok_s"].value
     steps = record["steps"]
     return {
-        "per_rank_gb": report["total_gb_per_rank"],
-        "hbm_per_core_gb": report["budget_gb_per_core"],
-        "headroom_gb": report["headroom_gb"],
-        "headroom_gb_if_low": report["headroom_gb_if_low"],
-        "allowance_low_gb": report["runtime_allowance"]["low_gb"],
-        "allowance_high_gb": report["runtime_allowance"]["high_gb"],
-        "fits": report["fits"],
-        "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
+        "per_rank_gb": report["total_gb_per_rank"], "hbm_per_core_gb": report["budget_gb_per_core"],
+        "headroom_gb": report["headroom_gb"], "headroom_gb_if_low": report["headroom_gb_if_low"],
+        "allowance_low_gb": report["runtime_allowance"]["low_gb"], "allowance_high_gb": report["runtime_allowance"]["high_gb"],
+        "fits": report["fits"], "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
         "compile_host_gb": host["compile_bytes"] / GB, "deploy_host_gb": host["deploy_bytes"] / GB,
         "compile_ram_gib": compile_box.host_ram_gib, "serve_ram_gib": serve_box.host_ram_gib,
         "compile_swap_gib": compile_swap_gib, "serve_swap_gib": serve_swap_gib,
@@ -82,8 +78,7 @@ def figures() -> dict:
         "cold_start_s": CLAIMS["cold_start_s"].value,
         "cold_start_usd": CLAIMS["cold_start_s"].value / 3600 * serve_box.usd_per_hour,
         "decode_tok_s": decode_tok_s, "max_len": shipped.max_len, "bucket": shipped.bucket,
-        "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s,
-        "answer_500_s": 500 / decode_tok_s,
+        "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s, "answer_500_s": 500 / decode_tok_s,
         "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6,
         "serve_day_usd": 24 * serve_box.usd_per_hour,
         "rehearsal_ok": sum(step["status"] == "ok" for step in steps), "rehearsal_steps": len(steps),
@@ -116,11 +111,10 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     text = render()
     if args.check:
-        current = RUNBOOK_PATH.read_text() if RUNBOOK_PATH.is_file() else ""
-        if current != text:
-            print("docs/inf2.md is out of date: run python -m gemma_nb runbook", file=sys.stderr)
-            return 1
-        return 0
+        if (RUNBOOK_PATH.read_text() if RUNBOOK_PATH.is_file() else "") == text:
+            return 0
+        print("docs/inf2.md is out of date: run python -m gemma_nb runbook", file=sys.stderr)
+        return 1
     RUNBOOK_PATH.parent.mkdir(parents=True, exist_ok=True)
     RUNBOOK_PATH.write_text(text)
     print(f"wrote {RUNBOOK_PATH.relative_to(REPO_ROOT)}")
