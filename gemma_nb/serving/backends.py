@@ -19,7 +19,6 @@ from transformers import AutoTokenizer, DynamicCache, GenerationConfig
 from gemma_nb import export
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import hf_token, load_model, model_skeleton, resolve_model_id
-from gemma_nb.neuron.build import host_logits, step_inputs
 from gemma_nb.neuron.deploy import slim_deploy
 from gemma_nb.targets import check_target, torch_device
 from gemma_nb.tiny import BUNDLED_ID
@@ -110,15 +109,14 @@ class Generation:
     @property
     def text(self) -> str:
         """The answer so far as the client sees it (stop strings and after removed)."""
-        return self._visible(self._decoded())[0]
+        return self._visible()[0]
 
-    def _decoded(self) -> str:
+    def _visible(self) -> tuple[str, bool]:
+        """(The answer's text up to any stop string, whether one was found)."""
         full = self.runtime.tokenizer.decode(self._context + self.token_ids, skip_special_tokens=True)
         # A tokenizer that merges across the boundary keeps only the common prefix's tail.
         text = full[len(os.path.commonprefix([full, self._context_text])):]
-        return text.lstrip() if self.strip_leading_space else text
-
-    def _visible(self, text: str) -> tuple[str, bool]:
+        text = text.lstrip() if self.strip_leading_space else text
         cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
 
@@ -129,7 +127,7 @@ class Generation:
             time.sleep(self.step_delay_s)  # tests and demos: emulate a slower device
         token = sample_token(logits, self.params, self._generator)
         self.token_ids.append(token)
-        text, stopped = self._visible(self._decoded())
+        text, stopped = self._visible()
         if stopped or (token in self.runtime.eos_token_ids and not self.params.ignore_eos):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.params.max_tokens:
@@ -254,9 +252,7 @@ class NeuronDeployRuntime(_Stepped):
         super().__init__(runner, tokenizer, _context_limit(max_context, runner.max_len), runner.bucket, eos_token_ids)
 
     def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
-        runner, positions = self.runner, list(range(self.bucket)) if prefill else [start]
-        inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
-        return host_logits(runner.graph(*inputs), runner.config)
+        return self.runner.step(ids, list(range(self.bucket)) if prefill else [start], last_index)
 
 
 def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,

@@ -21,18 +21,14 @@ DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
 JSON_DOC = {
-    "config": "the config file's name",
-    "model_class": "the transformers class built on the meta device",
-    "scheme": "placement scheme (memory.SCHEMES)",
-    "tp": "tensor-parallel degree, one rank per NeuronCore",
-    "context_len": "KV-cache tokens per stream",
-    "budget": "HBM per core: spec (16 GiB) or story (16 GB)",
+    "config": "the config file's name", "model_class": "the transformers class built on the meta device",
+    "scheme": "placement scheme (memory.SCHEMES)", "tp": "tensor-parallel degree, one rank per NeuronCore",
+    "context_len": "KV-cache tokens per stream", "budget": "HBM per core: spec (16 GiB) or story (16 GB)",
     "instance": "the instance judged (--instance, else the cheapest that fits, else the cheapest marginal), or null",
     "fits": "true only when the judged instance's verdict is fits",
     "verdict": "fits | marginal | does not fit, on the judged instance",
     "total_bytes_per_rank": "weights + KV cache + runtime allowance (its high end) per rank",
-    "total_gb_per_rank": "the same in GB (10^9 bytes)",
-    "budget_gb_per_core": "HBM per NeuronCore of the judged instance",
+    "total_gb_per_rank": "the same in GB (10^9 bytes)", "budget_gb_per_core": "HBM per NeuronCore of the judged instance",
     "headroom_gb": "budget - total per core, with the allowance's high end (negative: short)",
     "headroom_gb_if_low": "the same with the allowance's low end (equal to headroom_gb for a given allowance)",
     "groups": "per group: dtype, placement, params, bytes_per_rank, gb_per_rank, host_bytes",
@@ -142,9 +138,9 @@ def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allo
         deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
                                                 replicas=inst.neuron_cores // tp)
         limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
-        batches = {"batch_1": 1, "at_largest_batch": limits["largest_batch"], "at_largest_batch_if_low": limits["largest_batch_if_low"]}
-        decode = {"replicas": deployment.replicas, "largest_batch": limits["largest_batch"],
-                  "largest_batch_if_low": limits["largest_batch_if_low"],
+        largest, largest_if_low = limits["largest_batch"], limits["largest_batch_if_low"]
+        batches = {"batch_1": 1, "at_largest_batch": largest, "at_largest_batch_if_low": largest_if_low}
+        decode = {"replicas": deployment.replicas, "largest_batch": largest, "largest_batch_if_low": largest_if_low,
                   **{key: _speeds(costs, deployment, batch) for key, batch in batches.items()}}
     return {"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
             "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -31,13 +32,7 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
+Check = namedtuple("Check", "name status detail fix", defaults=("",))  # status: OK, WARN, FAIL or SKIP
 
 def _version(package: str) -> str | None:
     try:

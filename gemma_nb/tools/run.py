@@ -30,6 +30,7 @@ from gemma_nb.story import get_claim
 from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, check_target, measures_cpu
 
 KERNEL_NAME = "python3"
+PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
 
 
 class RunError(RuntimeError):
@@ -81,15 +82,9 @@ def notebook_parameters(notebook: Path) -> list[str]:
 def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
     """Refuse a parameter that none of ``notebooks`` declares, naming the closest known one."""
     known = sorted({name for nb in notebooks for name in notebook_parameters(nb)} - {"target"})
-    for name in parameters:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; "
-                           f"they take: {', '.join(known) or 'none'}")
-
-
-PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
+    for name in (name for name in parameters if name not in known):
+        hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(name, known, n=1))
+        raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; they take: {', '.join(known) or 'none'}")
 
 
 def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
@@ -246,8 +241,7 @@ def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
     for folder in remove_stale_staging(final):
         print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
     staging, failed = final.with_name(f".{final.name}.tmp-{os.getpid()}"), final.with_name(f".{final.name}.failed")
-    if staging.exists():
-        shutil.rmtree(staging)
+    shutil.rmtree(staging, ignore_errors=True)
 
     def link_or_copy(source, target):
         if Path(source).is_relative_to(final / ARTIFACTS):
@@ -271,8 +265,7 @@ def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path
     try:
         execute_one(notebook, staging, target, parameters, progress)
     except Exception as error:  # papermill raises PapermillExecutionError with cell details
-        if failed.exists():
-            shutil.rmtree(failed)
+        shutil.rmtree(failed, ignore_errors=True)
         staging.rename(failed)
         cell, index = getattr(error, "exec_count", None), getattr(error, "cell_index", None)
         where = (f"cell {index}" if index is not None else "a cell") + (f" (execution count {cell})" if cell is not None else "")
