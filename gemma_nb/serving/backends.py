@@ -276,16 +276,13 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
     if target != "cpu" or artifact is None:
         raise ValueError("runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
                          f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})")
-    return DeployRuntime(slim_runner(artifact), *_tokenizer_and_eos(model_id), max_context=max_context)
-
-
-def slim_runner(folder: str) -> export.StepRunner:
-    """An artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
-    (rebuilt on the meta device, where the buffer has no value)."""
-    artifact = export.load_artifact(folder)
-    module = model_skeleton(artifact.config()).get_input_embeddings()
-    return artifact.runner(HostEmbedding.from_file(export.host_embedding_path(folder), shape=tuple(module.weight.shape),
-                                                   scale=torch.tensor(module.scalar_embed_scale)))
+    # The artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
+    # (rebuilt on the meta device, where the buffer has no value).
+    exported = export.load_artifact(artifact)
+    module = model_skeleton(exported.config()).get_input_embeddings()
+    runner = exported.runner(HostEmbedding.from_file(export.host_embedding_path(artifact), shape=tuple(module.weight.shape),
+                                                     scale=torch.tensor(module.scalar_embed_scale)))
+    return DeployRuntime(runner, *_tokenizer_and_eos(model_id), max_context=max_context)
 
 
 def _tokenizer_and_eos(model_id: str):

@@ -20,34 +20,11 @@ REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehear
 DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
-JSON_DOC = {
-    "config": "the config file's name", "model_class": "the transformers class built on the meta device",
-    "scheme": "placement scheme (memory.SCHEMES)", "tp": "tensor-parallel degree, one rank per NeuronCore",
-    "context_len": "KV-cache tokens per stream", "budget": "HBM per core: spec (16 GiB) or story (16 GB)",
-    "instance": "the instance judged (--instance, else the cheapest that fits, else the cheapest marginal), or null",
-    "fits": "true only when the judged instance's verdict is fits",
-    "verdict": "fits | marginal | does not fit, on the judged instance",
-    "total_bytes_per_rank": "weights + KV cache + runtime allowance (its high end) per rank",
-    "total_gb_per_rank": "the same in GB (10^9 bytes)", "budget_gb_per_core": "HBM per NeuronCore of the judged instance",
-    "headroom_gb": "budget - total per core, with the allowance's high end (negative: short)",
-    "headroom_gb_if_low": "the same with the allowance's low end (equal to headroom_gb for a given allowance)",
-    "groups": "per group: dtype, placement, params, bytes_per_rank, gb_per_rank, host_bytes",
-    "params": "total and active parameters, with and without the input embedding; towers left out",
-    "notes": "what the plan cannot model exactly, each naming its config field",
-    "kv_cache_gb_per_rank": "KV cache of one stream per rank",
-    "runtime_allowance_gb": "the allowance counted in the totals (the window's high end)",
-    "runtime_allowance": "low_gb, high_gb and source of the allowance",
-    "host": "host RAM and disk for the compile and the deploy, scaled from the port's 26B",
-    "decode": "the roofline's basis: device, context_len, experts, expected distinct experts per batch used",
-    "instances": "per instance: fits, verdict, used_gb, budget_gb, headroom_gb, headroom_gb_if_low, replicas "
-                 "(cores // TP), host_ram_gb, usd_per_hour, reason, and decode (null with too few cores): "
-                 "largest_batch (allowance's high end), largest_batch_if_low, and batch_1, at_largest_batch, "
-                 "at_largest_batch_if_low, each with batch and, for dense and sparse, tok_s (the whole box), "
-                 "tok_s_per_stream, usd_per_m_tokens, step_ms, bound",
-    "cheapest_fit": "instance and $/h of the cheapest whose verdict is fits, or null",
-    "advice": "when nothing fits: the cheapest change that does, or why none can",
-}
-JSON_KEYS = tuple(JSON_DOC)
+# The keys --json prints, in order; the README's "Will it fit?" says what each holds.
+JSON_KEYS = ("config", "model_class", "scheme", "tp", "context_len", "budget", "instance", "fits", "verdict",
+             "total_bytes_per_rank", "total_gb_per_rank", "budget_gb_per_core", "headroom_gb", "headroom_gb_if_low",
+             "groups", "params", "notes", "kv_cache_gb_per_rank", "runtime_allowance_gb", "runtime_allowance", "host",
+             "decode", "instances", "cheapest_fit", "advice")
 # Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
 NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
 
@@ -223,10 +200,6 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
             f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB.")
 
 
-def format_report(report: dict) -> str:
-    return "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)])
-
-
 def _format_header(report: dict) -> list[str]:
     """The model, its allowance and notes, the groups' bytes per rank, each instance's verdict."""
     params, allowance = report["params"], report["runtime_allowance"]
@@ -319,10 +292,8 @@ def positive_int(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
-                     f"its inferred allowance)\n\n--json keys:\n{keys}")
+    parser.epilog = ("exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
+                     f"its inferred allowance). --json keys (the README's \"Will it fit?\" says what each holds): {', '.join(JSON_KEYS)}")
     parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
     parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
     parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
@@ -347,5 +318,6 @@ def main(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(json.dumps(report, indent=2) if args.json else
+          "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)]))
     return EXIT_CODES[report["verdict"]]

@@ -101,17 +101,6 @@ def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
     return resolved
 
 
-def remove_stale_staging(final: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-PID`` folders beside ``final`` whose process is gone; returns them."""
-    removed = []
-    for folder in final.parent.glob(f".{final.name}.tmp-*"):
-        pid = folder.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
 def _raise_terminated(signum, _frame):
     raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
 
@@ -120,18 +109,6 @@ def kernelspec_metadata(name: str = KERNEL_NAME) -> dict[str, str]:
     """The ``kernelspec`` notebook metadata of the installed kernel ``name``, as JupyterLab writes it."""
     spec = KernelSpecManager().get_kernel_spec(name)
     return {"display_name": spec.display_name, "language": spec.language, "name": name}
-
-
-def _scrub_metadata(executed: Path) -> None:
-    """Drop the machine's paths papermill records, name its injected cell (papermill draws a random id),
-    record the installed kernel's spec: two runs then differ only in what they measured."""
-    nb = nbformat.read(executed, as_version=4)
-    for cell in (c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])):
-        cell.id = "injected-parameters"
-    meta = nb.metadata.get("papermill", {})
-    meta.update({key: Path(meta[key]).name for key in ("input_path", "output_path") if meta.get(key)})
-    nb.metadata["kernelspec"] = kernelspec_metadata()
-    nbformat.write(nb, executed)
 
 
 class QuietShutdownKernelManager(AsyncKernelManager):
@@ -238,8 +215,11 @@ def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
     (notebooks rewrite it in place) with files under ``artifacts/`` hard-linked (too big to copy; their writers start
     afresh, ``paths.fresh_dir``, never write through)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    for folder in remove_stale_staging(final):
-        print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
+    for folder in final.parent.glob(f".{final.name}.tmp-*"):  # left behind by a run that was killed
+        pid = folder.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
     staging, failed = final.with_name(f".{final.name}.tmp-{os.getpid()}"), final.with_name(f".{final.name}.failed")
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -272,7 +252,15 @@ def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path
         raise RunError(f"notebook {notebook.stem} failed in {where}: {getattr(error, 'ename', type(error).__name__)}: "
                        f"{getattr(error, 'evalue', error)}\nThe executed notebook with the error is in "
                        f"{display_path(failed)}/{notebook.name}; {display_path(final)} was left as it was.") from error
-    _scrub_metadata(staging / notebook.name)
+    # Drop the machine's paths papermill records, name its injected cell (papermill draws a random id), record the
+    # installed kernel's spec: two runs then differ only in what they measured.
+    nb = nbformat.read(staging / notebook.name, as_version=4)
+    for cell in (c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])):
+        cell.id = "injected-parameters"
+    meta = nb.metadata.get("papermill", {})
+    meta.update({key: Path(meta[key]).name for key in ("input_path", "output_path") if meta.get(key)})
+    nb.metadata["kernelspec"] = kernelspec_metadata()
+    nbformat.write(nb, staging / notebook.name)
     result = NotebookResult(notebook.stem, time.perf_counter() - start)
     print(f"    done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
     return result
