@@ -10,7 +10,7 @@ import time
 from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from jinja2 import TemplateError
@@ -29,14 +29,14 @@ RUNTIMES = ("auto", "deploy", "transformers")
 log = logging.getLogger("gemma_nb.serve")
 
 
-class Runtime(Protocol):  # prefill(prompt_ids) starts the one sequence, decode(token_id) adds one: next logits [vocab]
-    tokenizer: Any  # max_context counts prompt and answer; a fixed prefill bucket also sets max_prompt_tokens
-    max_context: int
-    eos_token_ids: frozenset[int]
+class Runtime:
+    """One sequence at a time: ``prefill(prompt_ids)`` starts it, ``decode(token_id)`` adds a token, each returning the
+    next logits [vocab]; ``max_context`` counts prompt and answer, a fixed prefill bucket also sets ``max_prompt_tokens``."""
 
-    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor: ...
-
-    def decode(self, token_id: int) -> torch.Tensor: ...
+    def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
+        self.tokenizer, self.max_context = tokenizer, max_context
+        sources = [eos_token_ids, tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -171,14 +171,7 @@ def _context_limit(requested: int | None, model_limit: int | None) -> int:
     return int(model_limit if requested is None else requested)
 
 
-class _Runtime:
-    def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
-        self.tokenizer, self.max_context = tokenizer, max_context
-        sources = [eos_token_ids, tokenizer.eos_token_id]
-        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
-
-
-class TransformersRuntime(_Runtime):
+class TransformersRuntime(Runtime):
     """A transformers causal LM (``model(input_ids, cache=...)``) with its own KV cache."""
 
     def __init__(self, model, tokenizer, max_context: int | None = None):
@@ -202,7 +195,7 @@ class TransformersRuntime(_Runtime):
         return self._forward([token_id])
 
 
-class _Stepped(_Runtime):
+class _Stepped(Runtime):
     """A compiled deploy, one token a step: the prompt padded to the fixed prefill ``bucket``, then a decode step each."""
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):

@@ -47,8 +47,7 @@ COMMANDS = {
 def figures() -> dict:
     """Every number the runbook states, computed from the catalog, the planner and the story's timings."""
     config = memory.load_gemma4_26b_config()
-    report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX,
-                                 name="gemma4_26b_a4b.json")
+    report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX, name="gemma4_26b_a4b.json")
     host, record = report["host"], planner.rehearsal_record()
     disk = planner.disk_needs(config, record)
     compile_box, serve_box = INSTANCES[COMPILE_BOX], INSTANCES[SERVE_BOX]
@@ -79,8 +78,7 @@ def figures() -> dict:
         "cold_start_usd": CLAIMS["cold_start_s"].value / 3600 * serve_box.usd_per_hour,
         "decode_tok_s": decode_tok_s, "max_len": shipped.max_len, "bucket": shipped.bucket,
         "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s, "answer_500_s": 500 / decode_tok_s,
-        "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6,
-        "serve_day_usd": 24 * serve_box.usd_per_hour,
+        "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6, "serve_day_usd": 24 * serve_box.usd_per_hour,
         "rehearsal_ok": sum(step["status"] == "ok" for step in steps), "rehearsal_steps": len(steps),
         "rehearsal_torch": sorted({step["torch"] for step in steps}),
         "rehearsal_answers": sorted({b["answer"] for b in record["builds"].values()} | {record["serve"]["answer"]}),
