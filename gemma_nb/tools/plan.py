@@ -36,13 +36,11 @@ def _bf16_weight_bytes(config) -> int:
 def host_needs(config) -> dict:
     """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
     ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
-    return {
-        "bf16_weights_bytes": _bf16_weight_bytes(config),
-        "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
-        "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
-        "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes",
-    }
+    return {"bf16_weights_bytes": _bf16_weight_bytes(config),
+            "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
+            "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
+            "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
+            "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes"}
 
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
@@ -292,20 +290,20 @@ def positive_int(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.epilog = ("exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
-                     f"its inferred allowance). --json keys (the README's \"Will it fit?\" says what each holds): {', '.join(JSON_KEYS)}")
-    parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
-    parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
-    parser.add_argument("--tp", type=positive_int, default=DEFAULT_TP,
-                        help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
-    parser.add_argument("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
-                        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
-    parser.add_argument("--budget", default="spec", choices=("spec", "story"),
-                        help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (the write-up)")
-    parser.add_argument("--runtime-allowance", type=float, default=None, metavar="GB",
-                        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (keys below)")
+    parser.epilog = ("exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of its "
+                     "inferred allowance). --json keys (the README's \"Will it fit?\" says what each holds): "
+                     + ", ".join(JSON_KEYS))
+    add = parser.add_argument
+    add("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
+    add("--instance", help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
+    add("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
+    add("--tp", type=positive_int, default=DEFAULT_TP, help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
+    add("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
+        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
+    add("--budget", default="spec", choices=("spec", "story"), help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (write-up)")
+    add("--runtime-allowance", type=float, metavar="GB",
+        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
+    add("--json", action="store_true", help="print the plan as JSON (keys below)")
 
 
 def main(args) -> int:
