@@ -21,10 +21,9 @@ def _parse_parameter(pair: list[str]) -> tuple[str, object]:
     if name in ("target", "hf_token", "HF_TOKEN"):
         raise SystemExit(f"-p {name} is not a notebook parameter: use --target, and HF_TOKEN from the environment")
     try:
-        value = ast.literal_eval(raw)
+        return name, ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        value = raw  # a plain string such as a model id
-    return name, value
+        return name, raw  # a plain string such as a model id
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (Terminated)
         print(f"interrupted ({interrupt or 'Ctrl-C'}); the previous outputs were left as they were", file=sys.stderr)
         return 143 if isinstance(interrupt, Terminated) else 130
-    total = sum(r.seconds for r in results)
-    print(f"{len(results)} notebook(s) for target {args.target} in {total:.0f} s", file=sys.stderr)
+    print(f"{len(results)} notebook(s) for target {args.target} in {sum(r.seconds for r in results):.0f} s", file=sys.stderr)
     return 0
 
 

@@ -35,18 +35,16 @@ def base_url(url: str) -> str:
 
 def wait_until_healthy(url: str, timeout_s: float = 180.0, process: subprocess.Popen | None = None,
                        log_path: Path | None = None) -> float:
-    """Seconds until ``GET /health`` answers 200; ``TimeoutError`` after ``timeout_s``, ``EndpointError`` at
-    once if ``process`` exits (with its log's tail) or the server says its model failed to load."""
+    """Seconds until ``GET /health`` answers 200; TimeoutError after ``timeout_s``; EndpointError if ``process`` exits."""
     health, started = base_url(url).removesuffix("/v1") + "/health", time.perf_counter()
     while True:
         if process is not None and process.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
             raise EndpointError(f"the server exited with status {process.returncode} before it was healthy:\n{tail}")
         with contextlib.suppress(httpx.HTTPError, ValueError):  # not listening yet, or not JSON
-            response = httpx.get(health, timeout=2.0)
-            if response.status_code == 200:
+            if (response := httpx.get(health, timeout=2.0)).status_code == 200:
                 return time.perf_counter() - started
-            if response.json().get("status") == "error":
+            if response.json().get("status") == "error":  # the model failed to load: no use waiting
                 raise EndpointError(f"{health} reports that the model failed to load: {response.json().get('error')}")
         if time.perf_counter() - started > timeout_s:
             raise TimeoutError(f"{health} did not answer 200 within {timeout_s:.0f} s")

@@ -117,7 +117,7 @@ class Engine:
 
     async def steps(self, request: Request, generation: Generation, arrival: float) -> AsyncIterator[Step]:
         """Wait for the device, then run ``generation`` one token per step, until it ends or the client leaves."""
-        turn, previous = False, arrival
+        turn, previous, failed = False, arrival, False
         try:
             turn = await self._wait_turn(request)
             self.metrics.prompt_tokens.inc(len(generation.prompt_ids) if turn else 0)
@@ -128,19 +128,15 @@ class Engine:
                 previous = now
                 self.metrics.generated_tokens.inc()
                 yield step
-            if generation.finish_reason is None:  # the client left, while waiting or between tokens
-                self._client_left(generation)
-        except (asyncio.CancelledError, GeneratorExit):  # Starlette cancels a stream whose client hung up
-            if generation.finish_reason is None:
-                self._client_left(generation)
+        except Exception:
+            failed = True
             raise
-        finally:
+        finally:  # unfinished and not failed: the client left while waiting or between tokens (Starlette cancels its stream)
+            if generation.finish_reason is None and not failed:
+                self.metrics.disconnects.inc()
+                log.info("client left after %d tokens; its request was given up", len(generation.token_ids))
             if turn:
                 self._turn.release()
-
-    def _client_left(self, generation: Generation) -> None:
-        self.metrics.disconnects.inc()
-        log.info("client left after %d tokens; its request was given up", len(generation.token_ids))
 
     def ready(self, model: str | None) -> Runtime:
         loading = self.status == "loading"
@@ -299,10 +295,9 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
                step_delay_s: float = 0.0, on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
-    """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``). ``api_key``
-    (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts`` (None:
-    any) are the Host names answered; ``on_load_failure(error)`` is called if the load fails; ``step_delay_s``
-    slows every token (tests, demos)."""
+    """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``); ``api_key``
+    (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts``: None,
+    any Host; ``on_load_failure(error)`` if the load fails; ``step_delay_s`` slows every token (tests, demos)."""
     assert 1 <= max_tokens <= max_tokens_cap, "max_tokens must be between 1 and max_tokens_cap"
     engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
                     queue_size, max_tokens, step_delay_s, slot_watchdog_s, on_load_failure)

@@ -10,7 +10,7 @@ import time
 from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from jinja2 import TemplateError
@@ -19,7 +19,6 @@ from transformers import AutoTokenizer, DynamicCache, GenerationConfig
 from gemma_nb import export
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import hf_token, load_model, model_skeleton, resolve_model_id
-from gemma_nb.neuron.build import host_logits, step_inputs
 from gemma_nb.neuron.deploy import slim_deploy
 from gemma_nb.targets import check_target, torch_device
 from gemma_nb.tiny import BUNDLED_ID
@@ -30,14 +29,14 @@ RUNTIMES = ("auto", "deploy", "transformers")
 log = logging.getLogger("gemma_nb.serve")
 
 
-class Runtime(Protocol):  # prefill(prompt_ids) starts the one sequence, decode(token_id) adds one: next logits [vocab]
-    tokenizer: Any  # max_context counts prompt and answer; a fixed prefill bucket also sets max_prompt_tokens
-    max_context: int
-    eos_token_ids: frozenset[int]
+class Runtime:
+    """One sequence at a time: ``prefill(prompt_ids)`` starts it, ``decode(token_id)`` adds a token, each returning the
+    next logits [vocab]; ``max_context`` counts prompt and answer, a fixed prefill bucket also sets ``max_prompt_tokens``."""
 
-    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor: ...
-
-    def decode(self, token_id: int) -> torch.Tensor: ...
+    def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
+        self.tokenizer, self.max_context = tokenizer, max_context
+        sources = [eos_token_ids, tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -110,15 +109,14 @@ class Generation:
     @property
     def text(self) -> str:
         """The answer so far as the client sees it (stop strings and after removed)."""
-        return self._visible(self._decoded())[0]
+        return self._visible()[0]
 
-    def _decoded(self) -> str:
+    def _visible(self) -> tuple[str, bool]:
+        """(The answer's text up to any stop string, whether one was found)."""
         full = self.runtime.tokenizer.decode(self._context + self.token_ids, skip_special_tokens=True)
         # A tokenizer that merges across the boundary keeps only the common prefix's tail.
         text = full[len(os.path.commonprefix([full, self._context_text])):]
-        return text.lstrip() if self.strip_leading_space else text
-
-    def _visible(self, text: str) -> tuple[str, bool]:
+        text = text.lstrip() if self.strip_leading_space else text
         cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
 
@@ -129,7 +127,7 @@ class Generation:
             time.sleep(self.step_delay_s)  # tests and demos: emulate a slower device
         token = sample_token(logits, self.params, self._generator)
         self.token_ids.append(token)
-        text, stopped = self._visible(self._decoded())
+        text, stopped = self._visible()
         if stopped or (token in self.runtime.eos_token_ids and not self.params.ignore_eos):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.params.max_tokens:
@@ -173,14 +171,7 @@ def _context_limit(requested: int | None, model_limit: int | None) -> int:
     return int(model_limit if requested is None else requested)
 
 
-class _Runtime:
-    def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
-        self.tokenizer, self.max_context = tokenizer, max_context
-        sources = [eos_token_ids, tokenizer.eos_token_id]
-        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
-
-
-class TransformersRuntime(_Runtime):
+class TransformersRuntime(Runtime):
     """A transformers causal LM (``model(input_ids, cache=...)``) with its own KV cache."""
 
     def __init__(self, model, tokenizer, max_context: int | None = None):
@@ -204,7 +195,7 @@ class TransformersRuntime(_Runtime):
         return self._forward([token_id])
 
 
-class _Stepped(_Runtime):
+class _Stepped(Runtime):
     """A compiled deploy, one token a step: the prompt padded to the fixed prefill ``bucket``, then a decode step each."""
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
@@ -254,9 +245,7 @@ class NeuronDeployRuntime(_Stepped):
         super().__init__(runner, tokenizer, _context_limit(max_context, runner.max_len), runner.bucket, eos_token_ids)
 
     def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
-        runner, positions = self.runner, list(range(self.bucket)) if prefill else [start]
-        inputs = step_inputs(runner.embed(ids), positions, runner.max_len, runner.config.sliding_window, last_index)
-        return host_logits(runner.graph(*inputs), runner.config)
+        return self.runner.step(ids, list(range(self.bucket)) if prefill else [start], last_index)
 
 
 def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
@@ -280,16 +269,13 @@ def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_contex
     if target != "cpu" or artifact is None:
         raise ValueError("runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
                          f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})")
-    return DeployRuntime(slim_runner(artifact), *_tokenizer_and_eos(model_id), max_context=max_context)
-
-
-def slim_runner(folder: str) -> export.StepRunner:
-    """An artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
-    (rebuilt on the meta device, where the buffer has no value)."""
-    artifact = export.load_artifact(folder)
-    module = model_skeleton(artifact.config()).get_input_embeddings()
-    return artifact.runner(HostEmbedding.from_file(export.host_embedding_path(folder), shape=tuple(module.weight.shape),
-                                                   scale=torch.tensor(module.scalar_embed_scale)))
+    # The artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
+    # (rebuilt on the meta device, where the buffer has no value).
+    exported = export.load_artifact(artifact)
+    module = model_skeleton(exported.config()).get_input_embeddings()
+    runner = exported.runner(HostEmbedding.from_file(export.host_embedding_path(artifact), shape=tuple(module.weight.shape),
+                                                     scale=torch.tensor(module.scalar_embed_scale)))
+    return DeployRuntime(runner, *_tokenizer_and_eos(model_id), max_context=max_context)
 
 
 def _tokenizer_and_eos(model_id: str):

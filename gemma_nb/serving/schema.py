@@ -70,7 +70,12 @@ class _Strict(BaseModel):
 
 
 TextFormat = create_model("TextFormat", __base__=_Strict, type=Literal["text"])
-
+StreamOptions = create_model("StreamOptions", __base__=_Strict, include_usage=(bool, False), continuous_usage_stats=(
+    bool, Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)")))
+TextPart = create_model("TextPart", __base__=_Strict, type=Literal["text"], text=NonEmpty)
+Message = create_model("Message", __base__=_Strict, content=NonEmpty | Annotated[list[TextPart], Field(min_length=1)],
+                       role=(Literal["system", "developer", "user", "assistant"], Field(description="developer is read as system")),
+                       name=(Text | None, Field(None, description="accepted, not used")))
 
 def _only(value) -> Any:  # a bare Literal[1] would take true, Literal[False] would take 0
     if type(value) in (int, float):
@@ -92,10 +97,6 @@ _Unsupported = create_model("_Unsupported", __base__=_Strict, **{name: (
     None if kind is None else kind | None, Field(None, description="not supported: only its do-nothing value")) for name, kind in UNSUPPORTED.items()})
 
 
-StreamOptions = create_model("StreamOptions", __base__=_Strict, include_usage=(bool, False), continuous_usage_stats=(
-    bool, Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)")))
-
-
 class _Sampling(_Strict):
     model: Text | None = None
     max_tokens: Int(ge=1) | None = Field(None, description="default: the server's --max-tokens")
@@ -111,12 +112,6 @@ class _OpenAIRequest(_Sampling, _Unsupported):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="accepted, not used")
-
-
-TextPart = create_model("TextPart", __base__=_Strict, type=Literal["text"], text=NonEmpty)
-Message = create_model("Message", __base__=_Strict, content=NonEmpty | Annotated[list[TextPart], Field(min_length=1)],
-                       role=(Literal["system", "developer", "user", "assistant"], Field(description="developer is read as system")),
-                       name=(Text | None, Field(None, description="accepted, not used")))
 
 
 class ChatRequest(_OpenAIRequest):
@@ -168,15 +163,8 @@ Generated = create_model("Generated", text=str, tokens=int, token_ids=list[int],
 ModelCard = create_model("ModelCard", id=str, object=Literal["model"], created=int, owned_by=str)
 ModelList = create_model("ModelList", object=Literal["list"], data=list[ModelCard])
 Health = create_model("Health", status=Literal["ok", "loading", "error"], error=(str | None, None))
-
-
 _FIELD_NAMES = frozenset(name for model in (ChatRequest, CompletionRequest, GenerateRequest, Message, TextPart,
                                             StreamOptions, TextFormat) for name in model.model_fields)
-
-
-def _param(loc: tuple) -> str | None:
-    """``("body", "messages", 0, "content", "str")`` -> ``"messages.0.content"``: drop pydantic's union tags."""
-    return ".".join(str(p) for p in loc[1:] if isinstance(p, int) or p in _FIELD_NAMES) or None
 
 
 def validation_error(error: RequestValidationError, content_type: str | None, fields=()) -> APIError:
@@ -188,7 +176,9 @@ def validation_error(error: RequestValidationError, content_type: str | None, fi
                         code="unsupported_media_type")
     # A list too long or short says the most (a list of two prompts); max keeps the first of equals.
     first = max(error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"])))
-    param, kind, loc = _param(first["loc"]), first["type"], first["loc"]
+    kind, loc = first["type"], first["loc"]
+    # ("body", "messages", 0, "content", "str") names "messages.0.content": pydantic's union tags dropped
+    param = ".".join(str(p) for p in loc[1:] if isinstance(p, int) or p in _FIELD_NAMES) or None
     if kind == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json")
     if kind == "missing":

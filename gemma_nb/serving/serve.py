@@ -69,13 +69,6 @@ def _check_arguments(args) -> None:
         raise ValueError(f"--model-id {args.model_id}: no such folder; pass a local model folder or a hub id")
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def uvicorn_config(app, *, keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY, **kwargs) -> uvicorn.Config:
     """uvicorn's own limits: idle keep-alive, connections at once, and h11's cap on a head arriving in pieces."""
@@ -111,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TargetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    api_key, server, failure, loopback = os.environ.get(served.API_KEY_ENV) or None, None, [], _is_loopback(args.host)
+    api_key, server, failure, loopback = os.environ.get(served.API_KEY_ENV) or None, None, [], args.host == "localhost"
+    with contextlib.suppress(ValueError):  # a host name other than localhost is not loopback
+        loopback = loopback or ipaddress.ip_address(args.host).is_loopback
     if not loopback and api_key is None:
         log.warning("binding %s without an API key: anyone who can reach it can use the model (set %s)",
                     args.host, served.API_KEY_ENV)

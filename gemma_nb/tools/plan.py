@@ -17,43 +17,14 @@ from gemma_nb.tools.plan_input import read_config
 
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehearse's record, committed
 
-DEFAULT_TP = 2
-DEFAULT_SCHEME = "int8_squeeze"
-NEURON_DEVICE = "neuroncore_v2"
+DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
-JSON_DOC = {
-    "config": "the config file's name",
-    "model_class": "the transformers class built on the meta device",
-    "scheme": "placement scheme (memory.SCHEMES)",
-    "tp": "tensor-parallel degree, one rank per NeuronCore",
-    "context_len": "KV-cache tokens per stream",
-    "budget": "HBM per core: spec (16 GiB) or story (16 GB)",
-    "instance": "the instance judged (--instance, else the cheapest that fits, else the cheapest marginal), or null",
-    "fits": "true only when the judged instance's verdict is fits",
-    "verdict": "fits | marginal | does not fit, on the judged instance",
-    "total_bytes_per_rank": "weights + KV cache + runtime allowance (its high end) per rank",
-    "total_gb_per_rank": "the same in GB (10^9 bytes)",
-    "budget_gb_per_core": "HBM per NeuronCore of the judged instance",
-    "headroom_gb": "budget - total per core, with the allowance's high end (negative: short)",
-    "headroom_gb_if_low": "the same with the allowance's low end (equal to headroom_gb for a given allowance)",
-    "groups": "per group: dtype, placement, params, bytes_per_rank, gb_per_rank, host_bytes",
-    "params": "total and active parameters, with and without the input embedding; towers left out",
-    "notes": "what the plan cannot model exactly, each naming its config field",
-    "kv_cache_gb_per_rank": "KV cache of one stream per rank",
-    "runtime_allowance_gb": "the allowance counted in the totals (the window's high end)",
-    "runtime_allowance": "low_gb, high_gb and source of the allowance",
-    "host": "host RAM and disk for the compile and the deploy, scaled from the port's 26B",
-    "decode": "the roofline's basis: device, context_len, experts, expected distinct experts per batch used",
-    "instances": "per instance: fits, verdict, used_gb, budget_gb, headroom_gb, headroom_gb_if_low, replicas "
-                 "(cores // TP), host_ram_gb, usd_per_hour, reason, and decode (null with too few cores): "
-                 "largest_batch (allowance's high end), largest_batch_if_low, and batch_1, at_largest_batch, "
-                 "at_largest_batch_if_low, each with batch and, for dense and sparse, tok_s (the whole box), "
-                 "tok_s_per_stream, usd_per_m_tokens, step_ms, bound",
-    "cheapest_fit": "instance and $/h of the cheapest whose verdict is fits, or null",
-    "advice": "when nothing fits: the cheapest change that does, or why none can",
-}
-JSON_KEYS = tuple(JSON_DOC)
+# The keys --json prints, in order; the README's "Will it fit?" says what each holds.
+JSON_KEYS = ("config", "model_class", "scheme", "tp", "context_len", "budget", "instance", "fits", "verdict",
+             "total_bytes_per_rank", "total_gb_per_rank", "budget_gb_per_core", "headroom_gb", "headroom_gb_if_low",
+             "groups", "params", "notes", "kv_cache_gb_per_rank", "runtime_allowance_gb", "runtime_allowance", "host",
+             "decode", "instances", "cheapest_fit", "advice")
 # Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
 NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
 
@@ -65,13 +36,11 @@ def _bf16_weight_bytes(config) -> int:
 def host_needs(config) -> dict:
     """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
     ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
-    return {
-        "bf16_weights_bytes": _bf16_weight_bytes(config),
-        "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
-        "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
-        "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes",
-    }
+    return {"bf16_weights_bytes": _bf16_weight_bytes(config),
+            "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
+            "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
+            "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
+            "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes"}
 
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
@@ -81,28 +50,23 @@ def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHE
     return tp * int(weights["bytes_per_rank"].sum())
 
 
-def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:
-    """``make rehearse``'s record (``rehearsal.json``), or None where there is none."""
-    path = Path(path)
-    return json.loads(path.read_text()) if path.is_file() else None
+def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:  # None where make rehearse left none
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
 
 
 def disk_needs(config, record: dict) -> dict:
     """Disk (bytes) for the compile box and the serving box: ``record``'s builds (``rehearsal.json``) scaled to
     ``config``, ``model.pt`` and the compiler workdir by the device weight bytes, the embedding file by its table."""
-    scale = record["scale"]
+    scale, checkpoint = record["scale"], _bf16_weight_bytes(config)
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
-    embedding = 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]
-    builds = {}
-    for name, build in record["builds"].items():
-        files = build["artifact_files_bytes"]
-        scaled = sum(size * (device if file == "model.pt" else embedding if file == "embed_tokens.safetensors" else 1)
-                     for file, size in files.items())
-        builds[name] = {"artifact_bytes": int(scaled), "compiler_workdir_bytes": int(build["compiler_workdir_bytes"] * device)}
-    checkpoint = _bf16_weight_bytes(config)
+    factor = {"model.pt": device,
+              "embed_tokens.safetensors": 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]}
+
+    builds = {name: {"artifact_bytes": int(sum(size * factor.get(file, 1) for file, size in b["artifact_files_bytes"].items())),
+                     "compiler_workdir_bytes": int(b["compiler_workdir_bytes"] * device)} for name, b in record["builds"].items()}
     return {
-        "builds": builds,
-        "checkpoint_bytes": checkpoint,
+
+        "builds": builds, "checkpoint_bytes": checkpoint,
         "compile_disk_bytes": checkpoint + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
         "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
         "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, scaled by "
@@ -140,31 +104,24 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
     return {"batch": batch, **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()}}
 
 
-def instance_decode(costs, instance: str, tp: int, scheme: str, budget: str, allowance) -> dict | None:
-    """The roofline at batch 1 and the largest batch, dense and sparse, for ``cores // tp`` replicas (None: too few cores)."""
-    inst = get_instance(instance)
-    if tp > inst.neuron_cores:
-        return None
-    deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
-                                            replicas=inst.neuron_cores // tp)
-    limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
-    return {"replicas": deployment.replicas, "largest_batch": limits["largest_batch"],
-            "largest_batch_if_low": limits["largest_batch_if_low"], "batch_1": _speeds(costs, deployment, 1),
-            "at_largest_batch": _speeds(costs, deployment, limits["largest_batch"]),
-            "at_largest_batch_if_low": _speeds(costs, deployment, limits["largest_batch_if_low"])}
 
-
-def _instance_rows(the_plan, costs, scheme: str, tp: int, budget: str, allowance) -> list[dict]:
-    rows = []
-    for inst in INSTANCES.values():
-        fit = fits(the_plan, inst, budget)
-        verdict, if_low = judge(fit, allowance)
-        rows.append({"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
-                     "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
-                     "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
-                     "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
-                     "reason": fit.reason, "decode": instance_decode(costs, inst.name, tp, scheme, budget, allowance)})
-    return rows
+def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allowance) -> dict:
+    """The verdict on ``inst``; its decode: the roofline at batch 1 and the largest batch, ``cores // tp`` replicas."""
+    fit, decode = fits(the_plan, inst, budget), None
+    verdict, if_low = judge(fit, allowance)
+    if tp <= inst.neuron_cores:
+        deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
+                                                replicas=inst.neuron_cores // tp)
+        limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
+        largest, largest_if_low = limits["largest_batch"], limits["largest_batch_if_low"]
+        batches = {"batch_1": 1, "at_largest_batch": largest, "at_largest_batch_if_low": largest_if_low}
+        decode = {"replicas": deployment.replicas, "largest_batch": largest, "largest_batch_if_low": largest_if_low,
+                  **{key: _speeds(costs, deployment, batch) for key, batch in batches.items()}}
+    return {"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
+            "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
+            "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
+            "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
+            "reason": fit.reason, "decode": decode}
 
 
 def _decode_basis(costs, rows: list[dict]) -> dict:
@@ -192,7 +149,7 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     allowance = allowance or memory.inferred_runtime_allowance()
     the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)
-    rows = _instance_rows(the_plan, costs, scheme, tp, budget, allowance)
+    rows = [_instance_row(the_plan, costs, inst, scheme, tp, budget, allowance) for inst in INSTANCES.values()]
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
     marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
     best = (fitting or marginal or [None])[0]
@@ -218,13 +175,6 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     }
 
 
-def _cheapest_fitting(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> tuple[float, str] | None:
-    the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
-    options = [(inst.usd_per_hour, inst.name) for inst in INSTANCES.values()
-               if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
-    return min(options) if options else None
-
-
 def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
     """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
@@ -232,13 +182,11 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     schemes = [name for name, sch in memory.SCHEMES.items()
                if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)]
     options = []
-    for degree in degrees:
-        for name in schemes:
-            found = (degree, name) != (tp, scheme) and _cheapest_fitting(config, name, degree, context_len, budget, allowance)
-            if found:
-                flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "",
-                                             f"--scheme {name}" if name != scheme else "") if f)
-                options.append((found[0], name != scheme, degree, flags, found[1]))
+    for degree, name in ((d, n) for d in degrees for n in schemes if (d, n) != (tp, scheme)):
+        the_plan = memory.plan(config, degree, name, context_len, runtime_allowance_bytes=allowance.high_bytes)
+        flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "", f"--scheme {name}" if name != scheme else "") if f)
+        options += [(inst.usd_per_hour, name != scheme, degree, flags, inst.name) for inst in INSTANCES.values()
+                    if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
     if options:
         usd, _, _, flags, instance = min(options)
         return f"Try {flags}: it fits {instance} (${usd:.4f}/h), the cheapest change that does."
@@ -250,12 +198,8 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
             f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB.")
 
 
-def format_report(report: dict) -> str:
-    return "\n".join([*_format_header(report), *_format_groups(report), *_format_instances(report),
-                      *_format_decode(report), *_format_verdict(report)])
-
-
 def _format_header(report: dict) -> list[str]:
+    """The model, its allowance and notes, the groups' bytes per rank, each instance's verdict."""
     params, allowance = report["params"], report["runtime_allowance"]
     lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
              f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
@@ -263,25 +207,18 @@ def _format_header(report: dict) -> list[str]:
              f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
              f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
              + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else "")]
-    if allowance["low_gb"] != allowance["high_gb"]:
-        lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
-                     f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)")
-    else:
-        lines.append(f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
-    return [*lines, *(f"note: {note}" for note in report["notes"]), ""]
-
-
-def _format_groups(report: dict) -> list[str]:
-    lines = [f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
+    lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
+                 f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)"
+                 if allowance["low_gb"] != allowance["high_gb"] else
+                 f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
+    lines += [*(f"note: {note}" for note in report["notes"]), "",
+              f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
     for group, row in report["groups"].items():
         if row["bytes_per_rank"] or row["host_bytes"]:
             where = f"{row['gb_per_rank']:12.3f}" if row["placement"] != "host" else f"{'(host)':>12}"
             lines.append(f"  {group:<22}{row['dtype']:<7}{row['placement']:<12}{where}")
-    return [*lines, f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", ""]
-
-
-def _format_instances(report: dict) -> list[str]:
-    lines = [f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
+    lines += [f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", "",
+              f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
     for row in report["instances"]:
         headroom = "-" if row["headroom_gb"] is None else f"{row['headroom_gb']:+.2f}"
         if row["headroom_gb_if_low"] is not None and row["headroom_gb_if_low"] != row["headroom_gb"]:
@@ -309,8 +246,9 @@ def _format_decode(report: dict) -> list[str]:
                 continue
             shown.add(speeds["batch"])
             starred = starred or bool(mark)
-            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{_usd(speeds[mode]['usd_per_m_tokens']):>8}"
-                            for mode in ("dense", "sparse"))
+            usd = {mode: "-" if speeds[mode]["usd_per_m_tokens"] is None else f"{speeds[mode]['usd_per_m_tokens']:.2f}"
+                   for mode in ("dense", "sparse")}
+            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{usd[mode]:>8}" for mode in usd)
             streams = f"{speeds['batch'] * decode['replicas']}{mark}"
             lines.append(f"  {row['instance'] if key == 'batch_1' else '':<15}{streams:>9}{cells}")
     if starred:
@@ -319,10 +257,6 @@ def _format_decode(report: dict) -> list[str]:
         distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
         lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
     return [*lines, ""]
-
-
-def _usd(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def _format_verdict(report: dict) -> list[str]:
@@ -338,8 +272,7 @@ def _format_verdict(report: dict) -> list[str]:
             lines.append(f"{words} {row['instance']} ({row['budget_gb']:.2f} GB per NeuronCore, headroom "
                          f"{row['headroom_gb']:+.2f} GB" + (f", {row['headroom_gb_if_low']:+.2f} GB if the runtime takes "
                                                            "the window's least" if row["verdict"] == MARGINAL else "") + ")")
-    if report["cheapest_fit"]:
-        cheapest = report["cheapest_fit"]
+    if cheapest := report["cheapest_fit"]:
         lines.append(f"cheapest that fits: {cheapest['instance']} at ${cheapest['usd_per_hour']:.4f}/h")
     elif report["instance"] is not None:
         lines.append(f"nothing fits. {report['advice']}")
@@ -350,32 +283,27 @@ def _format_verdict(report: dict) -> list[str]:
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = int(text) if text.strip().isdecimal() else 0
     if value < 1 or str(value) != text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value
 
 
 def add_arguments(parser) -> None:
-    keys = "\n".join(f"  {key:<22}{text}" for key, text in JSON_DOC.items())
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = (f"exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of "
-                     f"its inferred allowance)\n\n--json keys:\n{keys}")
-    parser.add_argument("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    parser.add_argument("--instance", default=None, help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
-    parser.add_argument("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
-    parser.add_argument("--tp", type=positive_int, default=DEFAULT_TP,
-                        help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
-    parser.add_argument("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
-                        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
-    parser.add_argument("--budget", default="spec", choices=("spec", "story"),
-                        help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (the write-up)")
-    parser.add_argument("--runtime-allowance", type=float, default=None, metavar="GB",
-                        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (keys below)")
+    parser.epilog = ("exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of its "
+                     "inferred allowance). --json keys (the README's \"Will it fit?\" says what each holds): "
+                     + ", ".join(JSON_KEYS))
+    add = parser.add_argument
+    add("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
+    add("--instance", help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
+    add("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
+    add("--tp", type=positive_int, default=DEFAULT_TP, help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
+    add("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
+        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
+    add("--budget", default="spec", choices=("spec", "story"), help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (write-up)")
+    add("--runtime-allowance", type=float, metavar="GB",
+        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
+    add("--json", action="store_true", help="print the plan as JSON (keys below)")
 
 
 def main(args) -> int:
@@ -388,5 +316,6 @@ def main(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(json.dumps(report, indent=2) if args.json else
+          "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)]))
     return EXIT_CODES[report["verdict"]]

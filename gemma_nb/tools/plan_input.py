@@ -16,8 +16,9 @@ from gemma_nb import memory
 PlanInput = namedtuple("PlanInput", "config towers_params notes")
 
 
-def read_raw(path: str | Path) -> dict:
-    """The JSON object of a config file or of ``path/config.json``; ValueError saying what to pass."""
+def read_config(path: str | Path) -> PlanInput:
+    """The planner's view of the config at ``path`` (a file, or a folder's config.json): a multimodal one's text
+    model, its towers counted apart; ValueError saying what to pass."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -30,31 +31,23 @@ def read_raw(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"{file.name} holds a JSON {type(raw).__name__}, not an object: pass a Hugging Face "
                          "config.json, an object with a model_type key (e.g. gemma_nb/configs/gemma4_26b_a4b.json)")
-    return raw
-
-
-def read_config(path: str | Path) -> PlanInput:
-    """The planner's view of the config at ``path``: a multimodal one's text model, its towers counted apart."""
-    raw = read_raw(path)
     full = memory.load_config(raw)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
     memory.check_causal_lm_config(text)
-    tower_fields = tuple(key for key, value in full.to_dict().items()
-                         if key.endswith("_config") and key != "text_config" and isinstance(value, dict)) if text is not full else ()
-    towers = towers_params(full, text) if text is not full else 0
-    notes = [*_mla_notes(text), *_quantization_notes(raw), *_tower_notes(full, text, tower_fields, towers)]
+    notes = [*_mla_notes(text), *_quantization_notes(raw)]
+    if text is full:
+        return PlanInput(text, 0, tuple(notes))
+    with torch.device("meta"):  # the towers: vision, audio, projectors
+        towers = sum(p.numel() for p in AutoModel.from_config(full).parameters()) - sum(
+            p.numel() for p in AutoModel.from_config(text).parameters())
+    if towers:
+        names = ", ".join(key for key, value in full.to_dict().items()
+                          if key.endswith("_config") and key != "text_config" and isinstance(value, dict))
+
+        notes.append(f"{names or 'its non-text modules'}: a multimodal config ({type(full).__name__}). The plan is its "
+                     f"language model ({type(text).__name__}) alone, as a text-only deploy loads it; the towers and projector, "
+                     f"{towers / 1e9:.3f}B parameters, are left out of every byte below and counted in params.towers.")
     return PlanInput(text, towers, tuple(notes))
-
-
-def towers_params(full_config, text_config) -> int:
-    """Parameters of a multimodal model outside its language model (vision, audio, projectors), on meta."""
-
-    def count(config) -> int:
-        with torch.device("meta"):
-            model = AutoModel.from_config(config)
-        return sum(p.numel() for p in model.parameters())
-
-    return count(full_config) - count(text_config)
 
 
 def _mla_notes(config) -> list[str]:
@@ -75,21 +68,11 @@ def _quantization_notes(raw: dict) -> list[str]:
              if isinstance(section, dict) and isinstance(section.get("quantization_config"), dict)]
     notes = []
     for where, quant in found:
-        method = quant.get("quant_method", "<no quant_method>")
-        kept = quant.get("modules_to_not_convert")
-        kept_words = f", modules_to_not_convert {kept}" if kept else ""
-        notes.append(f"{where}quantization_config: the checkpoint ships {method!r} weights{kept_words}. The plan does not "
+        method, kept = quant.get("quant_method", "<no quant_method>"), quant.get("modules_to_not_convert")
+        notes.append(f"{where}quantization_config: the checkpoint ships {method!r} weights"
+                     f"{f', modules_to_not_convert {kept}' if kept else ''}. The plan does not "
                      f"read that format: it counts every weight in the scheme's dtypes, as if dequantized to bf16 and "
                      f"quantized again (lossy twice); the checkpoint's own bytes are not modelled"
-                     + (" (MXFP4 experts: --scheme mxfp4_experts, which NxD cannot load)" if method == "mxfp4" else "")
-                     + ".")
+                     + (" (MXFP4 experts: --scheme mxfp4_experts, which NxD cannot load)" if method == "mxfp4" else "") + ".")
     return notes
 
-
-def _tower_notes(full, text, fields: tuple[str, ...], towers: int) -> list[str]:
-    if text is full or not towers:
-        return []
-    names = ", ".join(fields) or "its non-text modules"
-    return [f"{names}: a multimodal config ({type(full).__name__}). The plan is its language model "
-            f"({type(text).__name__}) alone, as a text-only deploy loads it; the towers and projector, "
-            f"{towers / 1e9:.3f}B parameters, are left out of every byte below and counted in params.towers."]

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -31,13 +32,7 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
+Check = namedtuple("Check", "name status detail fix", defaults=("",))  # status: OK, WARN, FAIL or SKIP
 
 def _version(package: str) -> str | None:
     try:
@@ -46,8 +41,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _neuron_ls() -> str | None:
-    """``neuron-ls --json-output``'s text, or None when the tool is not installed."""
+def _neuron_ls() -> str | None:  # None: the tool is not installed
     if shutil.which("neuron-ls") is None:
         return None
     done = subprocess.run(["neuron-ls", "--json-output"], capture_output=True, text=True, timeout=60)
@@ -81,18 +75,9 @@ def check_sdk(system: System) -> Check:
 
 def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
     """``name==version`` lines of a requirements file, names normalised to pip's dashes."""
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" in line and not line.startswith("-"):
-            name, version = line.split("==", 1)
-            pins[name.strip().lower().replace("_", "-")] = version.strip()
-    return pins
-
-
-def public_version(version: str | None) -> str | None:
-    """A version without its local label (``+...``): what a pin names."""
-    return None if version is None else version.split("+", 1)[0]
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    pairs = [line.split("==", 1) for line in lines if "==" in line and not line.startswith("-")]
+    return {name.strip().lower().replace("_", "-"): version.strip() for name, version in pairs}
 
 
 def check_versions(system: System, pins: Mapping[str, str] | None = None, emulated: bool = False) -> Check:
@@ -100,16 +85,13 @@ def check_versions(system: System, pins: Mapping[str, str] | None = None, emulat
         return Check("versions", SKIP, "emulated SDK: no Neuron wheels here; the versions are checked on the box")
     pins = pinned_versions() if pins is None else pins
     found = {name: system.package_version(name) for name in pins}
-    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if public_version(found[n]) != v]
+    # A version's local label (+...) is not what a pin names.
+    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if (found[n] or "").split("+")[0] != v]
     if not differ:
         return Check("versions", OK, f"{len(pins)} packages as pinned in envs/neuron/requirements.txt")
     return Check("versions", WARN, "; ".join(differ),
                  "the repo was written against the pins in envs/neuron/requirements.txt; other SDK releases may "
                  "differ in the ModelBuilder API")
-
-
-_CORE_KEYS = ("nc_count", "neuroncore_count", "neuron_cores", "core_count")
-_MEMORY_KEYS = ("memory_size", "device_memory_size", "memory")
 
 
 def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
@@ -118,11 +100,11 @@ def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
     if isinstance(devices, dict):
         devices = devices.get("neuron_devices") or devices.get("devices") or []
     parsed = []
-    for device in devices:
-        cores = next((int(device[k]) for k in _CORE_KEYS if k in device), None)
-        memory = next((int(device[k]) for k in _MEMORY_KEYS if k in device), None)
+    for dev in devices:
+        cores = next((int(dev[k]) for k in ("nc_count", "neuroncore_count", "neuron_cores", "core_count") if k in dev), None)
+        memory = next((int(dev[k]) for k in ("memory_size", "device_memory_size", "memory") if k in dev), None)
         if cores is None or memory is None:
-            raise ValueError(f"no core count or memory size among {sorted(device)}")
+            raise ValueError(f"no core count or memory size among {sorted(dev)}")
         parsed.append((cores, memory))
     return parsed
 
@@ -290,14 +272,12 @@ def format_checks(checks: list[Check], target: str) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--target", default="neuron", help="neuron (default) or cpu")
-    parser.add_argument("--model-id", default=None, help="the checkpoint folder (or hub id) to compile or serve "
-                                                         "(default: the target's bundled checkpoint)")
-    parser.add_argument("--artifact", action="append", default=None,
-                        help="a compiled artifact folder to check (implies --step deploy); repeat it for each build")
-    parser.add_argument("--step", default=None, choices=STEPS, help="which host budget to check (default: compile "
-                                                                    "without --artifact, deploy with it)")
-    parser.add_argument("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")
+    add = parser.add_argument
+    add("--target", default="neuron", help="neuron (default) or cpu")
+    add("--model-id", help="the checkpoint folder (or hub id) to compile or serve (default: the target's bundled checkpoint)")
+    add("--artifact", action="append", help="a compiled artifact folder to check (implies --step deploy); repeat it per build")
+    add("--step", choices=STEPS, help="which host budget to check (default: compile without --artifact, deploy with it)")
+    add("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")
 
 
 def main(args) -> int:

@@ -4,6 +4,7 @@ swapped in over ``outputs/<target>/`` only when every notebook succeeded (README
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import nbformat
 import papermill
+import psutil
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
@@ -28,6 +30,7 @@ from gemma_nb.story import get_claim
 from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, check_target, measures_cpu
 
 KERNEL_NAME = "python3"
+PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
 
 
 class RunError(RuntimeError):
@@ -79,15 +82,9 @@ def notebook_parameters(notebook: Path) -> list[str]:
 def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
     """Refuse a parameter that none of ``notebooks`` declares, naming the closest known one."""
     known = sorted({name for nb in notebooks for name in notebook_parameters(nb)} - {"target"})
-    for name in parameters:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; "
-                           f"they take: {', '.join(known) or 'none'}")
-
-
-PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
+    for name in (name for name in parameters if name not in known):
+        hint = "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(name, known, n=1))
+        raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; they take: {', '.join(known) or 'none'}")
 
 
 def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
@@ -104,67 +101,14 @@ def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
     return resolved
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_staging(final: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-PID`` folders beside ``final`` whose process is gone; returns them."""
-    removed = []
-    for folder in final.parent.glob(f".{final.name}.tmp-*"):
-        pid = folder.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
 def _raise_terminated(signum, _frame):
     raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
-
-
-def _copy_previous(previous: Path, staging: Path) -> None:
-    """A partial run starts from the previous outputs: the rest copied (notebooks rewrite it in place), files under
-    ``artifacts/`` hard-linked (too big to copy; their writers start afresh, ``paths.fresh_dir``, never write through)."""
-    artifacts = previous / ARTIFACTS
-
-    def link_or_copy(source, target):
-        if Path(source).is_relative_to(artifacts):
-            try:
-                os.link(source, target)
-                return target
-            except OSError:
-                pass
-        return shutil.copy2(source, target)
-
-    shutil.copytree(previous, staging, copy_function=link_or_copy)
 
 
 def kernelspec_metadata(name: str = KERNEL_NAME) -> dict[str, str]:
     """The ``kernelspec`` notebook metadata of the installed kernel ``name``, as JupyterLab writes it."""
     spec = KernelSpecManager().get_kernel_spec(name)
     return {"display_name": spec.display_name, "language": spec.language, "name": name}
-
-
-def _scrub_metadata(executed: Path) -> None:
-    """Drop the machine's paths papermill records, name its injected cell (papermill draws a random id),
-    record the installed kernel's spec: two runs then differ only in what they measured."""
-    nb = nbformat.read(executed, as_version=4)
-    for cell in nb.cells:
-        if "injected-parameters" in cell.metadata.get("tags", []):
-            cell.id = "injected-parameters"
-    meta = nb.metadata.get("papermill", {})
-    for key in ("input_path", "output_path"):
-        if key in meta and meta[key]:
-            meta[key] = Path(meta[key]).name
-    nb.metadata["kernelspec"] = kernelspec_metadata()
-    nbformat.write(nb, executed)
 
 
 class QuietShutdownKernelManager(AsyncKernelManager):
@@ -175,12 +119,6 @@ class QuietShutdownKernelManager(AsyncKernelManager):
             await super()._async_interrupt_kernel()
 
 
-def _failure_message(notebook: Path, error: Exception) -> str:
-    cell, index = getattr(error, "exec_count", None), getattr(error, "cell_index", None)
-    where = (f"cell {index}" if index is not None else "a cell") + (f" (execution count {cell})" if cell is not None else "")
-    return f"notebook {notebook.stem} failed in {where}: {getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
-
-
 def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, progress: bool) -> None:
     """Run one notebook with papermill, skipping the ``CPU_MEASUREMENT_TAG`` cells where ``not measures_cpu(target)``."""
     skip = {} if measures_cpu(target) else {"skip_cells_with_tag": CPU_MEASUREMENT_TAG}
@@ -188,14 +126,6 @@ def execute_one(notebook: Path, staging: Path, target: str, parameters: dict, pr
         str(notebook), str(staging / notebook.name), parameters={"target": target, **parameters}, cwd=str(notebook.parent),
         kernel_name=KERNEL_NAME, kernel_manager_class=QuietShutdownKernelManager, log_output=False,
         progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True} if progress else False, **skip)
-
-
-def write_summary(staging: Path, target: str) -> dict:
-    """Collect every ``metrics/*.json`` into ``summary.json``."""
-    notebooks = {path.stem: json.loads(path.read_text()) for path in sorted((staging / "metrics").glob("*.json"))}
-    summary = {"target": target, "kernels": reference_kernels(), "notebooks": notebooks}
-    write_json_atomic(staging / "summary.json", summary)
-    return summary
 
 
 def _format_value(value) -> str:
@@ -234,17 +164,6 @@ def write_report(staging: Path, summary: dict) -> Path:
     return path
 
 
-def _swap_in(staging: Path, final: Path) -> None:
-    old = final.with_name(f".{final.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        final.rename(old)
-    staging.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir: Path | str | None = None,
         parameters: dict | None = None, progress: bool = True, notebooks_dir: Path = NOTEBOOKS_DIR) -> list[NotebookResult]:
     """Execute the notebooks for ``target``; on success the outputs replace ``output_dir``."""
@@ -262,8 +181,16 @@ def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir
     try:
         results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
                    for number in range(1, len(selected) + 1)]
-        write_report(staging, write_summary(staging, target))
-        _swap_in(staging, final)
+        notebooks = {path.stem: json.loads(path.read_text()) for path in sorted((staging / "metrics").glob("*.json"))}
+        summary = {"target": target, "kernels": reference_kernels(), "notebooks": notebooks}
+        write_json_atomic(staging / "summary.json", summary)  # every metrics/*.json in one file
+        write_report(staging, summary)
+        old = final.with_name(f".{final.name}.old")  # swap in: final aside, staging in, the old copy gone
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        staging.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:  # interrupted (Ctrl-C, SIGTERM) before the swap: keep the old outputs intact
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -284,16 +211,27 @@ def reference_kernels() -> dict[str, str]:
 
 
 def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
-    """A fresh staging folder beside ``final`` (a copy of it when ``keep_previous``), and where a failed run goes."""
+    """A fresh staging folder beside ``final``, and where a failed run goes. With ``keep_previous`` it starts as a copy
+    (notebooks rewrite it in place) with files under ``artifacts/`` hard-linked (too big to copy; their writers start
+    afresh, ``paths.fresh_dir``, never write through)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    for folder in remove_stale_staging(final):
-        print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
-    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    failed = final.with_name(f".{final.name}.failed")
-    if staging.exists():
-        shutil.rmtree(staging)
+    for folder in final.parent.glob(f".{final.name}.tmp-*"):  # left behind by a run that was killed
+        pid = folder.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {display_path(folder)}, left behind by a run that was killed", file=sys.stderr)
+    staging, failed = final.with_name(f".{final.name}.tmp-{os.getpid()}"), final.with_name(f".{final.name}.failed")
+    shutil.rmtree(staging, ignore_errors=True)
+
+    def link_or_copy(source, target):
+        if Path(source).is_relative_to(final / ARTIFACTS):
+            with contextlib.suppress(OSError):
+                os.link(source, target)
+                return target
+        return shutil.copy2(source, target)
+
     if keep_previous and final.exists():
-        _copy_previous(final, staging)
+        shutil.copytree(final, staging, copy_function=link_or_copy)
     staging.mkdir(parents=True, exist_ok=True)
     return staging, failed
 
@@ -307,12 +245,22 @@ def _execute_step(number: int, selected: list[Path], staging: Path, failed: Path
     try:
         execute_one(notebook, staging, target, parameters, progress)
     except Exception as error:  # papermill raises PapermillExecutionError with cell details
-        if failed.exists():
-            shutil.rmtree(failed)
+        shutil.rmtree(failed, ignore_errors=True)
         staging.rename(failed)
-        raise RunError(f"{_failure_message(notebook, error)}\nThe executed notebook with the error is in "
+        cell, index = getattr(error, "exec_count", None), getattr(error, "cell_index", None)
+        where = (f"cell {index}" if index is not None else "a cell") + (f" (execution count {cell})" if cell is not None else "")
+        raise RunError(f"notebook {notebook.stem} failed in {where}: {getattr(error, 'ename', type(error).__name__)}: "
+                       f"{getattr(error, 'evalue', error)}\nThe executed notebook with the error is in "
                        f"{display_path(failed)}/{notebook.name}; {display_path(final)} was left as it was.") from error
-    _scrub_metadata(staging / notebook.name)
+    # Drop the machine's paths papermill records, name its injected cell (papermill draws a random id), record the
+    # installed kernel's spec: two runs then differ only in what they measured.
+    nb = nbformat.read(staging / notebook.name, as_version=4)
+    for cell in (c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])):
+        cell.id = "injected-parameters"
+    meta = nb.metadata.get("papermill", {})
+    meta.update({key: Path(meta[key]).name for key in ("input_path", "output_path") if meta.get(key)})
+    nb.metadata["kernelspec"] = kernelspec_metadata()
+    nbformat.write(nb, staging / notebook.name)
     result = NotebookResult(notebook.stem, time.perf_counter() - start)
     print(f"    done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
     return result

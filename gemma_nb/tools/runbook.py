@@ -47,8 +47,7 @@ COMMANDS = {
 def figures() -> dict:
     """Every number the runbook states, computed from the catalog, the planner and the story's timings."""
     config = memory.load_gemma4_26b_config()
-    report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX,
-                                 name="gemma4_26b_a4b.json")
+    report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX, name="gemma4_26b_a4b.json")
     host, record = report["host"], planner.rehearsal_record()
     disk = planner.disk_needs(config, record)
     compile_box, serve_box = INSTANCES[COMPILE_BOX], INSTANCES[SERVE_BOX]
@@ -59,14 +58,10 @@ def figures() -> dict:
     compile_min, decode_tok_s = CLAIMS["compile_minutes"].value, CLAIMS["decode_tok_s"].value
     steps = record["steps"]
     return {
-        "per_rank_gb": report["total_gb_per_rank"],
-        "hbm_per_core_gb": report["budget_gb_per_core"],
-        "headroom_gb": report["headroom_gb"],
-        "headroom_gb_if_low": report["headroom_gb_if_low"],
-        "allowance_low_gb": report["runtime_allowance"]["low_gb"],
-        "allowance_high_gb": report["runtime_allowance"]["high_gb"],
-        "fits": report["fits"],
-        "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
+        "per_rank_gb": report["total_gb_per_rank"], "hbm_per_core_gb": report["budget_gb_per_core"],
+        "headroom_gb": report["headroom_gb"], "headroom_gb_if_low": report["headroom_gb_if_low"],
+        "allowance_low_gb": report["runtime_allowance"]["low_gb"], "allowance_high_gb": report["runtime_allowance"]["high_gb"],
+        "fits": report["fits"], "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
         "compile_host_gb": host["compile_bytes"] / GB, "deploy_host_gb": host["deploy_bytes"] / GB,
         "compile_ram_gib": compile_box.host_ram_gib, "serve_ram_gib": serve_box.host_ram_gib,
         "compile_swap_gib": compile_swap_gib, "serve_swap_gib": serve_swap_gib,
@@ -82,10 +77,8 @@ def figures() -> dict:
         "cold_start_s": CLAIMS["cold_start_s"].value,
         "cold_start_usd": CLAIMS["cold_start_s"].value / 3600 * serve_box.usd_per_hour,
         "decode_tok_s": decode_tok_s, "max_len": shipped.max_len, "bucket": shipped.bucket,
-        "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s,
-        "answer_500_s": 500 / decode_tok_s,
-        "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6,
-        "serve_day_usd": 24 * serve_box.usd_per_hour,
+        "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s, "answer_500_s": 500 / decode_tok_s,
+        "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6, "serve_day_usd": 24 * serve_box.usd_per_hour,
         "rehearsal_ok": sum(step["status"] == "ok" for step in steps), "rehearsal_steps": len(steps),
         "rehearsal_torch": sorted({step["torch"] for step in steps}),
         "rehearsal_answers": sorted({b["answer"] for b in record["builds"].values()} | {record["serve"]["answer"]}),
@@ -116,11 +109,10 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     text = render()
     if args.check:
-        current = RUNBOOK_PATH.read_text() if RUNBOOK_PATH.is_file() else ""
-        if current != text:
-            print("docs/inf2.md is out of date: run python -m gemma_nb runbook", file=sys.stderr)
-            return 1
-        return 0
+        if (RUNBOOK_PATH.read_text() if RUNBOOK_PATH.is_file() else "") == text:
+            return 0
+        print("docs/inf2.md is out of date: run python -m gemma_nb runbook", file=sys.stderr)
+        return 1
     RUNBOOK_PATH.parent.mkdir(parents=True, exist_ok=True)
     RUNBOOK_PATH.write_text(text)
     print(f"wrote {RUNBOOK_PATH.relative_to(REPO_ROOT)}")
