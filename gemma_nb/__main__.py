@@ -1,7 +1,5 @@
 """Command line: ``python -m gemma_nb run | serve | plan | preflight | runbook ...``."""
 
-from __future__ import annotations
-
 import argparse
 import ast
 import sys

@@ -1,8 +1,6 @@
 """An OpenAI-compatible endpoint's base URL and health, and this project's server on a loopback port
 (for notebook 07, the rehearsal and the serving tests)."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import subprocess

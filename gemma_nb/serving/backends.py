@@ -1,8 +1,6 @@
 """The model behind the server, a ``Runtime`` (slim deploy, transformers, the port's NxD deploy), and ``Generation``:
 one request over it, a token per ``step()`` so the server can stream, time and stop between tokens."""
 
-from __future__ import annotations
-
 import logging
 import math
 import os

@@ -1,8 +1,6 @@
 """TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with the
 ``openai`` client (notebook 07): greedy streamed chats at a few concurrency levels; the key from ``API_KEY_ENVS``."""
 
-from __future__ import annotations
-
 import os
 import time
 from collections.abc import Sequence

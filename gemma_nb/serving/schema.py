@@ -1,8 +1,6 @@
 """What the server accepts and answers: strict pydantic bodies (unknown fields refused by name, OpenAI options not
 implemented here only at their do-nothing value), and OpenAI's error body quoting a short excerpt of what was sent."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 

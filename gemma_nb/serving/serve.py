@@ -1,8 +1,6 @@
 """``python -m gemma_nb serve``: the command (exit 2 for bad arguments, 1 if the model fails to load, 0 after Ctrl-C
 or SIGTERM), and uvicorn with its own limits for the connections."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import functools

@@ -2,8 +2,6 @@
 Notebook 01's memory planner for any ``config.json`` (no weights read): bytes per rank, each instance's verdict,
 its decode roofline and $ per million tokens, and host RAM and disk scaled from the port's measured builds."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import sys

@@ -1,8 +1,6 @@
 """What ``python -m gemma_nb plan`` reads from a ``config.json`` (``read_config``): the text config it counts, the
 multimodal towers it leaves out, and a note per field whose effect the byte plan does not follow exactly."""
 
-from __future__ import annotations
-
 import json
 from collections import namedtuple
 from pathlib import Path

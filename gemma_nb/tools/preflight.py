@@ -1,8 +1,6 @@
 """``python -m gemma_nb preflight``: the checklist to run on a box before a 40-minute compile finds out (SDK, versions,
 NeuronCores, RAM and swap, disk, model folder, artifacts); non-zero exit naming the first blocker and its fix."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

@@ -1,8 +1,6 @@
 """``python -m gemma_nb run --target cpu``: the notebooks in story order with papermill, into a staging folder
 swapped in over ``outputs/<target>/`` only when every notebook succeeded (README: "Running notebooks")."""
 
-from __future__ import annotations
-
 import ast
 import contextlib
 import difflib

@@ -1,8 +1,6 @@
 """``python -m gemma_nb runbook``: writes docs/inf2.md, the way from an AWS account to the 26B on an inf2.xlarge,
 from the template ``runbook.md`` and figures computed from the catalog, the planner and the story."""
 
-from __future__ import annotations
-
 import math
 import sys
 from pathlib import Path
