@@ -1,17 +1,5 @@
 """CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make rehearse``): not the SDK.
-
-They prove this repo's code under real collectives. Where they and the emulated SDK diverge from NxD (each that
-could hide a defect is tested in test_standins.py or test_emulated_sdk.py): 1. an argument or feature they lack
-(``bias=True``, sequence or expert parallelism, blockwise/FP4, bucketing, dry runs) raises, naming it; 2. no
-initialisation (NxD fills zeros): the load names every parameter left unloaded; 3. the parallel state is a plain
-object, collectives gloo, the emulated cores' barrier or identities; 4. ``init_on_device`` without
-``force_custom_init_on_device`` resets ``requires_grad``, as NxD documents of accelerate; 5. per-channel expert
-scales ``[1, 1, out]`` indexed by expert fail on the cpu (an XLA gather clamps; the port's are ``[E, 1, out]``);
-6. no HLO, neuronx-cc or NEFF: a graph is ``torch.jit.trace``'d and run in its own dtype, one thread per core, so
-compiler flags (``--auto-cast``) do nothing; 7. ``model.pt`` is a TorchScript archive ``torch.jit.load`` reads only
-once the emulated ``neuronx_distributed.trace.model_builder`` is imported; 8. other input dtypes than traced raise
-(assumed of the runtime); 9. HBM is a per-process count of weights, state and a per-model allowance, freed only by
-``Runtime().unsafe_close()``; 10. ``neuron-ls`` prints the emulated cores (``"emulated": true``).
+They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md.
 """
 
 from types import SimpleNamespace

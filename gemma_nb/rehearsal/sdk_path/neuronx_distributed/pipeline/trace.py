@@ -1,16 +1,12 @@
 """Emulated NxD 0.18 ``pipeline/trace.py``: ``HFTracerWrapper`` from ``transformers.utils.fx`` (gone in transformers 5)."""
 
-import importlib.util
-
 import torch.fx
+from transformers.utils.fx import HFTracer
 
 
 class NxDTracer(torch.fx.Tracer):
     pass
 
 
-if importlib.util.find_spec("transformers") is not None:
-    from transformers.utils.fx import HFTracer
-
-    class HFTracerWrapper(NxDTracer, HFTracer):
-        pass
+class HFTracerWrapper(NxDTracer, HFTracer):
+    pass

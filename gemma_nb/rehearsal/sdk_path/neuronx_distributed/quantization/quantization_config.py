@@ -1,3 +1,1 @@
-"""Emulated ``quantization/quantization_config.py``."""
-
 from gemma_nb.rehearsal.nxd_quant import QuantizationType, QuantizedDtype, ScaleDtype  # noqa: F401

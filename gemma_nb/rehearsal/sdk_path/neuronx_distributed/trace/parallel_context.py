@@ -1,3 +1,1 @@
-"""Emulated ``trace/parallel_context.py``."""
-
 from gemma_nb.rehearsal.nxd_builder import NxDParallelState  # noqa: F401

@@ -1,3 +1,1 @@
-"""Emulated ``utils/model_utils.py``."""
-
 from gemma_nb.rehearsal.sharding import init_on_device  # noqa: F401
