@@ -6,12 +6,12 @@ import contextlib
 import json
 import warnings
 from dataclasses import dataclass
+from typing import Dict, List  # noqa: UP035 (TorchScript, torch 2.9, reads no builtin generics in attributes)
 
 import torch
 from torch import nn
 
 from gemma_nb.rehearsal import spmd
-from gemma_nb.rehearsal.nxd_saved import Saved
 
 SAVED_MARKER = "gemma-nb emulated NxD model v1"
 NOT_INITIALIZED = ("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
@@ -142,6 +142,22 @@ class EmulatedNxDModel:
                 self.states[rank][state] = outputs[index]
         self.calls[name] += 1
         return [out for index, out in enumerate(per_rank[0]) if index not in aliases]
+
+
+class Saved(nn.Module):
+    """The TorchScript archive ``torch.jit.save`` writes: programs, each rank's weights, the spec."""
+
+    weights: List[Dict[str, torch.Tensor]]  # noqa: UP006
+    spec: str
+
+    def __init__(self, programs: dict, weights: list, spec: str):
+        super().__init__()
+        self.programs = nn.ModuleDict(programs)
+        self.weights = weights
+        self.spec = spec
+
+    def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:  # noqa: UP006
+        return torch.ops.nxd_emulated.spmd_model(inputs)  # unknown unless the emulated SDK is imported
 
 
 @dataclass
