@@ -50,12 +50,14 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
     assert rank.rank.dtype == torch.int32 and tags(rank.rank) == (True, 0, 1)
     with pytest.raises(RuntimeError, match="need a parallel state"):
-        sdk.ColumnParallelLinear(16, 32)
+        sdk.ColumnParallelLinear(16, 32, bias=False)
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
+    with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
+        sdk.RowParallelLinear(16, 32)  # nor by the plain layers: the port builds every layer without one
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
-            sdk.ColumnParallelLinear(16, 30)
+            sdk.ColumnParallelLinear(16, 30, bias=False)
 
 
 def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():

@@ -137,15 +137,14 @@ def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
 
 
 def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_output: bool, dtype, stride: int,
-                  pad: bool, group) -> int:
-    """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's share; the TP degree."""
+                  pad: bool, group) -> None:
+    """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's share."""
     layer.tensor_parallel_group = group or current_state()
     tp = layer.tensor_parallel_group.tp
     layer.input_size, layer.gather_output, layer.stride, layer.dtype = input_size, gather_output, stride, dtype
     layer.pad, layer.pad_size = pad, (-output_size) % tp if pad else 0
     layer.output_size = output_size + layer.pad_size
     layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
-    return tp
 
 
 def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
@@ -158,16 +157,13 @@ def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_par
 
 
 class BaseParallelLinear(nn.Module):
-    """Shared by the stand-in linear layers: the captured parallel state and the tagged weight."""
+    """Shared by the stand-in linear layers: the captured parallel state, the tagged weight, no bias."""
 
     def _make_weight(self, shape, dtype, device, partition_dim: int, stride: int) -> None:
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
         # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
-
-    def _make_bias(self, bias: bool, size: int, dtype, device) -> None:
-        self.register_parameter("bias", nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
-                                if bias else None)
+        self.register_parameter("bias", None)
 
 
 class ColumnParallelLinear(BaseParallelLinear):
@@ -179,14 +175,10 @@ class ColumnParallelLinear(BaseParallelLinear):
                  init_method=None, sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported("ColumnParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
-                           skip_bias_add=skip_bias_add)
-        tp = _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad,
-                           tensor_model_parallel_group)
+        _check_unsupported("ColumnParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
+        _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
         self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
-        self._make_bias(bias, self.output_size if gather_output else self.output_size_per_partition, dtype, device)
-        if bias and not gather_output:
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride, tp)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
@@ -194,7 +186,7 @@ class ColumnParallelLinear(BaseParallelLinear):
             output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
             if self.pad_size:
                 output = output.narrow(-1, 0, self.output_size - self.pad_size)
-        return output + self.bias if self.bias is not None else output
+        return output
 
     def preshard_hook(self, state_dict: dict, prefix: str) -> None:
         if self.pad_size and prefix in state_dict:
@@ -211,13 +203,12 @@ class RowParallelLinear(BaseParallelLinear):
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
                  skip_bias_add: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported("RowParallelLinear", unsupported, sequence_parallel_enabled=sequence_parallel_enabled,
-                           skip_bias_add=skip_bias_add, pad=pad)
+        _check_unsupported("RowParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add, pad=pad,
+                           sequence_parallel_enabled=sequence_parallel_enabled)
         _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
                    tensor_model_parallel_group)
         self.reduce_dtype = reduce_dtype
         self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
-        self._make_bias(bias, output_size, dtype, device)
 
     def forward(self, input_):
         if not self.input_is_parallel:
@@ -226,7 +217,7 @@ class RowParallelLinear(BaseParallelLinear):
         if self.reduce_output:
             output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype),
                                                               self.tensor_parallel_group).to(output.dtype)
-        return output + self.bias if self.bias is not None else output
+        return output
 
 
 class SPMDRank(nn.Module):
