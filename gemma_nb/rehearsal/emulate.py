@@ -14,7 +14,7 @@ from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron import build as B
 from gemma_nb.neuron.deploy import NeuronStepRunner
 from gemma_nb.ranks import run_tp
-from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module, model_parallel
+from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_TP2_ID
 
 DEFAULT_PROMPTS = ("The capital of France is", "The currency of Japan is", "The language of Brazil is")
@@ -151,21 +151,17 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, n
                       dist.group.WORLD)
 
 
-def tp_emulation(model_id: str | None = None, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
+def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
                  max_len: int = 32, bucket: int = 8, timeout_s: float = 300.0) -> dict:
     """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model."""
     started = time.perf_counter()
-    model_id = BUNDLED_TP2_ID if model_id is None else model_id
     model_dir = resolve_model_id(model_id)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts_ids = [tokenizer(p).input_ids for p in prompts]
     config, hf_state, build, checkpoint, embed = _setup(model_dir, 1, max_len, bucket)
-    with model_parallel(1):
-        reference = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(),
-                               modes=("dense",))
+    reference = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), modes=("dense",))
     expected, eos = reference["tokens"]["dense"], config.eos_token_id
-    with model_parallel(1):
-        module = rank_module(config, build, checkpoint, hf_state, 0, cpu_sdk())
+    module = rank_module(config, build, checkpoint, hf_state, 0, cpu_sdk())
     choices = router_choices(module, config, embed, build, prompts_ids, expected)["fp32_softmax"]
     del checkpoint, module
     ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,

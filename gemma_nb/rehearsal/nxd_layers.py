@@ -40,10 +40,10 @@ def use_state(state: ParallelState | None):
         _STATE = previous
 
 
-def model_parallel(tp: int, rank: int = 0, group=None, spmd: bool = False):
+def model_parallel(tp: int, rank: int = 0, group=None):
     assert type(tp) is int and 0 <= rank < tp, (tp, rank)
     assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), "tp, rank != the group's"
-    return use_state(ParallelState(tp, rank, group, spmd))
+    return use_state(ParallelState(tp, rank, group))
 
 
 def current_state() -> ParallelState:
