@@ -57,7 +57,7 @@ def cores(emulated_sdk):
     """Fresh emulated cores of 16 GiB each, closed after the test."""
     spmd._CORES = spmd.Cores()
     yield spmd._CORES
-    spmd.close_runtime()
+    spmd.Runtime().unsafe_close()
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, em
         with pytest.raises(spmd.AllocationError, match="status=4 Allocation Failure"):
             ND.load_artifact(root / "sparse")
     finally:
-        spmd.close_runtime()
+        spmd.Runtime().unsafe_close()
 
 
 def test_the_emulation_is_not_importable_outside_the_rehearsal():

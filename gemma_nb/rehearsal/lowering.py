@@ -145,7 +145,7 @@ CONTRAST_COLUMNS = {**STRUCTURE_COLUMNS, "error": "error"}
 
 
 def lowering_tables(report: dict):
-    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report for the notebook."""
+    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report (``contrast=True``) for the notebook."""
     def frame(rows, columns):
         table = pd.DataFrame(rows)[list(columns)].rename(columns=columns)
         table["experts"] = table["experts"].fillna("-")
@@ -153,12 +153,9 @@ def lowering_tables(report: dict):
             table["aten fallbacks"] = table["aten fallbacks"].map(lambda names: ", ".join(names) or "none")
         return table
 
-    contrast = None
-    if report.get("contrast"):
-        contrast = frame(report["contrast"], CONTRAST_COLUMNS)
-        for column in (STRUCTURE_COLUMNS["hlo_instructions"], "gathers", "error"):  # None where the step failed
-            contrast[column] = contrast[column].map(
-                lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v)
+    contrast = frame(report["contrast"], CONTRAST_COLUMNS)
+    for column in (STRUCTURE_COLUMNS["hlo_instructions"], "gathers", "error"):  # None where the step failed
+        contrast[column] = contrast[column].map(lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v)
     return frame(report["graphs"], STRUCTURE_COLUMNS), frame(report["graphs"], NUMERIC_COLUMNS), contrast
 
 

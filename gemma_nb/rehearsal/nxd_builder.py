@@ -63,9 +63,7 @@ class BaseModelInstance:
         return self.module, self.input_output_aliases[0]
 
 
-class ModelBuilder:
-    """v1 (``trace/model_builder.py``), as the module docstring says."""
-
+class ModelBuilder:  # v1 (trace/model_builder.py)
     def __init__(self, router, tp_degree: int, checkpoint_loader, start_rank_id: int = 0, compiler_workdir=None,
                  **unsupported):
         if unsupported:
@@ -149,9 +147,7 @@ class NxDModelV2:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-class ModelBuilderV2:
-    """v2 (``trace/model_builder_v2.py``), as the module docstring says."""
-
+class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
     def __init__(self, model, weights_to_skip_layout_optimization=None):
         self.model, self.graphs, self.shape_map, self.tp = model, {}, {}, None
 

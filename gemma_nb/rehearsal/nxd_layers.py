@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb.rehearsal import spmd
+from gemma_nb.rehearsal import spmd  # noqa: F401 (defines torch.ops.nxd_emulated)
 
 NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
 
@@ -81,7 +81,7 @@ def reduce_from_tensor_model_parallel_region(input_, process_group=None):
     """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a group."""
     state = process_group or current_state()
     if state.tp > 1 and state.spmd:
-        return spmd.all_reduce(input_)
+        return torch.ops.nxd_emulated.all_reduce(input_)  # the emulated cores' sum, in the input's dtype
     if state.tp == 1 or state.group is None:
         return input_
     output = input_.clone()
@@ -93,7 +93,7 @@ def gather_from_tensor_model_parallel_region(input_, process_group=None):
     """All-gather along the last dim over the TP group; identity at tp=1 or without a group."""
     state = process_group or current_state()
     if state.tp > 1 and state.spmd:
-        return spmd.all_gather(input_, -1)
+        return torch.ops.nxd_emulated.all_gather(input_, input_.dim() - 1)  # in rank order
     if state.tp == 1 or state.group is None:
         return input_
     parts = [torch.empty_like(input_) for _ in range(state.tp)]

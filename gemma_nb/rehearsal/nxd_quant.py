@@ -90,8 +90,7 @@ class _QuantizedLinear(nn.Module):
             scale_shape = [1] * len(weight_shape)
             scale_shape[channel_axis] = weight_shape[channel_axis]
             if self.quantization_type == QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC:
-                if experts is None:
-                    raise ValueError(f"{type(self).__name__}: expert-wise scales need an experts layer")
+                assert experts is not None, f"{type(self).__name__}: expert-wise scales need an experts layer"
                 scale_shape[0] = experts
             split = partition_dim == channel_axis  # the scale is split with the channels it scales
         else:

@@ -37,9 +37,9 @@ PROMPT, API_KEY = "The capital of France is", "rehearsal-key"
 SDK_TORCH = "2.9.0"
 
 
-def emulated_hbm_bytes(model_dir: Path | str | None = None) -> tuple[int, int]:
+def emulated_hbm_bytes() -> tuple[int, int]:
     """(HBM per emulated NeuronCore, the runtime's allowance per loaded model) for the smoke run."""
-    tiny = memory.plan(text_config(model_dir or TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
+    tiny = memory.plan(text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
     plan_26b = memory.plan(memory.load_gemma4_26b_config(), 2, planner.DEFAULT_SCHEME).total_bytes
     return int(tiny.total_bytes * 16 * GiB / plan_26b), tiny.bytes("runtime_allowance")
 

@@ -37,8 +37,7 @@ def init_on_device(device: torch.device, include_buffers: bool = False, force_cu
         nn.Module.register_parameter = original
 
 
-def init_on_meta():
-    """``init_on_device(torch.device("meta"), force_custom_init_on_device=True)``, as ModelBuilder builds."""
+def init_on_meta():  # as ModelBuilder builds
     return init_on_device(torch.device("meta"), force_custom_init_on_device=True)
 
 

@@ -77,16 +77,6 @@ _LIBRARY.impl("all_reduce", _all_reduce_impl, "CPU")
 _LIBRARY.impl("all_gather", _all_gather_impl, "CPU")
 
 
-def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over the cores, in the tensor's dtype."""
-    return torch.ops.nxd_emulated.all_reduce(tensor)
-
-
-def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Every core's tensor concatenated along ``dim``, in rank order."""
-    return torch.ops.nxd_emulated.all_gather(tensor, dim % tensor.dim())
-
-
 def run_on_cores(jobs: list) -> list:
     """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank order."""
     group, results, errors = _Group(len(jobs)), [None] * len(jobs), []
@@ -128,8 +118,7 @@ class Cores:
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
-    held: dict = field(default_factory=dict)  # model id -> bytes per core (list)
-    models: list = field(default_factory=list)  # loaded models, told when the runtime closes
+    held: dict = field(default_factory=dict)  # loaded model (told when the runtime closes) -> bytes per core (list)
 
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
@@ -139,8 +128,7 @@ class Cores:
         if start_rank + len(bytes_per_core) > self.count:
             raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
                                   f"but this instance has {self.count} (emulated): use an instance with more cores")
-        self.held.pop(id(model), None)  # initialising a loaded model again replaces its allocation
-        self.models = [m for m in self.models if m is not model]
+        self.held.pop(model, None)  # initialising a loaded model again replaces its allocation
         per_core = [0] * self.count
         for core, need in enumerate(bytes_per_core, start_rank):
             need += self.runtime_bytes
@@ -150,8 +138,7 @@ class Cores:
                     f"(emulated HBM: {self.used(core):,} of {self.hbm_bytes:,} bytes already held by "
                     f"{len(self.held)} loaded model(s); close the runtime before loading another model)")
             per_core[core] = need
-        self.held[id(model)] = per_core
-        self.models.append(model)
+        self.held[model] = per_core
 
 
 _CORES: Cores | None = None
@@ -167,16 +154,10 @@ def cores() -> Cores:
     return _CORES
 
 
-def close_runtime() -> None:
-    """``Runtime().unsafe_close()``: every model is unloaded and its memory given back."""
-    for model in cores().models:
-        model.unloaded()
-    cores().held.clear()
-    cores().models.clear()
-
-
 class Runtime:
-    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``Runtime().unsafe_close()``."""
+    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``unsafe_close()`` unloads every model, frees its memory."""
 
     def unsafe_close(self) -> None:
-        close_runtime()
+        for model in cores().held:
+            model.unloaded()
+        cores().held.clear()
