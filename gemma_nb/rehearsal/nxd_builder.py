@@ -74,8 +74,9 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
 
     def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
             bucket_config=None, priority_model_idx=None):
-        if bucket_config is not None or priority_model_idx is not None:
-            raise TypeError("the emulated ModelBuilder does not implement bucket_config or priority_model_idx")
+        if bucket_config is not None or priority_model_idx is not None or len(example_inputs) != 1:
+            raise TypeError("the emulated ModelBuilder does not implement bucketing (bucket_config, priority_model_idx, "
+                            f"{len(example_inputs)} example inputs): give one example per key")
         self.model_collection[key] = {"instance": model_instance, "example_inputs": example_inputs,
                                       "compiler_args": append_default_compiler_flags(compiler_args)}
         return self
@@ -100,11 +101,10 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
             for key, entry in self.model_collection.items():
                 instance = entry["instance"]
                 instance.load_module()
-                for bucket, example in enumerate(entry["example_inputs"]):
-                    module, aliases = instance.get(bucket)
-                    graphs[key] = nxd_model.trace_graph(module, tuple(example), aliases, self.tp_degree)
-                    graphs[key]["compiler_args"] = entry["compiler_args"]
-                    shape_map[nxd_model.shape_key(example)] = (key, bucket)
+                module, aliases = instance.get(0)
+                example = tuple(entry["example_inputs"][0])  # one bucket per key (add refuses more)
+                graphs[key] = nxd_model.trace_graph(module, example, aliases, self.tp_degree)
+                shape_map[nxd_model.shape_key(example)] = (key, 0)
                 instance.module = None
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:

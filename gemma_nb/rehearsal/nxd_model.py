@@ -107,9 +107,7 @@ class EmulatedNxDModel:
         self.weights, self.states, self.loaded = checkpoint, states, True
 
     def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor) -> None:
-        if self.saved_weights is None:
-            raise RuntimeError("this model holds no saved weights: trace it with initialize_model_weights=True")
-        self.initialize(self.saved_weights, start_rank_tensor)
+        self.initialize(self.saved_weights or [], start_rank_tensor)  # none saved: "0 rank checkpoints" for tp ranks
 
     def unloaded(self) -> None:
         self.weights, self.states, self.loaded = None, None, False

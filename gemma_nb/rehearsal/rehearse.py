@@ -170,10 +170,7 @@ def rehearse() -> dict:
         rehearsal.step("preflight", runbook.COMMANDS["preflight"][0])
         rehearsal.step("smoke run", f"{runbook.COMMANDS['smoke'][0]} --output-dir {SMOKE_DIR.relative_to(REPO_ROOT)}")
         rehearsal.copy(SMOKE_DIR, SERVING_DIR)
-        preflight = runbook.COMMANDS["copy"][1]
-        for folder in runbook.ARTIFACT_DIRS.values():
-            copy = SERVING_DIR / Path(folder).relative_to(runbook.OUTPUTS)
-            preflight = preflight.replace(folder, str(copy.relative_to(REPO_ROOT)))
+        preflight = runbook.COMMANDS["copy"][1].replace(f"{runbook.OUTPUTS}/", f"{SERVING_DIR.relative_to(REPO_ROOT)}/")
         rehearsal.step("preflight the copied artifacts", preflight)
         rehearsal.step("deploy and benchmark",
                        f"{runbook.COMMANDS['benchmark'][0]} --output-dir {SERVING_DIR.relative_to(REPO_ROOT)}")
