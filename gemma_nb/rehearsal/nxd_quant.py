@@ -69,7 +69,7 @@ class _QuantizedLinear(nn.Module):
     quantization_layers = None  # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
 
     def _setup(self, weight_shape, partition_dim: int, quantization_type, quantized_dtype, channel_axis,
-               stride: int, device, dtype, scale_dtype, rank_ordering, experts: int | None = None) -> None:
+               stride: int, device, dtype, scale_dtype, rank_ordering) -> None:
         self.quantization_type = QuantizationType(quantization_type)
         self.quantized_dtype = QuantizedDtype(quantized_dtype)
         self.scale_dtype = ScaleDtype(scale_dtype)
@@ -90,16 +90,14 @@ class _QuantizedLinear(nn.Module):
             scale_shape = [1] * len(weight_shape)
             scale_shape[channel_axis] = weight_shape[channel_axis]
             if self.quantization_type == QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC:
-                assert experts is not None, f"{type(self).__name__}: expert-wise scales need an experts layer"
-                scale_shape[0] = experts
+                assert len(weight_shape) == 3, f"{type(self).__name__}: expert-wise scales need an experts layer"
+                scale_shape[0] = weight_shape[0]  # the experts
             split = partition_dim == channel_axis  # the scale is split with the channels it scales
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
-        if split:
-            set_tensor_model_parallel_attributes(self.scale, True, partition_dim, stride, tp, rank_ordering)
-        else:
-            set_tensor_model_parallel_attributes(self.scale, False, 0, 1, 1)
+        scale_tags = (True, partition_dim, stride, tp, rank_ordering) if split else (False, 0, 1, 1)  # else replicated
+        set_tensor_model_parallel_attributes(self.scale, *scale_tags)
         self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
         self.register_parameter("bias", None)
 
@@ -214,7 +212,7 @@ class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
         _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
-                    axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
+                    axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_, expert_indices=None):
         return _experts_matmul(self, input_, expert_indices)
@@ -236,7 +234,7 @@ class QuantizedExpertFusedRowParallel(_QuantizedLinear):
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
         _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
-                    axis, stride, device, dtype, scale_dtype, rank_ordering, experts=num_experts)
+                    axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_, expert_indices=None):
         output = _experts_matmul(self, input_, expert_indices)
