@@ -68,7 +68,7 @@ class _QuantizedLinear(nn.Module):
 
     quantization_layers = None  # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
 
-    def _setup(self, weight_shape, partition_dim: int, quantization_type, quantized_dtype, channel_axis,
+    def _setup(self, weight_shape, partition_dim: int, quantization_type, quantized_dtype, channel_axis: int | None,
                stride: int, device, dtype, scale_dtype, rank_ordering) -> None:
         self.quantization_type = QuantizationType(quantization_type)
         self.quantized_dtype = QuantizedDtype(quantized_dtype)
@@ -79,6 +79,9 @@ class _QuantizedLinear(nn.Module):
         if self.quantized_dtype == QuantizedDtype.F4E2M1FN_X4 or self.scale_dtype != ScaleDtype.F32:
             what = f"{self.quantized_dtype.name} with {self.scale_dtype.name} scales"
             raise NotImplementedError(NOT_EMULATED.format(what=what))
+        out_axis = 2 if len(weight_shape) == 3 else 0  # the output channels of [out, in] or of the experts' [E, in, out]
+        if self.quantization_type in _PER_CHANNEL and channel_axis not in (None, out_axis):
+            raise AssertionError(f"Only per_channel_axis={out_axis} supported for post-matmul output dequantization")
         tp = self.tensor_parallel_group.tp
         self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
                                    requires_grad=False)
@@ -88,11 +91,11 @@ class _QuantizedLinear(nn.Module):
             scale_shape, split = [1], False
         elif self.quantization_type in _PER_CHANNEL:
             scale_shape = [1] * len(weight_shape)
-            scale_shape[channel_axis] = weight_shape[channel_axis]
+            scale_shape[out_axis] = weight_shape[out_axis]
             if self.quantization_type == QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC:
                 assert len(weight_shape) == 3, f"{type(self).__name__}: expert-wise scales need an experts layer"
                 scale_shape[0] = weight_shape[0]  # the experts
-            split = partition_dim == channel_axis  # the scale is split with the channels it scales
+            split = partition_dim == out_axis  # the scale is split with the channels it scales
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
@@ -109,12 +112,6 @@ class _QuantizedLinear(nn.Module):
         return self._scale_dequantize(output, self.scale.T)
 
 
-def _channel_axis(quantization_type, axis: int | None, only: int) -> int:
-    if QuantizationType(quantization_type) in _PER_CHANNEL and axis not in (None, only):
-        raise AssertionError(f"Only per_channel_axis={only} supported for post-matmul output dequantization")
-    return only if axis is None else axis
-
-
 class QuantizedColumnParallel(_QuantizedLinear):
     """int8 ``weight [out/tp, in]``, fp32 ``scale [out/tp, 1]`` (per channel) split with the rows."""
 
@@ -128,10 +125,9 @@ class QuantizedColumnParallel(_QuantizedLinear):
         super().__init__()
         _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 0)
         _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
-        self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype, axis,
-                    stride, device, dtype, scale_dtype, rank_ordering)
+        self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype,
+                    quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_):
         output = self._matmul(input_)
@@ -163,11 +159,10 @@ class QuantizedRowParallel(_QuantizedLinear):
         super().__init__()
         _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 0)
         _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
                    tensor_model_parallel_group)
-        self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype, axis,
-                    stride, device, dtype, scale_dtype, rank_ordering)
+        self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype,
+                    quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_):
         if not self.input_is_parallel:
@@ -208,11 +203,10 @@ class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
-        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 2)
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
         _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
-                    axis, stride, device, dtype, scale_dtype, rank_ordering)
+                    quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_, expert_indices=None):
         return _experts_matmul(self, input_, expert_indices)
@@ -230,11 +224,10 @@ class QuantizedExpertFusedRowParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
-        axis = _channel_axis(quantization_type, quantization_per_channel_axis, 2)
         _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
         _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
-                    axis, stride, device, dtype, scale_dtype, rank_ordering)
+                    quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_, expert_indices=None):
         output = _experts_matmul(self, input_, expert_indices)
