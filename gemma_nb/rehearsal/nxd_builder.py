@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from gemma_nb.rehearsal import nxd_model
 from gemma_nb.rehearsal.nxd_layers import ParallelState, state_or_none, use_state
-from gemma_nb.rehearsal.sharding import init_on_meta, preprocess_checkpoint, shard_children
+from gemma_nb.rehearsal.sharding import init_on_meta, shard_checkpoint
 
 logger = logging.getLogger("Neuron")
 AUTO_CAST_WARNING = "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
@@ -39,14 +39,10 @@ def parallel_state(tp: int):
 
 
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
-    preprocess_checkpoint(model, checkpoint)
-    shards = []
-    for rank in range(tp):
-        shard = dict(checkpoint)
-        shard_children(model, shard, rank)
-        if serialize_path is not None:
+    shards = [shard_checkpoint(model, checkpoint, rank, tp) for rank in range(tp)]
+    if serialize_path is not None:
+        for rank, shard in enumerate(shards):
             save_file({k: v.contiguous() for k, v in shard.items()}, str(Path(serialize_path) / SHARD_FILE.format(rank=rank)))
-        shards.append(shard)
     return shards
 
 

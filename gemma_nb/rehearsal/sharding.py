@@ -41,19 +41,12 @@ def init_on_meta():  # as ModelBuilder builds
     return init_on_device(torch.device("meta"), force_custom_init_on_device=True)
 
 
-def invoke_preshard_hooks(module: nn.Module, checkpoint: dict, prefix: str = "") -> None:
-    if hasattr(module, "preshard_hook"):
-        module.preshard_hook(checkpoint, prefix + "weight")
-        return
-    for name, child in module._modules.items():
-        if child is not None:
-            invoke_preshard_hooks(child, checkpoint, prefix + name + ".")
-
-
 def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> None:
     """In place: pre-shard hooks, the keys the module does not have dropped (NxD warns them), then ModelBuilder's
     ``cast_weights``: each tensor cast to its parameter's dtype."""
-    invoke_preshard_hooks(module, checkpoint)
+    for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
+        if hasattr(child, "preshard_hook"):
+            child.preshard_hook(checkpoint, f"{path}.weight" if path else "weight")
     own = module.state_dict(keep_vars=True)
     for key in [key for key in checkpoint if key not in own]:
         del checkpoint[key]
@@ -72,29 +65,28 @@ def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: i
     return torch.cat(chunks, dim=dim) if stride > 1 else chunks[0]
 
 
-def shard_children(module: nn.Module, checkpoint: dict, rank: int, prefix: str = "") -> None:
+def shard_children(module: nn.Module, checkpoint: dict, rank: int) -> None:
     """NxD's ``shard_children`` on ``checkpoint`` in place (module docstring)."""
-    for name, child in module._modules.items():
-        if child is not None:
-            shard_children(child, checkpoint, rank, prefix + name + ".")
-    if not isinstance(module, SHARDED_MODULES):
-        return
-    for name, parameter in module.named_parameters(recurse=False):
-        key = prefix + name
-        ordering = getattr(parameter, "rank_ordering", None)
-        part_rank = rank if ordering is None else ordering[rank]
-        if hasattr(parameter, "get_tensor_from_state_dict"):
-            tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
-        elif key in checkpoint:
-            tensor = checkpoint[key]
-        else:
+    for path, child in module.named_modules(remove_duplicate=False):
+        if not isinstance(child, SHARDED_MODULES):
             continue
-        if getattr(parameter, "tensor_model_parallel", False):
-            parts = parameter.num_partitions
-            tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
-        checkpoint[key] = tensor
-        if tensor.shape != parameter.shape:
-            raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
+        prefix = f"{path}." if path else ""
+        for name, parameter in child.named_parameters(recurse=False):
+            key = prefix + name
+            ordering = getattr(parameter, "rank_ordering", None)
+            part_rank = rank if ordering is None else ordering[rank]
+            if hasattr(parameter, "get_tensor_from_state_dict"):
+                tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
+            elif key in checkpoint:
+                tensor = checkpoint[key]
+            else:
+                continue
+            if getattr(parameter, "tensor_model_parallel", False):
+                parts = parameter.num_partitions
+                tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
+            checkpoint[key] = tensor
+            if tensor.shape != parameter.shape:
+                raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
 
 
 def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
