@@ -37,7 +37,10 @@ def contrast():
 
 
 def test_the_environment_is_the_sdk_s_torch():
-    assert lowering.versions() == {"torch": "2.9.0", "torch-xla": "2.9.0", "transformers": "5.24.0"}
+    from gemma_nb.neuron.build import package_versions  # what lowering.report records as its versions
+
+    assert package_versions(("torch", "torch-xla", "transformers")) == {"torch": "2.9.0", "torch-xla": "2.9.0",
+                                                                        "transformers": "5.24.0"}
 
 
 def test_every_graph_the_build_traces_is_checked_at_tp_1_and_2(shipped):
