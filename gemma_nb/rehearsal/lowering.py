@@ -262,7 +262,6 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
             def make_module(module_dtype, experts=experts, graph=graph):
-                # rank 0's NeuronGemma4 on the cpu stand-ins, loaded as ModelBuilder loads it
                 module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
                 checkpoint = B.convert_checkpoint(state, config, tp, dtype=module_dtype)
                 module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
