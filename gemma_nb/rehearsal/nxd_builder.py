@@ -41,6 +41,7 @@ def parallel_state(tp: int):
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
     shards = [shard_checkpoint(model, checkpoint, rank, tp) for rank in range(tp)]
     if serialize_path is not None:
+        Path(serialize_path).mkdir(parents=True, exist_ok=True)
         for rank, shard in enumerate(shards):
             save_file({k: v.contiguous() for k, v in shard.items()}, str(Path(serialize_path) / SHARD_FILE.format(rank=rank)))
     return shards
@@ -78,8 +79,6 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         return self
 
     def shard_checkpoint(self, serialize_path=None) -> list[dict]:
-        if serialize_path is not None:
-            Path(serialize_path).mkdir(parents=True, exist_ok=True)
         instance = next(iter(self.model_collection.values()))["instance"]
         with parallel_state(self.tp_degree), init_on_meta():
             instance.load_module()
