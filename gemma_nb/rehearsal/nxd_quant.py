@@ -141,9 +141,8 @@ class QuantizedColumnParallel(_QuantizedLinear):
         size = state_dict[prefix].shape[0]
         if self.output_size != size + self.pad_size:
             raise RuntimeError(f"State dict {prefix} is of an unexpected size {size} expected {size - self.pad_size}")
-        state_dict[prefix] = F.pad(state_dict[prefix], (0, 0, 0, self.pad_size))
-        scale = prefix.replace(".weight", ".scale")
-        state_dict[scale] = F.pad(state_dict[scale], (0, 0, 0, self.pad_size))
+        for key in (prefix, prefix.replace(".weight", ".scale")):  # the rows and their scales
+            state_dict[key] = F.pad(state_dict[key], (0, 0, 0, self.pad_size))
 
 
 class QuantizedRowParallel(_QuantizedLinear):
