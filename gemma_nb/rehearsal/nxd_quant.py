@@ -172,25 +172,31 @@ class QuantizedRowParallel(_QuantizedLinear):
         return output
 
 
-def _experts_matmul(layer, input_, expert_indices):
-    """The expert-fused layers' forward up to the scale: index experts on the leading axis, upcast, einsum."""
-    weight, scale = layer.weight, layer.scale
-    if expert_indices is not None:
-        weight, scale = weight[expert_indices, :, :], scale[expert_indices, :, :]
-    if input_.shape[0] != weight.shape[0] and input_.shape[0] > 1:
-        raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
-                           f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
-    output = torch.einsum("e...h,ehi->e...i", input_, direct_cast_dequantize(weight, input_.dtype))
-    return layer._scale_dequantize(output, scale)
+class _QuantizedExpertFused(_QuantizedLinear):
+    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled."""
+
+    reduce_output = False  # the row layer's argument; the column layer has no collective
+
+    def _experts_setup(self, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool) -> None:
+        if expert_model_parallel_group is not None and getattr(expert_model_parallel_group, "tp", 1) != 1:
+            raise NotImplementedError("the emulated SDK keeps expert parallelism off (EP=1), as gemma_nb.neuron builds")
+        self.num_experts, self._n_local_experts, self.is_fused_gate_up = num_experts, num_experts, is_fused_gate_up
+
+    def forward(self, input_, expert_indices=None):
+        weight, scale = self.weight, self.scale
+        if expert_indices is not None:
+            weight, scale = weight[expert_indices, :, :], scale[expert_indices, :, :]
+        if input_.shape[0] != weight.shape[0] and input_.shape[0] > 1:
+            raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
+                               f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
+        output = torch.einsum("e...h,ehi->e...i", input_, direct_cast_dequantize(weight, input_.dtype))
+        output = self._scale_dequantize(output, scale)
+        if self.reduce_output:
+            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+        return output
 
 
-def _experts_setup(layer, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool) -> None:
-    if expert_model_parallel_group is not None and getattr(expert_model_parallel_group, "tp", 1) != 1:
-        raise NotImplementedError("the emulated SDK keeps expert parallelism off (EP=1), as gemma_nb.neuron builds")
-    layer.num_experts, layer._n_local_experts, layer.is_fused_gate_up = num_experts, num_experts, is_fused_gate_up
-
-
-class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
+class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
     """``weight [E, in, out/tp]`` split on dim 2 (``stride`` 2: gate and up halves each split), scale
     ``[E or 1, 1, out/tp]``; forward ``[E or 1, ..., in] -> [E', ..., out/tp]``, no collective."""
 
@@ -202,16 +208,13 @@ class QuantizedExpertFusedColumnParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
-        _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
+        self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
         _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
-    def forward(self, input_, expert_indices=None):
-        return _experts_matmul(self, input_, expert_indices)
 
-
-class QuantizedExpertFusedRowParallel(_QuantizedLinear):
+class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
     """``weight [E, in/tp, out]`` split on dim 1, scale ``[E or 1, 1, out]`` replicated; forward
     ``[E', ..., in/tp] -> [E', ..., out]`` (this rank's partial sums unless ``reduce_output``)."""
 
@@ -223,16 +226,10 @@ class QuantizedExpertFusedRowParallel(_QuantizedLinear):
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
         _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
-        _experts_setup(self, num_experts, expert_model_parallel_group, is_fused_gate_up)
+        self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
         _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
-
-    def forward(self, input_, expert_indices=None):
-        output = _experts_matmul(self, input_, expert_indices)
-        if self.reduce_output:
-            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
-        return output
 
 
 QUANTIZED_LAYERS = (QuantizedColumnParallel, QuantizedRowParallel, QuantizedExpertFusedColumnParallel,
