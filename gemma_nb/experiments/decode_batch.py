@@ -38,8 +38,7 @@ class RealRouting:
 def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: int = 3) -> RealRouting:
     """Every layer's router choices for ``new_tokens`` greedy tokens fed back after each prompt (batched by length)."""
     found = moe.experts_modules(model)
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no routed experts to record")
+    assert found, f"{type(model).__name__} has no routed experts to record"
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in found]
     hooks = [module.register_forward_pre_hook(lambda _m, args, n=n: seen[n].append((args[1].clone(), args[2].clone())))
              for n, (_, _, module) in enumerate(found)]
@@ -111,21 +110,20 @@ def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     return hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True).sum(dim=1).float()
 
 
-def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
-                     hidden_size: int, batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8,
-                     dense_sources: Sequence[str] = ("uniform",), device: str = "cpu", seed: int = 0) -> pd.DataFrame:
+def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]], hidden_size: int,
+                     batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8, device: str = "cpu") -> pd.DataFrame:
     """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch (``steps_at_batch_1 // batch`` steps)
-    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense only under ``dense_sources``."""
+    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense under uniform routing only."""
     rows = []
     for batch in batches[:2] if bench.smoke_timing() else batches:
         steps = max(1, steps_at_batch_1 // batch)   # a dense step at B = 64 takes seconds
         warmup = 1 if steps > 1 else 0
-        x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(seed + batch)).to(torch.bfloat16).to(device)
+        x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16).to(device)
         by_source = {source: make(batch, steps + warmup) for source, make in routes.items()}
         candidates, read = {}, {}
         for source, chosen in by_source.items():
             for name, module in layers.items():
-                if name.startswith("dense") and source not in dense_sources:
+                if name.startswith("dense") and source != "uniform":
                     continue
                 key = f"{name} | {source}"
                 candidates[key] = bench.layer_steps({key: module}, x, [(i.to(device), w.to(device)) for i, w in chosen])[key]
@@ -224,7 +222,6 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
 
 
 def _batch_axis(ax, batches, label: str) -> None:
-    """A log-2 batch axis labelled 1, 2, 4, ..."""
     ax.set_xscale("log", base=2)
     ticks = sorted({int(b) for b in batches})
     ax.set_xticks(ticks, [str(b) for b in ticks])

@@ -71,7 +71,6 @@ def seeded_rows(seed: int, start: int, stop: int, hidden_size: int, std: float =
 
 def seeded_table(seed: int, vocab_size: int, hidden_size: int, std: float = 0.02,
                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The whole table of :func:`seeded_rows`."""
     return seeded_rows(seed, 0, vocab_size, hidden_size, std=std, dtype=dtype)
 
 
@@ -118,7 +117,6 @@ class VocabParallelLMHead(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
         """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
-        assert weight.dim() == 2, weight.shape
         weight = weight.detach()
         return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank)
 

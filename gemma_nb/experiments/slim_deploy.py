@@ -217,7 +217,6 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 
 
 def main(argv: list[str]) -> None:
-    """One job (``kind`` slim | naive: ``run_deploy``; compile: ``compile_checkpoint``), its JSON on the last stdout line."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
         result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
