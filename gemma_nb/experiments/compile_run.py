@@ -44,18 +44,17 @@ SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name
 }.items()}
 
 
-def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None, keep: bool = False):
-    """Each named config compiled into ``folder`` by ``main`` in a fresh Python under the RSS sampler, one row each;
-    artifacts deleted unless ``keep``."""
+def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
+    """Each named config compiled into ``folder`` by ``main`` in a fresh Python under the RSS sampler (its artifact
+    deleted after), one row each."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name
-        job = {"dims": dict(dims), "folder": str(target), "shapes": dict(shapes or {})}
+        job = {"dims": dict(dims), "folder": str(target)}
         run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=0.05,
                            timeout_s=300.0, env={"HF_HUB_OFFLINE": "1"})
         result = {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes}
-        if not keep:
-            shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
         rows.append({"point": name, "params": result["params"], "layers": result["layers"],
                      **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
                      "export_s": result["export_s"], "save_s": result["save_s"],

@@ -166,11 +166,10 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
     return result
 
 
-def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
-                    shapes: Mapping | None = None, interval_s: float = 0.05, timeout_s: float = 600.0) -> dict:
+def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
     run = _run_job({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
-                    "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}, interval_s, timeout_s)
+                    "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
     return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
 
 
@@ -219,7 +218,7 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 def main(argv: list[str]) -> None:
     job = json.loads(argv[0])
     if job["kind"] == "compile":
-        result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
+        result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"])
         result["self_peak_rss_bytes"] = self_peak_rss_bytes()
     else:
         result = run_deploy(job["kind"], job["source"], job["prompt"], job["max_new_tokens"])
