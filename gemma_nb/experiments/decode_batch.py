@@ -12,7 +12,6 @@ from gemma_nb.decode_roofline import expected_distinct_experts, selective_loadin
 from gemma_nb.evaluate import greedy_generate
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SOURCES = ("uniform", "real")
 
 
 @dataclass(frozen=True)
@@ -228,10 +227,6 @@ def _batch_axis(ax, batches, label: str) -> None:
     ax.set_xlabel(label)
 
 
-PATH_LABELS = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
-               "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
-
-
 def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     """Distinct experts per step on the 26B layer's ids vs batch: formula, uniform draws, real router."""
     _ = ax.plot(distinct.index, distinct["formula_full_size"], color="0.3", label="E (1 - (1 - K/E)^B)")
@@ -262,9 +257,11 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
                         reference_label: str = "", legend: str | None = "best") -> None:
     """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
+    labels = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
+              "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
     for path, group in rows.groupby("path", sort=False):
         group = group.sort_values("batch")
-        _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])
+        _ = ax.plot(group["batch"], group[metric], marker=".", label=labels[path])
     top = rows["batch"].max()
     low, high = limits["largest_batch_if_low"], limits["largest_batch"]
     if high is not None and high < top and (low is None or low > high):
@@ -281,13 +278,11 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
         ax.legend(loc=legend, fontsize=8)
 
 
-BATCH_METRIC_COLUMNS = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb",
-                        "dense_floor_ms", "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")
-
-
 def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> dict:
     """The ``batch`` section of notebook 07's metrics: per source, dtype and batch, and the crossovers."""
-    by_source = {source: {dtype: [{"batch": int(row["batch"]), **{c: float(row[c]) for c in BATCH_METRIC_COLUMNS}}
+    columns = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb", "dense_floor_ms",
+               "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")
+    by_source = {source: {dtype: [{"batch": int(row["batch"]), **{c: float(row[c]) for c in columns}}
                                   for _, row in group.sort_values("batch").iterrows()]
                           for dtype, group in rows.groupby("dtype", sort=False)}
                  for source, rows in table.groupby("source", sort=False)}
