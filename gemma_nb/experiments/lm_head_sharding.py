@@ -240,9 +240,8 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
     return pd.DataFrame(rows).assign(gb=lambda table: table["bytes"] / 1e9)
 
 
-def plot_bytes_per_holder(table, claims=None):
+def plot_bytes_per_holder(table):
     """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank figures."""
-    claims = CLAIMS if claims is None else claims
     fig, ax = plots.subplots(figsize=(7.5, 4.6))
     holders = list(dict.fromkeys(table["holder"]))
     labels, embed_gb, head_gb = [], [], []
@@ -260,7 +259,7 @@ def plot_bytes_per_holder(table, claims=None):
            title="Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
     for (key, what), style in zip((("lm_head_bf16_gb_per_rank", "bf16 head"),
                                    ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")), ("--", ":")):
-        value = claims[key].value
+        value = CLAIMS[key].value
         _ = ax.axhline(value, color="0.25", linestyle=style, linewidth=1.2, label=f"story: {what} {value:g} GB/rank")
     _ = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False, fontsize=9)
     return fig
