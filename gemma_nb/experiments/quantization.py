@@ -55,7 +55,8 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
     """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match if ``answers``."""
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match against
+    ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
     model = copy.deepcopy(float_model).to(dtype)
@@ -67,8 +68,6 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
                "quantized_bf16_bytes": int(report["bf16_bytes"].sum())}
     greedy = None
     if answers:
-        if reference_greedy is None:
-            reference_greedy = greedy_tokens(float_model, tokenizer, prompts, steps)
         longest_answer = max(len(tokenizer(f.answer, add_special_tokens=False).input_ids) for f in facts)
         tokens = greedy_tokens(model, tokenizer, prompts, max(steps, longest_answer))
         greedy = greedy_table(prompts, reference_greedy, [t[:steps] for t in tokens], tokenizer)
