@@ -20,7 +20,7 @@ def test_fit_linear_recovers_a_line():
 
 
 def test_command_prints_its_json_result_on_the_last_stdout_line(tmp_path):
-    """``python -m gemma_nb.experiments.compile_run '<job>'``: the contract ``measure_sweep_point`` relies on."""
+    """``python -m gemma_nb.experiments.compile_run '<job>'``: the contract ``compile_sweep`` relies on."""
     dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_experts=4, top_k_experts=2,
                 moe_intermediate_size=32, vocab_size=512)
     job = {"dims": dims, "folder": str(tmp_path / "point"), "shapes": {"max_cache_len": 32, "prefill_len": 8}}

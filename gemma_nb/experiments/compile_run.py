@@ -44,42 +44,23 @@ SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name
 }.items()}
 
 
-def measure_sweep_point(dims: Mapping, folder: str | Path, shapes: Mapping | None = None,
-                        interval_s: float = 0.05, timeout_s: float = 300.0) -> dict:
-    """Compile a random Gemma-4 of ``dims`` into ``folder`` in a fresh Python (``main``) under the RSS sampler."""
-    job = {"dims": dict(dims), "folder": str(folder), "shapes": dict(shapes or {})}
-    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=interval_s,
-                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
-    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes, "wall_s": run.wall_s}
-
-
-def compile_sweep(points: Mapping[str, Mapping], folder: str | Path, shapes: Mapping | None = None,
-                  keep: bool = False):
-    """``measure_sweep_point`` for each named config, one row each; artifacts deleted unless ``keep``."""
+def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
+    """Each named config compiled into ``folder`` by ``main`` in a fresh Python under the RSS sampler (its artifact
+    deleted after), one row each."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name
-        result = measure_sweep_point(dims, target, shapes)
-        if not keep:
-            shutil.rmtree(target, ignore_errors=True)
+        job = {"dims": dict(dims), "folder": str(target)}
+        run = run_measured([sys.executable, "-m", "gemma_nb.experiments.compile_run", json.dumps(job)], interval_s=0.05,
+                           timeout_s=300.0, env={"HF_HUB_OFFLINE": "1"})
+        result = {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes}
+        shutil.rmtree(target, ignore_errors=True)
         rows.append({"point": name, "params": result["params"], "layers": result["layers"],
                      **{f"{key}_gb": result[f"{key}_bytes"] / 1e9 for key in ("weight", "held_rss", "peak_rss", "peak_hwm")},
                      "export_s": result["export_s"], "save_s": result["save_s"],
                      "compile_s": result["export_s"] + result["save_s"],
-                     "build_s": result["build_s"], "wall_s": result["wall_s"]})
+                     "build_s": result["build_s"], "wall_s": run.wall_s})
     return pd.DataFrame(rows).set_index("point")
-
-
-def fit_linear(x, y) -> dict:
-    """Least-squares ``y = intercept + slope * x``; returns slope, intercept and r^2."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if x.size < 2:
-        raise ValueError(f"need at least 2 points to fit a line, got {x.size}")
-    slope, intercept = np.polyfit(x, y, 1)
-    residual = y - (intercept + slope * x)
-    total = ((y - y.mean()) ** 2).sum()
-    r2 = 1.0 - (residual**2).sum() / total if total > 0 else 1.0
-    return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2)}
 
 
 def fit_linear_multi(features: Mapping[str, object], y) -> dict:
@@ -88,12 +69,18 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
     y = np.asarray(y, dtype=float)
     design = np.stack([np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names], axis=1)
     if design.shape[0] < design.shape[1]:
-        raise ValueError(f"need at least {design.shape[1]} points to fit {len(names)} features, got {design.shape[0]}")
+        raise ValueError(f"need at least {design.shape[1]} points to fit {', '.join(names)} and an intercept, "
+                         f"got {design.shape[0]}")
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
     residual = y - design @ coef
     total = ((y - y.mean()) ** 2).sum()
     return {"intercept": float(coef[0]), **{n: float(c) for n, c in zip(names, coef[1:])},
             "r2": float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0}
+
+
+def fit_linear(x, y) -> dict:
+    """Least-squares ``y = intercept + slope * x``; returns intercept, slope and r^2."""
+    return fit_linear_multi({"slope": x}, y)
 
 
 def growth_fits(sweep) -> dict:
@@ -199,7 +186,6 @@ def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, m
 
 
 def main(argv: list[str]) -> None:
-    """One sweep point (JSON ``dims``, ``folder``, ``shapes``); prints its measurements as JSON on the last stdout line."""
     job = json.loads(argv[0])
     start = time.perf_counter()
     model = random_gemma4_model(random_gemma4_config(**job["dims"]), seed=0, dtype=torch.bfloat16)

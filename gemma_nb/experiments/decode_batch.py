@@ -12,7 +12,6 @@ from gemma_nb.decode_roofline import expected_distinct_experts, selective_loadin
 from gemma_nb.evaluate import greedy_generate
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SOURCES = ("uniform", "real")
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,7 @@ class RealRouting:
 def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: int = 3) -> RealRouting:
     """Every layer's router choices for ``new_tokens`` greedy tokens fed back after each prompt (batched by length)."""
     found = moe.experts_modules(model)
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no routed experts to record")
+    assert found, f"{type(model).__name__} has no routed experts to record"
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in found]
     hooks = [module.register_forward_pre_hook(lambda _m, args, n=n: seen[n].append((args[1].clone(), args[2].clone())))
              for n, (_, _, module) in enumerate(found)]
@@ -111,21 +109,20 @@ def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     return hit.scatter_(1, index.permute(1, 0, 2).reshape(index.shape[1], -1).long(), True).sum(dim=1).float()
 
 
-def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]],
-                     hidden_size: int, batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8,
-                     dense_sources: Sequence[str] = ("uniform",), device: str = "cpu", seed: int = 0) -> pd.DataFrame:
+def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]], hidden_size: int,
+                     batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8, device: str = "cpu") -> pd.DataFrame:
     """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch (``steps_at_batch_1 // batch`` steps)
-    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense only under ``dense_sources``."""
+    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense under uniform routing only."""
     rows = []
     for batch in batches[:2] if bench.smoke_timing() else batches:
         steps = max(1, steps_at_batch_1 // batch)   # a dense step at B = 64 takes seconds
         warmup = 1 if steps > 1 else 0
-        x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(seed + batch)).to(torch.bfloat16).to(device)
+        x = torch.randn(batch, hidden_size, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16).to(device)
         by_source = {source: make(batch, steps + warmup) for source, make in routes.items()}
         candidates, read = {}, {}
         for source, chosen in by_source.items():
             for name, module in layers.items():
-                if name.startswith("dense") and source not in dense_sources:
+                if name.startswith("dense") and source != "uniform":
                     continue
                 key = f"{name} | {source}"
                 candidates[key] = bench.layer_steps({key: module}, x, [(i.to(device), w.to(device)) for i, w in chosen])[key]
@@ -224,15 +221,10 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
 
 
 def _batch_axis(ax, batches, label: str) -> None:
-    """A log-2 batch axis labelled 1, 2, 4, ..."""
     ax.set_xscale("log", base=2)
     ticks = sorted({int(b) for b in batches})
     ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.set_xlabel(label)
-
-
-PATH_LABELS = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
-               "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
 
 
 def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
@@ -265,9 +257,11 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
                         reference_label: str = "", legend: str | None = "best") -> None:
     """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
+    labels = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
+              "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
     for path, group in rows.groupby("path", sort=False):
         group = group.sort_values("batch")
-        _ = ax.plot(group["batch"], group[metric], marker=".", label=PATH_LABELS[path])
+        _ = ax.plot(group["batch"], group[metric], marker=".", label=labels[path])
     top = rows["batch"].max()
     low, high = limits["largest_batch_if_low"], limits["largest_batch"]
     if high is not None and high < top and (low is None or low > high):
@@ -284,13 +278,11 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
         ax.legend(loc=legend, fontsize=8)
 
 
-BATCH_METRIC_COLUMNS = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb",
-                        "dense_floor_ms", "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")
-
-
 def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> dict:
     """The ``batch`` section of notebook 07's metrics: per source, dtype and batch, and the crossovers."""
-    by_source = {source: {dtype: [{"batch": int(row["batch"]), **{c: float(row[c]) for c in BATCH_METRIC_COLUMNS}}
+    columns = ("distinct_experts", "dense_experts_read", "sparse_experts_read", "dense_gb", "sparse_gb", "dense_floor_ms",
+               "sparse_floor_ms", "dense_p50_ms", "sparse_p50_ms", "dense_tok_s", "sparse_tok_s")
+    by_source = {source: {dtype: [{"batch": int(row["batch"]), **{c: float(row[c]) for c in columns}}
                                   for _, row in group.sort_values("batch").iterrows()]
                           for dtype, group in rows.groupby("dtype", sort=False)}
                  for source, rows in table.groupby("source", sort=False)}

@@ -76,11 +76,10 @@ def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dic
             "rounding_error_pct": 100.0 * error / exact}
 
 
-def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor],
-                          probe_ids: torch.Tensor | None = None) -> dict:
-    """``host(ids)`` vs ``embed_tokens(ids)`` on ``probe_ids``: % of elements differing, max ulps, max |diff|, norm ratio."""
+def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """``host(ids)`` vs ``embed_tokens(ids)`` on ``default_probe_ids``: % elements differing, max ulps, max |diff|, norm ratio."""
     module = model.get_input_embeddings()
-    probe_ids = default_probe_ids(module.weight.shape[0]) if probe_ids is None else probe_ids
+    probe_ids = default_probe_ids(module.weight.shape[0])
     with torch.no_grad():
         reference = module(probe_ids.to(module.weight.device)).cpu()
         candidate = host(probe_ids).cpu()
@@ -121,15 +120,10 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
                          for name in HOST_PATHS])
 
 
-COMPARE_COLUMNS = ["path", "dtype", "greedy", "greedy_match", "first_divergent_step", "fact_recall", "top1_agreement",
-                   "kl_mean", "max_logit_diff", "norm_ratio", "differ_pct", "max_diff_ulps"]
-
-
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
-                       steps: int = 8, facts=None, batches=None) -> pd.DataFrame:
+                       steps: int = 8, facts=FACTS) -> pd.DataFrame:
     """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
-    facts = list(FACTS if facts is None else facts)
-    batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts]) if batches is None else batches
+    batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
     reference_logits = evaluate.CachedLogits(model)
     prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
@@ -139,12 +133,11 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital o
              "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0, "max_diff_ulps": 0.0}]
     for name in HOST_PATHS:
         candidate, scores = _scores(model, name, reference_logits, batches)
-        tokens = evaluate.greedy_generate(candidate, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
-        first = next((i for i, (r, c) in enumerate(zip(reference_tokens, tokens)) if r != c), None)
-        rows.append({"path": name, "dtype": dtype, "greedy": tokenizer.decode(tokens), "greedy_match": first is None,
-                     "first_divergent_step": first, "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0],
-                     **scores})
-    return pd.DataFrame(rows)[COMPARE_COLUMNS]
+        greedy = evaluate.greedy_match(model, candidate, prompt_ids, steps, tokenizer)
+        rows.append({"path": name, "dtype": dtype, "greedy": greedy["candidate_text"], "greedy_match": greedy["match"],
+                     "first_divergent_step": greedy["first_divergent_step"],
+                     "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0], **scores})
+    return pd.DataFrame(rows).drop(columns="max_abs_diff")   # the embeddings' max |diff| is shown in ulps
 
 
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:

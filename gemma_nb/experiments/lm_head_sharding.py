@@ -54,25 +54,22 @@ def vocab_shard(vocab_size: int, tp: int, rank: int, align_rows: int = DEFAULT_A
     return VocabShard(vocab_size, tp, rank, rows, start, stop, stop - start, rows - (stop - start), rows * tp)
 
 
-def seeded_rows(seed: int, start: int, stop: int, hidden_size: int, std: float = 0.02,
-                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a normal(0, ``std``) table fixed by ``seed``, the same however they are asked for
+def seeded_rows(seed: int, start: int, stop: int, hidden_size: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a bf16 normal(0, 0.02) table fixed by ``seed``, the same however they are asked for
     (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows, never the whole fp32 table."""
     assert 0 <= start <= stop, (start, stop)
-    out = torch.empty(stop - start, hidden_size, dtype=dtype)
+    out = torch.empty(stop - start, hidden_size, dtype=torch.bfloat16)
     for block in range(start // SEEDED_BLOCK_ROWS, -(-stop // SEEDED_BLOCK_ROWS)):
         lo = block * SEEDED_BLOCK_ROWS
         generator = torch.Generator().manual_seed(seed * 1_000_003 + block)
-        values = torch.randn(SEEDED_BLOCK_ROWS, hidden_size, generator=generator).mul_(std)
+        values = torch.randn(SEEDED_BLOCK_ROWS, hidden_size, generator=generator).mul_(0.02)
         a, b = max(lo, start), min(lo + SEEDED_BLOCK_ROWS, stop)
-        out[a - start:b - start] = values[a - lo:b - lo].to(dtype)
+        out[a - start:b - start] = values[a - lo:b - lo].to(torch.bfloat16)
     return out
 
 
-def seeded_table(seed: int, vocab_size: int, hidden_size: int, std: float = 0.02,
-                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The whole table of :func:`seeded_rows`."""
-    return seeded_rows(seed, 0, vocab_size, hidden_size, std=std, dtype=dtype)
+def seeded_table(seed: int, vocab_size: int, hidden_size: int) -> torch.Tensor:
+    return seeded_rows(seed, 0, vocab_size, hidden_size)
 
 
 def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop: int, hidden_size: int,
@@ -92,19 +89,18 @@ def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop:
 
 
 class VocabParallelLMHead(nn.Module):
-    """One rank's int8 rows of the lm_head (matmul in ``dtype``), all-gathered into full logits (NxD's ``gather_output=True``)."""
+    """One rank's int8 rows of the lm_head (bf16 matmul), all-gathered into full logits (NxD's ``gather_output=True``)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, shard: VocabShard, group=None,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, shard: VocabShard):
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2 and qweight.shape[0] == shard.rows_per_rank, qweight.shape
-        assert tuple(scale.shape) == (shard.rows_per_rank, 1) and dtype.is_floating_point, (scale.shape, dtype)
+        assert tuple(scale.shape) == (shard.rows_per_rank, 1), scale.shape
         if shard.tp > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world "
                                  f"size {shard.tp}: build it inside a worker started by gemma_nb.ranks.run_tp (or use tp=1)")
-            assert (dist.get_world_size(group), dist.get_rank(group)) == (shard.tp, shard.rank), "one shard per rank"
-        self.shard, self.group, self.dtype = shard, group, dtype
+            assert (dist.get_world_size(), dist.get_rank()) == (shard.tp, shard.rank), "one shard per rank"
+        self.shard = shard
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
 
@@ -118,7 +114,6 @@ class VocabParallelLMHead(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
         """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
-        assert weight.dim() == 2, weight.shape
         weight = weight.detach()
         return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank)
 
@@ -130,7 +125,7 @@ class VocabParallelLMHead(nn.Module):
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits ``[..., rows_per_rank]`` (``gather_output=False``); padding columns ``-inf``."""
         n = self.shard.real_rows
-        logits = int8_matmul(hidden.to(self.dtype), self.qweight[:n], self.scale[:n])
+        logits = int8_matmul(hidden.to(torch.bfloat16), self.qweight[:n], self.scale[:n])
         if self.shard.pad_rows:
             pad = logits.new_full((*logits.shape[:-1], self.shard.pad_rows), float("-inf"))
             logits = torch.cat([logits, pad], dim=-1)
@@ -140,7 +135,7 @@ class VocabParallelLMHead(nn.Module):
         local = self.local_logits(hidden).contiguous()
         if self.shard.tp > 1:
             parts = [torch.empty_like(local) for _ in range(self.shard.tp)]
-            dist.all_gather(parts, local, group=self.group)
+            dist.all_gather(parts, local)
             local = torch.cat(parts, dim=-1)
         return local[..., : self.shard.vocab_size]
 
@@ -188,11 +183,11 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden_size: int,
-                  hidden: torch.Tensor, repeats: int = 5, std: float = 0.02) -> dict:
+                  hidden: torch.Tensor, repeats: int = 5) -> dict:
     """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows (bytes, RSS, ms, logits)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
-        replicated = seeded_table(seed, vocab_size, hidden_size, std=std)
+        replicated = seeded_table(seed, vocab_size, hidden_size)
         rss1 = _rss_bytes()
         replicated_bytes = replicated.numel() * replicated.element_size()
         token = hidden[:1]
@@ -200,7 +195,7 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         del replicated
         gc.collect()
         rss2 = _rss_bytes()
-        head = VocabParallelLMHead.from_rows(lambda a, b: seeded_rows(seed, a, b, hidden_size, std=std),
+        head = VocabParallelLMHead.from_rows(lambda a, b: seeded_rows(seed, a, b, hidden_size),
                                              vocab_size, hidden_size, tp=world_size, rank=rank)
         rss3 = _rss_bytes()
         logits = head(hidden)
@@ -245,9 +240,8 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
     return pd.DataFrame(rows).assign(gb=lambda table: table["bytes"] / 1e9)
 
 
-def plot_bytes_per_holder(table, claims=None):
+def plot_bytes_per_holder(table):
     """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank figures."""
-    claims = CLAIMS if claims is None else claims
     fig, ax = plots.subplots(figsize=(7.5, 4.6))
     holders = list(dict.fromkeys(table["holder"]))
     labels, embed_gb, head_gb = [], [], []
@@ -265,7 +259,7 @@ def plot_bytes_per_holder(table, claims=None):
            title="Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
     for (key, what), style in zip((("lm_head_bf16_gb_per_rank", "bf16 head"),
                                    ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")), ("--", ":")):
-        value = claims[key].value
+        value = CLAIMS[key].value
         _ = ax.axhline(value, color="0.25", linestyle=style, linewidth=1.2, label=f"story: {what} {value:g} GB/rank")
     _ = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False, fontsize=9)
     return fig

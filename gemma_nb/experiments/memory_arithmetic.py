@@ -84,19 +84,10 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, in
     return pd.DataFrame([{"reading": text, "computed_gb": gb, "inside_claim": low <= gb <= high} for text, gb in rows])
 
 
-ALLOWANCE_ROWS = {
-    "budget_gb": "HBM per core", "failing_static_gb": "int8_experts: weights + KV cache",
-    "fitting_static_gb": "int8_squeeze: weights + KV cache", "min_to_fail_gb": "int8_experts fails above this runtime allowance",
-    "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
-    "allowance_if_short_by_gb": "runtime allowance for int8_experts to be short by {short_by}",
-    "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance",
-}
-
-
 def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge",
                     words: bool = True):
     """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the claim's middle;
-    rows in words (``ALLOWANCE_ROWS``), or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
+    rows in words, or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
     host, claim = get_instance(instance), get_claim("int8_experts_gap_gb")
     budgets = {"story": "16 GB core (the story)", "spec": "16 GiB core (AWS)"}
     columns = {(label if words else name): host.budget_bytes(name) for name, label in budgets.items()}
@@ -104,5 +95,12 @@ def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN,
                                        short_by_bytes=int(claim.value * GB)) for label, budget in columns.items()}
     table = pd.DataFrame({label: {k.replace("_bytes", "_gb"): v / GB for k, v in window.items()}
                           for label, window in windows.items()})
-    rows = {key: text.format(short_by=f"{claim.value:g} GB") for key, text in ALLOWANCE_ROWS.items()}
-    return table.rename(index=rows) if words else table
+    if not words:
+        return table
+    return table.rename(index={
+        "budget_gb": "HBM per core", "failing_static_gb": "int8_experts: weights + KV cache",
+        "fitting_static_gb": "int8_squeeze: weights + KV cache",
+        "min_to_fail_gb": "int8_experts fails above this runtime allowance",
+        "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
+        "allowance_if_short_by_gb": f"runtime allowance for int8_experts to be short by {claim.value:g} GB",
+        "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance"})

@@ -51,12 +51,12 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
     return pd.DataFrame(rows)
 
 
-def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=None,
+def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=FACTS,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
     """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match if ``answers``."""
-    facts = FACTS if facts is None else facts
+    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match against
+    ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
     model = copy.deepcopy(float_model).to(dtype)
@@ -68,8 +68,6 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
                "quantized_bf16_bytes": int(report["bf16_bytes"].sum())}
     greedy = None
     if answers:
-        if reference_greedy is None:
-            reference_greedy = greedy_tokens(float_model, tokenizer, prompts, steps)
         longest_answer = max(len(tokenizer(f.answer, add_special_tokens=False).input_ids) for f in facts)
         tokens = greedy_tokens(model, tokenizer, prompts, max(steps, longest_answer))
         greedy = greedy_table(prompts, reference_greedy, [t[:steps] for t in tokens], tokenizer)
@@ -122,16 +120,15 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
     if not isinstance(reference, evaluate.CachedLogits):
         reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
+    first, *others = dtypes
     for name in schemes:
-        key = name if isinstance(name, str) else str(name)
-        first, *others = dtypes
+        key = str(name)
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
         for dtype in others:
             extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device, answers=False)[1]
             label = str(dtype).replace("torch.", "")
-            summary[f"top1_agreement_{label}"] = extra["top1_agreement"]
-            summary[f"kl_mean_{label}"] = extra["kl_mean"]
+            summary.update({f"{score}_{label}": extra[score] for score in ("top1_agreement", "kl_mean")})
         rows[key] = summary
     results = pd.DataFrame(rows).T
     results.index.name = "scheme"

@@ -46,9 +46,9 @@ def int8_squeeze(model: nn.Module):
     return report[["group", "format", "params", "stored_bytes"]]
 
 
-def deploy_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
-    """``length`` token ids drawn with a fixed seed (ids 0-3 are reserved specials): the deploy prompt."""
-    return torch.randint(4, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+def deploy_prompt(vocab_size: int, length: int) -> list[int]:
+    """``length`` token ids drawn with seed 0 (ids 0-3 are reserved specials): the deploy prompt."""
+    return torch.randint(4, vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
@@ -166,11 +166,10 @@ def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tok
     return result
 
 
-def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
-                    shapes: Mapping | None = None, interval_s: float = 0.05, timeout_s: float = 600.0) -> dict:
+def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
     run = _run_job({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
-                    "max_new_tokens": max_new_tokens, "shapes": dict(shapes or {})}, interval_s, timeout_s)
+                    "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
     return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
 
 
@@ -217,10 +216,9 @@ def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_
 
 
 def main(argv: list[str]) -> None:
-    """One job (``kind`` slim | naive: ``run_deploy``; compile: ``compile_checkpoint``), its JSON on the last stdout line."""
     job = json.loads(argv[0])
     if job["kind"] == "compile":
-        result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"], job.get("shapes"))
+        result = compile_checkpoint(job["source"], job["folder"], job["prompt"], job["max_new_tokens"])
         result["self_peak_rss_bytes"] = self_peak_rss_bytes()
     else:
         result = run_deploy(job["kind"], job["source"], job["prompt"], job["max_new_tokens"])

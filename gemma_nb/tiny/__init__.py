@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from gemma_nb.tiny.corpus import FACTS, Fact, fact_prompts
+from gemma_nb.tiny.corpus import FACTS as FACTS  # re-exported
+from gemma_nb.tiny.corpus import fact_prompts as fact_prompts
 
 BUNDLED_ID = "gemma-nb/tiny-gemma4-moe"
 CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
-# The second bundled checkpoint: heads, KV heads and experts that split over TP=2 as the 26B's do.
 BUNDLED_TP2_ID = "gemma-nb/tiny-gemma4-moe-tp2"
 TP2_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint_tp2"
 
@@ -22,15 +22,11 @@ SLIDING_PER_FULL = 5  # the 26B-A4B's layer pattern: five sliding-window layers,
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=2,
-    moe_intermediate_size=64, sliding_window=64, max_position_embeddings=512,
-)
-# The TP=2 checkpoint: the 26B's head counts (16 query, 8 sliding / 2 global KV heads) that TP=2 splits as on the
-# inf2, its layer pattern, and 32 experts top-2 (the 26B's 1/16 active ratio).
-TP2_DIMS: dict[str, Any] = dict(
-    hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=16, global_head_dim=32, num_global_key_value_heads=2, num_experts=32, top_k_experts=2,
-    moe_intermediate_size=32, sliding_window=64, max_position_embeddings=512,
-)
+    moe_intermediate_size=64, sliding_window=64, max_position_embeddings=512)
+# The second bundled checkpoint, whose heads, KV heads and experts split over TP=2 as the 26B's do: its head counts
+# (16 query, 8 sliding / 2 global KV heads), its layer pattern, and 32 experts top-2 (the 26B's 1/16 active ratio).
+TP2_DIMS: dict[str, Any] = {**TINY_DIMS, "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 8,
+                            "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 2, "moe_intermediate_size": 32}
 DIMS = {"tiny": TINY_DIMS, "tp2": TP2_DIMS}
 CHECKPOINT_DIRS = {"tiny": CHECKPOINT_DIR, "tp2": TP2_CHECKPOINT_DIR}
 BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
@@ -43,8 +39,7 @@ ARCHITECTURE: dict[str, Any] = dict(
     rms_norm_eps=1e-6, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-    }, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-)
+    }, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 DEFAULT_RANDOM_VOCAB = 2048
 _GLOBAL_ATTENTION_KEYS = ("global_head_dim", "num_global_key_value_heads")  # popped by Gemma4TextConfig.__post_init__
@@ -114,7 +109,3 @@ def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.b
     torch.manual_seed(seed)
     return Gemma4ForCausalLM._from_config(config, dtype=init_dtype or dtype).to(dtype).eval()
 
-
-__all__ = ["BUNDLED_ID", "CHECKPOINT_DIR", "BUNDLED_TP2_ID", "TP2_CHECKPOINT_DIR", "TP2_DIMS", "DIMS", "BUNDLED_IDS", "TINY_DIMS",
-           "ARCHITECTURE", "FACTS", "Fact", "fact_prompts", "checkpoint_dir", "default_layer_types", "random_gemma4_config",
-           "random_gemma4_model"]

@@ -113,7 +113,7 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
         }
         (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
         if args.dims == "tp2":  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
-            save_hub_layout(out_dir, out_dir)
+            save_hub_layout(out_dir)
         return summary
     finally:
         torch.set_num_threads(threads)
