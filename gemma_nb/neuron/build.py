@@ -1,8 +1,5 @@
 """The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by ModelBuilder v1.
-
-Swaps: q/k/v column- and o row-parallel, shared MLP and lm_head int8, experts as ``neuron.moe``; the host embeds
-and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)`` is the same graph at TP=1.
-"""
+The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)``: the graph at TP=1."""
 
 import json
 import time
@@ -307,7 +304,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
 
 
 def sdk_label(sdk) -> str:
-    """``"Neuron SDK"``, or ``"emulated SDK (...)"`` for ``make rehearse``'s emulation."""
     return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
 
 

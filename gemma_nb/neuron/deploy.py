@@ -1,8 +1,5 @@
-"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop.
-
-Everything comes from the artifact folder; the KV cache stays on the device (aliased state). ``NeuronStepRunner``
-takes any callable with the graph's signature, so the tests run it on ``NeuronGemma4(parallel=False)``.
-"""
+"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop;
+everything from the artifact folder, the KV cache kept on the device (aliased state)."""
 
 import gc
 import time
@@ -83,10 +80,7 @@ class CpuStateGraph:
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
-    path = Path(artifact_dir) / MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{MODEL_FILE} not found in {path.parent.name}/: run gemma_nb.neuron.build.compile_neuron first")
-    model = torch.jit.load(str(path))
+    model = torch.jit.load(str(Path(artifact_dir) / MODEL_FILE))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
     def graph(*inputs):

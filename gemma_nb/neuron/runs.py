@@ -1,14 +1,11 @@
-"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn.
-
-The 26B compiles at the shipped shapes; the bundled TP=2 checkpoint (the smoke run) at ``SMOKE_SHAPES``.
-"""
+"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn."""
 
 from pathlib import Path
 
 import pandas as pd
 from transformers import AutoTokenizer
 
-from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir, read_artifact
+from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
 from gemma_nb.neuron.deploy import benchmark_artifacts, deployed_answer, release, slim_deploy
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
@@ -46,8 +43,8 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
             answer = deployed_answer(runner, folder, prompt, max_new_tokens)
         finally:
             release(runner)
-        rows.append({"build": Path(folder).name, "decode_graph": read_artifact(folder).decode_graph,
-                     "completion": answer["completion"], "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
+        rows.append({"build": Path(folder).name, "decode_graph": figures["decode_graph"], "completion": answer["completion"],
+                     "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
                      "peak_host_rss_bytes": figures["peak_host_rss_bytes"], "sdk": figures["sdk"]})
     return rows
 

@@ -1,8 +1,5 @@
-"""The one import of the Neuron SDK, and its transformers-5 workaround (every notebook on the neuron target).
-
-NxD's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed: only when the import
-fails on it, a stand-in whose ``HFTracer`` refuses to be built goes into ``sys.modules``.
-"""
+"""The one import of the Neuron SDK, and its transformers-5 workaround: NxD's ``pipeline/trace.py`` imports
+``transformers.utils.fx``, which transformers 5 removed; when the import fails on it, a stand-in goes into ``sys.modules``."""
 
 import importlib
 import importlib.util
@@ -115,20 +112,18 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     import torch_neuronx
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
-    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
     from neuronx_distributed.quantization import quantization_layers as layers
     from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
-        torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
-        SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
-        quantization_layers=layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
-        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel, model_builder=model_builder,
-        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
-        ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
+        torch_neuronx=torch_neuronx, NxDParallelState=NxDParallelState, mappings=mappings, quantization_layers=layers,
+        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, QuantizationType=QuantizationType,
+        QuantizedDtype=QuantizedDtype, ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
+        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel,
+        QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel, ModelBuilder=model_builder.ModelBuilder,
+        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilderV2=model_builder_v2.ModelBuilder,
         fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
     )
 
