@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_state_graph import CpuStateGraph
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,7 +53,7 @@ def stand_in_load(folder: Path):
     build = NeuronBuildConfig(**artifact.record["build"])
     module = NeuronGemma4(artifact.config, build, parallel=False)
     module.load_state_dict(torch.load(folder / A.MODEL_FILE, weights_only=True))
-    return ND.CpuStateGraph(module)
+    return CpuStateGraph(module)
 
 
 @pytest.fixture(scope="module")

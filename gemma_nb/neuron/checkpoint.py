@@ -34,7 +34,7 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
 
 
 def text_config(model_dir: str | Path):
-    """The text model's config of a checkpoint or artifact folder (the language model of a multimodal one)."""
+    """The text model's config of a checkpoint or artifact folder."""
     return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
 
 

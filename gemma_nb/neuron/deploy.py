@@ -61,22 +61,6 @@ class NeuronStepRunner:
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 
 
-class CpuStateGraph:
-    """The cpu module as a graph: returned K/V written back into its state, as the runtime does; returns logits."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *inputs):
-        outputs = self.module(*inputs)
-        layers = len(self.module.k_cache)
-        with torch.no_grad():
-            for i in range(layers):
-                self.module.k_cache[i].copy_(outputs[1 + i])
-                self.module.v_cache[i].copy_(outputs[1 + layers + i])
-        return outputs[0]
-
-
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)

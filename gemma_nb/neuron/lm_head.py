@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.moe import import_nxd, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -16,12 +16,10 @@ def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dty
                   pad: bool = False, sdk=None) -> nn.Module:
     """The int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` head; built in NxD's parallel state."""
     sdk = import_nxd() if sdk is None else sdk
-    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad)
+    kwargs = dict(input_size=hidden_size, output_size=vocab_size, gather_output=True, pad=pad)
     if not quantized:
-        return sdk.ColumnParallelLinear(**kwargs)
-    return sdk.QuantizedColumnParallel(**kwargs, quantized_dtype=sdk.QuantizedDtype.INT8,
-                                       quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
-                                       quantization_per_channel_axis=0, scale_dtype=torch.float32)
+        return sdk.ColumnParallelLinear(**kwargs, bias=False, dtype=dtype)
+    return sdk.QuantizedColumnParallel(**kwargs, **int8_kwargs(sdk, dtype), scale_dtype=torch.float32)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

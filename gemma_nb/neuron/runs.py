@@ -26,7 +26,6 @@ def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
 
 
 def builds_table(records: dict):
-    """One row per build: its graphs, flags, SDK, shapes, the compile's time, peak host RSS and bytes."""
     return pd.DataFrame([{
         "decode_experts": name, "graphs": ", ".join(r["graphs"]), "compiler_args": r["build"]["compiler_args"], "sdk": r["sdk"],
         "max_len": r["build"]["max_len"], "bucket": r["build"]["bucket"], "compile_s": r["compile_s"],

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
+SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
+NEURON_PACKAGES = tuple(SDK_PACKAGES)
 NEURON_HELP = ("the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
                "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)")
-SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
 FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
@@ -22,8 +22,12 @@ FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, f
            "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it.")
 
 
-def fx_stand_in() -> types.ModuleType:
-    """A ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built."""
+def install_fx_stand_in(modules: dict | None = None) -> bool:
+    """Put a ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built in
+    ``modules`` (default ``sys.modules``); False if a real one is already there."""
+    modules = sys.modules if modules is None else modules
+    if FX_MODULE in modules:
+        return False
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
@@ -35,18 +39,10 @@ def fx_stand_in() -> types.ModuleType:
     module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
     module.HFTracer = HFTracer
     module.__gemma_nb_stand_in__ = True
-    return module
-
-
-def install_fx_stand_in(modules: dict | None = None) -> bool:
-    """Put the stand-in in ``modules`` (default ``sys.modules``); False if a real one is already there."""
-    modules = sys.modules if modules is None else modules
-    if FX_MODULE in modules:
-        return False
-    modules[FX_MODULE] = fx_stand_in()
+    modules[FX_MODULE] = module
     parent = modules.get("transformers.utils")
     if parent is not None and not hasattr(parent, "fx"):
-        parent.fx = modules[FX_MODULE]
+        parent.fx = module
     return True
 
 
@@ -59,8 +55,7 @@ def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transfo
 class SdkStatus:
     """What ``check_sdk`` found; ``missing`` pip names are the only "SDK missing" case."""
     missing: list[str] = field(default_factory=list)
-    fx_problem: bool = False
-    workaround_applied: bool = False
+    fx_problem: bool = False  # met, and the stand-in put in
     error: str | None = None
     emulated: bool = False
 
@@ -98,7 +93,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
                     status.error = f"import {name}: {type(error).__name__}: {error}"
                     return status
                 status.fx_problem = True
-                status.workaround_applied = install_fx_stand_in(modules)
+                install_fx_stand_in(modules)
     return status
 
 
