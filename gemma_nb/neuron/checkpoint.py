@@ -33,8 +33,7 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
     return state
 
 
-def text_config(model_dir: str | Path):
-    """The text model's config of a checkpoint or artifact folder."""
+def text_config(model_dir: str | Path):  # of a checkpoint or artifact folder
     return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
 
 

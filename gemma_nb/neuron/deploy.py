@@ -7,11 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from gemma_nb.bench import time_runners
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
@@ -112,18 +110,4 @@ def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: 
         out = out[: out.index(tokenizer.eos_token_id)]
     return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
             "step_ms": [1000 * s for s in runner.step_times_s]}
-
-
-def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
-                        load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
-    """Decode speed of artifacts (name -> folder), each released before the next: two 26B builds do not fit."""
-    tables = []
-    for name, folder in artifacts.items():
-        runner, figures = slim_deploy(folder, load=load)
-        try:
-            table = time_runners({name: runner}, prompt_ids, new_tokens=new_tokens, repeats=repeats)
-        finally:
-            release(runner, close)
-        tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
-    return pd.concat(tables)
 

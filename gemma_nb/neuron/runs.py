@@ -1,13 +1,15 @@
 """What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 from transformers import AutoTokenizer
 
+from gemma_nb.bench import time_runners
 from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
-from gemma_nb.neuron.deploy import benchmark_artifacts, deployed_answer, release, slim_deploy
+from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
 SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
@@ -48,12 +50,22 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
     return rows
 
 
-def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
-    """Notebook 07's neuron section: ``benchmark_artifacts`` of every build with the continuation it decoded."""
+def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3,
+                     load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
+    """Notebook 07's neuron section: each build's decode speed and the continuation it decoded, deployed (``load``)
+    and released (``close``) in turn: two 26B builds do not fit."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    table = benchmark_artifacts(builds, ids, new_tokens=new_tokens, repeats=repeats)
+    tables = []
+    for name, folder in builds.items():
+        runner, figures = slim_deploy(folder, load=load)
+        try:
+            table = time_runners({name: runner}, ids, new_tokens=new_tokens, repeats=repeats)
+        finally:
+            release(runner, close)
+        tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
+    table = pd.concat(tables)
     eos = tokenizer.eos_token_id
 
     def completion(tokens):
