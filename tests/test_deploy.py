@@ -129,8 +129,10 @@ def test_onehot_update_writes_only_its_slots():
 
 
 def test_neuron_module_cpu_variant_decodes_like_eager():
+    from cpu_state_graph import CpuStateGraph
+
     from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4
-    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+    from gemma_nb.neuron.deploy import NeuronStepRunner
 
     # A sliding window of 8 is crossed within the 26 positions decoded.
     model = random_gemma4_model(random_gemma4_config(sliding_window=8), seed=0, dtype=torch.float32)
@@ -193,8 +195,10 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
 def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     """The NxD swaps with the cpu stand-ins at TP=1: the module's state-dict names and shapes are
     exactly the ones convert_checkpoint writes, and the model decodes close to the eager one."""
+    from cpu_state_graph import CpuStateGraph
+
     from gemma_nb.neuron import build as B
-    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+    from gemma_nb.neuron.deploy import NeuronStepRunner
     from gemma_nb.rehearsal import standins
 
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32)
@@ -211,7 +215,7 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     with torch.no_grad():
         inputs = B.step_inputs(model.get_input_embeddings()(ids), list(range(len(PROMPT))), 24,
                                model.config.sliding_window)
-        logits = B.host_logits(module(*inputs), model.config)
+        logits = B.host_logits(module(*inputs)[0], model.config)
         reference = model(ids).logits[:, -1]
     assert (logits.argmax(-1) == reference.argmax(-1)).all()
     assert (logits - reference).abs().max() < 0.05 * reference.abs().max()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_state_graph import CpuStateGraph
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,7 +53,7 @@ def stand_in_load(folder: Path):
     build = NeuronBuildConfig(**artifact.record["build"])
     module = NeuronGemma4(artifact.config, build, parallel=False)
     module.load_state_dict(torch.load(folder / A.MODEL_FILE, weights_only=True))
-    return ND.CpuStateGraph(module)
+    return CpuStateGraph(module)
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +222,8 @@ def test_graphs_follow_the_build_record():
 
 
 def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids, monkeypatch):
+    from gemma_nb.neuron.runs import benchmark_builds
+
     folder, _ = moved_artifact
     ids, expected, _ = reference_ids
     live = []
@@ -230,11 +233,11 @@ def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids,
         live.append(stand_in_load(path))
         return live[-1]
 
-    table = ND.benchmark_artifacts({"dense": folder, "sparse": folder}, ids, new_tokens=3, repeats=1, load=load,
-                                   close=live.clear)
-    assert list(table.index) == ["dense", "sparse"] and not live
-    assert table.loc["sparse", "tokens"] == expected[0, : ids.shape[1] + 3].tolist()
+    table = benchmark_builds([folder, folder], PROMPT, new_tokens=3, repeats=1, load=load, close=live.clear)
+    assert list(table.index) == ["dense", "dense_2"] and not live
+    assert table.loc["dense_2", "tokens"] == expected[0, : ids.shape[1] + 3].tolist()
     assert (table["neff_load_s"] > 0).all()
+    assert table["completion"].tolist() == ["Paris .", "Paris ."]  # cut at the first <eos>
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +275,7 @@ def test_notebook_neuron_cells_import_only_what_exists():
 
 
 def test_notebook_neuron_cells_call_only_what_exists():
-    """Attribute calls on imported gemma_nb modules (e.g. ``neuron_deploy.benchmark_artifacts``) exist too."""
+    """Attribute calls on imported gemma_nb modules (e.g. ``neuron_quant.run_trials``) exist too."""
     import importlib
 
     for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):

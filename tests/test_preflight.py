@@ -27,7 +27,7 @@ def test_sdk_missing_is_the_blocker_with_the_install_step():
 
 
 def test_the_fx_workaround_passes_and_says_so():
-    check = P.check_sdk(fake_system(check_sdk=lambda: SdkStatus(fx_problem=True, workaround_applied=True)))
+    check = P.check_sdk(fake_system(check_sdk=lambda: SdkStatus(fx_problem=True)))
     assert check.status == P.OK and "transformers 5 removed" in check.detail and "not installed" not in check.detail
 
 

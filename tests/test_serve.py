@@ -168,9 +168,11 @@ def test_deploy_runtime_steps_match_greedy_decoding(tiny):
 
 def test_neuron_runtime_steps_match_the_neuron_runner(tiny):
     """NeuronDeployRuntime over the cpu variant of the port's traced module (no SDK needed)."""
+    from cpu_state_graph import CpuStateGraph
+
     from gemma_nb.evaluate import greedy_generate
     from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4
-    from gemma_nb.neuron.deploy import CpuStateGraph, NeuronStepRunner
+    from gemma_nb.neuron.deploy import NeuronStepRunner
 
     model, tokenizer = tiny
     build = NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32")

@@ -32,7 +32,7 @@ def test_check_target_neuron_imports_the_sdk_and_says_when_it_worked_around(monk
     from gemma_nb.neuron import sdk
 
     monkeypatch.setattr(targets, "missing_neuron_packages", lambda: [])
-    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True, workaround_applied=True))
+    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True))
     assert targets.check_target("neuron") == "neuron"
     assert sdk.FX_NOTE in capsys.readouterr().err
     monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt"))

@@ -1,8 +1,5 @@
-"""The artifact folder the compile writes (notebook 04) and the serving box reads (05, 07, the server).
-
-``model.pt``, ``build_record.json``, the host embedding, config and tokenizer files, and ``manifest.json`` listing
-every file with its size, so a truncated copy fails at load, not as a wrong answer.
-"""
+"""The artifact folder the compile writes (notebook 04) and the serving box reads (05, 07, the server): the graphs, build
+record, host embedding, config and tokenizer, and a manifest of every file's size (a truncated copy fails at load)."""
 
 import json
 import shutil
@@ -34,8 +31,8 @@ class ArtifactError(ValueError):
     """An artifact folder that is missing, incomplete, or of another format version; says what to do."""
 
 
-def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list[str]:
-    """Copy config and tokenizer files from the checkpoint folder and write the host embedding; the names written."""
+def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None:
+    """Copy config and tokenizer files from the checkpoint folder and write the host embedding."""
     model_dir, artifact_dir = Path(model_dir), Path(artifact_dir)
     if not (model_dir / CONFIG_FILE).is_file():
         raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
@@ -47,8 +44,11 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> list
     if "tokenizer_config.json" not in written or not {"tokenizer.json", "tokenizer.model"} & set(written):
         raise ArtifactError(f"{model_dir.name}/ has no complete tokenizer (tokenizer_config.json and tokenizer.json "
                             "or tokenizer.model): download the whole model folder, not only the weights")
-    export_host_embedding(model_dir, artifact_dir / HOST_EMBEDDING_FILE)
-    return [*written, HOST_EMBEDDING_FILE]
+    state = read_hf_state(model_dir, only=lambda name: name == "model.embed_tokens.weight")  # the text model's table only
+    if not state:
+        raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
+    scale = model_skeleton(text_config(model_dir)).get_input_embeddings().scalar_embed_scale
+    HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(scale)).save(artifact_dir / HOST_EMBEDDING_FILE)
 
 
 def graphs_of(record: dict) -> list[str]:
@@ -62,15 +62,6 @@ def routed_decode_graph(record: dict) -> str:
     """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes), as the record says."""
     routed = (record.get("routed_graphs") or {}).get("decode")
     return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
-
-
-def export_host_embedding(model_dir: str | Path, path: str | Path):
-    """Write the host embedding file (table + scale) from a HF checkpoint, reading only the text model's table."""
-    module = model_skeleton(text_config(model_dir)).get_input_embeddings()
-    state = read_hf_state(model_dir, only=lambda name: name == "model.embed_tokens.weight")
-    if not state:
-        raise ValueError(f"no embed_tokens.weight in {model_dir}/*.safetensors: expected a Gemma-4 checkpoint")
-    return HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(module.scalar_embed_scale)).save(path)
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
@@ -105,8 +96,6 @@ class NeuronArtifact:
 
 def default_artifact_dir(target: str = "neuron", decode_experts: str = "dense") -> Path:
     """Where notebook 04 writes the artifact of a decode path (``04_neuron_dense``, ``04_neuron_sparse``)."""
-    if decode_experts not in DECODE_PATHS:
-        raise ValueError(f"decode_experts={decode_experts!r} is not one of {', '.join(DECODE_PATHS)}")
     return artifacts_dir(target) / f"04_neuron_{decode_experts}"
 
 

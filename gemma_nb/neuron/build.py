@@ -1,8 +1,5 @@
 """The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by ModelBuilder v1.
-
-Swaps: q/k/v column- and o row-parallel, shared MLP and lm_head int8, experts as ``neuron.moe``; the host embeds
-and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)`` is the same graph at TP=1.
-"""
+The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)``: the graph at TP=1."""
 
 import json
 import time
@@ -52,8 +49,7 @@ class NeuronBuildConfig:
         if self.decode_experts not in DECODE_PATHS:
             raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
                              "one artifact per decode path (compile twice for both)")
-        if not self.compiler_workdir:
-            self.compiler_workdir = str(Path(self.output_dir) / "compiler_workdir")
+        self.compiler_workdir = self.compiler_workdir or str(Path(self.output_dir) / "compiler_workdir")
         self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
         assert 1 <= self.tp_degree and self.bucket <= self.max_len, (self.tp_degree, self.bucket, self.max_len)
 
@@ -177,9 +173,8 @@ def _materialize(lm: nn.Module, config) -> None:
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config)
 
 
-def host_logits(outputs, config) -> torch.Tensor:
-    """The graph's first output cut to the vocab and softcapped on the host: [1, V] fp32."""
-    logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+def host_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """The graph's logits (its first output) cut to the vocab and softcapped on the host: [1, V] fp32."""
     logits = logits[:, -1, : config.vocab_size].float()
     cap = config.final_logit_softcapping
     return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -307,7 +302,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
 
 
 def sdk_label(sdk) -> str:
-    """``"Neuron SDK"``, or ``"emulated SDK (...)"`` for ``make rehearse``'s emulation."""
     return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
 
 

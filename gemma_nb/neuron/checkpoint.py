@@ -33,10 +33,8 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
     return state
 
 
-def text_config(model_dir: str | Path):
-    """The text model's config of a checkpoint or artifact folder (the language model of a multimodal one)."""
-    config = AutoConfig.from_pretrained(str(model_dir))
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def text_config(model_dir: str | Path):  # of a checkpoint or artifact folder
+    return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
 
 
 def read_layer_scalars(model_dir: str | Path) -> dict:

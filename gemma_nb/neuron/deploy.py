@@ -1,8 +1,5 @@
-"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop.
-
-Everything comes from the artifact folder; the KV cache stays on the device (aliased state). ``NeuronStepRunner``
-takes any callable with the graph's signature, so the tests run it on ``NeuronGemma4(parallel=False)``.
-"""
+"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop;
+everything from the artifact folder, the KV cache kept on the device (aliased state)."""
 
 import gc
 import time
@@ -10,11 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from gemma_nb.bench import time_runners
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
@@ -64,29 +59,10 @@ class NeuronStepRunner:
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 
 
-class CpuStateGraph:
-    """The cpu module as a graph: returned K/V written back into its state, as the runtime does; returns logits."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *inputs):
-        outputs = self.module(*inputs)
-        layers = len(self.module.k_cache)
-        with torch.no_grad():
-            for i in range(layers):
-                self.module.k_cache[i].copy_(outputs[1 + i])
-                self.module.v_cache[i].copy_(outputs[1 + layers + i])
-        return outputs[0]
-
-
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
     sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
-    path = Path(artifact_dir) / MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{MODEL_FILE} not found in {path.parent.name}/: run gemma_nb.neuron.build.compile_neuron first")
-    model = torch.jit.load(str(path))
+    model = torch.jit.load(str(Path(artifact_dir) / MODEL_FILE))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
     def graph(*inputs):
@@ -134,18 +110,4 @@ def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: 
         out = out[: out.index(tokenizer.eos_token_id)]
     return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
             "step_ms": [1000 * s for s in runner.step_times_s]}
-
-
-def benchmark_artifacts(artifacts: dict, prompt_ids, new_tokens: int = 32, repeats: int = 3,
-                        load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
-    """Decode speed of artifacts (name -> folder), each released before the next: two 26B builds do not fit."""
-    tables = []
-    for name, folder in artifacts.items():
-        runner, figures = slim_deploy(folder, load=load)
-        try:
-            table = time_runners({name: runner}, prompt_ids, new_tokens=new_tokens, repeats=repeats)
-        finally:
-            release(runner, close)
-        tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
-    return pd.concat(tables)
 

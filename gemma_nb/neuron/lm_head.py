@@ -1,32 +1,25 @@
-"""The port's lm_head (notebooks 03, 04): the tie broken, an int8 ``QuantizedColumnParallel`` over the vocab, gathered.
-
-Its ``weight`` int8 ``[V, H]`` and ``scale`` fp32 ``[V, 1]`` come from the embedding table, both split on dim 0;
-the softcap runs on the host. NxD's quantized layer does not trim a padded vocab: ``trim_padded_logits`` does.
-"""
+"""The port's lm_head (notebooks 03, 04): the tie broken, an int8 ``QuantizedColumnParallel`` over the vocab, gathered;
+its int8 weight ``[V, H]`` and fp32 scale ``[V, 1]`` come from the embedding table. The softcap runs on the host."""
 
 import torch
 from torch import nn
 
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.moe import import_nxd, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
-from gemma_nb.targets import NEURON_HELP, TargetError
 
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."
 
 
 def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
-                  pad: bool = False, tensor_model_parallel_group=None, sdk=None) -> nn.Module:
+                  pad: bool = False, sdk=None) -> nn.Module:
     """The int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` head; built in NxD's parallel state."""
     sdk = import_nxd() if sdk is None else sdk
-    kwargs = dict(input_size=hidden_size, output_size=vocab_size, bias=False, gather_output=True, dtype=dtype, pad=pad,
-                  tensor_model_parallel_group=tensor_model_parallel_group)
+    kwargs = dict(input_size=hidden_size, output_size=vocab_size, gather_output=True, pad=pad)
     if not quantized:
-        return sdk.ColumnParallelLinear(**kwargs)
-    return sdk.QuantizedColumnParallel(**kwargs, quantized_dtype=sdk.QuantizedDtype.INT8,
-                                       quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
-                                       quantization_per_channel_axis=0, scale_dtype=torch.float32)
+        return sdk.ColumnParallelLinear(**kwargs, bias=False, dtype=dtype)
+    return sdk.QuantizedColumnParallel(**kwargs, **int8_kwargs(sdk, dtype), scale_dtype=torch.float32)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -71,23 +64,20 @@ class HeadOnly(nn.Module):
 def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = True, tokens: int = 1,
                     compiler_workdir: str | None = None):
     """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
-    try:
-        from neuronx_distributed import ModelBuilder, NxDParallelState, shard_checkpoint
-        from neuronx_distributed.quantization import quantization_layers
-        from neuronx_distributed.utils.model_utils import init_on_device
-    except ImportError as error:
-        raise TargetError(f"cannot import neuronx_distributed ({error}): {NEURON_HELP}") from None
+    sdk = import_nxd()  # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
+    from neuronx_distributed import ModelBuilder, shard_checkpoint
+    from neuronx_distributed.utils.model_utils import init_on_device
 
     vocab_size, hidden_size = embed_weight.shape
     pad = vocab_size % tp != 0
-    patch_scale_dequantize(quantization_layers)
+    patch_scale_dequantize(sdk.quantization_layers)
     example = torch.zeros(1, tokens, hidden_size, dtype=torch.bfloat16)
-    with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
+    with sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
         traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
     # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
-    with (NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
+    with (sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
           init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
         sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight, quantized=quantized),
                                    model=HeadOnly(hidden_size, vocab_size, quantized, pad))

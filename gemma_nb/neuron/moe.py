@@ -1,9 +1,6 @@
-"""The routed experts on NxD's expert-fused int8 layers (notebooks 04, 07): the port's dense op and the sparse decode.
-
-One expert-major layout for both graphs (NxD Inference's MoE layout): ``gate_up [E, H, 2I/tp]`` (stride 2 splits
-the gate and up halves) and ``down [E, I/tp, H]``, int8 with expert-wise fp32 scales ``[E, 1, out]``. Not NxD's
-``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``, and its prefill path needs kernels inf2 lacks.
-"""
+"""The routed experts on NxD's expert-fused int8 layers (notebooks 04, 07): the port's dense op and the sparse decode,
+in NxD Inference's expert-major layout. Not NxD's ``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``,
+and its prefill path needs kernels inf2 lacks."""
 
 from types import SimpleNamespace
 
@@ -41,8 +38,7 @@ class _ExpertMajorExperts(nn.Module):
         super().__init__()
         sdk = import_nxd() if sdk is None else sdk
         assert intermediate_size % tp == 0, f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}"
-        self.num_experts, self.hidden_size, self.tp = num_experts, hidden_size, tp
-        self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
+        self.num_experts, self.hidden_size = num_experts, hidden_size
         self.act_fn = ACT2FN[activation]
         self.reduce = sdk.mappings.reduce_from_tensor_model_parallel_region
         int8 = dict(bias=False, dtype=dtype, quantized_dtype=sdk.QuantizedDtype.INT8, scale_dtype=torch.float32,  # expert-wise
@@ -51,7 +47,7 @@ class _ExpertMajorExperts(nn.Module):
                                                               is_fused_gate_up=True, **int8)
         self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
                                                         **int8)
-        assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * self.local_inter), "TP != tp"
+        assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * intermediate_size // tp), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
         """``hidden_states [T, H]`` through ``expert_indices`` (all when None): this rank's partials ``[E', T, H]``."""

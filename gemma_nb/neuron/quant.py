@@ -1,8 +1,5 @@
-"""NxD's quantized dtypes on inf2 (notebook 02): the SDK's support matrix, a trial per dtype, the scale patch.
-
-``run_trials`` builds, loads, traces, compiles and runs one ``QuantizedColumnParallel`` per dtype on a NeuronCore
-and records the stage each reached; ``scale_dequantize`` is the one patch of NxD this repo applies.
-"""
+"""NxD's quantized dtypes on inf2 (notebook 02): the SDK's support matrix, a trial per dtype, and
+``scale_dequantize``, the one patch of NxD this repo applies."""
 
 import traceback
 from collections import OrderedDict

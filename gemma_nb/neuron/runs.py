@@ -1,16 +1,15 @@
-"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn.
+"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn."""
 
-The 26B compiles at the shipped shapes; the bundled TP=2 checkpoint (the smoke run) at ``SMOKE_SHAPES``.
-"""
-
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 from transformers import AutoTokenizer
 
-from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir, read_artifact
+from gemma_nb.bench import time_runners
+from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
-from gemma_nb.neuron.deploy import benchmark_artifacts, deployed_answer, release, slim_deploy
+from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
 SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
@@ -29,7 +28,6 @@ def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
 
 
 def builds_table(records: dict):
-    """One row per build: its graphs, flags, SDK, shapes, the compile's time, peak host RSS and bytes."""
     return pd.DataFrame([{
         "decode_experts": name, "graphs": ", ".join(r["graphs"]), "compiler_args": r["build"]["compiler_args"], "sdk": r["sdk"],
         "max_len": r["build"]["max_len"], "bucket": r["build"]["bucket"], "compile_s": r["compile_s"],
@@ -46,18 +44,28 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
             answer = deployed_answer(runner, folder, prompt, max_new_tokens)
         finally:
             release(runner)
-        rows.append({"build": Path(folder).name, "decode_graph": read_artifact(folder).decode_graph,
-                     "completion": answer["completion"], "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
+        rows.append({"build": Path(folder).name, "decode_graph": figures["decode_graph"], "completion": answer["completion"],
+                     "new_tokens": answer["new_tokens"], "neff_load_s": figures["neff_load_s"],
                      "peak_host_rss_bytes": figures["peak_host_rss_bytes"], "sdk": figures["sdk"]})
     return rows
 
 
-def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
-    """Notebook 07's neuron section: ``benchmark_artifacts`` of every build with the continuation it decoded."""
+def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3,
+                     load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
+    """Notebook 07's neuron section: each build's decode speed and the continuation it decoded, deployed (``load``)
+    and released (``close``) in turn: two 26B builds do not fit."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    table = benchmark_artifacts(builds, ids, new_tokens=new_tokens, repeats=repeats)
+    tables = []
+    for name, folder in builds.items():
+        runner, figures = slim_deploy(folder, load=load)
+        try:
+            table = time_runners({name: runner}, ids, new_tokens=new_tokens, repeats=repeats)
+        finally:
+            release(runner, close)
+        tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
+    table = pd.concat(tables)
     eos = tokenizer.eos_token_id
 
     def completion(tokens):

@@ -1,8 +1,5 @@
-"""The one import of the Neuron SDK, and its transformers-5 workaround (every notebook on the neuron target).
-
-NxD's ``pipeline/trace.py`` imports ``transformers.utils.fx``, which transformers 5 removed: only when the import
-fails on it, a stand-in whose ``HFTracer`` refuses to be built goes into ``sys.modules``.
-"""
+"""The one import of the Neuron SDK, and its transformers-5 workaround: NxD's ``pipeline/trace.py`` imports
+``transformers.utils.fx``, which transformers 5 removed; when the import fails on it, a stand-in goes into ``sys.modules``."""
 
 import importlib
 import importlib.util
@@ -14,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
+SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
+NEURON_PACKAGES = tuple(SDK_PACKAGES)
 NEURON_HELP = ("the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
                "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)")
-SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
 FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
@@ -25,8 +22,12 @@ FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, f
            "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it.")
 
 
-def fx_stand_in() -> types.ModuleType:
-    """A ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built."""
+def install_fx_stand_in(modules: dict | None = None) -> bool:
+    """Put a ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built in
+    ``modules`` (default ``sys.modules``); False if a real one is already there."""
+    modules = sys.modules if modules is None else modules
+    if FX_MODULE in modules:
+        return False
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
@@ -38,18 +39,10 @@ def fx_stand_in() -> types.ModuleType:
     module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
     module.HFTracer = HFTracer
     module.__gemma_nb_stand_in__ = True
-    return module
-
-
-def install_fx_stand_in(modules: dict | None = None) -> bool:
-    """Put the stand-in in ``modules`` (default ``sys.modules``); False if a real one is already there."""
-    modules = sys.modules if modules is None else modules
-    if FX_MODULE in modules:
-        return False
-    modules[FX_MODULE] = fx_stand_in()
+    modules[FX_MODULE] = module
     parent = modules.get("transformers.utils")
     if parent is not None and not hasattr(parent, "fx"):
-        parent.fx = modules[FX_MODULE]
+        parent.fx = module
     return True
 
 
@@ -62,8 +55,7 @@ def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transfo
 class SdkStatus:
     """What ``check_sdk`` found; ``missing`` pip names are the only "SDK missing" case."""
     missing: list[str] = field(default_factory=list)
-    fx_problem: bool = False
-    workaround_applied: bool = False
+    fx_problem: bool = False  # met, and the stand-in put in
     error: str | None = None
     emulated: bool = False
 
@@ -101,7 +93,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
                     status.error = f"import {name}: {type(error).__name__}: {error}"
                     return status
                 status.fx_problem = True
-                status.workaround_applied = install_fx_stand_in(modules)
+                install_fx_stand_in(modules)
     return status
 
 
@@ -115,20 +107,18 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     import torch_neuronx
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
-    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, SPMDRank
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
     from neuronx_distributed.quantization import quantization_layers as layers
     from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
-        torch_neuronx=torch_neuronx, ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear,
-        SPMDRank=SPMDRank, mappings=mappings, scatter_to_process_group_spmd=mappings.scatter_to_process_group_spmd,
-        quantization_layers=layers, QuantizationType=QuantizationType, QuantizedDtype=QuantizedDtype,
-        ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
-        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel,
-        QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel, model_builder=model_builder,
-        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilder=model_builder.ModelBuilder,
-        ModelBuilderV2=model_builder_v2.ModelBuilder, NxDParallelState=NxDParallelState,
+        torch_neuronx=torch_neuronx, NxDParallelState=NxDParallelState, mappings=mappings, quantization_layers=layers,
+        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, QuantizationType=QuantizationType,
+        QuantizedDtype=QuantizedDtype, ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
+        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel,
+        QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel, ModelBuilder=model_builder.ModelBuilder,
+        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilderV2=model_builder_v2.ModelBuilder,
         fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
     )
 
