@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gemma_nb.serving import schema
-from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
+from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids, generate
 from gemma_nb.serving.schema import APIError, error_response
 
 API_KEY_ENV = "GEMMA_NB_API_KEY"
@@ -87,8 +87,7 @@ class Engine:
             runtime = self._load()
             ids = list(runtime.tokenizer("warm up")["input_ids"])
             self.vocab_size = int(runtime.prefill(ids).numel())  # the ids a prompt may hold
-            for _ in Generation(runtime, ids, SamplingParams(max_tokens=2, ignore_eos=True)):
-                pass
+            generate(runtime, ids, max_tokens=2, ignore_eos=True)
             self.runtime, self.status = runtime, "ok"
             self.metrics.ready.set(1)
             log.info("model loaded and warmed up in %.1f s", time.perf_counter() - started)
@@ -310,7 +309,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
             pool.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
                   strict_content_type=False)  # a body without Content-Type is read as JSON
-    app.state.engine, app.state.metrics = engine, engine.metrics
+    app.state.metrics = engine.metrics
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)

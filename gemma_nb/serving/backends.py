@@ -240,12 +240,11 @@ class NeuronDeployRuntime(_Stepped):
         return self.runner.step(ids, list(range(self.bucket)) if prefill else [start], last_index)
 
 
-def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
+def load_runtime(target: str = "cpu", model_id: str = BUNDLED_ID, *, max_context: int | None = None,
                  runtime: str = "auto", artifact: str | None = None, dtype: torch.dtype = torch.float32):
     """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``, ``"transformers"`` the model
     as transformers loads it, ``"auto"`` deploy with an artifact on cpu; neuron serves its NxD ``artifact``."""
     check_target(target)
-    model_id = model_id or BUNDLED_ID
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if target == "neuron":
