@@ -62,3 +62,27 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
 def serve_in_thread():
     """``serve_in_thread(app, **limits)``: a context manager yielding the base URL of ``app`` served on a thread."""
     return serve_app
+
+
+class Slowed:
+    """``runtime`` on a slower device: every prefill and decode step ``delay_s`` longer, so that requests queue."""
+
+    def __init__(self, runtime, delay_s: float = 0.05):
+        self.runtime, self.delay_s = runtime, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.runtime, name)
+
+    def prefill(self, prompt_ids):
+        time.sleep(self.delay_s)
+        return self.runtime.prefill(prompt_ids)
+
+    def decode(self, token_id):
+        time.sleep(self.delay_s)
+        return self.runtime.decode(token_id)
+
+
+@pytest.fixture(scope="session")
+def slowed():
+    """``slowed(runtime)``: ``runtime`` with every token 50 ms slower (``Slowed``)."""
+    return Slowed

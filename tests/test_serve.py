@@ -251,12 +251,12 @@ def test_metrics_count_requests_and_tokens(client, server):
 
 
 @pytest.fixture
-def slow_server(serve_in_thread, tiny):
+def slow_server(serve_in_thread, slowed, tiny):
     """A server whose device takes 50 ms per token, with a chosen queue size."""
     servers = []
 
     def start(queue_size: int, **options) -> str:
-        app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, queue_size=queue_size, step_delay_s=0.05, **options)
+        app = served.create_app(slowed(new_runtime(tiny)), model_name=BUNDLED_ID, queue_size=queue_size, **options)
         context = serve_in_thread(app)
         root = context.__enter__()
         servers.append(context)

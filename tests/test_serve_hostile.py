@@ -353,8 +353,8 @@ def test_5_a_slow_body_gets_408(server):
     assert 0.4 < waited < 5
 
 
-def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, runtime):
-    app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05, slot_watchdog_s=0.2)
+def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, slowed, runtime):
+    app = served.create_app(slowed(runtime), model_name=BUNDLED_ID, slot_watchdog_s=0.2)
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         assert metric(root, "gemma_nb_slots_overdue") == 0
@@ -475,9 +475,9 @@ def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
         assert metric(root, "gemma_nb_http_refused_total", reason="concurrency_limit") == 1
 
 
-def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, runtime):
+def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, slowed, runtime):
     """No timer of the server's (keep-alive here, 1 s) cuts a request that has arrived and is running."""
-    app = served.create_app(runtime, model_name=BUNDLED_ID, step_delay_s=0.05)
+    app = served.create_app(slowed(runtime), model_name=BUNDLED_ID)
     with serve_in_thread(app, keep_alive_timeout_s=1) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         body = json.dumps({"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": True}).encode()
@@ -487,9 +487,9 @@ def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, runtime):
     assert answer.count(b"HTTP/1.1 200") == 2 and b'"tokens":40' in answer, answer[-300:]
 
 
-def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread, runtime):
+def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread, slowed, runtime):
     """With the queue full, 3.9 MB bodies under the limit get 429 without being parsed or tokenized."""
-    app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=1, step_delay_s=0.05)
+    app = served.create_app(slowed(runtime), model_name=BUNDLED_ID, queue_size=1)
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         long = {"prompt": "The capital of France is", "max_tokens": 60, "ignore_eos": True}

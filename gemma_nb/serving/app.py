@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gemma_nb.serving import schema
-from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids
+from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids, generate
 from gemma_nb.serving.schema import APIError, error_response
 
 API_KEY_ENV = "GEMMA_NB_API_KEY"
@@ -67,9 +67,9 @@ class Engine:
     """The served model: its runtime, a device thread, a CPU pool, the queue slots, the turn at the device."""
 
     def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
-                 step_delay_s: float, slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
+                 slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
         assert queue_size >= 1, "queue_size counts the generating request"
-        self._load, self.metrics, self.queue_size, self.step_delay_s = load, (metrics := ServerMetrics()), queue_size, step_delay_s
+        self._load, self.metrics, self.queue_size = load, (metrics := ServerMetrics()), queue_size
         self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
         self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
@@ -87,8 +87,7 @@ class Engine:
             runtime = self._load()
             ids = list(runtime.tokenizer("warm up")["input_ids"])
             self.vocab_size = int(runtime.prefill(ids).numel())  # the ids a prompt may hold
-            for _ in Generation(runtime, ids, SamplingParams(max_tokens=2, ignore_eos=True)):
-                pass
+            generate(runtime, ids, max_tokens=2, ignore_eos=True)
             self.runtime, self.status = runtime, "ok"
             self.metrics.ready.set(1)
             log.info("model loaded and warmed up in %.1f s", time.perf_counter() - started)
@@ -164,7 +163,7 @@ class Engine:
                                 top_p=body.top_p, top_k=body.top_k, stop=(body.stop,) if isinstance(body.stop, str) else
                                 tuple(body.stop or ()), seed=None if body.seed is None else body.seed % 2**64,
                                 ignore_eos=body.ignore_eos)
-        return Generation(runtime, ids, params, step_delay_s=self.step_delay_s, **options)
+        return Generation(runtime, ids, params, **options)
 
     async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
         """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
@@ -294,13 +293,13 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
                max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
-               step_delay_s: float = 0.0, on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
     """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``); ``api_key``
     (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts``: None,
-    any Host; ``on_load_failure(error)`` if the load fails; ``step_delay_s`` slows every token (tests, demos)."""
+    any Host; ``on_load_failure(error)`` if the load fails."""
     assert 1 <= max_tokens <= max_tokens_cap, "max_tokens must be between 1 and max_tokens_cap"
     engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
-                    queue_size, max_tokens, step_delay_s, slot_watchdog_s, on_load_failure)
+                    queue_size, max_tokens, slot_watchdog_s, on_load_failure)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -310,7 +309,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
             pool.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
                   strict_content_type=False)  # a body without Content-Type is read as JSON
-    app.state.engine, app.state.metrics = engine, engine.metrics
+    app.state.metrics = engine.metrics
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
@@ -347,7 +346,6 @@ def _error_handlers(app: FastAPI, fields: dict) -> None:
 
 
 def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
-
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
     async def health():

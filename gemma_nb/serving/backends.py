@@ -4,7 +4,6 @@ one request over it, a token per ``step()`` so the server can stream, time and s
 import logging
 import math
 import os
-import time
 from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +62,6 @@ class SamplingParams(NamedTuple):
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from next-token ``logits`` [vocab] under ``params``."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     # float64, the best score shifted to 0 first: a tiny temperature sends the rest to -inf, not all to inf (NaN)
@@ -93,7 +91,6 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     strip_leading_space: bool = False
-    step_delay_s: float = 0.0
     token_ids: list[int] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)
     _emitted: int = field(default=0, init=False, repr=False)
@@ -110,7 +107,6 @@ class Generation:
         return self._visible()[0]
 
     def _visible(self) -> tuple[str, bool]:
-        """(The answer's text up to any stop string, whether one was found)."""
         full = self.runtime.tokenizer.decode(self._context + self.token_ids, skip_special_tokens=True)
         # A tokenizer that merges across the boundary keeps only the common prefix's tail.
         text = full[len(os.path.commonprefix([full, self._context_text])):]
@@ -121,8 +117,6 @@ class Generation:
     def step(self) -> Step:
         assert self.finish_reason is None, "generation already finished"
         logits = self.runtime.decode(self.token_ids[-1]) if self.token_ids else self.runtime.prefill(self.prompt_ids)
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)  # tests and demos: emulate a slower device
         token = sample_token(logits, self.params, self._generator)
         self.token_ids.append(token)
         text, stopped = self._visible()
@@ -246,12 +240,11 @@ class NeuronDeployRuntime(_Stepped):
         return self.runner.step(ids, list(range(self.bucket)) if prefill else [start], last_index)
 
 
-def load_runtime(target: str = "cpu", model_id: str | None = None, *, max_context: int | None = None,
+def load_runtime(target: str = "cpu", model_id: str = BUNDLED_ID, *, max_context: int | None = None,
                  runtime: str = "auto", artifact: str | None = None, dtype: torch.dtype = torch.float32):
     """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``, ``"transformers"`` the model
     as transformers loads it, ``"auto"`` deploy with an artifact on cpu; neuron serves its NxD ``artifact``."""
     check_target(target)
-    model_id = model_id or BUNDLED_ID
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if target == "neuron":

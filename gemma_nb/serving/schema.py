@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
-EXCERPT_CHARS = 40
 TOKEN_ID_MAX = 2**31 - 1  # only ids a tokenizer could produce; the route checks them against the vocabulary
 
 
@@ -28,7 +27,7 @@ class APIError(HTTPException):
         self.type, self.param, self.code = type_, param, code
 
 
-def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+def excerpt(value: Any, limit: int = 40) -> str:
     """``repr(value)`` cut to ``limit`` characters: errors never echo a whole request back."""
     if isinstance(value, (str, bytes, list, dict)) and len(value) > 4 * limit:
         value = value[: 4 * limit] if not isinstance(value, dict) else dict(list(value.items())[:4])

@@ -48,8 +48,8 @@ def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHE
     return tp * int(weights["bytes_per_rank"].sum())
 
 
-def rehearsal_record(path: Path | str = REHEARSAL_RECORD) -> dict | None:  # None where make rehearse left none
-    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+def rehearsal_record() -> dict | None:  # None where make rehearse left none
+    return json.loads(REHEARSAL_RECORD.read_text()) if REHEARSAL_RECORD.is_file() else None
 
 
 def disk_needs(config, record: dict) -> dict:
@@ -59,11 +59,9 @@ def disk_needs(config, record: dict) -> dict:
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
     factor = {"model.pt": device,
               "embed_tokens.safetensors": 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]}
-
     builds = {name: {"artifact_bytes": int(sum(size * factor.get(file, 1) for file, size in b["artifact_files_bytes"].items())),
                      "compiler_workdir_bytes": int(b["compiler_workdir_bytes"] * device)} for name, b in record["builds"].items()}
     return {
-
         "builds": builds, "checkpoint_bytes": checkpoint,
         "compile_disk_bytes": checkpoint + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
         "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
@@ -100,7 +98,6 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
     speeds = {mode: decode_roofline.step_speed(costs, deployment, batch, mode) for mode in decode_roofline.EXPERT_MODES}
     keys = ("tok_s", "tok_s_per_stream", "usd_per_m_tokens", "step_ms", "bound")
     return {"batch": batch, **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()}}
-
 
 
 def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allowance) -> dict:
@@ -143,7 +140,6 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the cheapest that fits)."""
     if instance is not None:
         get_instance(instance)
-    memory.get_scheme(scheme)
     allowance = allowance or memory.inferred_runtime_allowance()
     the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)

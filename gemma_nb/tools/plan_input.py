@@ -41,7 +41,6 @@ def read_config(path: str | Path) -> PlanInput:
     if towers:
         names = ", ".join(key for key, value in full.to_dict().items()
                           if key.endswith("_config") and key != "text_config" and isinstance(value, dict))
-
         notes.append(f"{names or 'its non-text modules'}: a multimodal config ({type(full).__name__}). The plan is its "
                      f"language model ({type(text).__name__}) alone, as a text-only deploy loads it; the towers and projector, "
                      f"{towers / 1e9:.3f}B parameters, are left out of every byte below and counted in params.towers.")

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections import namedtuple
-from collections.abc import Iterable
 from pathlib import Path
 
 import nbformat
@@ -50,11 +49,11 @@ def discover_notebooks(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Path]:
     return found
 
 
-def select_notebooks(notebooks: list[Path], only: str | Iterable[str] | None) -> list[Path]:
+def select_notebooks(notebooks: list[Path], only: str | None) -> list[Path]:
     """Filter by number prefixes ("01,03") or full stems; unknown selectors are an error."""
     if only is None:
         return notebooks
-    wanted = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
     if not wanted:
         raise RunError(f"--only {only!r} names no notebook; give numbers such as 01,03, or leave --only out to run all")
     chosen = []
@@ -85,11 +84,10 @@ def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
         raise RunError(f"-p {name}: no selected notebook has a parameter {name!r}{hint}; they take: {', '.join(known) or 'none'}")
 
 
-def resolve_path_parameters(parameters: dict, cwd: Path | None = None) -> dict:
+def resolve_path_parameters(parameters: dict) -> dict:
     """The caller's relative paths made absolute (papermill runs in ``notebooks/``): a string that names a path
-    under ``cwd``, or whose parameter's name ends in _dir, _path or _file; hub ids stay as they are."""
-    cwd = Path.cwd() if cwd is None else Path(cwd)
-    resolved = {}
+    under the working folder, or whose parameter's name ends in _dir, _path or _file; hub ids stay as they are."""
+    cwd, resolved = Path.cwd(), {}
     for name, value in parameters.items():
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             candidate = cwd / Path(value).expanduser()
@@ -162,7 +160,7 @@ def write_report(staging: Path, summary: dict) -> Path:
     return path
 
 
-def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir: Path | str | None = None,
+def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | None = None,
         parameters: dict | None = None, progress: bool = True, notebooks_dir: Path = NOTEBOOKS_DIR) -> list[NotebookResult]:
     """Execute the notebooks for ``target``; on success the outputs replace ``output_dir``."""
     check_target(target)
@@ -171,7 +169,8 @@ def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir
     check_parameters(parameters, selected)
     final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
     staging, failed = _staging_for(final, keep_previous=bool(only))
-    kernel_env = {OUTPUT_DIR_ENV: str(staging), **reference_kernels()}  # the kernels inherit it
+    kernels = dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}  # cpu pins, x86-64 only
+    kernel_env = {OUTPUT_DIR_ENV: str(staging), **kernels}  # the kernels inherit it
     previous_env = {name: os.environ.get(name) for name in kernel_env}
     os.environ.update(kernel_env)
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -180,7 +179,7 @@ def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir
         results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
                    for number in range(1, len(selected) + 1)]
         notebooks = {path.stem: json.loads(path.read_text()) for path in sorted((staging / "metrics").glob("*.json"))}
-        summary = {"target": target, "kernels": reference_kernels(), "notebooks": notebooks}
+        summary = {"target": target, "kernels": kernels, "notebooks": notebooks}
         write_json_atomic(staging / "summary.json", summary)  # every metrics/*.json in one file
         write_report(staging, summary)
         old = final.with_name(f".{final.name}.old")  # swap in: final aside, staging in, the old copy gone
@@ -201,11 +200,6 @@ def run(target: str = "cpu", only: str | Iterable[str] | None = None, output_dir
             else:
                 os.environ[name] = value
     return results
-
-
-def reference_kernels() -> dict[str, str]:
-    """The environment that pins the notebooks' cpu kernels (``targets.REFERENCE_KERNELS``) on x86-64; elsewhere none."""
-    return dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}
 
 
 def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:

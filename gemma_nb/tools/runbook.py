@@ -43,7 +43,7 @@ COMMANDS = {
 
 
 def figures() -> dict:
-    """Every number the runbook states, computed from the catalog, the planner and the story's timings."""
+    """Every figure the runbook states (numbers and their phrases), from the catalog, the planner and the story's timings."""
     config = memory.load_gemma4_26b_config()
     report = planner.plan_report(config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX, name="gemma4_26b_a4b.json")
     host, record = report["host"], planner.rehearsal_record()
@@ -55,6 +55,8 @@ def figures() -> dict:
     answer_tokens = shipped.max_len - shipped.bucket  # the longest answer after a full prefill bucket
     compile_min, decode_tok_s = CLAIMS["compile_minutes"].value, CLAIMS["decode_tok_s"].value
     steps = record["steps"]
+    sizes = {key: ", ".join(f"{name} {b[key] / GB:.1f} GB" for name, b in disk["builds"].items())
+             for key in ("artifact_bytes", "compiler_workdir_bytes")}
     return {
         "per_rank_gb": report["total_gb_per_rank"], "hbm_per_core_gb": report["budget_gb_per_core"],
         "headroom_gb": report["headroom_gb"], "headroom_gb_if_low": report["headroom_gb_if_low"],
@@ -62,10 +64,12 @@ def figures() -> dict:
         "fits": report["fits"], "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
         "compile_host_gb": host["compile_bytes"] / GB, "deploy_host_gb": host["deploy_bytes"] / GB,
         "compile_ram_gib": compile_box.host_ram_gib, "serve_ram_gib": serve_box.host_ram_gib,
-        "compile_swap_gib": compile_swap_gib, "serve_swap_gib": serve_swap_gib,
+        "compile_swap_gib": compile_swap_gib, "serve_swap_gib": serve_swap_gib, "swapfile_gib": compile_swap_gib + 1,
+        "serve_swap_words": f": add {serve_swap_gib} GiB of swap" if serve_swap_gib else ": no swap needed by this scaling",
         "checkpoint_gb": disk["checkpoint_bytes"] / GB,
-        "build_gb": {name: b["artifact_bytes"] / GB for name, b in disk["builds"].items()},
-        "workdir_gb": {name: b["compiler_workdir_bytes"] / GB for name, b in disk["builds"].items()},
+        "disk_words": f"each build's artifact folder ({sizes['artifact_bytes']}) and its compiler workdir "
+                      f"({sizes['compiler_workdir_bytes']}), scaled by the planner from `make rehearse`'s builds of the "
+                      "tiny checkpoint on disk",
         "compile_disk_gb": math.ceil(disk["compile_disk_bytes"] / GB + (compile_swap_gib + 1) * GiB / GB),
         "serve_disk_gb": math.ceil(disk["serve_disk_bytes"] / GB),
         "compile_usd_h": compile_box.usd_per_hour, "serve_usd_h": serve_box.usd_per_hour,
@@ -78,24 +82,16 @@ def figures() -> dict:
         "answer_tokens": answer_tokens, "answer_s": answer_tokens / decode_tok_s, "answer_500_s": 500 / decode_tok_s,
         "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6, "serve_day_usd": 24 * serve_box.usd_per_hour,
         "rehearsal_ok": sum(step["status"] == "ok" for step in steps), "rehearsal_steps": len(steps),
-        "rehearsal_torch": sorted({step["torch"] for step in steps}),
-        "rehearsal_answers": sorted({b["answer"] for b in record["builds"].values()} | {record["serve"]["answer"]}),
+        "rehearsal_torch_words": ", ".join(sorted({step["torch"] for step in steps})),
+        "rehearsal_answer_words": " / ".join(repr(answer) for answer in sorted(
+            {b["answer"] for b in record["builds"].values()} | {record["serve"]["answer"]})),
     }
 
 
 def render() -> str:
     """docs/inf2.md: the template ``runbook.md`` filled with ``figures()`` and ``COMMANDS``."""
-    f = figures()
-    serve_swap = f": add {f['serve_swap_gib']} GiB of swap" if f["serve_swap_gib"] else ": no swap needed by this scaling"
-    builds = ", ".join(f"{name} {gb:.1f} GB" for name, gb in f["build_gb"].items())
-    workdirs = ", ".join(f"{name} {gb:.1f} GB" for name, gb in f["workdir_gb"].items())
-    words = {"rehearsal_torch_words": ", ".join(f["rehearsal_torch"]), "serve_swap_words": serve_swap,
-             "rehearsal_answer_words": " / ".join(repr(a) for a in f["rehearsal_answers"]),
-             "swapfile_gib": f["compile_swap_gib"] + 1,
-             "disk_words": f"each build's artifact folder ({builds}) and its compiler workdir ({workdirs}), "
-                           "scaled by the planner from `make rehearse`'s builds of the tiny checkpoint on disk"}
     blocks = {f"block_{step}": "\n".join(f"    {line}" for line in lines) for step, lines in COMMANDS.items()}
-    return TEMPLATE.read_text().format(**f, **words, **blocks, COMPILE_BOX=COMPILE_BOX, SERVE_BOX=SERVE_BOX, DLAMI=DLAMI,
+    return TEMPLATE.read_text().format(**figures(), **blocks, COMPILE_BOX=COMPILE_BOX, SERVE_BOX=SERVE_BOX, DLAMI=DLAMI,
                                        OUTPUTS=OUTPUTS, artifact_dense=ARTIFACT_DIRS["dense"],
                                        artifact_sparse=ARTIFACT_DIRS["sparse"])
 
@@ -111,7 +107,6 @@ def main(args) -> int:
             return 0
         print("docs/inf2.md is out of date: run python -m gemma_nb runbook", file=sys.stderr)
         return 1
-    RUNBOOK_PATH.parent.mkdir(parents=True, exist_ok=True)
     RUNBOOK_PATH.write_text(text)
     print(f"wrote {RUNBOOK_PATH.relative_to(REPO_ROOT)}")
     return 0
