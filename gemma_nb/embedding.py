@@ -1,7 +1,5 @@
-"""The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06).
-
-``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it equals
-``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md)."""
+"""The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06):
+``embed_scale`` cast to the weight dtype as the module does, so it equals ``embed_tokens(ids)`` bit for bit."""
 
 import math
 from collections.abc import Callable
@@ -131,17 +129,16 @@ class HostEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
-    def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
+    def verify_against(self, module: nn.Module) -> None:
         """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
         deploy's structure) has no table: then only shape, dtype and scale."""
         weight, what = module.weight, type(module).__name__
         if not weight.is_meta:
-            return verify_host_path(self, module, probe_ids, found_scale=self.scale)
+            return verify_host_path(self, module, found_scale=self.scale)
         if getattr(module, "embed_scale", None) is not None and module.embed_scale.is_meta:
             raise EmbeddingCheckError(
-                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build "
-                "the structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers "
-                "stay real; the file's own probe was already checked by from_file")
+                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build the "
+                "structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers stay real")
         if tuple(self.weight.shape) != tuple(weight.shape) or self.weight.dtype != weight.dtype:
             raise EmbeddingCheckError(
                 f"host embedding is {dtype_name(self.weight.dtype)} {tuple(self.weight.shape)}, the model's {what} is "

@@ -145,9 +145,11 @@ class RoutedExperts(nn.Module):
         return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
 
     @property
-    def nbytes(self) -> int:
+    def weight_bytes(self) -> int:
         """Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved)."""
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+    nbytes = weight_bytes
 
     def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to ``dtype``."""

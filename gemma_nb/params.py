@@ -309,13 +309,6 @@ def valid_tp_degrees(config, max_tp: int = 64) -> list[int]:
     return [tp for tp in range(1, max_tp + 1) if tp_problem(config, tp) is None]
 
 
-def check_tp(config, tp) -> int:
-    """``tp``, or ValueError naming it, why, and the degrees that work."""
-    if problem := tp_problem(config, tp):
-        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
-    return tp
-
-
 def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return kv_heads // tp if kv_heads % tp == 0 else 1
 
@@ -329,9 +322,13 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
                    cap_sliding: bool = False) -> int:
     """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
     port's static buffers) unless ``cap_sliding``."""
-    check_context(context_len, batch)
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
+        raise ValueError(f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be an integer >= 1 (sequences decoded together)")
     check_plain(dtype, "KV cache")
-    check_tp(config, tp)
+    if problem := tp_problem(config, tp):
+        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
     per_elem, total = FORMATS[dtype].element_bits // 8, 0
     for layer in model_facts(config).attention_layers:
         tokens = min(context_len, layer.sliding_window) if cap_sliding and layer.sliding_window else context_len
@@ -344,9 +341,3 @@ def check_plain(dtype: str, what: str) -> None:
     get_format(dtype)
     assert dtype in PLAIN_DTYPES, f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}"
 
-
-def check_context(context_len, batch) -> None:
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
-        raise ValueError(f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be an integer >= 1 (sequences decoded together)")
