@@ -217,12 +217,11 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
     return stored_scale
 
 
-def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
-                     probe_ids: torch.Tensor | None = None, found_scale: torch.Tensor | None = None) -> None:
-    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``. ``EmbeddingScaleError`` names
-    the scale expected and found (``found_scale``, else estimated from norms)."""
+def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, found_scale: torch.Tensor | None = None):
+    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on the default probe ids.
+    ``EmbeddingScaleError`` names the scale expected and found (``found_scale``, else estimated from norms)."""
     weight = module.weight
-    probe_ids = default_probe_ids(weight.shape[0]) if probe_ids is None else probe_ids
+    probe_ids = default_probe_ids(weight.shape[0])
     with torch.no_grad():
         expected = module(probe_ids.to(weight.device)).cpu()
         found = host(probe_ids).cpu()

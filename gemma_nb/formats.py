@@ -32,7 +32,6 @@ def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` computed in fp32, returned as ``dtype``."""
     return (q.float() * scale).to(dtype)
 
 
@@ -302,7 +301,6 @@ def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTenso
 
 
 def registered_quantized(module: nn.Module, prefix: str) -> QuantizedTensor:
-    """The QuantizedTensor stored by :func:`register_quantized` under ``prefix``."""
     fmt, shape, name = module._quantized_meta[prefix]
     data, scale, global_scale = (getattr(module, f"{prefix}_{part}") for part in ("data", "scale", "global_scale"))
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)

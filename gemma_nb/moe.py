@@ -52,8 +52,7 @@ def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
     kinds is free and reversible; ``*_int8`` is one-way."""
     found = experts_modules(model)
     assert found, f"{type(model).__name__} has no routed-experts modules"
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    config = model.config.get_text_config() if hasattr(model, "config") else None
     for parent, name, module in found:
         setattr(parent, name, make_experts(module, impl, config=config, **options))
     return model
