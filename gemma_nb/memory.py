@@ -9,22 +9,12 @@ from typing import Any
 
 import pandas as pd
 
+from gemma_nb import params
 from gemma_nb.formats import FORMATS as FORMATS
 from gemma_nb.formats import PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
 from gemma_nb.params import GEMMA4_26B_CONFIG_PATH as GEMMA4_26B_CONFIG_PATH
-from gemma_nb.params import (
-    GROUPS,
-    PLAN_ROWS,
-    SHARDABLE_GROUPS,
-    ParamRecord,
-    check_plain,
-    kv_cache_bytes,
-    kv_heads_per_rank,
-    load_gemma4_26b_config,
-    model_facts,
-    valid_tp_degrees,
-)
+from gemma_nb.params import GROUPS, PLAN_ROWS, kv_cache_bytes, load_gemma4_26b_config, model_facts, valid_tp_degrees
 from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
 from gemma_nb.params import check_gemma4_pitfalls as check_gemma4_pitfalls
 from gemma_nb.params import inventory as inventory
@@ -49,7 +39,7 @@ class Scheme:
     description: str = ""
     dtypes: Mapping[str, str] = field(default_factory=dict, hash=False)
     default_dtype: str = "bf16"
-    sharded: frozenset[str] = frozenset(SHARDABLE_GROUPS)
+    sharded: frozenset[str] = frozenset(params.SHARDABLE_GROUPS)
     lm_head_sharded: bool = False
     kv_dtype: str = "fp32"
     runtime_allowance_bytes: int = DEFAULT_RUNTIME_ALLOWANCE_BYTES
@@ -60,9 +50,9 @@ class Scheme:
         for group, dtype in self.dtypes.items():
             assert group in GROUPS, f"group {group!r} is not one of {', '.join(GROUPS)}"
             get_format(dtype)
-        check_plain(self.default_dtype, f"scheme {self.name!r} default")
-        check_plain(self.kv_dtype, f"scheme {self.name!r} KV cache")
-        assert self.sharded <= set(SHARDABLE_GROUPS), f"cannot shard {sorted(self.sharded - set(SHARDABLE_GROUPS))}"
+        params.check_plain(self.default_dtype, f"scheme {self.name!r} default")
+        params.check_plain(self.kv_dtype, f"scheme {self.name!r} KV cache")
+        assert self.sharded <= set(params.SHARDABLE_GROUPS), f"cannot shard {sorted(self.sharded - set(params.SHARDABLE_GROUPS))}"
         assert self.runtime_allowance_bytes >= 0, f"runtime_allowance_bytes={self.runtime_allowance_bytes} must be >= 0"
 
     def dtype(self, group: str) -> str:
@@ -99,13 +89,13 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     return SCHEMES[scheme]
 
 
-def _record_bytes(rec: ParamRecord, sch: Scheme, tp: int) -> int:
+def _record_bytes(rec: params.ParamRecord, sch: Scheme, tp: int) -> int:
     """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors: a plain dtype)."""
     dtype = sch.dtype(rec.group)
     shape = list(rec.shape)
     if tp > 1 and rec.split != "none" and shape:
         axis = {"experts": 0, "kv": 0, "out": -2 if len(shape) >= 2 else 0, "in": -1}[rec.split]
-        shape[axis] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
+        shape[axis] = params.kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
     use = dtype if (len(shape) >= 2 and not rec.is_buffer) or dtype in PLAIN_DTYPES else sch.default_dtype
     return tensor_bytes(tuple(shape), use)
 
@@ -169,22 +159,22 @@ def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
         return sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
 
     on_host = ("embeddings", "per_layer_embeddings")
-    params, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
+    counts, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
         if not rec.is_buffer:
-            params[rec.group] += rec.numel
+            counts[rec.group] += rec.numel
         ranks = 1 if rec.group in on_host or not sharded(rec.group) else tp
         (host if rec.group in on_host else device)[rec.group] += _record_bytes(rec, sch, ranks)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
-        head = ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
+        head = params.ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
         device["lm_head"] += _record_bytes(head, sch, tp if sch.lm_head_sharded else 1)
         head_detail = "tied: a device copy of the embedding table; "
     details = dict.fromkeys(on_host, "looked up on the host; 0 HBM")
     details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
     return [{"group": g, "dtype": sch.dtype(g),
              "placement": "host" if g in on_host else "sharded" if sharded(g) and tp > 1 else "replicated",
-             "params": params[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
+             "params": counts[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
             for g in GROUPS]
 
 

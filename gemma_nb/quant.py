@@ -8,18 +8,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from gemma_nb import memory
+from gemma_nb import formats, memory
 from gemma_nb.experts import QuantizedExperts, SparseExperts
-from gemma_nb.formats import (
-    QUANTIZED_FORMATS,
-    QuantizedTensor,
-    int8_matmul,
-    quantization_error,
-    quantize,
-    register_quantized,
-    registered_quantized,
-    weight_format,
-)
+from gemma_nb.formats import QUANTIZED_FORMATS, QuantizedTensor, quantization_error, quantize
 from gemma_nb.moe import random_experts, random_routing
 from gemma_nb.targets import torch_threads
 
@@ -51,7 +42,7 @@ class Int8Linear(nn.Module):
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, self.qweight, self.scale)
+        return formats.int8_matmul(x, self.qweight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -64,10 +55,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         assert len(quantized.shape) == 2, f"{quantized.name!r} has shape {quantized.shape}"
         self._quantized_meta = {}
-        register_quantized(self, "weight", quantized)
+        formats.register_quantized(self, "weight", quantized)
         self.out_features, self.in_features = quantized.shape
 
-    quantized = property(lambda self: registered_quantized(self, "weight"))
+    quantized = property(lambda self: formats.registered_quantized(self, "weight"))
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +88,7 @@ def resolve_scheme(scheme) -> dict[str, str]:
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
     for group, fmt in resolved.items():
         assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
-        weight_format(fmt)
+        formats.weight_format(fmt)
     return resolved
 
 
