@@ -88,10 +88,9 @@ class HostEmbedding(nn.Module):
                 f"{type(module).__name__} has no embed_scale: expected Gemma-4's Gemma4TextScaledWordEmbedding "
                 "(model.get_input_embeddings()); a plain nn.Embedding carries no scale to copy")
         host = cls(module.weight, module_scale(module))
-        host.verify_against(module)
+        host.verify_against(module)  # bit for bit on the default probe ids, so its outputs there are the model's
         host.probe_ids = default_probe_ids(module.weight.shape[0])
-        with torch.no_grad():
-            host.probe_expected = module(host.probe_ids.to(module.weight.device)).cpu()
+        host.probe_expected = host(host.probe_ids).cpu()
         return host
 
     @classmethod
