@@ -23,6 +23,7 @@ GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings",
 # Groups TP can split. Router, norms and scale vectors stay replicated (the port kept them so).
 SHARDABLE_GROUPS = ("experts", "attention", "shared_mlp")
 PLAN_ROWS = GROUPS + ("kv_cache", "runtime_allowance")
+EMBEDDING_GROUPS = ("embeddings", "lm_head", "per_layer_embeddings")
 
 
 def load_config(path_or_dict: str | Path | Mapping[str, Any]):
@@ -255,8 +256,7 @@ def inventory(config):
         (buffers if rec.is_buffer else params)[rec.group] += rec.numel
         tensors[rec.group] += 0 if rec.is_buffer else 1
     total = sum(params.values())
-    embedding_groups = ("embeddings", "lm_head", "per_layer_embeddings")
-    non_embedding = total - sum(params[g] for g in embedding_groups)
+    non_embedding = total - sum(params[g] for g in EMBEDDING_GROUPS)
     rows = []
     for g in GROUPS:
         note = ("tied to the input embedding: counted once, under embeddings" if g == "lm_head" and facts.tied
@@ -264,7 +264,7 @@ def inventory(config):
                 else "buffers: persistent, in the state dict, not parameters" if buffers[g] else "")
         rows.append({"group": g, "params": params[g], "tensors": tensors[g],
                      "share_pct": 100.0 * params[g] / total if total else 0.0,
-                     "share_non_embedding_pct": (None if g in embedding_groups
+                     "share_non_embedding_pct": (None if g in EMBEDDING_GROUPS
                                                  else 100.0 * params[g] / non_embedding if non_embedding else 0.0),
                      "buffers": buffers[g], "tied": facts.tied and g in ("embeddings", "lm_head"), "note": note})
     table = pd.DataFrame(rows)
@@ -277,8 +277,7 @@ def param_summary(config) -> dict:
     inv = inventory(config).set_index("group")
     facts = model_facts(config)
     total, experts = int(inv["params"].sum()), int(inv.loc["experts", "params"])
-    embeddings = int(inv.loc["embeddings", "params"] + inv.loc["lm_head", "params"]
-                     + inv.loc["per_layer_embeddings", "params"])
+    embeddings = int(inv.loc[list(EMBEDDING_GROUPS), "params"].sum())
     active = total - experts + (experts * facts.top_k // facts.num_experts if facts.num_experts else experts)
     return {"total_params": total, **{f"{g}_params": int(inv.loc[g, "params"]) for g in GROUPS},
             "non_embedding_params": total - embeddings, "num_experts": facts.num_experts, "top_k": facts.top_k,
