@@ -137,7 +137,6 @@ class QuantizedTensor:
     name: str = "weight"
 
     format = property(lambda self: weight_format(self.fmt))
-    # Bytes actually stored: elements + scales (+ per-tensor scales).
     nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
                                        if t is not None))
 

@@ -215,8 +215,7 @@ class RuntimeAllowance:
 @functools.cache
 def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
     """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    window = allowance_window(load_gemma4_26b_config(), "int8_experts", "int8_squeeze", 2, SHIPPED_CONTEXT_LEN,
-                              budget_bytes=int(budget_bytes))
+    window = allowance_window(load_gemma4_26b_config(), budget_bytes=int(budget_bytes))  # the port's schemes, TP=2, 512
     return RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
                             "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)")
 
