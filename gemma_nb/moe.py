@@ -26,12 +26,11 @@ def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             if isinstance(child, nn.Module) and hasattr(child, "gate_up_proj") and hasattr(child, "down_proj")]
 
 
-def make_experts(source: nn.Module, impl: str, config=None, experts_implementation: str | None = None,
-                 **options) -> nn.Module:
+def make_experts(source: nn.Module, impl: str, config=None, experts_implementation: str | None = None, **options) -> nn.Module:
     """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared. ``transformers``
     needs the model's text config (``experts_implementation=`` its kernel); ``options`` go to the class (``selection=``)."""
     assert impl in IMPLEMENTATIONS, f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
-    assert not getattr(source, "int8", False) and getattr(source, "weights", "float") == "float", (
+    assert getattr(source, "weights", "float") == "float", (
         f"the experts are already {type(source).__name__} with int8 weights: reload the model")
     if impl != "transformers":
         return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
@@ -85,8 +84,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
     return index.to(device), weights.to(device)
 
 
-def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor,
-                    routes: list[tuple[torch.Tensor, torch.Tensor]]):
+def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]]):
     """Each module's largest distance from ``modules[reference]``'s output over ``routes``. ``bf16_ulps``: that distance in bf16
     rounding steps (2^-8) of the largest reference element."""
     assert reference in modules, f"reference {reference!r} is not one of {', '.join(modules)}"

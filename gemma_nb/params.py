@@ -18,8 +18,7 @@ from gemma_nb.formats import FORMATS, PLAIN_DTYPES, get_format
 
 GEMMA4_26B_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "gemma4_26b_a4b.json"
 
-GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings", "lm_head", "per_layer_embeddings",
-          "other")
+GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings", "lm_head", "per_layer_embeddings", "other")
 # Groups TP can split. Router, norms and scale vectors stay replicated (the port kept them so).
 SHARDABLE_GROUPS = ("experts", "attention", "shared_mlp")
 PLAN_ROWS = GROUPS + ("kv_cache", "runtime_allowance")
