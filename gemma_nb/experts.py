@@ -144,11 +144,8 @@ class RoutedExperts(nn.Module):
             return self.gate_up.fmt
         return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
 
-    @property
-    def weight_bytes(self) -> int:
-        """Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved)."""
-        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
-
+    # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
+    weight_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values()))
     nbytes = weight_bytes
 
     def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:

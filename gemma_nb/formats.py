@@ -58,10 +58,7 @@ class WeightFormat:
     scale_dtype: torch.dtype | None = None
     per_tensor_scale: bool = False
 
-    @property
-    def quantized(self) -> bool:
-        return self.scale_dtype is not None
-
+    quantized = property(lambda f: f.scale_dtype is not None)
     # Scale bytes per output row (int8, fp8), per block (fp4) and per matrix (NVFP4's fp32 per-tensor scale).
     row_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size is None else 0)
     block_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size else 0)

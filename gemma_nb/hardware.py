@@ -23,13 +23,8 @@ class Instance:
     hbm_gib: float
     usd_per_hour: float
 
-    @property
-    def hbm_per_core_bytes(self) -> int:  # each Inferentia2 chip: 2 cores sharing 32 GiB
-        return int(self.hbm_gib * GiB) // self.neuron_cores
-
-    @property
-    def host_ram_bytes(self) -> int:
-        return int(self.host_ram_gib * GiB)
+    hbm_per_core_bytes = property(lambda self: int(self.hbm_gib * GiB) // self.neuron_cores)  # a chip: 2 cores, 32 GiB
+    host_ram_bytes = property(lambda self: int(self.host_ram_gib * GiB))
 
     def budget_bytes(self, budget: str = "spec") -> int:
         assert budget in BUDGETS, f"budget {budget!r} is not one of {', '.join(BUDGETS)}"
@@ -111,9 +106,7 @@ class Fit:
     usd_per_hour: float
     reason: str
 
-    @property
-    def headroom_gb(self) -> float | None:
-        return None if self.headroom_bytes is None else self.headroom_bytes / GB
+    headroom_gb = property(lambda self: None if self.headroom_bytes is None else self.headroom_bytes / GB)
 
 
 def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:

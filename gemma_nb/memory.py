@@ -122,10 +122,7 @@ class Plan:
     def gb(self, group: str) -> float:
         return self.bytes(group) / GB
 
-    @property
-    def weights_bytes(self) -> int:
-        """Bytes per rank of parameters and buffers only (no KV cache, no runtime allowance)."""
-        return sum(self.bytes(g) for g in GROUPS)
+    weights_bytes = property(lambda self: sum(self.bytes(g) for g in GROUPS))  # no KV cache, no runtime allowance
 
     def _repr_html_(self):
         return self.table._repr_html_()

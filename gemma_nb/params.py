@@ -76,9 +76,7 @@ class ParamRecord:
     kv_heads: int = 0
     head_dim: int = 0
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    numel = property(lambda self: math.prod(self.shape))
 
 
 @dataclass(frozen=True)
