@@ -195,15 +195,13 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
     stored = metadata.get(SCALE_KEY)
     if stored is None:
         if scale is None:
-            raise EmbeddingFileError(
-                f"embedding file {name!r} has no {SCALE_KEY!r} in its metadata and no scale= was given; "
-                "expected the scale Gemma-4's embedding multiplies by (sqrt(hidden_size)): re-save with "
-                "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale")
+            raise EmbeddingFileError(f"embedding file {name!r} has no {SCALE_KEY!r} in its metadata and no scale= was given; "
+                                     "expected the scale Gemma-4's embedding multiplies by (sqrt(hidden_size)): re-save with "
+                                     "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale")
         return _as_scale(scale, dtype)
     if (stored_dtype := metadata.get(SCALE_DTYPE_KEY)) != dtype_name(dtype):
-        raise EmbeddingFileError(
-            f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
-            f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save")
+        raise EmbeddingFileError(f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
+                                 f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save")
     try:
         stored_scale = _as_scale(float(stored), dtype)
     except ValueError as error:
@@ -246,17 +244,14 @@ def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     effective = (found32.norm() / raw32.norm()).item() if raw32.norm() > 0 else math.nan
     found_text = f"{found_scale.item()!r} ({dtype})" if found_scale is not None else f"~{effective:.6g} (effective)"
     ulp = unit_in_last_place(expected_scale).item()
-    lines = [
-        f"expected scale {expected_scale.item()!r} (the module's embed_scale cast to {dtype}), found {found_text}; "
-        f"max |Δ| = {max_abs:.4g}, {differ_pct:.1f}% of elements differ, norm ratio model/host = {ratio:.6g}."
-    ]
+    lines = [f"expected scale {expected_scale.item()!r} (the module's embed_scale cast to {dtype}), found {found_text}; "
+             f"max |Δ| = {max_abs:.4g}, {differ_pct:.1f}% of elements differ, norm ratio model/host = {ratio:.6g}."]
     if abs(ratio - math.sqrt(hidden)) < 0.02 * math.sqrt(hidden):
         lines.append(f"Looks unscaled: the ratio ≈ sqrt(hidden_size) = {math.sqrt(hidden):.4f}.")
     elif found_scale is None and abs(effective - expected_scale.item()) <= ulp:
-        lines.append(
-            f"The scale is right to within one {dtype} ulp ({ulp:g}) but applied differently: "
-            f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
-            f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
+        lines.append(f"The scale is right to within one {dtype} ulp ({ulp:g}) but applied differently: "
+                     f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
+                     f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
     elif found_scale is not None and torch.equal(found_scale.cpu(), expected_scale):
         lines.append("Same scale, different output: the table itself differs from the model's.")
     return " ".join(lines + [FIX])

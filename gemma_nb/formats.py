@@ -269,10 +269,8 @@ def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row
     if bool(torch.isfinite(absmax).all()):
         return
     row, col = (~torch.isfinite(rows)).nonzero()[0].tolist()
-    raise ValueError(
-        f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
-        f"{first_row + row}, column {col}); fix the checkpoint before quantizing it"
-    )
+    raise ValueError(f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
+                     f"{first_row + row}, column {col}); fix the checkpoint before quantizing it")
 
 
 @torch.no_grad()

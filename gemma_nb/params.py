@@ -45,9 +45,8 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any]):
 def check_gemma4_pitfalls(raw: Mapping[str, Any]) -> None:
     """ValueError if a Gemma-4 26B config dict leaves a field whose transformers default builds another model."""
     if raw.get("hidden_size_per_layer_input", 256) != 0:
-        raise ValueError(
-            f"hidden_size_per_layer_input={raw.get('hidden_size_per_layer_input', '<missing: default 256>')!r}: "
-            "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 adds 2.08B params)")
+        raise ValueError(f"hidden_size_per_layer_input={raw.get('hidden_size_per_layer_input', '<missing: default 256>')!r}: "
+                         "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 adds 2.08B params)")
     if "attention_k_eq_v" not in raw:
         raise ValueError("attention_k_eq_v is missing: the default False gives global layers a v_proj and 8 KV heads "
                          "(+100.9M params); set attention_k_eq_v: true for Gemma-4-26B-A4B")
