@@ -139,8 +139,7 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
     default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
     table = pd.DataFrame(_group_rows(facts, sch, tp) + [
         {"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated", "params": 0,
-         "bytes_per_rank": kv_bytes, "host_bytes": 0,
-         "detail": f"K and V, {context_len} tokens x batch {batch}"},
+         "bytes_per_rank": kv_bytes, "host_bytes": 0, "detail": f"K and V, {context_len} tokens x batch {batch}"},
         {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
          "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
          "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
