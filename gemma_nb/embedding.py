@@ -1,7 +1,5 @@
-"""The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06).
-
-``HostEmbedding`` casts the module's own ``embed_scale`` to the weight dtype as the module does, so it equals
-``embed_tokens(ids)`` bit for bit; ``lookup * math.sqrt(H)`` in bf16 does not (docs/sources.md)."""
+"""The slim deploy's host-side embedding with Gemma-4's scale, its file, and the check that guards it (notebooks 05, 06):
+``embed_scale`` cast to the weight dtype as the module does, so it equals ``embed_tokens(ids)`` bit for bit."""
 
 import math
 from collections.abc import Callable
@@ -90,10 +88,9 @@ class HostEmbedding(nn.Module):
                 f"{type(module).__name__} has no embed_scale: expected Gemma-4's Gemma4TextScaledWordEmbedding "
                 "(model.get_input_embeddings()); a plain nn.Embedding carries no scale to copy")
         host = cls(module.weight, module_scale(module))
-        host.verify_against(module)
+        host.verify_against(module)  # bit for bit on the default probe ids, so its outputs there are the model's
         host.probe_ids = default_probe_ids(module.weight.shape[0])
-        with torch.no_grad():
-            host.probe_expected = module(host.probe_ids.to(module.weight.device)).cpu()
+        host.probe_expected = host(host.probe_ids).cpu()
         return host
 
     @classmethod
@@ -131,17 +128,16 @@ class HostEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
-    def verify_against(self, module: nn.Module, probe_ids: torch.Tensor | None = None) -> None:
+    def verify_against(self, module: nn.Module) -> None:
         """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
         deploy's structure) has no table: then only shape, dtype and scale."""
         weight, what = module.weight, type(module).__name__
         if not weight.is_meta:
-            return verify_host_path(self, module, probe_ids, found_scale=self.scale)
+            return verify_host_path(self, module, found_scale=self.scale)
         if getattr(module, "embed_scale", None) is not None and module.embed_scale.is_meta:
             raise EmbeddingCheckError(
-                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build "
-                "the structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers "
-                "stay real; the file's own probe was already checked by from_file")
+                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build the "
+                "structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers stay real")
         if tuple(self.weight.shape) != tuple(weight.shape) or self.weight.dtype != weight.dtype:
             raise EmbeddingCheckError(
                 f"host embedding is {dtype_name(self.weight.dtype)} {tuple(self.weight.shape)}, the model's {what} is "
@@ -199,15 +195,13 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
     stored = metadata.get(SCALE_KEY)
     if stored is None:
         if scale is None:
-            raise EmbeddingFileError(
-                f"embedding file {name!r} has no {SCALE_KEY!r} in its metadata and no scale= was given; "
-                "expected the scale Gemma-4's embedding multiplies by (sqrt(hidden_size)): re-save with "
-                "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale")
+            raise EmbeddingFileError(f"embedding file {name!r} has no {SCALE_KEY!r} in its metadata and no scale= was given; "
+                                     "expected the scale Gemma-4's embedding multiplies by (sqrt(hidden_size)): re-save with "
+                                     "HostEmbedding.save, or pass scale=model.get_input_embeddings().embed_scale")
         return _as_scale(scale, dtype)
     if (stored_dtype := metadata.get(SCALE_DTYPE_KEY)) != dtype_name(dtype):
-        raise EmbeddingFileError(
-            f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
-            f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save")
+        raise EmbeddingFileError(f"embedding file {name!r}: {SCALE_DTYPE_KEY}={stored_dtype!r} in metadata, expected "
+                                 f"{dtype_name(dtype)!r} (the weight's dtype); the file was not written by HostEmbedding.save")
     try:
         stored_scale = _as_scale(float(stored), dtype)
     except ValueError as error:
@@ -220,12 +214,11 @@ def _file_scale(name: str, metadata: dict[str, str], dtype: torch.dtype, scale) 
     return stored_scale
 
 
-def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
-                     probe_ids: torch.Tensor | None = None, found_scale: torch.Tensor | None = None) -> None:
-    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on ``probe_ids``. ``EmbeddingScaleError`` names
-    the scale expected and found (``found_scale``, else estimated from norms)."""
+def verify_host_path(host: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, found_scale: torch.Tensor | None = None):
+    """Raise unless ``host(ids)`` equals the model's ``module(ids)`` bit for bit on the default probe ids.
+    ``EmbeddingScaleError`` names the scale expected and found (``found_scale``, else estimated from norms)."""
     weight = module.weight
-    probe_ids = default_probe_ids(weight.shape[0]) if probe_ids is None else probe_ids
+    probe_ids = default_probe_ids(weight.shape[0])
     with torch.no_grad():
         expected = module(probe_ids.to(weight.device)).cpu()
         found = host(probe_ids).cpu()
@@ -251,17 +244,14 @@ def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
     effective = (found32.norm() / raw32.norm()).item() if raw32.norm() > 0 else math.nan
     found_text = f"{found_scale.item()!r} ({dtype})" if found_scale is not None else f"~{effective:.6g} (effective)"
     ulp = unit_in_last_place(expected_scale).item()
-    lines = [
-        f"expected scale {expected_scale.item()!r} (the module's embed_scale cast to {dtype}), found {found_text}; "
-        f"max |Δ| = {max_abs:.4g}, {differ_pct:.1f}% of elements differ, norm ratio model/host = {ratio:.6g}."
-    ]
+    lines = [f"expected scale {expected_scale.item()!r} (the module's embed_scale cast to {dtype}), found {found_text}; "
+             f"max |Δ| = {max_abs:.4g}, {differ_pct:.1f}% of elements differ, norm ratio model/host = {ratio:.6g}."]
     if abs(ratio - math.sqrt(hidden)) < 0.02 * math.sqrt(hidden):
         lines.append(f"Looks unscaled: the ratio ≈ sqrt(hidden_size) = {math.sqrt(hidden):.4f}.")
     elif found_scale is None and abs(effective - expected_scale.item()) <= ulp:
-        lines.append(
-            f"The scale is right to within one {dtype} ulp ({ulp:g}) but applied differently: "
-            f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
-            f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
+        lines.append(f"The scale is right to within one {dtype} ulp ({ulp:g}) but applied differently: "
+                     f"probably math.sqrt({hidden}) = {math.sqrt(hidden):.6f} as a Python float, which torch applies at "
+                     f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
     elif found_scale is not None and torch.equal(found_scale.cpu(), expected_scale):
         lines.append("Same scale, different output: the table itself differs from the model's.")
     return " ".join(lines + [FIX])

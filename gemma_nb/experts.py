@@ -122,8 +122,7 @@ class RoutedExperts(nn.Module):
     @classmethod
     def from_experts(cls, experts: nn.Module, int8: bool = False, **options):
         """Built on another experts module's float tensors (shared when float, quantized when ``int8``)."""
-        assert not getattr(experts, "int8", False) and getattr(experts, "weights", "float") == "float", (
-            f"{type(experts).__name__} already holds quantized weights")
+        assert getattr(experts, "weights", "float") == "float", f"{type(experts).__name__} already holds quantized weights"
         return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, int8=int8, **options)
 
     @classmethod
@@ -132,8 +131,8 @@ class RoutedExperts(nn.Module):
         if other.weights == "quantized":
             return cls(other.gate_up, other.down, other.act_fn, **options)
         if other.int8:
-            return cls(other.gate_up_proj, other.down_proj, other.act_fn, int8=True,
-                       scales=(other.gate_up_scale, other.down_scale), **{"compute_dtype": other.compute_dtype, **options})
+            options = {"int8": True, "scales": (other.gate_up_scale, other.down_scale), "compute_dtype": other.compute_dtype,
+                       **options}
         return cls(other.gate_up_proj, other.down_proj, other.act_fn, **options)
 
     gate_up = property(lambda self: registered_quantized(self, "gate_up"))  # QuantizedTensor, as are down's
@@ -145,11 +144,8 @@ class RoutedExperts(nn.Module):
             return self.gate_up.fmt
         return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
 
-    @property
-    def weight_bytes(self) -> int:
-        """Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved)."""
-        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
-
+    # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
+    weight_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values()))
     nbytes = weight_bytes
 
     def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,11 +333,9 @@ class Int8Experts(RoutedExperts):
     def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
         """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
         assert experts.fmt == "int8", f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
-        if experts.weights == "quantized":
-            gate_up, down = experts.gate_up, experts.down
-            return cls(gate_up.data, down.data, experts.act_fn, scales=(gate_up.scale, down.scale))
-        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn,
-                   scales=(experts.gate_up_scale, experts.down_scale))
+        quantized = experts.weights == "quantized"  # its buffers: gate_up_data or gate_up_proj, and gate_up_scale either way
+        gate_up, down = (experts.gate_up_data, experts.down_data) if quantized else (experts.gate_up_proj, experts.down_proj)
+        return cls(gate_up, down, experts.act_fn, scales=(experts.gate_up_scale, experts.down_scale))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)

@@ -32,7 +32,6 @@ def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` computed in fp32, returned as ``dtype``."""
     return (q.float() * scale).to(dtype)
 
 
@@ -59,10 +58,7 @@ class WeightFormat:
     scale_dtype: torch.dtype | None = None
     per_tensor_scale: bool = False
 
-    @property
-    def quantized(self) -> bool:
-        return self.scale_dtype is not None
-
+    quantized = property(lambda f: f.scale_dtype is not None)
     # Scale bytes per output row (int8, fp8), per block (fp4) and per matrix (NVFP4's fp32 per-tensor scale).
     row_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size is None else 0)
     block_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size else 0)
@@ -138,7 +134,6 @@ class QuantizedTensor:
     name: str = "weight"
 
     format = property(lambda self: weight_format(self.fmt))
-    # Bytes actually stored: elements + scales (+ per-tensor scales).
     nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
                                        if t is not None))
 
@@ -274,10 +269,8 @@ def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row
     if bool(torch.isfinite(absmax).all()):
         return
     row, col = (~torch.isfinite(rows)).nonzero()[0].tolist()
-    raise ValueError(
-        f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
-        f"{first_row + row}, column {col}); fix the checkpoint before quantizing it"
-    )
+    raise ValueError(f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
+                     f"{first_row + row}, column {col}); fix the checkpoint before quantizing it")
 
 
 @torch.no_grad()
@@ -302,7 +295,6 @@ def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTenso
 
 
 def registered_quantized(module: nn.Module, prefix: str) -> QuantizedTensor:
-    """The QuantizedTensor stored by :func:`register_quantized` under ``prefix``."""
     fmt, shape, name = module._quantized_meta[prefix]
     data, scale, global_scale = (getattr(module, f"{prefix}_{part}") for part in ("data", "scale", "global_scale"))
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)

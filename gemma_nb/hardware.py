@@ -23,17 +23,10 @@ class Instance:
     hbm_gib: float
     usd_per_hour: float
 
-    @property
-    def hbm_per_core_bytes(self) -> int:
-        """HBM of one NeuronCore in bytes (each Inferentia2 chip: 2 cores sharing 32 GiB)."""
-        return int(self.hbm_gib * GiB) // self.neuron_cores
-
-    @property
-    def host_ram_bytes(self) -> int:
-        return int(self.host_ram_gib * GiB)
+    hbm_per_core_bytes = property(lambda self: int(self.hbm_gib * GiB) // self.neuron_cores)  # a chip: 2 cores, 32 GiB
+    host_ram_bytes = property(lambda self: int(self.host_ram_gib * GiB))
 
     def budget_bytes(self, budget: str = "spec") -> int:
-        """HBM per NeuronCore: ``"spec"`` = 16 GiB (AWS), ``"story"`` = 16 GB (the write-up)."""
         assert budget in BUDGETS, f"budget {budget!r} is not one of {', '.join(BUDGETS)}"
         return self.hbm_per_core_bytes if budget == "spec" else STORY_HBM_PER_CORE_BYTES
 
@@ -48,7 +41,6 @@ INSTANCES: dict[str, Instance] = {i.name: i for i in (
 
 
 def get_instance(name: str | Instance) -> Instance:
-    """The catalog entry for ``name``; ValueError listing the known names otherwise."""
     if isinstance(name, Instance):
         return name
     if name not in INSTANCES:
@@ -114,21 +106,16 @@ class Fit:
     usd_per_hour: float
     reason: str
 
-    @property
-    def headroom_gb(self) -> float | None:
-        return None if self.headroom_bytes is None else self.headroom_bytes / GB
+    headroom_gb = property(lambda self: None if self.headroom_bytes is None else self.headroom_bytes / GB)
 
 
 def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
     """Does ``plan`` (``total_bytes`` per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
     inst = get_instance(instance)
-    budget_bytes = inst.budget_bytes(budget)
-    used = int(plan.total_bytes)
-    if plan.tp > inst.neuron_cores:
-        return Fit(inst.name, budget, plan.tp, inst.neuron_cores, False, used, budget_bytes, None, 0,
-                   inst.usd_per_hour, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}")
-    headroom = budget_bytes - used
-    ok = headroom >= 0
+    budget_bytes, used = inst.budget_bytes(budget), int(plan.total_bytes)
+    headroom, ok = budget_bytes - used, budget_bytes >= used
     reason = f"{headroom / GB:.2f} GB free per NeuronCore" if ok else f"short by {-headroom / GB:.2f} GB per NeuronCore"
+    if plan.tp > inst.neuron_cores:
+        headroom, ok, reason = None, False, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}"
     return Fit(inst.name, budget, plan.tp, inst.neuron_cores, ok, used, budget_bytes, headroom,
                inst.neuron_cores // plan.tp, inst.usd_per_hour, reason)

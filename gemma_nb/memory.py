@@ -9,24 +9,12 @@ from typing import Any
 
 import pandas as pd
 
+from gemma_nb import params
 from gemma_nb.formats import FORMATS as FORMATS
 from gemma_nb.formats import PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
 from gemma_nb.params import GEMMA4_26B_CONFIG_PATH as GEMMA4_26B_CONFIG_PATH
-from gemma_nb.params import (
-    GROUPS,
-    PLAN_ROWS,
-    SHARDABLE_GROUPS,
-    ParamRecord,
-    check_context,
-    check_plain,
-    check_tp,
-    kv_cache_bytes,
-    kv_heads_per_rank,
-    load_gemma4_26b_config,
-    model_facts,
-    valid_tp_degrees,
-)
+from gemma_nb.params import GROUPS, PLAN_ROWS, kv_cache_bytes, load_gemma4_26b_config, model_facts, valid_tp_degrees
 from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
 from gemma_nb.params import check_gemma4_pitfalls as check_gemma4_pitfalls
 from gemma_nb.params import inventory as inventory
@@ -45,15 +33,14 @@ SHIPPED_CONTEXT_LEN = 512  # the port's compiled MAX / bucket 512 / 128 (docs/so
 @dataclass(frozen=True)
 class Scheme:
     """A placement: dtype per group (else ``default_dtype``, also for a quantized group's vectors), what TP shards.
-    ``embedding_on_device=False``: looked up on the host, 0 HBM; a tied head on the device is its own copy."""
+    Embeddings are looked up on the host (0 HBM); a tied head on the device is its own copy."""
 
     name: str
     description: str = ""
     dtypes: Mapping[str, str] = field(default_factory=dict, hash=False)
     default_dtype: str = "bf16"
-    sharded: frozenset[str] = frozenset(SHARDABLE_GROUPS)
+    sharded: frozenset[str] = frozenset(params.SHARDABLE_GROUPS)
     lm_head_sharded: bool = False
-    embedding_on_device: bool = False
     kv_dtype: str = "fp32"
     runtime_allowance_bytes: int = DEFAULT_RUNTIME_ALLOWANCE_BYTES
 
@@ -63,9 +50,9 @@ class Scheme:
         for group, dtype in self.dtypes.items():
             assert group in GROUPS, f"group {group!r} is not one of {', '.join(GROUPS)}"
             get_format(dtype)
-        check_plain(self.default_dtype, f"scheme {self.name!r} default")
-        check_plain(self.kv_dtype, f"scheme {self.name!r} KV cache")
-        assert self.sharded <= set(SHARDABLE_GROUPS), f"cannot shard {sorted(self.sharded - set(SHARDABLE_GROUPS))}"
+        params.check_plain(self.default_dtype, f"scheme {self.name!r} default")
+        params.check_plain(self.kv_dtype, f"scheme {self.name!r} KV cache")
+        assert self.sharded <= set(params.SHARDABLE_GROUPS), f"cannot shard {sorted(self.sharded - set(params.SHARDABLE_GROUPS))}"
         assert self.runtime_allowance_bytes >= 0, f"runtime_allowance_bytes={self.runtime_allowance_bytes} must be >= 0"
 
     def dtype(self, group: str) -> str:
@@ -95,7 +82,6 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def get_scheme(scheme: str | Scheme) -> Scheme:
-    """A named scheme from ``SCHEMES`` (or a ``Scheme`` passed through)."""
     if isinstance(scheme, Scheme):
         return scheme
     if scheme not in SCHEMES:
@@ -103,13 +89,14 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     return SCHEMES[scheme]
 
 
-def _record_bytes(rec: ParamRecord, dtype: str, default_dtype: str, tp: int) -> int:
+def _record_bytes(rec: params.ParamRecord, sch: Scheme, tp: int) -> int:
     """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors: a plain dtype)."""
+    dtype = sch.dtype(rec.group)
     shape = list(rec.shape)
     if tp > 1 and rec.split != "none" and shape:
         axis = {"experts": 0, "kv": 0, "out": -2 if len(shape) >= 2 else 0, "in": -1}[rec.split]
-        shape[axis] = kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
-    use = dtype if (len(shape) >= 2 and not rec.is_buffer) else (dtype if dtype in PLAIN_DTYPES else default_dtype)
+        shape[axis] = params.kv_heads_per_rank(rec.kv_heads, tp) * rec.head_dim if rec.split == "kv" else -(-shape[axis] // tp)
+    use = dtype if (len(shape) >= 2 and not rec.is_buffer) or dtype in PLAIN_DTYPES else sch.default_dtype
     return tensor_bytes(tuple(shape), use)
 
 
@@ -135,10 +122,7 @@ class Plan:
     def gb(self, group: str) -> float:
         return self.bytes(group) / GB
 
-    @property
-    def weights_bytes(self) -> int:
-        """Bytes per rank of parameters and buffers only (no KV cache, no runtime allowance)."""
-        return sum(self.bytes(g) for g in GROUPS)
+    weights_bytes = property(lambda self: sum(self.bytes(g) for g in GROUPS))  # no KV cache, no runtime allowance
 
     def _repr_html_(self):
         return self.table._repr_html_()
@@ -148,16 +132,14 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
          batch: int = 1, runtime_allowance_bytes: int | None = None) -> Plan:
     """Bytes per rank per group for ``scheme`` at TP ``tp``, then KV cache and runtime allowance; ``host_bytes``: on the host."""
     sch = get_scheme(scheme)
-    check_context(context_len, batch)
-    check_tp(config, tp)
+    kv_bytes = kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype)  # checks context_len, batch and tp first
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
         sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
     default = sch.runtime_allowance_bytes == DEFAULT_RUNTIME_ALLOWANCE_BYTES
     table = pd.DataFrame(_group_rows(facts, sch, tp) + [
         {"group": "kv_cache", "dtype": sch.kv_dtype, "placement": "sharded" if tp > 1 else "replicated", "params": 0,
-         "bytes_per_rank": kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype), "host_bytes": 0,
-         "detail": f"K and V, {context_len} tokens x batch {batch}"},
+         "bytes_per_rank": kv_bytes, "host_bytes": 0, "detail": f"K and V, {context_len} tokens x batch {batch}"},
         {"group": "runtime_allowance", "dtype": "-", "placement": "per rank", "params": 0,
          "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
          "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
@@ -172,23 +154,23 @@ def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
     def sharded(group: str) -> bool:
         return sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
 
-    on_host = {g: g in ("embeddings", "per_layer_embeddings") and not sch.embedding_on_device for g in GROUPS}
-    params, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
+    on_host = ("embeddings", "per_layer_embeddings")
+    counts, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
         if not rec.is_buffer:
-            params[rec.group] += rec.numel
-        ranks = 1 if on_host[rec.group] or not sharded(rec.group) else tp
-        (host if on_host[rec.group] else device)[rec.group] += _record_bytes(rec, sch.dtype(rec.group), sch.default_dtype, ranks)
+            counts[rec.group] += rec.numel
+        ranks = 1 if rec.group in on_host or not sharded(rec.group) else tp
+        (host if rec.group in on_host else device)[rec.group] += _record_bytes(rec, sch, ranks)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
-        head = ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
-        device["lm_head"] += _record_bytes(head, sch.dtype("lm_head"), sch.default_dtype, tp if sch.lm_head_sharded else 1)
+        head = params.ParamRecord("lm_head.weight (tied copy)", "lm_head", facts.lm_head_shape, "out")
+        device["lm_head"] += _record_bytes(head, sch, tp if sch.lm_head_sharded else 1)
         head_detail = "tied: a device copy of the embedding table; "
-    details = {g: "looked up on the host; 0 HBM" for g in GROUPS if on_host[g]}
+    details = dict.fromkeys(on_host, "looked up on the host; 0 HBM")
     details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
     return [{"group": g, "dtype": sch.dtype(g),
-             "placement": "host" if on_host[g] else "sharded" if sharded(g) and tp > 1 else "replicated",
-             "params": params[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
+             "placement": "host" if g in on_host else "sharded" if sharded(g) and tp > 1 else "replicated",
+             "params": counts[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
             for g in GROUPS]
 
 
@@ -229,8 +211,7 @@ class RuntimeAllowance:
 @functools.cache
 def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
     """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    window = allowance_window(load_gemma4_26b_config(), "int8_experts", "int8_squeeze", 2, SHIPPED_CONTEXT_LEN,
-                              budget_bytes=int(budget_bytes))
+    window = allowance_window(load_gemma4_26b_config(), budget_bytes=int(budget_bytes))  # the port's schemes, TP=2, 512
     return RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
                             "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)")
 

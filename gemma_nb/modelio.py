@@ -1,7 +1,5 @@
-"""Which model a notebook runs on (the bundled checkpoint, a local folder, a hub id) and loading it.
-
-Safetensors only, never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never printed.
-"""
+"""Which model a notebook runs on (the bundled checkpoint, a local folder, a hub id) and loading it: safetensors only,
+never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never printed."""
 
 import contextlib
 import os
@@ -99,11 +97,6 @@ def load_model(model_id: str | os.PathLike = BUNDLED_ID, dtype: torch.dtype = to
         # The hub client's message may quote request headers; say what happened without it.
         raise ModelNotFoundError(f"could not load hub model {model_id!r} ({type(error).__name__}): {_HUB_HELP}") from None
     return model.to(device).eval(), tokenizer
-
-
-def load_tiny(dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) of the bundled checkpoint (``gemma_nb.tiny``), loaded like any hub model, in eval mode."""
-    return load_model(BUNDLED_ID, dtype=dtype, device=device)
 
 
 def model_skeleton(config) -> nn.Module:

@@ -18,11 +18,11 @@ from gemma_nb.formats import FORMATS, PLAIN_DTYPES, get_format
 
 GEMMA4_26B_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "gemma4_26b_a4b.json"
 
-GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings", "lm_head", "per_layer_embeddings",
-          "other")
+GROUPS = ("experts", "router", "shared_mlp", "attention", "norms", "embeddings", "lm_head", "per_layer_embeddings", "other")
 # Groups TP can split. Router, norms and scale vectors stay replicated (the port kept them so).
 SHARDABLE_GROUPS = ("experts", "attention", "shared_mlp")
 PLAN_ROWS = GROUPS + ("kv_cache", "runtime_allowance")
+EMBEDDING_GROUPS = ("embeddings", "lm_head", "per_layer_embeddings")
 
 
 def load_config(path_or_dict: str | Path | Mapping[str, Any]):
@@ -45,9 +45,8 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any]):
 def check_gemma4_pitfalls(raw: Mapping[str, Any]) -> None:
     """ValueError if a Gemma-4 26B config dict leaves a field whose transformers default builds another model."""
     if raw.get("hidden_size_per_layer_input", 256) != 0:
-        raise ValueError(
-            f"hidden_size_per_layer_input={raw.get('hidden_size_per_layer_input', '<missing: default 256>')!r}: "
-            "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 adds 2.08B params)")
+        raise ValueError(f"hidden_size_per_layer_input={raw.get('hidden_size_per_layer_input', '<missing: default 256>')!r}: "
+                         "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 adds 2.08B params)")
     if "attention_k_eq_v" not in raw:
         raise ValueError("attention_k_eq_v is missing: the default False gives global layers a v_proj and 8 KV heads "
                          "(+100.9M params); set attention_k_eq_v: true for Gemma-4-26B-A4B")
@@ -76,9 +75,7 @@ class ParamRecord:
     kv_heads: int = 0
     head_dim: int = 0
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    numel = property(lambda self: math.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -255,8 +252,7 @@ def inventory(config):
         (buffers if rec.is_buffer else params)[rec.group] += rec.numel
         tensors[rec.group] += 0 if rec.is_buffer else 1
     total = sum(params.values())
-    embedding_groups = ("embeddings", "lm_head", "per_layer_embeddings")
-    non_embedding = total - sum(params[g] for g in embedding_groups)
+    non_embedding = total - sum(params[g] for g in EMBEDDING_GROUPS)
     rows = []
     for g in GROUPS:
         note = ("tied to the input embedding: counted once, under embeddings" if g == "lm_head" and facts.tied
@@ -264,7 +260,7 @@ def inventory(config):
                 else "buffers: persistent, in the state dict, not parameters" if buffers[g] else "")
         rows.append({"group": g, "params": params[g], "tensors": tensors[g],
                      "share_pct": 100.0 * params[g] / total if total else 0.0,
-                     "share_non_embedding_pct": (None if g in embedding_groups
+                     "share_non_embedding_pct": (None if g in EMBEDDING_GROUPS
                                                  else 100.0 * params[g] / non_embedding if non_embedding else 0.0),
                      "buffers": buffers[g], "tied": facts.tied and g in ("embeddings", "lm_head"), "note": note})
     table = pd.DataFrame(rows)
@@ -277,8 +273,7 @@ def param_summary(config) -> dict:
     inv = inventory(config).set_index("group")
     facts = model_facts(config)
     total, experts = int(inv["params"].sum()), int(inv.loc["experts", "params"])
-    embeddings = int(inv.loc["embeddings", "params"] + inv.loc["lm_head", "params"]
-                     + inv.loc["per_layer_embeddings", "params"])
+    embeddings = int(inv.loc[list(EMBEDDING_GROUPS), "params"].sum())
     active = total - experts + (experts * facts.top_k // facts.num_experts if facts.num_experts else experts)
     return {"total_params": total, **{f"{g}_params": int(inv.loc[g, "params"]) for g in GROUPS},
             "non_embedding_params": total - embeddings, "num_experts": facts.num_experts, "top_k": facts.top_k,
@@ -309,13 +304,6 @@ def valid_tp_degrees(config, max_tp: int = 64) -> list[int]:
     return [tp for tp in range(1, max_tp + 1) if tp_problem(config, tp) is None]
 
 
-def check_tp(config, tp) -> int:
-    """``tp``, or ValueError naming it, why, and the degrees that work."""
-    if problem := tp_problem(config, tp):
-        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
-    return tp
-
-
 def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return kv_heads // tp if kv_heads % tp == 0 else 1
 
@@ -329,9 +317,13 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
                    cap_sliding: bool = False) -> int:
     """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
     port's static buffers) unless ``cap_sliding``."""
-    check_context(context_len, batch)
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
+        raise ValueError(f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be an integer >= 1 (sequences decoded together)")
     check_plain(dtype, "KV cache")
-    check_tp(config, tp)
+    if problem := tp_problem(config, tp):
+        raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
     per_elem, total = FORMATS[dtype].element_bits // 8, 0
     for layer in model_facts(config).attention_layers:
         tokens = min(context_len, layer.sliding_window) if cap_sliding and layer.sliding_window else context_len
@@ -344,9 +336,3 @@ def check_plain(dtype: str, what: str) -> None:
     get_format(dtype)
     assert dtype in PLAIN_DTYPES, f"{what} dtype {dtype!r} must be one of {', '.join(PLAIN_DTYPES)}"
 
-
-def check_context(context_len, batch) -> None:
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
-        raise ValueError(f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be an integer >= 1 (sequences decoded together)")

@@ -7,21 +7,11 @@ from collections.abc import Mapping
 import pandas as pd
 import torch
 from torch import nn
-from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from gemma_nb import memory
+from gemma_nb import formats, memory
 from gemma_nb.experts import QuantizedExperts, SparseExperts
-from gemma_nb.formats import (
-    QUANTIZED_FORMATS,
-    QuantizedTensor,
-    int8_matmul,
-    quantization_error,
-    quantize,
-    register_quantized,
-    registered_quantized,
-    weight_format,
-)
-from gemma_nb.moe import random_routing
+from gemma_nb.formats import QUANTIZED_FORMATS, QuantizedTensor, quantization_error, quantize
+from gemma_nb.moe import random_experts, random_routing
 from gemma_nb.targets import torch_threads
 
 FORMATS = QUANTIZED_FORMATS
@@ -52,7 +42,7 @@ class Int8Linear(nn.Module):
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, self.qweight, self.scale)
+        return formats.int8_matmul(x, self.qweight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -65,10 +55,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         assert len(quantized.shape) == 2, f"{quantized.name!r} has shape {quantized.shape}"
         self._quantized_meta = {}
-        register_quantized(self, "weight", quantized)
+        formats.register_quantized(self, "weight", quantized)
         self.out_features, self.in_features = quantized.shape
 
-    quantized = property(lambda self: registered_quantized(self, "weight"))
+    quantized = property(lambda self: formats.registered_quantized(self, "weight"))
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +69,6 @@ class QuantizedLinear(nn.Module):
 
 
 def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn.Module:
-    """An :class:`Int8Linear` (``fmt == "int8"``) or a :class:`QuantizedLinear` for ``weight [out, in]``."""
     if fmt == "int8":
         return Int8Linear.from_weight(weight, name=name)
     return QuantizedLinear(quantize(weight, fmt, name=name))
@@ -99,7 +88,7 @@ def resolve_scheme(scheme) -> dict[str, str]:
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
     for group, fmt in resolved.items():
         assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
-        weight_format(fmt)
+        formats.weight_format(fmt)
     return resolved
 
 
@@ -132,11 +121,9 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
 
 @torch.no_grad()
 def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_error: bool = True):
-    """Quantize a loaded Gemma-4 model in place, group by group; one report row per group.
-
-    ``lm_head`` gets its own quantized copy (the tie is broken; ``embed_tokens`` keeps the float table).
-    ``rel_error`` (Frobenius, whole group) and ``max_abs_error`` are NaN with ``measure_error=False``.
-    """
+    """Quantize a loaded Gemma-4 model in place, group by group; one report row per group. ``lm_head`` gets its own
+    quantized copy (the tie is broken; ``embed_tokens`` keeps the float table). ``rel_error`` (Frobenius, whole group)
+    and ``max_abs_error`` are NaN with ``measure_error=False``."""
     groups = resolve_scheme(scheme)
     layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
     assert layers, f"{type(model).__name__} has no Gemma4TextDecoderLayer"
@@ -191,15 +178,4 @@ def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4
 
 
 def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A ``Gemma4TextExperts`` with N(0, std) weights drawn in ``dtype`` expert by expert on one thread (~3x faster
-    than ``moe.random_experts``, other numbers)."""
-    with torch.device("meta"):
-        module = Gemma4TextExperts(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch_threads(1):
-        for name in ("gate_up_proj", "down_proj"):
-            weight = torch.empty(getattr(module, name).shape, dtype=dtype)
-            for e in range(weight.shape[0]):
-                weight[e].normal_(0.0, std, generator=generator)
-            setattr(module, name, nn.Parameter(weight, requires_grad=False))
-    return module
+    return random_experts(config, seed, dtype, std=std, per_expert=True)

@@ -238,9 +238,9 @@ def test_verify_against_a_meta_device_model(tmp_path):
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def bundled(request):
-    from gemma_nb.modelio import load_tiny
+    from gemma_nb.modelio import load_model
 
-    return load_tiny(dtype=request.param)
+    return load_model(dtype=request.param)
 
 
 def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled):

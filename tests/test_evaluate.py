@@ -109,10 +109,10 @@ def test_greedy_match_wants_one_sequence(model):
 
 
 def test_fact_recall_on_the_bundled_checkpoint():
-    from gemma_nb.modelio import load_tiny
+    from gemma_nb.modelio import load_model
     from gemma_nb.tiny import FACTS
 
-    tiny, tokenizer = load_tiny()
+    tiny, tokenizer = load_model()
     facts = [f for f in FACTS if f.subject in {"France", "Japan", "Brazil"}]
     accuracy, table = fact_recall(tiny, tokenizer, facts)
     assert isinstance(table, pd.DataFrame)
@@ -125,10 +125,10 @@ def test_fact_recall_on_the_bundled_checkpoint():
 
 
 def test_fact_recall_counts_wrong_answers():
-    from gemma_nb.modelio import load_tiny
+    from gemma_nb.modelio import load_model
     from gemma_nb.tiny.corpus import Fact
 
-    tiny, tokenizer = load_tiny()
+    tiny, tokenizer = load_model()
     facts = [Fact("capital", "France", "The capital of France is", "Paris ."),
              Fact("capital", "France", "The capital of France is", "Berlin .")]
     accuracy, table = fact_recall(tiny, tokenizer, facts)
@@ -142,11 +142,11 @@ def test_recall_from_greedy_tokens_is_fact_recall():
     """Notebook 02 decodes each model once and reads the recall off its greedy tokens."""
     from gemma_nb.evaluate import recall_from_tokens
     from gemma_nb.experiments.quantization import greedy_tokens
-    from gemma_nb.modelio import load_tiny
+    from gemma_nb.modelio import load_model
     from gemma_nb.tiny import FACTS
     from gemma_nb.tiny.corpus import Fact
 
-    tiny, tokenizer = load_tiny()
+    tiny, tokenizer = load_model()
     facts = [f for f in FACTS if f.subject in {"France", "Japan"}]
     facts.append(Fact("capital", "France", "The capital of France is", "Berlin ."))
     tokens = greedy_tokens(tiny, tokenizer, [f.prompt for f in facts], 4)

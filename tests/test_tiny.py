@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma4ForCausalLM
 
 from gemma_nb.evaluate import compare_logits, fact_recall, greedy_generate
-from gemma_nb.modelio import load_tiny
+from gemma_nb.modelio import load_model
 from gemma_nb.tiny import (
     BUNDLED_ID,
     FACTS,
@@ -151,7 +151,7 @@ def test_load_and_32_token_generation_without_eos():
     """Load and a fixed-length greedy run (its time is printed, not asserted: a timed unit test
     fails on a busy machine; speed is measured side by side in notebook 07)."""
     started = time.perf_counter()
-    model, tokenizer = load_tiny()
+    model, tokenizer = load_model()
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = greedy_generate(model, prompt, 32)
     print(f"load + 32 greedy tokens: {time.perf_counter() - started:.2f} s")
