@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 import seaborn as sns
 
-from gemma_nb.bench import EXPERT_MODES, check_experts_mode
+from gemma_nb.bench import EXPERT_MODES
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
 from gemma_nb.memory import SHIPPED_CONTEXT_LEN, RuntimeAllowance, inferred_runtime_allowance, model_facts, plan
 from gemma_nb.plots import reference_line
@@ -106,7 +106,6 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
 
 def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
     """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
-    check_experts_mode(experts)
     costs = step_costs(config, scheme, tp, context_len)
     step = batch_step(costs, 1, experts)
     by_group = dict(costs.bytes_by_group)
@@ -155,7 +154,7 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
 
 def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | None:
     """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in all."""
-    return None if usd_per_hour is None or not tok_s or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
+    return None if usd_per_hour is None or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
 
 
 def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
@@ -181,9 +180,8 @@ def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: S
     rows = []
     for deployment in deployments:
         device = deployment.resolved_device()
+        costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
         for mode in experts:
-            check_experts_mode(mode)
-            costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
             speed = step_speed(costs, deployment, 1, mode)
             resident = costs.weights_bytes + costs.kv_bytes_per_stream
             rows.append({"deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
@@ -251,24 +249,22 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
                  device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
     """The story's decode figures on inf2.xlarge, per chip: dense, sparse and upcast (HYPOTHESIS: int8 experts upcast to a
     bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the measured rate (or the claim)."""
-    facts = model_facts(config)
+    costs = step_costs(config, scheme, tp, context_len)
+    dense, sparse = (batch_step(costs, 1, path) for path in ("dense", "sparse"))
     bandwidth, peak = DEVICES[device].bandwidth_bytes_s, DEVICES[device].bf16_flops
-    dense = decode_traffic(config, scheme, "dense", tp, context_len)
-    sparse = decode_traffic(config, scheme, "sparse", tp, context_len)
     # The int8 experts are still read once; the bf16 copy is written, then read by the matmul.
-    experts_bf16 = float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
-    upcast = dense["bytes_per_token"] + 2 * experts_bf16
+    upcast = dense["bytes"] + 2 * float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
     measured = CLAIMS["decode_tok_s"].value if measured_tok_s is None else measured_tok_s
     price = INSTANCES["inf2.xlarge"].usd_per_hour
-    expert_params = float(plan(config, tp, scheme, context_len=0).table.set_index("group").loc["experts", "params"])
     out = {
-        "context_len": context_len, "kv_gb_per_token": tp * dense["bytes_by_group"]["kv_cache"] / GB,
-        "dense_gb_per_token": tp * dense["bytes_per_token"] / GB, "sparse_gb_per_token": tp * sparse["bytes_per_token"] / GB,
-        "upcast_gb_per_token": tp * upcast / GB, "dense_gflop_per_token": tp * dense["flops_per_token"] / 1e9,
-        "dense_expert_gflop_per_token": 2.0 * expert_params / 1e9, "sparse_gflop_per_token": tp * sparse["flops_per_token"] / 1e9,
-        "dense_tok_s": bandwidth / dense["bytes_per_token"], "sparse_tok_s": bandwidth / sparse["bytes_per_token"],
-        "upcast_tok_s": bandwidth / upcast, "compute_bound_tok_s": peak / dense["flops_per_token"],
-        "measured_tok_s": measured, "expert_flops_waste_x": facts.num_experts / facts.top_k, "usd_per_hour": price,
+        "context_len": context_len, "kv_gb_per_token": tp * costs.kv_bytes_per_stream / GB,
+        "dense_gb_per_token": tp * dense["bytes"] / GB, "sparse_gb_per_token": tp * sparse["bytes"] / GB,
+        "upcast_gb_per_token": tp * upcast / GB, "dense_gflop_per_token": tp * dense["flops"] / 1e9,
+        "dense_expert_gflop_per_token": tp * costs.experts_flops_per_token / 1e9,
+        "sparse_gflop_per_token": tp * sparse["flops"] / 1e9,
+        "dense_tok_s": bandwidth / dense["bytes"], "sparse_tok_s": bandwidth / sparse["bytes"],
+        "upcast_tok_s": bandwidth / upcast, "compute_bound_tok_s": peak / dense["flops"],
+        "measured_tok_s": measured, "expert_flops_waste_x": costs.num_experts / costs.top_k, "usd_per_hour": price,
     }
     out["utilisation_at_measured_pct"] = 100.0 * measured / out["compute_bound_tok_s"]
     for key in ("dense", "sparse", "upcast", "measured"):
@@ -320,29 +316,27 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
 
 
 def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, reference_label: str = "") -> None:
-    """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts (log scale)."""
-    priced = table.dropna(subset=["usd_per_m_tokens"])
-    sns.barplot(data=priced, y="deployment", x="usd_per_m_tokens", hue="experts", ax=ax, palette="colorblind")
-    for container in ax.containers:
-        ax.bar_label(container, fmt="$%.2f", fontsize=9, padding=2)
-    ax.set_xlabel("$ per million tokens (one stream, batch 1, at the bandwidth roofline)")
-    ax.set_ylabel("")
-    _reference_in_legend(ax, reference_usd, reference_label)
+    """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts."""
+    _deployment_bars(table.dropna(subset=["usd_per_m_tokens"]), ax, "usd_per_m_tokens", reference_usd, reference_label,
+                     xlabel="$ per million tokens (one stream, batch 1, at the bandwidth roofline)", fmt="$%.2f")
 
 
 def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
-    sns.barplot(data=table, y="deployment", x="tok_s", hue="experts", ax=ax, palette="colorblind")
-    for container in ax.containers:  # two significant figures below 10 tok/s: 0.3 is not "0"
-        ax.bar_label(container, fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}", fontsize=9, padding=2)
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens/s, batch 1, bandwidth roofline (log scale)")
+    _deployment_bars(table, ax, "tok_s", reference_tok_s, reference_label, log=True,
+                     xlabel="tokens/s, batch 1, bandwidth roofline (log scale)",
+                     fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}")  # 0.3 tok/s is not "0"
+
+
+def _deployment_bars(table, ax, x: str, reference: float | None, label: str, xlabel: str, fmt, log: bool = False) -> None:
+    """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend outside the axes."""
+    sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
+    for container in ax.containers:
+        ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("")
-    _reference_in_legend(ax, reference_tok_s, reference_label)
-
-
-def _reference_in_legend(ax, value: float | None, label: str) -> None:
-    """A dashed line at the story's figure, named in the legend, outside the axes (clear of the bars)."""
-    if value is not None:
-        ax.axvline(value, color="0.25", linestyle="--", linewidth=1.2, label=label)
+    if reference is not None:
+        ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)

@@ -149,9 +149,9 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
 
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
-    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch of
-    ``input_ids_batches``: a LongTensor [B, S], a list of them, strings (with ``tokenizer``), or None (the corpus
-    sentences). Returns ``top1_agreement``, ``kl_mean`` (KL(reference || candidate), nats), ``max_abs_diff``, ``positions``."""
+    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch of ``input_ids_batches``
+    (a LongTensor [B, S], a list of them, or strings with ``tokenizer``): ``top1_agreement``, ``kl_mean`` (KL(reference ||
+    candidate), nats), ``max_abs_diff``, ``positions``."""
     batches = _batches(input_ids_batches, tokenizer)
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
     agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0
@@ -168,9 +168,6 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
 
 
 def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
-    if input_ids_batches is None:
-        assert tokenizer is not None, "input_ids_batches is None: pass a tokenizer= for the corpus sentences"
-        return prompt_batches(tokenizer)
     if isinstance(input_ids_batches, torch.Tensor):
         return [_as_batch(input_ids_batches)]
     items = list(input_ids_batches)
