@@ -104,17 +104,6 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
             "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed))}
 
 
-def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
-    costs = step_costs(config, scheme, tp, context_len)
-    step = batch_step(costs, 1, experts)
-    by_group = dict(costs.bytes_by_group)
-    by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
-    return {"scheme": costs.scheme, "experts": experts, "tp": tp, "context_len": context_len,
-            "bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
-            "weights_bytes_per_rank": costs.weights_bytes, "bytes_by_group": by_group}
-
-
 @dataclass(frozen=True)
 class Deployment:
     """The model served on ``ranks`` devices (a ``DEVICES`` key or a ``Device``), tensor-parallel, in

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import psutil
@@ -20,12 +21,8 @@ def _hwm_bytes(proc: psutil.Process, rss: int) -> int:
     return rss
 
 
-@dataclass
-class Sample:
-    """One tick: seconds since the sampler started, summed RSS of the tree, processes counted."""
-    t_s: float
-    rss_bytes: int
-    processes: int
+# One tick: seconds since the sampler started, summed RSS of the tree, processes counted.
+Sample = namedtuple("Sample", "t_s rss_bytes processes")
 
 
 @dataclass

@@ -125,16 +125,14 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
     def reported(rank: int) -> bool:
         return rank in done or any(r == rank for r, _, _ in failures)
 
-    def fail(rank: int, reason: str, trace: str = "") -> None:
+    def take(message) -> None:  # (rank, "ok", pickled dict) or (rank, "error", reason, traceback)
         nonlocal first_failure_at
-        failures.append((rank, reason, trace))
-        first_failure_at = first_failure_at or time.monotonic()
-
-    def take(message) -> None:
         if message[1] == "ok":
             done[message[0]] = pickle.loads(message[2])
         else:
-            fail(message[0], message[2], message[3])
+            rank, _, reason, trace = message
+            failures.append((rank, reason, trace))
+            first_failure_at = first_failure_at or time.monotonic()
 
     while not all(reported(r) for r in range(len(procs))):
         try:
@@ -149,7 +147,7 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
                     while True:
                         take(results.get(timeout=0.2))
                 if not reported(rank):
-                    fail(rank, _exit_reason(proc.exitcode))
+                    take((rank, "error", _exit_reason(proc.exitcode), ""))
         now = time.monotonic()
         if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
             break
