@@ -74,7 +74,7 @@ class Timings:
             tok_s = per_repeat.loc[per_repeat["candidate"] == name, "tok_s"]
             row = {"candidate": name, "p50_ms": ms.median(), "p90_ms": ms.quantile(0.9), "mean_ms": ms.mean(),
                    "min_ms": ms.min(), "tok_s": tok_s.median(), "tok_s_min": tok_s.min(), "tok_s_max": tok_s.max(),
-                   "repeats": int(per_repeat["candidate"].eq(name).sum()), "steps_per_repeat": int(ms.size // max(1, tok_s.size))}
+                   "repeats": tok_s.size, "steps_per_repeat": ms.size // tok_s.size}
             if self.first_token is not None:
                 row["ttft_ms"] = self.first_token.loc[self.first_token["candidate"] == name, "ttft_ms"].median()
             rows.append(row)

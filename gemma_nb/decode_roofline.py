@@ -162,15 +162,14 @@ def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) 
             "usd_per_hour": price, "usd_per_m_tokens": usd_per_million_tokens(price, tok_s)}
 
 
-def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
-             context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
+def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Predicted batch-1 decode speed (an upper bound) on each deployment, dense vs sparse experts,
     reading a ``context_len`` KV cache; ``fits``: weights + KV within the device memory."""
     rows = []
     for deployment in deployments:
         device = deployment.resolved_device()
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
-        for mode in experts:
+        for mode in EXPERT_MODES:
             speed = step_speed(costs, deployment, 1, mode)
             resident = costs.weights_bytes + costs.kv_bytes_per_stream
             rows.append({"deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
@@ -201,13 +200,13 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
 
 
 def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-                   context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+                   context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """``step_speed`` per deployment, decode path and batch, and whether it fits at either allowance end (``batch_limits``)."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
         limits = batch_limits(costs, deployment)
-        for path in paths:
+        for path in BATCH_PATHS:
             for batch in batches:
                 speed = step_speed(costs, deployment, int(batch), path)
                 rows.append({"deployment": deployment.name, **speed, "gb_per_step": speed["bytes"] / GB,
@@ -216,14 +215,13 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
     return pd.DataFrame(rows)
 
 
-def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
-                  paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit (either allowance end) or NaN."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
         limits = batch_limits(costs, deployment)
-        for path in paths:
+        for path in BATCH_PATHS:
             row = {"deployment": deployment.name, "path": path, **limits}
             for suffix, batch in (("b1", 1), ("at_largest", limits["largest_batch"]),
                                   ("if_low", limits["largest_batch_if_low"])):
@@ -234,16 +232,16 @@ def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, conte
     return pd.DataFrame(rows)
 
 
-def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, scheme: str = "int8_squeeze",
-                 device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
-    """The story's decode figures on inf2.xlarge, per chip: dense, sparse and upcast (HYPOTHESIS: int8 experts upcast to a
-    bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the measured rate (or the claim)."""
-    costs = step_costs(config, scheme, tp, context_len)
+def story_decode(config, context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
+    """The story's decode figures on inf2.xlarge (int8 squeeze, TP=2), per chip: dense, sparse and upcast (HYPOTHESIS: int8
+    experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the claimed rate."""
+    tp, device = 2, DEVICES["neuroncore_v2"]
+    costs = step_costs(config, "int8_squeeze", tp, context_len)
     dense, sparse = (batch_step(costs, 1, path) for path in ("dense", "sparse"))
-    bandwidth, peak = DEVICES[device].bandwidth_bytes_s, DEVICES[device].bf16_flops
+    bandwidth, peak = device.bandwidth_bytes_s, device.bf16_flops
     # The int8 experts are still read once; the bf16 copy is written, then read by the matmul.
     upcast = dense["bytes"] + 2 * float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
-    measured = CLAIMS["decode_tok_s"].value if measured_tok_s is None else measured_tok_s
+    measured = CLAIMS["decode_tok_s"].value
     price = INSTANCES["inf2.xlarge"].usd_per_hour
     out = {
         "context_len": context_len, "kv_gb_per_token": tp * costs.kv_bytes_per_stream / GB,
@@ -263,13 +261,13 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
     return out
 
 
-def context_sensitivity(config, context_lens: Sequence[int], **story_kwargs) -> pd.DataFrame:
+def context_sensitivity(config, context_lens: Sequence[int]) -> pd.DataFrame:
     """``story_decode``'s dense and sparse tok/s at each KV-cache length, and their ratio."""
     if not context_lens:
         raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
     if bad := [n for n in context_lens if int(n) != n or n < 0]:
         raise ValueError(f"context_lens {bad} must be whole numbers of tokens >= 0")
-    stories = [story_decode(config, context_len=int(n), **story_kwargs) for n in context_lens]
+    stories = [story_decode(config, context_len=int(n)) for n in context_lens]
     return pd.DataFrame([{**{key: s[key] for key in ("context_len", "kv_gb_per_token", "dense_tok_s", "sparse_tok_s")},
                           "sparse_vs_dense_x": s["sparse_tok_s"] / s["dense_tok_s"]} for s in stories])
 

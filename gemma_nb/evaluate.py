@@ -44,31 +44,24 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
     emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
-    ids = _as_batch(input_ids)
-    if max_new_tokens == 0:
-        return ids
-    ids = ids.to(_device_of(model))
+    ids = _as_batch(input_ids).to(_device_of(model))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     step_fn = _stepper(model)
-    next_logits = step_fn(ids, first=True)
     for step in range(max_new_tokens):
-        next_token = next_logits.argmax(dim=-1)
+        next_token = step_fn(ids, first=step == 0).argmax(dim=-1)
         if eos_token_id is not None:
             next_token = torch.where(done, torch.full_like(next_token, eos_token_id), next_token)
             done |= next_token == eos_token_id
         ids = torch.cat([ids, next_token[:, None]], dim=1)
-        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+        if eos_token_id is not None and bool(done.all()):
             break
-        next_logits = step_fn(ids, first=False)
     return ids
 
 
 def _device_of(model) -> torch.device:
-    if isinstance(model, CachedLogits):
-        model = model.model
-    if isinstance(model, torch.nn.Module):
-        return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
-    return torch.device("cpu")
+    model = model.model if isinstance(model, CachedLogits) else model
+    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return next((parameter.device for parameter in parameters), torch.device("cpu"))
 
 
 def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
