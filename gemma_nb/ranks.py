@@ -53,9 +53,7 @@ def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int,
             dist.destroy_process_group()
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
+def _exit_reason(code: int) -> str:
     if code >= 0:
         return f"exited with code {code} without reporting a result"
     try:
