@@ -51,8 +51,6 @@ def _check_batch(batch) -> None:
 class StepCosts:
     """One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
     non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes`` resident."""
-    scheme: str
-    tp: int
     context_len: int
     num_experts: int
     top_k: int
@@ -62,7 +60,6 @@ class StepCosts:
     fixed_flops_per_token: float
     experts_flops_per_token: float
     weights_bytes: float
-    bytes_by_group: Mapping[str, float]
 
 
 def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0) -> StepCosts:
@@ -78,11 +75,11 @@ def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: i
     if facts.tied and facts.lm_head_shape is not None:
         matmul_params += float(facts.lm_head_shape[0] * facts.lm_head_shape[1])
     attention_flops = sum(4.0 * context_len * layer.q_heads * layer.head_dim for layer in facts.attention_layers)
-    return StepCosts(the_plan.scheme.name, tp, context_len, facts.num_experts, facts.top_k,
+    return StepCosts(context_len, facts.num_experts, facts.top_k,
                      fixed_bytes=sum(by_group[group] for group in READ_GROUPS), experts_bytes=by_group["experts"],
                      kv_bytes_per_stream=by_group["kv_cache"], fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
                      experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
-                     weights_bytes=float(the_plan.weights_bytes), bytes_by_group=by_group)
+                     weights_bytes=float(the_plan.weights_bytes))
 
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:

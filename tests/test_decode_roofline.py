@@ -17,12 +17,11 @@ def config_26b():
 
 
 def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
+    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), and the experts' share of the bytes."""
     costs = step_costs(config, scheme, tp, context_len)
     step = batch_step(costs, 1, experts)
-    by_group = dict(costs.bytes_by_group)
-    by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
-    return {"bytes_per_token": step["bytes"], "flops_per_token": step["flops"], "bytes_by_group": by_group}
+    return {"bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
+            "experts_bytes": costs.experts_bytes * step["experts_read"] / costs.num_experts}
 
 
 def _by_hand_bf16_bytes(config):
@@ -55,7 +54,7 @@ def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
     sparse = decode_traffic(config, "bf16", "sparse", tp=1)
     assert dense["bytes_per_token"] == total_bf16
     assert dense["bytes_per_token"] - sparse["bytes_per_token"] == experts_bf16 * (1 - 2 / 32)
-    assert sparse["bytes_by_group"]["experts"] == experts_bf16 / 16
+    assert sparse["experts_bytes"] == experts_bf16 / 16
     # FLOPs: 2 per matrix weight used (vectors excluded), no context.
     assert dense["flops_per_token"] == 2 * _by_hand_matrix_params(config)
     assert dense["flops_per_token"] - sparse["flops_per_token"] == experts_bf16 * (1 - 2 / 32)
