@@ -1,6 +1,7 @@
 """The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode step,
 modelled, at any batch, and the tokens/s and $ per million tokens they allow on each deployment."""
 
+from collections import namedtuple
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,19 +48,10 @@ def _check_batch(batch) -> None:
         raise ValueError(f"batch={batch!r} must be an integer >= 1 (streams decoded together)")
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
-    non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes`` resident."""
-    context_len: int
-    num_experts: int
-    top_k: int
-    fixed_bytes: float
-    experts_bytes: float
-    kv_bytes_per_stream: float
-    fixed_flops_per_token: float
-    experts_flops_per_token: float
-    weights_bytes: float
+# One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the non-expert
+# weights (once per step), all E experts, one stream's KV cache; ``weights_bytes``: resident.
+StepCosts = namedtuple("StepCosts", "context_len num_experts top_k fixed_bytes experts_bytes kv_bytes_per_stream "
+                                    "fixed_flops_per_token experts_flops_per_token weights_bytes")
 
 
 def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0) -> StepCosts:

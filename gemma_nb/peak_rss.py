@@ -88,14 +88,8 @@ def self_peak_rss_bytes() -> int:
     return _hwm_bytes(psutil.Process(), psutil.Process().memory_info().rss)
 
 
-@dataclass
-class MeasuredRun:
-    """A child process run under the sampler: its JSON result, peaks and wall time."""
-    result: dict
-    peak_rss_bytes: int
-    peak_hwm_bytes: int
-    wall_s: float
-    samples: list[Sample]
+# A child process run under the sampler: its JSON result, peaks, wall time and ticks.
+MeasuredRun = namedtuple("MeasuredRun", "result peak_rss_bytes peak_hwm_bytes wall_s samples")
 
 
 class MeasuredRunError(RuntimeError):

@@ -81,9 +81,8 @@ def _check_tp_job(fn: Callable, world_size, tp, timeout_s: float, collective_tim
 def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, tp: int | None = None,
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0,
            threads_per_rank: int | None = None) -> list[dict]:
-    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
-    Waits at most ``timeout_s``; ``failure_grace_s`` after a first failure, stops the ranks and raises
-    :class:`TPJobError`. ``tp`` (default ``world_size``) must equal ``world_size``."""
+    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks (``tp``, if given, must match); return the
+    dicts by rank. ``TPJobError`` after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
     _check_tp_job(fn, world_size, world_size if tp is None else tp, timeout_s, collective_timeout_s)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
