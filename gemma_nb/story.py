@@ -2,6 +2,7 @@
 and when a computed value agrees with it. Never used as a computed result."""
 
 import math
+from collections import namedtuple
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -94,10 +95,8 @@ def with_unit(number: str, unit: str) -> str:
     return f"{number}{unit}" if unit in ("%", "x") else f"{number} {unit}".strip()
 
 
-@dataclass(frozen=True)
-class LowerBound:
-    """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
-    value: float
+# A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim.
+LowerBound = namedtuple("LowerBound", "value")
 
 
 def claims_table(computed: Mapping[str, float | LowerBound]):
