@@ -152,9 +152,8 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
                     missing: list[int], timeout_s: float) -> str:
     """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
-    consequence = [any(words in f[1].lower() for words in _PEER_LOSS) for f in failures]
-    causes = [f for f, c in zip(failures, consequence) if not c]
-    consequences = [f for f, c in zip(failures, consequence) if c]
+    consequences = [f for f in failures if any(words in f[1].lower() for words in _PEER_LOSS)]
+    causes = [f for f in failures if f not in consequences]
     lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]
     lines += [f"  rank {rank}: {reason}" for rank, reason, _ in causes]
     lines += [f"  rank {rank} (waiting on a failed or stuck peer): {reason}" for rank, reason, _ in consequences]
