@@ -1,8 +1,5 @@
-"""The cpu target's compiled artifact (notebook 04): its files and their checks, loading, and the greedy loop.
-
-``gemma_nb.export.compile_model`` writes the folder; ``load_artifact`` checks every file before torch
-reads it (a missing, truncated or mismatched file raises ``ArtifactError`` naming it).
-"""
+"""The cpu target's compiled artifact (notebook 04), written by ``gemma_nb.export.compile_model``: its files, the checks
+``load_artifact`` makes before torch reads them (``ArtifactError`` names a missing, truncated or mismatched one), the greedy loop."""
 
 import hashlib
 import json
@@ -26,10 +23,7 @@ PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
 HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
 HOST_EMBEDDING_KEY = "model.embed_tokens.weight"
 PROGRAM_EXTRA = "gemma_nb_program.json"
-
-
-def weights_file(rank: int = 0) -> str:  # named as NxD names a rank's file
-    return f"tp{rank}_weights.safetensors"
+WEIGHTS_FILE = "tp0_weights.safetensors"  # named as NxD names rank 0's file
 
 
 class ArtifactError(ValueError):
@@ -132,8 +126,7 @@ class StepRunner:
 
 def config_fingerprint(config) -> str:
     """sha256 (first 16 hex digits) of the config's JSON: ties programs and weights to one model."""
-    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else json.dumps(config, sort_keys=True)
-    data = json.loads(text)
+    data = json.loads(config.to_json_string(use_diff=False))
     for volatile in ("transformers_version", "_name_or_path", "_experts_implementation", "_attn_implementation",
                      "dtype", "torch_dtype", "architectures"):
         data.pop(volatile, None)
@@ -144,10 +137,9 @@ def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:  # nam
     return {name: [list(t.shape), dtype_name(t.dtype)] for name, t in weights.items()}
 
 
-def save_weights(weights: Mapping[str, torch.Tensor], path: str | Path, config_sha: str, rank: int = 0,
-                 tp_degree: int = 1) -> Path:
-    """Write one rank's device weights as safetensors, tagged with the config they belong to."""
-    meta = {"format": FORMAT, "config_sha": config_sha, "rank": str(rank), "tp_degree": str(tp_degree)}
+def save_weights(weights: Mapping[str, torch.Tensor], path: str | Path, config_sha: str) -> Path:
+    """Write the device weights (one rank, TP=1) as safetensors, tagged with the config they belong to."""
+    meta = {"format": FORMAT, "config_sha": config_sha, "rank": "0", "tp_degree": "1"}
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata=meta)
     return Path(path)
 

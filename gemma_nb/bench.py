@@ -74,7 +74,7 @@ class Timings:
             tok_s = per_repeat.loc[per_repeat["candidate"] == name, "tok_s"]
             row = {"candidate": name, "p50_ms": ms.median(), "p90_ms": ms.quantile(0.9), "mean_ms": ms.mean(),
                    "min_ms": ms.min(), "tok_s": tok_s.median(), "tok_s_min": tok_s.min(), "tok_s_max": tok_s.max(),
-                   "repeats": int(per_repeat["candidate"].eq(name).sum()), "steps_per_repeat": int(ms.size // max(1, tok_s.size))}
+                   "repeats": tok_s.size, "steps_per_repeat": ms.size // tok_s.size}
             if self.first_token is not None:
                 row["ttft_ms"] = self.first_token.loc[self.first_token["candidate"] == name, "ttft_ms"].median()
             rows.append(row)
@@ -233,14 +233,10 @@ def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
 def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int, experts: str = "dense",
                     dtype: str = "bf16") -> int:
     """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E experts (dense) or its top-k."""
-    check_experts_mode(experts)
+    assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
     per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes((hidden, intermediate), dtype)
     return per_expert * (num_experts if experts == "dense" else top_k)
-
-
-def check_experts_mode(experts: str) -> None:
-    assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
 
 
 def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,

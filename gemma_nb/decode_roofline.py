@@ -1,13 +1,14 @@
 """The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode step,
 modelled, at any batch, and the tokens/s and $ per million tokens they allow on each deployment."""
 
+from collections import namedtuple
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
 import seaborn as sns
 
-from gemma_nb.bench import EXPERT_MODES, check_experts_mode
+from gemma_nb.bench import EXPERT_MODES
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
 from gemma_nb.memory import SHIPPED_CONTEXT_LEN, RuntimeAllowance, inferred_runtime_allowance, model_facts, plan
 from gemma_nb.plots import reference_line
@@ -47,22 +48,10 @@ def _check_batch(batch) -> None:
         raise ValueError(f"batch={batch!r} must be an integer >= 1 (streams decoded together)")
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
-    non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes`` resident."""
-    scheme: str
-    tp: int
-    context_len: int
-    num_experts: int
-    top_k: int
-    fixed_bytes: float
-    experts_bytes: float
-    kv_bytes_per_stream: float
-    fixed_flops_per_token: float
-    experts_flops_per_token: float
-    weights_bytes: float
-    bytes_by_group: Mapping[str, float]
+# One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the non-expert
+# weights (once per step), all E experts, one stream's KV cache; ``weights_bytes``: resident.
+StepCosts = namedtuple("StepCosts", "context_len num_experts top_k fixed_bytes experts_bytes kv_bytes_per_stream "
+                                    "fixed_flops_per_token experts_flops_per_token weights_bytes")
 
 
 def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0) -> StepCosts:
@@ -78,11 +67,11 @@ def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: i
     if facts.tied and facts.lm_head_shape is not None:
         matmul_params += float(facts.lm_head_shape[0] * facts.lm_head_shape[1])
     attention_flops = sum(4.0 * context_len * layer.q_heads * layer.head_dim for layer in facts.attention_layers)
-    return StepCosts(the_plan.scheme.name, tp, context_len, facts.num_experts, facts.top_k,
+    return StepCosts(context_len, facts.num_experts, facts.top_k,
                      fixed_bytes=sum(by_group[group] for group in READ_GROUPS), experts_bytes=by_group["experts"],
                      kv_bytes_per_stream=by_group["kv_cache"], fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
                      experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
-                     weights_bytes=float(the_plan.weights_bytes), bytes_by_group=by_group)
+                     weights_bytes=float(the_plan.weights_bytes))
 
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
@@ -102,18 +91,6 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
     return {"batch": batch, "path": path, "experts_read": read, "experts_computed_per_token": computed,
             "bytes": costs.fixed_bytes + costs.experts_bytes * share(read) + costs.kv_bytes_per_stream * batch,
             "flops": batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed))}
-
-
-def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), by group."""
-    check_experts_mode(experts)
-    costs = step_costs(config, scheme, tp, context_len)
-    step = batch_step(costs, 1, experts)
-    by_group = dict(costs.bytes_by_group)
-    by_group["experts"] = costs.experts_bytes * (step["experts_read"] / costs.num_experts if costs.num_experts else 0.0)
-    return {"scheme": costs.scheme, "experts": experts, "tp": tp, "context_len": context_len,
-            "bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
-            "weights_bytes_per_rank": costs.weights_bytes, "bytes_by_group": by_group}
 
 
 @dataclass(frozen=True)
@@ -155,7 +132,7 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
 
 def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | None:
     """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in all."""
-    return None if usd_per_hour is None or not tok_s or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
+    return None if usd_per_hour is None or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
 
 
 def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
@@ -174,16 +151,14 @@ def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) 
             "usd_per_hour": price, "usd_per_m_tokens": usd_per_million_tokens(price, tok_s)}
 
 
-def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, experts: Sequence[str] = EXPERT_MODES,
-             context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
+def roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Predicted batch-1 decode speed (an upper bound) on each deployment, dense vs sparse experts,
     reading a ``context_len`` KV cache; ``fits``: weights + KV within the device memory."""
     rows = []
     for deployment in deployments:
         device = deployment.resolved_device()
-        for mode in experts:
-            check_experts_mode(mode)
-            costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
+        costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
+        for mode in EXPERT_MODES:
             speed = step_speed(costs, deployment, 1, mode)
             resident = costs.weights_bytes + costs.kv_bytes_per_stream
             rows.append({"deployment": deployment.name, "device": device.name, "ranks": deployment.ranks,
@@ -214,13 +189,13 @@ def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAll
 
 
 def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-                   context_len: int = SHIPPED_CONTEXT_LEN, paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+                   context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """``step_speed`` per deployment, decode path and batch, and whether it fits at either allowance end (``batch_limits``)."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
         limits = batch_limits(costs, deployment)
-        for path in paths:
+        for path in BATCH_PATHS:
             for batch in batches:
                 speed = step_speed(costs, deployment, int(batch), path)
                 rows.append({"deployment": deployment.name, **speed, "gb_per_step": speed["bytes"] / GB,
@@ -229,14 +204,13 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
     return pd.DataFrame(rows)
 
 
-def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN,
-                  paths: Sequence[str] = BATCH_PATHS) -> pd.DataFrame:
+def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit (either allowance end) or NaN."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
         limits = batch_limits(costs, deployment)
-        for path in paths:
+        for path in BATCH_PATHS:
             row = {"deployment": deployment.name, "path": path, **limits}
             for suffix, batch in (("b1", 1), ("at_largest", limits["largest_batch"]),
                                   ("if_low", limits["largest_batch_if_low"])):
@@ -247,28 +221,26 @@ def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, conte
     return pd.DataFrame(rows)
 
 
-def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, scheme: str = "int8_squeeze",
-                 device: str = "neuroncore_v2", context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
-    """The story's decode figures on inf2.xlarge, per chip: dense, sparse and upcast (HYPOTHESIS: int8 experts upcast to a
-    bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the measured rate (or the claim)."""
-    facts = model_facts(config)
-    bandwidth, peak = DEVICES[device].bandwidth_bytes_s, DEVICES[device].bf16_flops
-    dense = decode_traffic(config, scheme, "dense", tp, context_len)
-    sparse = decode_traffic(config, scheme, "sparse", tp, context_len)
+def story_decode(config, context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
+    """The story's decode figures on inf2.xlarge (int8 squeeze, TP=2), per chip: dense, sparse and upcast (HYPOTHESIS: int8
+    experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the claimed rate."""
+    tp, device = 2, DEVICES["neuroncore_v2"]
+    costs = step_costs(config, "int8_squeeze", tp, context_len)
+    dense, sparse = (batch_step(costs, 1, path) for path in ("dense", "sparse"))
+    bandwidth, peak = device.bandwidth_bytes_s, device.bf16_flops
     # The int8 experts are still read once; the bf16 copy is written, then read by the matmul.
-    experts_bf16 = float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
-    upcast = dense["bytes_per_token"] + 2 * experts_bf16
-    measured = CLAIMS["decode_tok_s"].value if measured_tok_s is None else measured_tok_s
+    upcast = dense["bytes"] + 2 * float(plan(config, tp, "bf16", context_len=0).bytes("experts"))
+    measured = CLAIMS["decode_tok_s"].value
     price = INSTANCES["inf2.xlarge"].usd_per_hour
-    expert_params = float(plan(config, tp, scheme, context_len=0).table.set_index("group").loc["experts", "params"])
     out = {
-        "context_len": context_len, "kv_gb_per_token": tp * dense["bytes_by_group"]["kv_cache"] / GB,
-        "dense_gb_per_token": tp * dense["bytes_per_token"] / GB, "sparse_gb_per_token": tp * sparse["bytes_per_token"] / GB,
-        "upcast_gb_per_token": tp * upcast / GB, "dense_gflop_per_token": tp * dense["flops_per_token"] / 1e9,
-        "dense_expert_gflop_per_token": 2.0 * expert_params / 1e9, "sparse_gflop_per_token": tp * sparse["flops_per_token"] / 1e9,
-        "dense_tok_s": bandwidth / dense["bytes_per_token"], "sparse_tok_s": bandwidth / sparse["bytes_per_token"],
-        "upcast_tok_s": bandwidth / upcast, "compute_bound_tok_s": peak / dense["flops_per_token"],
-        "measured_tok_s": measured, "expert_flops_waste_x": facts.num_experts / facts.top_k, "usd_per_hour": price,
+        "context_len": context_len, "kv_gb_per_token": tp * costs.kv_bytes_per_stream / GB,
+        "dense_gb_per_token": tp * dense["bytes"] / GB, "sparse_gb_per_token": tp * sparse["bytes"] / GB,
+        "upcast_gb_per_token": tp * upcast / GB, "dense_gflop_per_token": tp * dense["flops"] / 1e9,
+        "dense_expert_gflop_per_token": tp * costs.experts_flops_per_token / 1e9,
+        "sparse_gflop_per_token": tp * sparse["flops"] / 1e9,
+        "dense_tok_s": bandwidth / dense["bytes"], "sparse_tok_s": bandwidth / sparse["bytes"],
+        "upcast_tok_s": bandwidth / upcast, "compute_bound_tok_s": peak / dense["flops"],
+        "measured_tok_s": measured, "expert_flops_waste_x": costs.num_experts / costs.top_k, "usd_per_hour": price,
     }
     out["utilisation_at_measured_pct"] = 100.0 * measured / out["compute_bound_tok_s"]
     for key in ("dense", "sparse", "upcast", "measured"):
@@ -278,13 +250,13 @@ def story_decode(config, measured_tok_s: float | None = None, tp: int = 2, schem
     return out
 
 
-def context_sensitivity(config, context_lens: Sequence[int], **story_kwargs) -> pd.DataFrame:
+def context_sensitivity(config, context_lens: Sequence[int]) -> pd.DataFrame:
     """``story_decode``'s dense and sparse tok/s at each KV-cache length, and their ratio."""
     if not context_lens:
         raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
     if bad := [n for n in context_lens if int(n) != n or n < 0]:
         raise ValueError(f"context_lens {bad} must be whole numbers of tokens >= 0")
-    stories = [story_decode(config, context_len=int(n), **story_kwargs) for n in context_lens]
+    stories = [story_decode(config, context_len=int(n)) for n in context_lens]
     return pd.DataFrame([{**{key: s[key] for key in ("context_len", "kv_gb_per_token", "dense_tok_s", "sparse_tok_s")},
                           "sparse_vs_dense_x": s["sparse_tok_s"] / s["dense_tok_s"]} for s in stories])
 
@@ -320,29 +292,27 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
 
 
 def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, reference_label: str = "") -> None:
-    """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts (log scale)."""
-    priced = table.dropna(subset=["usd_per_m_tokens"])
-    sns.barplot(data=priced, y="deployment", x="usd_per_m_tokens", hue="experts", ax=ax, palette="colorblind")
-    for container in ax.containers:
-        ax.bar_label(container, fmt="$%.2f", fontsize=9, padding=2)
-    ax.set_xlabel("$ per million tokens (one stream, batch 1, at the bandwidth roofline)")
-    ax.set_ylabel("")
-    _reference_in_legend(ax, reference_usd, reference_label)
+    """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts."""
+    _deployment_bars(table.dropna(subset=["usd_per_m_tokens"]), ax, "usd_per_m_tokens", reference_usd, reference_label,
+                     xlabel="$ per million tokens (one stream, batch 1, at the bandwidth roofline)", fmt="$%.2f")
 
 
 def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
-    sns.barplot(data=table, y="deployment", x="tok_s", hue="experts", ax=ax, palette="colorblind")
-    for container in ax.containers:  # two significant figures below 10 tok/s: 0.3 is not "0"
-        ax.bar_label(container, fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}", fontsize=9, padding=2)
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens/s, batch 1, bandwidth roofline (log scale)")
+    _deployment_bars(table, ax, "tok_s", reference_tok_s, reference_label, log=True,
+                     xlabel="tokens/s, batch 1, bandwidth roofline (log scale)",
+                     fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}")  # 0.3 tok/s is not "0"
+
+
+def _deployment_bars(table, ax, x: str, reference: float | None, label: str, xlabel: str, fmt, log: bool = False) -> None:
+    """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend outside the axes."""
+    sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
+    for container in ax.containers:
+        ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("")
-    _reference_in_legend(ax, reference_tok_s, reference_label)
-
-
-def _reference_in_legend(ax, value: float | None, label: str) -> None:
-    """A dashed line at the story's figure, named in the legend, outside the axes (clear of the bars)."""
-    if value is not None:
-        ax.axvline(value, color="0.25", linestyle="--", linewidth=1.2, label=label)
+    if reference is not None:
+        ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)

@@ -48,8 +48,6 @@ def format_float(value: float) -> str:
 
 def format_cell(value: Any) -> str:
     """One cell as shown: bools as yes/no, missing as blank, large integers separated, text cut at ``<eos>``."""
-    if value is None:
-        return ""
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, (float, np.floating)):
@@ -206,4 +204,4 @@ def headline_table(rows: Iterable[dict]):
 
 def scientific(values, digits: int = 2):
     """``values`` (a Series) as text in scientific notation with ``digits`` significant digits."""
-    return values.map(lambda v: _special(v) if _special(v) is not None else _scientific(float(v), digits - 1))
+    return values.map(_with_specials(lambda v: _scientific(v, digits - 1)))

@@ -44,31 +44,24 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
     emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
-    ids = _as_batch(input_ids)
-    if max_new_tokens == 0:
-        return ids
-    ids = ids.to(_device_of(model))
+    ids = _as_batch(input_ids).to(_device_of(model))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     step_fn = _stepper(model)
-    next_logits = step_fn(ids, first=True)
     for step in range(max_new_tokens):
-        next_token = next_logits.argmax(dim=-1)
+        next_token = step_fn(ids, first=step == 0).argmax(dim=-1)
         if eos_token_id is not None:
             next_token = torch.where(done, torch.full_like(next_token, eos_token_id), next_token)
             done |= next_token == eos_token_id
         ids = torch.cat([ids, next_token[:, None]], dim=1)
-        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+        if eos_token_id is not None and bool(done.all()):
             break
-        next_logits = step_fn(ids, first=False)
     return ids
 
 
 def _device_of(model) -> torch.device:
-    if isinstance(model, CachedLogits):
-        model = model.model
-    if isinstance(model, torch.nn.Module):
-        return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
-    return torch.device("cpu")
+    model = model.model if isinstance(model, CachedLogits) else model
+    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return next((parameter.device for parameter in parameters), torch.device("cpu"))
 
 
 def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
@@ -149,9 +142,8 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
 
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
-    """Next-token logits of ``candidate`` against ``reference`` at every position of every batch of
-    ``input_ids_batches``: a LongTensor [B, S], a list of them, strings (with ``tokenizer``), or None (the corpus
-    sentences). Returns ``top1_agreement``, ``kl_mean`` (KL(reference || candidate), nats), ``max_abs_diff``, ``positions``."""
+    """``candidate``'s next-token logits against ``reference``'s at every position of ``input_ids_batches`` (a LongTensor
+    [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff, positions."""
     batches = _batches(input_ids_batches, tokenizer)
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
     agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0
@@ -168,9 +160,6 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
 
 
 def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
-    if input_ids_batches is None:
-        assert tokenizer is not None, "input_ids_batches is None: pass a tokenizer= for the corpus sentences"
-        return prompt_batches(tokenizer)
     if isinstance(input_ids_batches, torch.Tensor):
         return [_as_batch(input_ids_batches)]
     items = list(input_ids_batches)

@@ -1,8 +1,5 @@
-"""Compile a Gemma-4 model into two static-shape steps, saved apart from its weights (notebook 04).
-
-``DeviceBody`` takes the weights and the KV cache as inputs, so ``torch.export`` programs hold no
-weights; ``compile_model`` writes them with the weights beside (the format: ``gemma_nb.artifact``).
-"""
+"""Compile a Gemma-4 model into two static-shape steps (notebook 04): ``DeviceBody`` takes the weights and the KV cache
+as inputs, so the ``torch.export`` programs hold none; ``compile_model`` writes the weights beside them (``gemma_nb.artifact``)."""
 
 import json
 import time
@@ -18,27 +15,24 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from gemma_nb.artifact import (
     FORMAT,
     HOST_EMBEDDING_FILE,
+    HOST_EMBEDDING_KEY,
     MANIFEST,
+    PROGRAM_EXTRA,
     PROGRAM_FILES,
+    WEIGHTS_FILE,
     StepRunner,
     StepShapes,
     config_fingerprint,
     dtype_name,
     kv_cache_shapes,
+    new_kv_cache,
     save_weights,
     tensor_specs,
-    weights_file,
 )
-from gemma_nb.artifact import HOST_EMBEDDING_KEY as HOST_EMBEDDING_KEY
-from gemma_nb.artifact import PROGRAM_EXTRA as PROGRAM_EXTRA
-from gemma_nb.artifact import ArtifactError as ArtifactError
-from gemma_nb.artifact import ArtifactNotFoundError as ArtifactNotFoundError
 from gemma_nb.artifact import check_artifact as check_artifact
 from gemma_nb.artifact import host_embedding_path as host_embedding_path
 from gemma_nb.artifact import layer_kv_heads as layer_kv_heads
 from gemma_nb.artifact import load_artifact as load_artifact
-from gemma_nb.artifact import load_program as load_program
-from gemma_nb.artifact import new_kv_cache as new_kv_cache
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import fresh_dir
@@ -199,7 +193,7 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
         "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
         "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
-        "weights": {"tp_degree": 1, "files": [weights_file(0)], "bytes": (folder / weights_file(0)).stat().st_size,
+        "weights": {"tp_degree": 1, "files": [WEIGHTS_FILE], "bytes": (folder / WEIGHTS_FILE).stat().st_size,
                     "tensors": tensor_specs(weights)},
         "host_embedding": {"file": HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
                            "dtype": dtype_name(host.weight.dtype), "bytes": (folder / HOST_EMBEDDING_FILE).stat().st_size},
@@ -219,7 +213,7 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     export_s = time.perf_counter() - start
     start = time.perf_counter()
     weights = device_weights(model)
-    save_weights(weights, folder / weights_file(0), sha)
+    save_weights(weights, folder / WEIGHTS_FILE, sha)
     host = HostEmbedding.from_model(model)
     host.save(folder / HOST_EMBEDDING_FILE)
     program_meta = json.dumps({"format": FORMAT, "config_sha": sha, "weights": tensor_specs(weights)})

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import psutil
@@ -20,12 +21,8 @@ def _hwm_bytes(proc: psutil.Process, rss: int) -> int:
     return rss
 
 
-@dataclass
-class Sample:
-    """One tick: seconds since the sampler started, summed RSS of the tree, processes counted."""
-    t_s: float
-    rss_bytes: int
-    processes: int
+# One tick: seconds since the sampler started, summed RSS of the tree, processes counted.
+Sample = namedtuple("Sample", "t_s rss_bytes processes")
 
 
 @dataclass
@@ -91,14 +88,8 @@ def self_peak_rss_bytes() -> int:
     return _hwm_bytes(psutil.Process(), psutil.Process().memory_info().rss)
 
 
-@dataclass
-class MeasuredRun:
-    """A child process run under the sampler: its JSON result, peaks and wall time."""
-    result: dict
-    peak_rss_bytes: int
-    peak_hwm_bytes: int
-    wall_s: float
-    samples: list[Sample]
+# A child process run under the sampler: its JSON result, peaks, wall time and ticks.
+MeasuredRun = namedtuple("MeasuredRun", "result peak_rss_bytes peak_hwm_bytes wall_s samples")
 
 
 class MeasuredRunError(RuntimeError):

@@ -53,9 +53,7 @@ def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int,
             dist.destroy_process_group()
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
+def _exit_reason(code: int) -> str:
     if code >= 0:
         return f"exited with code {code} without reporting a result"
     try:
@@ -83,9 +81,8 @@ def _check_tp_job(fn: Callable, world_size, tp, timeout_s: float, collective_tim
 def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, tp: int | None = None,
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0,
            threads_per_rank: int | None = None) -> list[dict]:
-    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank.
-    Waits at most ``timeout_s``; ``failure_grace_s`` after a first failure, stops the ranks and raises
-    :class:`TPJobError`. ``tp`` (default ``world_size``) must equal ``world_size``."""
+    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks (``tp``, if given, must match); return the
+    dicts by rank. ``TPJobError`` after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
     _check_tp_job(fn, world_size, world_size if tp is None else tp, timeout_s, collective_timeout_s)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
@@ -101,8 +98,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         done, failures = _collect(results, procs, start, timeout_s, failure_grace_s)
     finally:
         for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
+            proc.terminate()  # a no-op on a rank that has exited
         for proc in procs:
             proc.join(timeout=5)
             if proc.is_alive():
@@ -111,8 +107,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         results.close()
     missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
     if failures or missing:
-        elapsed = time.monotonic() - start
-        raise TPJobError(_failure_report(fn.__qualname__, world_size, elapsed, failures, missing, timeout_s))
+        raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing, timeout_s))
     return [done[r] for r in range(world_size)]
 
 
@@ -125,16 +120,14 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
     def reported(rank: int) -> bool:
         return rank in done or any(r == rank for r, _, _ in failures)
 
-    def fail(rank: int, reason: str, trace: str = "") -> None:
+    def take(message) -> None:  # (rank, "ok", pickled dict) or (rank, "error", reason, traceback)
         nonlocal first_failure_at
-        failures.append((rank, reason, trace))
-        first_failure_at = first_failure_at or time.monotonic()
-
-    def take(message) -> None:
         if message[1] == "ok":
             done[message[0]] = pickle.loads(message[2])
         else:
-            fail(message[0], message[2], message[3])
+            rank, _, reason, trace = message
+            failures.append((rank, reason, trace))
+            first_failure_at = first_failure_at or time.monotonic()
 
     while not all(reported(r) for r in range(len(procs))):
         try:
@@ -149,7 +142,7 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
                     while True:
                         take(results.get(timeout=0.2))
                 if not reported(rank):
-                    fail(rank, _exit_reason(proc.exitcode))
+                    take((rank, "error", _exit_reason(proc.exitcode), ""))
         now = time.monotonic()
         if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
             break
@@ -159,9 +152,8 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
                     missing: list[int], timeout_s: float) -> str:
     """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
-    consequence = [any(words in f[1].lower() for words in _PEER_LOSS) for f in failures]
-    causes = [f for f, c in zip(failures, consequence) if not c]
-    consequences = [f for f, c in zip(failures, consequence) if c]
+    consequences = [f for f in failures if any(words in f[1].lower() for words in _PEER_LOSS)]
+    causes = [f for f in failures if f not in consequences]
     lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]
     lines += [f"  rank {rank}: {reason}" for rank, reason, _ in causes]
     lines += [f"  rank {rank} (waiting on a failed or stuck peer): {reason}" for rank, reason, _ in consequences]

@@ -2,6 +2,7 @@
 and when a computed value agrees with it. Never used as a computed result."""
 
 import math
+from collections import namedtuple
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,9 +23,6 @@ class Claim:
     text: str
     source: str
     within: tuple[float, float]  # (low, high): the values this figure stands for, ends included
-
-    def __post_init__(self):
-        assert self.within[0] <= self.value <= self.within[1], f"claim {self.text!r}: value outside {self.within}"
 
     @property
     def decimals(self) -> int:
@@ -97,43 +95,39 @@ def with_unit(number: str, unit: str) -> str:
     return f"{number}{unit}" if unit in ("%", "x") else f"{number} {unit}".strip()
 
 
-@dataclass(frozen=True)
-class LowerBound:
-    """A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim."""
-    value: float
+# A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim.
+LowerBound = namedtuple("LowerBound", "value")
 
 
-def claims_table(computed: Mapping[str, float | LowerBound], claims: Mapping[str, Claim] | None = None):
+def claims_table(computed: Mapping[str, float | LowerBound]):
     """The story's figures beside this run's (claim key -> value or ``LowerBound``): computed with one decimal
     more than the claim (two more than a quoted range), diff in % for a single figure only, and whether it holds."""
-    claims = CLAIMS if claims is None else claims
     rows = []
     for key, value in computed.items():
-        claim = get_claim(key, claims)
+        claim = get_claim(key)
         bound = isinstance(value, LowerBound)
         number = float(value.value if bound else value)
         shown = with_unit(f"{number:,.{claim.decimals + (1 if claim.is_point else 2)}f}", claim.unit)
         diff = "" if bound or not claim.is_point else f"{100.0 * (number - claim.value) / claim.value:+.2f}%"
         rows.append({"figure": claim.text, "claimed": claim.written(), "computed": f"≥ {shown}" if bound else shown,
-                     "diff": diff, "holds": number <= claim.within[1] if bound else agrees_with_claim(key, number, claims),
+                     "diff": diff, "holds": number <= claim.within[1] if bound else agrees_with_claim(key, number),
                      "source": claim.source})
     return pd.DataFrame(rows, columns=["figure", "claimed", "computed", "diff", "holds", "source"])
 
 
-def get_claim(key: str, claims: Mapping[str, Claim] | None = None) -> Claim:
+def get_claim(key: str) -> Claim:
     """``CLAIMS[key]``, or ``UnknownClaim`` naming the key and the fix."""
-    claims = CLAIMS if claims is None else claims
-    if key not in claims:
+    if key not in CLAIMS:
         raise UnknownClaim(f"claim {key!r} is not in gemma_nb.story.CLAIMS; pass one of its keys "
-                           f"(e.g. {next(iter(claims))!r}) or add the claim there with its source and range")
-    return claims[key]
+                           f"(e.g. {next(iter(CLAIMS))!r}) or add the claim there with its source and range")
+    return CLAIMS[key]
 
 
 def claim_range(key: str) -> tuple[float, float]:
-    return tuple(get_claim(key).within)
+    return get_claim(key).within
 
 
-def agrees_with_claim(key: str, computed: float, claims: Mapping[str, Claim] | None = None) -> bool:
+def agrees_with_claim(key: str, computed: float) -> bool:
     """Whether ``computed`` lies within the range of the story's figure ``key`` (ends included)."""
-    low, high = get_claim(key, claims).within
+    low, high = get_claim(key).within
     return low <= float(computed) <= high

@@ -1,10 +1,12 @@
-"""The decode model across batch: expected distinct experts, bytes and FLOPs per step, the largest batch."""
+"""The decode model: bytes and FLOPs per step counted by hand and across batch, expected distinct experts, the largest batch."""
 
 import pytest
+import torch
 
 from gemma_nb import decode_roofline, memory, moe
 from gemma_nb.decode_roofline import Deployment, batch_step, expected_distinct_experts, step_costs
 from gemma_nb.hardware import GB, INSTANCES, GiB
+from gemma_nb.tiny import random_gemma4_config
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -12,6 +14,54 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 @pytest.fixture(scope="module")
 def config_26b():
     return memory.load_gemma4_26b_config()
+
+
+def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
+    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), and the experts' share of the bytes."""
+    costs = step_costs(config, scheme, tp, context_len)
+    step = batch_step(costs, 1, experts)
+    return {"bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
+            "experts_bytes": costs.experts_bytes * step["experts_read"] / costs.num_experts}
+
+
+def _by_hand_bf16_bytes(config):
+    """Every bf16 weight a decode step reads, counted from the module tree: all parameters but the
+    (host-side) embedding table, plus the tied lm_head's device copy, plus persistent buffers."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    embed = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters() if p is not embed)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    return 2 * (params + embed.numel() + buffers), 2 * experts
+
+
+def _by_hand_matrix_params(config):
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embed) + embed.numel()
+
+
+def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
+    config = random_gemma4_config()  # 32 experts, top-2
+    total_bf16, experts_bf16 = _by_hand_bf16_bytes(config)
+    dense = decode_traffic(config, "bf16", "dense", tp=1)
+    sparse = decode_traffic(config, "bf16", "sparse", tp=1)
+    assert dense["bytes_per_token"] == total_bf16
+    assert dense["bytes_per_token"] - sparse["bytes_per_token"] == experts_bf16 * (1 - 2 / 32)
+    assert sparse["experts_bytes"] == experts_bf16 / 16
+    # FLOPs: 2 per matrix weight used (vectors excluded), no context.
+    assert dense["flops_per_token"] == 2 * _by_hand_matrix_params(config)
+    assert dense["flops_per_token"] - sparse["flops_per_token"] == experts_bf16 * (1 - 2 / 32)
+    with_kv = decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
+    from gemma_nb.memory import kv_cache_bytes
+
+    assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(config, 1, 100, dtype="fp32")
 
 
 def test_expected_distinct_experts_for_the_26b_layer():
@@ -31,7 +81,7 @@ def test_the_formula_is_the_mean_union_of_uniform_routings():
 def test_batch_one_is_the_batch_one_roofline(config_26b):
     costs = step_costs(config_26b, "int8_squeeze", 2, 512)
     for mode in ("dense", "sparse"):
-        traffic = decode_roofline.decode_traffic(config_26b, "int8_squeeze", mode, 2, 512)
+        traffic = decode_traffic(config_26b, "int8_squeeze", mode, 2, 512)
         step = batch_step(costs, 1, mode)
         assert (step["bytes"], step["flops"]) == (traffic["bytes_per_token"], traffic["flops_per_token"])
     assert batch_step(costs, 1, "nxd_rule")["bytes"] == batch_step(costs, 1, "sparse")["bytes"]

@@ -8,6 +8,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb import export  # noqa: E402
+from gemma_nb.artifact import ArtifactNotFoundError  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.experiments import slim_deploy as D  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
@@ -99,7 +100,7 @@ def test_slim_deploy_names_a_missing_file(compiled, tmp_path):
     artifact = tmp_path / "artifact"
     shutil.copytree(compiled[0], artifact)
     (artifact / "embed_tokens.safetensors").unlink()
-    with pytest.raises(export.ArtifactNotFoundError, match="embed_tokens.safetensors not found"):
+    with pytest.raises(ArtifactNotFoundError, match="embed_tokens.safetensors not found"):
         D.SlimDeploy(artifact)
     with pytest.raises(AssertionError, match="deploy kind 'fat' is not one of slim, naive"):
         D.run_deploy("fat", artifact, PROMPT, 1)

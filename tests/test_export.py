@@ -10,6 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb import export  # noqa: E402
+from gemma_nb.artifact import ArtifactError, ArtifactNotFoundError, load_program  # noqa: E402
 from gemma_nb.embedding import HostEmbedding  # noqa: E402
 from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
@@ -63,7 +64,7 @@ def test_thirty_tokens_match_eager_greedy_and_program_holds_no_weights(tiny, bui
     assert torch.equal(runner.generate(PROMPT, 30), expected)
     # The un-exported body with the same loop agrees too (so the loop, not export, is tested).
     assert torch.equal(export.eager_runner(tiny, SHAPES).generate(PROMPT, 30), expected)
-    program, meta = export.load_program(folder / "decode.pt2")
+    program, meta = load_program(folder / "decode.pt2")
     assert len(program.state_dict) == 0
     # Constants are only rotary frequencies: far below the weights.
     constant_bytes = sum(t.numel() * t.element_size() for t in program.constants.values())
@@ -112,18 +113,18 @@ def test_manifest_names_transformers_experts_by_their_implementation(built, tiny
 @pytest.mark.parametrize("name", ["tp0_weights.safetensors", "decode.pt2", "manifest.json"])
 def test_missing_file(copy, name):
     (copy / name).unlink()
-    with pytest.raises(export.ArtifactNotFoundError, match=f"{name} not found.*expected"):
+    with pytest.raises(ArtifactNotFoundError, match=f"{name} not found.*expected"):
         export.check_artifact(copy)
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(export.ArtifactError, match="artifact folder nowhere/ not found"):
+    with pytest.raises(ArtifactError, match="artifact folder nowhere/ not found"):
         export.load_artifact(tmp_path / "nowhere")
 
 
 def test_load_artifact_runs_the_same_checks(copy):
     (copy / "tp0_weights.safetensors").write_bytes(b"12345")
-    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors is 5 bytes: too short"):
+    with pytest.raises(ArtifactError, match="tp0_weights.safetensors is 5 bytes: too short"):
         export.load_artifact(copy)
 
 
@@ -131,17 +132,17 @@ def test_truncated_weights(copy):
     path = copy / "tp0_weights.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes"):
+    with pytest.raises(ArtifactError, match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes"):
         export.check_artifact(copy)
     path.write_bytes(data[:5])
-    with pytest.raises(export.ArtifactError, match="too short to be a safetensors file"):
+    with pytest.raises(ArtifactError, match="too short to be a safetensors file"):
         export.check_artifact(copy)
 
 
 def test_truncated_program(copy):
     path = copy / "prefill.pt2"
     path.write_bytes(path.read_bytes()[:4000])
-    with pytest.raises(export.ArtifactError, match="prefill.pt2 could not be read as a torch.export program"):
+    with pytest.raises(ArtifactError, match="prefill.pt2 could not be read as a torch.export program"):
         export.check_artifact(copy)
 
 
@@ -149,7 +150,7 @@ def test_wrong_tensor_shape(tiny, copy, built):
     weights = dict(export.device_weights(tiny))
     weights["model.norm.weight"] = torch.ones(7)
     export.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(export.ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"):
+    with pytest.raises(ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"):
         export.check_artifact(copy)
 
 
@@ -157,7 +158,7 @@ def test_wrong_tensor_names(tiny, copy, built):
     weights = dict(export.device_weights(tiny))
     weights["model.layers.0.router.gate.weight"] = weights.pop("model.layers.0.router.proj.weight")
     export.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(export.ArtifactError, match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
+    with pytest.raises(ArtifactError, match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
                                               r"unexpected 1 tensor\(s\) \['model.layers.0.router.gate.weight'\]"):
         export.check_artifact(copy)
 
@@ -166,7 +167,7 @@ def test_weights_from_another_config(copy):
     # Same shapes, different model (sliding window): only the config fingerprint tells them apart.
     other = random_gemma4_model(random_gemma4_config(sliding_window=32), seed=1, dtype=torch.float32)
     export.save_weights(export.device_weights(other), copy / "tp0_weights.safetensors", export.config_fingerprint(other.config))
-    with pytest.raises(export.ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"):
+    with pytest.raises(ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"):
         export.check_artifact(copy)
 
 
@@ -184,12 +185,12 @@ def test_program_from_another_config(copy):
                 meta["config_sha"] = "0123456789abcdef"
                 data = json.dumps(meta).encode()
             target.writestr(name, data)
-    with pytest.raises(export.ArtifactError, match="decode.pt2 was compiled for config 0123456789abcdef"):
+    with pytest.raises(ArtifactError, match="decode.pt2 was compiled for config 0123456789abcdef"):
         export.check_artifact(copy)
 
 
 def test_corrupt_manifest(copy):
     (copy / "manifest.json").write_text("{not json")
-    with pytest.raises(export.ArtifactError, match="manifest.json is not valid JSON"):
+    with pytest.raises(ArtifactError, match="manifest.json is not valid JSON"):
         export.check_artifact(copy)
 
