@@ -29,7 +29,7 @@ COMPILER_ARGS = {"dense": "--model-type transformer --auto-cast all --auto-cast-
 # bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
-SDK_PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
+RECORDED_VERSIONS = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
 
 
 @dataclass
@@ -294,7 +294,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "shard_check_s": shard_check_s, "compile_s": sampler.wall_s, "peak_host_rss_bytes": sampler.peak_rss_bytes,
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes, "neff_files": neffs, "neff_bytes": sum(neffs.values()),
         "compiler_workdir_bytes": sum(_files(workdir).values()), "artifact": MODEL_FILE,
-        "artifact_bytes": artifact.stat().st_size, "versions": package_versions(SDK_PACKAGES),
+        "artifact_bytes": artifact.stat().st_size, "versions": package_versions(RECORDED_VERSIONS),
     }
     (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
     finish_artifact(build.model_dir, out_dir, record)
