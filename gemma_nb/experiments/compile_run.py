@@ -23,11 +23,7 @@ from gemma_nb.evaluate import greedy_generate
 from gemma_nb.export import StepRunner, StepShapes, compile_model, export_steps, exported_runner, set_traceable_experts
 from gemma_nb.hardware import GB, INSTANCES
 from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
-
-_start = time.perf_counter()
-from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
-
-TINY_IMPORT_S = time.perf_counter() - _start   # what a sweep point's import_s reports (a fresh process)
+from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 # Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled): four widths at two
 # layers (parameters grow ~70x) and the smallest width at 6 layers (the graph grows, the parameters barely), so time
@@ -193,7 +189,7 @@ def main(argv: list[str]) -> None:
     held = psutil.Process().memory_info().rss
     report = compile_model(model, job["folder"], StepShapes(**(job.get("shapes") or {})))
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    result = {"layers": model.config.num_hidden_layers, "import_s": TINY_IMPORT_S, "build_s": build_s, "held_rss_bytes": held,
+    result = {"layers": model.config.num_hidden_layers, "build_s": build_s, "held_rss_bytes": held,
               "weight_bytes": weight_bytes, **report.as_dict(), "self_peak_rss_bytes": self_peak_rss_bytes()}
     print(json.dumps(result), flush=True)
 
