@@ -1,5 +1,5 @@
 """The cpu target's compiled artifact (notebook 04), written by ``gemma_nb.export.compile_model``: its files, the checks
-``load_artifact`` makes before torch reads them (``ArtifactError`` names a missing, truncated or mismatched one), the greedy loop."""
+``load_artifact`` makes before torch reads them (``ArtifactError`` names a missing, truncated or bad one), the greedy loop."""
 
 import hashlib
 import json

@@ -204,7 +204,8 @@ def batch_roofline(config, deployments: Sequence[Deployment] = DEPLOYMENTS, batc
     return pd.DataFrame(rows)
 
 
-def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
+def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS,
+                  context_len: int = SHIPPED_CONTEXT_LEN) -> pd.DataFrame:
     """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit (either allowance end) or NaN."""
     rows = []
     for deployment in deployments:
@@ -223,7 +224,7 @@ def batch_summary(config, deployments: Sequence[Deployment] = DEPLOYMENTS, conte
 
 def story_decode(config, context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
     """The story's decode figures on inf2.xlarge (int8 squeeze, TP=2), per chip: dense, sparse and upcast (HYPOTHESIS: int8
-    experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each and the claimed rate."""
+    experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each, the claimed rate."""
     tp, device = 2, DEVICES["neuroncore_v2"]
     costs = step_costs(config, "int8_squeeze", tp, context_len)
     dense, sparse = (batch_step(costs, 1, path) for path in ("dense", "sparse"))

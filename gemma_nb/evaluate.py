@@ -143,7 +143,8 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
     """``candidate``'s next-token logits against ``reference``'s at every position of ``input_ids_batches`` (a LongTensor
-    [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff, positions."""
+    [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff,
+    positions."""
     batches = _batches(input_ids_batches, tokenizer)
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
     agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0

@@ -1,5 +1,5 @@
 """Compile a Gemma-4 model into two static-shape steps (notebook 04): ``DeviceBody`` takes the weights and the KV cache
-as inputs, so the ``torch.export`` programs hold none; ``compile_model`` writes the weights beside them (``gemma_nb.artifact``)."""
+as inputs, so the ``torch.export`` programs hold none; ``compile_model`` writes the weights beside them (see ``artifact``)."""
 
 import json
 import time
