@@ -4,6 +4,7 @@ work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert).""
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +19,10 @@ INT8_MIN_SCALE = 1e-8
 
 def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-channel int8 as the port quantized its experts, shared MLP and lm_head: ``scale = max(absmax(row) / 127,
-    1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the channel axis (0: ``[out, in]``, 1: ``[E, out, in]``)."""
-    assert torch.is_floating_point(weight), f"{name!r} is {weight.dtype}"
-    assert weight.dim() >= 2, f"weight {tuple(weight.shape)} is not a matrix"
-    axis = axis % weight.dim()
-    assert (weight.dim(), axis) == (2, 1) or axis == weight.dim() - 2, (
-        f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}")
-    absmax = weight.float().abs().amax(dim=0 if (weight.dim(), axis) == (2, 1) else -1, keepdim=True)
+    1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
+    assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
+    assert axis % weight.dim() == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
+    absmax = weight.float().abs().amax(dim=-1, keepdim=True)
     _check_absmax(absmax, weight.detach().reshape(-1, weight.shape[-1]), name, 0)
     scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
     q = torch.round(weight.float() / scale).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
@@ -47,8 +45,7 @@ def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (out.float() * scale.float()).to(dtype)
 
 
-@dataclass(frozen=True)
-class WeightFormat:
+class WeightFormat(NamedTuple):
     """How a format stores ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype; NVFP4 adds a per-matrix scale."""
 
     name: str
@@ -59,10 +56,6 @@ class WeightFormat:
     per_tensor_scale: bool = False
 
     quantized = property(lambda f: f.scale_dtype is not None)
-    # Scale bytes per output row (int8, fp8), per block (fp4) and per matrix (NVFP4's fp32 per-tensor scale).
-    row_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size is None else 0)
-    block_scale_bytes = property(lambda f: f.scale_dtype.itemsize if f.quantized and f.block_size else 0)
-    matrix_scale_bytes = property(lambda f: 4 if f.per_tensor_scale else 0)
 
 
 FORMATS: dict[str, WeightFormat] = {
@@ -105,12 +98,13 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
         return math.prod(dims) * fmt.element_bits // 8
     assert len(dims) >= 2, f"{dtype} stores matrices [out, in], got shape {dims}"
     *stack, out, inp = dims
+    scale_bytes = fmt.scale_dtype.itemsize  # per output row (int8, fp8) or per block (fp4)
     if fmt.block_size:
         blocks = -(-inp // fmt.block_size)
-        row_bytes = blocks * fmt.block_size * fmt.element_bits // 8 + blocks * fmt.block_scale_bytes
+        row_bytes = blocks * (fmt.block_size * fmt.element_bits // 8 + scale_bytes)
     else:
-        row_bytes = inp * fmt.element_bits // 8
-    return math.prod(stack) * (out * (row_bytes + fmt.row_scale_bytes) + fmt.matrix_scale_bytes)
+        row_bytes = inp * fmt.element_bits // 8 + scale_bytes
+    return math.prod(stack) * (out * row_bytes + (4 if fmt.per_tensor_scale else 0))  # NVFP4: an fp32 scale per matrix
 
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448

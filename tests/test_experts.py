@@ -65,9 +65,8 @@ def test_one_format_registry_for_the_planner_and_the_quantizers():
     assert list(quant.FORMATS) == ["int8", "fp8", "mxfp4", "nvfp4"]
     assert all(quant.FORMATS[name] is formats.get_format(name) for name in quant.FORMATS)
     assert [name for name, f in formats.FORMATS.items() if not f.quantized] == ["fp32", "bf16", "fp16"]
-    int8, nvfp4 = formats.get_format("int8"), formats.get_format("nvfp4")
-    assert (int8.row_scale_bytes, int8.block_scale_bytes, int8.matrix_scale_bytes) == (4, 0, 0)
-    assert (nvfp4.row_scale_bytes, nvfp4.block_scale_bytes, nvfp4.matrix_scale_bytes) == (0, 1, 4)
+    assert formats.tensor_bytes((2, 32), "int8") == 2 * (32 + 4)  # an fp32 scale per row
+    assert formats.tensor_bytes((2, 32), "nvfp4") == 2 * 2 * (8 + 1) + 4  # an e4m3 scale per block, fp32 per matrix
     with pytest.raises(ValueError, match="weight format 'bf16' is not one of int8, fp8, mxfp4, nvfp4"):
         formats.weight_format("bf16")
 

@@ -104,13 +104,9 @@ def test_int8_axes_and_stacks():
     for e in range(3):
         qe, se = quantize_int8_per_channel(stack[e])
         assert torch.equal(q[e], qe) and torch.equal(scale[e], se)
-    q_cols, scale_cols = quantize_int8_per_channel(stack[0], axis=1)
-    assert scale_cols.shape == (1, 7)
-    q_t, scale_t = quantize_int8_per_channel(stack[0].T.contiguous())
-    assert torch.equal(q_cols, q_t.T) and torch.equal(scale_cols, scale_t.T)
     with pytest.raises(AssertionError, match="channel axis 0 of a 3-D weight"):
         quantize_int8_per_channel(stack, axis=0)
-    with pytest.raises(AssertionError, match="not a matrix"):
+    with pytest.raises(AssertionError, match=r"'weight' is torch.float32 \(8,\)"):
         quantize_int8_per_channel(torch.randn(8))
 
 
