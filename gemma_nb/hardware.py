@@ -1,7 +1,7 @@
 """Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources: docs/sources.md).
 HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``)."""
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -12,8 +12,7 @@ BUDGETS = ("spec", "story")
 STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's words)
 
 
-@dataclass(frozen=True)
-class Instance:
+class Instance(NamedTuple):
     """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand (us-east-1)."""
     name: str
     chips: int
@@ -57,42 +56,36 @@ def instance_table():
                          for inst in INSTANCES.values()])
 
 
-@dataclass(frozen=True)
-class Device:
+class Device(NamedTuple):
     """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None where unknown."""
     name: str
     hbm_bytes: int | None
     bandwidth_bytes_s: float | None
     bf16_flops: float | None
-    int8_ops: float | None
     usd_per_hour: float | None
     source: str
 
 
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA, int8_ops=380 * TERA,
+    Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA,
            usd_per_hour=None, source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
-    Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA, int8_ops=190 * TERA,
+    Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA,
            usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
            source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
-    Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA, int8_ops=None,
+    Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA,
            usd_per_hour=2.70, source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
-    Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA, int8_ops=None, usd_per_hour=None,
+    Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA, usd_per_hour=None,
            source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
-    Device("this_cpu", hbm_bytes=None, bandwidth_bytes_s=None, bf16_flops=None, int8_ops=None, usd_per_hour=None,
-           source="filled by measurement: see measured_cpu()"),
 )}
 
 
-def measured_cpu(bandwidth_bytes_s: float, bf16_flops: float | None = None, int8_ops: float | None = None,
-                 ram_bytes: int | None = None, name: str = "this_cpu") -> Device:
-    """A ``Device`` for the machine a notebook runs on, from figures that notebook measured."""
+def measured_cpu(bandwidth_bytes_s: float, ram_bytes: int | None = None) -> Device:
+    """A ``Device`` for the machine a notebook runs on, from the bandwidth that notebook measured."""
     assert bandwidth_bytes_s and bandwidth_bytes_s > 0, f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
-    return Device(name, ram_bytes, float(bandwidth_bytes_s), bf16_flops, int8_ops, usd_per_hour=None, source="measured here")
+    return Device("this_cpu", ram_bytes, float(bandwidth_bytes_s), None, usd_per_hour=None, source="measured here")
 
 
-@dataclass(frozen=True)
-class Fit:
+class Fit(NamedTuple):
     """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
     instance: str
     budget: str
