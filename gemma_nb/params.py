@@ -3,9 +3,8 @@
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -62,8 +61,7 @@ def load_gemma4_26b_config(path: str | Path = GEMMA4_26B_CONFIG_PATH):
     return load_config(raw)
 
 
-@dataclass(frozen=True)
-class ParamRecord:
+class ParamRecord(NamedTuple):
     """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows (``"out"``),
     input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
 
@@ -78,8 +76,7 @@ class ParamRecord:
     numel = property(lambda self: math.prod(self.shape))
 
 
-@dataclass(frozen=True)
-class AttentionLayer:
+class AttentionLayer(NamedTuple):
     """What one decoder layer's attention stores in the KV cache."""
 
     layer_type: str | None
@@ -90,8 +87,7 @@ class AttentionLayer:
     latent_dim: int = 0  # MLA: values per token cached as one compressed latent, whole on every rank
 
 
-@dataclass(frozen=True)
-class ModelFacts:
+class ModelFacts(NamedTuple):
     """What the planner needs from one meta-device build."""
 
     model_class: str
@@ -197,7 +193,6 @@ _FACTS_CACHE: dict[str, ModelFacts] = {}
 
 
 def _records(model, input_ids: set, output_ids: set) -> list[ParamRecord]:
-    """Every unique parameter and persistent buffer of ``model``, classified."""
     modules, records, seen = dict(model.named_modules()), [], set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
@@ -313,10 +308,8 @@ def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
     return kv_cache_bytes(config, tp, 1, 1, dtype)
 
 
-def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16",
-                   cap_sliding: bool = False) -> int:
-    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens. Every layer is sized for the whole context (the
-    port's static buffers) unless ``cap_sliding``."""
+def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16") -> int:
+    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens, sliding layers too (the port's static buffers)."""
     if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
         raise ValueError(f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -326,10 +319,9 @@ def kv_cache_bytes(config, tp: int = 1, context_len: int = 512, batch: int = 1, 
         raise ValueError(f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}")
     per_elem, total = FORMATS[dtype].element_bits // 8, 0
     for layer in model_facts(config).attention_layers:
-        tokens = min(context_len, layer.sliding_window) if cap_sliding and layer.sliding_window else context_len
         heads = 2 * kv_heads_per_rank(layer.kv_heads, tp) * layer.head_dim if layer.kv_heads else 0
-        total += (heads + layer.latent_dim) * per_elem * tokens
-    return total * batch
+        total += (heads + layer.latent_dim) * per_elem
+    return total * context_len * batch
 
 
 def check_plain(dtype: str, what: str) -> None:

@@ -302,11 +302,8 @@ def test_kv_cache_bytes_per_token(gemma26b):
     assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=512, dtype="fp32") == 2 * 112_640 * 512
 
 
-def test_kv_cache_sliding_cap(gemma26b):
-    full = memory.kv_cache_bytes(gemma26b, tp=2, context_len=4096, dtype="bf16")
-    capped = memory.kv_cache_bytes(gemma26b, tp=2, context_len=4096, dtype="bf16", cap_sliding=True)
-    assert full == 112_640 * 4096
-    assert capped == 25 * 2 * 4 * 256 * 2 * 1024 + 5 * 2 * 1 * 512 * 2 * 4096
+def test_kv_cache_sizes_sliding_layers_for_the_whole_context(gemma26b):
+    assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=4096, dtype="bf16") == 112_640 * 4096
 
 
 def test_valid_tp_degrees(gemma26b):
