@@ -5,7 +5,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -100,8 +100,7 @@ def _record_bytes(rec: params.ParamRecord, sch: Scheme, tp: int) -> int:
     return tensor_bytes(tuple(shape), use)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """Bytes per rank for one (model, TP degree, scheme, context). ``table``: one row per group."""
 
     model_class: str
@@ -198,8 +197,7 @@ def allowance_window(config, failing: str | Scheme = "int8_experts", fitting: st
     return window
 
 
-@dataclass(frozen=True)
-class RuntimeAllowance:
+class RuntimeAllowance(NamedTuple):
     """The runtime's HBM per NeuronCore besides weights and KV cache: ``low < allowance <= high``, or one value."""
 
     low_bytes: int
@@ -224,12 +222,12 @@ def given_runtime_allowance(gb: float) -> RuntimeAllowance:
 
 
 def fit_table(config, schemes: Iterable[str | Scheme] = tuple(SCHEMES), instances: Iterable[str] = tuple(INSTANCES),
-              context_len: int = SHIPPED_CONTEXT_LEN, budget: str = "spec", tp: int | None = None):
-    """Instance x scheme: headroom per NeuronCore at ``tp`` (default: the largest valid TP each instance allows)."""
+              context_len: int = SHIPPED_CONTEXT_LEN, budget: str = "spec"):
+    """Instance x scheme: headroom per NeuronCore at the largest valid TP each instance allows."""
     rows = []
     for name in instances:
         inst = get_instance(name)
-        degree = tp if tp is not None else max(valid_tp_degrees(config, inst.neuron_cores))
+        degree = max(valid_tp_degrees(config, inst.neuron_cores))
         for scheme in schemes:
             fit = fits(plan(config, degree, scheme, context_len), inst, budget)
             rows.append({"instance": inst.name, "scheme": get_scheme(scheme).name, "tp": degree,
