@@ -17,7 +17,6 @@ SCALE_KEY = "embed_scale"
 SCALE_DTYPE_KEY = "embed_scale_dtype"
 PROBE_IDS_KEY = "probe_ids"
 PROBE_EXPECTED_KEY = "probe_expected"
-DEFAULT_PROBE_TOKENS = 256
 FIX = "Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."
 
 
@@ -60,7 +59,7 @@ def _as_scale(scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(float(scale), dtype=torch.float32).to(dtype)
 
 
-def default_probe_ids(vocab_size: int, count: int = DEFAULT_PROBE_TOKENS) -> torch.Tensor:
+def default_probe_ids(vocab_size: int, count: int = 256) -> torch.Tensor:
     """``count`` token ids spread evenly over the vocabulary, first and last included: [1, count]."""
     count = max(1, min(count, vocab_size))
     return torch.linspace(0, vocab_size - 1, count).round().long().unique().unsqueeze(0)
@@ -155,7 +154,6 @@ class HostEmbedding(nn.Module):
 
 
 def _read_embedding_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of an embedding file, or an EmbeddingFileError naming it."""
     name, allowed = path.name, ([WEIGHT_KEY], sorted([WEIGHT_KEY, PROBE_IDS_KEY, PROBE_EXPECTED_KEY]))
     if not path.is_file():
         raise EmbeddingFileNotFoundError(f"embedding file {name!r} not found (looked in {path.parent.name or '.'}/): "
