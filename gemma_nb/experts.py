@@ -10,9 +10,6 @@ from torch import nn
 
 from gemma_nb.formats import QuantizedTensor, int8_matmul, quantize, register_quantized, registered_quantized, scale_rows
 
-SELECTIONS = ("view", "gather")
-# "fused": torch._weight_int8pack_mm on the cpu; "upcast": a copy of each weight in the activation dtype, then matmul.
-INT8_KERNELS = ("fused", "upcast")
 # Tokens per chunk in DenseExperts: bounds the [E, T, H] temporary to ~46 MB at full size.
 DENSE_TOKEN_CHUNK = 32
 # Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x the layer).
@@ -76,13 +73,14 @@ def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
 
 class RoutedExperts(nn.Module):
     """The experts' weights and one expert's MLP; each subclass is one strategy over them. ``weights``: ``"float"``
-    (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``) or ``"quantized"``."""
+    (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``) or ``"quantized"``. ``int8_kernel``:
+    ``"fused"`` (torch._weight_int8pack_mm on the cpu) or ``"upcast"`` (each weight copied to the activation dtype)."""
 
     def __init__(self, gate_up_proj, down_proj, act_fn: Callable, int8: bool = False,
                  compute_dtype: torch.dtype | None = None, int8_kernel: str = "fused",
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
-        assert int8_kernel in INT8_KERNELS, f"int8_kernel {int8_kernel!r} is not one of {', '.join(INT8_KERNELS)}"
+        assert int8_kernel in ("fused", "upcast"), f"int8_kernel {int8_kernel!r} is not one of fused, upcast"
         self.fused = int8_kernel == "fused"
         self.num_experts, two_inter, self.hidden_dim = gate_up_proj.shape
         self.intermediate_dim = two_inter // 2
@@ -146,7 +144,6 @@ class RoutedExperts(nn.Module):
 
     # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
     weight_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values()))
-    nbytes = weight_bytes
 
     def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to ``dtype``."""
@@ -234,7 +231,7 @@ class SparseExperts(RoutedExperts):
 
     def __init__(self, gate_up_proj, down_proj, act_fn, selection: str = "view", **options):
         super().__init__(gate_up_proj, down_proj, act_fn, **options)
-        assert selection in SELECTIONS, f"selection {selection!r} is not one of {', '.join(SELECTIONS)}"
+        assert selection in ("view", "gather"), f"selection {selection!r} is not one of view, gather"
         assert selection != "gather" or self.weights != "quantized", (
             f"selection 'gather' needs float or int8 weights, not {self.fmt}")
         self.selection = selection

@@ -107,7 +107,7 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
             experts = getattr(layer, "experts", None)
             assert hasattr(experts, "gate_up_proj"), f"{layer_name} has no stacked experts (enable_moe_block=True)"
             layer.experts = new = QuantizedExperts.from_experts(experts, fmt, name=f"{layer_name}.experts")
-            yield ((experts.gate_up_proj, new.gate_up), (experts.down_proj, new.down)), new.nbytes
+            yield ((experts.gate_up_proj, new.gate_up), (experts.down_proj, new.down)), new.weight_bytes
             continue
         sub, attrs = _LINEARS[group]
         parent = getattr(layer, sub)
@@ -168,7 +168,7 @@ def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4
                              "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
                              "rel_error_expert0": quantization_error(getattr(experts, tensor_name)[0], tensor[0])["rel_error"]})
             output = quantized(hidden, index, weights.to(dtype)).float()
-            rows.append({"format": fmt, "tensor": "layer", "shape": "", "stored_bytes": quantized.nbytes,
+            rows.append({"format": fmt, "tensor": "layer", "shape": "", "stored_bytes": quantized.weight_bytes,
                          "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
                          "rel_error_output": float((output - reference).norm() / reference.norm())})
             del quantized

@@ -46,7 +46,7 @@ def test_every_strategy_runs_on_every_quantized_format(layer, fmt):
     for cls in (E.DenseExperts, E.SparseExperts):
         got = cls.sharing(quantized)(x, index, weights)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
-    assert quantized.nbytes == sum(formats.tensor_bytes(shape, fmt) for shape in (quantized.gate_up.shape,
+    assert quantized.weight_bytes == sum(formats.tensor_bytes(shape, fmt) for shape in (quantized.gate_up.shape,
                                                                                  quantized.down.shape))
     with pytest.raises(AssertionError, match=f"selection 'gather' needs float or int8 weights, not {fmt}"):
         E.SparseExperts.sharing(quantized, selection="gather")

@@ -358,7 +358,7 @@ def test_quantized_experts_match_transformers_experts_on_dequantized_weights(tin
     index, weights = random_routing(6, 8, 2, seed=4)
     hidden = torch.randn(6, 64).to(dtype)
     assert torch.equal(quantized(hidden, index, weights.to(dtype)), reference(hidden, index, weights.to(dtype)))
-    assert quantized.nbytes == memory.tensor_bytes(source.gate_up_proj.shape, "int8") + memory.tensor_bytes(
+    assert quantized.weight_bytes == memory.tensor_bytes(source.gate_up_proj.shape, "int8") + memory.tensor_bytes(
         source.down_proj.shape, "int8")
 
 
