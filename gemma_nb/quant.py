@@ -30,15 +30,11 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
         """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
-        assert weight.dim() == 2, f"{name!r} has shape {tuple(weight.shape)}"
         quantized = quantize(weight, "int8", name=name)
         return cls(quantized.data, quantized.scale)
 
-    @property
-    def quantized(self) -> QuantizedTensor:
-        """The same weight as an int8 ``QuantizedTensor``, sharing storage."""
-        return QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape), name="int8_linear")
-
+    quantized = property(lambda self: QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape),
+                                                      name="int8_linear"))  # the same weight, sharing storage
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
