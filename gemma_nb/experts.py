@@ -53,8 +53,7 @@ def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
                 fused: bool = True) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel (``kernel_scale [N]`` in
-    ``x.dtype``) where usable, else upcast."""
+    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel (``kernel_scale [N]``) where usable."""
     if fused and int8pack_usable(x, q):
         return torch._weight_int8pack_mm(x, q, kernel_scale)
     return int8_matmul(x, q, scale)
@@ -284,8 +283,7 @@ class SparseExperts(RoutedExperts):
         return (outputs.float() * top_k_weights.float()[..., None]).sum(dim=1)
 
     def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
-        """Tokens grouped by expert, each routed expert run once, ascending; ``accumulate_dtype=None``: summed in
-        ``x.dtype``, transformers' eager loop bit for bit."""
+        """Each routed expert once on its tokens; ``accumulate_dtype=None``: summed in ``x.dtype``, transformers' eager loop."""
         tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)

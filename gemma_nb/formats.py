@@ -163,8 +163,7 @@ _E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[tor
 
 
 def e2m1_codes(x: torch.Tensor, negative: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values -> OCP E2M1 codes 0..15 of the nearest value (ties to even, saturating at +-6; never -0).
-    With ``negative`` given, ``x`` holds magnitudes and ``negative`` their signs."""
+    """fp32 values (or magnitudes and their ``negative`` signs) -> nearest OCP E2M1 codes: ties to even, saturating, never -0."""
     magnitude, negative = (x.abs(), torch.lt(x, 0)) if negative is None else (x, negative)
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
     for midpoint, tie_goes_up in _E2M1_MIDPOINTS:

@@ -47,8 +47,7 @@ def make_experts(source: nn.Module, impl: str, config=None, experts_implementati
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
-    """Replace every MoE layer's experts module in place; returns ``model``. Float weights are shared, so swapping among float
-    kinds is free and reversible; ``*_int8`` is one-way."""
+    """Every MoE layer's experts swapped in place (returns ``model``): free, reversible among float kinds; ``*_int8``: one-way."""
     found = experts_modules(model)
     assert found, f"{type(model).__name__} has no routed-experts modules"
     config = model.config.get_text_config() if hasattr(model, "config") else None
@@ -57,9 +56,8 @@ def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
     return model
 
 
-def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                   std: float = 0.02, per_expert: bool = False) -> nn.Module:
-    """One layer's ``Gemma4TextExperts`` with deterministic N(0, std) weights drawn in ``dtype`` on ``device``;
+def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", per_expert: bool = False):
+    """One layer's ``Gemma4TextExperts`` with deterministic N(0, 0.02) weights drawn in ``dtype`` on ``device``;
     ``per_expert``: drawn expert by expert on one thread (~3x faster at full size, other numbers)."""
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
@@ -68,7 +66,7 @@ def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, d
         for name in ("gate_up_proj", "down_proj"):
             weight = torch.empty(getattr(module, name).shape, dtype=dtype, device=device)
             for part in weight.unbind() if per_expert else (weight,):
-                part.normal_(0.0, std, generator=generator)
+                part.normal_(0.0, 0.02, generator=generator)
             setattr(module, name, nn.Parameter(weight, requires_grad=False))
     return module
 

@@ -239,8 +239,7 @@ def model_facts(config) -> ModelFacts:
 
 
 def inventory(config):
-    """Unique parameters (tied once) and persistent buffer elements per group, in ``GROUPS`` order. ``attrs``: model_class,
-    total_params, tied."""
+    """Parameters (tied once) and persistent buffer elements per group; ``attrs``: model_class, total_params, tied."""
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:

@@ -173,5 +173,5 @@ def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4
         return table, seconds
 
 
-def random_experts_fast(config, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    return random_experts(config, seed, dtype, std=std, per_expert=True)
+def random_experts_fast(config, seed: int = 0) -> nn.Module:
+    return random_experts(config, seed, per_expert=True)
