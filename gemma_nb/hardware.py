@@ -8,7 +8,6 @@ import pandas as pd
 GB = 10**9
 GiB = 2**30
 TERA = 10**12
-BUDGETS = ("spec", "story")
 STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's words)
 
 
@@ -26,7 +25,7 @@ class Instance(NamedTuple):
     host_ram_bytes = property(lambda self: int(self.host_ram_gib * GiB))
 
     def budget_bytes(self, budget: str = "spec") -> int:
-        assert budget in BUDGETS, f"budget {budget!r} is not one of {', '.join(BUDGETS)}"
+        assert budget in ("spec", "story"), f"budget {budget!r} is not one of spec, story"
         return self.hbm_per_core_bytes if budget == "spec" else STORY_HBM_PER_CORE_BYTES
 
 

@@ -10,13 +10,11 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from gemma_nb import params
-from gemma_nb.formats import FORMATS as FORMATS
 from gemma_nb.formats import PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
 from gemma_nb.params import GEMMA4_26B_CONFIG_PATH as GEMMA4_26B_CONFIG_PATH
 from gemma_nb.params import GROUPS, PLAN_ROWS, kv_cache_bytes, load_gemma4_26b_config, model_facts, valid_tp_degrees
 from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
-from gemma_nb.params import check_gemma4_pitfalls as check_gemma4_pitfalls
 from gemma_nb.params import inventory as inventory
 from gemma_nb.params import kv_cache_bytes_per_token as kv_cache_bytes_per_token
 from gemma_nb.params import load_config as load_config

@@ -12,7 +12,6 @@ from gemma_nb.neuron import sdk as neuron_sdk
 from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
-TARGETS = ("cpu", "neuron", "cuda")
 # Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target (measures_cpu).
 CPU_MEASUREMENT_TAG = "cpu-measurement"
 
@@ -27,8 +26,8 @@ class TargetError(ValueError):
 
 
 def check_target_name(target: str) -> str:
-    if target not in TARGETS:
-        raise TargetError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    if target not in ("cpu", "neuron", "cuda"):
+        raise TargetError(f"target {target!r} is not one of cpu, neuron, cuda")
     return target
 
 

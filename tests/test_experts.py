@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gemma_nb import experts as E  # noqa: E402
-from gemma_nb import formats, memory, moe, quant  # noqa: E402
+from gemma_nb import formats, moe, quant  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +61,6 @@ def test_dense_router_weights_put_the_top_k_weights_in_place():
 
 
 def test_one_format_registry_for_the_planner_and_the_quantizers():
-    assert memory.FORMATS is formats.FORMATS
     assert list(quant.FORMATS) == ["int8", "fp8", "mxfp4", "nvfp4"]
     assert all(quant.FORMATS[name] is formats.get_format(name) for name in quant.FORMATS)
     assert [name for name, f in formats.FORMATS.items() if not f.quantized] == ["fp32", "bf16", "fp16"]

@@ -15,7 +15,7 @@ from transformers import (
     ViTConfig,
 )
 
-from gemma_nb import memory, story
+from gemma_nb import memory, params, story
 from gemma_nb.experiments import memory_arithmetic
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.memory import GROUPS, Scheme, inventory, plan, tensor_bytes
@@ -88,24 +88,24 @@ def test_pitfalls_guarded_and_what_they_would_add(raw26b):
 
     ple = dict(raw26b, hidden_size_per_layer_input=256)
     with pytest.raises(ValueError, match="hidden_size_per_layer_input=256"):
-        memory.check_gemma4_pitfalls(ple)
+        params.check_gemma4_pitfalls(ple)
     ple_counts = counts(memory.load_config(ple))
     assert sum(ple_counts.values()) - total == 2_078_231_296
     assert ple_counts["per_layer_embeddings"] == 2_078_231_296
 
     no_keqv = {k: v for k, v in raw26b.items() if k != "attention_k_eq_v"}
     with pytest.raises(ValueError, match="attention_k_eq_v is missing"):
-        memory.check_gemma4_pitfalls(no_keqv)
+        params.check_gemma4_pitfalls(no_keqv)
     assert sum(counts(memory.load_config(no_keqv)).values()) - total == 100_925_440
 
     for softcap in ({k: v for k, v in raw26b.items() if k != "final_logit_softcapping"},
                     dict(raw26b, final_logit_softcapping=None)):
         with pytest.raises(ValueError, match="final_logit_softcapping"):
-            memory.check_gemma4_pitfalls(softcap)
+            params.check_gemma4_pitfalls(softcap)
 
     missing_ple = {k: v for k, v in raw26b.items() if k != "hidden_size_per_layer_input"}
     with pytest.raises(ValueError, match="default 256"):
-        memory.check_gemma4_pitfalls(missing_ple)
+        params.check_gemma4_pitfalls(missing_ple)
 
 
 def test_load_gemma4_26b_config_refuses_edited_file(tmp_path, raw26b):
