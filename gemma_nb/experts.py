@@ -328,9 +328,7 @@ class Int8Experts(RoutedExperts):
     def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
         """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
         assert experts.fmt == "int8", f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
-        quantized = experts.weights == "quantized"  # its buffers: gate_up_data or gate_up_proj, and gate_up_scale either way
-        gate_up, down = (experts.gate_up_data, experts.down_data) if quantized else (experts.gate_up_proj, experts.down_proj)
-        return cls(gate_up, down, experts.act_fn, scales=(experts.gate_up_scale, experts.down_scale))
+        return cls(experts.gate_up_data, experts.down_data, experts.act_fn, scales=(experts.gate_up_scale, experts.down_scale))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)

@@ -25,11 +25,11 @@ def layer():
 
 def test_int8_experts_are_the_sparse_gather_and_dense_upcast_strategies_bit_for_bit(layer):
     config, float_experts = layer
-    sparse = E.SparseExperts.from_experts(float_experts, int8=True, int8_kernel="upcast", selection="gather",
-                                          compute_dtype=torch.float32)
+    quantized = E.QuantizedExperts.from_experts(float_experts, "int8")
+    deploy = E.Int8Experts.from_quantized(quantized)
+    assert deploy.gate_up_proj.data_ptr() == quantized.gate_up_data.data_ptr()  # shared, not copied
+    sparse = E.SparseExperts.sharing(deploy, int8_kernel="upcast", selection="gather", compute_dtype=torch.float32)
     dense = E.DenseExperts.sharing(sparse)
-    deploy = E.Int8Experts.from_quantized(sparse)
-    assert deploy.gate_up_proj.data_ptr() == sparse.gate_up_proj.data_ptr()  # shared, not copied
     x = torch.randn(3, 64)
     index, weights = moe.random_routing(3, 16, 4, seed=2)
     assert torch.equal(deploy(x[:1], index[:1], weights[:1]), sparse(x[:1], index[:1], weights[:1]))
