@@ -24,15 +24,9 @@ PLAN_ROWS = GROUPS + ("kv_cache", "runtime_allowance")
 EMBEDDING_GROUPS = ("embeddings", "lm_head", "per_layer_embeddings")
 
 
-def load_config(path_or_dict: str | Path | Mapping[str, Any]):
-    """A transformers config from a ``config.json`` path or a dict with a ``model_type`` key."""
-    if isinstance(path_or_dict, Mapping):
-        raw = dict(path_or_dict)
-    else:
-        path = Path(path_or_dict)
-        if not path.is_file():
-            raise ValueError(f"config file {path.name!r} does not exist; pass a config.json path or a dict")
-        raw = json.loads(path.read_text())
+def load_config(config_dict: Mapping[str, Any]):
+    """A transformers config from a ``config.json``'s dict, of the class its ``model_type`` key names."""
+    raw = dict(config_dict)
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise ValueError("config has no 'model_type' key; add one (e.g. 'gemma4_text', 'mixtral', 'llama')")
