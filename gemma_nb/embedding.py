@@ -17,7 +17,6 @@ SCALE_KEY = "embed_scale"
 SCALE_DTYPE_KEY = "embed_scale_dtype"
 PROBE_IDS_KEY = "probe_ids"
 PROBE_EXPECTED_KEY = "probe_expected"
-FIX = "Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."
 
 
 class EmbeddingCheckError(ValueError):
@@ -128,25 +127,8 @@ class HostEmbedding(nn.Module):
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
     def verify_against(self, module: nn.Module) -> None:
-        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit. A module on the meta device (the slim
-        deploy's structure) has no table: then only shape, dtype and scale."""
-        weight, what = module.weight, type(module).__name__
-        if not weight.is_meta:
-            return verify_host_path(self, module, found_scale=self.scale)
-        if getattr(module, "embed_scale", None) is not None and module.embed_scale.is_meta:
-            raise EmbeddingCheckError(
-                f"the model's {what}.embed_scale is on the meta device, so there is no scale to check against: build the "
-                "structure with accelerate.init_empty_weights() (include_buffers=False, its default) so buffers stay real")
-        if tuple(self.weight.shape) != tuple(weight.shape) or self.weight.dtype != weight.dtype:
-            raise EmbeddingCheckError(
-                f"host embedding is {dtype_name(self.weight.dtype)} {tuple(self.weight.shape)}, the model's {what} is "
-                f"{dtype_name(weight.dtype)} {tuple(weight.shape)}; save the host table from the same model in the same dtype")
-        expected, hidden = module_scale(module), weight.shape[1]
-        if not torch.equal(self.scale.cpu(), expected):
-            raise EmbeddingScaleError(
-                f"host embedding scale {self.scale.item()!r} differs from the model's embed_scale cast to "
-                f"{dtype_name(weight.dtype)}, {expected.item()!r} (sqrt(hidden_size={hidden}) = {math.sqrt(hidden):.6f})"
-                + ("; looks unscaled." if self.scale.item() == 1.0 else ".") + " " + FIX)
+        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit on the default probe ids."""
+        verify_host_path(self, module, found_scale=self.scale)
 
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
@@ -252,7 +234,7 @@ def _diagnosis(expected, found, raw, expected_scale, found_scale) -> str:
                      f"float32 precision, while the module first rounds it to {expected_scale.item()!r} in {dtype}.")
     elif found_scale is not None and torch.equal(found_scale.cpu(), expected_scale):
         lines.append("Same scale, different output: the table itself differs from the model's.")
-    return " ".join(lines + [FIX])
+    return " ".join(lines + ["Fix: build the host path with gemma_nb.embedding.HostEmbedding.from_model(model) (or from_file)."])
 
 
 def unit_in_last_place(value: torch.Tensor) -> torch.Tensor:

@@ -217,23 +217,23 @@ def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp
         HostEmbedding.from_file(path)
 
 
-def test_verify_against_a_meta_device_model(tmp_path):
-    """The slim deploy holds only the structure (meta weights); the scale buffer stays real."""
+def test_host_embedding_for_a_meta_skeleton_checks_the_file_against_it(tmp_path):
+    """The slim deploy holds only the structure (meta weights): the file's scale and shape are checked against it."""
     from gemma_nb.modelio import model_skeleton
 
     config = random_gemma4_config(num_hidden_layers=1, vocab_size=256)
     model = random_gemma4_model(config, dtype=torch.float32)
-    module = model_skeleton(config).get_input_embeddings()
-    # What accelerate.init_empty_weights() (the port's tool) leaves: meta weights, real buffers.
-    module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
-    assert module.weight.is_meta and not module.embed_scale.is_meta
-
-    path = HostEmbedding.from_model(model).save(tmp_path / "e.safetensors")
-    HostEmbedding.from_file(path).verify_against(module)
-    with pytest.raises(EmbeddingScaleError, match=r"scale 1\.0 differs .* 11\.3137.*looks unscaled"):
-        HostEmbedding(model.get_input_embeddings().weight, scale=1.0).verify_against(module)
-    with pytest.raises(EmbeddingCheckError, match=r"host embedding is bfloat16 \(256, 128\), the model's"):
-        HostEmbedding(torch.zeros(256, 128, dtype=torch.bfloat16), scale=1.0).verify_against(module)
+    skeleton = model_skeleton(config)
+    assert skeleton.get_input_embeddings().weight.is_meta
+    host = embedding.host_embedding_for(skeleton, HostEmbedding.from_model(model).save(tmp_path / "e.safetensors"))
+    ids = torch.arange(256).unsqueeze(0)
+    assert torch.equal(host(ids), model.get_input_embeddings()(ids))
+    unscaled = HostEmbedding(model.get_input_embeddings().weight, scale=1.0).save(tmp_path / "unscaled.safetensors")
+    with pytest.raises(EmbeddingScaleError, match=r"stores embed_scale=1\.0 but scale=11\.3137"):
+        embedding.host_embedding_for(skeleton, unscaled)
+    narrow = HostEmbedding(torch.zeros(128, 128), scale=math.sqrt(128)).save(tmp_path / "narrow.safetensors")
+    with pytest.raises(EmbeddingFileError, match=r"shape \(128, 128\), expected \(256, 128\)"):
+        embedding.host_embedding_for(skeleton, narrow)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
