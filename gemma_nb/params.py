@@ -225,7 +225,6 @@ def model_facts(config) -> ModelFacts:
     facts = ModelFacts(type(model).__name__, tuple(records), bool(output_ids) and output_ids <= input_ids,
                        tuple(output_emb.weight.shape) if output_emb is not None else None,
                        _attention_layers(model, config), int(experts), int(top_k))
-    del model
     if len(_FACTS_CACHE) > 32:
         _FACTS_CACHE.clear()
     _FACTS_CACHE[key] = facts
