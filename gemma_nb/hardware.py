@@ -87,8 +87,6 @@ def measured_cpu(bandwidth_bytes_s: float, ram_bytes: int | None = None) -> Devi
 class Fit(NamedTuple):
     """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
     instance: str
-    budget: str
-    tp: int
     neuron_cores: int
     fits: bool
     used_bytes: int
@@ -109,5 +107,5 @@ def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
     reason = f"{headroom / GB:.2f} GB free per NeuronCore" if ok else f"short by {-headroom / GB:.2f} GB per NeuronCore"
     if plan.tp > inst.neuron_cores:
         headroom, ok, reason = None, False, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}"
-    return Fit(inst.name, budget, plan.tp, inst.neuron_cores, ok, used, budget_bytes, headroom,
-               inst.neuron_cores // plan.tp, inst.usd_per_hour, reason)
+    return Fit(inst.name, inst.neuron_cores, ok, used, budget_bytes, headroom, inst.neuron_cores // plan.tp,
+               inst.usd_per_hour, reason)
