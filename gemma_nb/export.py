@@ -38,7 +38,6 @@ from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import fresh_dir
 
 TRACEABLE_EXPERTS = ("grouped_mm", "batched_mm")
-DEFAULT_EXPERTS = "grouped_mm"
 
 
 def check_exportable_config(config) -> None:
@@ -52,14 +51,14 @@ def check_exportable_config(config) -> None:
                          "static-cache body; the 26B has 0")
 
 
-def set_traceable_experts(model: nn.Module, implementation: str = DEFAULT_EXPERTS) -> str:
-    """Switch transformers' ``eager`` experts (a data-dependent loop) to a ``torch.export``-able one; return it."""
-    assert implementation in TRACEABLE_EXPERTS, f"{implementation!r} is not one of {', '.join(TRACEABLE_EXPERTS)}"
+def set_traceable_experts(model: nn.Module) -> str:
+    """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, which ``torch.export`` traces,
+    unless they are traceable already; return the implementation."""
     current = getattr(model.config, "_experts_implementation", None)
     if current in TRACEABLE_EXPERTS:
         return current
-    model.set_experts_implementation(implementation)
-    return implementation
+    model.set_experts_implementation("grouped_mm")
+    return "grouped_mm"
 
 
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -30,7 +30,6 @@ class HostMemorySampler:
     """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
     interval_s: float = 0.05
     pid: int | None = None
-    include_children: bool = True
     samples: list[Sample] = field(default_factory=list, init=False)
     wall_s: float = field(default=0.0, init=False)
     peak_rss_bytes: int = field(default=0, init=False)
@@ -46,9 +45,8 @@ class HostMemorySampler:
 
     def sample(self) -> Sample:
         total, counted, procs = 0, 0, [self._root]
-        if self.include_children:
-            with contextlib.suppress(psutil.Error):
-                procs += self._root.children(recursive=True)
+        with contextlib.suppress(psutil.Error):
+            procs += self._root.children(recursive=True)
         for proc in procs:
             try:
                 rss = proc.memory_info().rss
