@@ -90,8 +90,7 @@ class Timings:
     def p50_ms(self, name: str) -> float:
         return float(self._ms(name).median())
 
-    def min_ms(self, name: str) -> float:
-        """The fastest step: what the machine allows when nothing else interferes."""
+    def min_ms(self, name: str) -> float:  # the fastest step: what the machine allows when nothing else interferes
         return float(self._ms(name).min())
 
 

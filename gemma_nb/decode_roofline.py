@@ -276,8 +276,7 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
-    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation, its
-    ``status`` measured, a computed bound, or a hypothesis (not verified on an inf2)."""
+    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation and its ``status``."""
     measured = story["measured_tok_s"]
     rows = [("measured by the port (its model card)", "claim", None, measured),
             ("bandwidth roofline, DenseExperts: every int8 expert read once per token", "computed bound",

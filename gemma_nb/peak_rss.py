@@ -43,7 +43,7 @@ class HostMemorySampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
-    def sample(self) -> Sample:
+    def sample(self) -> None:
         total, counted, procs = 0, 0, [self._root]
         with contextlib.suppress(psutil.Error):
             procs += self._root.children(recursive=True)
@@ -56,11 +56,9 @@ class HostMemorySampler:
             total += rss
             counted += 1
             self._hwm[key] = max(self._hwm.get(key, 0), _hwm_bytes(proc, rss))
-        tick = Sample(time.perf_counter() - self._t0, total, counted)
-        self.samples.append(tick)
+        self.samples.append(Sample(time.perf_counter() - self._t0, total, counted))
         self.peak_rss_bytes = max(self.peak_rss_bytes, total)
         self.peak_hwm_bytes = max(self.peak_hwm_bytes, sum(self._hwm.values()))
-        return tick
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -146,14 +146,14 @@ def test_chat_fallback_joins_message_contents(tiny):
     assert G.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
 
 
-def test_deploy_runtime_steps_match_greedy_decoding(tiny):
+def test_deploy_runtime_steps_match_greedy_decoding(tiny, eager_runner):
     """DeployRuntime drives the deploy's two-step runner one token at a time.
 
-    The runner here is ``eager_runner`` (the un-exported device body; export equals it token for
+    The runner here is the ``eager_runner`` fixture (the un-exported device body; export equals it token for
     token, tested with the compile module): same prefill bucket, cache and positions as the deploy.
     """
     from gemma_nb.evaluate import greedy_generate
-    from gemma_nb.export import StepShapes, eager_runner
+    from gemma_nb.export import StepShapes
 
     model, tokenizer = load_model(BUNDLED_ID)  # a copy: eager_runner switches its experts to grouped_mm
     runtime = R.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)
