@@ -87,7 +87,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         proc.start()
     start = time.monotonic()
     try:
-        done, failures = _collect(results, procs, start, timeout_s, failure_grace_s)
+        done, failures, missing = _collect(results, procs, start, timeout_s, failure_grace_s)
     finally:
         for proc in procs:
             proc.terminate()  # a no-op on a rank that has exited
@@ -97,14 +97,13 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
                 proc.kill()
                 proc.join(timeout=5)
         results.close()
-    missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
     if failures or missing:
         raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing, timeout_s))
     return [done[r] for r in range(world_size)]
 
 
 def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: float):
-    """(results by rank, failures as they came) until all reported, ``failure_grace_s`` past a failure, or timeout."""
+    """(results by rank, failures as they came, silent ranks) until all report, ``failure_grace_s`` past a failure, or timeout."""
     done: dict[int, dict] = {}
     failures: list[tuple[int, str, str]] = []
     first_failure_at = None
@@ -138,7 +137,7 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
         now = time.monotonic()
         if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
             break
-    return done, failures
+    return done, failures, [r for r in range(len(procs)) if not reported(r)]
 
 
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
