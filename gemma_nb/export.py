@@ -168,7 +168,8 @@ def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_by
         "programs": {name: {"file": artifact.PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
         "weights": {"tp_degree": 1, "files": [artifact.WEIGHTS_FILE],
                     "bytes": (folder / artifact.WEIGHTS_FILE).stat().st_size, "tensors": artifact.tensor_specs(weights)},
-        "host_embedding": {"file": artifact.HOST_EMBEDDING_FILE, "shape": list(host.weight.shape), "dtype": dtype_name(host.weight.dtype),
+        "host_embedding": {"file": artifact.HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
+                           "dtype": dtype_name(host.weight.dtype),
                            "bytes": (folder / artifact.HOST_EMBEDDING_FILE).stat().st_size},
         "reference": reference, "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
