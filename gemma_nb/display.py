@@ -173,8 +173,8 @@ def _plain(frame, printer, cycle) -> None:
 
 def setup_page(column_formats: bool = True) -> None:
     """Pandas options, IPython table formatters (one number format per column, index names in the header's
-    corner, no default index) and the plot theme; idempotent. ``column_formats`` must be True (the notebooks pass it)."""
-    assert column_formats, "the per-cell table style was removed: call setup_page(column_formats=True)"
+    corner, no default index) and the plot theme; idempotent. ``column_formats`` must be True, as the notebooks pass it."""
+    assert column_formats, "tables always get one number format per column: call setup_page(column_formats=True)"
     for option, value in (("max_colwidth", None), ("max_columns", None), ("max_rows", MAX_ROWS),
                           ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)), ("float_format", format_float)):
         pd.set_option(f"display.{option}", value)
