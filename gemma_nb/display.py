@@ -130,9 +130,7 @@ def _format_column(column) -> list[str]:
 
 
 def tidy(frame):
-    """``frame`` (DataFrame or Series) as strings: one format per numeric column, the others per cell."""
-    if isinstance(frame, pd.Series):
-        return tidy(frame.to_frame()).iloc[:, 0].rename(frame.name)
+    """``frame`` as strings: one format per numeric column, the others per cell."""
     shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
     shown.index = _tidy_index(frame.index)
     shown.columns = _tidy_index(frame.columns)
@@ -148,10 +146,8 @@ def _tidy_index(index):
 
 
 def _shown(frame):
-    """``frame`` as the page shows it, and whether its index is shown."""
-    shown = tidy(frame)
-    if not hasattr(shown, "to_html"):
-        shown = shown.to_frame()
+    """``frame`` (a DataFrame or Series) as the page shows it, and whether its index is shown."""
+    shown = tidy(frame.to_frame() if isinstance(frame, pd.Series) else frame)
     if isinstance(frame.index, pd.RangeIndex) and frame.index.name is None:
         return shown, False
     if shown.index.nlevels > 1 or shown.columns.nlevels > 1:
