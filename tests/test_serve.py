@@ -331,7 +331,7 @@ def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
 def test_cli_server_requires_the_api_key_from_the_environment():
     key = "test-key-" + "x" * 16
     # --runtime transformers starts in seconds; the default on cpu compiles the slim deploy first.
-    with local_server(runtime="transformers", queue_size=2, env={served.API_KEY_ENV: key}) as base_url:
+    with local_server(runtime="transformers", extra_args=("--queue-size", "2"), env={served.API_KEY_ENV: key}) as base_url:
         root = base_url[: -len("/v1")]
         assert httpx.get(root + "/health").status_code == 200  # open for health checks
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
