@@ -90,8 +90,7 @@ class Timings:
     def p50_ms(self, name: str) -> float:
         return float(self._ms(name).median())
 
-    def min_ms(self, name: str) -> float:
-        """The fastest step: what the machine allows when nothing else interferes."""
+    def min_ms(self, name: str) -> float:  # the fastest step: what the machine allows when nothing else interferes
         return float(self._ms(name).min())
 
 
@@ -246,29 +245,25 @@ def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
     return {name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)])) for name, module in modules.items()}
 
 
-def _kernel_only(module, hidden_states, routes):
-    """The K experts' matmuls alone, ids known in advance: no routing, checks, or combine."""
-    ids = [route[0][0].tolist() for route in routes]
-    x = hidden_states[:1].contiguous()
-    inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
-    if module.int8:
-        def step(i):
-            for e in ids[i % len(ids)]:
-                int8_linear(x, module.gate_up_proj[e], module.gate_up_kernel_scale[e], module.gate_up_scale[e])
-                int8_linear(inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e])
-    else:
-        def step(i):
-            for e in ids[i % len(ids)]:
-                torch.nn.functional.linear(x, module.gate_up_proj[e])
-                torch.nn.functional.linear(inter, module.down_proj[e])
-    return step
-
-
 def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tiny_hidden_states: torch.Tensor,
                            routes, prefix: str, gather: bool = True) -> dict[str, Callable[[int], Any]]:
     """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone), ``<prefix>:overhead`` (the layer at tiny
     width: dispatch, routing, combine), with ``gather`` ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
-    steps = {f"{prefix}:kernel": _kernel_only(module, hidden_states, routes),
+    # the kernel: the K experts' matmuls alone, ids known in advance (no routing, checks, or combine)
+    ids = [route[0][0].tolist() for route in routes]
+    x = hidden_states[:1].contiguous()
+    inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
+    if module.int8:
+        def kernel(i):
+            for e in ids[i % len(ids)]:
+                int8_linear(x, module.gate_up_proj[e], module.gate_up_kernel_scale[e], module.gate_up_scale[e])
+                int8_linear(inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e])
+    else:
+        def kernel(i):
+            for e in ids[i % len(ids)]:
+                torch.nn.functional.linear(x, module.gate_up_proj[e])
+                torch.nn.functional.linear(inter, module.down_proj[e])
+    steps = {f"{prefix}:kernel": kernel,
              f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)])}
     if gather:
         steps[f"{prefix}:gather_copy"] = lambda i: (module.gate_up_proj[routes[i % len(routes)][0][0]],

@@ -113,12 +113,6 @@ class Deployment:
         per_device = self.resolved_device().usd_per_hour
         return None if per_device is None else per_device * self.ranks * self.replicas
 
-    def runtime_allowance(self) -> RuntimeAllowance:
-        """HBM per rank the runtime takes: on a NeuronCore notebook 01's inferred window, else none."""
-        if self.resolved_device().name in ("neuroncore_v2", "inferentia2_chip"):
-            return inferred_runtime_allowance()
-        return RuntimeAllowance(0, 0, "none modelled for this device")
-
 
 DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("inf2.xlarge, int8 squeeze, TP=2", "neuroncore_v2", 2, "int8_squeeze", INSTANCES["inf2.xlarge"].usd_per_hour),
@@ -179,10 +173,14 @@ def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: in
 
 def batch_limits(costs: StepCosts, deployment: Deployment, allowance: RuntimeAllowance | None = None,
                  hbm_bytes_per_rank: int | None = None) -> dict:
-    """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the least."""
-    allowance = allowance or deployment.runtime_allowance()
-    hbm = deployment.resolved_device().hbm_bytes if hbm_bytes_per_rank is None else hbm_bytes_per_rank
-    assert hbm is not None, f"device {deployment.resolved_device().name!r} has no memory figure"
+    """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the least; ``allowance``
+    defaults to notebook 01's inferred window on a NeuronCore, none elsewhere."""
+    device = deployment.resolved_device()
+    if allowance is None:
+        neuron = device.name in ("neuroncore_v2", "inferentia2_chip")
+        allowance = inferred_runtime_allowance() if neuron else RuntimeAllowance(0, 0, "none modelled for this device")
+    hbm = device.hbm_bytes if hbm_bytes_per_rank is None else hbm_bytes_per_rank
+    assert hbm is not None, f"device {device.name!r} has no memory figure"
     return {"kv_gb_per_stream": costs.kv_bytes_per_stream / GB, "runtime_allowance_gb": allowance.high_bytes / GB,
             "largest_batch": largest_batch(costs, hbm, allowance.high_bytes),
             "largest_batch_if_low": largest_batch(costs, hbm, allowance.low_bytes)}
@@ -276,8 +274,7 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
-    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation, its
-    ``status`` measured, a computed bound, or a hypothesis (not verified on an inf2)."""
+    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation and its ``status``."""
     measured = story["measured_tok_s"]
     rows = [("measured by the port (its model card)", "claim", None, measured),
             ("bandwidth roofline, DenseExperts: every int8 expert read once per token", "computed bound",

@@ -1,7 +1,6 @@
 """How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
 tables fit a ~1,000 px JupyterLab page (tests/page_width.py estimates their width)."""
 
-import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -130,12 +129,9 @@ def _format_column(column) -> list[str]:
     return [write(v) for v in column]
 
 
-def tidy(frame, column_formats: bool = False):
-    """``frame`` (DataFrame or Series) as strings: one format per numeric column (``column_formats``) or per cell."""
-    if isinstance(frame, pd.Series):
-        return tidy(frame.to_frame(), column_formats).iloc[:, 0].rename(frame.name)
-    shown = (pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
-             if column_formats else frame.map(format_cell))
+def tidy(frame):
+    """``frame`` as strings: one format per numeric column, the others per cell."""
+    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
     shown.index = _tidy_index(frame.index)
     shown.columns = _tidy_index(frame.columns)
     return shown
@@ -149,13 +145,9 @@ def _tidy_index(index):
     return pd.Index([format_cell(v) for v in index], name=index.name)
 
 
-def _shown(frame, column_formats: bool):
-    """``frame`` as the page shows it, and whether its index is shown."""
-    shown = tidy(frame, column_formats)
-    if not hasattr(shown, "to_html"):
-        shown = shown.to_frame()
-    if not column_formats:
-        return shown, True
+def _shown(frame):
+    """``frame`` (a DataFrame or Series) as the page shows it, and whether its index is shown."""
+    shown = tidy(frame.to_frame() if isinstance(frame, pd.Series) else frame)
     if isinstance(frame.index, pd.RangeIndex) and frame.index.name is None:
         return shown, False
     if shown.index.nlevels > 1 or shown.columns.nlevels > 1:
@@ -165,21 +157,20 @@ def _shown(frame, column_formats: bool):
     return shown, True
 
 
-def _html(frame, column_formats: bool = False) -> str:
-    shown, index = _shown(frame, column_formats)
+def _html(frame) -> str:
+    shown, index = _shown(frame)
     return shown.to_html(max_rows=MAX_ROWS, notebook=True, index=index)
 
 
-def _plain(frame, printer, cycle, column_formats: bool = False) -> None:
-    if not column_formats:   # a Series stays a Series: its own text form, name on the last line
-        return printer.text(tidy(frame).to_string(max_rows=MAX_ROWS))
-    shown, index = _shown(frame, column_formats)
+def _plain(frame, printer, cycle) -> None:
+    shown, index = _shown(frame)
     printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
 
 
-def setup_page(column_formats: bool = False) -> None:
-    """Pandas options, IPython table formatters (``column_formats``: one number format per column, index
-    names in the header's corner, no default index) and the plot theme; idempotent."""
+def setup_page(column_formats: bool = True) -> None:
+    """Pandas options, IPython table formatters (one number format per column, index names in the header's
+    corner, no default index) and the plot theme; idempotent. ``column_formats`` must be True, as the notebooks pass it."""
+    assert column_formats, "tables always get one number format per column: call setup_page(column_formats=True)"
     for option, value in (("max_colwidth", None), ("max_columns", None), ("max_rows", MAX_ROWS),
                           ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)), ("float_format", format_float)):
         pd.set_option(f"display.{option}", value)
@@ -188,8 +179,8 @@ def setup_page(column_formats: bool = False) -> None:
         return
     formatters = shell.display_formatter.formatters
     for kind in (pd.DataFrame, pd.Series):
-        formatters["text/html"].for_type(kind, functools.partial(_html, column_formats=column_formats))
-        formatters["text/plain"].for_type(kind, functools.partial(_plain, column_formats=column_formats))
+        formatters["text/html"].for_type(kind, _html)
+        formatters["text/plain"].for_type(kind, _plain)
     plots.set_theme()
 
 

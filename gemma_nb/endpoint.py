@@ -50,14 +50,13 @@ def wait_until_healthy(url: str, timeout_s: float = 180.0, process: subprocess.P
 
 
 @contextlib.contextmanager
-def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", queue_size: int = 8,
-                 extra_args: Sequence[str] = (), env: dict | None = None, ready_timeout_s: float = 300.0):
+def local_server(target: str = "cpu", model_id: str | None = None, *, runtime: str = "auto", extra_args: Sequence[str] = (),
+                 env: dict | None = None, ready_timeout_s: float = 300.0):
     """``python -m gemma_nb serve`` on a free loopback port, yielding its ``.../v1`` URL; its log is shown if it
     fails to start, ``env`` adds variables (the API key, never a flag), the process is stopped at the end."""
     port = free_port()
     command = [sys.executable, "-m", "gemma_nb", "serve", "--target", target, "--model-id", model_id or BUNDLED_ID,
-               "--runtime", runtime, "--port", str(port), "--queue-size", str(queue_size), "--log-level", "warning",
-               *extra_args]
+               "--runtime", runtime, "--port", str(port), "--log-level", "warning", *extra_args]
     with tempfile.TemporaryDirectory(prefix="gemma-nb-serve-") as folder:
         log_path = Path(folder) / "server.log"
         with open(log_path, "wb") as log:

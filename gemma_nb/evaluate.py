@@ -80,7 +80,6 @@ def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
 
 
 def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]:
-    """Indices of ``token_lists`` grouped by length, so each group is a batch without padding."""
     lengths = sorted({len(tokens) for tokens in token_lists})
     return {n: [i for i, tokens in enumerate(token_lists) if len(tokens) == n] for n in lengths}
 
@@ -175,9 +174,6 @@ def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
 def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
     """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token. Returns ``match``,
     ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
-    if isinstance(input_ids, str):
-        assert tokenizer is not None, "input_ids is a string: pass tokenizer="
-        input_ids = tokenizer(input_ids).input_ids
     ids = _as_batch(input_ids)
     assert ids.shape[0] == 1, f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
     prompt_len = ids.shape[1]

@@ -12,33 +12,15 @@ import transformers
 from torch import nn
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from gemma_nb.artifact import (
-    FORMAT,
-    HOST_EMBEDDING_FILE,
-    HOST_EMBEDDING_KEY,
-    MANIFEST,
-    PROGRAM_EXTRA,
-    PROGRAM_FILES,
-    WEIGHTS_FILE,
-    StepRunner,
-    StepShapes,
-    config_fingerprint,
-    dtype_name,
-    kv_cache_shapes,
-    new_kv_cache,
-    save_weights,
-    tensor_specs,
-)
+from gemma_nb import artifact
+from gemma_nb.artifact import StepRunner, StepShapes, config_fingerprint, kv_cache_shapes, new_kv_cache
 from gemma_nb.artifact import check_artifact as check_artifact
 from gemma_nb.artifact import host_embedding_path as host_embedding_path
 from gemma_nb.artifact import layer_kv_heads as layer_kv_heads
 from gemma_nb.artifact import load_artifact as load_artifact
-from gemma_nb.embedding import HostEmbedding
+from gemma_nb.embedding import HostEmbedding, dtype_name
 from gemma_nb.metrics import write_json_atomic
 from gemma_nb.paths import fresh_dir
-
-TRACEABLE_EXPERTS = ("grouped_mm", "batched_mm")
-DEFAULT_EXPERTS = "grouped_mm"
 
 
 def check_exportable_config(config) -> None:
@@ -52,14 +34,13 @@ def check_exportable_config(config) -> None:
                          "static-cache body; the 26B has 0")
 
 
-def set_traceable_experts(model: nn.Module, implementation: str = DEFAULT_EXPERTS) -> str:
-    """Switch transformers' ``eager`` experts (a data-dependent loop) to a ``torch.export``-able one; return it."""
-    assert implementation in TRACEABLE_EXPERTS, f"{implementation!r} is not one of {', '.join(TRACEABLE_EXPERTS)}"
+def set_traceable_experts(model: nn.Module) -> str:
+    """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, unless already traceable; return it."""
     current = getattr(model.config, "_experts_implementation", None)
-    if current in TRACEABLE_EXPERTS:
+    if current in ("grouped_mm", "batched_mm"):  # what torch.export traces
         return current
-    model.set_experts_implementation(implementation)
-    return implementation
+    model.set_experts_implementation("grouped_mm")
+    return "grouped_mm"
 
 
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,7 +51,7 @@ def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
                       for buffer_name in getattr(module, "_non_persistent_buffers_set", ())}
     weights.update((name, tensor.detach()) for name, tensor in model.named_buffers(remove_duplicate=False)
                    if name not in non_persistent)
-    weights.pop(HOST_EMBEDDING_KEY, None)
+    weights.pop(artifact.HOST_EMBEDDING_KEY, None)
     return weights
 
 
@@ -145,14 +126,6 @@ def _runner(model: nn.Module, prefill, decode, shapes: StepShapes) -> StepRunner
                       shapes=shapes, pad_token_id=model.config.pad_token_id or 0)
 
 
-def eager_runner(model: nn.Module, shapes: StepShapes | None = None) -> StepRunner:
-    """The same two-step loop with the un-exported ``DeviceBody`` (for comparisons)."""
-    shapes = shapes or StepShapes()
-    set_traceable_experts(model)
-    body = DeviceBody(model, shapes.max_cache_len)
-    return _runner(model, body, body, shapes)
-
-
 def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram],
                     shapes: StepShapes) -> StepRunner:
     """A runner over freshly exported ``programs`` with ``model``'s own weights and embedding."""
@@ -188,15 +161,16 @@ def experts_implementation(model: nn.Module) -> str:
 def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_bytes, sha, scheme, reference) -> dict:
     config = model.config
     return {
-        "format": FORMAT, "config_sha": sha, "config": json.loads(config.to_json_string(use_diff=False)),
+        "format": artifact.FORMAT, "config_sha": sha, "config": json.loads(config.to_json_string(use_diff=False)),
         "dtype": dtype_name(_float_dtype(weights)), "scheme": scheme, "experts_implementation": experts_implementation(model),
         "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
-        "programs": {name: {"file": PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
-        "weights": {"tp_degree": 1, "files": [WEIGHTS_FILE], "bytes": (folder / WEIGHTS_FILE).stat().st_size,
-                    "tensors": tensor_specs(weights)},
-        "host_embedding": {"file": HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
-                           "dtype": dtype_name(host.weight.dtype), "bytes": (folder / HOST_EMBEDDING_FILE).stat().st_size},
+        "programs": {name: {"file": artifact.PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
+        "weights": {"tp_degree": 1, "files": [artifact.WEIGHTS_FILE],
+                    "bytes": (folder / artifact.WEIGHTS_FILE).stat().st_size, "tensors": artifact.tensor_specs(weights)},
+        "host_embedding": {"file": artifact.HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
+                           "dtype": dtype_name(host.weight.dtype),
+                           "bytes": (folder / artifact.HOST_EMBEDDING_FILE).stat().st_size},
         "reference": reference, "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
@@ -213,18 +187,18 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     export_s = time.perf_counter() - start
     start = time.perf_counter()
     weights = device_weights(model)
-    save_weights(weights, folder / WEIGHTS_FILE, sha)
+    artifact.save_weights(weights, folder / artifact.WEIGHTS_FILE, sha)
     host = HostEmbedding.from_model(model)
-    host.save(folder / HOST_EMBEDDING_FILE)
-    program_meta = json.dumps({"format": FORMAT, "config_sha": sha, "weights": tensor_specs(weights)})
+    host.save(folder / artifact.HOST_EMBEDDING_FILE)
+    program_meta = json.dumps({"format": artifact.FORMAT, "config_sha": sha, "weights": artifact.tensor_specs(weights)})
     program_bytes = {}
     for name, program in programs.items():
-        path = folder / PROGRAM_FILES[name]
-        torch.export.save(program, path, extra_files={PROGRAM_EXTRA: program_meta})
+        path = folder / artifact.PROGRAM_FILES[name]
+        torch.export.save(program, path, extra_files={artifact.PROGRAM_EXTRA: program_meta})
         program_bytes[name] = path.stat().st_size
     save_s = time.perf_counter() - start
     manifest = _manifest(model, folder, shapes, weights, host, program_bytes, sha, scheme, reference_tokens)
-    write_json_atomic(folder / MANIFEST, manifest)
+    write_json_atomic(folder / artifact.MANIFEST, manifest)
     return CompileReport(
         folder=folder, export_s=export_s, save_s=save_s, program_bytes=program_bytes,
         weights_bytes=manifest["weights"]["bytes"], host_embedding_bytes=manifest["host_embedding"]["bytes"],

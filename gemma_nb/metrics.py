@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gemma_nb.paths import metrics_dir
+from gemma_nb.paths import output_subdir
 from gemma_nb.story import get_claim
 
 
@@ -53,7 +53,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def save_metrics(target: str, notebook: str, metrics: Mapping[str, Any], headline: list[dict] | None = None) -> Path:
     """Write ``metrics/<notebook>.json`` under the target's output folder; return its path."""
     payload = {"notebook": notebook, "target": target, "headline": headline or [], "metrics": dict(metrics)}
-    path = metrics_dir(target) / f"{notebook}.json"
+    path = output_subdir(target, "metrics") / f"{notebook}.json"
     write_json_atomic(path, _jsonable(payload))
     return path
 

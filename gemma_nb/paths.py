@@ -34,23 +34,16 @@ def output_dir(target: str) -> Path:
     return folder
 
 
-def _sub(target: str, name: str) -> Path:
+def output_subdir(target: str, name: str) -> Path:
+    """``output_dir(target) / name`` (``metrics``, ``figures``), created if missing."""
     folder = output_dir(target) / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
-def metrics_dir(target: str) -> Path:
-    return _sub(target, "metrics")
-
-
-def figures_dir(target: str) -> Path:
-    return _sub(target, "figures")
-
-
 def artifacts_dir(target: str) -> Path:
     """Large files a later notebook reads (not committed); write one with :func:`fresh_dir` (a partial run hard-links them)."""
-    return _sub(target, ARTIFACTS)
+    return output_subdir(target, ARTIFACTS)
 
 
 def fresh_dir(folder: Path | str) -> Path:

@@ -30,7 +30,6 @@ class HostMemorySampler:
     """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
     interval_s: float = 0.05
     pid: int | None = None
-    include_children: bool = True
     samples: list[Sample] = field(default_factory=list, init=False)
     wall_s: float = field(default=0.0, init=False)
     peak_rss_bytes: int = field(default=0, init=False)
@@ -44,11 +43,10 @@ class HostMemorySampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
-    def sample(self) -> Sample:
+    def sample(self) -> None:
         total, counted, procs = 0, 0, [self._root]
-        if self.include_children:
-            with contextlib.suppress(psutil.Error):
-                procs += self._root.children(recursive=True)
+        with contextlib.suppress(psutil.Error):
+            procs += self._root.children(recursive=True)
         for proc in procs:
             try:
                 rss = proc.memory_info().rss
@@ -58,11 +56,9 @@ class HostMemorySampler:
             total += rss
             counted += 1
             self._hwm[key] = max(self._hwm.get(key, 0), _hwm_bytes(proc, rss))
-        tick = Sample(time.perf_counter() - self._t0, total, counted)
-        self.samples.append(tick)
+        self.samples.append(Sample(time.perf_counter() - self._t0, total, counted))
         self.peak_rss_bytes = max(self.peak_rss_bytes, total)
         self.peak_hwm_bytes = max(self.peak_hwm_bytes, sum(self._hwm.values()))
-        return tick
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

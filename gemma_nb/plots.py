@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from gemma_nb.bench import smoke_timing  # noqa: E402
-from gemma_nb.paths import figures_dir  # noqa: E402
+from gemma_nb.paths import output_subdir  # noqa: E402
 
 # A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
 # Wider, the browser scales it down and its 10 pt labels become unreadable.
@@ -170,7 +170,7 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
     if overlaps and not smoke_timing():
         plt.close(fig)
         raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
-    folder = figures_dir(target)
+    folder = output_subdir(target, "figures")
     paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
     fig.savefig(paths["svg"], metadata={"Date": None, "Creator": None})

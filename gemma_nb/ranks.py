@@ -26,10 +26,10 @@ class TPJobError(RuntimeError):
     """A rank raised, died or hung; the message names each rank that failed and why, causes first."""
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago (for the rendezvous store)."""
+def free_port() -> int:
+    """A TCP port on the loopback address that was free a moment ago (for the rendezvous store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
 
 
@@ -62,12 +62,12 @@ def _exit_reason(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def _check_tp_job(fn: Callable, world_size, tp, timeout_s: float, collective_timeout_s: float) -> None:
+def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, timeout_s: float = 300.0,
+           collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0, threads_per_rank: int | None = None) -> list[dict]:
+    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank. ``TPJobError``
+    after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
-    if tp != world_size:
-        raise ValueError(f"world_size={world_size} but tp={tp}: a vocab-parallel head needs one rank per shard; "
-                         f"start {tp} ranks (world_size={tp}) or shard over {world_size} (tp={world_size})")
     if timeout_s <= 0 or collective_timeout_s <= 0:
         raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -76,14 +76,6 @@ def _check_tp_job(fn: Callable, world_size, tp, timeout_s: float, collective_tim
             f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
             "by name, so it must be a top-level function of an importable module (a notebook or script defines "
             "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding")
-
-
-def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, tp: int | None = None,
-           timeout_s: float = 300.0, collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0,
-           threads_per_rank: int | None = None) -> list[dict]:
-    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks (``tp``, if given, must match); return the
-    dicts by rank. ``TPJobError`` after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
-    _check_tp_job(fn, world_size, world_size if tp is None else tp, timeout_s, collective_timeout_s)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -95,7 +87,7 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
         proc.start()
     start = time.monotonic()
     try:
-        done, failures = _collect(results, procs, start, timeout_s, failure_grace_s)
+        done, failures, missing = _collect(results, procs, start, timeout_s, failure_grace_s)
     finally:
         for proc in procs:
             proc.terminate()  # a no-op on a rank that has exited
@@ -105,14 +97,13 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
                 proc.kill()
                 proc.join(timeout=5)
         results.close()
-    missing = [r for r in range(world_size) if r not in done and all(f[0] != r for f in failures)]
     if failures or missing:
         raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing, timeout_s))
     return [done[r] for r in range(world_size)]
 
 
 def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: float):
-    """(results by rank, failures as they came) until all reported, ``failure_grace_s`` past a failure, or timeout."""
+    """(results by rank, failures as they came, silent ranks) until all report, ``failure_grace_s`` past a failure, or timeout."""
     done: dict[int, dict] = {}
     failures: list[tuple[int, str, str]] = []
     first_failure_at = None
@@ -146,7 +137,7 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
         now = time.monotonic()
         if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
             break
-    return done, failures
+    return done, failures, [r for r in range(len(procs)) if not reported(r)]
 
 
 def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],

@@ -19,6 +19,18 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def eager_runner():
+    """``export``'s two-step loop over the un-exported ``DeviceBody``: what the exported programs must equal."""
+    from gemma_nb import export
+
+    def build(model, shapes):
+        export.set_traceable_experts(model)
+        body = export.DeviceBody(model, shapes.max_cache_len)
+        return export._runner(model, body, body, shapes)
+    return build
+
+
 # tests/xla lower the neuron graphs with torch-xla: collected only in the xla environment
 # (`make test-xla`, .venv-xla), never in the main one, which has no torch_xla.
 def _has_torch_xla() -> bool:

@@ -88,7 +88,7 @@ def test_errors_are_reported(server):
 
 
 def test_local_server_starts_serves_and_stops():
-    with endpoint.local_server(runtime="transformers", queue_size=2) as base_url:
+    with endpoint.local_server(runtime="transformers", extra_args=("--queue-size", "2")) as base_url:
         assert client_bench.served_model(base_url) == BUNDLED_ID
         requests = client_bench.benchmark_endpoint(base_url, concurrency=(1,), requests_per_level=1,
                                                    max_tokens=4, warmup=False)

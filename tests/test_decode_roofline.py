@@ -163,6 +163,8 @@ def test_batch_roofline_rows_and_fit_flags(config_26b):
         decode_roofline.batch_step(step_costs(config_26b, "int8_squeeze", 2, 512), 2, "grouped")
 
 
-def test_non_neuron_devices_get_no_runtime_allowance():
-    assert decode_roofline.DEPLOYMENTS[0].runtime_allowance() == memory.inferred_runtime_allowance()
-    assert decode_roofline.DEPLOYMENTS[4].runtime_allowance().high_bytes == 0
+def test_non_neuron_devices_get_no_runtime_allowance(config_26b):
+    costs = step_costs(config_26b, "bf16", 1, 512)
+    neuron, h200 = (decode_roofline.batch_limits(costs, decode_roofline.DEPLOYMENTS[i]) for i in (0, 4))
+    assert neuron["runtime_allowance_gb"] == memory.inferred_runtime_allowance().high_bytes / GB
+    assert h200["runtime_allowance_gb"] == 0

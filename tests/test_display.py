@@ -55,7 +55,7 @@ def test_table_width_estimate_counts_characters_and_wraps_text():
 
 def test_html_table_parts_reads_what_the_estimate_needs():
     frame = pd.DataFrame({"claim": ["HYPOTHESIS: a long label"], "value": [1.0]})
-    assert page_width.html_table_parts(display._html(frame)) == [([["", "claim", "value"]], [["0", "HYPOTHESIS: a long label", "1"]])]
+    assert page_width.html_table_parts(display._html(frame)) == [([["claim", "value"]], [["HYPOTHESIS: a long label", "1"]])]
 
 
 def test_subplots_refuses_a_figure_wider_than_the_page():
@@ -117,13 +117,11 @@ def test_number_format_reads_what_a_cell_shows():
 
 def test_column_formats_put_the_index_name_in_the_corner_and_hide_a_default_index():
     named = pd.DataFrame({"gb": [22.84, 0.022]}, index=pd.Index(["experts", "router"], name="group"))
-    header, body = page_width.html_table_parts(display._html(named, column_formats=True))[0]
+    header, body = page_width.html_table_parts(display._html(named))[0]
     assert header == [["group", "gb"]] and body == [["experts", "22.840"], ["router", "0.022"]]
     assert not page_width.index_label_rows(header)
-    header, _ = page_width.html_table_parts(display._html(named))[0]   # the per-cell style keeps pandas' extra row
-    assert page_width.index_label_rows(header) == [["group", ""]]
     plain = pd.DataFrame({"scheme": ["bf16", "int8"], "kl": [0.0484, 0.0002]})
-    header, body = page_width.html_table_parts(display._html(plain, column_formats=True))[0]
+    header, body = page_width.html_table_parts(display._html(plain))[0]
     assert header == [["scheme", "kl"]] and body == [["bf16", "0.0484"], ["int8", "0.0002"]]
 
 
@@ -209,15 +207,3 @@ def test_show_figure_needs_alt_text_and_refuses_collisions(monkeypatch, tmp_path
     monkeypatch.setenv("GEMMA_NB_TIMING", "smoke")
     assert plots.show_figure(fig, "cpu", "01_clash", alt="Two titles.")["png"].exists()
 
-
-def test_the_per_cell_style_shows_a_series_as_a_series():
-    printed = []
-
-    class Printer:
-        def text(self, text):
-            printed.append(text)
-
-    series = pd.Series({"ranks": 2, "ok": True}, name="TP=2")
-    display._plain(series, Printer(), False)
-    assert printed == [display.tidy(series).to_string(max_rows=display.MAX_ROWS)]
-    assert not printed[0].lstrip().startswith("TP=2")   # no header row: the notebooks that use it keep their text

@@ -250,7 +250,8 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
 
     model, tokenizer = bundled
     fixed = embedding_scale.host_path_model(model, "module_scale")
-    result = evaluate.greedy_match(model, fixed, "The capital of France is", steps=8, tokenizer=tokenizer)
+    prompt = tokenizer("The capital of France is").input_ids
+    result = evaluate.greedy_match(model, fixed, prompt, steps=8, tokenizer=tokenizer)
     assert result["match"], result
     assert result["reference_text"].startswith("Paris .")
 
@@ -260,7 +261,7 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     assert torch.equal(evaluate.greedy_generate(fixed, batch, 6), evaluate.greedy_generate(model, batch, 6))
 
     unscaled = embedding_scale.host_path_model(model, "unscaled")
-    broken = evaluate.greedy_match(model, unscaled, "The capital of France is", steps=8, tokenizer=tokenizer)
+    broken = evaluate.greedy_match(model, unscaled, prompt, steps=8, tokenizer=tokenizer)
     assert not broken["match"] and not broken["candidate_text"].startswith("Paris")
 
 

@@ -174,10 +174,8 @@ def test_vocab_not_divisible_is_padded_and_masked(two_rank_cases):
     assert rank1["logits"].shape[-1] == 1001
 
 
-def test_world_size_other_than_tp_is_refused_before_launch():
+def test_a_bad_world_size_is_refused_before_launch():
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"world_size=2 but tp=3.*one rank per shard"):
-        run_tp(heads_job, ([],), world_size=2, tp=3)
     with pytest.raises(ValueError, match="world_size=0 must be a positive integer"):
         run_tp(heads_job, ([],), world_size=0)
     assert time.monotonic() - start < 1.0

@@ -146,14 +146,14 @@ def test_chat_fallback_joins_message_contents(tiny):
     assert G.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
 
 
-def test_deploy_runtime_steps_match_greedy_decoding(tiny):
+def test_deploy_runtime_steps_match_greedy_decoding(tiny, eager_runner):
     """DeployRuntime drives the deploy's two-step runner one token at a time.
 
-    The runner here is ``eager_runner`` (the un-exported device body; export equals it token for
+    The runner here is the ``eager_runner`` fixture (the un-exported device body; export equals it token for
     token, tested with the compile module): same prefill bucket, cache and positions as the deploy.
     """
     from gemma_nb.evaluate import greedy_generate
-    from gemma_nb.export import StepShapes, eager_runner
+    from gemma_nb.export import StepShapes
 
     model, tokenizer = load_model(BUNDLED_ID)  # a copy: eager_runner switches its experts to grouped_mm
     runtime = R.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)
@@ -331,7 +331,7 @@ def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
 def test_cli_server_requires_the_api_key_from_the_environment():
     key = "test-key-" + "x" * 16
     # --runtime transformers starts in seconds; the default on cpu compiles the slim deploy first.
-    with local_server(runtime="transformers", queue_size=2, env={served.API_KEY_ENV: key}) as base_url:
+    with local_server(runtime="transformers", extra_args=("--queue-size", "2"), env={served.API_KEY_ENV: key}) as base_url:
         root = base_url[: -len("/v1")]
         assert httpx.get(root + "/health").status_code == 200  # open for health checks
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):

@@ -225,7 +225,7 @@ def _server_process(port: int) -> psutil.Process:
 
 def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
     """The issue's check on a real ``python -m gemma_nb serve``: 10 and 50 MB bodies, then RSS."""
-    with local_server(runtime="transformers", queue_size=2) as base_url:
+    with local_server(runtime="transformers", extra_args=("--queue-size", "2")) as base_url:
         root = base_url.removesuffix("/v1")
         process = _server_process(int(root.rsplit(":", 1)[1]))
         httpx.get(root + "/health")
