@@ -40,7 +40,6 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
                                            quantization_per_channel_axis=0)
         qrow = sdk.QuantizedRowParallel(32, 16, bias=False, input_is_parallel=True,
                                         quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
-        rank = sdk.SPMDRank(world_size=2)
     tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
     assert column.weight.shape == (16, 16) and tags(column.weight) == (True, 0, 1)
     assert row.weight.shape == (16, 16) and tags(row.weight) == (True, 1, 1)
@@ -48,7 +47,6 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     assert qcol.scale.dtype == torch.float32 and qcol.scale.shape == (16, 1) and tags(qcol.scale) == (True, 0, 1)
     assert qrow.weight.shape == (16, 16) and tags(qrow.weight) == (True, 1, 1)
     assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
-    assert rank.rank.dtype == torch.int32 and tags(rank.rank) == (True, 0, 1)
     with pytest.raises(RuntimeError, match="need a parallel state"):
         sdk.ColumnParallelLinear(16, 32, bias=False)
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):

@@ -232,15 +232,6 @@ def fill_cache(module) -> None:
             state.copy_(torch.randn(state.shape, generator=generator))
 
 
-def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
-    """Rank 0's ``HeadOnly`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
-    sdk = cpu_sdk()
-    checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
-    return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
-                                             dtype=dtype, sdk=sdk),
-                            checkpoint, tp, 0)
-
-
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
     """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
     rounding (eager bf16 against eager fp32)."""
@@ -258,6 +249,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
+    head_checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
@@ -273,9 +265,13 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
                                              tokens=steps[graph][0].shape[1]))
         # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
         hidden = torch.randn(1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3))
-        rows.append(lower_in_both_dtypes(lambda module_dtype: rank_head_module(config, state, tp, module_dtype),
-                                         (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp, experts=None,
-                                         tokens=1))
+        def make_head(module_dtype):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
+            sdk = cpu_sdk()
+            return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
+                                                     dtype=module_dtype, sdk=sdk), head_checkpoint, tp, 0)
+
+        rows.append(lower_in_both_dtypes(make_head, (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp,
+                                         experts=None, tokens=1))
     return rows
 
 

@@ -4,7 +4,6 @@ go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one ra
 
 import contextlib
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -110,25 +109,6 @@ def scatter_to_tensor_model_parallel_region(input_, process_group=None):
     return input_.narrow(-1, state.rank * size, size)
 
 
-def scatter_to_process_group_spmd(input_, partition_dim: int, rank: torch.Tensor, process_group=None):
-    """The ``rank``-th slice along ``partition_dim``, with ``rank`` a tensor (SPMD: one trace, every rank)."""
-    state = process_group or current_state()
-    if input_.size(partition_dim) % state.tp:
-        raise AssertionError(f"tensor dim to scatter ({input_.size(partition_dim)}) must be multiple of group "
-                             f"size ({state.tp})")
-    per_rank = input_.size(partition_dim) // state.tp
-    indices = torch.arange(per_rank, device=input_.device) + rank.to(input_.device) * per_rank
-    return torch.index_select(input_, partition_dim, indices.reshape(-1))
-
-
-mappings = SimpleNamespace(
-    reduce_from_tensor_model_parallel_region=reduce_from_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region=gather_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region=scatter_to_tensor_model_parallel_region,
-    scatter_to_process_group_spmd=scatter_to_process_group_spmd,
-)
-
-
 def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
@@ -219,11 +199,3 @@ class RowParallelLinear(BaseParallelLinear):
                                                               self.tensor_parallel_group).to(output.dtype)
         return output
 
-
-class SPMDRank(nn.Module):
-    """``rank`` int32 ``[1]``, split on dim 0: load ``arange(world_size)`` and each rank holds its id."""
-
-    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None):
-        super().__init__()
-        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
-        set_tensor_model_parallel_attributes(self.rank, True, 0, 1, world_size)

@@ -84,10 +84,11 @@ class EmulatedNxDModel:
         self.weights, self.states, self.loaded = None, None, False
         self.calls = dict.fromkeys(graphs, 0)
 
-    def _check_weights(self, weights: list[dict]) -> None:
-        if len(weights) != self.tp:
-            raise ValueError(f"{len(weights)} rank checkpoints for a model traced for {self.tp} ranks")
-        for rank, shard in enumerate(weights):
+    def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
+        """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
+        if len(checkpoint) != self.tp:
+            raise ValueError(f"{len(checkpoint)} rank checkpoints for a model traced for {self.tp} ranks")
+        for rank, shard in enumerate(checkpoint):
             for graph in self.graphs.values():
                 for name, (shape, dtype) in graph["spec"]["weights"].items():
                     if name not in shard:
@@ -95,10 +96,6 @@ class EmulatedNxDModel:
                     if _meta(shard[name]) != [shape, dtype]:
                         raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
                                            f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
-
-    def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
-        """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
-        self._check_weights(checkpoint)
         specs = [g["spec"]["states"] for g in self.graphs.values()]
         states = [{name: torch.zeros(shape, dtype=getattr(torch, dtype)) for spec in specs
                    for name, (shape, dtype) in spec.items()} for _ in range(self.tp)]

@@ -7,10 +7,10 @@ import contextlib
 import torch
 from torch import nn
 
-from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, SPMDRank, model_parallel
+from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, model_parallel
 from gemma_nb.rehearsal.nxd_quant import _QuantizedLinear
 
-SHARDED_MODULES = (BaseParallelLinear, _QuantizedLinear, SPMDRank)
+SHARDED_MODULES = (BaseParallelLinear, _QuantizedLinear)
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ def cpu_sdk() -> SimpleNamespace:
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
     return SimpleNamespace(
-        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear, SPMDRank=L.SPMDRank,
-        scatter_to_process_group_spmd=L.scatter_to_process_group_spmd, mappings=L.mappings,
+        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear,
+        mappings=L,  # as NxD's mappings module: the collectives' functions
         quantization_layers=quantization_layers, QuantizationType=Q.QuantizationType, QuantizedDtype=Q.QuantizedDtype,
         ScaleDtype=Q.ScaleDtype, **classes, emulated=False,
     )
