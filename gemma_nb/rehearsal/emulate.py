@@ -138,11 +138,6 @@ def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: lis
     return router_choices(module, config, embed, build, prompts_ids, answers)
 
 
-def _matching(picks: list, reference: list) -> float:
-    assert len(picks) == len(reference), (len(picks), len(reference))
-    return sum(a == b for a, b in zip(picks, reference)) / len(reference)
-
-
 def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
                 bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
@@ -172,6 +167,10 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
     def logit_diff(mode: str) -> float:  # every rank's logits against the unsharded reference's
         return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
 
+    def matching(picks: list) -> float:  # the share of the bf16 ranks' top-k picks equal to the fp32 reference's
+        assert len(picks) == len(choices), (len(picks), len(choices))
+        return sum(a == b for a, b in zip(picks, choices)) / len(choices)
+
     return {
         "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
         "tp": tp, "ranks": len(ranks), "activation_dtype": build.dtype, "max_len": max_len, "bucket": bucket,
@@ -185,8 +184,8 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks), "graph_calls_per_rank": ranks[0]["graph_calls"],
-        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
-        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
+        "router_choices": len(choices), "router_topk_equal_bf16": matching(bf16[0]["fp32_softmax"]),
+        "router_topk_equal_bf16_autocast_all": matching(bf16[0]["bf16_softmax"]),
         "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
         "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
         "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],

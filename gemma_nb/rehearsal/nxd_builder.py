@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gemma_nb.rehearsal import nxd_model
-from gemma_nb.rehearsal.nxd_layers import ParallelState, state_or_none, use_state
+from gemma_nb.rehearsal import nxd_layers, nxd_model
+from gemma_nb.rehearsal.nxd_layers import ParallelState, use_state
 from gemma_nb.rehearsal.sharding import init_on_meta, shard_checkpoint
 
 logger = logging.getLogger("Neuron")
@@ -89,8 +89,7 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         if dry_run:
             raise TypeError("the emulated ModelBuilder does not implement dry_run")
         workdir = Path(self.compiler_workdir)
-        if workdir.exists():
-            shutil.rmtree(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
         graphs, shape_map = {}, {}
         with parallel_state(self.tp_degree):
             for key, entry in self.model_collection.items():
@@ -147,9 +146,8 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
         self.model, self.graphs, self.shape_map, self.tp = model, {}, {}, None
 
     def trace(self, args=None, kwargs=None, tag: str | None = None, spmd: bool = True):
-        state = state_or_none()
-        if state is None:
-            raise AssertionError("NxD parallel state has not been initialized: trace inside NxDParallelState(...)")
+        state = nxd_layers.STATE
+        assert state is not None, "NxD parallel state has not been initialized: trace inside NxDParallelState(...)"
         if kwargs:
             raise TypeError("the emulated ModelBuilder v2 traces positional arguments only")
         args = args if isinstance(args, tuple) else (args,)
@@ -167,9 +165,8 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
 def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None, load_on_device: bool = False,
                         serialize_path=None) -> list[dict]:
     """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel state."""
-    state = state_or_none()
-    if state is None:
-        raise AssertionError("NxD parallel state has not been initialized")
+    state = nxd_layers.STATE
+    assert state is not None, "NxD parallel state has not been initialized"
     if load_on_device or start_rank not in (None, 0) or end_rank not in (None, state.tp - 1):
         raise TypeError("the emulated shard_checkpoint cuts every rank, on the host")
     return _shard_all(model, checkpoint, state.tp, serialize_path)

@@ -3,7 +3,7 @@ go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one ra
 """
 
 import contextlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,7 @@ from gemma_nb.rehearsal import spmd  # noqa: F401 (defines torch.ops.nxd_emulate
 NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
 
 
-@dataclass(frozen=True)
-class ParallelState:
+class ParallelState(NamedTuple):
     """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
 
     tp: int
@@ -25,18 +24,18 @@ class ParallelState:
     spmd: bool = False
 
 
-_STATE: ParallelState | None = None
+STATE: ParallelState | None = None  # the one being built in (use_state), or None
 
 
 @contextlib.contextmanager
-def use_state(state: ParallelState | None):
+def use_state(state: ParallelState):
     """The parallel state the stand-in layers read at construction (and keep for their forward), for the duration."""
-    global _STATE
-    previous, _STATE = _STATE, state
+    global STATE
+    previous, STATE = STATE, state
     try:
         yield state
     finally:
-        _STATE = previous
+        STATE = previous
 
 
 def model_parallel(tp: int, rank: int = 0, group=None):
@@ -46,14 +45,10 @@ def model_parallel(tp: int, rank: int = 0, group=None):
 
 
 def current_state() -> ParallelState:
-    if _STATE is None:
+    if STATE is None:
         raise RuntimeError("the stand-in NxD layers need a parallel state: build them inside "
                            "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)")
-    return _STATE
-
-
-def state_or_none() -> ParallelState | None:
-    return _STATE
+    return STATE
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -67,9 +62,8 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering`` missing a rank."""
     tags = {"tensor_model_parallel": is_parallel, "partition_dim": dim, "partition_stride": stride,
             "num_partitions": num_partitions, "rank_ordering": rank_ordering}
-    for name in tags:
-        if hasattr(tensor, name):
-            raise AssertionError(f"tensor already carries {name}")
+    carried = [name for name in tags if hasattr(tensor, name)]
+    assert not carried, f"tensor already carries {carried}"
     if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
         raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
     for name, value in tags.items():

@@ -99,7 +99,7 @@ class EmulatedNxDModel:
         specs = [g["spec"]["states"] for g in self.graphs.values()]
         states = [{name: torch.zeros(shape, dtype=getattr(torch, dtype)) for spec in specs
                    for name, (shape, dtype) in spec.items()} for _ in range(self.tp)]
-        need = [spmd.tensor_bytes(w.values()) + spmd.tensor_bytes(s.values()) for w, s in zip(checkpoint, states)]
+        need = [sum(t.numel() * t.element_size() for t in (*w.values(), *s.values())) for w, s in zip(checkpoint, states)]
         spmd.cores().allocate(self, need, int(start_rank_tensor))
         self.weights, self.states, self.loaded = checkpoint, states, True
 

@@ -10,9 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-HBM_ENV = "GEMMA_NB_EMULATED_HBM_BYTES"
-RUNTIME_ENV = "GEMMA_NB_EMULATED_RUNTIME_BYTES"
-CORES_ENV = "GEMMA_NB_EMULATED_NEURON_CORES"
 DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
 DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
 
@@ -38,8 +35,7 @@ _LOCAL = threading.local()  # .context: (group, rank) on a core thread; .tracing
 @contextlib.contextmanager
 def tracing(tp: int):
     """While a program is traced for ``tp`` cores: collectives return placeholders of the right shape."""
-    previous = getattr(_LOCAL, "tracing", None)
-    _LOCAL.tracing = tp
+    previous, _LOCAL.tracing = getattr(_LOCAL, "tracing", None), tp
     try:
         yield
     finally:
@@ -107,10 +103,6 @@ class AllocationError(RuntimeError):
     """The Neuron runtime's allocation failure (``status=4 Allocation Failure``), emulated."""
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class Cores:
     """The NeuronCores of this process and the bytes each holds, per loaded model."""
@@ -148,9 +140,9 @@ def cores() -> Cores:
     """This process's emulated NeuronCores (sized from the environment on first use)."""
     global _CORES
     if _CORES is None:
-        _CORES = Cores(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
-                       hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
-                       runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
+        _CORES = Cores(count=int(os.environ.get("GEMMA_NB_EMULATED_NEURON_CORES", DEFAULT_CORES)),
+                       hbm_bytes=int(os.environ.get("GEMMA_NB_EMULATED_HBM_BYTES", DEFAULT_HBM_BYTES)),
+                       runtime_bytes=int(os.environ.get("GEMMA_NB_EMULATED_RUNTIME_BYTES", 0)))
     return _CORES
 
 
