@@ -130,24 +130,19 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
     return picks
 
 
-def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, max_len: int,
-                    bucket: int) -> dict:
-    """One gloo rank of the bf16 router check: :func:`router_choices` on this rank's bf16 module."""
+def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, new_tokens: int,
+                max_len: int, bucket: int) -> dict:
+    """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router check."""
+    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
+    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
+                         dist.group.WORLD)
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
     module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
-    return router_choices(module, config, embed, build, prompts_ids, answers)
-
-
-def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
-                bucket: int) -> dict:
-    """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
-    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    return decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                      dist.group.WORLD)
+    return {**decoded, "router": router_choices(module, config, embed, build, prompts_ids, answers)}
 
 
 def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
-                 max_len: int = 32, bucket: int = 8, timeout_s: float = 300.0) -> dict:
+                 max_len: int = 32, bucket: int = 8, timeout_s: float = 600.0) -> dict:
     """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model."""
     started = time.perf_counter()
     model_dir = resolve_model_id(model_id)
@@ -159,10 +154,9 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
     module = rank_module(config, build, checkpoint, hf_state, 0, cpu_sdk())
     choices = router_choices(module, config, embed, build, prompts_ids, expected)["fp32_softmax"]
     del checkpoint, module
-    ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
+    ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, expected, new_tokens, max_len, bucket), world_size=tp,
                    threads_per_rank=1, timeout_s=timeout_s)
-    bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
-                  threads_per_rank=1, timeout_s=timeout_s)
+    bf16 = [r["router"] for r in ranks]
 
     def logit_diff(mode: str) -> float:  # every rank's logits against the unsharded reference's
         return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
