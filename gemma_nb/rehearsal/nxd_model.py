@@ -147,9 +147,7 @@ class Saved(nn.Module):
 
     def __init__(self, programs: dict, weights: list, spec: str):
         super().__init__()
-        self.programs = nn.ModuleDict(programs)
-        self.weights = weights
-        self.spec = spec
+        self.programs, self.weights, self.spec = nn.ModuleDict(programs), weights, spec
 
     def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:  # noqa: UP006
         return torch.ops.nxd_emulated.spmd_model(inputs)  # unknown unless the emulated SDK is imported

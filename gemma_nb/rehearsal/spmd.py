@@ -42,28 +42,25 @@ def tracing(tp: int):
         _LOCAL.tracing = previous
 
 
-def _outside(name: str) -> int:
+def _exchange(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every core's ``tensor`` in rank order; while a program is traced, ``tensor`` and zeros (placeholders)."""
+    context = getattr(_LOCAL, "context", None)
+    if context is not None:
+        return context[0].exchange(context[1], tensor)
     tp = getattr(_LOCAL, "tracing", None)
     if tp is None:
         raise RuntimeError(f"{name}: a collective of the emulated NeuronCores ran outside a core; run the "
                            "program with gemma_nb.rehearsal.spmd.run_on_cores (or trace it inside spmd.tracing)")
-    return tp
+    return [tensor, *[torch.zeros_like(tensor)] * (tp - 1)]
 
 
 def _all_reduce_impl(tensor: torch.Tensor) -> torch.Tensor:
-    context = getattr(_LOCAL, "context", None)
-    if context is None:
-        _outside("all_reduce")
-        return tensor.clone()
-    parts = context[0].exchange(context[1], tensor)
+    parts = _exchange("all_reduce", tensor)
     return sum(parts[1:], parts[0].clone())
 
 
 def _all_gather_impl(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    context = getattr(_LOCAL, "context", None)
-    if context is None:
-        return torch.cat([tensor] * _outside("all_gather"), dim=dim)
-    return torch.cat(context[0].exchange(context[1], tensor), dim=dim).contiguous()
+    return torch.cat(_exchange("all_gather", tensor), dim=dim).contiguous()
 
 
 _LIBRARY = torch.library.Library("nxd_emulated", "DEF")
