@@ -1,7 +1,6 @@
 """The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05):
 weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one aliased KV state, activations in fp32
-so that a token flip can only come from the sharding (the bf16 router check is apart).
-"""
+so that a token flip can only come from the sharding (the bf16 router check is apart)."""
 
 import time
 
@@ -100,8 +99,7 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
-    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` tokens fed one
-    decode step at a time (dense experts; the router is the same in both builds)."""
+    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` one by one."""
     scores = []
     hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
              for layer in module.lm.model.layers]

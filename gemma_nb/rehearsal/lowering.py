@@ -1,8 +1,7 @@
 """The neuron graphs lowered to XLA on the cpu at the SDK's torch-xla 2.9 (notebook 04, in ``.venv-xla``).
 
 Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer and logits
-equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``.
-"""
+equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``."""
 
 import argparse
 import json
@@ -210,8 +209,7 @@ def _tiny(model_dir: Path | str):
 
 
 def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
-    """The prefill bucket (``PROMPT_TOKENS`` seeded token ids, padded) or one seeded token at ``DECODE_POSITION``,
-    embedded as the host does."""
+    """The prefill bucket (``PROMPT_TOKENS`` seeded ids, padded) or one seeded token at ``DECODE_POSITION``, embedded."""
     if graph == "prefill":
         generator = torch.Generator().manual_seed(SEED)
         ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
@@ -233,8 +231,7 @@ def fill_cache(module) -> None:
 
 
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
-    rounding (eager bf16 against eager fp32)."""
+    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference and tolerance, and the bf16 rounding."""
     row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = lower_step(make_module(torch.float32),
                                    tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
@@ -276,8 +273,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
-    """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
-    an exception in the XLA step is recorded as the row's ``error``."""
+    """What does not lower: the decode with transformers' and with the cpu ``SparseExperts`` (TP=1), failures as ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     inputs = seeded_inputs(config, state, build, "decode")
     rows = []

@@ -1,6 +1,5 @@
 """NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts). Collectives
-go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums).
-"""
+go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums)."""
 
 import contextlib
 from typing import NamedTuple

@@ -1,6 +1,5 @@
 """NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call is routed by its
-inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
-"""
+inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state."""
 
 import contextlib
 import json
@@ -182,8 +181,7 @@ _JIT_LOAD = torch.jit.load
 
 
 def jit_load(*args, **kwargs):
-    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote (what importing
-    the emulated ``neuronx_distributed.trace.model_builder`` installs)."""
+    """``torch.jit.load`` (as the emulated ``trace.model_builder`` installs it): an emulated archive as its executor."""
     module = _JIT_LOAD(*args, **kwargs)
     try:
         saved = json.loads(module.spec).get("marker") == SAVED_MARKER

@@ -1,6 +1,5 @@
 """NxD 0.18's ``quantization_layers.py`` as cpu stand-ins: int8/fp8 per-tensor or per-channel, the expert-fused
-layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it.
-"""
+layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it."""
 
 import enum
 

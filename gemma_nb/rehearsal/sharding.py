@@ -1,6 +1,5 @@
 """ModelBuilder's checkpoint path, emulated as NxD 0.18's ``init_on_device``, ``preprocess_checkpoint``, ``cast_weights``
-and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride.
-"""
+and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride."""
 
 import contextlib
 
@@ -42,8 +41,7 @@ def init_on_meta():  # as ModelBuilder builds
 
 
 def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> None:
-    """In place: pre-shard hooks, the keys the module does not have dropped (NxD warns them), then ModelBuilder's
-    ``cast_weights``: each tensor cast to its parameter's dtype."""
+    """In place: pre-shard hooks, keys the module lacks dropped (NxD warns), ``cast_weights`` to each parameter's dtype."""
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
         if hasattr(child, "preshard_hook"):
             child.preshard_hook(checkpoint, f"{path}.weight" if path else "weight")

@@ -1,7 +1,6 @@
 """Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget:
 ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
-``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
-"""
+``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed."""
 
 import contextlib
 import os

@@ -1,6 +1,5 @@
 """CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make rehearse``): not the SDK.
-They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md.
-"""
+They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md."""
 
 from types import SimpleNamespace
 
