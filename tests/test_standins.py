@@ -53,6 +53,8 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.RowParallelLinear(16, 32)  # nor by the plain layers: the port builds every layer without one
+    with S.model_parallel(2), pytest.raises(TypeError, match="input_is_parallel=True only"):
+        sdk.QuantizedRowParallel(32, 16, bias=False)  # NxD's default scatters the input; the port feeds it shards
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30, bias=False)

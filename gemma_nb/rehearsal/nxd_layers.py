@@ -93,15 +93,6 @@ def gather_from_tensor_model_parallel_region(input_, process_group=None):
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def scatter_to_tensor_model_parallel_region(input_, process_group=None):
-    """This rank's slice of the last dim (the rank known to the process, as in NxD)."""
-    state = process_group or current_state()
-    if state.tp == 1:
-        return input_
-    size = _divide(input_.shape[-1], state.tp, "last dim")
-    return input_.narrow(-1, state.rank * size, size)
-
-
 def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
@@ -123,6 +114,8 @@ def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_ou
 def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
                dtype, stride: int, group) -> None:
     """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``)."""
+    if not input_is_parallel:  # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
+        raise TypeError("the cpu stand-in row-parallel layers take input_is_parallel=True only, as gemma_nb.neuron builds them")
     layer.tensor_parallel_group = group or current_state()
     layer.input_size, layer.output_size, layer.input_is_parallel = input_size, output_size, input_is_parallel
     layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
@@ -184,8 +177,6 @@ class RowParallelLinear(BaseParallelLinear):
         self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
 
     def forward(self, input_):
-        if not self.input_is_parallel:
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
         output = F.linear(input_, self.weight)
         if self.reduce_output:
             output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype),

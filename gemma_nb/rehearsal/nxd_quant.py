@@ -13,7 +13,6 @@ from gemma_nb.rehearsal.nxd_layers import (
     _row_setup,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
     set_tensor_model_parallel_attributes,
 )
 
@@ -163,8 +162,6 @@ class QuantizedRowParallel(_QuantizedLinear):
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_):
-        if not self.input_is_parallel:
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
         output = self._matmul(input_)
         if self.reduce_output:
             output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
