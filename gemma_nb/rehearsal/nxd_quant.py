@@ -52,15 +52,6 @@ def direct_cast_dequantize(tensor: torch.Tensor, upcast_dtype: torch.dtype) -> t
     return tensor.to(upcast_dtype)
 
 
-def _from_state_dict(name: str):
-    def get_tensor_from_state_dict(prefix: str, state_dict: dict) -> torch.Tensor:
-        if prefix + name not in state_dict:  # NxD's two messages differ by "the"
-            raise RuntimeError(f"Cannot find {prefix + name} in {'the state_dict' if name == 'weight' else 'state_dict'}")
-        return state_dict[prefix + name]
-
-    return get_tensor_from_state_dict
-
-
 class _QuantizedLinear(nn.Module):
     """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their tags."""
 
@@ -84,7 +75,6 @@ class _QuantizedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
                                    requires_grad=False)
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
-        self.weight.get_tensor_from_state_dict = _from_state_dict("weight")
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
             scale_shape, split = [1], False
         elif self.quantization_type in _PER_CHANNEL:
@@ -99,7 +89,6 @@ class _QuantizedLinear(nn.Module):
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
         scale_tags = (True, partition_dim, stride, tp, rank_ordering) if split else (False, 0, 1, 1)  # else replicated
         set_tensor_model_parallel_attributes(self.scale, *scale_tags)
-        self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
         self.register_parameter("bias", None)
 
     def _scale_dequantize(self, output, scale):

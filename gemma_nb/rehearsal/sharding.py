@@ -24,9 +24,8 @@ def init_on_device(device: torch.device, include_buffers: bool = False, force_cu
         if param is None or param.device == device:
             return
         held = module._parameters[name]
-        kwargs = dict(held.__dict__)
         # accelerate's re-creation (NxD without force_custom_init_on_device) loses requires_grad=False
-        kwargs["requires_grad"] = held.requires_grad if force_custom_init_on_device else True
+        kwargs = {**held.__dict__, "requires_grad": held.requires_grad if force_custom_init_on_device else True}
         module._parameters[name] = type(held)(held.to(device), **kwargs)
 
     nn.Module.register_parameter = register_on_device
@@ -73,10 +72,10 @@ def shard_children(module: nn.Module, checkpoint: dict, rank: int) -> None:
             key = prefix + name
             ordering = getattr(parameter, "rank_ordering", None)
             part_rank = rank if ordering is None else ordering[rank]
-            if hasattr(parameter, "get_tensor_from_state_dict"):
-                tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
-            elif key in checkpoint:
+            if key in checkpoint:
                 tensor = checkpoint[key]
+            elif isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
+                raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
             else:
                 continue
             if getattr(parameter, "tensor_model_parallel", False):
