@@ -218,6 +218,8 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
         with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
             sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_per_channel_axis=0,
                                                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
+            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)  # the port all-reduces the partials itself
         with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
             sdk.QuantizedColumnParallel(4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk))
     assert column.dequantized_dtype == torch.bfloat16 and column.scale.shape == (4, 1) and column.weight.shape == (4, 4)

@@ -158,9 +158,7 @@ class QuantizedRowParallel(_QuantizedLinear):
 
 
 class _QuantizedExpertFused(_QuantizedLinear):
-    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled."""
-
-    reduce_output = False  # the row layer's argument; the column layer has no collective
+    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled; no collective."""
 
     def _experts_setup(self, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool) -> None:
         if expert_model_parallel_group is not None and getattr(expert_model_parallel_group, "tp", 1) != 1:
@@ -175,10 +173,7 @@ class _QuantizedExpertFused(_QuantizedLinear):
             raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
                                f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
         output = torch.einsum("e...h,ehi->e...i", input_, direct_cast_dequantize(weight, input_.dtype))
-        output = self._scale_dequantize(output, scale)
-        if self.reduce_output:
-            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
-        return output
+        return self._scale_dequantize(output, scale)
 
 
 class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
@@ -201,7 +196,7 @@ class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
 
 class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
     """``weight [E, in/tp, out]`` split on dim 1, scale ``[E or 1, 1, out]`` replicated; forward
-    ``[E', ..., in/tp] -> [E', ..., out]`` (this rank's partial sums unless ``reduce_output``)."""
+    ``[E', ..., in/tp] -> [E', ..., out]``: this rank's partial sums (the port all-reduces them in fp32)."""
 
     def __init__(self, num_experts: int, input_size: int, output_size: int, reduce_output: bool = False,
                  bias: bool = False, quantization_type="per_tensor_symmetric", quantized_dtype=QuantizedDtype.INT8,
@@ -210,9 +205,9 @@ class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
                  scale_dtype=torch.float32, expert_model_parallel_group=None, is_prefill: bool = True,
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
+        _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias, reduce_output=reduce_output)
         self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
-        _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
+        _row_setup(self, input_size, output_size, True, False, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
