@@ -61,13 +61,11 @@ class BaseModelInstance:
 
 
 class ModelBuilder:  # v1 (trace/model_builder.py)
-    def __init__(self, router, tp_degree: int, checkpoint_loader, start_rank_id: int = 0, compiler_workdir=None,
-                 **unsupported):
-        if unsupported:
+    def __init__(self, router, tp_degree: int, checkpoint_loader, *, compiler_workdir=None, **unsupported):
+        if unsupported:  # start_rank_id among them: the emulated cores start at 0
             raise TypeError(f"the emulated ModelBuilder does not implement {sorted(unsupported)}")
         self.router, self.tp_degree, self.checkpoint_loader = router, tp_degree, checkpoint_loader
-        self.start_rank_id, self.compiler_workdir = start_rank_id, compiler_workdir or "/tmp/nxd_model/"
-        self.model_collection: dict = {}
+        self.compiler_workdir, self.model_collection = compiler_workdir or "/tmp/nxd_model/", {}
 
     def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
             bucket_config=None, priority_model_idx=None):
@@ -103,10 +101,9 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:
             self.shard_checkpoint(self.compiler_workdir)
-            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank)))
-                       for rank in range(self.start_rank_id, self.start_rank_id + self.tp_degree)]
+            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank))) for rank in range(self.tp_degree)]
             model.saved_weights = weights
-            model.initialize(weights, torch.tensor([self.start_rank_id], dtype=torch.int32))
+            model.initialize(weights, torch.tensor([0], dtype=torch.int32))
         return nxd_model.EmulatedExecutor(model)
 
 

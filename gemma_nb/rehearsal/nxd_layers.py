@@ -16,7 +16,6 @@ NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source 
 
 class ParallelState(NamedTuple):
     """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
-
     tp: int
     rank: int = 0
     group: object = None

@@ -13,8 +13,6 @@ from torch import nn
 from gemma_nb.rehearsal import spmd
 
 SAVED_MARKER = "gemma-nb emulated NxD model v1"
-NOT_INITIALIZED = ("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
-                   "or traced_model.nxd_model.initialize_with_saved_weights()")
 
 
 @contextlib.contextmanager
@@ -116,7 +114,8 @@ class EmulatedNxDModel:
 
     def __call__(self, inputs: list) -> list:
         if not self.loaded:
-            raise ValueError(NOT_INITIALIZED)
+            raise ValueError("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
+                             "or traced_model.nxd_model.initialize_with_saved_weights()")
         name, _ = self.router(inputs)
         graph = self.graphs[name]
         spec = graph["spec"]

@@ -30,7 +30,6 @@ SDK_PATH = Path(__file__).resolve().parent / "sdk_path"
 SMOKE_DIR = OUTPUTS_DIR / "neuron-rehearsal"
 SERVING_DIR = OUTPUTS_DIR / "neuron-rehearsal-serving"
 RECORD = "rehearsal.json"
-ENV_STAMP = ".venv-xla/.rehearsal-env"  # written by make rehearse-env: the install's seconds
 PROMPT, API_KEY = "The capital of France is", "rehearsal-key"
 SDK_TORCH = "2.9.0"
 
@@ -148,7 +147,7 @@ def rehearse() -> dict:
                            "run it in .venv-xla (make rehearse)")
     hbm, runtime_bytes = emulated_hbm_bytes()
     rehearsal = Rehearsal(environment(hbm, runtime_bytes))
-    if (stamp := REPO_ROOT / ENV_STAMP).is_file():
+    if (stamp := REPO_ROOT / ".venv-xla" / ".rehearsal-env").is_file():  # make rehearse-env writes the install's seconds
         rehearsal._record("install", runbook.COMMANDS["install"][-1], float(stamp.read_text().strip() or 0),
                           "seconds of make rehearse-env, when it last ran")
     # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device weight bytes
