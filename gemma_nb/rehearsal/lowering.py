@@ -293,14 +293,11 @@ def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degre
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
     build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
-    out = {"versions": B.package_versions(("torch", "torch-xla", "transformers")),
-           "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
-           "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
-           "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
-           "graphs": shipped_graphs(model_dir, tp_degrees)}
-    if contrast:
-        out["contrast"] = contrast_graphs(model_dir)
-    return out
+    return {"versions": B.package_versions(("torch", "torch-xla", "transformers")),
+            "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
+            "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
+            "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
+            "graphs": shipped_graphs(model_dir, tp_degrees), **({"contrast": contrast_graphs(model_dir)} if contrast else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,11 +33,6 @@ def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     return compiler_args
 
 
-def parallel_state(tp: int):
-    """``parallel_state.initialize_model_parallel(tp)`` ... ``destroy_model_parallel()``, for the emulated cores."""
-    return use_state(ParallelState(tp, spmd=True))
-
-
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
     shards = [shard_checkpoint(model, checkpoint, rank, tp) for rank in range(tp)]
     if serialize_path is not None:
@@ -78,7 +73,7 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
 
     def shard_checkpoint(self, serialize_path=None) -> list[dict]:
         instance = next(iter(self.model_collection.values()))["instance"]
-        with parallel_state(self.tp_degree), init_on_meta():
+        with use_state(ParallelState(self.tp_degree, spmd=True)), init_on_meta():  # NxD's initialize_model_parallel
             instance.load_module()
             model, _ = instance.get(0)
             return _shard_all(model, self.checkpoint_loader(), self.tp_degree, serialize_path)
@@ -89,7 +84,7 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         workdir = Path(self.compiler_workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         graphs, shape_map = {}, {}
-        with parallel_state(self.tp_degree):
+        with use_state(ParallelState(self.tp_degree, spmd=True)):
             for key, entry in self.model_collection.items():
                 instance = entry["instance"]
                 instance.load_module()
@@ -112,7 +107,7 @@ def NxDParallelState(world_size: int = 1, rank: int = 0, tensor_model_parallel_s
     if unsupported or world_size != tensor_model_parallel_size:
         raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
                         f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
-    return parallel_state(tensor_model_parallel_size)
+    return use_state(ParallelState(tensor_model_parallel_size, spmd=True))
 
 
 class NxDModelV2:

@@ -102,7 +102,6 @@ class AllocationError(RuntimeError):
 @dataclass
 class Cores:
     """The NeuronCores of this process and the bytes each holds, per loaded model."""
-
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
