@@ -35,8 +35,7 @@ class AliasedGraphs:
         self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
                       if name.startswith(B.KV_STATE_PREFIXES)}
-        self.calls = {"prefill": 0, "decode": 0}
-        self.logits: list[torch.Tensor] = []  # every call's logits output, for the comparison
+        self.calls, self.logits = dict.fromkeys(self.graphs, 0), []  # logits: every call's output, for the comparison
 
     def __call__(self, *inputs):
         kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"

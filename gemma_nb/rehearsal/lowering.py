@@ -112,8 +112,7 @@ def lowered_cleanly(rows: list[dict]) -> bool:
 
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
     """The interpreter of the xla environment: ``$GEMMA_NB_XLA_PYTHON`` or ``<repo>/.venv-xla/bin/python``."""
-    override = os.environ.get(XLA_PYTHON_ENV)
-    python = Path(override) if override else Path(repo_root) / XLA_VENV / "bin" / "python"
+    python = Path(os.environ.get(XLA_PYTHON_ENV) or Path(repo_root) / XLA_VENV / "bin" / "python")
     if not python.exists():
         raise FileNotFoundError(
             f"no xla environment at {python}: create it with `make xla` (torch 2.9.0 + torch-xla 2.9.0 from "

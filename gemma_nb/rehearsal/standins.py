@@ -22,9 +22,8 @@ def cpu_sdk() -> SimpleNamespace:
                                           direct_cast_dequantize=Q.direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
-    return SimpleNamespace(
-        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear,
-        mappings=L,  # as NxD's mappings module: the collectives' functions
+    return SimpleNamespace(  # mappings: NxD's is a module of the collectives' functions, as nxd_layers is
+        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear, mappings=L,
         quantization_layers=quantization_layers, QuantizationType=Q.QuantizationType, QuantizedDtype=Q.QuantizedDtype,
         ScaleDtype=Q.ScaleDtype, **classes, emulated=False,
     )
