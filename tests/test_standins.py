@@ -40,7 +40,6 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
                                            quantization_per_channel_axis=0)
         qrow = sdk.QuantizedRowParallel(32, 16, bias=False, input_is_parallel=True,
                                         quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
-        rank = sdk.SPMDRank(world_size=2)
     tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
     assert column.weight.shape == (16, 16) and tags(column.weight) == (True, 0, 1)
     assert row.weight.shape == (16, 16) and tags(row.weight) == (True, 1, 1)
@@ -48,13 +47,14 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     assert qcol.scale.dtype == torch.float32 and qcol.scale.shape == (16, 1) and tags(qcol.scale) == (True, 0, 1)
     assert qrow.weight.shape == (16, 16) and tags(qrow.weight) == (True, 1, 1)
     assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
-    assert rank.rank.dtype == torch.int32 and tags(rank.rank) == (True, 0, 1)
     with pytest.raises(RuntimeError, match="need a parallel state"):
         sdk.ColumnParallelLinear(16, 32, bias=False)
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.RowParallelLinear(16, 32)  # nor by the plain layers: the port builds every layer without one
+    with S.model_parallel(2), pytest.raises(TypeError, match="input_is_parallel=True only"):
+        sdk.QuantizedRowParallel(32, 16, bias=False)  # NxD's default scatters the input; the port feeds it shards
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30, bias=False)
@@ -218,6 +218,8 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
         with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
             sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_per_channel_axis=0,
                                                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
+            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)  # the port all-reduces the partials itself
         with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
             sdk.QuantizedColumnParallel(4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk))
     assert column.dequantized_dtype == torch.bfloat16 and column.scale.shape == (4, 1) and column.weight.shape == (4, 4)

@@ -1,7 +1,6 @@
 """The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05):
 weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one aliased KV state, activations in fp32
-so that a token flip can only come from the sharding (the bf16 router check is apart).
-"""
+so that a token flip can only come from the sharding (the bf16 router check is apart)."""
 
 import time
 
@@ -36,8 +35,7 @@ class AliasedGraphs:
         self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
         self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
                       if name.startswith(B.KV_STATE_PREFIXES)}
-        self.calls = {"prefill": 0, "decode": 0}
-        self.logits: list[torch.Tensor] = []  # every call's logits output, for the comparison
+        self.calls, self.logits = dict.fromkeys(self.graphs, 0), []  # logits: every call's output, for the comparison
 
     def __call__(self, *inputs):
         kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"
@@ -100,8 +98,7 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
-    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` tokens fed one
-    decode step at a time (dense experts; the router is the same in both builds)."""
+    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` one by one."""
     scores = []
     hooks = [layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
              for layer in module.lm.model.layers]
@@ -130,29 +127,19 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
     return picks
 
 
-def router_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, max_len: int,
-                    bucket: int) -> dict:
-    """One gloo rank of the bf16 router check: :func:`router_choices` on this rank's bf16 module."""
+def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, answers: list, new_tokens: int,
+                max_len: int, bucket: int) -> dict:
+    """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router check."""
+    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
+    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
+                         dist.group.WORLD)
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
     module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
-    return router_choices(module, config, embed, build, prompts_ids, answers)
-
-
-def _matching(picks: list, reference: list) -> float:
-    assert len(picks) == len(reference), (len(picks), len(reference))
-    return sum(a == b for a, b in zip(picks, reference)) / len(reference)
-
-
-def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, new_tokens: int, max_len: int,
-                bucket: int) -> dict:
-    """One gloo rank of :func:`tp_emulation` (spawned by ``gemma_nb.ranks.run_tp``)."""
-    config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    return decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                      dist.group.WORLD)
+    return {**decoded, "router": router_choices(module, config, embed, build, prompts_ids, answers)}
 
 
 def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_tokens: int = 8, tp: int = 2,
-                 max_len: int = 32, bucket: int = 8, timeout_s: float = 300.0) -> dict:
+                 max_len: int = 32, bucket: int = 8, timeout_s: float = 600.0) -> dict:
     """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model."""
     started = time.perf_counter()
     model_dir = resolve_model_id(model_id)
@@ -164,13 +151,16 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
     module = rank_module(config, build, checkpoint, hf_state, 0, cpu_sdk())
     choices = router_choices(module, config, embed, build, prompts_ids, expected)["fp32_softmax"]
     del checkpoint, module
-    ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, new_tokens, max_len, bucket), world_size=tp,
+    ranks = run_tp(tp_rank_job, (model_dir, prompts_ids, expected, new_tokens, max_len, bucket), world_size=tp,
                    threads_per_rank=1, timeout_s=timeout_s)
-    bf16 = run_tp(router_rank_job, (model_dir, prompts_ids, expected, max_len, bucket), world_size=tp,
-                  threads_per_rank=1, timeout_s=timeout_s)
+    bf16 = [r["router"] for r in ranks]
 
     def logit_diff(mode: str) -> float:  # every rank's logits against the unsharded reference's
         return max(float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks)
+
+    def matching(picks: list) -> float:  # the share of the bf16 ranks' top-k picks equal to the fp32 reference's
+        assert len(picks) == len(choices), (len(picks), len(choices))
+        return sum(a == b for a, b in zip(picks, choices)) / len(choices)
 
     return {
         "model_id": model_id, "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
@@ -185,8 +175,8 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
         "kv_heads_equal_on_every_rank": all(r["kv_heads"] == ranks[0]["kv_heads"] for r in ranks),
         "aliased_state_tensors": ranks[0]["aliased_state_tensors"],
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks), "graph_calls_per_rank": ranks[0]["graph_calls"],
-        "router_choices": len(choices), "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
-        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
+        "router_choices": len(choices), "router_topk_equal_bf16": matching(bf16[0]["fp32_softmax"]),
+        "router_topk_equal_bf16_autocast_all": matching(bf16[0]["bf16_softmax"]),
         "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
         "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
         "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],

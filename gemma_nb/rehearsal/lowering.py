@@ -1,8 +1,7 @@
 """The neuron graphs lowered to XLA on the cpu at the SDK's torch-xla 2.9 (notebook 04, in ``.venv-xla``).
 
 Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer and logits
-equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``.
-"""
+equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``."""
 
 import argparse
 import json
@@ -113,8 +112,7 @@ def lowered_cleanly(rows: list[dict]) -> bool:
 
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
     """The interpreter of the xla environment: ``$GEMMA_NB_XLA_PYTHON`` or ``<repo>/.venv-xla/bin/python``."""
-    override = os.environ.get(XLA_PYTHON_ENV)
-    python = Path(override) if override else Path(repo_root) / XLA_VENV / "bin" / "python"
+    python = Path(os.environ.get(XLA_PYTHON_ENV) or Path(repo_root) / XLA_VENV / "bin" / "python")
     if not python.exists():
         raise FileNotFoundError(
             f"no xla environment at {python}: create it with `make xla` (torch 2.9.0 + torch-xla 2.9.0 from "
@@ -210,8 +208,7 @@ def _tiny(model_dir: Path | str):
 
 
 def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
-    """The prefill bucket (``PROMPT_TOKENS`` seeded token ids, padded) or one seeded token at ``DECODE_POSITION``,
-    embedded as the host does."""
+    """The prefill bucket (``PROMPT_TOKENS`` seeded ids, padded) or one seeded token at ``DECODE_POSITION``, embedded."""
     if graph == "prefill":
         generator = torch.Generator().manual_seed(SEED)
         ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
@@ -232,18 +229,8 @@ def fill_cache(module) -> None:
             state.copy_(torch.randn(state.shape, generator=generator))
 
 
-def rank_head_module(config, state: dict, tp: int, dtype: torch.dtype = torch.bfloat16):
-    """Rank 0's ``HeadOnly`` at TP=``tp``, its int8 rows cut from the embedding table as ModelBuilder would."""
-    sdk = cpu_sdk()
-    checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
-    return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
-                                             dtype=dtype, sdk=sdk),
-                            checkpoint, tp, 0)
-
-
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference, tolerance and the bf16
-    rounding (eager bf16 against eager fp32)."""
+    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference and tolerance, and the bf16 rounding."""
     row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = lower_step(make_module(torch.float32),
                                    tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
@@ -258,6 +245,7 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
+    head_checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
@@ -273,15 +261,18 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
                                              tokens=steps[graph][0].shape[1]))
         # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
         hidden = torch.randn(1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3))
-        rows.append(lower_in_both_dtypes(lambda module_dtype: rank_head_module(config, state, tp, module_dtype),
-                                         (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp, experts=None,
-                                         tokens=1))
+        def make_head(module_dtype):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
+            sdk = cpu_sdk()
+            return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
+                                                     dtype=module_dtype, sdk=sdk), head_checkpoint, tp, 0)
+
+        rows.append(lower_in_both_dtypes(make_head, (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp,
+                                         experts=None, tokens=1))
     return rows
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
-    """What does not lower: the decode with transformers' experts and with the cpu ``SparseExperts`` (TP=1);
-    an exception in the XLA step is recorded as the row's ``error``."""
+    """What does not lower: the decode with transformers' and with the cpu ``SparseExperts`` (TP=1), failures as ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     inputs = seeded_inputs(config, state, build, "decode")
     rows = []
@@ -301,14 +292,11 @@ def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degre
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
     build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
-    out = {"versions": B.package_versions(("torch", "torch-xla", "transformers")),
-           "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
-           "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
-           "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
-           "graphs": shipped_graphs(model_dir, tp_degrees)}
-    if contrast:
-        out["contrast"] = contrast_graphs(model_dir)
-    return out
+    return {"versions": B.package_versions(("torch", "torch-xla", "transformers")),
+            "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
+            "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
+            "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
+            "graphs": shipped_graphs(model_dir, tp_degrees), **({"contrast": contrast_graphs(model_dir)} if contrast else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gemma_nb.rehearsal import nxd_model
-from gemma_nb.rehearsal.nxd_layers import ParallelState, state_or_none, use_state
+from gemma_nb.rehearsal import nxd_layers, nxd_model
+from gemma_nb.rehearsal.nxd_layers import ParallelState, use_state
 from gemma_nb.rehearsal.sharding import init_on_meta, shard_checkpoint
 
 logger = logging.getLogger("Neuron")
@@ -31,11 +31,6 @@ def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     if "--verbose" not in compiler_args:
         compiler_args += " --verbose=35"
     return compiler_args
-
-
-def parallel_state(tp: int):
-    """``parallel_state.initialize_model_parallel(tp)`` ... ``destroy_model_parallel()``, for the emulated cores."""
-    return use_state(ParallelState(tp, spmd=True))
 
 
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
@@ -61,13 +56,11 @@ class BaseModelInstance:
 
 
 class ModelBuilder:  # v1 (trace/model_builder.py)
-    def __init__(self, router, tp_degree: int, checkpoint_loader, start_rank_id: int = 0, compiler_workdir=None,
-                 **unsupported):
-        if unsupported:
+    def __init__(self, router, tp_degree: int, checkpoint_loader, *, compiler_workdir=None, **unsupported):
+        if unsupported:  # start_rank_id among them: the emulated cores start at 0
             raise TypeError(f"the emulated ModelBuilder does not implement {sorted(unsupported)}")
         self.router, self.tp_degree, self.checkpoint_loader = router, tp_degree, checkpoint_loader
-        self.start_rank_id, self.compiler_workdir = start_rank_id, compiler_workdir or "/tmp/nxd_model/"
-        self.model_collection: dict = {}
+        self.compiler_workdir, self.model_collection = compiler_workdir or "/tmp/nxd_model/", {}
 
     def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
             bucket_config=None, priority_model_idx=None):
@@ -80,7 +73,7 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
 
     def shard_checkpoint(self, serialize_path=None) -> list[dict]:
         instance = next(iter(self.model_collection.values()))["instance"]
-        with parallel_state(self.tp_degree), init_on_meta():
+        with use_state(ParallelState(self.tp_degree, spmd=True)), init_on_meta():  # NxD's initialize_model_parallel
             instance.load_module()
             model, _ = instance.get(0)
             return _shard_all(model, self.checkpoint_loader(), self.tp_degree, serialize_path)
@@ -89,10 +82,9 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         if dry_run:
             raise TypeError("the emulated ModelBuilder does not implement dry_run")
         workdir = Path(self.compiler_workdir)
-        if workdir.exists():
-            shutil.rmtree(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
         graphs, shape_map = {}, {}
-        with parallel_state(self.tp_degree):
+        with use_state(ParallelState(self.tp_degree, spmd=True)):
             for key, entry in self.model_collection.items():
                 instance = entry["instance"]
                 instance.load_module()
@@ -104,10 +96,9 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:
             self.shard_checkpoint(self.compiler_workdir)
-            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank)))
-                       for rank in range(self.start_rank_id, self.start_rank_id + self.tp_degree)]
+            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank))) for rank in range(self.tp_degree)]
             model.saved_weights = weights
-            model.initialize(weights, torch.tensor([self.start_rank_id], dtype=torch.int32))
+            model.initialize(weights, torch.tensor([0], dtype=torch.int32))
         return nxd_model.EmulatedExecutor(model)
 
 
@@ -116,7 +107,7 @@ def NxDParallelState(world_size: int = 1, rank: int = 0, tensor_model_parallel_s
     if unsupported or world_size != tensor_model_parallel_size:
         raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
                         f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
-    return parallel_state(tensor_model_parallel_size)
+    return use_state(ParallelState(tensor_model_parallel_size, spmd=True))
 
 
 class NxDModelV2:
@@ -147,9 +138,8 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
         self.model, self.graphs, self.shape_map, self.tp = model, {}, {}, None
 
     def trace(self, args=None, kwargs=None, tag: str | None = None, spmd: bool = True):
-        state = state_or_none()
-        if state is None:
-            raise AssertionError("NxD parallel state has not been initialized: trace inside NxDParallelState(...)")
+        state = nxd_layers.STATE
+        assert state is not None, "NxD parallel state has not been initialized: trace inside NxDParallelState(...)"
         if kwargs:
             raise TypeError("the emulated ModelBuilder v2 traces positional arguments only")
         args = args if isinstance(args, tuple) else (args,)
@@ -167,9 +157,8 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
 def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None, load_on_device: bool = False,
                         serialize_path=None) -> list[dict]:
     """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel state."""
-    state = state_or_none()
-    if state is None:
-        raise AssertionError("NxD parallel state has not been initialized")
+    state = nxd_layers.STATE
+    assert state is not None, "NxD parallel state has not been initialized"
     if load_on_device or start_rank not in (None, 0) or end_rank not in (None, state.tp - 1):
         raise TypeError("the emulated shard_checkpoint cuts every rank, on the host")
     return _shard_all(model, checkpoint, state.tp, serialize_path)

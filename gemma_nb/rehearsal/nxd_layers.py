@@ -1,10 +1,8 @@
 """NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts). Collectives
-go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums).
-"""
+go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums)."""
 
 import contextlib
-from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,28 +14,26 @@ from gemma_nb.rehearsal import spmd  # noqa: F401 (defines torch.ops.nxd_emulate
 NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
 
 
-@dataclass(frozen=True)
-class ParallelState:
+class ParallelState(NamedTuple):
     """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
-
     tp: int
     rank: int = 0
     group: object = None
     spmd: bool = False
 
 
-_STATE: ParallelState | None = None
+STATE: ParallelState | None = None  # the one being built in (use_state), or None
 
 
 @contextlib.contextmanager
-def use_state(state: ParallelState | None):
+def use_state(state: ParallelState):
     """The parallel state the stand-in layers read at construction (and keep for their forward), for the duration."""
-    global _STATE
-    previous, _STATE = _STATE, state
+    global STATE
+    previous, STATE = STATE, state
     try:
         yield state
     finally:
-        _STATE = previous
+        STATE = previous
 
 
 def model_parallel(tp: int, rank: int = 0, group=None):
@@ -47,14 +43,10 @@ def model_parallel(tp: int, rank: int = 0, group=None):
 
 
 def current_state() -> ParallelState:
-    if _STATE is None:
+    if STATE is None:
         raise RuntimeError("the stand-in NxD layers need a parallel state: build them inside "
                            "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)")
-    return _STATE
-
-
-def state_or_none() -> ParallelState | None:
-    return _STATE
+    return STATE
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -68,9 +60,8 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering`` missing a rank."""
     tags = {"tensor_model_parallel": is_parallel, "partition_dim": dim, "partition_stride": stride,
             "num_partitions": num_partitions, "rank_ordering": rank_ordering}
-    for name in tags:
-        if hasattr(tensor, name):
-            raise AssertionError(f"tensor already carries {name}")
+    carried = [name for name in tags if hasattr(tensor, name)]
+    assert not carried, f"tensor already carries {carried}"
     if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
         raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
     for name, value in tags.items():
@@ -101,34 +92,6 @@ def gather_from_tensor_model_parallel_region(input_, process_group=None):
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def scatter_to_tensor_model_parallel_region(input_, process_group=None):
-    """This rank's slice of the last dim (the rank known to the process, as in NxD)."""
-    state = process_group or current_state()
-    if state.tp == 1:
-        return input_
-    size = _divide(input_.shape[-1], state.tp, "last dim")
-    return input_.narrow(-1, state.rank * size, size)
-
-
-def scatter_to_process_group_spmd(input_, partition_dim: int, rank: torch.Tensor, process_group=None):
-    """The ``rank``-th slice along ``partition_dim``, with ``rank`` a tensor (SPMD: one trace, every rank)."""
-    state = process_group or current_state()
-    if input_.size(partition_dim) % state.tp:
-        raise AssertionError(f"tensor dim to scatter ({input_.size(partition_dim)}) must be multiple of group "
-                             f"size ({state.tp})")
-    per_rank = input_.size(partition_dim) // state.tp
-    indices = torch.arange(per_rank, device=input_.device) + rank.to(input_.device) * per_rank
-    return torch.index_select(input_, partition_dim, indices.reshape(-1))
-
-
-mappings = SimpleNamespace(
-    reduce_from_tensor_model_parallel_region=reduce_from_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region=gather_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region=scatter_to_tensor_model_parallel_region,
-    scatter_to_process_group_spmd=scatter_to_process_group_spmd,
-)
-
-
 def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
@@ -150,6 +113,8 @@ def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_ou
 def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
                dtype, stride: int, group) -> None:
     """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``)."""
+    if not input_is_parallel:  # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
+        raise TypeError("the cpu stand-in row-parallel layers take input_is_parallel=True only, as gemma_nb.neuron builds them")
     layer.tensor_parallel_group = group or current_state()
     layer.input_size, layer.output_size, layer.input_is_parallel = input_size, output_size, input_is_parallel
     layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
@@ -211,19 +176,9 @@ class RowParallelLinear(BaseParallelLinear):
         self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
 
     def forward(self, input_):
-        if not self.input_is_parallel:
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
         output = F.linear(input_, self.weight)
         if self.reduce_output:
             output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype),
                                                               self.tensor_parallel_group).to(output.dtype)
         return output
 
-
-class SPMDRank(nn.Module):
-    """``rank`` int32 ``[1]``, split on dim 0: load ``arange(world_size)`` and each rank holds its id."""
-
-    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None):
-        super().__init__()
-        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
-        set_tensor_model_parallel_attributes(self.rank, True, 0, 1, world_size)

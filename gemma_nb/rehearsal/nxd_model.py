@@ -1,6 +1,5 @@
 """NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call is routed by its
-inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state.
-"""
+inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state."""
 
 import contextlib
 import json
@@ -14,8 +13,6 @@ from torch import nn
 from gemma_nb.rehearsal import spmd
 
 SAVED_MARKER = "gemma-nb emulated NxD model v1"
-NOT_INITIALIZED = ("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
-                   "or traced_model.nxd_model.initialize_with_saved_weights()")
 
 
 @contextlib.contextmanager
@@ -84,10 +81,11 @@ class EmulatedNxDModel:
         self.weights, self.states, self.loaded = None, None, False
         self.calls = dict.fromkeys(graphs, 0)
 
-    def _check_weights(self, weights: list[dict]) -> None:
-        if len(weights) != self.tp:
-            raise ValueError(f"{len(weights)} rank checkpoints for a model traced for {self.tp} ranks")
-        for rank, shard in enumerate(weights):
+    def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
+        """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
+        if len(checkpoint) != self.tp:
+            raise ValueError(f"{len(checkpoint)} rank checkpoints for a model traced for {self.tp} ranks")
+        for rank, shard in enumerate(checkpoint):
             for graph in self.graphs.values():
                 for name, (shape, dtype) in graph["spec"]["weights"].items():
                     if name not in shard:
@@ -95,14 +93,10 @@ class EmulatedNxDModel:
                     if _meta(shard[name]) != [shape, dtype]:
                         raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
                                            f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
-
-    def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
-        """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
-        self._check_weights(checkpoint)
         specs = [g["spec"]["states"] for g in self.graphs.values()]
         states = [{name: torch.zeros(shape, dtype=getattr(torch, dtype)) for spec in specs
                    for name, (shape, dtype) in spec.items()} for _ in range(self.tp)]
-        need = [spmd.tensor_bytes(w.values()) + spmd.tensor_bytes(s.values()) for w, s in zip(checkpoint, states)]
+        need = [sum(t.numel() * t.element_size() for t in (*w.values(), *s.values())) for w, s in zip(checkpoint, states)]
         spmd.cores().allocate(self, need, int(start_rank_tensor))
         self.weights, self.states, self.loaded = checkpoint, states, True
 
@@ -120,7 +114,8 @@ class EmulatedNxDModel:
 
     def __call__(self, inputs: list) -> list:
         if not self.loaded:
-            raise ValueError(NOT_INITIALIZED)
+            raise ValueError("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
+                             "or traced_model.nxd_model.initialize_with_saved_weights()")
         name, _ = self.router(inputs)
         graph = self.graphs[name]
         spec = graph["spec"]
@@ -150,9 +145,7 @@ class Saved(nn.Module):
 
     def __init__(self, programs: dict, weights: list, spec: str):
         super().__init__()
-        self.programs = nn.ModuleDict(programs)
-        self.weights = weights
-        self.spec = spec
+        self.programs, self.weights, self.spec = nn.ModuleDict(programs), weights, spec
 
     def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:  # noqa: UP006
         return torch.ops.nxd_emulated.spmd_model(inputs)  # unknown unless the emulated SDK is imported
@@ -187,8 +180,7 @@ _JIT_LOAD = torch.jit.load
 
 
 def jit_load(*args, **kwargs):
-    """``torch.jit.load``, returning the emulated executor for an archive the emulated trace wrote (what importing
-    the emulated ``neuronx_distributed.trace.model_builder`` installs)."""
+    """``torch.jit.load`` (as the emulated ``trace.model_builder`` installs it): an emulated archive as its executor."""
     module = _JIT_LOAD(*args, **kwargs)
     try:
         saved = json.loads(module.spec).get("marker") == SAVED_MARKER

@@ -1,6 +1,5 @@
 """NxD 0.18's ``quantization_layers.py`` as cpu stand-ins: int8/fp8 per-tensor or per-channel, the expert-fused
-layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it.
-"""
+layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it."""
 
 import enum
 
@@ -8,15 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb.rehearsal.nxd_layers import (
-    _check_unsupported,
-    _column_setup,
-    _row_setup,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-    set_tensor_model_parallel_attributes,
-)
+from gemma_nb.rehearsal import nxd_layers as L
 
 
 class QuantizationType(enum.Enum):
@@ -54,15 +45,6 @@ def direct_cast_dequantize(tensor: torch.Tensor, upcast_dtype: torch.dtype) -> t
     return tensor.to(upcast_dtype)
 
 
-def _from_state_dict(name: str):
-    def get_tensor_from_state_dict(prefix: str, state_dict: dict) -> torch.Tensor:
-        if prefix + name not in state_dict:  # NxD's two messages differ by "the"
-            raise RuntimeError(f"Cannot find {prefix + name} in {'the state_dict' if name == 'weight' else 'state_dict'}")
-        return state_dict[prefix + name]
-
-    return get_tensor_from_state_dict
-
-
 class _QuantizedLinear(nn.Module):
     """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their tags."""
 
@@ -85,8 +67,7 @@ class _QuantizedLinear(nn.Module):
         tp = self.tensor_parallel_group.tp
         self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
                                    requires_grad=False)
-        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
-        self.weight.get_tensor_from_state_dict = _from_state_dict("weight")
+        L.set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
             scale_shape, split = [1], False
         elif self.quantization_type in _PER_CHANNEL:
@@ -100,8 +81,7 @@ class _QuantizedLinear(nn.Module):
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
         scale_tags = (True, partition_dim, stride, tp, rank_ordering) if split else (False, 0, 1, 1)  # else replicated
-        set_tensor_model_parallel_attributes(self.scale, *scale_tags)
-        self.scale.get_tensor_from_state_dict = _from_state_dict("scale")
+        L.set_tensor_model_parallel_attributes(self.scale, *scale_tags)
         self.register_parameter("bias", None)
 
     def _scale_dequantize(self, output, scale):
@@ -123,16 +103,16 @@ class QuantizedColumnParallel(_QuantizedLinear):
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
                  block_axis=None, block_size=None, **unsupported):
         super().__init__()
-        _check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
-                           sequence_parallel_enabled=sequence_parallel_enabled)
-        _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
+        L._check_unsupported("QuantizedColumnParallel", unsupported, bias=bias,
+                             sequence_parallel_enabled=sequence_parallel_enabled)
+        L._column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
         self._setup((self.output_size_per_partition, input_size), 0, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_):
         output = self._matmul(input_)
         if self.gather_output:  # no trim of a padded vocab: NxD 0.18's quantized layer leaves it on
-            output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+            output = L.gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
         return output
 
     def preshard_hook(self, state_dict: dict, prefix: str) -> None:
@@ -156,26 +136,21 @@ class QuantizedRowParallel(_QuantizedLinear):
                  sequence_parallel_enabled: bool = False, keep_master_weight: bool = False, rank_ordering=None,
                  block_axis=None, block_size=None, **unsupported):
         super().__init__()
-        _check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
-                           sequence_parallel_enabled=sequence_parallel_enabled)
-        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
-                   tensor_model_parallel_group)
+        L._check_unsupported("QuantizedRowParallel", unsupported, bias=bias, pad=pad,
+                             sequence_parallel_enabled=sequence_parallel_enabled)
+        L._row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride, tensor_model_parallel_group)
         self._setup((output_size, self.input_size_per_partition), 1, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
     def forward(self, input_):
-        if not self.input_is_parallel:
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
         output = self._matmul(input_)
         if self.reduce_output:
-            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+            output = L.reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
         return output
 
 
 class _QuantizedExpertFused(_QuantizedLinear):
-    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled."""
-
-    reduce_output = False  # the row layer's argument; the column layer has no collective
+    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled; no collective."""
 
     def _experts_setup(self, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool) -> None:
         if expert_model_parallel_group is not None and getattr(expert_model_parallel_group, "tp", 1) != 1:
@@ -190,10 +165,7 @@ class _QuantizedExpertFused(_QuantizedLinear):
             raise RuntimeError(f"input and weight disagree on number of experts (first dimension). "
                                f"input_shape={tuple(input_.shape)}, weight_shape={tuple(weight.shape)}")
         output = torch.einsum("e...h,ehi->e...i", input_, direct_cast_dequantize(weight, input_.dtype))
-        output = self._scale_dequantize(output, scale)
-        if self.reduce_output:
-            output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
-        return output
+        return self._scale_dequantize(output, scale)
 
 
 class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
@@ -207,16 +179,16 @@ class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
                  scale_dtype=torch.float32, expert_model_parallel_group=None, is_prefill: bool = True,
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
+        L._check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
         self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
-        _column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
+        L._column_setup(self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group)
         self._setup((num_experts, input_size, self.output_size_per_partition), 2, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 
 
 class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
     """``weight [E, in/tp, out]`` split on dim 1, scale ``[E or 1, 1, out]`` replicated; forward
-    ``[E', ..., in/tp] -> [E', ..., out]`` (this rank's partial sums unless ``reduce_output``)."""
+    ``[E', ..., in/tp] -> [E', ..., out]``: this rank's partial sums (the port all-reduces them in fp32)."""
 
     def __init__(self, num_experts: int, input_size: int, output_size: int, reduce_output: bool = False,
                  bias: bool = False, quantization_type="per_tensor_symmetric", quantized_dtype=QuantizedDtype.INT8,
@@ -225,9 +197,9 @@ class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
                  scale_dtype=torch.float32, expert_model_parallel_group=None, is_prefill: bool = True,
                  rank_ordering=None, is_fused_gate_up: bool = False, **unsupported):
         super().__init__()
-        _check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias)
+        L._check_unsupported("QuantizedExpertFusedRowParallel", unsupported, bias=bias, reduce_output=reduce_output)
         self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
-        _row_setup(self, input_size, output_size, True, reduce_output, dtype, stride, tensor_model_parallel_group)
+        L._row_setup(self, input_size, output_size, True, False, dtype, stride, tensor_model_parallel_group)
         self._setup((num_experts, self.input_size_per_partition, output_size), 1, quantization_type, quantized_dtype,
                     quantization_per_channel_axis, stride, device, dtype, scale_dtype, rank_ordering)
 

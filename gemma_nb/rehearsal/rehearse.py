@@ -1,8 +1,6 @@
-"""``make rehearse``: the runbook's commands in order against the emulated SDK, at the SDK's torch (``.venv-xla``).
-
-Preflight, the smoke run, the copy to a serving folder, the deploy, the server asked by the openai client; the
-record goes to ``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s disk figures.
-"""
+"""``make rehearse``: the runbook's commands in order (preflight, smoke run, copy, deploy, the server asked by the
+openai client) against the emulated SDK at the SDK's torch (``.venv-xla``); the record goes to
+``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s disk figures."""
 
 import json
 import os
@@ -32,7 +30,6 @@ SDK_PATH = Path(__file__).resolve().parent / "sdk_path"
 SMOKE_DIR = OUTPUTS_DIR / "neuron-rehearsal"
 SERVING_DIR = OUTPUTS_DIR / "neuron-rehearsal-serving"
 RECORD = "rehearsal.json"
-ENV_STAMP = ".venv-xla/.rehearsal-env"  # written by make rehearse-env: the install's seconds
 PROMPT, API_KEY = "The capital of France is", "rehearsal-key"
 SDK_TORCH = "2.9.0"
 
@@ -45,8 +42,7 @@ def emulated_hbm_bytes() -> tuple[int, int]:
 
 
 def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
-    """The subprocesses' environment: the emulated SDK on the path, the budget, one cpu thread per torch
-    op, no hub access, and the API key the server asks for (the runbook's ``export GEMMA_NB_API_KEY``)."""
+    """The subprocesses' environment: the emulated SDK on the path, its budget, no hub, the runbook's API key."""
     python_path = os.pathsep.join(filter(None, [str(SDK_PATH), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": python_path, "PATH": os.pathsep.join([str(SDK_PATH / "bin"), os.environ.get("PATH", "")]),
             "GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes), "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
@@ -151,7 +147,7 @@ def rehearse() -> dict:
                            "run it in .venv-xla (make rehearse)")
     hbm, runtime_bytes = emulated_hbm_bytes()
     rehearsal = Rehearsal(environment(hbm, runtime_bytes))
-    if (stamp := REPO_ROOT / ENV_STAMP).is_file():
+    if (stamp := REPO_ROOT / ".venv-xla" / ".rehearsal-env").is_file():  # make rehearse-env writes the install's seconds
         rehearsal._record("install", runbook.COMMANDS["install"][-1], float(stamp.read_text().strip() or 0),
                           "seconds of make rehearse-env, when it last ran")
     # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device weight bytes

@@ -1,16 +1,15 @@
 """ModelBuilder's checkpoint path, emulated as NxD 0.18's ``init_on_device``, ``preprocess_checkpoint``, ``cast_weights``
-and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride.
-"""
+and ``shard_children``: the module on meta, each parallel parameter cut by ``partition_dim``, ``rank_ordering`` and stride."""
 
 import contextlib
 
 import torch
 from torch import nn
 
-from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, SPMDRank, model_parallel
+from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, model_parallel
 from gemma_nb.rehearsal.nxd_quant import _QuantizedLinear
 
-SHARDED_MODULES = (BaseParallelLinear, _QuantizedLinear, SPMDRank)
+SHARDED_MODULES = (BaseParallelLinear, _QuantizedLinear)
 
 
 @contextlib.contextmanager
@@ -25,9 +24,8 @@ def init_on_device(device: torch.device, include_buffers: bool = False, force_cu
         if param is None or param.device == device:
             return
         held = module._parameters[name]
-        kwargs = dict(held.__dict__)
         # accelerate's re-creation (NxD without force_custom_init_on_device) loses requires_grad=False
-        kwargs["requires_grad"] = held.requires_grad if force_custom_init_on_device else True
+        kwargs = {**held.__dict__, "requires_grad": held.requires_grad if force_custom_init_on_device else True}
         module._parameters[name] = type(held)(held.to(device), **kwargs)
 
     nn.Module.register_parameter = register_on_device
@@ -41,20 +39,6 @@ def init_on_meta():  # as ModelBuilder builds
     return init_on_device(torch.device("meta"), force_custom_init_on_device=True)
 
 
-def preprocess_checkpoint(module: nn.Module, checkpoint: dict) -> None:
-    """In place: pre-shard hooks, the keys the module does not have dropped (NxD warns them), then ModelBuilder's
-    ``cast_weights``: each tensor cast to its parameter's dtype."""
-    for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
-        if hasattr(child, "preshard_hook"):
-            child.preshard_hook(checkpoint, f"{path}.weight" if path else "weight")
-    own = module.state_dict(keep_vars=True)
-    for key in [key for key in checkpoint if key not in own]:
-        del checkpoint[key]
-    for name, parameter in module.named_parameters():
-        if name in checkpoint and checkpoint[name].dtype != parameter.dtype:
-            checkpoint[name] = checkpoint[name].to(parameter.dtype)
-
-
 def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: int) -> torch.Tensor:
     """NxD's ``create_local_weight``: split into ``parts * stride`` chunks, keep every ``parts``-th from ``rank``."""
     per_partition = tensor.shape[dim] // parts
@@ -65,9 +49,20 @@ def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: i
     return torch.cat(chunks, dim=dim) if stride > 1 else chunks[0]
 
 
-def shard_children(module: nn.Module, checkpoint: dict, rank: int) -> None:
-    """NxD's ``shard_children`` on ``checkpoint`` in place (module docstring)."""
-    for path, child in module.named_modules(remove_duplicate=False):
+def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
+    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict): NxD's pre-shard hooks, the keys
+    the module lacks dropped (NxD warns), ``cast_weights`` to each parameter's dtype, then ``shard_children``."""
+    assert 0 <= rank < tp, (rank, tp)
+    state = dict(checkpoint)
+    for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
+        if hasattr(child, "preshard_hook"):
+            child.preshard_hook(state, f"{path}.weight" if path else "weight")
+    own = module.state_dict(keep_vars=True)
+    state = {key: tensor for key, tensor in state.items() if key in own}
+    for name, parameter in module.named_parameters():
+        if name in state and state[name].dtype != parameter.dtype:
+            state[name] = state[name].to(parameter.dtype)
+    for path, child in module.named_modules(remove_duplicate=False):  # NxD's shard_children
         if not isinstance(child, SHARDED_MODULES):
             continue
         prefix = f"{path}." if path else ""
@@ -75,26 +70,18 @@ def shard_children(module: nn.Module, checkpoint: dict, rank: int) -> None:
             key = prefix + name
             ordering = getattr(parameter, "rank_ordering", None)
             part_rank = rank if ordering is None else ordering[rank]
-            if hasattr(parameter, "get_tensor_from_state_dict"):
-                tensor = parameter.get_tensor_from_state_dict(prefix, checkpoint)
-            elif key in checkpoint:
-                tensor = checkpoint[key]
+            if key in state:
+                tensor = state[key]
+            elif isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
+                raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
             else:
                 continue
             if getattr(parameter, "tensor_model_parallel", False):
                 parts = parameter.num_partitions
                 tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
-            checkpoint[key] = tensor
+            state[key] = tensor
             if tensor.shape != parameter.shape:
                 raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
-
-
-def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
-    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict)."""
-    assert 0 <= rank < tp, (rank, tp)
-    state = dict(checkpoint)
-    preprocess_checkpoint(module, state)
-    shard_children(module, state, rank)
     return state
 
 

@@ -1,7 +1,6 @@
 """Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget:
 ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
-``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed.
-"""
+``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed."""
 
 import contextlib
 import os
@@ -10,9 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-HBM_ENV = "GEMMA_NB_EMULATED_HBM_BYTES"
-RUNTIME_ENV = "GEMMA_NB_EMULATED_RUNTIME_BYTES"
-CORES_ENV = "GEMMA_NB_EMULATED_NEURON_CORES"
 DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
 DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
 
@@ -38,36 +34,32 @@ _LOCAL = threading.local()  # .context: (group, rank) on a core thread; .tracing
 @contextlib.contextmanager
 def tracing(tp: int):
     """While a program is traced for ``tp`` cores: collectives return placeholders of the right shape."""
-    previous = getattr(_LOCAL, "tracing", None)
-    _LOCAL.tracing = tp
+    previous, _LOCAL.tracing = getattr(_LOCAL, "tracing", None), tp
     try:
         yield
     finally:
         _LOCAL.tracing = previous
 
 
-def _outside(name: str) -> int:
+def _exchange(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every core's ``tensor`` in rank order; while a program is traced, ``tensor`` and zeros (placeholders)."""
+    context = getattr(_LOCAL, "context", None)
+    if context is not None:
+        return context[0].exchange(context[1], tensor)
     tp = getattr(_LOCAL, "tracing", None)
     if tp is None:
         raise RuntimeError(f"{name}: a collective of the emulated NeuronCores ran outside a core; run the "
                            "program with gemma_nb.rehearsal.spmd.run_on_cores (or trace it inside spmd.tracing)")
-    return tp
+    return [tensor, *[torch.zeros_like(tensor)] * (tp - 1)]
 
 
 def _all_reduce_impl(tensor: torch.Tensor) -> torch.Tensor:
-    context = getattr(_LOCAL, "context", None)
-    if context is None:
-        _outside("all_reduce")
-        return tensor.clone()
-    parts = context[0].exchange(context[1], tensor)
+    parts = _exchange("all_reduce", tensor)
     return sum(parts[1:], parts[0].clone())
 
 
 def _all_gather_impl(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    context = getattr(_LOCAL, "context", None)
-    if context is None:
-        return torch.cat([tensor] * _outside("all_gather"), dim=dim)
-    return torch.cat(context[0].exchange(context[1], tensor), dim=dim).contiguous()
+    return torch.cat(_exchange("all_gather", tensor), dim=dim).contiguous()
 
 
 _LIBRARY = torch.library.Library("nxd_emulated", "DEF")
@@ -107,14 +99,9 @@ class AllocationError(RuntimeError):
     """The Neuron runtime's allocation failure (``status=4 Allocation Failure``), emulated."""
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class Cores:
     """The NeuronCores of this process and the bytes each holds, per loaded model."""
-
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
@@ -148,9 +135,9 @@ def cores() -> Cores:
     """This process's emulated NeuronCores (sized from the environment on first use)."""
     global _CORES
     if _CORES is None:
-        _CORES = Cores(count=int(os.environ.get(CORES_ENV, DEFAULT_CORES)),
-                       hbm_bytes=int(os.environ.get(HBM_ENV, DEFAULT_HBM_BYTES)),
-                       runtime_bytes=int(os.environ.get(RUNTIME_ENV, 0)))
+        _CORES = Cores(count=int(os.environ.get("GEMMA_NB_EMULATED_NEURON_CORES", DEFAULT_CORES)),
+                       hbm_bytes=int(os.environ.get("GEMMA_NB_EMULATED_HBM_BYTES", DEFAULT_HBM_BYTES)),
+                       runtime_bytes=int(os.environ.get("GEMMA_NB_EMULATED_RUNTIME_BYTES", 0)))
     return _CORES
 
 

@@ -1,6 +1,5 @@
 """CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make rehearse``): not the SDK.
-They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md.
-"""
+They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md."""
 
 from types import SimpleNamespace
 
@@ -23,9 +22,8 @@ def cpu_sdk() -> SimpleNamespace:
                                           direct_cast_dequantize=Q.direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
-    return SimpleNamespace(
-        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear, SPMDRank=L.SPMDRank,
-        scatter_to_process_group_spmd=L.scatter_to_process_group_spmd, mappings=L.mappings,
+    return SimpleNamespace(  # mappings: NxD's is a module of the collectives' functions, as nxd_layers is
+        ColumnParallelLinear=L.ColumnParallelLinear, RowParallelLinear=L.RowParallelLinear, mappings=L,
         quantization_layers=quantization_layers, QuantizationType=Q.QuantizationType, QuantizedDtype=Q.QuantizedDtype,
         ScaleDtype=Q.ScaleDtype, **classes, emulated=False,
     )

@@ -1,6 +1,4 @@
 from gemma_nb.rehearsal.nxd_layers import (  # noqa: F401
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    scatter_to_process_group_spmd,
-    scatter_to_tensor_model_parallel_region,
 )
