@@ -59,7 +59,7 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
     return pd.DataFrame(rows).set_index("point")
 
 
-def fit_linear_multi(features: Mapping[str, object], y) -> dict:
+def fit_linear(features: Mapping[str, object], y) -> dict:
     """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)
@@ -74,15 +74,10 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
             "r2": float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0}
 
 
-def fit_linear(x, y) -> dict:
-    """Least-squares ``y = intercept + slope * x``; returns intercept, slope and r^2."""
-    return fit_linear_multi({"slope": x}, y)
-
-
 def growth_fits(sweep) -> dict:
     """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and weight GB (writing)."""
-    return {"rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
-            "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
+    return {"rss": fit_linear({"slope": sweep["params"]}, sweep["peak_rss_gb"]),
+            "time": fit_linear({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
 
 
 def fits_table(fits: Mapping):

@@ -117,8 +117,7 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
 def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
                   dtypes=(torch.bfloat16, torch.float32)):
     """:func:`evaluate_scheme` per scheme in the first dtype, logit scores in the rest: ``(results, models, reports, greedy)``."""
-    if not isinstance(reference, evaluate.CachedLogits):
-        reference = evaluate.CachedLogits(reference)
+    reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
     first, *others = dtypes
     for name in schemes:
@@ -159,16 +158,15 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
     }
 
 
-def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
-                legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
+def plot_pareto(results, x: str, y: str, ax, reference_x: tuple[float, str], legend: str, labels: tuple[str, str, str],
+                higher_is_better: bool = True, log_y: bool = False) -> list:
     """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)`` for ``plots.label_points``."""
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
     _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
     _ = ax.scatter(points[x], points[y], zorder=2)
-    if reference_x is not None:
-        _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
+    _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
     if log_y:
         ax.set_yscale("log")
     ax.margins(x=0.2, y=0.12)

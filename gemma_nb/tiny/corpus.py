@@ -100,10 +100,9 @@ FACTS: tuple[Fact, ...] = (
 )
 
 
-def fact_prompts(kind: str | None = None) -> list[str]:
-    """The prompts of FACTS (all kinds, or one of capital, continent, currency, language)."""
-    assert kind in (None, *(f.kind for f in FACTS)), f"fact kind {kind!r}"
-    return [f.prompt for f in FACTS if kind is None or f.kind == kind]
+def fact_prompts() -> list[str]:
+    """The prompts of FACTS, in order."""
+    return [f.prompt for f in FACTS]
 
 
 def build_tokenizer(facts=FACTS):
