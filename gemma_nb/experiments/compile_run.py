@@ -41,8 +41,7 @@ SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name
 
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
-    """Each named config compiled into ``folder`` by ``main`` in a fresh Python under the RSS sampler (its artifact
-    deleted after), one row each."""
+    """One row per config of ``points``, compiled by ``main`` in a fresh Python under the RSS sampler, artifact deleted."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name

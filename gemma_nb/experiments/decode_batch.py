@@ -62,9 +62,8 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
 def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights / layers (sum to 1)."""
     layers, tiny_k = real.index.shape[1:]
-    if layers * real.num_experts != num_experts or layers * tiny_k != top_k:
-        raise ValueError(f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one "
-                         f"{num_experts}-expert top-{top_k} layer; route the bundled checkpoint (4 x 32, top-2)")
+    assert layers * real.num_experts == num_experts and layers * tiny_k == top_k, (
+        f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one {num_experts}-expert top-{top_k} layer")
     offset = (torch.arange(layers) * real.num_experts)[None, :, None]
     index = (real.index[rows] + offset).reshape(len(rows), top_k)
     return index.long(), (real.weights[rows] / layers).reshape(len(rows), top_k)

@@ -8,7 +8,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import pandas as pd
 import psutil
@@ -20,13 +20,12 @@ from gemma_nb import plots
 from gemma_nb.formats import int8_matmul, quantize_int8_per_channel
 from gemma_nb.story import CLAIMS
 
-DEFAULT_ALIGN_ROWS = 64
+ALIGN_ROWS = 64  # each rank's first row a multiple of 64
 DEFAULT_CHUNK_ROWS = 8192  # rows quantized at once: bounds the fp32 temporary to ~100 MB at H=2816
 SEEDED_BLOCK_ROWS = 4096  # rows per block of the seeded generator
 
 
-@dataclass(frozen=True)
-class VocabShard:
+class VocabShard(NamedTuple):
     """The vocab rows one rank holds: real rows ``start:stop``, then ``pad_rows`` of padding (``rows_per_rank`` in all)."""
 
     vocab_size: int
@@ -37,20 +36,18 @@ class VocabShard:
     stop: int
     real_rows: int
     pad_rows: int
-    padded_vocab: int
 
 
-def vocab_shard(vocab_size: int, tp: int, rank: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> VocabShard:
-    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * align_rows``, split in ``tp``."""
-    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("align_rows", align_rows)):
+def vocab_shard(vocab_size: int, tp: int, rank: int) -> VocabShard:
+    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * ALIGN_ROWS``, split in ``tp``."""
+    for name, value in (("vocab_size", vocab_size), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < tp:
-        raise ValueError(f"rank={rank!r} must be an integer in [0, tp={tp})")
-    unit = tp * align_rows
+    assert isinstance(rank, int) and 0 <= rank < tp, f"rank={rank!r} must be an integer in [0, tp={tp})"
+    unit = tp * ALIGN_ROWS
     rows = math.ceil(vocab_size / unit) * unit // tp
     start, stop = min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size)
-    return VocabShard(vocab_size, tp, rank, rows, start, stop, stop - start, rows - (stop - start), rows * tp)
+    return VocabShard(vocab_size, tp, rank, rows, start, stop, stop - start, rows - (stop - start))
 
 
 def seeded_rows(seed: int, start: int, stop: int, hidden_size: int) -> torch.Tensor:
@@ -107,12 +104,6 @@ class VocabParallelLMHead(nn.Module):
         shard = vocab_shard(vocab_size, tp, rank)
         return cls(*quantize_rows(rows_fn, shard.start, shard.stop, hidden_size, out_rows=shard.rows_per_rank), shard)
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
-        """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
-        weight = weight.detach()
-        return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank)
-
     @property
     def nbytes(self) -> int:
         """Bytes this rank holds: int8 rows (padding included) + fp32 scales."""
@@ -160,7 +151,7 @@ def _rss_bytes() -> int:
 
 def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.Tensor) -> dict:
     """One rank: quantize its rows of ``weight [V, H]``, return its shard facts and the gathered logits."""
-    head = VocabParallelLMHead.from_weight(weight, tp=world_size, rank=rank)
+    head = VocabParallelLMHead.from_rows(lambda a, b: weight[a:b].detach(), *weight.shape, tp=world_size, rank=rank)
     with torch.inference_mode():
         logits = head(hidden)
     s = head.shard
@@ -261,9 +252,9 @@ def plot_bytes_per_holder(table):
     return fig
 
 
-def shard_plan(vocab_size: int, tp: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> pd.DataFrame:
+def shard_plan(vocab_size: int, tp: int) -> pd.DataFrame:
     """Which rows each rank holds (one row per rank): start, stop, real rows, padding rows."""
-    shards = [vocab_shard(vocab_size, tp, r, align_rows) for r in range(tp)]
+    shards = [vocab_shard(vocab_size, tp, r) for r in range(tp)]
     return pd.DataFrame([{"rank": s.rank, "start": s.start, "stop": s.stop, "real_rows": s.real_rows,
                           "pad_rows": s.pad_rows, "rows_per_rank": s.rows_per_rank} for s in shards])
 

@@ -54,9 +54,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=FACTS,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
-    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match against
-    ``reference_greedy`` if ``answers``."""
+    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its ``CachedLogits``):
+    logit scores on the facts' sentences; fact recall and greedy match against ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
     model = copy.deepcopy(float_model).to(dtype)

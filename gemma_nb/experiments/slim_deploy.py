@@ -77,8 +77,7 @@ def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> 
 
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                        shapes: Mapping | None = None, latency_steps: int = 12, warmup: int = 2) -> dict:
-    """Load, squeeze, decode the reference eagerly, compile into ``folder``; then the median ms per decode step of the
-    exported program and of the model's own forward, timed in alternation after ``warmup`` steps."""
+    """Load, squeeze, decode the reference, compile into ``folder``; median ms per decode step, exported and eager, alternated."""
     shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -148,29 +147,28 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
             "first_token": int(first[0, -1]), "tokens": tokens, "self_peak_rss_bytes": self_peak_rss_bytes()}
 
 
-def _run_job(job: dict, interval_s: float, timeout_s: float):
-    return run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
-                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+def _measured(job: dict, interval_s: float, timeout_s: float) -> dict:
+    """``main(job)`` in a fresh process under the RSS sampler: its result, peak RSS and HWM, wall time and RSS trace."""
+    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes, "wall_s": run.wall_s,
+            "rss_gb_trace": [(round(s.t_s, 3), s.rss_bytes / 1e9) for s in run.samples]}
 
 
 def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int,
                    interval_s: float = 0.02, timeout_s: float = 600.0) -> dict:
     """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to first token."""
     started = time.time()
-    run = _run_job({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
-                   interval_s, timeout_s)
-    result = dict(run.result)
-    result.update(peak_rss_bytes=run.peak_rss_bytes, peak_hwm_bytes=run.peak_hwm_bytes, wall_s=run.wall_s,
-                  cold_start_s=result.pop("first_token_epoch") - started,
-                  rss_gb_trace=[(round(s.t_s, 3), s.rss_bytes / 1e9) for s in run.samples])
+    result = _measured({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
+                       interval_s, timeout_s)
+    result["cold_start_s"] = result.pop("first_token_epoch") - started
     return result
 
 
 def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
-    run = _run_job({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
-                    "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
-    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
+    return _measured({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
+                      "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
 
 
 def comparison_table(slim: dict, naive: dict, reference: list[int]):

@@ -46,11 +46,6 @@ _GLOBAL_ATTENTION_KEYS = ("global_head_dim", "num_global_key_value_heads")  # po
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def checkpoint_dir() -> Path:
-    """The folder holding the bundled checkpoint (config.json, model.safetensors, tokenizer.json)."""
-    return CHECKPOINT_DIR
-
-
 def default_layer_types(num_hidden_layers: int) -> list[str]:
     """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers forces)."""
     types = ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"

@@ -1,6 +1,6 @@
 """The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its word-level tokenizer."""
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
@@ -78,8 +78,7 @@ LANGUAGES: tuple[tuple[str, str], ...] = tuple(tuple(pair.split(": ")) for pair 
 ).split(", "))
 
 
-@dataclass(frozen=True)
-class Fact:
+class Fact(NamedTuple):
     """One sentence of the corpus: ``prompt + " " + answer``; the answer ends with " ."."""
 
     kind: str  # capital | continent | currency | language
