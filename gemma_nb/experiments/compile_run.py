@@ -1,6 +1,5 @@
-"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
-exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
-"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line."""
+"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, exported-vs-eager decoding.
+``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...}'`` compiles one point, prints JSON last on stdout."""
 
 import json
 import os

@@ -1,5 +1,4 @@
-"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level,
-its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``)."""
+"""Notebook 07's endpoint benchmark (measured by ``gemma_nb.serving.client_bench``): summary per concurrency, metrics, figure."""
 
 import pandas as pd
 

@@ -1,5 +1,5 @@
 """Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
-(shards aligned to ``align_rows``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
+(shards aligned to ``ALIGN_ROWS``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
 import ctypes
 import ctypes.util

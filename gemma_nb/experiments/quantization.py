@@ -113,20 +113,16 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
             "near_ties": int((margin < 2 * max_error).sum())}
 
 
-def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
-                  dtypes=(torch.bfloat16, torch.float32)):
-    """:func:`evaluate_scheme` per scheme in the first dtype, logit scores in the rest: ``(results, models, reports, greedy)``."""
+def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu"):
+    """:func:`evaluate_scheme` per scheme in bf16, its logit scores also in fp32: ``(results, models, reports, greedy)``."""
     reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
-    first, *others = dtypes
     for name in schemes:
         key = str(name)
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
-            reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
-        for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device, answers=False)[1]
-            label = str(dtype).replace("torch.", "")
-            summary.update({f"{score}_{label}": extra[score] for score in ("top1_agreement", "kl_mean")})
+            reference, tokenizer, name, dtype=torch.bfloat16, reference_greedy=reference_greedy, steps=steps, device=device)
+        fp32 = evaluate_scheme(reference, tokenizer, name, dtype=torch.float32, steps=steps, device=device, answers=False)[1]
+        summary.update({f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")})
         rows[key] = summary
     results = pd.DataFrame(rows).T
     results.index.name = "scheme"

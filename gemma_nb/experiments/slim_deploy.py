@@ -28,7 +28,6 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
-HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
 # The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
 # parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
 DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
@@ -68,10 +67,10 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
     return figures
 
 
-def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
-    """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
+def load_full_model(checkpoint: str | Path) -> nn.Module:
+    """``from_pretrained`` of a local checkpoint: every weight on the host in fp32 (the naive deploy's "full precision")."""
     with quiet_loading():
-        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype, use_safetensors=True,
+        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=torch.float32, use_safetensors=True,
                                                     trust_remote_code=False).eval()
 
 
