@@ -140,8 +140,7 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
     return pd.DataFrame(rows).set_index("instance")
 
 
-def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
-                               max_cache_len: int = 128) -> list[int]:
+def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, max_cache_len: int) -> list[int]:
     """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one position too far)."""
     set_traceable_experts(model)
     saved = model.generation_config

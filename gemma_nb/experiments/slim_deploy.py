@@ -33,7 +33,6 @@ CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
 DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
                          num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
-CHECKPOINT_MARKER = "gemma_nb_random.json"
 SLIM_RSS_TARGET, DECODE_LATENCY_TARGET = 0.35, 1.3  # notebook 05's performance targets: ratios measured in one run
 
 
@@ -53,7 +52,7 @@ def deploy_prompt(vocab_size: int, length: int) -> list[int]:
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
     """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there): params, bytes."""
     folder = Path(folder)
-    marker = folder / CHECKPOINT_MARKER
+    marker = folder / "gemma_nb_random.json"
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
         return json.loads(marker.read_text())["figures"]
