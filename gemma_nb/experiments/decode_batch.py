@@ -212,8 +212,7 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
                                                          for what in ("tok_s", "usd_per_m")}}
                           for suffix, streams in cases.values()], index=list(cases))
     table.columns = pd.MultiIndex.from_tuples(table.columns)
-    table.index.name = deployment
-    return table
+    return table.rename_axis(deployment)
 
 
 def _batch_axis(ax, batches, label: str) -> None:

@@ -33,8 +33,7 @@ def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
     rows = [(prompt, first is None, first, tokenizer.decode(ref), tokenizer.decode(cand))
             for prompt, ref, cand, first in zip(prompts, reference_tokens, candidate_tokens, firsts)]
     table = pd.DataFrame(rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"])
-    table["first_divergent_step"] = table["first_divergent_step"].astype("Int64")
-    return table
+    return table.astype({"first_divergent_step": "Int64"})
 
 
 @torch.no_grad()
@@ -84,9 +83,7 @@ def formats_table(shape=(1408, 2816)):
         rows.append({"format": f.name, "element_bits": f.element_bits, "block": f.block_size,
                      "scale": f"{str(f.scale_dtype).replace('torch.', '')} per {per}", "per_tensor_scale": f.per_tensor_scale,
                      "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape), "description": f.description})
-    table = pd.DataFrame(rows)
-    table["block"] = table["block"].astype("Int64")
-    return table
+    return pd.DataFrame(rows).astype({"block": "Int64"})
 
 
 @torch.no_grad()
@@ -124,9 +121,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         fp32 = evaluate_scheme(reference, tokenizer, name, dtype=torch.float32, steps=steps, device=device, answers=False)[1]
         summary.update({f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")})
         rows[key] = summary
-    results = pd.DataFrame(rows).T
-    results.index.name = "scheme"
-    return results, models, reports, greedy
+    return pd.DataFrame(rows).T.rename_axis("scheme"), models, reports, greedy
 
 
 def score_findings(results, weight_errors, reference_recall: float) -> dict:
