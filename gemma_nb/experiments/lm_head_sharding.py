@@ -230,15 +230,12 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
 def plot_bytes_per_holder(table):
     """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank figures."""
     fig, ax = plots.subplots(figsize=(7.5, 4.6))
-    holders = list(dict.fromkeys(table["holder"]))
-    labels, embed_gb, head_gb = [], [], []
-    for state in ("before", "after"):
-        for holder in holders:
-            part = table[(table["state"] == state) & (table["holder"] == holder)]
-            labels.append(f"{holder}\n{state}")
-            embed_gb.append(float(part.loc[part["copy"].str.startswith("embedding"), "gb"].sum()))
-            head_gb.append(float(part.loc[part["copy"].str.startswith("lm_head"), "gb"].sum()))
-    x = [i + (0.6 if i >= len(holders) else 0.0) for i in range(len(labels))]  # a gap between before and after
+    part = table["copy"].str.startswith("lm_head").map({False: "embedding", True: "lm_head"})
+    held = table.assign(part=part).pivot_table(index=["state", "holder"], columns="part", values="gb", aggfunc="sum",
+                                               fill_value=0.0, sort=False)   # before, then after; holders in order
+    labels = [f"{holder}\n{state}" for state, holder in held.index]
+    embed_gb, head_gb = held["embedding"].tolist(), held["lm_head"].tolist()
+    x = [i + (0.6 if i >= len(labels) // 2 else 0.0) for i in range(len(labels))]  # a gap between before and after
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
     _ = ax.set_xticks(x, labels)

@@ -92,14 +92,8 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
     ``near_ties``: positions whose top-1 - top-2 margin is under twice the max logit error, the only ones it could flip."""
     head = model.get_output_embeddings()
     assert isinstance(head, nn.Linear), f"model.lm_head is {type(head).__name__}: pass the float model"
-    captured = []
-    hook = head.register_forward_hook(lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
-    try:
-        for ids in evaluate.prompt_batches(tokenizer, texts):
-            model(input_ids=ids)
-    finally:
-        hook.remove()
-    hidden = torch.cat(captured)
+    batches = evaluate.prompt_batches(tokenizer, texts)
+    hidden = torch.cat([model.model(input_ids=ids).last_hidden_state.flatten(0, 1) for ids in batches])   # the head's input
     exact = torch.nn.functional.linear(hidden, head.weight).float()
     quantized = quant.quantized_linear(head.weight.detach(), fmt, "lm_head.weight")(hidden).float()
     top2 = exact.topk(2, dim=-1).values
