@@ -48,10 +48,8 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 def default_layer_types(num_hidden_layers: int) -> list[str]:
     """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers forces)."""
-    types = ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"
-             for i in range(num_hidden_layers)]
-    types[-1] = "full_attention"
-    return types
+    return ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 or i == num_hidden_layers - 1 else "sliding_attention"
+            for i in range(num_hidden_layers)]
 
 
 def _check_dims(dims: dict[str, Any]) -> None:
