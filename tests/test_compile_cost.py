@@ -13,10 +13,10 @@ from gemma_nb.experiments import compile_run  # noqa: E402
 
 
 def test_fit_linear_recovers_a_line():
-    fit = compile_run.fit_linear([1, 2, 3, 4], [3.5, 5.5, 7.5, 9.5])
+    fit = compile_run.fit_linear({"slope": [1, 2, 3, 4]}, [3.5, 5.5, 7.5, 9.5])
     assert fit["slope"] == pytest.approx(2.0) and fit["intercept"] == pytest.approx(1.5) and fit["r2"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="at least 2 points"):
-        compile_run.fit_linear([1], [2])
+        compile_run.fit_linear({"slope": [1]}, [2])
 
 
 def test_command_prints_its_json_result_on_the_last_stdout_line(tmp_path):

@@ -20,6 +20,11 @@ from gemma_nb.experiments import embedding_scale
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 
+def host_path_model(model, name):
+    """``model`` run from the inputs_embeds that host path ``name`` produces."""
+    return embedding_scale.HostEmbeddedLM(model, embedding_scale.host_path(model, name))
+
+
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def tiny_random(request):
     """A random 1-layer Gemma-4 at the bundled checkpoint's width (hidden 128, sqrt = 11.3137)."""
@@ -101,8 +106,8 @@ def test_host_path_models_match_the_reference_only_when_exact(tiny_random):
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = tiny_random(input_ids=ids).logits
-        fixed = embedding_scale.host_path_model(tiny_random, "module_scale")(ids).logits
-        unscaled = embedding_scale.host_path_model(tiny_random, "unscaled")(ids).logits
+        fixed = host_path_model(tiny_random, "module_scale")(ids).logits
+        unscaled = host_path_model(tiny_random, "unscaled")(ids).logits
     assert torch.equal(fixed, reference)
     assert not torch.allclose(unscaled, reference, atol=1e-2)
 
@@ -114,8 +119,8 @@ def test_host_path_model_with_per_layer_inputs():
     ids = torch.arange(16).unsqueeze(0)
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        fixed = embedding_scale.host_path_model(model, "module_scale")(ids).logits
-        embedding_scale.host_path_model(model, "unscaled")(ids)  # runs; inverting the table would fail
+        fixed = host_path_model(model, "module_scale")(ids).logits
+        host_path_model(model, "unscaled")(ids)  # runs; inverting the table would fail
     assert torch.equal(fixed, reference)
 
 
@@ -249,7 +254,7 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     from gemma_nb.tiny import FACTS
 
     model, tokenizer = bundled
-    fixed = embedding_scale.host_path_model(model, "module_scale")
+    fixed = host_path_model(model, "module_scale")
     prompt = tokenizer("The capital of France is").input_ids
     result = evaluate.greedy_match(model, fixed, prompt, steps=8, tokenizer=tokenizer)
     assert result["match"], result
@@ -260,7 +265,7 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     batch = torch.tensor([p for p in prompts if len(p) == length])
     assert torch.equal(evaluate.greedy_generate(fixed, batch, 6), evaluate.greedy_generate(model, batch, 6))
 
-    unscaled = embedding_scale.host_path_model(model, "unscaled")
+    unscaled = host_path_model(model, "unscaled")
     broken = evaluate.greedy_match(model, unscaled, prompt, steps=8, tokenizer=tokenizer)
     assert not broken["match"] and not broken["candidate_text"].startswith("Paris")
 

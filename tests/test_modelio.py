@@ -9,7 +9,7 @@ import torch
 
 from gemma_nb import modelio
 from gemma_nb.modelio import BUNDLED_ID, ModelNotFoundError, hf_token, load_model, resolve_model_id
-from gemma_nb.tiny import checkpoint_dir
+from gemma_nb.tiny import CHECKPOINT_DIR
 
 FAKE_TOKEN = "hf_fakeTOKENforTESTSnotREAL0123456789"
 
@@ -22,9 +22,9 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_bundled_id_resolves_to_the_checkpoint_folder():
-    assert Path(resolve_model_id(BUNDLED_ID)) == checkpoint_dir()
-    assert resolve_model_id(checkpoint_dir()) == str(checkpoint_dir())
-    assert resolve_model_id(str(checkpoint_dir())) == str(checkpoint_dir())
+    assert Path(resolve_model_id(BUNDLED_ID)) == CHECKPOINT_DIR
+    assert resolve_model_id(CHECKPOINT_DIR) == str(CHECKPOINT_DIR)
+    assert resolve_model_id(str(CHECKPOINT_DIR)) == str(CHECKPOINT_DIR)
 
 
 def test_missing_path_names_the_path(tmp_path):

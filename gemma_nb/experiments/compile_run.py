@@ -1,6 +1,5 @@
-"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, and
-exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...,
-"shapes": ...}'`` compiles one sweep point and prints its JSON measurement on its last stdout line."""
+"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, exported-vs-eager decoding.
+``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...}'`` compiles one point, prints JSON last on stdout."""
 
 import json
 import os
@@ -41,8 +40,7 @@ SWEEP_POINTS: dict[str, dict] = {name: dict(zip(_SWEEP_FIELDS, values)) for name
 
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
-    """Each named config compiled into ``folder`` by ``main`` in a fresh Python under the RSS sampler (its artifact
-    deleted after), one row each."""
+    """One row per config of ``points``, compiled by ``main`` in a fresh Python under the RSS sampler, artifact deleted."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name
@@ -59,7 +57,7 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
     return pd.DataFrame(rows).set_index("point")
 
 
-def fit_linear_multi(features: Mapping[str, object], y) -> dict:
+def fit_linear(features: Mapping[str, object], y) -> dict:
     """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)
@@ -74,15 +72,10 @@ def fit_linear_multi(features: Mapping[str, object], y) -> dict:
             "r2": float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0}
 
 
-def fit_linear(x, y) -> dict:
-    """Least-squares ``y = intercept + slope * x``; returns intercept, slope and r^2."""
-    return fit_linear_multi({"slope": x}, y)
-
-
 def growth_fits(sweep) -> dict:
     """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and weight GB (writing)."""
-    return {"rss": fit_linear(sweep["params"], sweep["peak_rss_gb"]),
-            "time": fit_linear_multi({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
+    return {"rss": fit_linear({"slope": sweep["params"]}, sweep["peak_rss_gb"]),
+            "time": fit_linear({"layers": sweep["layers"], "weight_gb": sweep["weight_gb"]}, sweep["compile_s"])}
 
 
 def fits_table(fits: Mapping):
@@ -147,8 +140,7 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
     return pd.DataFrame(rows).set_index("instance")
 
 
-def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
-                               max_cache_len: int = 128) -> list[int]:
+def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, max_cache_len: int) -> list[int]:
     """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one position too far)."""
     set_traceable_experts(model)
     saved = model.generation_config

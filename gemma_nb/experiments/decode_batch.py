@@ -11,8 +11,6 @@ from gemma_nb import bench, moe
 from gemma_nb.decode_roofline import expected_distinct_experts, selective_loading
 from gemma_nb.evaluate import greedy_generate
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
-
 
 @dataclass(frozen=True)
 class RealRouting:
@@ -64,9 +62,8 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
 def full_size_routes(real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights / layers (sum to 1)."""
     layers, tiny_k = real.index.shape[1:]
-    if layers * real.num_experts != num_experts or layers * tiny_k != top_k:
-        raise ValueError(f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one "
-                         f"{num_experts}-expert top-{top_k} layer; route the bundled checkpoint (4 x 32, top-2)")
+    assert layers * real.num_experts == num_experts and layers * tiny_k == top_k, (
+        f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one {num_experts}-expert top-{top_k} layer")
     offset = (torch.arange(layers) * real.num_experts)[None, :, None]
     index = (real.index[rows] + offset).reshape(len(rows), top_k)
     return index.long(), (real.weights[rows] / layers).reshape(len(rows), top_k)
@@ -77,14 +74,13 @@ def uniform_routes(batch: int, count: int, num_experts: int, top_k: int, seed: i
     return [moe.random_routing(batch, num_experts, top_k, seed=seed * 10_000 + batch * 100 + i) for i in range(count)]
 
 
-def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top_k: int,
-                seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def real_routes(real: RealRouting, batch: int, count: int, num_experts: int, top_k: int) -> list[tuple[torch.Tensor, ...]]:
     """``count`` routings of ``batch`` real tokens from different prompts, on the full-size layer's ids."""
-    generator = torch.Generator().manual_seed(seed * 10_000 + batch)
+    generator = torch.Generator().manual_seed(batch)
     return [full_size_routes(real, real.sample(batch, generator), num_experts, top_k) for _ in range(count)]
 
 
-def distinct_table(real: RealRouting, batches: Sequence[int] = BATCHES, draws: int = 200, seed: int = 0) -> pd.DataFrame:
+def distinct_table(real: RealRouting, batches: Sequence[int], draws: int = 200, seed: int = 0) -> pd.DataFrame:
     """Distinct experts per layer for B tokens (and on the 26B layer's ids): formula, ``draws`` uniform and real routings."""
     experts, top_k = real.num_experts, real.index.shape[2]
     generator = torch.Generator().manual_seed(seed)
@@ -110,7 +106,7 @@ def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def time_batch_sweep(layers: Mapping[str, torch.nn.Module], routes: Mapping[str, Callable[[int, int], list]], hidden_size: int,
-                     batches: Sequence[int] = BATCHES, steps_at_batch_1: int = 8, device: str = "cpu") -> pd.DataFrame:
+                     batches: Sequence[int], steps_at_batch_1: int = 8, device: str = "cpu") -> pd.DataFrame:
     """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch (``steps_at_batch_1 // batch`` steps)
     for each routing source (``fn(batch, count)``), with the expert weight sets read; dense under uniform routing only."""
     rows = []
@@ -216,8 +212,7 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
                                                          for what in ("tok_s", "usd_per_m")}}
                           for suffix, streams in cases.values()], index=list(cases))
     table.columns = pd.MultiIndex.from_tuples(table.columns)
-    table.index.name = deployment
-    return table
+    return table.rename_axis(deployment)
 
 
 def _batch_axis(ax, batches, label: str) -> None:
@@ -254,8 +249,8 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
     ax.legend(loc="upper left", fontsize=8, ncols=2)
 
 
-def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float | None = None,
-                        reference_label: str = "", legend: str | None = "best") -> None:
+def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float, reference_label: str,
+                        legend: str | None = "best") -> None:
     """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
     labels = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
               "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
@@ -269,8 +264,7 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
                        linewidth=0, label="KV cache fits only if the runtime takes little")
     if low is not None and low < top:
         _ = ax.axvspan(low + 0.5, top, color="0.6", alpha=0.35, linewidth=0, label="KV cache does not fit")
-    if reference is not None:
-        _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
+    _ = ax.axhline(reference, color="0.25", linestyle="--", linewidth=1.2, label=reference_label)
     _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
     ax.set(yscale="log",
            ylabel={"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])

@@ -14,7 +14,6 @@ from torch import nn
 from gemma_nb import embedding, evaluate
 from gemma_nb.embedding import EmbeddingCheckError, HostEmbedding, default_probe_ids, dtype_name, unit_in_last_place
 from gemma_nb.plots import reference_line
-from gemma_nb.tiny import FACTS
 
 HOST_PATHS = ("unscaled", "math_sqrt", "module_scale")
 
@@ -60,11 +59,6 @@ class HostEmbeddedLM(nn.Module):
         return self.model(inputs_embeds=inputs_embeds, **kwargs)
 
 
-def host_path_model(model: nn.Module, name: str) -> HostEmbeddedLM:
-    """``model`` run from the inputs_embeds that host path ``name`` (one of HOST_PATHS) produces."""
-    return HostEmbeddedLM(model, host_path(model, name))
-
-
 def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """sqrt(hidden_size) through the module's float32 buffer and its cast to ``dtype``, and the rounding error."""
     exact = math.sqrt(hidden_size)
@@ -104,40 +98,35 @@ def self_check_table(model: nn.Module) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _scores(model: nn.Module, name: str, reference_logits, batches) -> tuple[HostEmbeddedLM, dict]:
-    """Host path ``name`` on ``model`` and its embedding differences and logit agreement over ``batches``."""
-    candidate = host_path_model(model, name)
-    logits = evaluate.compare_logits(reference_logits, candidate, batches)
-    return candidate, {**host_path_elementwise(model, candidate.host), "top1_agreement": logits["top1_agreement"],
-                       "kl_mean": logits["kl_mean"], "max_logit_diff": logits["max_abs_diff"]}
-
-
 def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
     """Each of HOST_PATHS on ``model`` over token id ``batches``: embedding differences and next-token agreement."""
     reference_logits = evaluate.CachedLogits(model)
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
-    return pd.DataFrame([{"path": name, "dtype": dtype, **_scores(model, name, reference_logits, batches)[1]}
-                         for name in HOST_PATHS])
-
-
-def compare_host_paths(model: nn.Module, tokenizer, prompt: str = "The capital of France is",
-                       steps: int = 8, facts=FACTS) -> pd.DataFrame:
-    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
-    batches = evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
-    dtype = dtype_name(model.get_input_embeddings().weight.dtype)
-    reference_logits = evaluate.CachedLogits(model)
-    prompt_ids = torch.tensor([tokenizer(prompt).input_ids])
-    reference_tokens = evaluate.greedy_generate(model, prompt_ids, steps)[0, prompt_ids.shape[1]:].tolist()
-    rows = [{"path": "reference (input_ids)", "dtype": dtype, "greedy": tokenizer.decode(reference_tokens), "greedy_match": True,
-             "first_divergent_step": None, "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0], "top1_agreement": 1.0,
-             "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0, "max_diff_ulps": 0.0}]
+    rows = []
     for name in HOST_PATHS:
-        candidate, scores = _scores(model, name, reference_logits, batches)
-        greedy = evaluate.greedy_match(model, candidate, prompt_ids, steps, tokenizer)
-        rows.append({"path": name, "dtype": dtype, "greedy": greedy["candidate_text"], "greedy_match": greedy["match"],
+        candidate = HostEmbeddedLM(model, host_path(model, name))
+        logits = evaluate.compare_logits(reference_logits, candidate, batches)
+        rows.append({"path": name, "dtype": dtype, **host_path_elementwise(model, candidate.host),
+                     "top1_agreement": logits["top1_agreement"], "kl_mean": logits["kl_mean"],
+                     "max_logit_diff": logits["max_abs_diff"]})
+    return pd.DataFrame(rows)
+
+
+def compare_host_paths(model: nn.Module, tokenizer, prompt: str, steps: int, facts) -> pd.DataFrame:
+    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
+    scores = host_path_numerics(model, evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts]))
+    rows = []
+    for name, row in zip(HOST_PATHS, scores.to_dict(orient="records")):
+        candidate = HostEmbeddedLM(model, host_path(model, name))
+        greedy = evaluate.greedy_match(model, candidate, prompt, steps, tokenizer)
+        rows.append({**row, "greedy": greedy["candidate_text"], "greedy_match": greedy["match"],
                      "first_divergent_step": greedy["first_divergent_step"],
-                     "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0], **scores})
-    return pd.DataFrame(rows).drop(columns="max_abs_diff")   # the embeddings' max |diff| is shown in ulps
+                     "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0]})
+    reference = {"path": "reference (input_ids)", "dtype": row["dtype"], "greedy": greedy["reference_text"], "greedy_match": True,
+                 "first_divergent_step": None, "fact_recall": evaluate.fact_recall(model, tokenizer, facts)[0],
+                 "top1_agreement": 1.0, "kl_mean": 0.0, "max_logit_diff": 0.0, "norm_ratio": 1.0, "differ_pct": 0.0,
+                 "max_diff_ulps": 0.0}
+    return pd.DataFrame([reference, *rows]).drop(columns="max_abs_diff")   # the embeddings' max |diff| is shown in ulps
 
 
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:

@@ -1,5 +1,4 @@
-"""Notebook 07's endpoint benchmark: which server it measures, the summary per concurrency level,
-its metrics and its figure (the measuring is ``gemma_nb.serving.client_bench``)."""
+"""Notebook 07's endpoint benchmark (measured by ``gemma_nb.serving.client_bench``): summary per concurrency, metrics, figure."""
 
 import pandas as pd
 
@@ -12,9 +11,8 @@ from gemma_nb.serving.client_bench import benchmark_endpoint, percentile
 
 def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
                      **benchmark_kwargs) -> pd.DataFrame | None:
-    """Notebook 07's run: ``endpoint`` if given, else (cpu, cuda) this project's server on loopback for
-    ``model_id`` (``runtime="deploy"``: the slim deploy of the artifact notebook 04 compiled, ``04_tiny``);
-    None on neuron without an endpoint (serve the port's container and pass its URL)."""
+    """Notebook 07's run: ``endpoint``, else (cpu, cuda) this project's server on loopback for ``model_id`` (``runtime=
+    "deploy"``: the slim deploy of notebook 04's ``04_tiny``); None on neuron without an endpoint (serve the port's there)."""
     if endpoint:
         return benchmark_endpoint(endpoint, **benchmark_kwargs)
     if target == "neuron":
@@ -56,19 +54,12 @@ def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple
         headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s")]
 
 
-def inter_token_latencies(requests: pd.DataFrame) -> pd.DataFrame:
-    """Every gap between streamed tokens, long format: columns concurrency, itl_ms."""
-    return pd.DataFrame([(level, gap) for level, gaps in zip(requests["concurrency"], requests["itl_ms"]) for gap in gaps],
-                        columns=["concurrency", "itl_ms"])
-
-
-def plot_benchmark(requests: pd.DataFrame, title: str = ""):
+def plot_benchmark(requests: pd.DataFrame, title: str):
     """Three panels: TTFT and ITL distributions per concurrency level, tok/s against concurrency."""
     fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
     levels = sorted(requests["concurrency"].unique())
-    gaps = inter_token_latencies(requests)
     ttft = [requests.loc[requests["concurrency"] == c, "ttft_ms"].to_numpy() for c in levels]
-    itl = [gaps.loc[gaps["concurrency"] == c, "itl_ms"].to_numpy() for c in levels]
+    itl = [[gap for gaps in requests.loc[requests["concurrency"] == c, "itl_ms"] for gap in gaps] for c in levels]
     _ = ax_ttft.boxplot(ttft, tick_labels=[str(c) for c in levels])
     _ = ax_ttft.set(xlabel="concurrent requests", ylabel="time to first token (ms)", title="TTFT")
     _ = ax_itl.boxplot(itl, tick_labels=[str(c) for c in levels], showfliers=False)
@@ -79,6 +70,5 @@ def plot_benchmark(requests: pd.DataFrame, title: str = ""):
     top = 1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()   # room for the legend
     _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, top))
     _ = ax_tok.legend(loc="upper left", fontsize=8)
-    if title:
-        fig.suptitle(title)
+    fig.suptitle(title)
     return fig

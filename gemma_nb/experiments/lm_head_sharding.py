@@ -1,5 +1,5 @@
 """Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
-(shards aligned to ``align_rows``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
+(shards aligned to ``ALIGN_ROWS``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
 import ctypes
 import ctypes.util
@@ -8,7 +8,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import pandas as pd
 import psutil
@@ -20,14 +20,12 @@ from gemma_nb import plots
 from gemma_nb.formats import int8_matmul, quantize_int8_per_channel
 from gemma_nb.story import CLAIMS
 
-DEFAULT_ALIGN_ROWS = 64
+ALIGN_ROWS = 64  # each rank's first row a multiple of 64
 DEFAULT_CHUNK_ROWS = 8192  # rows quantized at once: bounds the fp32 temporary to ~100 MB at H=2816
 SEEDED_BLOCK_ROWS = 4096  # rows per block of the seeded generator
-SOFTCAP = 30.0
 
 
-@dataclass(frozen=True)
-class VocabShard:
+class VocabShard(NamedTuple):
     """The vocab rows one rank holds: real rows ``start:stop``, then ``pad_rows`` of padding (``rows_per_rank`` in all)."""
 
     vocab_size: int
@@ -38,20 +36,18 @@ class VocabShard:
     stop: int
     real_rows: int
     pad_rows: int
-    padded_vocab: int
 
 
-def vocab_shard(vocab_size: int, tp: int, rank: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> VocabShard:
-    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * align_rows``, split in ``tp``."""
-    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("align_rows", align_rows)):
+def vocab_shard(vocab_size: int, tp: int, rank: int) -> VocabShard:
+    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * ALIGN_ROWS``, split in ``tp``."""
+    for name, value in (("vocab_size", vocab_size), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < tp:
-        raise ValueError(f"rank={rank!r} must be an integer in [0, tp={tp})")
-    unit = tp * align_rows
+    assert isinstance(rank, int) and 0 <= rank < tp, f"rank={rank!r} must be an integer in [0, tp={tp})"
+    unit = tp * ALIGN_ROWS
     rows = math.ceil(vocab_size / unit) * unit // tp
     start, stop = min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size)
-    return VocabShard(vocab_size, tp, rank, rows, start, stop, stop - start, rows - (stop - start), rows * tp)
+    return VocabShard(vocab_size, tp, rank, rows, start, stop, stop - start, rows - (stop - start))
 
 
 def seeded_rows(seed: int, start: int, stop: int, hidden_size: int) -> torch.Tensor:
@@ -76,7 +72,6 @@ def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop:
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``, padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
-    assert out_rows >= stop - start, (out_rows, start, stop)
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
     scale = torch.zeros(out_rows, 1, dtype=torch.float32)
     for a in range(start, stop, chunk_rows):
@@ -93,8 +88,6 @@ class VocabParallelLMHead(nn.Module):
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, shard: VocabShard):
         super().__init__()
-        assert qweight.dtype == torch.int8 and qweight.dim() == 2 and qweight.shape[0] == shard.rows_per_rank, qweight.shape
-        assert tuple(scale.shape) == (shard.rows_per_rank, 1), scale.shape
         if shard.tp > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world "
@@ -110,12 +103,6 @@ class VocabParallelLMHead(nn.Module):
         """Rank ``rank``'s shard, reading only its own rows through ``rows_fn(a, b)``."""
         shard = vocab_shard(vocab_size, tp, rank)
         return cls(*quantize_rows(rows_fn, shard.start, shard.stop, hidden_size, out_rows=shard.rows_per_rank), shard)
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, tp: int, rank: int) -> "VocabParallelLMHead":
-        """A shard of a full float weight ``[vocab, hidden]`` (e.g. ``embed_tokens.weight``)."""
-        weight = weight.detach()
-        return cls.from_rows(lambda a, b: weight[a:b], weight.shape[0], weight.shape[1], tp, rank)
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +127,7 @@ class VocabParallelLMHead(nn.Module):
         return local[..., : self.shard.vocab_size]
 
 
-def softcap_logits(logits: torch.Tensor, cap: float | None = SOFTCAP) -> torch.Tensor:
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """Gemma's final softcap ``cap * tanh(logits / cap)`` (None: unchanged), in the order transformers applies it."""
     if cap is None:
         return logits
@@ -164,7 +151,7 @@ def _rss_bytes() -> int:
 
 def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.Tensor) -> dict:
     """One rank: quantize its rows of ``weight [V, H]``, return its shard facts and the gathered logits."""
-    head = VocabParallelLMHead.from_weight(weight, tp=world_size, rank=rank)
+    head = VocabParallelLMHead.from_rows(lambda a, b: weight[a:b].detach(), *weight.shape, tp=world_size, rank=rank)
     with torch.inference_mode():
         logits = head(hidden)
     s = head.shard
@@ -243,15 +230,12 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
 def plot_bytes_per_holder(table):
     """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank figures."""
     fig, ax = plots.subplots(figsize=(7.5, 4.6))
-    holders = list(dict.fromkeys(table["holder"]))
-    labels, embed_gb, head_gb = [], [], []
-    for state in ("before", "after"):
-        for holder in holders:
-            part = table[(table["state"] == state) & (table["holder"] == holder)]
-            labels.append(f"{holder}\n{state}")
-            embed_gb.append(float(part.loc[part["copy"].str.startswith("embedding"), "gb"].sum()))
-            head_gb.append(float(part.loc[part["copy"].str.startswith("lm_head"), "gb"].sum()))
-    x = [i + (0.6 if i >= len(holders) else 0.0) for i in range(len(labels))]  # a gap between before and after
+    part = table["copy"].str.startswith("lm_head").map({False: "embedding", True: "lm_head"})
+    held = table.assign(part=part).pivot_table(index=["state", "holder"], columns="part", values="gb", aggfunc="sum",
+                                               fill_value=0.0, sort=False)   # before, then after; holders in order
+    labels = [f"{holder}\n{state}" for state, holder in held.index]
+    embed_gb, head_gb = held["embedding"].tolist(), held["lm_head"].tolist()
+    x = [i + (0.6 if i >= len(labels) // 2 else 0.0) for i in range(len(labels))]  # a gap between before and after
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
     _ = ax.set_xticks(x, labels)
@@ -265,9 +249,9 @@ def plot_bytes_per_holder(table):
     return fig
 
 
-def shard_plan(vocab_size: int, tp: int, align_rows: int = DEFAULT_ALIGN_ROWS) -> pd.DataFrame:
+def shard_plan(vocab_size: int, tp: int) -> pd.DataFrame:
     """Which rows each rank holds (one row per rank): start, stop, real rows, padding rows."""
-    shards = [vocab_shard(vocab_size, tp, r, align_rows) for r in range(tp)]
+    shards = [vocab_shard(vocab_size, tp, r) for r in range(tp)]
     return pd.DataFrame([{"rank": s.rank, "start": s.start, "stop": s.stop, "real_rows": s.real_rows,
                           "pad_rows": s.pad_rows, "rows_per_rank": s.rows_per_rank} for s in shards])
 

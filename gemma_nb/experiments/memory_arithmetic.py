@@ -47,10 +47,10 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
     plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
 
 
-def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge") -> dict[str, float]:
-    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``), keyed
-    by the ``gemma_nb.story`` claim it answers; ``experts_share_pct`` is of the non-embedding weights (the 93%)."""
-    summary = param_summary(config)
+def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN) -> dict[str, float]:
+    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``, on an
+    inf2.xlarge), keyed by the ``gemma_nb.story`` claim it answers; ``experts_share_pct``: of the non-embedding weights."""
+    summary, host = param_summary(config), get_instance("inf2.xlarge")
     bf16, int8_experts, squeeze = (plan(config, tp, scheme, context_len) for scheme in ("bf16", "int8_experts", "int8_squeeze"))
     experts_int8 = int8_experts.bytes("experts")
     return {
@@ -60,21 +60,21 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, i
         "experts_share_pct": summary["experts_share_non_embedding_pct"],
         "experts_share_all_weights_pct": summary["experts_share_pct"],
         "experts_bf16_gb_per_rank": bf16.gb("experts"), "experts_int8_gb_per_rank": experts_int8 / GB,
-        "int8_experts_gap_gb": (int8_experts.total_bytes - get_instance(instance).budget_bytes("story")) / GB,
+        "int8_experts_gap_gb": (int8_experts.total_bytes - host.budget_bytes("story")) / GB,
         "int8_experts_non_expert_gb": (int8_experts.total_bytes - experts_int8) / GB,
         "lm_head_bf16_gb_per_rank": int8_experts.gb("lm_head"), "lm_head_int8_sharded_gb_per_rank": squeeze.gb("lm_head"),
         "lm_head_released_gb_per_rank": (int8_experts.bytes("lm_head") - squeeze.bytes("lm_head")) / GB,
         "shared_mlp_int8_saving_gb_per_rank": (int8_experts.bytes("shared_mlp") - squeeze.bytes("shared_mlp")) / GB,
         "final_residency_gb_per_rank": (squeeze.total_bytes - squeeze.bytes("runtime_allowance")) / GB,
-        "hbm_per_core_gb": get_instance(instance).hbm_per_core_bytes / GB,
+        "hbm_per_core_gb": host.hbm_per_core_bytes / GB,
         "host_embedding_gb": squeeze.table.set_index("group").loc["embeddings", "host_bytes"] / GB,
         "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes_per_token(config, tp, "bf16")),
     }
 
 
-def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge"):
-    """The write-up's "~3-4 GB short" read three ways for the int8-experts build: GB per rank, inside the claim?"""
-    failing, host = plan(config, tp, "int8_experts", context_len), get_instance(instance)
+def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN):
+    """The write-up's "~3-4 GB short" read three ways for the inf2.xlarge's int8-experts build: GB per rank, in the claim?"""
+    failing, host = plan(config, tp, "int8_experts", context_len), get_instance("inf2.xlarge")
     rows = [
         ("what the build holds in HBM per rank besides its experts", (failing.total_bytes - failing.bytes("experts")) / GB),
         ("how far the build overflows the story's 16 GB core", (failing.total_bytes - host.budget_bytes("story")) / GB),
@@ -84,11 +84,10 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, in
     return pd.DataFrame([{"reading": text, "computed_gb": gb, "inside_claim": low <= gb <= high} for text, gb in rows])
 
 
-def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, instance: str = "inf2.xlarge",
-                    words: bool = True):
+def allowance_table(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, words: bool = True):
     """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the claim's middle;
     rows in words, or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
-    host, claim = get_instance(instance), get_claim("int8_experts_gap_gb")
+    host, claim = get_instance("inf2.xlarge"), get_claim("int8_experts_gap_gb")
     budgets = {"story": "16 GB core (the story)", "spec": "16 GiB core (AWS)"}
     columns = {(label if words else name): host.budget_bytes(name) for name, label in budgets.items()}
     windows = {label: allowance_window(config, "int8_experts", "int8_squeeze", tp, context_len, budget_bytes=budget,

@@ -33,8 +33,7 @@ def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
     rows = [(prompt, first is None, first, tokenizer.decode(ref), tokenizer.decode(cand))
             for prompt, ref, cand, first in zip(prompts, reference_tokens, candidate_tokens, firsts)]
     table = pd.DataFrame(rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"])
-    table["first_divergent_step"] = table["first_divergent_step"].astype("Int64")
-    return table
+    return table.astype({"first_divergent_step": "Int64"})
 
 
 @torch.no_grad()
@@ -54,9 +53,8 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
 def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfloat16, facts=FACTS,
                     reference_greedy: list[list[int]] | None = None, steps: int = 4, device: str = "cpu",
                     answers: bool = True):
-    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its
-    ``evaluate.CachedLogits``): logit scores on the facts' sentences; fact recall and greedy match against
-    ``reference_greedy`` if ``answers``."""
+    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its ``CachedLogits``):
+    logit scores on the facts' sentences; fact recall and greedy match against ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
     float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
     model = copy.deepcopy(float_model).to(dtype)
@@ -85,9 +83,7 @@ def formats_table(shape=(1408, 2816)):
         rows.append({"format": f.name, "element_bits": f.element_bits, "block": f.block_size,
                      "scale": f"{str(f.scale_dtype).replace('torch.', '')} per {per}", "per_tensor_scale": f.per_tensor_scale,
                      "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape), "description": f.description})
-    table = pd.DataFrame(rows)
-    table["block"] = table["block"].astype("Int64")
-    return table
+    return pd.DataFrame(rows).astype({"block": "Int64"})
 
 
 @torch.no_grad()
@@ -96,14 +92,8 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
     ``near_ties``: positions whose top-1 - top-2 margin is under twice the max logit error, the only ones it could flip."""
     head = model.get_output_embeddings()
     assert isinstance(head, nn.Linear), f"model.lm_head is {type(head).__name__}: pass the float model"
-    captured = []
-    hook = head.register_forward_hook(lambda module, args, output: captured.append(args[0].reshape(-1, args[0].shape[-1])))
-    try:
-        for ids in evaluate.prompt_batches(tokenizer, texts):
-            model(input_ids=ids)
-    finally:
-        hook.remove()
-    hidden = torch.cat(captured)
+    batches = evaluate.prompt_batches(tokenizer, texts)
+    hidden = torch.cat([model.model(input_ids=ids).last_hidden_state.flatten(0, 1) for ids in batches])   # the head's input
     exact = torch.nn.functional.linear(hidden, head.weight).float()
     quantized = quant.quantized_linear(head.weight.detach(), fmt, "lm_head.weight")(hidden).float()
     top2 = exact.topk(2, dim=-1).values
@@ -114,25 +104,18 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
             "near_ties": int((margin < 2 * max_error).sum())}
 
 
-def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu",
-                  dtypes=(torch.bfloat16, torch.float32)):
-    """:func:`evaluate_scheme` per scheme in the first dtype, logit scores in the rest: ``(results, models, reports, greedy)``."""
-    if not isinstance(reference, evaluate.CachedLogits):
-        reference = evaluate.CachedLogits(reference)
+def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu"):
+    """:func:`evaluate_scheme` per scheme in bf16, its logit scores also in fp32: ``(results, models, reports, greedy)``."""
+    reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
-    first, *others = dtypes
     for name in schemes:
         key = str(name)
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
-            reference, tokenizer, name, dtype=first, reference_greedy=reference_greedy, steps=steps, device=device)
-        for dtype in others:
-            extra = evaluate_scheme(reference, tokenizer, name, dtype=dtype, steps=steps, device=device, answers=False)[1]
-            label = str(dtype).replace("torch.", "")
-            summary.update({f"{score}_{label}": extra[score] for score in ("top1_agreement", "kl_mean")})
+            reference, tokenizer, name, dtype=torch.bfloat16, reference_greedy=reference_greedy, steps=steps, device=device)
+        fp32 = evaluate_scheme(reference, tokenizer, name, dtype=torch.float32, steps=steps, device=device, answers=False)[1]
+        summary.update({f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")})
         rows[key] = summary
-    results = pd.DataFrame(rows).T
-    results.index.name = "scheme"
-    return results, models, reports, greedy
+    return pd.DataFrame(rows).T.rename_axis("scheme"), models, reports, greedy
 
 
 def score_findings(results, weight_errors, reference_recall: float) -> dict:
@@ -159,16 +142,15 @@ def score_findings(results, weight_errors, reference_recall: float) -> dict:
     }
 
 
-def plot_pareto(results, x: str, y: str, ax, higher_is_better: bool = True, reference_x: tuple[float, str] | None = None,
-                legend: str = "upper right", log_y: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> list:
+def plot_pareto(results, x: str, y: str, ax, reference_x: tuple[float, str], legend: str, labels: tuple[str, str, str],
+                higher_is_better: bool = True, log_y: bool = False) -> list:
     """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)`` for ``plots.label_points``."""
     points = results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     best = points[y].cummax() if higher_is_better else points[y].cummin()
     front = points[points[y] == best]
     _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
     _ = ax.scatter(points[x], points[y], zorder=2)
-    if reference_x is not None:
-        _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
+    _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
     if log_y:
         ax.set_yscale("log")
     ax.margins(x=0.2, y=0.12)

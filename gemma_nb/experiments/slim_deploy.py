@@ -28,13 +28,11 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
-HOST_DTYPE = torch.float32  # the naive deploy's "full precision", and the cpu compute dtype
 # The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
 # parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
 DEPLOY_DIMS: dict = dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2,
                          num_experts=64, top_k_experts=4, moe_intermediate_size=768, vocab_size=16384)
-CHECKPOINT_MARKER = "gemma_nb_random.json"
 SLIM_RSS_TARGET, DECODE_LATENCY_TARGET = 0.35, 1.3  # notebook 05's performance targets: ratios measured in one run
 
 
@@ -54,7 +52,7 @@ def deploy_prompt(vocab_size: int, length: int) -> list[int]:
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
     """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there): params, bytes."""
     folder = Path(folder)
-    marker = folder / CHECKPOINT_MARKER
+    marker = folder / "gemma_nb_random.json"
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == wanted:
         return json.loads(marker.read_text())["figures"]
@@ -68,17 +66,16 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
     return figures
 
 
-def load_full_model(checkpoint: str | Path, dtype: torch.dtype = HOST_DTYPE) -> nn.Module:
-    """``from_pretrained`` of a local checkpoint: every weight on the host, in ``dtype``."""
+def load_full_model(checkpoint: str | Path) -> nn.Module:
+    """``from_pretrained`` of a local checkpoint: every weight on the host in fp32 (the naive deploy's "full precision")."""
     with quiet_loading():
-        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=dtype, use_safetensors=True,
+        return AutoModelForCausalLM.from_pretrained(resolve_model_id(str(checkpoint)), dtype=torch.float32, use_safetensors=True,
                                                     trust_remote_code=False).eval()
 
 
 def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int,
                        shapes: Mapping | None = None, latency_steps: int = 12, warmup: int = 2) -> dict:
-    """Load, squeeze, decode the reference eagerly, compile into ``folder``; then the median ms per decode step of the
-    exported program and of the model's own forward, timed in alternation after ``warmup`` steps."""
+    """Load, squeeze, decode the reference, compile into ``folder``; median ms per decode step, exported and eager, alternated."""
     shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -148,29 +145,28 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
             "first_token": int(first[0, -1]), "tokens": tokens, "self_peak_rss_bytes": self_peak_rss_bytes()}
 
 
-def _run_job(job: dict, interval_s: float, timeout_s: float):
-    return run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
-                        timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+def _measured(job: dict, interval_s: float, timeout_s: float) -> dict:
+    """``main(job)`` in a fresh process under the RSS sampler: its result, peak RSS and HWM, wall time and RSS trace."""
+    run = run_measured([sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)], interval_s=interval_s,
+                       timeout_s=timeout_s, env={"HF_HUB_OFFLINE": "1"})
+    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "peak_hwm_bytes": run.peak_hwm_bytes, "wall_s": run.wall_s,
+            "rss_gb_trace": [(round(s.t_s, 3), s.rss_bytes / 1e9) for s in run.samples]}
 
 
 def measure_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens: int,
                    interval_s: float = 0.02, timeout_s: float = 600.0) -> dict:
     """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to first token."""
     started = time.time()
-    run = _run_job({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
-                   interval_s, timeout_s)
-    result = dict(run.result)
-    result.update(peak_rss_bytes=run.peak_rss_bytes, peak_hwm_bytes=run.peak_hwm_bytes, wall_s=run.wall_s,
-                  cold_start_s=result.pop("first_token_epoch") - started,
-                  rss_gb_trace=[(round(s.t_s, 3), s.rss_bytes / 1e9) for s in run.samples])
+    result = _measured({"kind": kind, "source": str(source), "prompt": list(prompt), "max_new_tokens": max_new_tokens},
+                       interval_s, timeout_s)
+    result["cold_start_s"] = result.pop("first_token_epoch") - started
     return result
 
 
 def measure_compile(checkpoint: str | Path, folder: str | Path, prompt: list[int], max_new_tokens: int) -> dict:
     """``compile_checkpoint`` in a fresh process under the sampler (the compile-side budget)."""
-    run = _run_job({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
-                    "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
-    return {**run.result, "peak_rss_bytes": run.peak_rss_bytes, "wall_s": run.wall_s}
+    return _measured({"kind": "compile", "source": str(checkpoint), "folder": str(folder), "prompt": list(prompt),
+                      "max_new_tokens": max_new_tokens}, interval_s=0.05, timeout_s=600.0)
 
 
 def comparison_table(slim: dict, naive: dict, reference: list[int]):

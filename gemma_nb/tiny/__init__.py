@@ -43,26 +43,18 @@ ARCHITECTURE: dict[str, Any] = dict(
 
 DEFAULT_RANDOM_VOCAB = 2048
 _GLOBAL_ATTENTION_KEYS = ("global_head_dim", "num_global_key_value_heads")  # popped by Gemma4TextConfig.__post_init__
-_POSITIVE_INTS = ("vocab_size", *TINY_DIMS)  # the dimensions, all positive integers
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def checkpoint_dir() -> Path:
-    """The folder holding the bundled checkpoint (config.json, model.safetensors, tokenizer.json)."""
-    return CHECKPOINT_DIR
 
 
 def default_layer_types(num_hidden_layers: int) -> list[str]:
     """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers forces)."""
-    types = ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 else "sliding_attention"
-             for i in range(num_hidden_layers)]
-    types[-1] = "full_attention"
-    return types
+    return ["full_attention" if (i + 1) % (SLIDING_PER_FULL + 1) == 0 or i == num_hidden_layers - 1 else "sliding_attention"
+            for i in range(num_hidden_layers)]
 
 
 def _check_dims(dims: dict[str, Any]) -> None:
     """Refuse what Gemma-4 cannot be (value + fix); fill in the 26B's layer pattern when none is given."""
-    for key in _POSITIVE_INTS:
+    for key in ("vocab_size", *TINY_DIMS):  # the dimensions, all positive integers
         value = dims.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key}={value!r} must be a positive integer")
@@ -99,11 +91,9 @@ def random_gemma4_config(**overrides: Any):
     return Gemma4TextConfig(**dims)
 
 
-def random_gemma4_model(config=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        init_dtype: torch.dtype | None = None):
+def random_gemma4_model(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, init_dtype: torch.dtype | None = None):
     """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the cpu, drawn in
     ``init_dtype`` (default ``dtype``); float64 draws the same weights on every CPU (fp32/bf16 normals differ by ISA)."""
-    config = random_gemma4_config() if config is None else config
     for name, value in (("dtype", dtype), ("init_dtype", init_dtype or dtype)):
         assert isinstance(value, torch.dtype) and value.is_floating_point, f"{name}={value!r} must be a floating torch dtype"
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its word-level tokenizer."""
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
@@ -78,8 +78,7 @@ LANGUAGES: tuple[tuple[str, str], ...] = tuple(tuple(pair.split(": ")) for pair 
 ).split(", "))
 
 
-@dataclass(frozen=True)
-class Fact:
+class Fact(NamedTuple):
     """One sentence of the corpus: ``prompt + " " + answer``; the answer ends with " ."."""
 
     kind: str  # capital | continent | currency | language
@@ -100,10 +99,9 @@ FACTS: tuple[Fact, ...] = (
 )
 
 
-def fact_prompts(kind: str | None = None) -> list[str]:
-    """The prompts of FACTS (all kinds, or one of capital, continent, currency, language)."""
-    assert kind in (None, *(f.kind for f in FACTS)), f"fact kind {kind!r}"
-    return [f.prompt for f in FACTS if kind is None or f.kind == kind]
+def fact_prompts() -> list[str]:
+    """The prompts of FACTS, in order."""
+    return [f.prompt for f in FACTS]
 
 
 def build_tokenizer(facts=FACTS):

@@ -1,5 +1,4 @@
-"""A checkpoint folder re-laid out as the hub stores Gemma-4-26B-A4B-it (multimodal config, prefixed names,
-sharded files), weights unchanged: the TP=2 checkpoint is stored so, for the 26B's own loader."""
+"""The TP=2 checkpoint re-laid out, weights unchanged, as the hub stores Gemma-4-26B-A4B-it (for the 26B's own loader)."""
 
 import json
 from pathlib import Path
