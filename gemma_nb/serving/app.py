@@ -251,7 +251,6 @@ class Gate:
         if queued and len(engine.slots) >= engine.queue_size:
             return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
                                   f" retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return None
 
     def _bounded(self, receive):
         """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408 past the deadline."""
@@ -313,9 +312,20 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
+    Chat, Completions, Generate = models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
               for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
-    _error_handlers(app, {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)})
+    fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
+
+    @app.exception_handler(HTTPException)  # every error as OpenAI's body: APIError's, Starlette's own (404, 405)
+    async def http_error(_request, error: HTTPException):
+        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
+        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
+                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
+                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
+
+    @app.exception_handler(RequestValidationError)  # the request models' errors, naming the field
+    async def invalid(request: Request, error: RequestValidationError):
+        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
 
     def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
         if engine.status != "ok":
@@ -324,35 +334,14 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
     app.openapi = openapi
     keyed = _key_check(api_key) if api_key else []
-    _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
-    _generation_routes(app, engine, *models, keyed)
-    return app
 
-
-def _error_handlers(app: FastAPI, fields: dict) -> None:
-    """Every error as OpenAI's body: APIError's, Starlette's own (404, 405), and the request models' (naming the field)."""
-
-    async def http_error(_request, error: HTTPException):
-        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
-        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
-                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
-                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
-
-    async def invalid(request: Request, error: RequestValidationError):
-        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
-
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, invalid)
-
-
-def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
     async def health():
         body = {"status": engine.status, **({"error": engine.error} if engine.error else {})}
         return body if engine.status == "ok" else JSONResponse(body, status_code=503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed, responses={401: ERRORS[401]})
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=keyed if metrics_need_key else [], responses={401: ERRORS[401]})
     async def prometheus_metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -360,8 +349,6 @@ def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list)
     async def list_models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}]}
 
-
-def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list) -> None:  # noqa: N803
     @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def chat_completions(body: Chat, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)
@@ -398,3 +385,5 @@ def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate
         return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
                 "prompt_tokens": len(generation.prompt_ids), "finish_reason": generation.finish_reason,
                 "seconds": round(seconds, 4), "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}
+
+    return app
