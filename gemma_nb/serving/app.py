@@ -277,16 +277,6 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _key_check(api_key: str) -> list:
-    bearer, key = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"), api_key.encode()
-
-    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
-                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    return [Depends(require_key)]
-
-
 def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliases: Sequence[str] = (),
                queue_size: int = DEFAULT_QUEUE_SIZE, api_key: str | None = None, metrics_need_key: bool = False,
                max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
@@ -333,7 +323,13 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
         return FastAPI.openapi(app)
 
     app.openapi = openapi
-    keyed = _key_check(api_key) if api_key else []
+    bearer = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})")
+
+    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    keyed = [Depends(require_key)] if api_key else []
 
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
