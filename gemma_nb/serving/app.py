@@ -277,6 +277,16 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def _key_check(api_key: str) -> list:
+    bearer, key = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"), api_key.encode()
+
+    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return [Depends(require_key)]
+
+
 def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliases: Sequence[str] = (),
                queue_size: int = DEFAULT_QUEUE_SIZE, api_key: str | None = None, metrics_need_key: bool = False,
                max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
@@ -302,7 +312,7 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    Chat, Completions, Generate = models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
+    models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
               for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
     fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
 
@@ -323,27 +333,29 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
         return FastAPI.openapi(app)
 
     app.openapi = openapi
-    bearer = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})")
+    keyed = _key_check(api_key) if api_key else []
+    _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
+    _generation_routes(app, engine, *models, keyed)
+    return app
 
-    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
-                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    keyed = [Depends(require_key)] if api_key else []
 
+def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
     @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
              responses={503: {"model": schema.Health, "description": "not ready"}})
     async def health():
         body = {"status": engine.status, **({"error": engine.error} if engine.error else {})}
         return body if engine.status == "ok" else JSONResponse(body, status_code=503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=keyed if metrics_need_key else [], responses={401: ERRORS[401]})
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed, responses={401: ERRORS[401]})
     async def prometheus_metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=schema.ModelList, dependencies=keyed, responses={401: ERRORS[401]})
     async def list_models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}]}
+
+
+def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list) -> None:  # noqa: N803
 
     @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def chat_completions(body: Chat, request: Request):
@@ -381,5 +393,3 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
         return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
                 "prompt_tokens": len(generation.prompt_ids), "finish_reason": generation.finish_reason,
                 "seconds": round(seconds, 4), "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}
-
-    return app

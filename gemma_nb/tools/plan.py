@@ -192,9 +192,8 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
             f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB.")
 
 
-def format_plan(report: dict) -> str:
-    """The plan as text: the model, its allowance and notes, the groups' bytes per rank, each instance's verdict and
-    decode roofline, the verdict on the chosen instance, the host RAM."""
+def _format_header(report: dict) -> list[str]:
+    """The model, its allowance and notes, the groups' bytes per rank, each instance's verdict."""
     params, allowance = report["params"], report["runtime_allowance"]
     lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
              f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
@@ -220,10 +219,15 @@ def format_plan(report: dict) -> str:
             headroom += f" to {row['headroom_gb_if_low']:+.2f}"
         lines.append(f"  {row['instance']:<15}{row['neuron_cores']:>6}  {row['verdict']:<13}{headroom:>16}"
                      f"{row['usd_per_hour']:>9.4f}")
+    return [*lines, ""]
+
+
+def _format_decode_and_verdict(report: dict) -> list[str]:
+    """Each instance's decode roofline, then the verdict on the chosen instance and the host RAM."""
     basis = report["decode"]
-    lines += ["", f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
-              f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
-              f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}"]
+    lines = [f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
+             f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
+             f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}"]
     starred = False
     for row in report["instances"]:
         decode = row["decode"]
@@ -247,7 +251,7 @@ def format_plan(report: dict) -> str:
     if basis["num_experts"]:
         distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
         lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
-    lines.append("")  # the verdict on the chosen instance
+    lines.append("")
     if report["instance"] is None:
         lines.append(f"does not fit any instance at TP={report['tp']}. {report['advice']}")
     else:
@@ -266,7 +270,7 @@ def format_plan(report: dict) -> str:
     host = report["host"]
     lines.append(f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} GB, "
                  f"deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding {host['host_embedding_bytes'] / GB:.2f} GB)")
-    return "\n".join(lines)
+    return lines
 
 
 def positive_int(text: str) -> int:
@@ -303,5 +307,6 @@ def main(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    print(json.dumps(report, indent=2) if args.json else
+          "\n".join([*_format_header(report), *_format_decode_and_verdict(report)]))
     return EXIT_CODES[report["verdict"]]
