@@ -88,15 +88,27 @@ def test_disk():
     assert P.check_disk(fake_system(), "/data", int(53.4e9)).status == P.OK
 
 
-def test_the_disk_checked_is_the_runbook_s_figure_for_the_step():
+def gemma_26b_folder(tmp_path):
+    from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
+
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(GEMMA4_26B_CONFIG_PATH.read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_the_disk_checked_is_the_runbook_s_figure_for_the_step(tmp_path):
     from gemma_nb.memory import load_gemma4_26b_config
     from gemma_nb.tools import plan as planner
     from gemma_nb.tools import runbook
 
-    config, record = load_gemma4_26b_config(), planner.rehearsal_record()
-    needs = planner.disk_needs(config, record)
-    assert P.disk_need(config, "compile", record) == needs["compile_disk_bytes"]
-    assert P.disk_need(config, "deploy", record) == needs["serve_disk_bytes"]
+    needs = planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record())
+    folder = gemma_26b_folder(tmp_path)
+    for step, key in (("compile", "compile_disk_bytes"), ("deploy", "serve_disk_bytes")):
+        disk = next(c for c in P.run_checks("cpu", str(folder), step=step, system=fake_system()) if c.name == "disk")
+        assert disk.detail.endswith(f"needs ~{needs[key] / GB:.1f} GB")
     figures = runbook.figures()
     assert figures["serve_disk_gb"] == -(-needs["serve_disk_bytes"] // GB)
     assert "500 GB" not in P.check_disk(fake_system(disk_free=lambda p: 0), "/data", needs["compile_disk_bytes"]).fix
@@ -128,14 +140,7 @@ def test_hf_token_only_for_a_hub_id_and_never_printed():
 
 
 def test_neuron_checklist_on_an_inf2_xlarge_blocks_the_26b_compile_on_ram(tmp_path):
-    folder = tmp_path / "gemma"
-    folder.mkdir()
-    from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
-
-    (folder / "config.json").write_text(GEMMA4_26B_CONFIG_PATH.read_text())
-    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
-        (folder / name).write_text("{}")
-    checks = P.run_checks("neuron", str(folder), system=fake_system())
+    checks = P.run_checks("neuron", str(gemma_26b_folder(tmp_path)), system=fake_system())
     assert [c.name for c in checks] == ["sdk", "versions", "neuron_cores", "model", "host_memory", "disk"]
     blocker = P.first_blocker(checks)
     assert blocker.name == "host_memory" and "the compile needs ~180.0 GB" in blocker.detail
@@ -173,8 +178,8 @@ def test_cli_here(capsys):
 
 
 @pytest.mark.parametrize("text, expected", [
-    (INF2_XLARGE_LS, [(2, 32 * GiB)]),
-    (json.dumps({"neuron_devices": [{"neuroncore_count": 2, "memory_size": 1}]}), [(2, 1)]),
+    (INF2_XLARGE_LS, [(2, 32 * GiB, False)]),
+    (json.dumps([{"nc_count": 2, "memory_size": 1, "emulated": True}]), [(2, 1, True)]),
 ])
 def test_parse_neuron_ls(text, expected):
     assert P.parse_neuron_ls(text) == expected

@@ -251,7 +251,6 @@ class Gate:
         if queued and len(engine.slots) >= engine.queue_size:
             return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
                                   f" retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return None
 
     def _bounded(self, receive):
         """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408 past the deadline."""
@@ -315,7 +314,18 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
               for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
-    _error_handlers(app, {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)})
+    fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
+
+    @app.exception_handler(HTTPException)  # every error as OpenAI's body: APIError's, Starlette's own (404, 405)
+    async def http_error(_request, error: HTTPException):
+        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
+        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
+                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
+                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
+
+    @app.exception_handler(RequestValidationError)  # the request models' errors, naming the field
+    async def invalid(request: Request, error: RequestValidationError):
+        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
 
     def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
         if engine.status != "ok":
@@ -327,22 +337,6 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
     _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
     _generation_routes(app, engine, *models, keyed)
     return app
-
-
-def _error_handlers(app: FastAPI, fields: dict) -> None:
-    """Every error as OpenAI's body: APIError's, Starlette's own (404, 405), and the request models' (naming the field)."""
-
-    async def http_error(_request, error: HTTPException):
-        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
-        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
-                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
-                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
-
-    async def invalid(request: Request, error: RequestValidationError):
-        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
-
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, invalid)
 
 
 def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
@@ -362,6 +356,7 @@ def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list)
 
 
 def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list) -> None:  # noqa: N803
+
     @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
     async def chat_completions(body: Chat, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)

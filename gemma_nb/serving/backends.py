@@ -170,8 +170,7 @@ class TransformersRuntime(Runtime):
         limit = getattr(model.config, "max_position_embeddings", None) or max_context
         super().__init__(tokenizer, _context_limit(max_context, limit),
                          getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-        self.model, self._device = model, next(model.parameters()).device
-        self._new_cache, self._cache = (lambda: DynamicCache(config=model.config)), None
+        self.model, self._device, self._cache = model, next(model.parameters()).device, None
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
@@ -179,7 +178,7 @@ class TransformersRuntime(Runtime):
         return self.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
 
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        self._cache = self._new_cache()
+        self._cache = DynamicCache(config=self.model.config)
         return self._forward(list(prompt_ids))
 
     def decode(self, token_id: int) -> torch.Tensor:

@@ -222,7 +222,8 @@ def _format_header(report: dict) -> list[str]:
     return [*lines, ""]
 
 
-def _format_decode(report: dict) -> list[str]:
+def _format_decode_and_verdict(report: dict) -> list[str]:
+    """Each instance's decode roofline, then the verdict on the chosen instance and the host RAM."""
     basis = report["decode"]
     lines = [f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
              f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
@@ -250,11 +251,7 @@ def _format_decode(report: dict) -> list[str]:
     if basis["num_experts"]:
         distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
         lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
-    return [*lines, ""]
-
-
-def _format_verdict(report: dict) -> list[str]:
-    lines = []
+    lines.append("")
     if report["instance"] is None:
         lines.append(f"does not fit any instance at TP={report['tp']}. {report['advice']}")
     else:
@@ -311,5 +308,5 @@ def main(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else
-          "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)]))
+          "\n".join([*_format_header(report), *_format_decode_and_verdict(report)]))
     return EXIT_CODES[report["verdict"]]

@@ -30,7 +30,7 @@ def read_config(path: str | Path) -> PlanInput:
         raise ValueError(f"{file.name} holds a JSON {type(raw).__name__}, not an object: pass a Hugging Face "
                          "config.json, an object with a model_type key (e.g. gemma_nb/configs/gemma4_26b_a4b.json)")
     full = memory.load_config(raw)
-    text = full.get_text_config() if hasattr(full, "get_text_config") else full
+    text = full.get_text_config()
     memory.check_causal_lm_config(text)
     notes = [*_mla_notes(text), *_quantization_notes(raw)]
     if text is full:

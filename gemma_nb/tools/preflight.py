@@ -92,19 +92,9 @@ def check_versions(system: System, pins: Mapping[str, str] | None = None, emulat
                  "differ in the ModelBuilder API")
 
 
-def parse_neuron_ls(text: str) -> list[tuple[int, int]]:
-    """(NeuronCores, device memory bytes) per device of ``neuron-ls --json-output`` (``nc_count``, ``memory_size``)."""
-    devices = json.loads(text)
-    if isinstance(devices, dict):
-        devices = devices.get("neuron_devices") or devices.get("devices") or []
-    parsed = []
-    for dev in devices:
-        cores = next((int(dev[k]) for k in ("nc_count", "neuroncore_count", "neuron_cores", "core_count") if k in dev), None)
-        memory = next((int(dev[k]) for k in ("memory_size", "device_memory_size", "memory") if k in dev), None)
-        if cores is None or memory is None:
-            raise ValueError(f"no core count or memory size among {sorted(dev)}")
-        parsed.append((cores, memory))
-    return parsed
+def parse_neuron_ls(text: str) -> list[tuple[int, int, bool]]:
+    """(NeuronCores, device memory bytes, emulated) per device of ``neuron-ls --json-output``."""
+    return [(int(dev["nc_count"]), int(dev["memory_size"]), bool(dev.get("emulated"))) for dev in json.loads(text)]
 
 
 def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> Check:
@@ -117,14 +107,14 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
                      "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls")
     try:
         devices = parse_neuron_ls(text)
-    except (ValueError, TypeError, json.JSONDecodeError) as error:
-        return Check("neuron_cores", WARN, f"could not read neuron-ls --json-output ({error}): {text[:120]!r}",
+    except (KeyError, TypeError, ValueError) as error:  # ValueError: JSONDecodeError too
+        return Check("neuron_cores", WARN, f"could not read neuron-ls --json-output ({error!r}): {text[:120]!r}",
                      "run neuron-ls by hand and compare with the plan (python -m gemma_nb plan)")
-    cores = sum(c for c, _ in devices)
+    cores = sum(c for c, _, _ in devices)
     if not cores:
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
-    hbm_per_core = min(m // c for c, m in devices if c)
-    emulated = " (emulated NeuronCores)" if any(isinstance(d, dict) and d.get("emulated") for d in json.loads(text)) else ""
+    hbm_per_core = min(m // c for c, m, _ in devices if c)
+    emulated = " (emulated NeuronCores)" if any(e for _, _, e in devices) else ""
     hbm_gib = hbm_per_core / GiB
     detail = f"{cores} NeuronCores{emulated}, {hbm_gib:{'.1f' if hbm_gib >= 1 else '.3g'}} GiB HBM per core"
     if tp > cores:
@@ -240,16 +230,11 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     checks += model_checks
     need = 0 if config is None else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
     checks.append(check_host_memory(system, step, need))
-    checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk_need(config, step)))
+    record = planner.rehearsal_record()  # what the step writes, scaled from make rehearse's builds (0 without them)
+    disk = 0 if config is None or record is None else planner.disk_needs(config, record)[
+        "compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
+    checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk))
     return checks + [check_artifact(str(folder)) for folder in artifacts]
-
-
-def disk_need(config, step: str, record: dict | None = None) -> int:
-    """What ``step`` writes for ``config`` (``planner.disk_needs`` of the rehearsal record; 0 without one)."""
-    record = planner.rehearsal_record() if record is None else record
-    if config is None or record is None:
-        return 0
-    return planner.disk_needs(config, record)["compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
 
 
 def first_blocker(checks: list[Check]) -> Check | None:

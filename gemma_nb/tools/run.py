@@ -10,7 +10,6 @@ import platform
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -27,7 +26,6 @@ from gemma_nb.story import get_claim
 from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, check_target, measures_cpu
 
 KERNEL_NAME = "python3"
-PATH_PARAMETER_SUFFIXES = ("_dir", "_path", "_file")
 
 
 class RunError(RuntimeError):
@@ -91,7 +89,7 @@ def resolve_path_parameters(parameters: dict) -> dict:
     for name, value in parameters.items():
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             candidate = cwd / Path(value).expanduser()
-            if candidate.exists() or name.endswith(PATH_PARAMETER_SUFFIXES):
+            if candidate.exists() or name.endswith(("_dir", "_path", "_file")):
                 value = str(candidate.resolve())
         resolved[name] = value
     return resolved
@@ -173,8 +171,7 @@ def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | N
     kernel_env = {OUTPUT_DIR_ENV: str(staging), **kernels}  # the kernels inherit it
     previous_env = {name: os.environ.get(name) for name in kernel_env}
     os.environ.update(kernel_env)
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
                    for number in range(1, len(selected) + 1)]
@@ -192,8 +189,7 @@ def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | N
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        signal.signal(signal.SIGTERM, previous_sigterm)
         for name, value in previous_env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -203,9 +199,8 @@ def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | N
 
 
 def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
-    """A fresh staging folder beside ``final``, and where a failed run goes. With ``keep_previous`` it starts as a copy
-    (notebooks rewrite it in place) with files under ``artifacts/`` hard-linked (too big to copy; their writers start
-    afresh, ``paths.fresh_dir``, never write through)."""
+    """A fresh staging folder beside ``final`` and where a failed run goes; with ``keep_previous``, a copy of ``final``
+    whose ``artifacts/`` are hard-linked (their writers start afresh, ``paths.fresh_dir``, never write through)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     for folder in final.parent.glob(f".{final.name}.tmp-*"):  # left behind by a run that was killed
         pid = folder.name.rsplit("-", 1)[1]
