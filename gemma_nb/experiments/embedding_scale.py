@@ -115,10 +115,11 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str, steps: int, facts) -> pd.DataFrame:
     """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
     scores = host_path_numerics(model, evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts]))
+    prompt_ids = tokenizer(prompt).input_ids
     rows = []
     for name, row in zip(HOST_PATHS, scores.to_dict(orient="records")):
         candidate = HostEmbeddedLM(model, host_path(model, name))
-        greedy = evaluate.greedy_match(model, candidate, prompt, steps, tokenizer)
+        greedy = evaluate.greedy_match(model, candidate, prompt_ids, steps, tokenizer)
         rows.append({**row, "greedy": greedy["candidate_text"], "greedy_match": greedy["match"],
                      "first_divergent_step": greedy["first_divergent_step"],
                      "fact_recall": evaluate.fact_recall(candidate, tokenizer, facts)[0]})
