@@ -14,7 +14,7 @@ from transformers import Gemma4ForCausalLM
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
-from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
@@ -125,13 +125,12 @@ class NeuronGemma4(nn.Module):
             # on the meta device: the layers swapped for NxD ones are never allocated whole on the host
             with torch.device("meta"):
                 self.lm = Gemma4ForCausalLM(config).to(dtype)
-            self.lm.model.embed_tokens = _NoEmbedding()
             _swap_in_nxd_layers(self.lm, config, tp, dtype, sdk, experts)
             _materialize(self.lm, config)
         else:
             assert experts == "dense", "parallel=False keeps transformers' own experts"
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-            self.lm.model.embed_tokens = _NoEmbedding()
+        self.lm.model.embed_tokens = _NoEmbedding()
         self.lm.eval()
         heads = layer_kv_heads(config)  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
@@ -242,7 +241,7 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
     """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
-    scalars = read_layer_scalars(build.model_dir)
+    scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
 
     class GemmaInstance(sdk.BaseModelInstance):
         def __init__(self, experts: str):
@@ -254,11 +253,9 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             fill_layer_scalars(self.module, scalars)
             self.input_output_aliases = [self.module.input_output_aliases()]
 
-    def checkpoint_loader():
-        return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
-
-    builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
-                               compiler_workdir=build.compiler_workdir)
+    builder = sdk.ModelBuilder(
+        router=None, tp_degree=build.tp_degree, compiler_workdir=build.compiler_workdir,
+        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree))
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
         builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],

@@ -35,8 +35,3 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
 
 def text_config(model_dir: str | Path):  # of a checkpoint or artifact folder
     return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
-
-
-def read_layer_scalars(model_dir: str | Path) -> dict:
-    """Only the layers' ``layer_scalar`` buffers: what the traced module needs besides the weights ModelBuilder loads."""
-    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))

@@ -74,16 +74,15 @@ def load_artifact(artifact_dir: str | Path):
     return graph
 
 
-def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -> None:
-    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once ``close`` ran."""
+def release(runner: NeuronStepRunner) -> None:
+    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once this ran."""
     runner.graph = None
     gc.collect()
-    (close or close_runtime)()
+    close_runtime()
 
 
-def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
-                load: Callable[[Path], Callable] | None = None) -> tuple[NeuronStepRunner, dict]:
-    """(runner, figures) of a validated artifact, timed and sampled; ``load`` makes the graph (``load_artifact``)."""
+def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5) -> tuple[NeuronStepRunner, dict]:
+    """(runner, figures) of a validated artifact, ``load_artifact`` timed and sampled."""
     artifact = read_artifact(artifact_dir)
     config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
@@ -91,7 +90,7 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
         host = host_embedding_for(model_skeleton(config), embedding_path)
         embedding_load_s = time.perf_counter() - start
         start = time.perf_counter()
-        graph = (load or load_artifact)(artifact.folder)
+        graph = load_artifact(artifact.folder)
         neff_load_s = time.perf_counter() - start
         runner = NeuronStepRunner(graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0)
     figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,

@@ -36,16 +36,10 @@ def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefi
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
 
-def untie_lm_head(state_dict: dict, quantized: bool = True, embed_key: str = EMBED_KEY,
-                  prefix: str = HEAD_PREFIX) -> dict:
-    """``state_dict`` plus the head's entries made from ``embed_key`` (a ModelBuilder ``checkpoint_loader``'s)."""
-    if embed_key not in state_dict:
-        found = [k for k in state_dict if k.endswith("embed_tokens.weight")]
-        fix = f"found {found[0]!r}: pass embed_key={found[0]!r}" if found else "pass the tied embedding's key as embed_key"
-        raise ValueError(f"state dict has no {embed_key!r} to build the lm_head from; {fix}")
-    out = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
-    out.update(lm_head_state_dict(state_dict[embed_key], quantized=quantized, prefix=prefix))
-    return out
+def untie_lm_head(state_dict: dict) -> dict:
+    """``state_dict`` plus the int8 head's entries made from ``EMBED_KEY`` (a ModelBuilder ``checkpoint_loader``'s)."""
+    out = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIX)}
+    return out | lm_head_state_dict(state_dict[EMBED_KEY])
 
 
 class HeadOnly(nn.Module):

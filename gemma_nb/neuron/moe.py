@@ -34,9 +34,8 @@ class _ExpertMajorExperts(nn.Module):
     """``gate_up [E, H, 2I/tp]`` and ``down [E, I/tp, H]`` per rank: NxD's expert-fused int8 layers."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: int,
-                 dtype: torch.dtype = torch.bfloat16, sdk=None, activation: str = "gelu_pytorch_tanh"):
+                 sdk, dtype: torch.dtype = torch.bfloat16, activation: str = "gelu_pytorch_tanh"):
         super().__init__()
-        sdk = import_nxd() if sdk is None else sdk
         assert intermediate_size % tp == 0, f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}"
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.act_fn = ACT2FN[activation]

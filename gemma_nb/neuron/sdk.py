@@ -30,7 +30,6 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
         return False
 
     class HFTracer(torch.fx.Tracer):
-        """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
         def __init__(self, *args, **kwargs):
             raise RuntimeError(f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
                                "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
@@ -44,11 +43,6 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
     if parent is not None and not hasattr(parent, "fx"):
         parent.fx = module
     return True
-
-
-def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transformers.utils.fx`` problem
-    name = getattr(error, "name", None) or ""
-    return isinstance(error, ImportError) and (name == FX_MODULE or FX_MODULE in str(error))
 
 
 @dataclass
@@ -89,7 +83,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
                 status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
                 break
             except ImportError as error:
-                if not is_fx_problem(error) or status.fx_problem:
+                if status.fx_problem or not (error.name == FX_MODULE or FX_MODULE in str(error)):
                     status.error = f"import {name}: {type(error).__name__}: {error}"
                     return status
                 status.fx_problem = True
