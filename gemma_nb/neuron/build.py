@@ -100,14 +100,9 @@ class OneHotCache:
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
-class _NoEmbedding(nn.Module):  # where ``embed_tokens`` was: the host embeds
-    def forward(self, input_ids):
-        raise RuntimeError("the traced graph takes inputs_embeds; token ids are embedded on the host")
-
-
 class NeuronGemma4(nn.Module):
-    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``, default the SDK's)
-    and a one-hot KV state; forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
+    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV
+    state; forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
     -> (logits [1, 1, V] before softcap, *new K states, *new V states)."""
 
     def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
@@ -121,7 +116,6 @@ class NeuronGemma4(nn.Module):
         tp = build.tp_degree if parallel else 1
         dtype = getattr(torch, build.dtype)
         if parallel:
-            sdk = import_sdk() if sdk is None else sdk
             # on the meta device: the layers swapped for NxD ones are never allocated whole on the host
             with torch.device("meta"):
                 self.lm = Gemma4ForCausalLM(config).to(dtype)
@@ -130,7 +124,7 @@ class NeuronGemma4(nn.Module):
         else:
             assert experts == "dense", "parallel=False keeps transformers' own experts"
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-        self.lm.model.embed_tokens = _NoEmbedding()
+        self.lm.model.embed_tokens = nn.Module()  # no table and no forward: the host embeds, the graph takes inputs_embeds
         self.lm.eval()
         heads = layer_kv_heads(config)  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
@@ -249,7 +243,7 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             self.experts = experts
 
         def load_module(self):
-            self.module = NeuronGemma4(config, build, parallel=True, experts=self.experts)
+            self.module = NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=self.experts)
             fill_layer_scalars(self.module, scalars)
             self.input_output_aliases = [self.module.input_output_aliases()]
 

@@ -81,11 +81,10 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
         scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
         q = (weight / scale).clamp(-NEURON_FP8_MAX, NEURON_FP8_MAX).to(torch.float8_e4m3fn)
         return {"layer.weight": q, "layer.scale": scale}, q.float() * scale
-    if dtype_name == "F4E2M1FN_X4":
-        qt = formats.quantize(weight, "mxfp4", name="trial.weight")
-        assert qt.data.shape[-1] % 2 == 0, "fp4 bytes view as uint16 in fours"
-        return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()
-    raise AssertionError(dtype_name)
+    assert dtype_name == "F4E2M1FN_X4", dtype_name
+    qt = formats.quantize(weight, "mxfp4", name="trial.weight")
+    assert qt.data.shape[-1] % 2 == 0, "fp4 bytes view as uint16 in fours"
+    return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()
 
 
 def run_trials(dtypes=TRIAL_DTYPES, in_features: int = 256, out_features: int = 256, tokens: int = 4,

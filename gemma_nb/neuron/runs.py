@@ -15,8 +15,7 @@ SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's sm
 
 
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """``compile_neuron`` once per decode path, in order, each into its own artifact folder (the bundled TP=2
-    checkpoint at ``SMOKE_SHAPES``, others at ``NeuronBuildConfig``'s); the build records."""
+    """The build records of ``compile_neuron`` once per decode path, in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     records = {}
     for decode in [decode_experts] if isinstance(decode_experts, str) else decode_experts:
@@ -50,8 +49,7 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
 
 
 def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
-    """Notebook 07's neuron section: each build's decode speed and the continuation it decoded, deployed and
-    released in turn: two 26B builds do not fit."""
+    """Each build's decode speed and continuation (notebook 07), deployed and released in turn: two 26B builds do not fit."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids
