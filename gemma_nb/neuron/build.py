@@ -112,7 +112,6 @@ class NeuronGemma4(nn.Module):
         config = config.__class__.from_dict(config.to_dict())
         config.final_logit_softcapping = None  # applied on the host, after the vocab gather
         config._attn_implementation = "eager"
-        self.build, self.experts = build, experts
         tp = build.tp_degree if parallel else 1
         dtype = getattr(torch, build.dtype)
         if parallel:
@@ -164,13 +163,6 @@ def _materialize(lm: nn.Module, config) -> None:
                     fresh.__dict__.update(tensor.__dict__)
                 registry[name] = fresh
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config)
-
-
-def host_logits(logits: torch.Tensor, config) -> torch.Tensor:
-    """The graph's logits (its first output) cut to the vocab and softcapped on the host: [1, V] fp32."""
-    logits = logits[:, -1, : config.vocab_size].float()
-    cap = config.final_logit_softcapping
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:

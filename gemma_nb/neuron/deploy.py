@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
-from gemma_nb.neuron.build import host_logits, sdk_label, step_inputs
+from gemma_nb.neuron.build import sdk_label, step_inputs
 from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.neuron.sdk import close_runtime
 from gemma_nb.peak_rss import HostMemorySampler
@@ -31,9 +31,12 @@ class NeuronStepRunner:
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
-        """One graph call for token ``ids`` [1, S] at ``positions``: the host logits [1, V] of ``last_index``."""
+        """One graph call for token ``ids`` [1, S] at ``positions``: the logits [1, V] fp32 of ``last_index``, cut to
+        the vocab and softcapped on the host."""
         inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
-        return host_logits(self.graph(*inputs), self.config)
+        logits = self.graph(*inputs)[:, -1, : self.config.vocab_size].float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:

@@ -43,20 +43,18 @@ def untie_lm_head(state_dict: dict) -> dict:
 
 
 class HeadOnly(nn.Module):
-    """The head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
+    """The int8 head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, quantized: bool = True, pad: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, sdk=None):
+    def __init__(self, hidden_size: int, vocab_size: int, pad: bool = False, dtype: torch.dtype = torch.bfloat16, sdk=None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad, sdk=sdk)
+        self.lm_head = build_lm_head(hidden_size, vocab_size, dtype=dtype, pad=pad, sdk=sdk)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
 
 
-def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = True, tokens: int = 1,
-                    compiler_workdir: str | None = None):
+def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, compiler_workdir: str | None = None):
     """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
     sdk = import_nxd()  # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
     from neuronx_distributed import ModelBuilder, shard_checkpoint
@@ -67,14 +65,14 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
     patch_scale_dequantize(sdk.quantization_layers)
     example = torch.zeros(1, tokens, hidden_size, dtype=torch.bfloat16)
     with sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
-        traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
+        traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, pad)).trace(args=(example,), tag="lm_head")
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
     # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
     with (sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
           init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
-        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight, quantized=quantized),
-                                   model=HeadOnly(hidden_size, vocab_size, quantized, pad))
+        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight),
+                                   model=HeadOnly(hidden_size, vocab_size, pad))
     nxd_model.set_weights(sharded)
     nxd_model.to_neuron()
     return nxd_model
