@@ -1,5 +1,4 @@
-"""A hub Gemma-4 checkpoint folder's text model, for the neuron build: its config and tensors (vision and audio
-towers dropped, names as ``Gemma4ForCausalLM``'s)."""
+"""A hub Gemma-4 checkpoint folder's text model for the neuron build: config and tensors, in ``Gemma4ForCausalLM``'s names."""
 
 from pathlib import Path
 

@@ -1,5 +1,4 @@
-"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop;
-everything from the artifact folder, the KV cache kept on the device (aliased state)."""
+"""The port's slim deploy (notebooks 05, 07, the server) from the artifact folder alone: graphs, host embedding, greedy loop."""
 
 import gc
 import time
