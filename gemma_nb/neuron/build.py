@@ -101,9 +101,8 @@ class OneHotCache:
 
 
 class NeuronGemma4(nn.Module):
-    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV
-    state; forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
-    -> (logits [1, 1, V] before softcap, *new K states, *new V states)."""
+    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV state:
+    (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) -> (logits [1, 1, V] before softcap, *new K, *new V)."""
 
     def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
         super().__init__()

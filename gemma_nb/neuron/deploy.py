@@ -30,8 +30,7 @@ class NeuronStepRunner:
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
-        """One graph call for token ``ids`` [1, S] at ``positions``: the logits [1, V] fp32 of ``last_index``, cut to
-        the vocab and softcapped on the host."""
+        """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``, cut and softcapped here."""
         inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
         logits = self.graph(*inputs)[:, -1, : self.config.vocab_size].float()
         cap = self.config.final_logit_softcapping
