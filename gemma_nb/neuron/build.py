@@ -85,19 +85,16 @@ def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor)
 
 
 class OneHotCache:
-    """The cache transformers' attention calls: each layer's K/V written with ``onehot_update`` and kept."""
+    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states) rewritten with ``onehot_update``."""
     is_compileable = False
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
         self.keys, self.values, self.one_hot = keys, values, one_hot
-        self.new_keys: list[torch.Tensor | None] = [None] * len(keys)
-        self.new_values: list[torch.Tensor | None] = [None] * len(values)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
-        values = onehot_update(self.values[layer_idx], value_states, self.one_hot)
-        self.new_keys[layer_idx], self.new_values[layer_idx] = keys, values
-        return keys.to(key_states.dtype), values.to(value_states.dtype)
+        self.keys[layer_idx] = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
+        self.values[layer_idx] = onehot_update(self.values[layer_idx], value_states, self.one_hot)
+        return self.keys[layer_idx].to(key_states.dtype), self.values[layer_idx].to(value_states.dtype)
 
 
 class NeuronGemma4(nn.Module):
@@ -140,7 +137,7 @@ class NeuronGemma4(nn.Module):
         masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
         out = self.lm(inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
                       attention_mask=masks, logits_to_keep=last_index)
-        return (out.logits.float(), *cache.new_keys, *cache.new_values)
+        return (out.logits.float(), *cache.keys, *cache.values)
 
     def load_state(self, state_dict: dict) -> None:
         """Load a plain (TP=1, unquantized) state dict into the cpu variant, buffers included."""
