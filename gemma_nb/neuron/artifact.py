@@ -116,7 +116,7 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
-                            "(notebook 04's outputs/neuron/artifacts/04_neuron), copied whole to this box")
+                            "(notebook 04's outputs/neuron/artifacts/04_neuron_dense or _sparse), copied whole to this box")
     if not (folder / MANIFEST).is_file():
         raise ArtifactError(f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
                             "with gemma_nb.neuron.build.compile_neuron (an older build: rerun finish_artifact on it)")

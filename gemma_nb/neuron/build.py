@@ -186,8 +186,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 
 
 def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
-    """The full checkpoint ModelBuilder shards for ``NeuronGemma4``: names prefixed ``lm.``, the shared MLP, the
-    experts (``experts_checkpoint``) and the lm_head (from the tied embedding) int8, the embedding dropped."""
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
     inter = config.moe_intermediate_size
     assert inter % tp == 0, f"moe_intermediate_size={inter} is not divisible by tp={tp}"
     out: dict[str, torch.Tensor] = {}
@@ -202,8 +201,7 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
-        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"],
-                                      prefix=f"lm.{base}."))
+        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], prefix=f"lm.{base}."))
     out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
     return out
 
@@ -240,8 +238,7 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
         checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree))
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
-        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],
-                    compiler_args=build.compiler_args)
+        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)], compiler_args=build.compiler_args)
     return builder
 
 

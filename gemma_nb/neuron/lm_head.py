@@ -71,8 +71,7 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, co
     # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
     with (sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
           init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
-        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight),
-                                   model=HeadOnly(hidden_size, vocab_size, pad))
+        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight), model=HeadOnly(hidden_size, vocab_size, pad))
     nxd_model.set_weights(sharded)
     nxd_model.to_neuron()
     return nxd_model

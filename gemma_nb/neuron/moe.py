@@ -44,8 +44,7 @@ class _ExpertMajorExperts(nn.Module):
                     quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=2)
         self.gate_up = sdk.QuantizedExpertFusedColumnParallel(num_experts, hidden_size, 2 * intermediate_size, stride=2,
                                                               is_fused_gate_up=True, **int8)
-        self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
-                                                        **int8)
+        self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False, **int8)
         assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * intermediate_size // tp), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:

@@ -1,5 +1,4 @@
-"""NxD's quantized dtypes on inf2 (notebook 02): the SDK's support matrix, a trial per dtype, and
-``scale_dequantize``, the one patch of NxD this repo applies."""
+"""NxD's quantized dtypes on inf2 (notebook 02): support matrix, a trial per dtype, ``scale_dequantize`` (our one NxD patch)."""
 
 import traceback
 from collections import OrderedDict

@@ -15,7 +15,7 @@ SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's sm
 
 
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """The build records of ``compile_neuron`` once per decode path, in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
+    """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     records = {}
     for decode in [decode_experts] if isinstance(decode_experts, str) else decode_experts:
