@@ -29,7 +29,6 @@ def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefix: str = HEAD_PREFIX) -> dict:
     """The untied head's full checkpoint entries from the embedding table ``[V, H]`` (int8 + scale, or bf16)."""
-    assert embed_weight.dim() == 2, embed_weight.shape
     if not quantized:
         return {f"{prefix}weight": embed_weight.detach().to(torch.bfloat16)}
     q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
