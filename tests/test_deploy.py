@@ -214,9 +214,7 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 24, 8)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
-        inputs = B.step_inputs(model.get_input_embeddings()(ids), list(range(len(PROMPT))), 24,
-                               model.config.sliding_window)
-        logits = B.host_logits(module(*inputs)[0], model.config)
+        logits = runner.step(ids, list(range(len(PROMPT))), len(PROMPT) - 1)
         reference = model(ids).logits[:, -1]
     assert (logits.argmax(-1) == reference.argmax(-1)).all()
     assert (logits - reference).abs().max() < 0.05 * reference.abs().max()

@@ -264,15 +264,6 @@ def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
     assert sparse(torch.randn(3, 64), index[:3], weights[:3]).shape == (3, 64)
 
 
-def test_neuron_modules_say_the_sdk_is_missing():
-    from gemma_nb.neuron import moe as neuron_moe
-    from gemma_nb.targets import TargetError, missing_neuron_packages
-
-    if missing_neuron_packages():
-        with pytest.raises(TargetError, match="neuronx_distributed"):
-            neuron_moe.NeuronSparseExperts(16, 64, 32, tp=2)
-
-
 def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
     from types import SimpleNamespace
 

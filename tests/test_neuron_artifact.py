@@ -92,10 +92,11 @@ def test_compile_writes_every_file_the_serving_box_needs(moved_artifact):
     assert float(host.scale) == pytest.approx(128**0.5)
 
 
-def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, reference_ids):
+def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, reference_ids, monkeypatch):
     folder, _ = moved_artifact
     ids, expected, _ = reference_ids
-    runner, figures = ND.slim_deploy(folder, load=stand_in_load)
+    monkeypatch.setattr(ND, "load_artifact", stand_in_load)
+    runner, figures = ND.slim_deploy(folder)
     assert figures["graphs"] == ["prefill", "decode"]
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
@@ -233,7 +234,9 @@ def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids,
         live.append(stand_in_load(path))
         return live[-1]
 
-    table = benchmark_builds([folder, folder], PROMPT, new_tokens=3, repeats=1, load=load, close=live.clear)
+    monkeypatch.setattr(ND, "load_artifact", load)
+    monkeypatch.setattr(ND, "close_runtime", live.clear)
+    table = benchmark_builds([folder, folder], PROMPT, new_tokens=3, repeats=1)
     assert list(table.index) == ["dense", "dense_2"] and not live
     assert table.loc["dense_2", "tokens"] == expected[0, : ids.shape[1] + 3].tolist()
     assert (table["neff_load_s"] > 0).all()

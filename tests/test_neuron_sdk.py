@@ -77,6 +77,7 @@ def test_import_sdk_here_names_the_packages_and_the_install_step():
         import_nxd()
 
 
-def test_is_fx_problem():
-    assert sdk.is_fx_problem(fx_error())
-    assert not sdk.is_fx_problem(ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla"))
+def test_only_the_fx_import_error_gets_the_stand_in():
+    other = ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla")
+    status = sdk.check_sdk(find_spec=INSTALLED.get, modules={}, import_module=fake_importer({}, other_error=other))
+    assert not status.ok and not status.fx_problem and "torch_xla" in status.message()

@@ -3,8 +3,8 @@ record, host embedding, config and tokenizer, and a manifest of every file's siz
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +34,6 @@ class ArtifactError(ValueError):
 def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None:
     """Copy config and tokenizer files from the checkpoint folder and write the host embedding."""
     model_dir, artifact_dir = Path(model_dir), Path(artifact_dir)
-    if not (model_dir / CONFIG_FILE).is_file():
-        raise ArtifactError(f"{model_dir.name}/ has no {CONFIG_FILE}: pass the checkpoint folder the model was "
-                            "compiled from (config, tokenizer and *.safetensors)")
     artifact_dir.mkdir(parents=True, exist_ok=True)
     written = [name for name in (CONFIG_FILE, *TOKENIZER_FILES) if (model_dir / name).is_file()]
     for name in written:
@@ -68,9 +65,6 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
     """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
     write_serving_files(model_dir, artifact_dir)
     artifact_dir = Path(artifact_dir)
-    missing = [name for name in REQUIRED_FILES if not (artifact_dir / name).is_file()]
-    if missing:
-        raise ArtifactError(f"cannot finish the artifact in {artifact_dir.name}/: {', '.join(missing)} missing")
     build = record.get("build") or {}
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
@@ -81,8 +75,7 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
     return manifest
 
 
-@dataclass(frozen=True)
-class NeuronArtifact:
+class NeuronArtifact(NamedTuple):
     """A validated artifact folder; ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
     folder: Path
     manifest: dict
@@ -123,7 +116,7 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
-                            "(notebook 04's outputs/neuron/artifacts/04_neuron), copied whole to this box")
+                            "(notebook 04's outputs/neuron/artifacts/04_neuron_dense or _sparse), copied whole to this box")
     if not (folder / MANIFEST).is_file():
         raise ArtifactError(f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
                             "with gemma_nb.neuron.build.compile_neuron (an older build: rerun finish_artifact on it)")

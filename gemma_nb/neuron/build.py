@@ -14,7 +14,7 @@ from transformers import Gemma4ForCausalLM
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
-from gemma_nb.neuron.checkpoint import read_hf_state, read_layer_scalars, text_config
+from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
 from gemma_nb.neuron.quant import patch_scale_dequantize
@@ -85,30 +85,21 @@ def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor)
 
 
 class OneHotCache:
-    """The cache transformers' attention calls: each layer's K/V written with ``onehot_update`` and kept."""
+    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states) rewritten with ``onehot_update``."""
     is_compileable = False
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
         self.keys, self.values, self.one_hot = keys, values, one_hot
-        self.new_keys: list[torch.Tensor | None] = [None] * len(keys)
-        self.new_values: list[torch.Tensor | None] = [None] * len(values)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
-        values = onehot_update(self.values[layer_idx], value_states, self.one_hot)
-        self.new_keys[layer_idx], self.new_values[layer_idx] = keys, values
-        return keys.to(key_states.dtype), values.to(value_states.dtype)
-
-
-class _NoEmbedding(nn.Module):  # where ``embed_tokens`` was: the host embeds
-    def forward(self, input_ids):
-        raise RuntimeError("the traced graph takes inputs_embeds; token ids are embedded on the host")
+        self.keys[layer_idx] = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
+        self.values[layer_idx] = onehot_update(self.values[layer_idx], value_states, self.one_hot)
+        return self.keys[layer_idx].to(key_states.dtype), self.values[layer_idx].to(value_states.dtype)
 
 
 class NeuronGemma4(nn.Module):
-    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``, default the SDK's)
-    and a one-hot KV state; forward(embeds, position_ids, one_hot, full_mask, sliding_mask, last_index)
-    -> (logits [1, 1, V] before softcap, *new K states, *new V states)."""
+    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV state:
+    (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) -> (logits [1, 1, V] before softcap, *new K, *new V)."""
 
     def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
         super().__init__()
@@ -117,21 +108,18 @@ class NeuronGemma4(nn.Module):
         config = config.__class__.from_dict(config.to_dict())
         config.final_logit_softcapping = None  # applied on the host, after the vocab gather
         config._attn_implementation = "eager"
-        self.build, self.experts = build, experts
         tp = build.tp_degree if parallel else 1
         dtype = getattr(torch, build.dtype)
         if parallel:
-            sdk = import_sdk() if sdk is None else sdk
             # on the meta device: the layers swapped for NxD ones are never allocated whole on the host
             with torch.device("meta"):
                 self.lm = Gemma4ForCausalLM(config).to(dtype)
-            self.lm.model.embed_tokens = _NoEmbedding()
             _swap_in_nxd_layers(self.lm, config, tp, dtype, sdk, experts)
             _materialize(self.lm, config)
         else:
             assert experts == "dense", "parallel=False keeps transformers' own experts"
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-            self.lm.model.embed_tokens = _NoEmbedding()
+        self.lm.model.embed_tokens = nn.Module()  # no table and no forward: the host embeds, the graph takes inputs_embeds
         self.lm.eval()
         heads = layer_kv_heads(config)  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
@@ -149,7 +137,7 @@ class NeuronGemma4(nn.Module):
         masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
         out = self.lm(inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
                       attention_mask=masks, logits_to_keep=last_index)
-        return (out.logits.float(), *cache.new_keys, *cache.new_values)
+        return (out.logits.float(), *cache.keys, *cache.values)
 
     def load_state(self, state_dict: dict) -> None:
         """Load a plain (TP=1, unquantized) state dict into the cpu variant, buffers included."""
@@ -171,13 +159,6 @@ def _materialize(lm: nn.Module, config) -> None:
                     fresh.__dict__.update(tensor.__dict__)
                 registry[name] = fresh
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config)
-
-
-def host_logits(logits: torch.Tensor, config) -> torch.Tensor:
-    """The graph's logits (its first output) cut to the vocab and softcapped on the host: [1, V] fp32."""
-    logits = logits[:, -1, : config.vocab_size].float()
-    cap = config.final_logit_softcapping
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:
@@ -205,8 +186,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 
 
 def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
-    """The full checkpoint ModelBuilder shards for ``NeuronGemma4``: names prefixed ``lm.``, the shared MLP, the
-    experts (``experts_checkpoint``) and the lm_head (from the tied embedding) int8, the embedding dropped."""
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
     inter = config.moe_intermediate_size
     assert inter % tp == 0, f"moe_intermediate_size={inter} is not divisible by tp={tp}"
     out: dict[str, torch.Tensor] = {}
@@ -221,8 +201,7 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
-        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"],
-                                      prefix=f"lm.{base}."))
+        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], prefix=f"lm.{base}."))
     out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
     return out
 
@@ -242,7 +221,7 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
     """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
-    scalars = read_layer_scalars(build.model_dir)
+    scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
 
     class GemmaInstance(sdk.BaseModelInstance):
         def __init__(self, experts: str):
@@ -250,19 +229,16 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             self.experts = experts
 
         def load_module(self):
-            self.module = NeuronGemma4(config, build, parallel=True, experts=self.experts)
+            self.module = NeuronGemma4(config, build, parallel=True, sdk=sdk, experts=self.experts)
             fill_layer_scalars(self.module, scalars)
             self.input_output_aliases = [self.module.input_output_aliases()]
 
-    def checkpoint_loader():
-        return convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree)
-
-    builder = sdk.ModelBuilder(router=None, tp_degree=build.tp_degree, checkpoint_loader=checkpoint_loader,
-                               compiler_workdir=build.compiler_workdir)
+    builder = sdk.ModelBuilder(
+        router=None, tp_degree=build.tp_degree, compiler_workdir=build.compiler_workdir,
+        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree))
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
-        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)],
-                    compiler_args=build.compiler_args)
+        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)], compiler_args=build.compiler_args)
     return builder
 
 

@@ -1,5 +1,4 @@
-"""A hub Gemma-4 checkpoint folder's text model, for the neuron build: its config and tensors (vision and audio
-towers dropped, names as ``Gemma4ForCausalLM``'s)."""
+"""A hub Gemma-4 checkpoint folder's text model for the neuron build: config and tensors, in ``Gemma4ForCausalLM``'s names."""
 
 from pathlib import Path
 
@@ -35,8 +34,3 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
 
 def text_config(model_dir: str | Path):  # of a checkpoint or artifact folder
     return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
-
-
-def read_layer_scalars(model_dir: str | Path) -> dict:
-    """Only the layers' ``layer_scalar`` buffers: what the traced module needs besides the weights ModelBuilder loads."""
-    return read_hf_state(model_dir, only=lambda name: name.endswith("layer_scalar"))

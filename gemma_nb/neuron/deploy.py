@@ -1,5 +1,4 @@
-"""The port's slim deploy (notebooks 05, 07, the server): ``torch.jit.load`` the artifact, host embedding, greedy loop;
-everything from the artifact folder, the KV cache kept on the device (aliased state)."""
+"""The port's slim deploy (notebooks 05, 07, the server) from the artifact folder alone: graphs, host embedding, greedy loop."""
 
 import gc
 import time
@@ -13,7 +12,7 @@ from transformers import AutoTokenizer
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
-from gemma_nb.neuron.build import host_logits, sdk_label, step_inputs
+from gemma_nb.neuron.build import sdk_label, step_inputs
 from gemma_nb.neuron.moe import import_nxd
 from gemma_nb.neuron.sdk import close_runtime
 from gemma_nb.peak_rss import HostMemorySampler
@@ -31,9 +30,11 @@ class NeuronStepRunner:
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
-        """One graph call for token ``ids`` [1, S] at ``positions``: the host logits [1, V] of ``last_index``."""
+        """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``, cut and softcapped here."""
         inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
-        return host_logits(self.graph(*inputs), self.config)
+        logits = self.graph(*inputs)[:, -1, : self.config.vocab_size].float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
@@ -74,16 +75,15 @@ def load_artifact(artifact_dir: str | Path):
     return graph
 
 
-def release(runner: NeuronStepRunner, close: Callable[[], None] | None = None) -> None:
-    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once ``close`` ran."""
+def release(runner: NeuronStepRunner) -> None:
+    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once this ran."""
     runner.graph = None
     gc.collect()
-    (close or close_runtime)()
+    close_runtime()
 
 
-def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
-                load: Callable[[Path], Callable] | None = None) -> tuple[NeuronStepRunner, dict]:
-    """(runner, figures) of a validated artifact, timed and sampled; ``load`` makes the graph (``load_artifact``)."""
+def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5) -> tuple[NeuronStepRunner, dict]:
+    """(runner, figures) of a validated artifact, ``load_artifact`` timed and sampled."""
     artifact = read_artifact(artifact_dir)
     config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
@@ -91,7 +91,7 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5,
         host = host_embedding_for(model_skeleton(config), embedding_path)
         embedding_load_s = time.perf_counter() - start
         start = time.perf_counter()
-        graph = (load or load_artifact)(artifact.folder)
+        graph = load_artifact(artifact.folder)
         neff_load_s = time.perf_counter() - start
         runner = NeuronStepRunner(graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0)
     figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,

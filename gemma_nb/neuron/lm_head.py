@@ -29,40 +29,31 @@ def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefix: str = HEAD_PREFIX) -> dict:
     """The untied head's full checkpoint entries from the embedding table ``[V, H]`` (int8 + scale, or bf16)."""
-    assert embed_weight.dim() == 2, embed_weight.shape
     if not quantized:
         return {f"{prefix}weight": embed_weight.detach().to(torch.bfloat16)}
     q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
 
-def untie_lm_head(state_dict: dict, quantized: bool = True, embed_key: str = EMBED_KEY,
-                  prefix: str = HEAD_PREFIX) -> dict:
-    """``state_dict`` plus the head's entries made from ``embed_key`` (a ModelBuilder ``checkpoint_loader``'s)."""
-    if embed_key not in state_dict:
-        found = [k for k in state_dict if k.endswith("embed_tokens.weight")]
-        fix = f"found {found[0]!r}: pass embed_key={found[0]!r}" if found else "pass the tied embedding's key as embed_key"
-        raise ValueError(f"state dict has no {embed_key!r} to build the lm_head from; {fix}")
-    out = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
-    out.update(lm_head_state_dict(state_dict[embed_key], quantized=quantized, prefix=prefix))
-    return out
+def untie_lm_head(state_dict: dict) -> dict:
+    """``state_dict`` plus the int8 head's entries made from ``EMBED_KEY`` (a ModelBuilder ``checkpoint_loader``'s)."""
+    out = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIX)}
+    return out | lm_head_state_dict(state_dict[EMBED_KEY])
 
 
 class HeadOnly(nn.Module):
-    """The head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
+    """The int8 head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, quantized: bool = True, pad: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, sdk=None):
+    def __init__(self, hidden_size: int, vocab_size: int, pad: bool = False, dtype: torch.dtype = torch.bfloat16, sdk=None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.lm_head = build_lm_head(hidden_size, vocab_size, quantized=quantized, dtype=dtype, pad=pad, sdk=sdk)
+        self.lm_head = build_lm_head(hidden_size, vocab_size, dtype=dtype, pad=pad, sdk=sdk)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
 
 
-def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = True, tokens: int = 1,
-                    compiler_workdir: str | None = None):
+def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, compiler_workdir: str | None = None):
     """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
     sdk = import_nxd()  # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
     from neuronx_distributed import ModelBuilder, shard_checkpoint
@@ -73,14 +64,13 @@ def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, quantized: bool = T
     patch_scale_dequantize(sdk.quantization_layers)
     example = torch.zeros(1, tokens, hidden_size, dtype=torch.bfloat16)
     with sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
-        traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, quantized, pad)).trace(args=(example,), tag="lm_head")
+        traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, pad)).trace(args=(example,), tag="lm_head")
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
     # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
     with (sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
           init_on_device(torch.device("meta"), force_custom_init_on_device=True)):
-        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight, quantized=quantized),
-                                   model=HeadOnly(hidden_size, vocab_size, quantized, pad))
+        sharded = shard_checkpoint(checkpoint=lm_head_state_dict(embed_weight), model=HeadOnly(hidden_size, vocab_size, pad))
     nxd_model.set_weights(sharded)
     nxd_model.to_neuron()
     return nxd_model

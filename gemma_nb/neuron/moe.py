@@ -34,9 +34,8 @@ class _ExpertMajorExperts(nn.Module):
     """``gate_up [E, H, 2I/tp]`` and ``down [E, I/tp, H]`` per rank: NxD's expert-fused int8 layers."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: int,
-                 dtype: torch.dtype = torch.bfloat16, sdk=None, activation: str = "gelu_pytorch_tanh"):
+                 sdk, dtype: torch.dtype = torch.bfloat16, activation: str = "gelu_pytorch_tanh"):
         super().__init__()
-        sdk = import_nxd() if sdk is None else sdk
         assert intermediate_size % tp == 0, f"moe_intermediate_size={intermediate_size} is not divisible by tp={tp}"
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.act_fn = ACT2FN[activation]
@@ -45,8 +44,7 @@ class _ExpertMajorExperts(nn.Module):
                     quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC, quantization_per_channel_axis=2)
         self.gate_up = sdk.QuantizedExpertFusedColumnParallel(num_experts, hidden_size, 2 * intermediate_size, stride=2,
                                                               is_fused_gate_up=True, **int8)
-        self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False,
-                                                        **int8)
+        self.down = sdk.QuantizedExpertFusedRowParallel(num_experts, intermediate_size, hidden_size, reduce_output=False, **int8)
         assert tuple(self.gate_up.weight.shape) == (num_experts, hidden_size, 2 * intermediate_size // tp), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:

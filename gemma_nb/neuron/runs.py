@@ -1,6 +1,5 @@
 """What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn."""
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -16,8 +15,7 @@ SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's sm
 
 
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """``compile_neuron`` once per decode path, in order, each into its own artifact folder (the bundled TP=2
-    checkpoint at ``SMOKE_SHAPES``, others at ``NeuronBuildConfig``'s); the build records."""
+    """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     records = {}
     for decode in [decode_experts] if isinstance(decode_experts, str) else decode_experts:
@@ -50,20 +48,18 @@ def answer_each(folders, prompt: str = "The capital of France is", max_new_token
     return rows
 
 
-def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3,
-                     load: Callable[[Path], Callable] | None = None, close: Callable[[], None] | None = None):
-    """Notebook 07's neuron section: each build's decode speed and the continuation it decoded, deployed (``load``)
-    and released (``close``) in turn: two 26B builds do not fit."""
+def benchmark_builds(folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3):
+    """Each build's decode speed and continuation (notebook 07), deployed and released in turn: two 26B builds do not fit."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     tables = []
     for name, folder in builds.items():
-        runner, figures = slim_deploy(folder, load=load)
+        runner, figures = slim_deploy(folder)
         try:
             table = time_runners({name: runner}, ids, new_tokens=new_tokens, repeats=repeats)
         finally:
-            release(runner, close)
+            release(runner)
         tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
     table = pd.concat(tables)
     eos = tokenizer.eos_token_id

@@ -1,5 +1,4 @@
-"""The one import of the Neuron SDK, and its transformers-5 workaround: NxD's ``pipeline/trace.py`` imports
-``transformers.utils.fx``, which transformers 5 removed; when the import fails on it, a stand-in goes into ``sys.modules``."""
+"""The one import of the Neuron SDK, with a stand-in for the ``transformers.utils.fx`` NxD imports and transformers 5 removed."""
 
 import importlib
 import importlib.util
@@ -23,14 +22,13 @@ FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, f
 
 
 def install_fx_stand_in(modules: dict | None = None) -> bool:
-    """Put a ``transformers.utils.fx`` whose ``HFTracer`` (a ``torch.fx.Tracer``, for NxD's MRO) raises when built in
-    ``modules`` (default ``sys.modules``); False if a real one is already there."""
+    """Put in ``modules`` (default ``sys.modules``) a ``transformers.utils.fx`` whose ``HFTracer`` raises when built;
+    False if one is there."""
     modules = sys.modules if modules is None else modules
     if FX_MODULE in modules:
         return False
 
-    class HFTracer(torch.fx.Tracer):
-        """Stand-in from gemma_nb.neuron.sdk: transformers 5 has no transformers.utils.fx."""
+    class HFTracer(torch.fx.Tracer):  # a Tracer, for the MRO of NxD's HFTracerWrapper
         def __init__(self, *args, **kwargs):
             raise RuntimeError(f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
                                "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
@@ -44,11 +42,6 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
     if parent is not None and not hasattr(parent, "fx"):
         parent.fx = module
     return True
-
-
-def is_fx_problem(error: BaseException) -> bool:  # the transformers-5 ``transformers.utils.fx`` problem
-    name = getattr(error, "name", None) or ""
-    return isinstance(error, ImportError) and (name == FX_MODULE or FX_MODULE in str(error))
 
 
 @dataclass
@@ -89,7 +82,7 @@ def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Cal
                 status.emulated |= bool(getattr(import_module(name), "__emulated__", False))
                 break
             except ImportError as error:
-                if not is_fx_problem(error) or status.fx_problem:
+                if status.fx_problem or not (error.name == FX_MODULE or FX_MODULE in str(error)):
                     status.error = f"import {name}: {type(error).__name__}: {error}"
                     return status
                 status.fx_problem = True
