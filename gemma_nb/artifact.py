@@ -36,10 +36,7 @@ class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
 
 def layer_kv_heads(config) -> list[tuple[int, int]]:
     """Per layer, (KV heads, head_dim) as transformers builds the cache (sliding and full layers differ)."""
-    layers = config.num_hidden_layers
-    heads, dims = get_head_shapes(config)
-    heads = [heads] * layers if isinstance(heads, int) else list(heads)
-    dims = [dims] * layers if isinstance(dims, int) else list(dims)
+    heads, dims = ([v] * config.num_hidden_layers if isinstance(v, int) else list(v) for v in get_head_shapes(config))
     return list(zip(heads, dims))
 
 
