@@ -3,10 +3,9 @@
 
 import hashlib
 import json
-import time
 import zipfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,7 +78,6 @@ class StepRunner:
     dtype: torch.dtype
     shapes: StepShapes
     pad_token_id: int = 0
-    step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
@@ -104,20 +102,14 @@ class StepRunner:
         kv = new_kv_cache(self.kv_shapes, self.dtype)
         padded = torch.full((1, self.shapes.prefill_len), self.pad_token_id, dtype=torch.long)
         padded[:, :prompt] = ids
-        self.step_times_s = []
-        start_time = time.perf_counter()
         # The padding slots past the prompt are overwritten by decode steps before any query attends to them.
         logits = self.prefill(self.weights, kv, self.embed(padded), torch.tensor([0]), torch.tensor([prompt - 1]))
         tokens = [int(logits.argmax(-1))]
-        self.step_times_s.append(time.perf_counter() - start_time)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             # The token just generated sits at position prompt + len(tokens) - 1 (transformers' recipe feeds it one further).
-            position = prompt + len(tokens) - 1
-            start_time = time.perf_counter()
-            logits = self.decode(
-                self.weights, kv, self.embed(torch.tensor([[tokens[-1]]])), torch.tensor([position]), torch.tensor([0]))
+            logits = self.decode(self.weights, kv, self.embed(torch.tensor([[tokens[-1]]])),
+                                 torch.tensor([prompt + len(tokens) - 1]), torch.tensor([0]))
             tokens.append(int(logits.argmax(-1)))
-            self.step_times_s.append(time.perf_counter() - start_time)
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 
 
