@@ -201,10 +201,9 @@ def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            found = {}
-            for name in handle.keys():
-                tensor = handle.get_slice(name)
-                found[name] = [list(tensor.get_shape()), _SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())]
+            slices = {name: handle.get_slice(name) for name in handle.keys()}
+            found = {name: [list(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())]
+                     for name, s in slices.items()}
     except SafetensorError as error:
         if "not fully covered" in str(error):
             raise ArtifactError(f"{path.name} is truncated: {size} bytes on disk, its header describes more ({error}); "
@@ -221,7 +220,6 @@ def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str
 @dataclass
 class Artifact:
     """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked against."""
-    folder: Path
     manifest: dict
     programs: dict[str, torch.export.ExportedProgram]
     weights: dict[str, torch.Tensor]
@@ -275,7 +273,7 @@ def load_artifact(folder: str | Path) -> Artifact:
     # memory-mapped: read from disk only when touched
     with safe_open(str(folder / manifest["weights"]["files"][0]), framework="pt") as handle:
         weights = {name: handle.get_tensor(name) for name in manifest["weights"]["tensors"]}
-    return Artifact(folder=folder, manifest=manifest, programs=programs, weights=weights)
+    return Artifact(manifest=manifest, programs=programs, weights=weights)
 
 
 def host_embedding_path(folder: str | Path) -> Path:
