@@ -321,14 +321,12 @@ class QuantizedExperts(SparseExperts):
 class Int8Experts(RoutedExperts):
     """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise (no per-expert loop)."""
 
-    def __init__(self, gate_up, down, act_fn, scales):
-        super().__init__(gate_up, down, act_fn, int8=True, int8_kernel="upcast", scales=scales)
-
     @classmethod
     def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
         """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
         assert experts.fmt == "int8", f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
-        return cls(experts.gate_up_data, experts.down_data, experts.act_fn, scales=(experts.gate_up_scale, experts.down_scale))
+        return cls(experts.gate_up_data, experts.down_data, experts.act_fn, int8=True, int8_kernel="upcast",
+                   scales=(experts.gate_up_scale, experts.down_scale))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
