@@ -42,9 +42,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def module_scale(module: nn.Module) -> torch.Tensor:
     """The scale ``module`` multiplies by, as it does: ``embed_scale.to(weight.dtype)`` (1 for a plain ``nn.Embedding``)."""
     scale = getattr(module, "embed_scale", None)
-    if scale is None:
-        return torch.ones((), dtype=module.weight.dtype)
-    return torch.as_tensor(scale).detach().to(device="cpu", dtype=module.weight.dtype)
+    return torch.as_tensor(1.0 if scale is None else scale).detach().to(device="cpu", dtype=module.weight.dtype)
 
 
 def _as_scale(scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
