@@ -253,14 +253,12 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
-    if module.int8:
-        def kernel(i):
-            for e in ids[i % len(ids)]:
+    def kernel(i):
+        for e in ids[i % len(ids)]:
+            if module.int8:
                 int8_linear(x, module.gate_up_proj[e], module.gate_up_kernel_scale[e], module.gate_up_scale[e])
                 int8_linear(inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e])
-    else:
-        def kernel(i):
-            for e in ids[i % len(ids)]:
+            else:
                 torch.nn.functional.linear(x, module.gate_up_proj[e])
                 torch.nn.functional.linear(inter, module.down_proj[e])
     steps = {f"{prefix}:kernel": kernel,
