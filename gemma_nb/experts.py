@@ -290,16 +290,13 @@ class SparseExperts(RoutedExperts):
         token_of, weight_of = order // top_k, top_k_weights.reshape(-1)[order]
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         out = torch.zeros(tokens, self.hidden_dim, dtype=accumulate_dtype or x.dtype, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        for expert, (rows, weight) in enumerate(zip(token_of.split(counts), weight_of.split(counts))):
+            if len(rows) == 0:
                 continue
-            rows = token_of[start:start + count]
-            y, weight = self.expert_mlp(x[rows], expert), weight_of[start:start + count, None]
+            y, weight = self.expert_mlp(x[rows], expert), weight[:, None]
             if accumulate_dtype is not None:
                 y, weight = y.to(accumulate_dtype), weight.to(accumulate_dtype)
             out.index_add_(0, rows, (y * weight).to(out.dtype))
-            start += count
         return out
 
 
