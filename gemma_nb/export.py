@@ -44,13 +44,8 @@ def set_traceable_experts(model: nn.Module) -> str:
 
 
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer but the host's embedding table (a tied lm_head kept by its name)."""
-    weights = {name: tensor.detach() for name, tensor in model.named_parameters(remove_duplicate=False)}
-    non_persistent = {f"{module_name}.{buffer_name}" if module_name else buffer_name
-                      for module_name, module in model.named_modules()
-                      for buffer_name in getattr(module, "_non_persistent_buffers_set", ())}
-    weights.update((name, tensor.detach()) for name, tensor in model.named_buffers(remove_duplicate=False)
-                   if name not in non_persistent)
+    """The state dict (parameters, persistent buffers) without the host's embedding table; a tied lm_head keeps its name."""
+    weights = dict(model.state_dict())  # torch.export's input spec tells a dict from an OrderedDict
     weights.pop(artifact.HOST_EMBEDDING_KEY, None)
     return weights
 
