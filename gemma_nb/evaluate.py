@@ -98,10 +98,9 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
         out = greedy_generate(model, batch, steps)[:, batch.shape[1]:].tolist()
         for row, i in zip(out, indices):
             generated[i] = row[: len(answers[i])]
-    table = pd.DataFrame({"kind": [getattr(f, "kind", "") for f in facts], "subject": [getattr(f, "subject", "") for f in facts],
-                          "prompt": [f.prompt for f in facts], "expected": [f.answer for f in facts],
-                          "generated": [tokenizer.decode(g) for g in generated],
-                          "correct": [g == a for g, a in zip(generated, answers)]})
+    table = pd.DataFrame([{"kind": getattr(f, "kind", ""), "subject": getattr(f, "subject", ""), "prompt": f.prompt,
+                           "expected": f.answer, "generated": tokenizer.decode(g), "correct": g == a}
+                          for f, g, a in zip(facts, generated, answers)])
     return float(table["correct"].mean()), table
 
 
