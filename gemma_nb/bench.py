@@ -43,8 +43,7 @@ def smoke_timing() -> bool:
 
 
 def _rotated(names: Sequence[str], shift: int) -> list[str]:
-    shift %= len(names)
-    return list(names[shift:]) + list(names[:shift])
+    return [names[(i + shift) % len(names)] for i in range(len(names))]
 
 
 @dataclass
