@@ -251,10 +251,8 @@ def story_decode(config, context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
 
 def context_sensitivity(config, context_lens: Sequence[int]) -> pd.DataFrame:
     """``story_decode``'s dense and sparse tok/s at each KV-cache length, and their ratio."""
-    if not context_lens:
-        raise ValueError("context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)")
-    if bad := [n for n in context_lens if int(n) != n or n < 0]:
-        raise ValueError(f"context_lens {bad} must be whole numbers of tokens >= 0")
+    assert context_lens, "context_lens is empty: give the KV-cache lengths to evaluate, e.g. (0, 512, 4096)"
+    assert all(int(n) == n >= 0 for n in context_lens), f"context_lens {list(context_lens)} must be whole numbers >= 0"
     stories = [story_decode(config, context_len=int(n)) for n in context_lens]
     return pd.DataFrame([{**{key: s[key] for key in ("context_len", "kv_gb_per_token", "dense_tok_s", "sparse_tok_s")},
                           "sparse_vs_dense_x": s["sparse_tok_s"] / s["dense_tok_s"]} for s in stories])
