@@ -175,9 +175,8 @@ def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32,
     ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
     ids = _as_batch(input_ids)
     assert ids.shape[0] == 1, f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
-    prompt_len = ids.shape[1]
-    ref_tokens = greedy_generate(reference, ids, steps)[0, prompt_len:].tolist()
-    cand_tokens = greedy_generate(candidate, ids, steps)[0, prompt_len:].tolist()
+    ref_tokens, cand_tokens = (greedy_generate(model, ids, steps)[0, ids.shape[1]:].tolist()
+                               for model in (reference, candidate))
     first = next((i for i, (r, c) in enumerate(zip(ref_tokens, cand_tokens)) if r != c), None)
     result = {"match": first is None, "first_divergent_step": first, "reference_tokens": ref_tokens,
               "candidate_tokens": cand_tokens}
