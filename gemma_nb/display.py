@@ -1,6 +1,7 @@
 """How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
 tables fit a ~1,000 px JupyterLab page (tests/page_width.py estimates their width)."""
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -58,11 +59,9 @@ def format_cell(value: Any) -> str:
         if value in ("True", "true", "False", "false"):
             return "yes" if value.lower() == "true" else "no"
         return cut_at_eos(value)
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # pd.isna of an array is no truth value
         if pd.isna(value):
             return ""
-    except (TypeError, ValueError):
-        pass
     return cut_at_eos(str(value))
 
 
