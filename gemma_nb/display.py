@@ -91,11 +91,8 @@ def column_formatter(values) -> Callable[[Any], str]:
     if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
         decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
         return _with_specials(lambda v: _scientific(v, decimals))
-    def fixed(value: float, decimals: int) -> str:
-        return f"{value:,.{decimals}f}"
-
-    decimals = _decimals_for(finite, min(wanted, exact), exact, fixed)
-    return _with_specials(lambda v: fixed(v, decimals))
+    decimals = _decimals_for(finite, min(wanted, exact), exact, lambda v, d: f"{v:,.{d}f}")
+    return _with_specials(lambda v: f"{v:,.{decimals}f}")
 
 
 def _missing(value) -> bool:
