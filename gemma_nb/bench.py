@@ -123,6 +123,7 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
 
 def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[float], torch.Tensor]:
     """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
+    model = model if isinstance(model, torch.nn.Module) else model()  # a function returning it: called untimed
     cache = DynamicCache(config=model.config)
     _sync(device)
     token, generated, ms = input_ids, [], []
@@ -147,18 +148,14 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
     ids = (ids[None] if ids.dim() == 1 else ids).to(device)
     assert ids.dim() == 2 and ids.shape[0] == 1, f"input_ids {tuple(ids.shape)}: one prompt [S] or [1, S]"
     names = list(models)
-
-    def prepared(name):
-        return models[name] if isinstance(models[name], torch.nn.Module) else models[name]()
-
     steps, firsts, tokens = [], [], {}
     with torch.inference_mode():
         for name in names:
             for _ in range(warmup):
-                _generate_timed(prepared(name), ids, min(new_tokens, 4), device)
+                _generate_timed(models[name], ids, min(new_tokens, 4), device)
         for repeat in range(repeats):
             for name in _rotated(names, repeat):
-                ttft, decode, out = _generate_timed(prepared(name), ids, new_tokens, device)
+                ttft, decode, out = _generate_timed(models[name], ids, new_tokens, device)
                 if name in tokens and not torch.equal(tokens[name], out.cpu()):
                     raise ValueError(f"candidate {name!r} generated different tokens in repeat {repeat}")
                 tokens[name] = out.cpu()
