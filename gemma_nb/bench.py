@@ -212,11 +212,9 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str =
                 _sync(device)
                 timings[kind].append(time.perf_counter() - start)
     moved = {"read": src.numel() * 2, "copy": 2 * src.numel() * 2}
-    result = {"nbytes": src.numel() * 2, "device": str(device)}
-    for kind, seconds in timings.items():
-        result[f"{kind}_gb_s"] = moved[kind] / min(seconds) / GB
-        result[f"{kind}_gb_s_median"] = moved[kind] / statistics.median(seconds) / GB
-    return result
+    return {"nbytes": src.numel() * 2, "device": str(device),
+            **{f"{kind}_gb_s{suffix}": moved[kind] / statistic(seconds) / GB for kind, seconds in timings.items()
+               for suffix, statistic in (("", min), ("_median", statistics.median))}}
 
 
 def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
