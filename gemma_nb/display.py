@@ -54,11 +54,8 @@ def format_cell(value: Any) -> str:
         return format_float(float(value))
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}" if abs(int(value)) >= 10_000 else str(int(value))
-    if isinstance(value, str):
-        # a boolean that went through str() or JSON on its way into a table reads as a word too
-        if value in ("True", "true", "False", "false"):
-            return "yes" if value.lower() == "true" else "no"
-        return cut_at_eos(value)
+    if isinstance(value, str) and value in ("True", "true", "False", "false"):  # a bool that went through str() or JSON
+        return "yes" if value.lower() == "true" else "no"
     with contextlib.suppress(TypeError, ValueError):  # pd.isna of an array is no truth value
         if pd.isna(value):
             return ""
