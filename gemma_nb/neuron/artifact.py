@@ -48,35 +48,22 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None
     HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(scale)).save(artifact_dir / HOST_EMBEDDING_FILE)
 
 
-def graphs_of(record: dict) -> list[str]:
-    """The graph keys a build holds: ``record["graphs"]``, else those ``build.decode_experts`` names (or the plain pair)."""
-    choice = (record.get("build") or {}).get("decode_experts")
-    default = ["prefill", f"decode_{choice}"] if choice in DECODE_PATHS else ["prefill", "decode"]
-    return list(record["graphs"]) if record.get("graphs") else default
-
-
-def routed_decode_graph(record: dict) -> str:
-    """The decode graph a call with decode shapes reaches (ModelBuilder routes by input shapes), as the record says."""
-    routed = (record.get("routed_graphs") or {}).get("decode")
-    return routed or [g for g in graphs_of(record) if g.startswith("decode")][-1]
-
-
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
     """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
     write_serving_files(model_dir, artifact_dir)
     artifact_dir = Path(artifact_dir)
-    build = record.get("build") or {}
+    build = record["build"]
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": graphs_of(record),
-                "decode_graph": routed_decode_graph(record), "tp_degree": build.get("tp_degree"), "max_len": build.get("max_len"),
-                "bucket": build.get("bucket"), "sdk": record.get("sdk", "Neuron SDK"), "versions": record.get("versions", {}),
-                "files": files}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": list(record["graphs"]),
+                "decode_graph": record["routed_graphs"]["decode"], "tp_degree": build["tp_degree"],
+                "max_len": build["max_len"], "bucket": build["bucket"], "sdk": record["sdk"],
+                "versions": record["versions"], "files": files}
     (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
 class NeuronArtifact(NamedTuple):
-    """A validated artifact folder; ``decode_graph`` is the one a decode step runs (``routed_decode_graph``)."""
+    """A validated artifact folder; ``decode_graph`` is the one ModelBuilder routes a decode step (S = 1) to."""
     folder: Path
     manifest: dict
     record: dict
@@ -102,11 +89,10 @@ def built_artifacts(target: str = "neuron") -> list[Path]:
 
 
 def artifact_labels(folders) -> dict[str, Path]:
-    """Each folder named by its decode graph (``dense``, ``sparse``; plain ``decode`` is dense), empty ones skipped."""
+    """Each folder named by its decode graph (``dense``, ``sparse``), empty ones skipped."""
     labels = {}
     for folder in (f for f in folders if f):
-        graph = read_artifact(folder).decode_graph
-        name = "dense" if graph == "decode" else graph.removeprefix("decode_")
+        name = read_artifact(folder).decode_graph.removeprefix("decode_")
         labels[name if name not in labels else f"{name}_{len(labels) + 1}"] = Path(folder)
     return labels
 
@@ -119,7 +105,7 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
                             "(notebook 04's outputs/neuron/artifacts/04_neuron_dense or _sparse), copied whole to this box")
     if not (folder / MANIFEST).is_file():
         raise ArtifactError(f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
-                            "with gemma_nb.neuron.build.compile_neuron (an older build: rerun finish_artifact on it)")
+                            "with gemma_nb.neuron.build.compile_neuron")
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{folder.name}/{MANIFEST} is format {manifest.get('format')!r} version "

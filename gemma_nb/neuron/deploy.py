@@ -38,15 +38,13 @@ class NeuronStepRunner:
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        ids = ids[None] if ids.dim() == 1 else ids
+        ids = torch.atleast_2d(torch.as_tensor(input_ids, dtype=torch.long))
         prompt = ids.shape[1]
         if prompt > self.bucket:
             raise ValueError(f"prompt of {prompt} tokens exceeds the compiled prefill bucket of {self.bucket}")
         if prompt + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}")
-        padded = torch.full((1, self.bucket), self.pad_token_id, dtype=torch.long)
-        padded[:, :prompt] = ids
+        padded = torch.nn.functional.pad(ids, (0, self.bucket - prompt), value=self.pad_token_id)
         self.step_times_s = []
         start = time.perf_counter()
         # the padding's slots are rewritten by the decode steps before the masks open them to a query
@@ -54,8 +52,7 @@ class NeuronStepRunner:
         self.step_times_s.append(time.perf_counter() - start)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             start = time.perf_counter()
-            position = prompt + len(tokens) - 1
-            tokens.append(int(self.step(torch.tensor([[tokens[-1]]]), [position], 0).argmax(-1)))
+            tokens.append(int(self.step(torch.tensor([[tokens[-1]]]), [prompt + len(tokens) - 1], 0).argmax(-1)))
             self.step_times_s.append(time.perf_counter() - start)
         return torch.cat([ids, torch.tensor([tokens])], dim=1)
 

@@ -13,9 +13,6 @@ from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.sdk import import_sdk
 from gemma_nb.targets import TargetError
 
-# NxD's rule (modules/moe/model_utils.py): selective loading while tokens x top_k / experts < 1.0
-SELECTIVE_LOADING_THRESHOLD = 1.0
-
 
 def import_nxd() -> SimpleNamespace:
     """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install hint."""
@@ -73,8 +70,8 @@ class NeuronSparseExperts(_ExpertMajorExperts):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         tokens, top_k = top_k_index.shape
-        assert tokens * top_k / self.num_experts < SELECTIVE_LOADING_THRESHOLD, \
-            f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: a decode path"
+        assert tokens * top_k < self.num_experts, \
+            f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: a decode path (NxD's rule)"
         rows = []
         for token in range(tokens):  # as NxD's forward_selective_loading: one gather per token
             outputs = self._experts(hidden_states[token: token + 1], expert_indices=top_k_index[token])  # [K, 1, H]
