@@ -41,7 +41,6 @@ NotebookResult = namedtuple("NotebookResult", "name seconds")
 
 
 def discover_notebooks(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Path]:
-    """``NN_name.ipynb`` files in story order."""
     found = sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
     if not found:
         raise RunError(f"no notebooks named NN_*.ipynb in {display_path(notebooks_dir)}")
