@@ -44,8 +44,6 @@ log = logging.getLogger("gemma_nb.serve")
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics, in a registry of their own (one per app)."""
-
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("gemma_nb_requests", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r)
@@ -64,8 +62,6 @@ class ServerMetrics:
 
 
 class Engine:
-    """The served model: its runtime, a device thread, a CPU pool, the queue slots, the turn at the device."""
-
     def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
                  slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
         assert queue_size >= 1, "queue_size counts the generating request"
@@ -115,7 +111,6 @@ class Engine:
                 acquire.add_done_callback(lambda done: done.cancelled() or self._turn.release())
 
     async def steps(self, request: Request, generation: Generation, arrival: float) -> AsyncIterator[Step]:
-        """Wait for the device, then run ``generation`` one token per step, until it ends or the client leaves."""
         turn, previous, failed = False, arrival, False
         try:
             turn = await self._wait_turn(request)
@@ -149,7 +144,6 @@ class Engine:
         return self.runtime
 
     def generation(self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options) -> Generation:
-        """The request's ``Generation``, after checking the prompt and ``max_tokens`` against the context."""
         context, count, longest = runtime.max_context, len(ids), getattr(runtime, "max_prompt_tokens", None)
         if count == 0:
             raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")

@@ -193,7 +193,6 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
 
 
 def _format_header(report: dict) -> list[str]:
-    """The model, its allowance and notes, the groups' bytes per rank, each instance's verdict."""
     params, allowance = report["params"], report["runtime_allowance"]
     lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
              f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
@@ -223,7 +222,6 @@ def _format_header(report: dict) -> list[str]:
 
 
 def _format_decode_and_verdict(report: dict) -> list[str]:
-    """Each instance's decode roofline, then the verdict on the chosen instance and the host RAM."""
     basis = report["decode"]
     lines = [f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
              f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",

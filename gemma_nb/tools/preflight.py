@@ -10,7 +10,6 @@ import sys
 from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import psutil
@@ -19,6 +18,7 @@ from gemma_nb import memory
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
 from gemma_nb.neuron.artifact import ArtifactError, read_artifact
+from gemma_nb.neuron.build import package_versions
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 from gemma_nb.tools import plan as planner
@@ -32,13 +32,6 @@ HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Check = namedtuple("Check", "name status detail fix", defaults=("",))  # status: OK, WARN, FAIL or SKIP
 
-def _version(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def _neuron_ls() -> str | None:  # None: the tool is not installed
     if shutil.which("neuron-ls") is None:
         return None
@@ -51,7 +44,7 @@ class System:
     """The machine's answers; tests pass fakes."""
 
     check_sdk: Callable = lambda: neuron_sdk.check_sdk()
-    package_version: Callable[[str], str | None] = _version
+    package_version: Callable[[str], str | None] = lambda name: package_versions([name])[name]
     neuron_ls: Callable[[], str | None] = _neuron_ls
     memory: Callable[[], tuple[int, int]] = lambda: (psutil.virtual_memory().total, psutil.swap_memory().total)
     process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss

@@ -13,6 +13,7 @@ import sys
 import time
 from collections import namedtuple
 from pathlib import Path
+from unittest import mock
 
 import nbformat
 import papermill
@@ -40,7 +41,6 @@ NotebookResult = namedtuple("NotebookResult", "name seconds")
 
 
 def discover_notebooks(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Path]:
-    """``NN_name.ipynb`` files in story order."""
     found = sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
     if not found:
         raise RunError(f"no notebooks named NN_*.ipynb in {display_path(notebooks_dir)}")
@@ -168,13 +168,11 @@ def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | N
     final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
     staging, failed = _staging_for(final, keep_previous=bool(only))
     kernels = dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}  # cpu pins, x86-64 only
-    kernel_env = {OUTPUT_DIR_ENV: str(staging), **kernels}  # the kernels inherit it
-    previous_env = {name: os.environ.get(name) for name in kernel_env}
-    os.environ.update(kernel_env)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
-                   for number in range(1, len(selected) + 1)]
+        with mock.patch.dict(os.environ, {OUTPUT_DIR_ENV: str(staging), **kernels}):  # the kernels inherit it
+            results = [_execute_step(number, selected, staging, failed, final, target, parameters, progress)
+                       for number in range(1, len(selected) + 1)]
         notebooks = {path.stem: json.loads(path.read_text()) for path in sorted((staging / "metrics").glob("*.json"))}
         summary = {"target": target, "kernels": kernels, "notebooks": notebooks}
         write_json_atomic(staging / "summary.json", summary)  # every metrics/*.json in one file
@@ -190,11 +188,6 @@ def run(target: str = "cpu", only: str | None = None, output_dir: Path | str | N
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        for name, value in previous_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return results
 
 

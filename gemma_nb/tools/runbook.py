@@ -89,7 +89,6 @@ def figures() -> dict:
 
 
 def render() -> str:
-    """docs/inf2.md: the template ``runbook.md`` filled with ``figures()`` and ``COMMANDS``."""
     blocks = {f"block_{step}": "\n".join(f"    {line}" for line in lines) for step, lines in COMMANDS.items()}
     return TEMPLATE.read_text().format(**figures(), **blocks, COMPILE_BOX=COMPILE_BOX, SERVE_BOX=SERVE_BOX, DLAMI=DLAMI,
                                        OUTPUTS=OUTPUTS, artifact_dense=ARTIFACT_DIRS["dense"],
