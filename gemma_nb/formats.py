@@ -18,15 +18,11 @@ INT8_MIN_SCALE = 1e-8
 
 
 def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8 as the port quantized its experts, shared MLP and lm_head: ``scale = max(absmax(row) / 127,
+    """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head, ``scale = max(absmax(row) / 127,
     1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
-    assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
+    quantized = quantize(weight, "int8", name)
     assert axis % weight.dim() == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
-    absmax = weight.float().abs().amax(dim=-1, keepdim=True)
-    _check_absmax(absmax, weight.detach().reshape(-1, weight.shape[-1]), name, 0)
-    scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
-    q = torch.round(weight.float() / scale).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
-    return q, scale
+    return quantized.data, quantized.scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -29,7 +29,6 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
-        """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
         quantized = quantize(weight, "int8", name=name)
         return cls(quantized.data, quantized.scale)
 
