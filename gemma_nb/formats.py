@@ -73,16 +73,12 @@ PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
 QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")}
 
 
-def get_format(dtype: str) -> WeightFormat:
-    if dtype not in FORMATS:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
-    return FORMATS[dtype]
-
-
-def weight_format(fmt: str) -> WeightFormat:
-    if fmt not in QUANTIZED_FORMATS:
-        raise ValueError(f"weight format {fmt!r} is not one of {', '.join(QUANTIZED_FORMATS)}")
-    return QUANTIZED_FORMATS[fmt]
+def get_format(dtype: str, quantized: bool = False) -> WeightFormat:
+    """The format named ``dtype`` (``quantized``: one of ``QUANTIZED_FORMATS``); else ValueError naming the known ones."""
+    known, what = (QUANTIZED_FORMATS, "weight format") if quantized else (FORMATS, "dtype")
+    if dtype not in known:
+        raise ValueError(f"{what} {dtype!r} is not one of {', '.join(known)}")
+    return known[dtype]
 
 
 def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
@@ -123,7 +119,7 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     name: str = "weight"
 
-    format = property(lambda self: weight_format(self.fmt))
+    format = property(lambda self: get_format(self.fmt, quantized=True))
     nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
                                        if t is not None))
 
@@ -222,7 +218,7 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
     """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
     ValueError naming ``name``; all-zero rows dequantize to zero."""
-    spec = weight_format(fmt)
+    spec = get_format(fmt, quantized=True)
     assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
     shape, cols = tuple(weight.shape), weight.shape[-1]
     padded = cols if spec.block_size is None else -(-cols // spec.block_size) * spec.block_size

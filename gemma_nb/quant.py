@@ -83,7 +83,7 @@ def resolve_scheme(scheme) -> dict[str, str]:
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
     for group, fmt in resolved.items():
         assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
-        formats.weight_format(fmt)
+        formats.get_format(fmt, quantized=True)
     return resolved
 
 
