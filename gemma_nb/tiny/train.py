@@ -13,6 +13,7 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig
 
 from gemma_nb.evaluate import fact_recall
@@ -42,13 +43,8 @@ class TrainArgs:
 def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    rows = [tokenizer(f.sentence).input_ids + [eos_id] for f in FACTS]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = labels[i, : len(row)] = torch.tensor(row)
-    return input_ids, labels
+    rows = [torch.tensor(tokenizer(f.sentence).input_ids + [eos_id]) for f in FACTS]
+    return tuple(pad_sequence(rows, batch_first=True, padding_value=value) for value in (tokenizer.pad_token_id, -100))
 
 
 class RouterBalance:
