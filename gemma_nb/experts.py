@@ -23,13 +23,12 @@ def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  num_experts: int, hidden_dim: int) -> None:
+def check_routing(hidden_states, top_k_index: torch.Tensor, top_k_weights, num_experts: int, hidden_dim: int) -> None:
     """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
     tokens, top_k = top_k_index.shape
-    assert hidden_states.shape == (tokens, hidden_dim), (
-        f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]")
-    assert top_k_weights.shape == top_k_index.shape, f"top_k_weights {tuple(top_k_weights.shape)} != {tuple(top_k_index.shape)}"
+    assert hidden_states.shape == (tokens, hidden_dim) and top_k_weights.shape == top_k_index.shape, (
+        f"hidden_states {tuple(hidden_states.shape)} and top_k_weights {tuple(top_k_weights.shape)}: "
+        f"want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]")
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
         assert 0 <= int(top_k_index.min()) and int(top_k_index.max()) < num_experts, f"expert ids outside [0, {num_experts})"
