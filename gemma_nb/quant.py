@@ -127,11 +127,8 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
         params = stored = 0
         errors = []  # (quantization_error, sum of the weight's squares) per tensor
         for pairs, nbytes in _quantize_group(model, layers, group, fmt):
-            stored += nbytes
-            for weight, quantized in pairs:
-                params += weight.numel()
-                if measure_error:
-                    errors.append((quantization_error(weight, quantized), float(weight.float().square().sum())))
+            stored, params = stored + nbytes, params + sum(weight.numel() for weight, _ in pairs)
+            errors += [(quantization_error(w, q), float(w.float().square().sum())) for w, q in pairs if measure_error]
         rel_error = max_abs_error = float("nan")
         if measure_error:
             diff_sq, ref_sq = sum(e["rel_error"] ** 2 * sq for e, sq in errors), sum(sq for _, sq in errors)
