@@ -226,26 +226,23 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
         rows_view = weight.detach().reshape(-1, cols)
         rows_per_matrix, chunk_rows = shape[-2], max(1, CHUNK_ELEMENTS // max(cols, 1))
         starts = range(0, rows_view.shape[0], chunk_rows)
-        global_scale = None
+        global_scale = row_global = None
         if spec.per_tensor_scale:
             row_absmax = torch.cat([rows_view[i:i + chunk_rows].float().abs().amax(dim=-1) for i in starts])
             _check_absmax(row_absmax, rows_view, name, 0)
             matrix_absmax = row_absmax.view(-1, rows_per_matrix).amax(dim=-1)
             # NVFP4: the largest element maps to 6 x 448, the top of E2M1 x e4m3
             global_scale = torch.where(matrix_absmax > 0, matrix_absmax / (FP4_E2M1_MAX * FP8_E4M3_MAX), 1.0)
+            row_global = global_scale.repeat_interleave(rows_per_matrix).unsqueeze(-1)  # [rows, 1]
         pieces = []
         for start in starts:
             rows = rows_view[start:start + chunk_rows]
             # a fresh fp32 copy (never a view of the caller's weight), zero-padded to whole blocks
             chunk = rows.to(torch.float32, copy=True) if padded == cols else F.pad(rows.float(), (0, padded - cols))
-            chunk_global = None
-            if global_scale is not None:
-                matrix = torch.arange(start, start + chunk.shape[0], device=chunk.device) // rows_per_matrix
-                chunk_global = global_scale[matrix].unsqueeze(-1)
+            chunk_global = None if row_global is None else row_global[start:start + chunk_rows]
             pieces.append(_quantize_rows(chunk, spec, chunk_global, name, start))
         data, scale = (torch.cat(part).reshape(*shape[:-1], -1) for part in zip(*pieces))
-        if global_scale is not None:
-            global_scale = global_scale.reshape(*shape[:-2], 1, 1)
+        global_scale = None if global_scale is None else global_scale.reshape(*shape[:-2], 1, 1)
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)
 
 
