@@ -90,12 +90,9 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
         return math.prod(dims) * fmt.element_bits // 8
     assert len(dims) >= 2, f"{dtype} stores matrices [out, in], got shape {dims}"
     *stack, out, inp = dims
-    scale_bytes = fmt.scale_dtype.itemsize  # per output row (int8, fp8) or per block (fp4)
-    if fmt.block_size:
-        blocks = -(-inp // fmt.block_size)
-        row_bytes = blocks * (fmt.block_size * fmt.element_bits // 8 + scale_bytes)
-    else:
-        row_bytes = inp * fmt.element_bits // 8 + scale_bytes
+    block = fmt.block_size or inp  # a scale per block (fp4) or per output row (int8, fp8)
+    blocks = -(-inp // block) if fmt.block_size else 1
+    row_bytes = blocks * (block * fmt.element_bits // 8 + fmt.scale_dtype.itemsize)
     return math.prod(stack) * (out * row_bytes + (4 if fmt.per_tensor_scale else 0))  # NVFP4: an fp32 scale per matrix
 
 
