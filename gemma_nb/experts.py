@@ -65,7 +65,6 @@ def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tenso
 
 
 def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
-    """``tensor`` as a frozen parameter sharing its storage (itself if it already is one)."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
