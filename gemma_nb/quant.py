@@ -29,8 +29,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
-        quantized = quantize(weight, "int8", name=name)
-        return cls(quantized.data, quantized.scale)
+        return cls(*formats.quantize_int8_per_channel(weight, name=name))
 
     quantized = property(lambda self: QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape),
                                                       name="int8_linear"))  # the same weight, sharing storage
@@ -64,9 +63,7 @@ class QuantizedLinear(nn.Module):
 
 
 def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn.Module:
-    if fmt == "int8":
-        return Int8Linear.from_weight(weight, name=name)
-    return QuantizedLinear(quantize(weight, fmt, name=name))
+    return Int8Linear.from_weight(weight, name) if fmt == "int8" else QuantizedLinear(quantize(weight, fmt, name=name))
 
 
 GROUPS = ("experts", "shared_mlp", "attention", "lm_head")
