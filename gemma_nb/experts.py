@@ -43,11 +43,9 @@ def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``, contiguous,
     32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall back too)."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % INT8PACK_K_MULTIPLE:
-        return False
-    if not (x.is_contiguous() and q.is_contiguous()) or (x.storage_offset() * x.element_size()) % INT8PACK_ALIGN_BYTES:
-        return False
-    return _is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % INT8PACK_K_MULTIPLE == 0
+            and x.is_contiguous() and q.is_contiguous() and x.storage_offset() * x.element_size() % INT8PACK_ALIGN_BYTES == 0
+            and (_is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0))
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
