@@ -131,11 +131,8 @@ class RoutedExperts(nn.Module):
     gate_up = property(lambda self: registered_quantized(self, "gate_up"))  # QuantizedTensor, as are down's
     down = property(lambda self: registered_quantized(self, "down"))
 
-    @property
-    def fmt(self) -> str:
-        if self.weights == "quantized":
-            return self.gate_up.fmt
-        return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
+    fmt = property(lambda self: self.gate_up.fmt if self.weights == "quantized" else "int8" if self.int8
+                   else str(self.gate_up_proj.dtype).removeprefix("torch."))
 
     # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
     weight_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values()))
