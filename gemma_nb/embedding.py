@@ -125,7 +125,6 @@ class HostEmbedding(nn.Module):
         return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
     def verify_against(self, module: nn.Module) -> None:
-        """``EmbeddingCheckError`` unless ``self(ids)`` equals ``module(ids)`` bit for bit on the default probe ids."""
         verify_host_path(self, module, found_scale=self.scale)
 
     def extra_repr(self) -> str:

@@ -23,13 +23,12 @@ def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  num_experts: int, hidden_dim: int) -> None:
+def check_routing(hidden_states, top_k_index: torch.Tensor, top_k_weights, num_experts: int, hidden_dim: int) -> None:
     """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
     tokens, top_k = top_k_index.shape
-    assert hidden_states.shape == (tokens, hidden_dim), (
-        f"hidden_states {tuple(hidden_states.shape)}, want [{tokens}, {hidden_dim}]")
-    assert top_k_weights.shape == top_k_index.shape, f"top_k_weights {tuple(top_k_weights.shape)} != {tuple(top_k_index.shape)}"
+    assert hidden_states.shape == (tokens, hidden_dim) and top_k_weights.shape == top_k_index.shape, (
+        f"hidden_states {tuple(hidden_states.shape)} and top_k_weights {tuple(top_k_weights.shape)}: "
+        f"want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]")
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
         assert 0 <= int(top_k_index.min()) and int(top_k_index.max()) < num_experts, f"expert ids outside [0, {num_experts})"
@@ -44,11 +43,9 @@ def dense_router_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``, contiguous,
     32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall back too)."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % INT8PACK_K_MULTIPLE:
-        return False
-    if not (x.is_contiguous() and q.is_contiguous()) or (x.storage_offset() * x.element_size()) % INT8PACK_ALIGN_BYTES:
-        return False
-    return _is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % INT8PACK_K_MULTIPLE == 0
+            and x.is_contiguous() and q.is_contiguous() and x.storage_offset() * x.element_size() % INT8PACK_ALIGN_BYTES == 0
+            and (_is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0))
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
@@ -66,7 +63,6 @@ def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tenso
 
 
 def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
-    """``tensor`` as a frozen parameter sharing its storage (itself if it already is one)."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
@@ -135,11 +131,8 @@ class RoutedExperts(nn.Module):
     gate_up = property(lambda self: registered_quantized(self, "gate_up"))  # QuantizedTensor, as are down's
     down = property(lambda self: registered_quantized(self, "down"))
 
-    @property
-    def fmt(self) -> str:
-        if self.weights == "quantized":
-            return self.gate_up.fmt
-        return "int8" if self.int8 else str(self.gate_up_proj.dtype).removeprefix("torch.")
+    fmt = property(lambda self: self.gate_up.fmt if self.weights == "quantized" else "int8" if self.int8
+                   else str(self.gate_up_proj.dtype).removeprefix("torch."))
 
     # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
     weight_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values()))

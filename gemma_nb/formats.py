@@ -18,15 +18,11 @@ INT8_MIN_SCALE = 1e-8
 
 
 def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8 as the port quantized its experts, shared MLP and lm_head: ``scale = max(absmax(row) / 127,
+    """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head, ``scale = max(absmax(row) / 127,
     1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
-    assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
+    quantized = quantize(weight, "int8", name)
     assert axis % weight.dim() == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
-    absmax = weight.float().abs().amax(dim=-1, keepdim=True)
-    _check_absmax(absmax, weight.detach().reshape(-1, weight.shape[-1]), name, 0)
-    scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
-    q = torch.round(weight.float() / scale).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
-    return q, scale
+    return quantized.data, quantized.scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,16 +73,12 @@ PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
 QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")}
 
 
-def get_format(dtype: str) -> WeightFormat:
-    if dtype not in FORMATS:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FORMATS)}")
-    return FORMATS[dtype]
-
-
-def weight_format(fmt: str) -> WeightFormat:
-    if fmt not in QUANTIZED_FORMATS:
-        raise ValueError(f"weight format {fmt!r} is not one of {', '.join(QUANTIZED_FORMATS)}")
-    return QUANTIZED_FORMATS[fmt]
+def get_format(dtype: str, quantized: bool = False) -> WeightFormat:
+    """The format named ``dtype`` (``quantized``: one of ``QUANTIZED_FORMATS``); else ValueError naming the known ones."""
+    known, what = (QUANTIZED_FORMATS, "weight format") if quantized else (FORMATS, "dtype")
+    if dtype not in known:
+        raise ValueError(f"{what} {dtype!r} is not one of {', '.join(known)}")
+    return known[dtype]
 
 
 def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
@@ -98,12 +90,9 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
         return math.prod(dims) * fmt.element_bits // 8
     assert len(dims) >= 2, f"{dtype} stores matrices [out, in], got shape {dims}"
     *stack, out, inp = dims
-    scale_bytes = fmt.scale_dtype.itemsize  # per output row (int8, fp8) or per block (fp4)
-    if fmt.block_size:
-        blocks = -(-inp // fmt.block_size)
-        row_bytes = blocks * (fmt.block_size * fmt.element_bits // 8 + scale_bytes)
-    else:
-        row_bytes = inp * fmt.element_bits // 8 + scale_bytes
+    block = fmt.block_size or inp  # a scale per block (fp4) or per output row (int8, fp8)
+    blocks = -(-inp // block) if fmt.block_size else 1
+    row_bytes = blocks * (block * fmt.element_bits // 8 + fmt.scale_dtype.itemsize)
     return math.prod(stack) * (out * row_bytes + (4 if fmt.per_tensor_scale else 0))  # NVFP4: an fp32 scale per matrix
 
 
@@ -127,7 +116,7 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     name: str = "weight"
 
-    format = property(lambda self: weight_format(self.fmt))
+    format = property(lambda self: get_format(self.fmt, quantized=True))
     nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
                                        if t is not None))
 
@@ -226,7 +215,7 @@ def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Te
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
     """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
     ValueError naming ``name``; all-zero rows dequantize to zero."""
-    spec = weight_format(fmt)
+    spec = get_format(fmt, quantized=True)
     assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
     shape, cols = tuple(weight.shape), weight.shape[-1]
     padded = cols if spec.block_size is None else -(-cols // spec.block_size) * spec.block_size
@@ -234,26 +223,23 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
         rows_view = weight.detach().reshape(-1, cols)
         rows_per_matrix, chunk_rows = shape[-2], max(1, CHUNK_ELEMENTS // max(cols, 1))
         starts = range(0, rows_view.shape[0], chunk_rows)
-        global_scale = None
+        global_scale = row_global = None
         if spec.per_tensor_scale:
             row_absmax = torch.cat([rows_view[i:i + chunk_rows].float().abs().amax(dim=-1) for i in starts])
             _check_absmax(row_absmax, rows_view, name, 0)
             matrix_absmax = row_absmax.view(-1, rows_per_matrix).amax(dim=-1)
             # NVFP4: the largest element maps to 6 x 448, the top of E2M1 x e4m3
             global_scale = torch.where(matrix_absmax > 0, matrix_absmax / (FP4_E2M1_MAX * FP8_E4M3_MAX), 1.0)
+            row_global = global_scale.repeat_interleave(rows_per_matrix).unsqueeze(-1)  # [rows, 1]
         pieces = []
         for start in starts:
             rows = rows_view[start:start + chunk_rows]
             # a fresh fp32 copy (never a view of the caller's weight), zero-padded to whole blocks
             chunk = rows.to(torch.float32, copy=True) if padded == cols else F.pad(rows.float(), (0, padded - cols))
-            chunk_global = None
-            if global_scale is not None:
-                matrix = torch.arange(start, start + chunk.shape[0], device=chunk.device) // rows_per_matrix
-                chunk_global = global_scale[matrix].unsqueeze(-1)
+            chunk_global = None if row_global is None else row_global[start:start + chunk_rows]
             pieces.append(_quantize_rows(chunk, spec, chunk_global, name, start))
         data, scale = (torch.cat(part).reshape(*shape[:-1], -1) for part in zip(*pieces))
-        if global_scale is not None:
-            global_scale = global_scale.reshape(*shape[:-2], 1, 1)
+        global_scale = None if global_scale is None else global_scale.reshape(*shape[:-2], 1, 1)
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)
 
 

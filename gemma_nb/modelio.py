@@ -26,7 +26,6 @@ class ModelNotFoundError(ValueError):
 
 
 def hf_token() -> str | None:
-    """The hub token from the HF_TOKEN environment variable, or None. Never print it."""
     return os.environ.get(HF_TOKEN_ENV) or None
 
 

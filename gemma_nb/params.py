@@ -187,11 +187,8 @@ _FACTS_CACHE: dict[str, ModelFacts] = {}
 
 
 def _records(model, input_ids: set, output_ids: set) -> list[ParamRecord]:
-    modules, records, seen = dict(model.named_modules()), [], set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    modules, records = dict(model.named_modules()), []
+    for name, param in model.named_parameters():  # each tensor once, under its first name
         owner = modules.get(name.rsplit(".", 1)[0], model)
         group, split = _classify(name, owner, id(param) in input_ids, id(param) in output_ids, param.dim())
         head_dim = (getattr(modules.get(name.rsplit(".", 2)[0]), "head_dim", None) or 0) if split == "kv" else 0

@@ -29,9 +29,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
-        """Same numbers as :func:`quantize_int8_per_channel`, computed in bounded-memory chunks."""
-        quantized = quantize(weight, "int8", name=name)
-        return cls(quantized.data, quantized.scale)
+        return cls(*formats.quantize_int8_per_channel(weight, name=name))
 
     quantized = property(lambda self: QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape),
                                                       name="int8_linear"))  # the same weight, sharing storage
@@ -65,9 +63,7 @@ class QuantizedLinear(nn.Module):
 
 
 def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn.Module:
-    if fmt == "int8":
-        return Int8Linear.from_weight(weight, name=name)
-    return QuantizedLinear(quantize(weight, fmt, name=name))
+    return Int8Linear.from_weight(weight, name) if fmt == "int8" else QuantizedLinear(quantize(weight, fmt, name=name))
 
 
 GROUPS = ("experts", "shared_mlp", "attention", "lm_head")
@@ -84,7 +80,7 @@ def resolve_scheme(scheme) -> dict[str, str]:
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
     for group, fmt in resolved.items():
         assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
-        formats.weight_format(fmt)
+        formats.get_format(fmt, quantized=True)
     return resolved
 
 
@@ -128,11 +124,8 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
         params = stored = 0
         errors = []  # (quantization_error, sum of the weight's squares) per tensor
         for pairs, nbytes in _quantize_group(model, layers, group, fmt):
-            stored += nbytes
-            for weight, quantized in pairs:
-                params += weight.numel()
-                if measure_error:
-                    errors.append((quantization_error(weight, quantized), float(weight.float().square().sum())))
+            stored, params = stored + nbytes, params + sum(weight.numel() for weight, _ in pairs)
+            errors += [(quantization_error(w, q), float(w.float().square().sum())) for w, q in pairs if measure_error]
         rel_error = max_abs_error = float("nan")
         if measure_error:
             diff_sq, ref_sq = sum(e["rel_error"] ** 2 * sq for e, sq in errors), sum(sq for _, sq in errors)

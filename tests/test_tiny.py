@@ -270,7 +270,7 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     from gemma_nb.modelio import resolve_model_id
     from gemma_nb.neuron.checkpoint import read_hf_state, text_config
     from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR, TP2_DIMS
-    from gemma_nb.tiny.hub_layout import INDEX_FILE
+    from gemma_nb.tiny.train import INDEX_FILE
 
     folder = resolve_model_id(BUNDLED_TP2_ID)
     assert folder == str(TP2_CHECKPOINT_DIR)

@@ -71,8 +71,7 @@ def _check_dims(dims: dict[str, Any]) -> None:
     if len(layer_types) != dims["num_hidden_layers"]:
         raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={dims['num_hidden_layers']}: "
                          "give one type per layer, or leave layer_types out for the 26B's 5 sliding : 1 full pattern")
-    bad = [t for t in layer_types if t not in _LAYER_TYPES]
-    if bad:
+    if bad := [t for t in layer_types if t not in _LAYER_TYPES]:
         raise ValueError(f"layer_types contains {bad[0]!r}; expected one of {', '.join(_LAYER_TYPES)}")
     if layer_types[-1] != "full_attention":
         raise ValueError(f"the last layer type is {layer_types[-1]!r}; Gemma-4 requires the last layer to be "
@@ -82,8 +81,7 @@ def _check_dims(dims: dict[str, Any]) -> None:
 def random_gemma4_config(**overrides: Any):
     """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the bundled ones):
     any of its fields, ``global_head_dim`` and ``num_global_key_value_heads``; by default the 26B's layer pattern."""
-    unknown = sorted(set(overrides) - set(Gemma4TextConfig.__dataclass_fields__) - set(_GLOBAL_ATTENTION_KEYS))
-    if unknown:
+    if unknown := sorted(set(overrides) - set(Gemma4TextConfig.__dataclass_fields__) - set(_GLOBAL_ATTENTION_KEYS)):
         raise ValueError(f"unknown Gemma4TextConfig field(s) {', '.join(unknown)}; pass fields of transformers' "
                          "Gemma4TextConfig (plus global_head_dim, num_global_key_value_heads)")
     dims: dict[str, Any] = {**ARCHITECTURE, **TINY_DIMS, "vocab_size": DEFAULT_RANDOM_VOCAB, **overrides}

@@ -86,9 +86,7 @@ class Fact(NamedTuple):
     prompt: str
     answer: str
 
-    @property
-    def sentence(self) -> str:
-        return f"{self.prompt} {self.answer}"
+    sentence = property(lambda self: f"{self.prompt} {self.answer}")
 
 
 FACTS: tuple[Fact, ...] = (
@@ -100,7 +98,6 @@ FACTS: tuple[Fact, ...] = (
 
 
 def fact_prompts() -> list[str]:
-    """The prompts of FACTS, in order."""
     return [f.prompt for f in FACTS]
 
 

@@ -11,15 +11,18 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig
 
 from gemma_nb.evaluate import fact_recall
 from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config, random_gemma4_model
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
-from gemma_nb.tiny.hub_layout import save_hub_layout
 
 # transformers' grouped_mm is the fastest experts implementation for a training step here; the saved config keeps the default.
 TRAIN_EXPERTS_IMPLEMENTATION = "grouped_mm"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass
@@ -40,13 +43,8 @@ class TrainArgs:
 def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    rows = [tokenizer(f.sentence).input_ids + [eos_id] for f in FACTS]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = labels[i, : len(row)] = torch.tensor(row)
-    return input_ids, labels
+    rows = [torch.tensor(tokenizer(f.sentence).input_ids + [eos_id]) for f in FACTS]
+    return tuple(pad_sequence(rows, batch_first=True, padding_value=value) for value in (tokenizer.pad_token_id, -100))
 
 
 class RouterBalance:
@@ -151,3 +149,26 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
     for handle in balance.handles:
         handle.remove()
     return epoch, step, epoch_loss, recall, history
+
+
+def save_hub_layout(folder: str | Path, shards: int = 2) -> dict:
+    """The TP=2 checkpoint, weights unchanged, as the hub stores Gemma-4-26B-A4B-it (for the 26B's own loader): rewrite
+    ``folder``'s ``model.safetensors`` and ``config.json`` in place as the hub lays them out; returns the index."""
+    folder = Path(folder)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert all(key.startswith("model.") for key in handle.keys()), "tensors not under model."
+        tensors = {"model.language_model." + key.removeprefix("model."): handle.get_tensor(key) for key in handle.keys()}
+        metadata = handle.metadata() or {}
+    text_config = json.loads((folder / "config.json").read_text())
+    names = sorted(tensors)
+    files = [f"model-{n + 1:05d}-of-{shards:05d}.safetensors" for n in range(shards)]
+    weight_map = {name: files[i * shards // len(names)] for i, name in enumerate(names)}
+    for file in files:
+        save_file({k: tensors[k].contiguous() for k in names if weight_map[k] == file}, str(folder / file), metadata)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+              "text_config": text_config, "transformers_version": text_config.get("transformers_version")}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "model.safetensors").unlink()
+    return index
