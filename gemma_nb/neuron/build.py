@@ -4,7 +4,7 @@ The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemm
 import json
 import time
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import distributions
 from pathlib import Path
 
 import torch
@@ -281,11 +281,5 @@ def sdk_label(sdk) -> str:
     return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
 
 
-def package_versions(packages) -> dict:  # None where not installed
-    found = {}
-    for package in packages:
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
+def package_versions(packages) -> dict:  # None where not installed; the first found, as importlib.metadata.version
+    return {package: next((dist.version for dist in distributions(name=package)), None) for package in packages}

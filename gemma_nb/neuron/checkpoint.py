@@ -17,17 +17,17 @@ def text_key(key: str) -> str | None:
 
 def read_hf_state(model_dir: str | Path, only=None) -> dict:
     """The text tensors of a HF checkpoint folder in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks those read."""
-    state = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model")
+    state, names = {}, set()
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                name = text_key(key)
+                names.add(name := text_key(key))
                 if name is not None and (only is None or only(name)):
                     state[name] = handle.get_tensor(key)
-    if only is None and "model.embed_tokens.weight" not in state:
+    if "model.embed_tokens.weight" not in names:
         raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
     return state
 

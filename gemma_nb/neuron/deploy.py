@@ -45,16 +45,14 @@ class NeuronStepRunner:
         if prompt + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}")
         padded = torch.nn.functional.pad(ids, (0, self.bucket - prompt), value=self.pad_token_id)
-        self.step_times_s = []
-        start = time.perf_counter()
-        # the padding's slots are rewritten by the decode steps before the masks open them to a query
-        tokens = [int(self.step(padded, list(range(self.bucket)), prompt - 1).argmax(-1))]
-        self.step_times_s.append(time.perf_counter() - start)
-        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        # the prefill, then a decode per token: the padding's slots are rewritten before the masks open them to a query
+        inputs, tokens, self.step_times_s = (padded, list(range(self.bucket)), prompt - 1), [], []
+        while len(tokens) < max_new_tokens and eos_token_id not in tokens[-1:]:
             start = time.perf_counter()
-            tokens.append(int(self.step(torch.tensor([[tokens[-1]]]), [prompt + len(tokens) - 1], 0).argmax(-1)))
+            tokens.append(int(self.step(*inputs).argmax(-1)))
             self.step_times_s.append(time.perf_counter() - start)
-        return torch.cat([ids, torch.tensor([tokens])], dim=1)
+            inputs = (torch.tensor([[tokens[-1]]]), [prompt + len(tokens) - 1], 0)
+        return torch.cat([ids, torch.tensor([tokens], dtype=torch.long)], dim=1)
 
 
 def load_artifact(artifact_dir: str | Path):
