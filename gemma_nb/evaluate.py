@@ -46,9 +46,15 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
     ids = _as_batch(input_ids).to(_device_of(model))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    step_fn = _stepper(model)
-    for step in range(max_new_tokens):
-        next_token = step_fn(ids, first=step == 0).argmax(dim=-1)
+    # a causal LM decodes with its KV cache (``past`` once it has run), anything else re-runs on all of ids
+    logits_fn, past = (None, {}) if _is_hf_model(model) else (as_logits_fn(model), None)
+    for _ in range(max_new_tokens):
+        if logits_fn is None:
+            out = model(input_ids=ids[:, -1:] if past else ids, **past, use_cache=True, logits_to_keep=1)
+            past, logits = {"cache": out.cache}, out.logits
+        else:
+            logits = logits_fn(ids)
+        next_token = logits[:, -1].float().argmax(dim=-1)
         if eos_token_id is not None:
             next_token = torch.where(done, torch.full_like(next_token, eos_token_id), next_token)
             done |= next_token == eos_token_id
@@ -62,21 +68,6 @@ def _device_of(model) -> torch.device:
     model = model.model if isinstance(model, CachedLogits) else model
     parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
     return next((parameter.device for parameter in parameters), torch.device("cpu"))
-
-
-def _stepper(model) -> Callable[[torch.Tensor, bool], torch.Tensor]:
-    """``step(ids, first)`` -> next-token logits [B, V] in float: a causal LM with its KV cache, else re-run."""
-    if not _is_hf_model(model):
-        logits_fn = as_logits_fn(model)
-        return lambda ids, first: logits_fn(ids)[:, -1].float()
-    state = {}
-
-    def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
-        past = {} if first else {"cache": state["cache"]}
-        out = model(input_ids=ids if first else ids[:, -1:], **past, use_cache=True, logits_to_keep=1)
-        state["cache"] = out.cache
-        return out.logits[:, -1].float()
-    return step
 
 
 def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]:
@@ -175,8 +166,7 @@ def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32,
     ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
     ids = _as_batch(input_ids)
     assert ids.shape[0] == 1, f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
-    ref_tokens, cand_tokens = (greedy_generate(model, ids, steps)[0, ids.shape[1]:].tolist()
-                               for model in (reference, candidate))
+    ref_tokens, cand_tokens = (greedy_generate(model, ids, steps)[0, ids.shape[1]:].tolist() for model in (reference, candidate))
     first = next((i for i, (r, c) in enumerate(zip(ref_tokens, cand_tokens)) if r != c), None)
     result = {"match": first is None, "first_divergent_step": first, "reference_tokens": ref_tokens,
               "candidate_tokens": cand_tokens}
