@@ -54,21 +54,18 @@ class WeightFormat(NamedTuple):
     quantized = property(lambda f: f.scale_dtype is not None)
 
 
-FORMATS: dict[str, WeightFormat] = {
-    f.name: f
-    for f in (
-        WeightFormat("fp32", 32, "IEEE float32"),
-        WeightFormat("bf16", 16, "bfloat16"),
-        WeightFormat("fp16", 16, "IEEE float16"),
-        WeightFormat("fp8", 8, "float8_e4m3fn, fp32 scale per output row (absmax/448)", scale_dtype=torch.float32),
-        WeightFormat("int8", 8, "symmetric int8, fp32 scale per output row (absmax/127), the port's format",
-                     scale_dtype=torch.float32),
-        WeightFormat("mxfp4", 4, "E2M1, block 32, power-of-two E8M0 scale (uint8 biased exponent), OCP MX",
-                     block_size=32, scale_dtype=torch.uint8),
-        WeightFormat("nvfp4", 4, "E2M1, block 16, e4m3 block scale x fp32 per-tensor scale",
-                     block_size=16, scale_dtype=torch.float8_e4m3fn, per_tensor_scale=True),
-    )
-}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    WeightFormat("fp32", 32, "IEEE float32"),
+    WeightFormat("bf16", 16, "bfloat16"),
+    WeightFormat("fp16", 16, "IEEE float16"),
+    WeightFormat("fp8", 8, "float8_e4m3fn, fp32 scale per output row (absmax/448)", scale_dtype=torch.float32),
+    WeightFormat("int8", 8, "symmetric int8, fp32 scale per output row (absmax/127), the port's format",
+                 scale_dtype=torch.float32),
+    WeightFormat("mxfp4", 4, "E2M1, block 32, power-of-two E8M0 scale (uint8 biased exponent), OCP MX",
+                 block_size=32, scale_dtype=torch.uint8),
+    WeightFormat("nvfp4", 4, "E2M1, block 16, e4m3 block scale x fp32 per-tensor scale",
+                 block_size=16, scale_dtype=torch.float8_e4m3fn, per_tensor_scale=True),
+)}
 PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
 QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")}
 
