@@ -98,9 +98,8 @@ class RoutedExperts(nn.Module):
         if scales is None:
             assert gate_up_proj.dtype.is_floating_point, "int8 weights need scales=(gate_up_scale, down_scale)"
             dtype = compute_dtype or gate_up_proj.dtype
-            gate_up = quantize(gate_up_proj.detach(), "int8", name="gate_up_proj")
-            down = quantize(down_proj.detach(), "int8", name="down_proj")
-            weights, scales = (gate_up.data, down.data), (gate_up.scale, down.scale)
+            pair = [quantize(w.detach(), "int8", name=n) for w, n in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj"))]
+            weights, scales = [q.data for q in pair], [q.scale for q in pair]
         else:
             dtype, weights = compute_dtype or torch.bfloat16, (gate_up_proj, down_proj)
             assert gate_up_proj.dtype == down_proj.dtype == torch.int8
@@ -158,8 +157,7 @@ class RoutedExperts(nn.Module):
         dtype = x.dtype
         hidden = torch.matmul(self.gate_up_proj[top_k_index].to(dtype), x[:, None, :, None])  # [T, K, 2I, 1]
         hidden = gated(scale_rows(hidden, self.gate_up_scale[top_k_index], dtype), self.act_fn, dim=2)  # [T, K, I, 1]
-        out = scale_rows(torch.matmul(self.down_proj[top_k_index].to(dtype), hidden), self.down_scale[top_k_index],
-                         torch.float32)
+        out = scale_rows(torch.matmul(self.down_proj[top_k_index].to(dtype), hidden), self.down_scale[top_k_index], torch.float32)
         return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
 
     def _dense_upcast(self, x, router_weights):
@@ -299,8 +297,7 @@ class QuantizedExperts(SparseExperts):
     @classmethod
     def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts") -> "QuantizedExperts":
         """``experts``' float weights quantized to ``fmt`` (one of ``gemma_nb.formats.QUANTIZED_FORMATS``)."""
-        gate_up = quantize(experts.gate_up_proj, fmt, name=f"{name}.gate_up_proj")
-        down = quantize(experts.down_proj, fmt, name=f"{name}.down_proj")
+        gate_up, down = (quantize(getattr(experts, w), fmt, name=f"{name}.{w}") for w in ("gate_up_proj", "down_proj"))
         return cls(gate_up, down, experts.act_fn)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
