@@ -121,8 +121,7 @@ def _runner(model: nn.Module, prefill, decode, shapes: StepShapes) -> StepRunner
                       shapes=shapes, pad_token_id=model.config.pad_token_id or 0)
 
 
-def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram],
-                    shapes: StepShapes) -> StepRunner:
+def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram], shapes: StepShapes) -> StepRunner:
     """A runner over freshly exported ``programs`` with ``model``'s own weights and embedding."""
     return _runner(model, programs["prefill"].module(), programs["decode"].module(), shapes)
 

@@ -91,8 +91,7 @@ def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor, 
         ref_max = max(float(w.abs().max()) for w in wanted)
         rows = []
         for name, module in modules.items():
-            diff = max(float((module(hidden_states, *route).float() - want).abs().max())
-                       for route, want in zip(routes, wanted))
+            diff = max(float((module(hidden_states, *route).float() - want).abs().max()) for route, want in zip(routes, wanted))
             rows.append({"candidate": name, "max_abs_diff": diff, "ref_max_abs": ref_max,
                          "bf16_ulps": diff / (ref_max * 2.0**-8) if ref_max else float("nan")})
     return pd.DataFrame(rows).set_index("candidate")
