@@ -53,7 +53,7 @@ def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max_cache_len: int):
     """A transformers ``StaticCache`` whose layers write into the caller's ``kv`` tensors."""
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    layers = []
+    cache.layers = []
     for keys, values in zip(kv[0::2], kv[1::2]):
         layer = StaticLayer(max_cache_len)
         layer.device = keys.device
@@ -63,8 +63,7 @@ def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max
         # Each layer advances its own counter in place; a copy keeps the caller's tensor untouched.
         layer.cumulative_length = start.reshape(()).clone()
         layer.is_initialized = True
-        layers.append(layer)
-    cache.layers = layers
+        cache.layers.append(layer)
     return cache
 
 
@@ -107,10 +106,9 @@ def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str
             kv = new_kv_cache(kv_cache_shapes(model.config, shapes.max_cache_len), dtype)
             embeds = torch.zeros(shapes.batch_size, tokens, model.config.hidden_size, dtype=dtype)
             inputs = (weights, kv, embeds, torch.zeros(1, dtype=torch.long), torch.tensor([tokens - 1]))
-            program = torch.export.export(body, inputs, strict=False)
+            program = programs[name] = torch.export.export(body, inputs, strict=False)
             # Export keeps its example inputs (here: every weight) to save them with the program.
             program._example_inputs = None
-            programs[name] = program
     return programs
 
 
