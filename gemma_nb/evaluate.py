@@ -134,7 +134,11 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
     """``candidate``'s next-token logits against ``reference``'s at every position of ``input_ids_batches`` (a LongTensor
     [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff,
     positions."""
-    batches = _batches(input_ids_batches, tokenizer)
+    items = [input_ids_batches] if isinstance(input_ids_batches, torch.Tensor) else list(input_ids_batches)
+    assert items, "input_ids_batches is empty"
+    strings = all(isinstance(item, str) for item in items)
+    assert tokenizer is not None or not strings, "input_ids_batches holds strings: pass tokenizer="
+    batches = prompt_batches(tokenizer, items) if strings else [_as_batch(item) for item in items]
     ref_fn, cand_fn = as_logits_fn(reference), as_logits_fn(candidate)
     agree, kl_sum, max_abs, positions = 0, 0.0, 0.0, 0
     for ids in batches:
@@ -147,17 +151,6 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
     return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs, "positions": positions}
-
-
-def _batches(input_ids_batches, tokenizer) -> list[torch.Tensor]:
-    if isinstance(input_ids_batches, torch.Tensor):
-        return [_as_batch(input_ids_batches)]
-    items = list(input_ids_batches)
-    assert items, "input_ids_batches is empty"
-    if all(isinstance(item, str) for item in items):
-        assert tokenizer is not None, "input_ids_batches holds strings: pass tokenizer="
-        return prompt_batches(tokenizer, items)
-    return [_as_batch(item) for item in items]
 
 
 @torch.inference_mode()
