@@ -75,8 +75,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
                    device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_k_index [T, K] int64, top_k_weights [T, K] fp32)``: K distinct experts per token, weights sum to 1."""
     assert 1 <= top_k <= num_experts, f"top_k={top_k} must be between 1 and num_experts={num_experts}"
-    generator = torch.Generator().manual_seed(seed)
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    scores = torch.rand(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
     weights, index = torch.softmax(scores * 4.0, dim=-1).topk(top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return index.to(device), weights.to(device)

@@ -141,9 +141,8 @@ def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4
     """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format). A row per
     (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens."""
     with torch_threads(1):
-        generator = torch.Generator().manual_seed(seed)
         dtype = experts.gate_up_proj.dtype
-        hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
+        hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
         index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
         # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
         reference = SparseExperts.from_experts(experts).grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
