@@ -17,8 +17,7 @@ TP2_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint_tp2"
 
 SLIDING_PER_FULL = 5  # the 26B-A4B's layer pattern: five sliding-window layers, then one global layer
 
-# The bundled checkpoint (vocab_size comes from the corpus tokenizer); intermediate_size = 3 x moe_intermediate_size,
-# as 2112 = 3 x 704 in the 26B.
+# The bundled checkpoint (vocab_size from the corpus tokenizer); intermediate_size = 3 x moe_intermediate_size (26B: 3 x 704).
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=2,
@@ -31,8 +30,7 @@ DIMS = {"tiny": TINY_DIMS, "tp2": TP2_DIMS}
 CHECKPOINT_DIRS = {"tiny": CHECKPOINT_DIR, "tp2": TP2_CHECKPOINT_DIR}
 BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
 
-# The switches that make a Gemma4TextConfig a 26B-A4B look-alike; several transformers defaults differ
-# (see gemma_nb/configs/SOURCES.md, the pitfalls).
+# The switches that make a Gemma4TextConfig a 26B-A4B look-alike (several transformers defaults differ: configs/SOURCES.md).
 ARCHITECTURE: dict[str, Any] = dict(
     enable_moe_block=True, attention_k_eq_v=True, tie_word_embeddings=True, final_logit_softcapping=30.0,
     hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, hidden_activation="gelu_pytorch_tanh",
