@@ -127,9 +127,7 @@ class QuantizedTensor:
         """The float weight of ``shape``, computed in fp32 and returned as ``dtype``."""
         if self.fmt in ("int8", "fp8"):
             return (self.data.float() * self.scale).to(dtype)
-        values = unpack_fp4(self.data)
-        block = self.format.block_size
-        blocks = values.unflatten(-1, (values.shape[-1] // block, block))
+        blocks = unpack_fp4(self.data).unflatten(-1, (-1, self.format.block_size))
         scale = e8m0_to_float(self.scale) if self.fmt == "mxfp4" else self.scale.float() * self.global_scale
         weight = (blocks * scale.unsqueeze(-1)).flatten(-2)
         return weight[..., : self.shape[-1]].to(dtype)
