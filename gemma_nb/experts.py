@@ -228,8 +228,7 @@ class SparseExperts(RoutedExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         x = self._inputs(hidden_states, top_k_index, top_k_weights)
-        tokens, top_k = top_k_index.shape
-        if tokens * top_k >= self.num_experts:
+        if top_k_index.numel() >= self.num_experts:
             out = self.grouped(x, top_k_index, top_k_weights)
         elif self.selection == "gather":
             out = self._decode_gather(x, top_k_index, top_k_weights)
