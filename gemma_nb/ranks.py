@@ -121,11 +121,9 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
             first_failure_at = first_failure_at or time.monotonic()
 
     while not all(reported(r) for r in range(len(procs))):
-        try:
+        with contextlib.suppress(queue_module.Empty):
             take(results.get(timeout=0.1))
             continue
-        except queue_module.Empty:
-            pass
         for rank, proc in enumerate(procs):
             if not proc.is_alive() and not reported(rank):
                 # A rank that posted just before exiting: drain before calling it dead.
