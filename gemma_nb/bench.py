@@ -27,9 +27,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _check_counts(**counts: int) -> None:
+def check_counts(**counts: int) -> None:
     for name, value in counts.items():
-        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)")}.get(name, (1, ""))
+        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)"),
+                        "batch": (1, " (streams decoded together)")}.get(name, (1, ""))
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{why}")
 
@@ -97,7 +98,7 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
                device: str = "cpu") -> Timings:
     """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
     untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
-    _check_counts(steps=steps, repeats=repeats, warmup=warmup)
+    check_counts(steps=steps, repeats=repeats, warmup=warmup)
     assert candidates, "no candidates"
     if smoke_timing():
         steps, repeats, warmup = 1, 1, 0
@@ -140,7 +141,7 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
                     device: str = "cpu") -> Timings:
     """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed before each run),
     interleaved across repeats: TTFT, then the decode steps. Tokens that change between repeats are an error."""
-    _check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
+    check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
     if smoke_timing():
         repeats, warmup = 1, 0
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -165,7 +166,7 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
 
 def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3) -> pd.DataFrame:
     """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only ``generate(ids, max_new_tokens)``."""
-    _check_counts(new_tokens=new_tokens, repeats=repeats)
+    check_counts(new_tokens=new_tokens, repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     rows = []
     for repeat in range(repeats):
@@ -192,7 +193,7 @@ def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = tor
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str = "cpu") -> dict:
     """Read (``sum``) and copy GB/s over a bf16 buffer of ``nbytes``: best of ``repeats`` (STREAM's convention) and median."""
-    _check_counts(repeats=repeats)
+    check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
         raise ValueError(f"nbytes={nbytes!r} must be an integer >= 1 MiB (use >= 256 MiB to defeat caches)")
