@@ -148,15 +148,13 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
 
 def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
     """One row per weight group: whole-model ``params``, HBM bytes of one rank, host bytes, placement and a detail."""
-    def sharded(group: str) -> bool:
-        return sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
-
+    sharded = sch.sharded | {"lm_head"} if sch.lm_head_sharded else sch.sharded  # Scheme never shards lm_head by name
     on_host = ("embeddings", "per_layer_embeddings")
     counts, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
         if not rec.is_buffer:
             counts[rec.group] += rec.numel
-        ranks = 1 if rec.group in on_host or not sharded(rec.group) else tp
+        ranks = 1 if rec.group in on_host or rec.group not in sharded else tp
         (host if rec.group in on_host else device)[rec.group] += _record_bytes(rec, sch, ranks)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
@@ -166,7 +164,7 @@ def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
     details = dict.fromkeys(on_host, "looked up on the host; 0 HBM")
     details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
     return [{"group": g, "dtype": sch.dtype(g),
-             "placement": "host" if g in on_host else "sharded" if sharded(g) and tp > 1 else "replicated",
+             "placement": "host" if g in on_host else "sharded" if g in sharded and tp > 1 else "replicated",
              "params": counts[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
             for g in GROUPS]
 
