@@ -89,10 +89,8 @@ def column_formatter(values) -> Callable[[Any], str]:
 
 
 def _missing(value) -> bool:
-    if value is None:
-        return True
     try:
-        return bool(value != value)  # NaN and pandas' NA
+        return value is None or bool(value != value)  # NaN and pandas' NA
     except (TypeError, ValueError):
         return True
 
