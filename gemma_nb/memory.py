@@ -141,8 +141,7 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
          "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
          "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
                     else "allowance for runtime buffers (set by caller)")}])
-    table["gb_per_rank"] = table["bytes_per_rank"] / GB
-    table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
+    table.insert(table.columns.get_loc("bytes_per_rank") + 1, "gb_per_rank", table["bytes_per_rank"] / GB)
     return Plan(facts.model_class, sch, tp, context_len, batch, table)
 
 
