@@ -184,10 +184,9 @@ def read_program_meta(path: Path) -> dict:
 def load_program(path: Path) -> tuple[torch.export.ExportedProgram, dict]:
     meta = read_program_meta(path)
     try:
-        program = torch.export.load(path)
+        return torch.export.load(path), meta
     except Exception as error:  # whatever torch raises on a damaged archive member
         raise _unreadable(path, error, "damaged or was written by another torch version") from error
-    return program, meta
 
 
 def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str, expected_from: str) -> None:
