@@ -121,9 +121,6 @@ class Plan(NamedTuple):
 
     weights_bytes = property(lambda self: sum(self.bytes(g) for g in GROUPS))  # no KV cache, no runtime allowance
 
-    def _repr_html_(self):
-        return self.table._repr_html_()
-
 
 def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len: int = SHIPPED_CONTEXT_LEN,
          batch: int = 1, runtime_allowance_bytes: int | None = None) -> Plan:
