@@ -118,8 +118,7 @@ def _format_column(column) -> list[str]:
 
 def tidy(frame):
     """``frame`` as strings: one format per numeric column, the others per cell."""
-    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
-    shown.index = _tidy_index(frame.index)
+    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=_tidy_index(frame.index))
     shown.columns = _tidy_index(frame.columns)
     return shown
 
