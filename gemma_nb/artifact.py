@@ -56,8 +56,7 @@ class StepShapes:
     batch_size: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("max_cache_len", "prefill_len", "batch_size"):
-            value = getattr(self, key)
+        for key, value in vars(self).items():
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{key}={value!r}"
         assert self.batch_size == 1, f"batch_size={self.batch_size}: the exported steps decode one sequence"
         assert self.prefill_len <= self.max_cache_len, f"prefill_len={self.prefill_len} > max_cache_len"
@@ -183,13 +182,11 @@ def read_program_meta(path: Path) -> dict:
 
 
 def load_program(path: Path) -> tuple[torch.export.ExportedProgram, dict]:
-    """An exported program and the metadata compile_model stored inside it."""
     meta = read_program_meta(path)
     try:
-        program = torch.export.load(path)
+        return torch.export.load(path), meta
     except Exception as error:  # whatever torch raises on a damaged archive member
         raise _unreadable(path, error, "damaged or was written by another torch version") from error
-    return program, meta
 
 
 def check_weights_file(path: Path, expected: Mapping[str, list], config_sha: str, expected_from: str) -> None:
@@ -266,7 +263,6 @@ def check_artifact(folder: str | Path) -> dict:
 
 
 def load_artifact(folder: str | Path) -> Artifact:
-    """Check (``check_artifact``), then load the programs and memory-map the weights."""
     folder = Path(folder)
     manifest = check_artifact(folder)
     programs = {name: load_program(folder / entry["file"])[0] for name, entry in manifest["programs"].items()}

@@ -27,9 +27,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _check_counts(**counts: int) -> None:
+def check_counts(**counts: int) -> None:
     for name, value in counts.items():
-        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)")}.get(name, (1, ""))
+        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)"),
+                        "batch": (1, " (streams decoded together)")}.get(name, (1, ""))
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{why}")
 
@@ -97,17 +98,16 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
                device: str = "cpu") -> Timings:
     """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
     untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
-    _check_counts(steps=steps, repeats=repeats, warmup=warmup)
+    check_counts(steps=steps, repeats=repeats, warmup=warmup)
     assert candidates, "no candidates"
     if smoke_timing():
         steps, repeats, warmup = 1, 1, 0
     names = list(candidates)
-    calls = dict.fromkeys(names, 0)
+    calls = dict.fromkeys(names, warmup)  # a candidate's next call count
     with torch.inference_mode():
         for name in names:
-            for _ in range(warmup):
-                candidates[name](calls[name])
-                calls[name] += 1
+            for i in range(warmup):
+                candidates[name](i)
         _sync(device)
         rows = []
         for repeat in range(repeats):
@@ -141,20 +141,19 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
                     device: str = "cpu") -> Timings:
     """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed before each run),
     interleaved across repeats: TTFT, then the decode steps. Tokens that change between repeats are an error."""
-    _check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
+    check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
     if smoke_timing():
         repeats, warmup = 1, 0
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = (ids[None] if ids.dim() == 1 else ids).to(device)
     assert ids.dim() == 2 and ids.shape[0] == 1, f"input_ids {tuple(ids.shape)}: one prompt [S] or [1, S]"
-    names = list(models)
     steps, firsts, tokens = [], [], {}
     with torch.inference_mode():
-        for name in names:
+        for model in models.values():
             for _ in range(warmup):
-                _generate_timed(models[name], ids, min(new_tokens, 4), device)
+                _generate_timed(model, ids, min(new_tokens, 4), device)
         for repeat in range(repeats):
-            for name in _rotated(names, repeat):
+            for name in _rotated(list(models), repeat):
                 ttft, decode, out = _generate_timed(models[name], ids, new_tokens, device)
                 if name in tokens and not torch.equal(tokens[name], out.cpu()):
                     raise ValueError(f"candidate {name!r} generated different tokens in repeat {repeat}")
@@ -167,12 +166,11 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
 
 def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3) -> pd.DataFrame:
     """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only ``generate(ids, max_new_tokens)``."""
-    _check_counts(new_tokens=new_tokens, repeats=repeats)
+    check_counts(new_tokens=new_tokens, repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
-    names = list(runners)
     rows = []
     for repeat in range(repeats):
-        for name in _rotated(names, repeat):
+        for name in _rotated(list(runners), repeat):
             start = time.perf_counter()
             runners[name].generate(input_ids, 1)
             ttft_s = time.perf_counter() - start
@@ -190,13 +188,12 @@ def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = tor
     """A random-weight ``Gemma4ForCausalLM`` built directly on ``device`` (the 26B never touches host RAM)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-    return model.eval()
+        return Gemma4ForCausalLM._from_config(config, dtype=dtype).eval()
 
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str = "cpu") -> dict:
     """Read (``sum``) and copy GB/s over a bf16 buffer of ``nbytes``: best of ``repeats`` (STREAM's convention) and median."""
-    _check_counts(repeats=repeats)
+    check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
         raise ValueError(f"nbytes={nbytes!r} must be an integer >= 1 MiB (use >= 256 MiB to defeat caches)")
@@ -243,7 +240,6 @@ def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tin
                            routes, prefix: str, gather: bool = True) -> dict[str, Callable[[int], Any]]:
     """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone), ``<prefix>:overhead`` (the layer at tiny
     width: dispatch, routing, combine), with ``gather`` ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
-    # the kernel: the K experts' matmuls alone, ids known in advance (no routing, checks, or combine)
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 import seaborn as sns
 
-from gemma_nb.bench import EXPERT_MODES
+from gemma_nb.bench import EXPERT_MODES, check_counts
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
 from gemma_nb.memory import SHIPPED_CONTEXT_LEN, RuntimeAllowance, inferred_runtime_allowance, model_facts, plan
 from gemma_nb.plots import reference_line
@@ -29,7 +29,7 @@ SELECTIVE_LOADING_THRESHOLD = 1.0
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """Distinct experts per layer expected for ``batch`` tokens each routed uniformly to ``top_k``: E (1 - (1 - K/E)^B)."""
-    _check_batch(batch)
+    check_counts(batch=batch)
     if not num_experts:
         return 0.0
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
@@ -41,11 +41,6 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 def selective_loading(num_experts: int, top_k: int, batch: int) -> bool:
     """NxD's decode rule: selective loading while ``batch * top_k / num_experts`` < the threshold."""
     return bool(num_experts) and batch * top_k / num_experts < SELECTIVE_LOADING_THRESHOLD
-
-
-def _check_batch(batch) -> None:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be an integer >= 1 (streams decoded together)")
 
 
 # One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the non-expert
@@ -76,7 +71,7 @@ def step_costs(config, scheme: str = "int8_squeeze", tp: int = 1, context_len: i
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
     """Bytes and FLOPs per rank of one step of ``batch`` streams on ``path``, expert sets read per layer and run per token."""
-    _check_batch(batch)
+    check_counts(batch=batch)
     assert path in BATCH_PATHS, f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}"
     experts, top_k = costs.num_experts, costs.top_k
     if not experts:

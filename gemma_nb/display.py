@@ -69,10 +69,6 @@ def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int
     return decimals
 
 
-def _scientific(value: float, decimals: int) -> str:
-    return f"{value:.{decimals}e}"
-
-
 def column_formatter(values) -> Callable[[Any], str]:
     """One number format for a column: whole numbers if integral, else one count of decimals (``SIGNIFICANT_DIGITS`` of the
     smallest magnitude, at most the values', more where two would look alike), or scientific for unrounded tiny or wide ones."""
@@ -86,17 +82,15 @@ def column_formatter(values) -> Callable[[Any], str]:
     exact = next((d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in finite)), MAX_DECIMALS)
     wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
     if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
-        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, _scientific)
-        return _with_specials(lambda v: _scientific(v, decimals))
+        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, lambda v, d: f"{v:.{d}e}")
+        return _with_specials(lambda v: f"{v:.{decimals}e}")
     decimals = _decimals_for(finite, min(wanted, exact), exact, lambda v, d: f"{v:,.{d}f}")
     return _with_specials(lambda v: f"{v:,.{decimals}f}")
 
 
 def _missing(value) -> bool:
-    if value is None:
-        return True
     try:
-        return bool(value != value)  # NaN and pandas' NA
+        return value is None or bool(value != value)  # NaN and pandas' NA
     except (TypeError, ValueError):
         return True
 
@@ -124,8 +118,7 @@ def _format_column(column) -> list[str]:
 
 def tidy(frame):
     """``frame`` as strings: one format per numeric column, the others per cell."""
-    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=frame.index)
-    shown.index = _tidy_index(frame.index)
+    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=_tidy_index(frame.index))
     shown.columns = _tidy_index(frame.columns)
     return shown
 
@@ -188,4 +181,4 @@ def headline_table(rows: Iterable[dict]):
 
 def scientific(values, digits: int = 2):
     """``values`` (a Series) as text in scientific notation with ``digits`` significant digits."""
-    return values.map(_with_specials(lambda v: _scientific(v, digits - 1)))
+    return values.map(_with_specials(lambda v: f"{v:.{digits - 1}e}"))

@@ -121,9 +121,6 @@ class Plan(NamedTuple):
 
     weights_bytes = property(lambda self: sum(self.bytes(g) for g in GROUPS))  # no KV cache, no runtime allowance
 
-    def _repr_html_(self):
-        return self.table._repr_html_()
-
 
 def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len: int = SHIPPED_CONTEXT_LEN,
          batch: int = 1, runtime_allowance_bytes: int | None = None) -> Plan:
@@ -141,22 +138,19 @@ def plan(config, tp: int = 2, scheme: str | Scheme = "int8_squeeze", context_len
          "bytes_per_rank": int(sch.runtime_allowance_bytes), "host_bytes": 0,
          "detail": ("default floor: 96 MiB micro-code + one 512 MiB scratchpad page" if default
                     else "allowance for runtime buffers (set by caller)")}])
-    table["gb_per_rank"] = table["bytes_per_rank"] / GB
-    table = table[["group", "dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes", "detail"]]
+    table.insert(table.columns.get_loc("bytes_per_rank") + 1, "gb_per_rank", table["bytes_per_rank"] / GB)
     return Plan(facts.model_class, sch, tp, context_len, batch, table)
 
 
 def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
     """One row per weight group: whole-model ``params``, HBM bytes of one rank, host bytes, placement and a detail."""
-    def sharded(group: str) -> bool:
-        return sch.lm_head_sharded if group == "lm_head" else group in sch.sharded
-
+    sharded = sch.sharded | {"lm_head"} if sch.lm_head_sharded else sch.sharded  # Scheme never shards lm_head by name
     on_host = ("embeddings", "per_layer_embeddings")
     counts, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
         if not rec.is_buffer:
             counts[rec.group] += rec.numel
-        ranks = 1 if rec.group in on_host or not sharded(rec.group) else tp
+        ranks = 1 if rec.group in on_host or rec.group not in sharded else tp
         (host if rec.group in on_host else device)[rec.group] += _record_bytes(rec, sch, ranks)
     head_detail = ""
     if facts.tied and facts.lm_head_shape is not None:
@@ -166,7 +160,7 @@ def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
     details = dict.fromkeys(on_host, "looked up on the host; 0 HBM")
     details["lm_head"] = head_detail + ("vocab-parallel" if sch.lm_head_sharded else "full copy per rank")
     return [{"group": g, "dtype": sch.dtype(g),
-             "placement": "host" if g in on_host else "sharded" if sharded(g) and tp > 1 else "replicated",
+             "placement": "host" if g in on_host else "sharded" if g in sharded and tp > 1 else "replicated",
              "params": counts[g], "bytes_per_rank": device[g], "host_bytes": host[g], "detail": details.get(g, "")}
             for g in GROUPS]
 

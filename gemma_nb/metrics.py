@@ -42,8 +42,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     try:
         os.fchmod(fd, 0o644)  # mkstemp creates 0600; metrics are for every reader, like any output file
         with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=False)
-            handle.write("\n")
+            handle.write(json.dumps(payload, indent=2) + "\n")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

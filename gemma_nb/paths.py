@@ -35,7 +35,6 @@ def output_dir(target: str) -> Path:
 
 
 def output_subdir(target: str, name: str) -> Path:
-    """``output_dir(target) / name`` (``metrics``, ``figures``), created if missing."""
     folder = output_dir(target) / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder

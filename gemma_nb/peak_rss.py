@@ -112,9 +112,8 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
         raise MeasuredRunError(f"{name} exited with status {child.returncode}:\n{stderr_tail}")
     lines = [line for line in stdout.splitlines() if line.strip()]
     try:
-        result = json.loads(lines[-1])
+        return MeasuredRun(json.loads(lines[-1]), sampler.peak_rss_bytes, sampler.peak_hwm_bytes, sampler.wall_s, sampler.samples)
     except (IndexError, json.JSONDecodeError) as error:
         got = lines[-1][:200] if lines else "nothing"
         raise MeasuredRunError(f"{name} printed no JSON result on its last stdout line (got {got!r})") from error
-    return MeasuredRun(result, sampler.peak_rss_bytes, sampler.peak_hwm_bytes, sampler.wall_s, sampler.samples)
 

@@ -1,5 +1,6 @@
 """One way to draw and save every figure: seaborn theme, PNG + SVG, byte-identical on a re-run."""
 
+import itertools
 import math
 from pathlib import Path
 
@@ -133,11 +134,9 @@ def collisions(fig) -> list[str]:
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
-    found = []
-    for i, (first, first_box, first_shape) in enumerate(texts):
-        for second, second_box, second_shape in texts[i + 1:]:
-            if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape):
-                found.append(f"texts {_label(first)} and {_label(second)} overlap")
+    found = [f"texts {_label(first)} and {_label(second)} overlap"
+             for (first, first_box, first_shape), (second, second_box, second_shape) in itertools.combinations(texts, 2)
+             if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape)]
     for text, box, _ in texts:
         ax = text.axes
         if ax is None or any(text is label for label in _tick_labels(ax)[1]):

@@ -106,26 +106,24 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
     """(results by rank, failures as they came, silent ranks) until all report, ``failure_grace_s`` past a failure, or timeout."""
     done: dict[int, dict] = {}
     failures: list[tuple[int, str, str]] = []
-    first_failure_at = None
+    deadline = start + timeout_s  # brought forward to failure_grace_s past the first failure
 
     def reported(rank: int) -> bool:
         return rank in done or any(r == rank for r, _, _ in failures)
 
     def take(message) -> None:  # (rank, "ok", pickled dict) or (rank, "error", reason, traceback)
-        nonlocal first_failure_at
+        nonlocal deadline
         if message[1] == "ok":
             done[message[0]] = pickle.loads(message[2])
         else:
             rank, _, reason, trace = message
             failures.append((rank, reason, trace))
-            first_failure_at = first_failure_at or time.monotonic()
+            deadline = min(deadline, time.monotonic() + failure_grace_s)
 
     while not all(reported(r) for r in range(len(procs))):
-        try:
+        with contextlib.suppress(queue_module.Empty):
             take(results.get(timeout=0.1))
             continue
-        except queue_module.Empty:
-            pass
         for rank, proc in enumerate(procs):
             if not proc.is_alive() and not reported(rank):
                 # A rank that posted just before exiting: drain before calling it dead.
@@ -134,8 +132,7 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
                         take(results.get(timeout=0.2))
                 if not reported(rank):
                     take((rank, "error", _exit_reason(proc.exitcode), ""))
-        now = time.monotonic()
-        if (first_failure_at is not None and now - first_failure_at > failure_grace_s) or now - start > timeout_s:
+        if time.monotonic() > deadline:
             break
     return done, failures, [r for r in range(len(procs)) if not reported(r)]
 

@@ -116,7 +116,6 @@ def claims_table(computed: Mapping[str, float | LowerBound]):
 
 
 def get_claim(key: str) -> Claim:
-    """``CLAIMS[key]``, or ``UnknownClaim`` naming the key and the fix."""
     if key not in CLAIMS:
         raise UnknownClaim(f"claim {key!r} is not in gemma_nb.story.CLAIMS; pass one of its keys "
                            f"(e.g. {next(iter(CLAIMS))!r}) or add the claim there with its source and range")
@@ -128,6 +127,5 @@ def claim_range(key: str) -> tuple[float, float]:
 
 
 def agrees_with_claim(key: str, computed: float) -> bool:
-    """Whether ``computed`` lies within the range of the story's figure ``key`` (ends included)."""
     low, high = get_claim(key).within
     return low <= float(computed) <= high
