@@ -2,7 +2,6 @@
 ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...}'`` compiles one point, prints JSON last on stdout."""
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -187,5 +186,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main(sys.argv[1:])
