@@ -133,8 +133,7 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
         for label, peak in peak_host_gb.items():
             row[f"holds {label}"] = inst.host_ram_bytes / GB >= peak
             row[f"holds {label} + {swap_gb:.0f} GB swap"] = inst.host_ram_bytes / GB + swap_gb >= peak
-        for label, hours in compile_hours.items():
-            row[f"usd {label}"] = inst.usd_per_hour * hours
+        row.update({f"usd {label}": inst.usd_per_hour * hours for label, hours in compile_hours.items()})
         rows.append(row)
     return pd.DataFrame(rows).set_index("instance")
 
