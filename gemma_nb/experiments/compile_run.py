@@ -178,10 +178,9 @@ def main(argv: list[str]) -> None:
     build_s = time.perf_counter() - start
     held = psutil.Process().memory_info().rss
     report = compile_model(model, job["folder"], StepShapes(**(job.get("shapes") or {})))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    result = {"layers": model.config.num_hidden_layers, "build_s": build_s, "held_rss_bytes": held,
-              "weight_bytes": weight_bytes, **report.as_dict(), "self_peak_rss_bytes": self_peak_rss_bytes()}
-    print(json.dumps(result), flush=True)
+    print(json.dumps({"layers": model.config.num_hidden_layers, "build_s": build_s, "held_rss_bytes": held,
+                      "weight_bytes": sum(t.nbytes for t in model.parameters()), **report.as_dict(),
+                      "self_peak_rss_bytes": self_peak_rss_bytes()}), flush=True)
 
 
 if __name__ == "__main__":
