@@ -42,8 +42,7 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
     ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
     rows = []
     for label, model in (("reference", reference), ("candidate", candidate)):
-        logits = model(input_ids=ids).logits[0, -1].float()
-        values, indices = logits.topk(k)
+        values, indices = model(input_ids=ids).logits[0, -1].float().topk(k)
         for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
             rows.append({"model": label, "rank": rank + 1, "token": tokenizer.decode([index]),
                          "logit": value, "gap_to_top": values[0].item() - value})
