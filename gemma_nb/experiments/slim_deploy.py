@@ -97,9 +97,8 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
         exported_s, eager_s = [], []
         for step in range(latency_steps + warmup):
             start = time.perf_counter()
-            logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
-                                     torch.tensor([prompt_len + step]), torch.tensor([0]))
-            exported_token = logits.argmax(-1, keepdim=True)
+            exported_token = exported.decode(exported.weights, kv, exported.embed(exported_token),
+                                             torch.tensor([prompt_len + step]), torch.tensor([0])).argmax(-1, keepdim=True)
             exported_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
