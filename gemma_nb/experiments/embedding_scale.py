@@ -34,9 +34,8 @@ class PythonFloatScaledLookup(nn.Module):
 
 def host_path(model: nn.Module, name: str) -> nn.Module:
     """One of HOST_PATHS built from ``model``'s embedding table: ids -> inputs_embeds."""
-    weight = model.get_input_embeddings().weight
     if name in ("unscaled", "math_sqrt"):
-        return PythonFloatScaledLookup(weight, scaled=name == "math_sqrt")
+        return PythonFloatScaledLookup(model.get_input_embeddings().weight, scaled=name == "math_sqrt")
     assert name == "module_scale", f"host path {name!r} is not one of {', '.join(HOST_PATHS)}"
     return HostEmbedding.from_model(model)
 
