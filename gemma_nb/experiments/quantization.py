@@ -112,8 +112,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=torch.bfloat16, reference_greedy=reference_greedy, steps=steps, device=device)
         fp32 = evaluate_scheme(reference, tokenizer, name, dtype=torch.float32, steps=steps, device=device, answers=False)[1]
-        summary.update({f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")})
-        rows[key] = summary
+        rows[key] = {**summary, **{f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")}}
     return pd.DataFrame(rows).T.rename_axis("scheme"), models, reports, greedy
 
 
