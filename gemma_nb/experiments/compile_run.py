@@ -150,8 +150,7 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
         model.generation_config = saved
     module = program.module()   # unlifted once, not per token as transformers' generate would
     unlifted = SimpleNamespace(module=lambda: module, named_buffers=program.named_buffers)
-    out = TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)
-    return out[0, input_ids.shape[1]:].tolist()
+    return TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)[0, input_ids.shape[1]:].tolist()
 
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
