@@ -55,8 +55,7 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its ``CachedLogits``):
     logit scores on the facts' sentences; fact recall and greedy match against ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
-    float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
-    model = copy.deepcopy(float_model).to(dtype)
+    model = copy.deepcopy(reference.model if isinstance(reference, evaluate.CachedLogits) else reference).to(dtype)
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
