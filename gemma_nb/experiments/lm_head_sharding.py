@@ -250,9 +250,8 @@ def plot_bytes_per_holder(table):
 
 def shard_plan(vocab_size: int, tp: int) -> pd.DataFrame:
     """Which rows each rank holds (one row per rank): start, stop, real rows, padding rows."""
-    shards = [vocab_shard(vocab_size, tp, r) for r in range(tp)]
-    return pd.DataFrame([{"rank": s.rank, "start": s.start, "stop": s.stop, "real_rows": s.real_rows,
-                          "pad_rows": s.pad_rows, "rows_per_rank": s.rows_per_rank} for s in shards])
+    shards = pd.DataFrame([vocab_shard(vocab_size, tp, r) for r in range(tp)])
+    return shards[["rank", "start", "stop", "real_rows", "pad_rows", "rows_per_rank"]]
 
 
 def with_head(model, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
