@@ -203,8 +203,7 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
 
 def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_peak_gb: float) -> None:
     """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
-    names = list(budget)
-    ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
+    ax.barh(list(budget), list(budget.values()), color=["C1" if n.startswith("naive") else "C0" for n in budget])
     ax.set(xscale="log", xlim=(0.5, max(budget.values()) * 2), xlabel="GB on the host (log scale)")
     reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM ({host_ram_gb:.1f} GB)", axis="x")
     reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
