@@ -2,7 +2,6 @@
 ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...}'`` compiles one point, prints JSON last on stdout."""
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -134,8 +133,7 @@ def compile_box_table(peak_host_gb: Mapping[str, float], compile_hours: Mapping[
         for label, peak in peak_host_gb.items():
             row[f"holds {label}"] = inst.host_ram_bytes / GB >= peak
             row[f"holds {label} + {swap_gb:.0f} GB swap"] = inst.host_ram_bytes / GB + swap_gb >= peak
-        for label, hours in compile_hours.items():
-            row[f"usd {label}"] = inst.usd_per_hour * hours
+        row.update({f"usd {label}": inst.usd_per_hour * hours for label, hours in compile_hours.items()})
         rows.append(row)
     return pd.DataFrame(rows).set_index("instance")
 
@@ -152,8 +150,7 @@ def transformers_recipe_tokens(model: nn.Module, input_ids: torch.Tensor, max_ne
         model.generation_config = saved
     module = program.module()   # unlifted once, not per token as transformers' generate would
     unlifted = SimpleNamespace(module=lambda: module, named_buffers=program.named_buffers)
-    out = TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)
-    return out[0, input_ids.shape[1]:].tolist()
+    return TorchExportableModuleWithStaticCache.generate(unlifted, input_ids, max_new_tokens)[0, input_ids.shape[1]:].tolist()
 
 
 def off_by_one_table(models: Mapping[str, nn.Module], input_ids: torch.Tensor, max_new_tokens: int,
@@ -180,12 +177,10 @@ def main(argv: list[str]) -> None:
     build_s = time.perf_counter() - start
     held = psutil.Process().memory_info().rss
     report = compile_model(model, job["folder"], StepShapes(**(job.get("shapes") or {})))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    result = {"layers": model.config.num_hidden_layers, "build_s": build_s, "held_rss_bytes": held,
-              "weight_bytes": weight_bytes, **report.as_dict(), "self_peak_rss_bytes": self_peak_rss_bytes()}
-    print(json.dumps(result), flush=True)
+    print(json.dumps({"layers": model.config.num_hidden_layers, "build_s": build_s, "held_rss_bytes": held,
+                      "weight_bytes": sum(t.nbytes for t in model.parameters()), **report.as_dict(),
+                      "self_peak_rss_bytes": self_peak_rss_bytes()}), flush=True)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main(sys.argv[1:])

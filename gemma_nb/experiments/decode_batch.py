@@ -94,9 +94,7 @@ def distinct_table(real: RealRouting, batches: Sequence[int], draws: int = 200, 
                      "real": float(torch.stack(real_counts).mean()),
                      "real_vs_uniform": float(torch.stack(real_counts).mean()) / formula})
     table = pd.DataFrame(rows).set_index("batch")
-    for column in ("formula", "uniform", "real"):
-        table[f"{column}_full_size"] = table[column] * real.index.shape[1]
-    return table
+    return table.assign(**{f"{c}_full_size": table[c] * real.index.shape[1] for c in ("formula", "uniform", "real")})
 
 
 def _distinct_per_layer(index: torch.Tensor, num_experts: int) -> torch.Tensor:

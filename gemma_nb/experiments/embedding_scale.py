@@ -19,24 +19,22 @@ HOST_PATHS = ("unscaled", "math_sqrt", "module_scale")
 
 
 class PythonFloatScaledLookup(nn.Module):
-    """``lookup(ids) * math.sqrt(H)`` with a Python float (``scaled=False``: the plain lookup, the bug): right in
+    """``lookup(ids) * math.sqrt(H)`` with a Python float (``scaled=False``: * 1.0, the plain lookup, the bug): right in
     fp32, one ulp off in bf16, where the module rounds the scale to the weight dtype first (53.066 -> 53.0)."""
 
     def __init__(self, weight: torch.Tensor, scaled: bool = True):
         super().__init__()
         self.register_buffer("weight", weight.detach(), persistent=False)
-        self.scale = math.sqrt(weight.shape[1]) if scaled else None
+        self.scale = math.sqrt(weight.shape[1]) if scaled else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        looked_up = F.embedding(input_ids.to(self.weight.device), self.weight)
-        return looked_up if self.scale is None else looked_up * self.scale
+        return F.embedding(input_ids.to(self.weight.device), self.weight) * self.scale
 
 
 def host_path(model: nn.Module, name: str) -> nn.Module:
     """One of HOST_PATHS built from ``model``'s embedding table: ids -> inputs_embeds."""
-    weight = model.get_input_embeddings().weight
     if name in ("unscaled", "math_sqrt"):
-        return PythonFloatScaledLookup(weight, scaled=name == "math_sqrt")
+        return PythonFloatScaledLookup(model.get_input_embeddings().weight, scaled=name == "math_sqrt")
     assert name == "module_scale", f"host path {name!r} is not one of {', '.join(HOST_PATHS)}"
     return HostEmbedding.from_model(model)
 

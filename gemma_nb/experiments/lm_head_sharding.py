@@ -107,7 +107,7 @@ class VocabParallelLMHead(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes this rank holds: int8 rows (padding included) + fp32 scales."""
-        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * self.scale.element_size()
+        return self.qweight.nbytes + self.scale.nbytes
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits ``[..., rows_per_rank]`` (``gather_output=False``); padding columns ``-inf``."""
@@ -176,7 +176,7 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         rss0 = _rss_bytes()
         replicated = seeded_table(seed, vocab_size, hidden_size)
         rss1 = _rss_bytes()
-        replicated_bytes = replicated.numel() * replicated.element_size()
+        replicated_bytes = replicated.nbytes
         token = hidden[:1]
         bf16_ms = _median_ms(functools.partial(bf16_head_logits, token, replicated), max(1, repeats // 2))
         del replicated
@@ -189,10 +189,9 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
         gathered_ms = _median_ms(lambda: head(token), repeats)
     s = head.shard
     return {"rank": rank, "start": s.start, "stop": s.stop, "replicated_bf16_bytes": replicated_bytes,
-            "replicated_bf16_rss_growth": rss1 - rss0, "shard_weight_bytes": head.qweight.numel() * head.qweight.element_size(),
-            "shard_scale_bytes": head.scale.numel() * head.scale.element_size(), "shard_bytes": head.nbytes,
-            "shard_rss_growth": rss3 - rss2, "replicated_bf16_ms_per_token": bf16_ms, "gathered_int8_ms_per_token": gathered_ms,
-            "logits": logits}
+            "replicated_bf16_rss_growth": rss1 - rss0, "shard_weight_bytes": head.qweight.nbytes,
+            "shard_scale_bytes": head.scale.nbytes, "shard_bytes": head.nbytes, "shard_rss_growth": rss3 - rss2,
+            "replicated_bf16_ms_per_token": bf16_ms, "gathered_int8_ms_per_token": gathered_ms, "logits": logits}
 
 
 def logits_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
@@ -217,7 +216,7 @@ def head_inputs(model, input_ids_batches: Sequence[torch.Tensor]) -> tuple[torch
 def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.DataFrame:
     """Each copy of the tied table before and after: state, holder, copy, dtype, bytes, gb."""
     host = {"holder": "host", "copy": "embedding table (lookup)", "dtype": str(host_embedding.dtype).replace("torch.", ""),
-            "bytes": host_embedding.numel() * host_embedding.element_size()}
+            "bytes": host_embedding.nbytes}
     rows = [{"state": "before", **host}]
     rows += [{"state": "before", "holder": f"rank {r['rank']}", "copy": "lm_head, replicated", "dtype": "bfloat16",
               "bytes": r["replicated_bf16_bytes"]} for r in results]
@@ -251,9 +250,8 @@ def plot_bytes_per_holder(table):
 
 def shard_plan(vocab_size: int, tp: int) -> pd.DataFrame:
     """Which rows each rank holds (one row per rank): start, stop, real rows, padding rows."""
-    shards = [vocab_shard(vocab_size, tp, r) for r in range(tp)]
-    return pd.DataFrame([{"rank": s.rank, "start": s.start, "stop": s.stop, "real_rows": s.real_rows,
-                          "pad_rows": s.pad_rows, "rows_per_rank": s.rows_per_rank} for s in shards])
+    shards = pd.DataFrame([vocab_shard(vocab_size, tp, r) for r in range(tp)])
+    return shards[["rank", "start", "stop", "real_rows", "pad_rows", "rows_per_rank"]]
 
 
 def with_head(model, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -42,8 +42,7 @@ def divergence_detail(reference, candidate, tokenizer, prompt: str, reference_to
     ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
     rows = []
     for label, model in (("reference", reference), ("candidate", candidate)):
-        logits = model(input_ids=ids).logits[0, -1].float()
-        values, indices = logits.topk(k)
+        values, indices = model(input_ids=ids).logits[0, -1].float().topk(k)
         for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
             rows.append({"model": label, "rank": rank + 1, "token": tokenizer.decode([index]),
                          "logit": value, "gap_to_top": values[0].item() - value})
@@ -56,8 +55,7 @@ def evaluate_scheme(reference, tokenizer, scheme, dtype: torch.dtype = torch.bfl
     """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its ``CachedLogits``):
     logit scores on the facts' sentences; fact recall and greedy match against ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
-    float_model = reference.model if isinstance(reference, evaluate.CachedLogits) else reference
-    model = copy.deepcopy(float_model).to(dtype)
+    model = copy.deepcopy(reference.model if isinstance(reference, evaluate.CachedLogits) else reference).to(dtype)
     report = quant.apply_scheme(model, scheme)
     model = model.to(device).eval()
     logits = evaluate.compare_logits(reference, model, [f.sentence for f in facts], tokenizer=tokenizer)
@@ -113,8 +111,7 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
         models[key], summary, reports[key], greedy[key] = evaluate_scheme(
             reference, tokenizer, name, dtype=torch.bfloat16, reference_greedy=reference_greedy, steps=steps, device=device)
         fp32 = evaluate_scheme(reference, tokenizer, name, dtype=torch.float32, steps=steps, device=device, answers=False)[1]
-        summary.update({f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")})
-        rows[key] = summary
+        rows[key] = {**summary, **{f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")}}
     return pd.DataFrame(rows).T.rename_axis("scheme"), models, reports, greedy
 
 

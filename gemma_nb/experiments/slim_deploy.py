@@ -97,9 +97,8 @@ def compile_checkpoint(checkpoint: str | Path, folder: str | Path, prompt: list[
         exported_s, eager_s = [], []
         for step in range(latency_steps + warmup):
             start = time.perf_counter()
-            logits = exported.decode(exported.weights, kv, exported.embed(exported_token),
-                                     torch.tensor([prompt_len + step]), torch.tensor([0]))
-            exported_token = logits.argmax(-1, keepdim=True)
+            exported_token = exported.decode(exported.weights, kv, exported.embed(exported_token),
+                                             torch.tensor([prompt_len + step]), torch.tensor([0])).argmax(-1, keepdim=True)
             exported_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             eager_token = model(input_ids=eager_token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -204,8 +203,7 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
 
 def plot_host_budget(budget: Mapping[str, float], ax, host_ram_gb: float, story_peak_gb: float) -> None:
     """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
-    names = list(budget)
-    ax.barh(names, [budget[n] for n in names], color=["C1" if n.startswith("naive") else "C0" for n in names])
+    ax.barh(list(budget), list(budget.values()), color=["C1" if n.startswith("naive") else "C0" for n in budget])
     ax.set(xscale="log", xlim=(0.5, max(budget.values()) * 2), xlabel="GB on the host (log scale)")
     reference_line(ax, host_ram_gb, f"inf2.xlarge host RAM ({host_ram_gb:.1f} GB)", axis="x")
     reference_line(ax, story_peak_gb, f"story's deploy RSS peak ({story_peak_gb:.0f} GB)", axis="x", color="C3")
