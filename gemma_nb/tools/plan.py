@@ -148,7 +148,6 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
     best = (fitting or marginal or [None])[0]
     chosen = (next(row for row in rows if row["instance"] == instance) if instance else best) or {}
-    table = the_plan.table.set_index("group")
     return {
         "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
         "context_len": context_len, "budget": budget, "instance": chosen.get("instance"),
@@ -158,7 +157,7 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
         "headroom_gb_if_low": chosen.get("headroom_gb_if_low"),
         "groups": {group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
                            "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
-                           "host_bytes": int(row["host_bytes"])} for group, row in table.iterrows()},
+                           "host_bytes": int(row["host_bytes"])} for group, row in the_plan.table.set_index("group").iterrows()},
         "params": param_counts(config, towers_params), "notes": list(notes),
         "kv_cache_gb_per_rank": the_plan.gb("kv_cache"), "runtime_allowance_gb": allowance.high_bytes / GB,
         "runtime_allowance": {"low_gb": allowance.low_bytes / GB, "high_gb": allowance.high_bytes / GB,
