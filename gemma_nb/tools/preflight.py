@@ -108,8 +108,7 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m, _ in devices if c)
     emulated = " (emulated NeuronCores)" if any(e for _, _, e in devices) else ""
-    hbm_gib = hbm_per_core / GiB
-    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:{'.1f' if hbm_gib >= 1 else '.3g'}} GiB HBM per core"
+    detail = f"{cores} NeuronCores{emulated}, {hbm_per_core / GiB:{'.1f' if hbm_per_core >= GiB else '.3g'}} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
@@ -133,9 +132,8 @@ def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
 
 
 def check_disk(system: System, path: str, need_bytes: int) -> Check:
-    existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
-        existing = existing.parent
+    folder = Path(path).absolute()  # it may not exist yet: its nearest existing parent's disk
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path(folder.anchor))
     free = system.disk_free(str(existing))
     detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
     if free >= need_bytes:
