@@ -145,11 +145,9 @@ def write_report(staging: Path, summary: dict) -> Path:
             if key != name:
                 lines += [f"Also written: `metrics/{key}.json`", ""]
             if rows:
-                lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|"]
-                for row in rows:
-                    claimed = get_claim(row["claim"]).written() if "claim" in row else ""
-                    lines.append(f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | {claimed} |")
-                lines.append("")
+                lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|", *(
+                    f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | "
+                    f"{get_claim(row['claim']).written() if 'claim' in row else ''} |" for row in rows), ""]
         for fig in (f for f in figures if f.stem.startswith(prefix)):
             lines += [f"![{fig.stem}](figures/{fig.name})", ""]
     (path := staging / "REPORT.md").write_text("\n".join(lines))
