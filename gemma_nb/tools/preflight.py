@@ -185,33 +185,24 @@ def check_artifact(folder: str) -> Check:
                                  f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
 
 
-def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
-    """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
-    checks, config_source = [], Path(artifact) if artifact and Path(artifact, "config.json").is_file() else None
-    if model_id:
-        folder = local_model_dir(model_id)
-        checks.append(check_model(system, str(folder) if folder else model_id))
-        if config_source is None and folder and (folder / "config.json").is_file():
-            config_source = folder
-    if config_source is None:
-        return checks, None, None
-    config = read_config(config_source).config
-    if problem := memory.tp_problem(config, tp):
-        checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
-        return checks, config, None
-    return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
-
-
 def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact."""
+    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact.
+    The plan (bytes per rank, host and disk needs) reads the artifact's config.json, else the model folder's."""
     check_target_name(target)
     artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
     artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
     model_id = model_id or (None if artifact else default_model_id(target))
-    model_checks, config, bytes_per_rank = _model_checks(system, model_id, artifact, tp)
+    folder = local_model_dir(model_id) if model_id else None  # None: a hub id
+    model_checks = [check_model(system, str(folder) if folder else model_id)] if model_id else []
+    source = next((f for f in (Path(artifact) if artifact else None, folder) if f and (f / "config.json").is_file()), None)
+    config = None if source is None else read_config(source).config
+    problem = None if config is None else memory.tp_problem(config, tp)
+    if problem:
+        model_checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {source} lists the TP degrees that work"))
+    bytes_per_rank = None if config is None or problem else memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)
