@@ -145,9 +145,8 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)
     rows = [_instance_row(the_plan, costs, inst, scheme, tp, budget, allowance) for inst in INSTANCES.values()]
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
-    marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
-    best = (fitting or marginal or [None])[0]
-    chosen = (next(row for row in rows if row["instance"] == instance) if instance else best) or {}
+    marginal = min((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"], default=None)
+    chosen = (next(row for row in rows if row["instance"] == instance) if instance else (fitting or [marginal])[0]) or {}
     return {
         "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
         "context_len": context_len, "budget": budget, "instance": chosen.get("instance"),
