@@ -13,8 +13,6 @@ import pandas as pd
 from gemma_nb.endpoint import EndpointError, base_url
 
 API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
-DEFAULT_PROMPT = "The capital of France is"
-DEFAULT_CONCURRENCY = (1, 2, 4)
 
 
 def _client(url: str, api_key: str | None, timeout_s: float) -> openai.OpenAI:
@@ -63,8 +61,8 @@ def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None,
             "finish_reason": finish}
 
 
-def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFAULT_PROMPT,
-                       concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests_per_level: int = 4,
+def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = "The capital of France is",
+                       concurrency: Sequence[int] = (1, 2, 4), requests_per_level: int = 4,
                        max_tokens: int = 32, ignore_eos: bool = True, warmup: bool = True,
                        api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
     """``requests_per_level`` greedy streamed chats (one per client at least) at each level, one row each: concurrency,
