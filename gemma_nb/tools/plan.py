@@ -43,9 +43,8 @@ def host_needs(config) -> dict:
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
     """Bytes of weights on all NeuronCores together: what a compiled artifact holds."""
-    table = memory.plan(config, tp, scheme).table.set_index("group")
-    weights = table.drop(index=[g for g in ("kv_cache", "runtime_allowance") if g in table.index])
-    return tp * int(weights["bytes_per_rank"].sum())
+    table = memory.plan(config, tp, scheme).table
+    return tp * int(table.loc[~table["group"].isin(("kv_cache", "runtime_allowance")), "bytes_per_rank"].sum())
 
 
 def rehearsal_record() -> dict | None:  # None where make rehearse left none
