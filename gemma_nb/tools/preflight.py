@@ -194,6 +194,7 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
+    assert step in STEPS, f"step={step!r} is not one of {STEPS}"  # the CLI's choices= refuses it with a message
     model_id = model_id or (None if artifact else default_model_id(target))
     folder = local_model_dir(model_id) if model_id else None  # None: a hub id
     model_checks = [check_model(system, str(folder) if folder else model_id)] if model_id else []
