@@ -64,6 +64,7 @@ class ServerMetrics:
 class Engine:
     def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
                  slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
+        assert queue_size >= 1, "queue_size counts the generating request"
         self._load, self.metrics, self.queue_size = load, (metrics := ServerMetrics()), queue_size
         self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
         self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
