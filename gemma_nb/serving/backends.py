@@ -254,8 +254,7 @@ def load_runtime(target: str = "cpu", model_id: str = BUNDLED_ID, *, max_context
         log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
         return NeuronDeployRuntime(runner, *_tokenizer_and_eos(artifact), max_context=max_context)
     if runtime == "transformers" or (runtime == "auto" and (target != "cpu" or artifact is None)):
-        model, tokenizer = load_model(model_id, dtype=dtype, device=torch_device(target))
-        return TransformersRuntime(model, tokenizer, max_context)
+        return TransformersRuntime(*load_model(model_id, dtype=dtype, device=torch_device(target)), max_context)
     if target != "cpu" or artifact is None:
         raise ValueError("runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
                          f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})")

@@ -13,8 +13,6 @@ import pandas as pd
 from gemma_nb.endpoint import EndpointError, base_url
 
 API_KEY_ENVS = ("GEMMA_NB_API_KEY", "OPENAI_API_KEY")
-DEFAULT_PROMPT = "The capital of France is"
-DEFAULT_CONCURRENCY = (1, 2, 4)
 
 
 def _client(url: str, api_key: str | None, timeout_s: float) -> openai.OpenAI:
@@ -35,14 +33,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None, max_tokens: int = 32,
-                temperature: float = 0.0, ignore_eos: bool = True, api_key: str | None = None,
-                timeout_s: float = 300.0) -> dict:
-    """One streamed chat completion, timed chunk by chunk: ttft_ms, itl_ms (the gaps between tokens),
+                ignore_eos: bool = True, api_key: str | None = None, timeout_s: float = 300.0) -> dict:
+    """One greedy streamed chat completion, timed chunk by chunk: ttft_ms, itl_ms (the gaps between tokens),
     itl_ms_p50, itl_ms_p90, completion_tokens, e2e_s, decode_tok_s (after the first token), text, finish_reason."""
     times, pieces, usage, finish, started = [], [], None, None, time.perf_counter()
     try:
         stream = _client(url, api_key, timeout_s).chat.completions.create(
-            model=model or openai.omit, messages=list(messages), max_tokens=max_tokens, temperature=temperature, stream=True,
+            model=model or openai.omit, messages=list(messages), max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ignore_eos else None)
         for chunk in stream:
             usage = chunk.usage.completion_tokens if chunk.usage else usage
@@ -64,8 +61,8 @@ def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None,
             "finish_reason": finish}
 
 
-def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = DEFAULT_PROMPT,
-                       concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests_per_level: int = 4,
+def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = "The capital of France is",
+                       concurrency: Sequence[int] = (1, 2, 4), requests_per_level: int = 4,
                        max_tokens: int = 32, ignore_eos: bool = True, warmup: bool = True,
                        api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
     """``requests_per_level`` greedy streamed chats (one per client at least) at each level, one row each: concurrency,

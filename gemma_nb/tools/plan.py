@@ -43,9 +43,8 @@ def host_needs(config) -> dict:
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
     """Bytes of weights on all NeuronCores together: what a compiled artifact holds."""
-    table = memory.plan(config, tp, scheme).table.set_index("group")
-    weights = table.drop(index=[g for g in ("kv_cache", "runtime_allowance") if g in table.index])
-    return tp * int(weights["bytes_per_rank"].sum())
+    table = memory.plan(config, tp, scheme).table
+    return tp * int(table.loc[~table["group"].isin(("kv_cache", "runtime_allowance")), "bytes_per_rank"].sum())
 
 
 def rehearsal_record() -> dict | None:  # None where make rehearse left none
@@ -145,10 +144,8 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)
     rows = [_instance_row(the_plan, costs, inst, scheme, tp, budget, allowance) for inst in INSTANCES.values()]
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
-    marginal = sorted((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"])
-    best = (fitting or marginal or [None])[0]
-    chosen = (next(row for row in rows if row["instance"] == instance) if instance else best) or {}
-    table = the_plan.table.set_index("group")
+    marginal = min((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"], default=None)
+    chosen = (next(row for row in rows if row["instance"] == instance) if instance else (fitting or [marginal])[0]) or {}
     return {
         "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
         "context_len": context_len, "budget": budget, "instance": chosen.get("instance"),
@@ -158,7 +155,7 @@ def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, cont
         "headroom_gb_if_low": chosen.get("headroom_gb_if_low"),
         "groups": {group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
                            "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
-                           "host_bytes": int(row["host_bytes"])} for group, row in table.iterrows()},
+                           "host_bytes": int(row["host_bytes"])} for group, row in the_plan.table.set_index("group").iterrows()},
         "params": param_counts(config, towers_params), "notes": list(notes),
         "kv_cache_gb_per_rank": the_plan.gb("kv_cache"), "runtime_allowance_gb": allowance.high_bytes / GB,
         "runtime_allowance": {"low_gb": allowance.low_bytes / GB, "high_gb": allowance.high_bytes / GB,

@@ -63,13 +63,9 @@ def _mla_notes(config) -> list[str]:
 def _quantization_notes(raw: dict) -> list[str]:
     found = [(where, section["quantization_config"]) for where, section in (("", raw), ("text_config.", raw.get("text_config")))
              if isinstance(section, dict) and isinstance(section.get("quantization_config"), dict)]
-    notes = []
-    for where, quant in found:
-        method, kept = quant.get("quant_method", "<no quant_method>"), quant.get("modules_to_not_convert")
-        notes.append(f"{where}quantization_config: the checkpoint ships {method!r} weights"
-                     f"{f', modules_to_not_convert {kept}' if kept else ''}. The plan does not "
-                     f"read that format: it counts every weight in the scheme's dtypes, as if dequantized to bf16 and "
-                     f"quantized again (lossy twice); the checkpoint's own bytes are not modelled"
-                     + (" (MXFP4 experts: --scheme mxfp4_experts, which NxD cannot load)" if method == "mxfp4" else "") + ".")
-    return notes
-
+    return [f"{where}quantization_config: the checkpoint ships {quant.get('quant_method', '<no quant_method>')!r} weights"
+            + (f", modules_to_not_convert {quant['modules_to_not_convert']}" if quant.get("modules_to_not_convert") else "")
+            + ". The plan does not read that format: it counts every weight in the scheme's dtypes, as if dequantized to "
+            "bf16 and quantized again (lossy twice); the checkpoint's own bytes are not modelled"
+            + (" (MXFP4 experts: --scheme mxfp4_experts, which NxD cannot load)" if quant.get("quant_method") == "mxfp4" else "")
+            + "." for where, quant in found]

@@ -108,8 +108,7 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
     hbm_per_core = min(m // c for c, m, _ in devices if c)
     emulated = " (emulated NeuronCores)" if any(e for _, _, e in devices) else ""
-    hbm_gib = hbm_per_core / GiB
-    detail = f"{cores} NeuronCores{emulated}, {hbm_gib:{'.1f' if hbm_gib >= 1 else '.3g'}} GiB HBM per core"
+    detail = f"{cores} NeuronCores{emulated}, {hbm_per_core / GiB:{'.1f' if hbm_per_core >= GiB else '.3g'}} GiB HBM per core"
     if tp > cores:
         return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
                      f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
@@ -133,9 +132,8 @@ def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
 
 
 def check_disk(system: System, path: str, need_bytes: int) -> Check:
-    existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
-        existing = existing.parent
+    folder = Path(path).absolute()  # it may not exist yet: its nearest existing parent's disk
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path(folder.anchor))
     free = system.disk_free(str(existing))
     detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
     if free >= need_bytes:
@@ -187,26 +185,10 @@ def check_artifact(folder: str) -> Check:
                                  f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
 
 
-def _model_checks(system: System, model_id: str | None, artifact: str | None, tp: int):
-    """(checks, config, bytes per rank) for the model folder or hub id, and the artifact's config."""
-    checks, config_source = [], Path(artifact) if artifact and Path(artifact, "config.json").is_file() else None
-    if model_id:
-        folder = local_model_dir(model_id)
-        checks.append(check_model(system, str(folder) if folder else model_id))
-        if config_source is None and folder and (folder / "config.json").is_file():
-            config_source = folder
-    if config_source is None:
-        return checks, None, None
-    config = read_config(config_source).config
-    if problem := memory.tp_problem(config, tp):
-        checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {config_source} lists the TP degrees that work"))
-        return checks, config, None
-    return checks, config, memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
-
-
 def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
                tp: int = 2, system: System | None = None) -> list[Check]:
-    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact."""
+    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact.
+    The plan (bytes per rank, host and disk needs) reads the artifact's config.json, else the model folder's."""
     check_target_name(target)
     artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
     artifact = str(artifacts[0]) if artifacts else None
@@ -214,7 +196,14 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     step = step or ("deploy" if artifact else "compile")
     assert step in STEPS, f"step={step!r} is not one of {STEPS}"  # the CLI's choices= refuses it with a message
     model_id = model_id or (None if artifact else default_model_id(target))
-    model_checks, config, bytes_per_rank = _model_checks(system, model_id, artifact, tp)
+    folder = local_model_dir(model_id) if model_id else None  # None: a hub id
+    model_checks = [check_model(system, str(folder) if folder else model_id)] if model_id else []
+    source = next((f for f in (Path(artifact) if artifact else None, folder) if f and (f / "config.json").is_file()), None)
+    config = None if source is None else read_config(source).config
+    problem = None if config is None else memory.tp_problem(config, tp)
+    if problem:
+        model_checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {source} lists the TP degrees that work"))
+    bytes_per_rank = None if config is None or problem else memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)

@@ -65,13 +65,11 @@ def select_notebooks(notebooks: list[Path], only: str | None) -> list[Path]:
 
 def notebook_parameters(notebook: Path) -> list[str]:
     """The names the notebook's ``parameters`` cell assigns, in order (``target`` included)."""
-    names: list[str] = []
-    for cell in nbformat.read(notebook, as_version=4).cells:
-        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
-            for node in ast.parse(cell.source).body:
-                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-                names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
-    return names
+    cells = nbformat.read(notebook, as_version=4).cells
+    cells = [c for c in cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])]
+    nodes = [node for cell in cells for node in ast.parse(cell.source).body]
+    targets = [t for node in nodes for t in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])]
+    return list(dict.fromkeys(t.id for t in targets if isinstance(t, ast.Name)))
 
 
 def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
@@ -147,11 +145,9 @@ def write_report(staging: Path, summary: dict) -> Path:
             if key != name:
                 lines += [f"Also written: `metrics/{key}.json`", ""]
             if rows:
-                lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|"]
-                for row in rows:
-                    claimed = get_claim(row["claim"]).written() if "claim" in row else ""
-                    lines.append(f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | {claimed} |")
-                lines.append("")
+                lines += ["| figure | value | unit | claimed |", "|---|---:|---|---:|", *(
+                    f"| {row['name']} | {_format_value(row['value'])} | {row.get('unit', '')} | "
+                    f"{get_claim(row['claim']).written() if 'claim' in row else ''} |" for row in rows), ""]
         for fig in (f for f in figures if f.stem.startswith(prefix)):
             lines += [f"![{fig.stem}](figures/{fig.name})", ""]
     (path := staging / "REPORT.md").write_text("\n".join(lines))
