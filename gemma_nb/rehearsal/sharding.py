@@ -57,31 +57,24 @@ def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) ->
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
         if hasattr(child, "preshard_hook"):
             child.preshard_hook(state, f"{path}.weight" if path else "weight")
-    own = module.state_dict(keep_vars=True)
-    state = {key: tensor for key, tensor in state.items() if key in own}
-    for name, parameter in module.named_parameters():
-        if name in state and state[name].dtype != parameter.dtype:
-            state[name] = state[name].to(parameter.dtype)
+    own, parameters = module.state_dict(keep_vars=True), dict(module.named_parameters())
+    state = {key: tensor.to(parameters[key].dtype) if key in parameters else tensor
+             for key, tensor in state.items() if key in own}
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's shard_children
         if not isinstance(child, SHARDED_MODULES):
             continue
-        prefix = f"{path}." if path else ""
         for name, parameter in child.named_parameters(recurse=False):
-            key = prefix + name
-            ordering = getattr(parameter, "rank_ordering", None)
-            part_rank = rank if ordering is None else ordering[rank]
-            if key in state:
-                tensor = state[key]
-            elif isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
-                raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
-            else:
+            key = f"{path}.{name}" if path else name
+            if key not in state:
+                if isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
+                    raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
                 continue
-            if getattr(parameter, "tensor_model_parallel", False):
-                parts = parameter.num_partitions
-                tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
-            state[key] = tensor
-            if tensor.shape != parameter.shape:
-                raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
+            if getattr(parameter, "tensor_model_parallel", False):  # tagged with rank_ordering and the partitions
+                ordering, parts = parameter.rank_ordering, parameter.num_partitions
+                part = (rank if ordering is None else ordering[rank]) % parts
+                state[key] = local_slice(state[key], part, parts, parameter.partition_dim, parameter.partition_stride)
+            if state[key].shape != parameter.shape:
+                raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {state[key].shape}")
     return state
 
 
@@ -91,7 +84,6 @@ def load_rank_module(factory, checkpoint: dict, tp: int, rank: int, group=None,
     with model_parallel(tp, rank), init_on_meta():
         skeleton = factory()
     shard = shard_checkpoint(skeleton, checkpoint, rank, tp)
-    del skeleton
     with model_parallel(tp, rank, group):
         module = factory()
     parameters = dict(module.named_parameters())
