@@ -107,8 +107,7 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
         for ids, answer in zip(prompts_ids, answers):
             graphs = AliasedGraphs(module, module, build.bucket)
             runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
-            padded = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
-            padded[0, : len(ids)] = torch.tensor(ids)
+            padded = torch.nn.functional.pad(torch.tensor([ids]), (0, build.bucket - len(ids)), value=runner.pad_token_id)
             scores.clear()
             with torch.inference_mode():
                 runner.step(padded, list(range(build.bucket)), len(ids) - 1)
