@@ -64,8 +64,7 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     assert not carried, f"tensor already carries {carried}"
     if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
         raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
-    for name, value in tags.items():
-        setattr(tensor, name, value)
+    vars(tensor).update(tags)
 
 
 def reduce_from_tensor_model_parallel_region(input_, process_group=None):
