@@ -12,8 +12,7 @@ from gemma_nb.rehearsal.sharding import init_on_device, init_on_meta, load_rank_
 
 def bind_quantized_layers(quantization_layers) -> dict:
     """The quantized stand-ins subclassed to look ``scale_dequantize`` up in ``quantization_layers``."""
-    bound = {"quantization_layers": quantization_layers}
-    return {cls.__name__: type(cls.__name__, (cls,), bound) for cls in Q.QUANTIZED_LAYERS}
+    return {cls.__name__: type(cls.__name__, (cls,), {"quantization_layers": quantization_layers}) for cls in Q.QUANTIZED_LAYERS}
 
 
 def cpu_sdk() -> SimpleNamespace:
