@@ -50,14 +50,13 @@ def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: i
 
 
 def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
-    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict): NxD's pre-shard hooks, the keys
-    the module lacks dropped (NxD warns), ``cast_weights`` to each parameter's dtype, then ``shard_children``."""
+    """Rank ``rank``'s checkpoint (a new dict) as ModelBuilder cuts the full one, in NxD's steps (named inline)."""
     assert 0 <= rank < tp, (rank, tp)
     state = dict(checkpoint)
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
         if hasattr(child, "preshard_hook"):
             child.preshard_hook(state, f"{path}.weight" if path else "weight")
-    own, parameters = module.state_dict(keep_vars=True), dict(module.named_parameters())
+    own, parameters = module.state_dict(keep_vars=True), dict(module.named_parameters())  # cast_weights, unknown keys dropped
     state = {key: tensor.to(parameters[key].dtype) if key in parameters else tensor
              for key, tensor in state.items() if key in own}
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's shard_children
