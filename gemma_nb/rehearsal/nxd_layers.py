@@ -120,14 +120,15 @@ def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_par
     layer.input_size_per_partition = _divide(input_size, layer.tensor_parallel_group.tp, "input_size")
 
 
-class BaseParallelLinear(nn.Module):
-    """Shared by the stand-in linear layers: the captured parallel state, the tagged weight, no bias."""
+def _tagged_weight(layer: nn.Module, shape, dtype, device, partition_dim: int, stride: int, rank_ordering=None) -> None:
+    layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)  # frozen, no bias
+    # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
+    set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, stride, layer.tensor_parallel_group.tp, rank_ordering)
+    layer.register_parameter("bias", None)
 
-    def _make_weight(self, shape, dtype, device, partition_dim: int, stride: int) -> None:
-        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-        # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
-        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
-        self.register_parameter("bias", None)
+
+class BaseParallelLinear(nn.Module):
+    """Shared by the stand-in linear layers: the captured parallel state, the tagged weight."""
 
 
 class ColumnParallelLinear(BaseParallelLinear):
@@ -142,7 +143,7 @@ class ColumnParallelLinear(BaseParallelLinear):
         _check_unsupported("ColumnParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add,
                            sequence_parallel_enabled=sequence_parallel_enabled)
         _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
-        self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
+        _tagged_weight(self, (self.output_size_per_partition, input_size), dtype, device, 0, stride)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
@@ -172,7 +173,7 @@ class RowParallelLinear(BaseParallelLinear):
         _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
                    tensor_model_parallel_group)
         self.reduce_dtype = reduce_dtype
-        self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
+        _tagged_weight(self, (output_size, self.input_size_per_partition), dtype, device, 1, stride)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
