@@ -83,8 +83,7 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
         for ids in prompts_ids:
             graphs = AliasedGraphs(modules["dense"], modules[mode], build.bucket)
             runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
-            out = runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist()
-            tokens[mode].append(out)
+            tokens[mode].append(runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist())
             logits[mode].append(torch.stack(graphs.logits)[:, : config.vocab_size])
             # the bucket's padding slots are written by the prefill too, so check up to the bucket
             onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
