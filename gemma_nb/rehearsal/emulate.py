@@ -33,8 +33,7 @@ class AliasedGraphs:
 
     def __init__(self, prefill, decode, bucket: int):
         self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
-        self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
-                      if name.startswith(B.KV_STATE_PREFIXES)}
+        self.state = {name: p.detach().clone() for name, p in prefill.named_parameters() if name.startswith(B.KV_STATE_PREFIXES)}
         self.calls, self.logits = dict.fromkeys(self.graphs, 0), []  # logits: every call's output, for the comparison
 
     def __call__(self, *inputs):
@@ -129,8 +128,7 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, a
                 max_len: int, bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router check."""
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                         dist.group.WORLD)
+    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank, dist.group.WORLD)
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
     module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
     return {**decoded, "router": router_choices(module, config, embed, build, prompts_ids, answers)}

@@ -126,8 +126,7 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s)
     if done.returncode:
-        raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
+        raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
@@ -310,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
     result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    rows = result["graphs"] + result.get("contrast", [])
-    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, rows)))
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, result["graphs"] + result.get("contrast", []))))
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 

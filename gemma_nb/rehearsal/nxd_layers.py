@@ -170,8 +170,7 @@ class RowParallelLinear(BaseParallelLinear):
         super().__init__()
         _check_unsupported("RowParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add, pad=pad,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
-                   tensor_model_parallel_group)
+        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride, tensor_model_parallel_group)
         self.reduce_dtype = reduce_dtype
         _tagged_weight(self, (output_size, self.input_size_per_partition), dtype, device, 1, stride)
 

@@ -43,8 +43,7 @@ def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: i
     """NxD's ``create_local_weight``: split into ``parts * stride`` chunks, keep every ``parts``-th from ``rank``."""
     per_partition = tensor.shape[dim] // parts
     if per_partition * parts != tensor.shape[dim] or per_partition % stride:
-        raise RuntimeError(f"cannot split dim {dim} of size {tensor.shape[dim]} into {parts} partitions "
-                           f"with stride {stride}")
+        raise RuntimeError(f"cannot split dim {dim} of size {tensor.shape[dim]} into {parts} partitions with stride {stride}")
     chunks = torch.split(tensor, per_partition // stride, dim=dim)[rank::parts]
     return torch.cat(chunks, dim=dim) if stride > 1 else chunks[0]
 

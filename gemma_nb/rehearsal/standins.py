@@ -17,8 +17,7 @@ def bind_quantized_layers(quantization_layers) -> dict:
 
 def cpu_sdk() -> SimpleNamespace:
     """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched ``quantization_layers``."""
-    quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize,
-                                          direct_cast_dequantize=Q.direct_cast_dequantize)
+    quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize, direct_cast_dequantize=Q.direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
     return SimpleNamespace(  # mappings: NxD's is a module of the collectives' functions, as nxd_layers is
