@@ -66,7 +66,7 @@ class _QuantizedLinear(nn.Module):
             raise AssertionError(f"Only per_channel_axis={out_axis} supported for post-matmul output dequantization")
         L._tagged_weight(self, weight_shape, self.quantized_dtype.value, device, partition_dim, stride, rank_ordering)
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
-            scale_shape, split = [1], False
+            scale_shape, split = [1], False  # one scale, replicated
         elif self.quantization_type in _PER_CHANNEL:
             scale_shape = [1] * len(weight_shape)
             scale_shape[out_axis] = weight_shape[out_axis]
@@ -77,8 +77,7 @@ class _QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
-        tp = self.tensor_parallel_group.tp
-        scale_tags = (True, partition_dim, stride, tp, rank_ordering) if split else (False, 0, 1, 1)  # else replicated
+        scale_tags = (True, partition_dim, stride, self.tensor_parallel_group.tp, rank_ordering) if split else (False, 0, 1, 1)
         L.set_tensor_model_parallel_attributes(self.scale, *scale_tags)
 
     def _scale_dequantize(self, output, scale):
