@@ -242,10 +242,6 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
     return builder
 
 
-def _files(folder: Path, pattern: str = "*") -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob(pattern)) if p.is_file()}
-
-
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
     """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the build record."""
     sdk = import_sdk()
@@ -264,12 +260,12 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     del traced
     sdk.close_runtime()
     workdir = Path(build.compiler_workdir)
-    neffs = _files(workdir, "*.neff")
+    neffs = {str(p.relative_to(workdir)): p.stat().st_size for p in sorted(workdir.rglob("*.neff")) if p.is_file()}
     record = {
         "build": asdict(build), "sdk": sdk_label(sdk), "graphs": graphs, "routed_graphs": build.routed_graphs(),
         "shard_check_s": shard_check_s, "compile_s": sampler.wall_s, "peak_host_rss_bytes": sampler.peak_rss_bytes,
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes, "neff_files": neffs, "neff_bytes": sum(neffs.values()),
-        "compiler_workdir_bytes": sum(_files(workdir).values()), "artifact": MODEL_FILE,
+        "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()), "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size, "versions": package_versions(RECORDED_VERSIONS),
     }
     (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))

@@ -37,8 +37,7 @@ def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefi
 
 def untie_lm_head(state_dict: dict) -> dict:
     """``state_dict`` plus the int8 head's entries made from ``EMBED_KEY`` (a ModelBuilder ``checkpoint_loader``'s)."""
-    out = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIX)}
-    return out | lm_head_state_dict(state_dict[EMBED_KEY])
+    return {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIX)} | lm_head_state_dict(state_dict[EMBED_KEY])
 
 
 class HeadOnly(nn.Module):

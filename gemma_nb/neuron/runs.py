@@ -17,12 +17,9 @@ SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's sm
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
     """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
-    records = {}
-    for decode in [decode_experts] if isinstance(decode_experts, str) else decode_experts:
-        build = NeuronBuildConfig(model_dir=str(model_dir), output_dir=str(default_artifact_dir(target, decode)),
-                                  decode_experts=decode, **shapes)
-        records[decode] = compile_neuron(build)
-    return records
+    decodes = [decode_experts] if isinstance(decode_experts, str) else decode_experts
+    return {decode: compile_neuron(NeuronBuildConfig(str(model_dir), str(default_artifact_dir(target, decode)),
+                                                     decode_experts=decode, **shapes)) for decode in decodes}
 
 
 def builds_table(records: dict):

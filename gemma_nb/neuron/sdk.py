@@ -22,8 +22,7 @@ FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, f
 
 
 def install_fx_stand_in(modules: dict | None = None) -> bool:
-    """Put in ``modules`` (default ``sys.modules``) a ``transformers.utils.fx`` whose ``HFTracer`` raises when built;
-    False if one is there."""
+    """Put a ``transformers.utils.fx`` whose ``HFTracer`` raises when built in ``modules`` (``sys.modules``); False if one is."""
     modules = sys.modules if modules is None else modules
     if FX_MODULE in modules:
         return False

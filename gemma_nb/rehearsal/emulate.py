@@ -33,8 +33,7 @@ class AliasedGraphs:
 
     def __init__(self, prefill, decode, bucket: int):
         self.graphs, self.bucket = {"prefill": prefill, "decode": decode}, bucket
-        self.state = {name: p.detach().clone() for name, p in prefill.named_parameters()
-                      if name.startswith(B.KV_STATE_PREFIXES)}
+        self.state = {name: p.detach().clone() for name, p in prefill.named_parameters() if name.startswith(B.KV_STATE_PREFIXES)}
         self.calls, self.logits = dict.fromkeys(self.graphs, 0), []  # logits: every call's output, for the comparison
 
     def __call__(self, *inputs):
@@ -83,8 +82,7 @@ def decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_toke
         for ids in prompts_ids:
             graphs = AliasedGraphs(modules["dense"], modules[mode], build.bucket)
             runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
-            out = runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist()
-            tokens[mode].append(out)
+            tokens[mode].append(runner.generate(torch.tensor([ids]), new_tokens)[0, len(ids):].tolist())
             logits[mode].append(torch.stack(graphs.logits)[:, : config.vocab_size])
             # the bucket's padding slots are written by the prefill too, so check up to the bucket
             onehot_ok &= _onehot_state_ok(graphs.state, max(build.bucket, len(ids) + new_tokens - 1) - 1)
@@ -107,8 +105,7 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
         for ids, answer in zip(prompts_ids, answers):
             graphs = AliasedGraphs(module, module, build.bucket)
             runner = NeuronStepRunner(graphs, embed, config, build.max_len, build.bucket, config.pad_token_id or 0)
-            padded = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
-            padded[0, : len(ids)] = torch.tensor(ids)
+            padded = torch.nn.functional.pad(torch.tensor([ids]), (0, build.bucket - len(ids)), value=runner.pad_token_id)
             scores.clear()
             with torch.inference_mode():
                 runner.step(padded, list(range(build.bucket)), len(ids) - 1)
@@ -131,8 +128,7 @@ def tp_rank_job(rank: int, world_size: int, model_dir: str, prompts_ids: list, a
                 max_len: int, bucket: int) -> dict:
     """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router check."""
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
-    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank,
-                         dist.group.WORLD)
+    decoded = decode_all(config, build, checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk(), rank, dist.group.WORLD)
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket, "bfloat16")
     module = rank_module(config, build, checkpoint, hf_state, rank, cpu_sdk(), group=dist.group.WORLD)
     return {**decoded, "router": router_choices(module, config, embed, build, prompts_ids, answers)}

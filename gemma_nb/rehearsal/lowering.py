@@ -126,8 +126,7 @@ def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, ti
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s)
     if done.returncode:
-        raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
+        raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
@@ -169,8 +168,7 @@ def _import_xla():
 
 
 def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> tuple[dict, torch.Tensor]:
-    """Run ``module(*inputs)`` eagerly, then as one step on the XLA device (counters cleared after the move): the
-    row (fallbacks, transfers, executions, HLO counts, ``max_abs_diff``, ``tolerance`` or ``error``), eager logits."""
+    """(row, eager logits) of ``module(*inputs)`` run eagerly, then as one step on the XLA device (counted after the move)."""
     torch_xla, metrics = _import_xla()
     module.eval()
     with torch.no_grad():
@@ -262,9 +260,8 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
         # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
         hidden = torch.randn(1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3))
         def make_head(module_dtype):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
-            sdk = cpu_sdk()
             return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
-                                                     dtype=module_dtype, sdk=sdk), head_checkpoint, tp, 0)
+                                                     dtype=module_dtype, sdk=cpu_sdk()), head_checkpoint, tp, 0)
 
         rows.append(lower_in_both_dtypes(make_head, (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp,
                                          experts=None, tokens=1))
@@ -312,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
     result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    rows = result["graphs"] + result.get("contrast", [])
-    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, rows)))
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, result["graphs"] + result.get("contrast", []))))
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 

@@ -96,9 +96,8 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:
             self.shard_checkpoint(self.compiler_workdir)
-            weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank))) for rank in range(self.tp_degree)]
-            model.saved_weights = weights
-            model.initialize(weights, torch.tensor([0], dtype=torch.int32))
+            model.saved_weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank))) for rank in range(self.tp_degree)]
+            model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
         return nxd_model.EmulatedExecutor(model)
 
 

@@ -64,8 +64,7 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     assert not carried, f"tensor already carries {carried}"
     if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
         raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
-    for name, value in tags.items():
-        setattr(tensor, name, value)
+    vars(tensor).update(tags)
 
 
 def reduce_from_tensor_model_parallel_region(input_, process_group=None):
@@ -121,14 +120,15 @@ def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_par
     layer.input_size_per_partition = _divide(input_size, layer.tensor_parallel_group.tp, "input_size")
 
 
-class BaseParallelLinear(nn.Module):
-    """Shared by the stand-in linear layers: the captured parallel state, the tagged weight, no bias."""
+def _tagged_weight(layer: nn.Module, shape, dtype, device, partition_dim: int, stride: int, rank_ordering=None) -> None:
+    layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)  # frozen, no bias
+    # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
+    set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, stride, layer.tensor_parallel_group.tp, rank_ordering)
+    layer.register_parameter("bias", None)
 
-    def _make_weight(self, shape, dtype, device, partition_dim: int, stride: int) -> None:
-        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-        # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
-        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, self.tensor_parallel_group.tp)
-        self.register_parameter("bias", None)
+
+class BaseParallelLinear(nn.Module):
+    """Shared by the stand-in linear layers: the captured parallel state, the tagged weight."""
 
 
 class ColumnParallelLinear(BaseParallelLinear):
@@ -143,7 +143,7 @@ class ColumnParallelLinear(BaseParallelLinear):
         _check_unsupported("ColumnParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add,
                            sequence_parallel_enabled=sequence_parallel_enabled)
         _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
-        self._make_weight((self.output_size_per_partition, input_size), dtype, device, 0, stride)
+        _tagged_weight(self, (self.output_size_per_partition, input_size), dtype, device, 0, stride)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
@@ -170,10 +170,9 @@ class RowParallelLinear(BaseParallelLinear):
         super().__init__()
         _check_unsupported("RowParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add, pad=pad,
                            sequence_parallel_enabled=sequence_parallel_enabled)
-        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride,
-                   tensor_model_parallel_group)
+        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride, tensor_model_parallel_group)
         self.reduce_dtype = reduce_dtype
-        self._make_weight((output_size, self.input_size_per_partition), dtype, device, 1, stride)
+        _tagged_weight(self, (output_size, self.input_size_per_partition), dtype, device, 1, stride)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)

@@ -1,7 +1,6 @@
 """NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call is routed by its
 inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state."""
 
-import contextlib
 import json
 import warnings
 from dataclasses import dataclass
@@ -15,32 +14,25 @@ from gemma_nb.rehearsal import spmd
 SAVED_MARKER = "gemma-nb emulated NxD model v1"
 
 
-@contextlib.contextmanager
-def _swapped(module: nn.Module, tensors: dict):
-    """``module``'s parameters replaced by ``tensors`` (by name) for the duration."""
-    saved = []
-    for name, tensor in tensors.items():
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        saved.append((owner, leaf, owner._parameters[leaf]))
-        owner._parameters[leaf] = tensor
-    try:
-        yield
-    finally:
-        for owner, leaf, parameter in reversed(saved):
-            owner._parameters[leaf] = parameter
-
-
 class _Graph(nn.Module):
-    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module on those tensors."""
+    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module with those tensors as its parameters."""
 
     def __init__(self, module: nn.Module, names: list[str]):
         super().__init__()
         self._held, self.names = [module], names  # not a submodule: its parameters must not be saved with the graph
 
     def forward(self, *tensors):
-        with _swapped(self._held[0], dict(zip(self.names, tensors))):
-            outputs = self._held[0](*tensors[len(self.names):])
+        module, held = self._held[0], []
+        for name, tensor in zip(self.names, tensors):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            held.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = tensor
+        try:
+            outputs = module(*tensors[len(self.names):])
+        finally:  # the module's own parameters back
+            for owner, leaf, parameter in held:
+                owner._parameters[leaf] = parameter
         return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 

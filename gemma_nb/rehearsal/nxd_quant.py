@@ -64,12 +64,9 @@ class _QuantizedLinear(nn.Module):
         out_axis = 2 if len(weight_shape) == 3 else 0  # the output channels of [out, in] or of the experts' [E, in, out]
         if self.quantization_type in _PER_CHANNEL and channel_axis not in (None, out_axis):
             raise AssertionError(f"Only per_channel_axis={out_axis} supported for post-matmul output dequantization")
-        tp = self.tensor_parallel_group.tp
-        self.weight = nn.Parameter(torch.empty(*weight_shape, dtype=self.quantized_dtype.value, device=device),
-                                   requires_grad=False)
-        L.set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride, tp, rank_ordering)
+        L._tagged_weight(self, weight_shape, self.quantized_dtype.value, device, partition_dim, stride, rank_ordering)
         if self.quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
-            scale_shape, split = [1], False
+            scale_shape, split = [1], False  # one scale, replicated
         elif self.quantization_type in _PER_CHANNEL:
             scale_shape = [1] * len(weight_shape)
             scale_shape[out_axis] = weight_shape[out_axis]
@@ -80,9 +77,8 @@ class _QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"scale for quantization_type: {self.quantization_type} not supported")
         self.scale = nn.Parameter(torch.ones(scale_shape, device=device), requires_grad=False)
-        scale_tags = (True, partition_dim, stride, tp, rank_ordering) if split else (False, 0, 1, 1)  # else replicated
+        scale_tags = (True, partition_dim, stride, self.tensor_parallel_group.tp, rank_ordering) if split else (False, 0, 1, 1)
         L.set_tensor_model_parallel_attributes(self.scale, *scale_tags)
-        self.register_parameter("bias", None)
 
     def _scale_dequantize(self, output, scale):
         return self.quantization_layers.scale_dequantize(tensor=output, scale=scale, upcast_dtype=output.dtype)

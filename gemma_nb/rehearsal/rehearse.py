@@ -184,8 +184,7 @@ def main() -> int:
         print(f"rehearsal failed: {error}\nthe record so far: {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)}", file=sys.stderr)
         return 1
     drift = disk_drift(record, planner.rehearsal_record())
-    print(f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch {record['torch']}",
-          file=sys.stderr)
+    print(f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch {record['torch']}", file=sys.stderr)
     if drift:
         print("the builds on disk no longer match docs/rehearsal.json, the runbook's disk basis: " + "; ".join(drift)
               + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} docs/rehearsal.json && "

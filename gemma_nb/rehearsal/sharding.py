@@ -43,45 +43,36 @@ def local_slice(tensor: torch.Tensor, rank: int, parts: int, dim: int, stride: i
     """NxD's ``create_local_weight``: split into ``parts * stride`` chunks, keep every ``parts``-th from ``rank``."""
     per_partition = tensor.shape[dim] // parts
     if per_partition * parts != tensor.shape[dim] or per_partition % stride:
-        raise RuntimeError(f"cannot split dim {dim} of size {tensor.shape[dim]} into {parts} partitions "
-                           f"with stride {stride}")
+        raise RuntimeError(f"cannot split dim {dim} of size {tensor.shape[dim]} into {parts} partitions with stride {stride}")
     chunks = torch.split(tensor, per_partition // stride, dim=dim)[rank::parts]
     return torch.cat(chunks, dim=dim) if stride > 1 else chunks[0]
 
 
 def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) -> dict:
-    """Rank ``rank``'s checkpoint as ModelBuilder makes it from the full one (a new dict): NxD's pre-shard hooks, the keys
-    the module lacks dropped (NxD warns), ``cast_weights`` to each parameter's dtype, then ``shard_children``."""
+    """Rank ``rank``'s checkpoint (a new dict) as ModelBuilder cuts the full one, in NxD's steps (named inline)."""
     assert 0 <= rank < tp, (rank, tp)
     state = dict(checkpoint)
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's invoke_preshard_hooks
         if hasattr(child, "preshard_hook"):
             child.preshard_hook(state, f"{path}.weight" if path else "weight")
-    own = module.state_dict(keep_vars=True)
-    state = {key: tensor for key, tensor in state.items() if key in own}
-    for name, parameter in module.named_parameters():
-        if name in state and state[name].dtype != parameter.dtype:
-            state[name] = state[name].to(parameter.dtype)
+    own, parameters = module.state_dict(keep_vars=True), dict(module.named_parameters())  # cast_weights, unknown keys dropped
+    state = {key: tensor.to(parameters[key].dtype) if key in parameters else tensor
+             for key, tensor in state.items() if key in own}
     for path, child in module.named_modules(remove_duplicate=False):  # NxD's shard_children
         if not isinstance(child, SHARDED_MODULES):
             continue
-        prefix = f"{path}." if path else ""
         for name, parameter in child.named_parameters(recurse=False):
-            key = prefix + name
-            ordering = getattr(parameter, "rank_ordering", None)
-            part_rank = rank if ordering is None else ordering[rank]
-            if key in state:
-                tensor = state[key]
-            elif isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
-                raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
-            else:
+            key = f"{path}.{name}" if path else name
+            if key not in state:
+                if isinstance(child, _QuantizedLinear):  # NxD's get_tensor_from_state_dict; its two messages differ by "the"
+                    raise RuntimeError(f"Cannot find {key} in {'the state_dict' if name == 'weight' else 'state_dict'}")
                 continue
-            if getattr(parameter, "tensor_model_parallel", False):
-                parts = parameter.num_partitions
-                tensor = local_slice(tensor, part_rank % parts, parts, parameter.partition_dim, parameter.partition_stride)
-            state[key] = tensor
-            if tensor.shape != parameter.shape:
-                raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {tensor.shape}")
+            if getattr(parameter, "tensor_model_parallel", False):  # tagged with rank_ordering and the partitions
+                ordering, parts = parameter.rank_ordering, parameter.num_partitions
+                part = (rank if ordering is None else ordering[rank]) % parts
+                state[key] = local_slice(state[key], part, parts, parameter.partition_dim, parameter.partition_stride)
+            if state[key].shape != parameter.shape:
+                raise RuntimeError(f"expected shape {parameter.shape} for {key} but found {state[key].shape}")
     return state
 
 
@@ -91,7 +82,6 @@ def load_rank_module(factory, checkpoint: dict, tp: int, rank: int, group=None,
     with model_parallel(tp, rank), init_on_meta():
         skeleton = factory()
     shard = shard_checkpoint(skeleton, checkpoint, rank, tp)
-    del skeleton
     with model_parallel(tp, rank, group):
         module = factory()
     parameters = dict(module.named_parameters())

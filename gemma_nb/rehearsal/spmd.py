@@ -77,10 +77,8 @@ def run_on_cores(jobs: list) -> list:
         _LOCAL.context = (group, rank)
         try:
             results[rank] = jobs[rank]()
-        except threading.BrokenBarrierError as broken:
-            errors.append((1, rank, broken))
-        except BaseException as error:  # noqa: BLE001 -- handed to the caller below
-            errors.append((0, rank, error))
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller below, a broken barrier's last
+            errors.append((isinstance(error, threading.BrokenBarrierError), rank, error))
             group.barrier.abort()
         finally:
             _LOCAL.context = None

@@ -12,14 +12,12 @@ from gemma_nb.rehearsal.sharding import init_on_device, init_on_meta, load_rank_
 
 def bind_quantized_layers(quantization_layers) -> dict:
     """The quantized stand-ins subclassed to look ``scale_dequantize`` up in ``quantization_layers``."""
-    bound = {"quantization_layers": quantization_layers}
-    return {cls.__name__: type(cls.__name__, (cls,), bound) for cls in Q.QUANTIZED_LAYERS}
+    return {cls.__name__: type(cls.__name__, (cls,), {"quantization_layers": quantization_layers}) for cls in Q.QUANTIZED_LAYERS}
 
 
 def cpu_sdk() -> SimpleNamespace:
     """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched ``quantization_layers``."""
-    quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize,
-                                          direct_cast_dequantize=Q.direct_cast_dequantize)
+    quantization_layers = SimpleNamespace(scale_dequantize=sdk_scale_dequantize, direct_cast_dequantize=Q.direct_cast_dequantize)
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
     return SimpleNamespace(  # mappings: NxD's is a module of the collectives' functions, as nxd_layers is

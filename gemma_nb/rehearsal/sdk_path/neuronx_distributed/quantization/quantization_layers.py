@@ -1,5 +1,4 @@
-"""Emulated ``quantization/quantization_layers.py``: the layers look ``scale_dequantize`` up here at
-call time, so ``gemma_nb.neuron.quant.patch_scale_dequantize(this module)`` reaches them, as on the box."""
+"""Emulated ``quantization/quantization_layers.py``: the layers look ``scale_dequantize`` up here, where the port patches it."""
 
 import sys
 

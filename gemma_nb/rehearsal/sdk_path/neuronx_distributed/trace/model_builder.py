@@ -1,5 +1,4 @@
-"""Emulated ``trace/model_builder.py`` (v1). Importing it lets ``torch.jit.load`` read the emulated
-artifacts, as importing the real one registers the classes a real artifact needs."""
+"""Emulated ``trace/model_builder.py`` (v1): importing it lets ``torch.jit.load`` read emulated artifacts, as the real one."""
 
 import torch
 
