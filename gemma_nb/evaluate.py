@@ -70,9 +70,11 @@ def _device_of(model) -> torch.device:
     return next((parameter.device for parameter in parameters), torch.device("cpu"))
 
 
-def _grouped_by_length(token_lists: Sequence[list[int]]) -> dict[int, list[int]]:
+def length_batches(token_lists: Sequence[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """``token_lists`` grouped by length, shortest first, unpadded: (the group's indices, its tokens [n, S])."""
     lengths = sorted({len(tokens) for tokens in token_lists})
-    return {n: [i for i, tokens in enumerate(token_lists) if len(tokens) == n] for n in lengths}
+    groups = [[i for i, tokens in enumerate(token_lists) if len(tokens) == n] for n in lengths]
+    return [(indices, torch.tensor([token_lists[i] for i in indices])) for indices in groups]
 
 
 @torch.inference_mode()
@@ -83,9 +85,8 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
     answers = [tokenizer(f.answer, add_special_tokens=False).input_ids for f in facts]
     generated: list[list[int]] = [[] for _ in facts]
-    for indices in _grouped_by_length(prompts).values():
+    for indices, batch in length_batches(prompts):
         steps = max(len(answers[i]) for i in indices)
-        batch = torch.tensor([prompts[i] for i in indices])
         out = greedy_generate(model, batch, steps)[:, batch.shape[1]:].tolist()
         for row, i in zip(out, indices):
             generated[i] = row[: len(answers[i])]
@@ -126,7 +127,7 @@ class CachedLogits:
 def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
     """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
     token_lists = [tokenizer(t).input_ids for t in ([f.sentence for f in FACTS] if texts is None else texts)]
-    return [torch.tensor([token_lists[i] for i in idx]) for idx in _grouped_by_length(token_lists).values()]
+    return [batch for _, batch in length_batches(token_lists)]
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 
 from gemma_nb import bench, moe
 from gemma_nb.decode_roofline import expected_distinct_experts, selective_loading
-from gemma_nb.evaluate import greedy_generate
+from gemma_nb.evaluate import greedy_generate, length_batches
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ def capture_real_routing(model, tokenizer, prompts: Sequence[str], new_tokens: i
     token_lists = [tokenizer(text).input_ids for text in prompts]
     index, weights, prompt = [], [], []
     try:
-        for length in sorted({len(tokens) for tokens in token_lists}):
-            numbers = [n for n, tokens in enumerate(token_lists) if len(tokens) == length]
-            ids = greedy_generate(model, torch.tensor([token_lists[n] for n in numbers]), new_tokens + 1)
+        for numbers, batch in length_batches(token_lists):
+            length = batch.shape[1]
+            ids = greedy_generate(model, batch, new_tokens + 1)
             for calls in seen:
                 calls.clear()
             model(input_ids=ids[:, :length + new_tokens], use_cache=False)

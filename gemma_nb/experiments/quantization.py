@@ -17,11 +17,9 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
     """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    for length in sorted({len(ids) for ids in token_lists}):
-        indices = [i for i, ids in enumerate(token_lists) if len(ids) == length]
-        batch = torch.tensor([token_lists[i] for i in indices])
-        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)[:, length:].tolist()
-        for i, row in zip(indices, generated):
+    for indices, batch in evaluate.length_batches(token_lists):
+        generated = evaluate.greedy_generate(model, batch, steps, eos_token_id=tokenizer.eos_token_id)[:, batch.shape[1]:]
+        for i, row in zip(indices, generated.tolist()):
             out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
     return out
 
