@@ -247,8 +247,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
     ax.legend(loc="upper left", fontsize=8, ncols=2)
 
 
-def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float, reference_label: str,
-                        legend: str | None = "best") -> None:
+def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float, reference_label: str) -> None:
     """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
     labels = {"dense": "all experts (DenseExperts)", "sparse": "each distinct routed expert once",
               "nxd_rule": "NxD's rule: selective loading, all experts from B x K = E"}
@@ -266,8 +265,6 @@ def plot_batch_roofline(rows: pd.DataFrame, ax, metric: str, limits: Mapping, re
     _batch_axis(ax, rows["batch"], "batch B (streams, log scale)")
     ax.set(yscale="log",
            ylabel={"tok_s": "tokens/s, all streams (log)", "usd_per_m_tokens": "$ per million tokens (log)"}[metric])
-    if legend:
-        ax.legend(loc=legend, fontsize=8)
 
 
 def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> dict:
