@@ -156,10 +156,7 @@ def plot_pareto(results, x: str, y: str, ax, reference_x: tuple[float, str], leg
 
 def planner_check(full_size, plans, num_layers: int, tp: int):
     """Per format: one full-size layer's stored bytes times ``num_layers`` over ``tp``, against the planner's experts per rank."""
-    rows = []
-    for fmt, row in full_size[full_size["tensor"] == "layer"].set_index("format").iterrows():
-        per_rank = int(row["stored_bytes"]) * num_layers // tp
-        planned = plans[f"{fmt}_experts"].bytes("experts")
-        rows.append({"format": fmt, "stored_per_layer_bytes": int(row["stored_bytes"]), "whole_model_per_rank_bytes": per_rank,
-                     "planner_per_rank_bytes": planned, "equal": per_rank == planned})
-    return pd.DataFrame(rows)
+    layers = full_size[full_size["tensor"] == "layer"].set_index("format")["stored_bytes"]
+    rows = [{"format": fmt, "stored_per_layer_bytes": int(stored), "whole_model_per_rank_bytes": int(stored) * num_layers // tp,
+             "planner_per_rank_bytes": plans[f"{fmt}_experts"].bytes("experts")} for fmt, stored in layers.items()]
+    return pd.DataFrame(rows).assign(equal=lambda t: t["whole_model_per_rank_bytes"] == t["planner_per_rank_bytes"])
