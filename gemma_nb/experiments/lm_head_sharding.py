@@ -206,10 +206,8 @@ def logits_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
 @torch.no_grad()
 def head_inputs(model, input_ids_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]`` (the final-norm output a Gemma-4 feeds its lm_head) and its softcapped ``logits [N, V]``."""
-    hidden, logits = [], []
-    for ids in input_ids_batches:
-        hidden.append(model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size))
-        logits.append(model(input_ids=ids, use_cache=False).logits.reshape(-1, model.config.vocab_size))
+    hidden = [model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size) for ids in input_ids_batches]
+    logits = [model(input_ids=ids, use_cache=False).logits.reshape(-1, model.config.vocab_size) for ids in input_ids_batches]
     return torch.cat(hidden), torch.cat(logits)
 
 
