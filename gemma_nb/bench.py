@@ -282,10 +282,8 @@ def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) 
     sns.boxplot(data=data, x="ms", y="candidate", order=names, ax=ax, color="0.85", fliersize=0, linewidth=0.8)
     sns.stripplot(data=data, x="ms", y="candidate", order=names, ax=ax, size=2.5, alpha=0.6, hue="candidate",
                   hue_order=names, legend=False, palette="colorblind")
-    ax.set_xscale("log")
+    ax.set(xscale="log", xlabel="per-token latency (ms, log scale)", ylabel="")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # a narrow span labels minor ticks, which collide
-    ax.set_xlabel("per-token latency (ms, log scale)")
-    ax.set_ylabel("")
 
 
 def plot_tok_s(measured: Mapping[str, float], ceilings: Mapping[str, float], ax, ylabel: str = "tokens/s") -> None:
@@ -298,7 +296,6 @@ def plot_tok_s(measured: Mapping[str, float], ceilings: Mapping[str, float], ax,
             ax.hlines(ceilings[name], pos - 0.4, pos + 0.4, colors="#de8f05", linestyles="--", linewidth=2,
                       label="bandwidth ceiling" if pos == 0 else None)
     ax.set_xticks(list(positions), names, rotation=20, ha="right")
-    ax.set_yscale("log")
+    ax.set(yscale="log", ylabel=ylabel)
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", fontsize=9)

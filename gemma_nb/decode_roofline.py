@@ -258,9 +258,8 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
     for column, label in (("dense_tok_s", "DenseExperts"), ("sparse_tok_s", "sparse top-k")):
         ax.plot(table["context_len"].clip(lower=1), table[column], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV-cache length read per step (tokens, log scale; 0 drawn at 1)")
-    ax.set_ylabel("tokens/s, bandwidth roofline")
-    ax.set_ylim(0, 1.8 * table[["dense_tok_s", "sparse_tok_s"]].to_numpy().max())   # room for the labels
+    ax.set(xlabel="KV-cache length read per step (tokens, log scale; 0 drawn at 1)", ylabel="tokens/s, bandwidth roofline",
+           ylim=(0, 1.8 * table[["dense_tok_s", "sparse_tok_s"]].to_numpy().max()))   # room for the labels
     ax.legend(loc="upper right", fontsize=9)
     if marked_context_len is not None:
         reference_line(ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x")
@@ -302,8 +301,7 @@ def _deployment_bars(table, ax, x: str, reference: float | None, label: str, xla
         ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)
     if log:
         ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("")
+    ax.set(xlabel=xlabel, ylabel="")
     if reference is not None:
         ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
