@@ -20,18 +20,16 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
     order = [g for g in PLAN_ROWS if g in set(long["group"])]
     sns.histplot(data=long, x="scheme", weights="gb_per_rank", hue="group", hue_order=order, multiple="stack",
                  discrete=True, shrink=0.75, ax=ax, palette="colorblind", linewidth=0.5, edgecolor="white", alpha=0.9)
-    groups = ax.get_legend()
-    handles, labels = list(groups.legend_handles), [text.get_text() for text in groups.get_texts()]
     for x, p in enumerate(plans):
         ax.annotate(f"{p.total_gb:.1f}", xy=(x, p.total_gb), xytext=(0, -3), textcoords="offset points",
                     ha="center", va="top", fontsize=9, color="white")
     ax.set(xlabel=f"scheme (TP={plans[0].tp}, {plans[0].context_len}-token KV cache)", ylabel="HBM per rank (GB)")
     plt.setp(ax.get_xticklabels(), rotation=25, horizontalalignment="right")
-    for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-.")):
-        handles.append(ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2))
-        labels.append(label)
-    groups.remove()
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    lines = [ax.axhline(value, color="0.2", linestyle=style, linewidth=1.2, label=label)
+             for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-."))]
+    # seaborn's legend (the groups) replaced by one outside the axes that adds the budget lines
+    ax.legend(handles=[*ax.get_legend().legend_handles, *lines], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+              fontsize=9)
 
 
 def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
