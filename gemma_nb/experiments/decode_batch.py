@@ -242,8 +242,7 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
         _ = ax.plot(group["batch"], 1000.0 * group["batch"] / group[f"{path}_floor_ms"], "--", color=color, linewidth=1)
     _batch_axis(ax, rows["batch"], "batch B (tokens per layer step, log scale)")
     ax.set(yscale="log", ylabel="layer tokens/s (log; dashed: bandwidth ceiling)")
-    low, high = ax.get_ylim()
-    ax.set_ylim(low, high * 30)   # a decade and more above the data for the legend
+    ax.set_ylim(top=ax.get_ylim()[1] * 30)   # a decade and more above the data for the legend
     ax.legend(loc="upper left", fontsize=8, ncols=2)
 
 
