@@ -253,7 +253,7 @@ def context_sensitivity(config, context_lens: Sequence[int]) -> pd.DataFrame:
                           "sparse_vs_dense_x": s["sparse_tok_s"] / s["dense_tok_s"]} for s in stories])
 
 
-def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | None = None) -> None:
+def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int) -> None:
     """Predicted tokens/s against the KV-cache length, dense vs sparse experts (log x axis)."""
     for column, label in (("dense_tok_s", "DenseExperts"), ("sparse_tok_s", "sparse top-k")):
         ax.plot(table["context_len"].clip(lower=1), table[column], marker="o", label=label)
@@ -261,8 +261,7 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int | 
     ax.set(xlabel="KV-cache length read per step (tokens, log scale; 0 drawn at 1)", ylabel="tokens/s, bandwidth roofline",
            ylim=(0, 1.8 * table[["dense_tok_s", "sparse_tok_s"]].to_numpy().max()))   # room for the labels
     ax.legend(loc="upper right", fontsize=9)
-    if marked_context_len is not None:
-        reference_line(ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x")
+    reference_line(ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x")
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
@@ -281,20 +280,20 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     return table
 
 
-def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float | None = None, reference_label: str = "") -> None:
+def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float, reference_label: str) -> None:
     """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts."""
     _deployment_bars(table.dropna(subset=["usd_per_m_tokens"]), ax, "usd_per_m_tokens", reference_usd, reference_label,
                      xlabel="$ per million tokens (one stream, batch 1, at the bandwidth roofline)", fmt="$%.2f")
 
 
-def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float | None = None, reference_label: str = "") -> None:
+def plot_roofline_tok_s(table: pd.DataFrame, ax, reference_tok_s: float, reference_label: str) -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
     _deployment_bars(table, ax, "tok_s", reference_tok_s, reference_label, log=True,
                      xlabel="tokens/s, batch 1, bandwidth roofline (log scale)",
                      fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}")  # 0.3 tok/s is not "0"
 
 
-def _deployment_bars(table, ax, x: str, reference: float | None, label: str, xlabel: str, fmt, log: bool = False) -> None:
+def _deployment_bars(table, ax, x: str, reference: float, label: str, xlabel: str, fmt, log: bool = False) -> None:
     """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend outside the axes."""
     sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
@@ -302,6 +301,5 @@ def _deployment_bars(table, ax, x: str, reference: float | None, label: str, xla
     if log:
         ax.set_xscale("log")
     ax.set(xlabel=xlabel, ylabel="")
-    if reference is not None:
-        ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
+    ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
