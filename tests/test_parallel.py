@@ -21,7 +21,6 @@ from gemma_nb.experiments.lm_head_sharding import (
     lm_head_job,
     logits_agreement,
     seeded_rows,
-    seeded_table,
     softcap_logits,
     vocab_shard,
 )
@@ -104,10 +103,10 @@ def test_bad_shard_arguments_name_the_value():
 
 
 def test_seeded_rows_are_the_same_however_they_are_requested():
-    whole = seeded_table(3, 9000, 8)
+    whole = seeded_rows(3, 0, 9000, 8)
     assert torch.equal(seeded_rows(3, 4000, 8500, 8), whole[4000:8500])
     assert torch.equal(torch.cat([seeded_rows(3, 0, 17, 8), seeded_rows(3, 17, 9000, 8)]), whole)
-    assert not torch.equal(seeded_table(4, 9000, 8), whole)
+    assert not torch.equal(seeded_rows(4, 0, 9000, 8), whole)
 
 
 # --- the head in one process --------------------------------------------------------------------

@@ -64,10 +64,6 @@ def seeded_rows(seed: int, start: int, stop: int, hidden_size: int) -> torch.Ten
     return out
 
 
-def seeded_table(seed: int, vocab_size: int, hidden_size: int) -> torch.Tensor:
-    return seeded_rows(seed, 0, vocab_size, hidden_size)
-
-
 def quantize_rows(rows_fn: Callable[[int, int], torch.Tensor], start: int, stop: int, hidden_size: int,
                   out_rows: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``, padded to ``out_rows``."""
@@ -174,7 +170,7 @@ def full_size_job(rank: int, world_size: int, seed: int, vocab_size: int, hidden
     """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows (bytes, RSS, ms, logits)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
-        replicated = seeded_table(seed, vocab_size, hidden_size)
+        replicated = seeded_rows(seed, 0, vocab_size, hidden_size)
         rss1 = _rss_bytes()
         replicated_bytes = replicated.nbytes
         token = hidden[:1]
