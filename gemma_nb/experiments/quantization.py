@@ -146,10 +146,8 @@ def plot_pareto(results, x: str, y: str, ax, reference_x: tuple[float, str], leg
     _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
     _ = ax.scatter(points[x], points[y], zorder=2)
     _ = ax.axvline(reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1])
-    if log_y:
-        ax.set_yscale("log")
     ax.margins(x=0.2, y=0.12)
-    ax.set(xlabel=labels[0], ylabel=labels[1], title=labels[2])
+    ax.set(yscale="log" if log_y else "linear", xlabel=labels[0], ylabel=labels[1], title=labels[2])
     _ = ax.legend(loc=legend, fontsize=8)
     return [(row[x], row[y], name) for name, row in points.iterrows()]
 
