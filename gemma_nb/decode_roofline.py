@@ -298,8 +298,6 @@ def _deployment_bars(table, ax, x: str, reference: float, label: str, xlabel: st
     sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
         ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)
-    if log:
-        ax.set_xscale("log")
-    ax.set(xlabel=xlabel, ylabel="")
+    ax.set(xscale="log" if log else "linear", xlabel=xlabel, ylabel="")
     ax.axvline(reference, color="0.25", linestyle="--", linewidth=1.2, label=label)
     ax.legend(title="experts", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
