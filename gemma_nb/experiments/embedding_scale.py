@@ -142,8 +142,7 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
     handles, labels = legend.legend_handles, [text.get_text() for text in legend.get_texts()]
     legend.remove()
     axes[0].figure.legend(handles, labels, title="weights", loc="outside lower center", ncols=len(labels), frameon=False)
-    axes[2].set_yscale("log")
-    # headroom above sqrt(H), where the unscaled bars end, for the reference line's label
-    axes[2].set_ylim(top=4 * math.sqrt(hidden_size))
+    # log scale, with headroom above sqrt(H), where the unscaled bars end, for the reference line's label
+    axes[2].set(yscale="log", ylim=(None, 4 * math.sqrt(hidden_size)))
     reference_line(axes[2], math.sqrt(hidden_size), f"sqrt({hidden_size}) = {math.sqrt(hidden_size):.2f}")
 
