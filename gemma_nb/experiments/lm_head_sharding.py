@@ -231,8 +231,7 @@ def plot_bytes_per_holder(table):
     x = [i + (0.6 if i >= len(labels) // 2 else 0.0) for i in range(len(labels))]  # a gap between before and after
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
-    _ = ax.set_xticks(x, labels)
-    ax.set(ylim=(0, 1.15 * max(e + h for e, h in zip(embed_gb, head_gb))), ylabel="bytes held (GB)",
+    ax.set(xticks=x, xticklabels=labels, ylim=(0, 1.15 * max(e + h for e, h in zip(embed_gb, head_gb))), ylabel="bytes held (GB)",
            title="Tied table: replicated bf16 head vs int8 head sharded over 2 ranks")
     for (key, what), style in zip((("lm_head_bf16_gb_per_rank", "bf16 head"),
                                    ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head")), ("--", ":")):
