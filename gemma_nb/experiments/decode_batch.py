@@ -216,8 +216,7 @@ def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
 def _batch_axis(ax, batches, label: str) -> None:
     ax.set_xscale("log", base=2)
     ticks = sorted({int(b) for b in batches})
-    ax.set_xticks(ticks, [str(b) for b in ticks])
-    ax.set_xlabel(label)
+    ax.set(xticks=ticks, xticklabels=[str(b) for b in ticks], xlabel=label)
 
 
 def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
