@@ -198,9 +198,9 @@ class RuntimeAllowance(NamedTuple):
 
 
 @functools.cache
-def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
+def inferred_runtime_allowance() -> RuntimeAllowance:
     """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    window = allowance_window(load_gemma4_26b_config(), budget_bytes=int(budget_bytes))  # the port's schemes, TP=2, 512
+    window = allowance_window(load_gemma4_26b_config())  # the port's schemes, TP=2, 512 tokens, a 16 GiB core
     return RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
                             "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)")
 
