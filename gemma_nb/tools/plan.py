@@ -44,8 +44,7 @@ def host_needs(config) -> dict:
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
     """Bytes of weights on all NeuronCores together: what a compiled artifact holds."""
-    table = memory.plan(config, tp, scheme).table
-    return tp * int(table.loc[~table["group"].isin(("kv_cache", "runtime_allowance")), "bytes_per_rank"].sum())
+    return tp * memory.plan(config, tp, scheme).weights_bytes
 
 
 def rehearsal_record() -> dict | None:  # None where make rehearse left none
