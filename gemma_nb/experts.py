@@ -48,10 +48,9 @@ def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
             and (_is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0))
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor, scale: torch.Tensor,
-                fused: bool = True) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: the fused cpu kernel (``kernel_scale [N]``) where usable."""
-    if fused and int8pack_usable(x, q):
+def int8_linear(x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: fused on the cpu where usable, given ``kernel_scale [N]``."""
+    if kernel_scale is not None and int8pack_usable(x, q):
         return torch._weight_int8pack_mm(x, q, kernel_scale)
     return int8_matmul(x, q, scale)
 
@@ -149,8 +148,8 @@ class RoutedExperts(nn.Module):
             gate_up, down = self.float_weights(x.dtype, expert)
             return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
         gate_up_ks, down_ks = (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert]) if self.fused else (None, None)
-        gate_up = int8_linear(x, self.gate_up_proj[expert], gate_up_ks, self.gate_up_scale[expert], self.fused)
-        return int8_linear(gated(gate_up, self.act_fn), self.down_proj[expert], down_ks, self.down_scale[expert], self.fused)
+        gate_up = int8_linear(x, self.gate_up_proj[expert], gate_up_ks, self.gate_up_scale[expert])
+        return int8_linear(gated(gate_up, self.act_fn), self.down_proj[expert], down_ks, self.down_scale[expert])
 
     def _gather_upcast(self, x, top_k_index, top_k_weights):
         """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32, summed in fp32."""

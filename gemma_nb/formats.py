@@ -146,9 +146,8 @@ _E2M1_LUT = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
 _E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=-1)
 
 
-def e2m1_codes(x: torch.Tensor, negative: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values (or magnitudes and their ``negative`` signs) -> nearest OCP E2M1 codes: ties to even, saturating, never -0."""
-    magnitude, negative = (x.abs(), torch.lt(x, 0)) if negative is None else (x, negative)
+def e2m1_codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """fp32 magnitudes and their ``negative`` signs -> nearest OCP E2M1 codes: ties to even, saturating, never -0."""
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
     for midpoint, tie_goes_up in _E2M1_MIDPOINTS:
         code += torch.ge(magnitude, midpoint) if tie_goes_up else torch.gt(magnitude, midpoint)

@@ -2,7 +2,6 @@
 The parameter inventory is ``gemma_nb.params``' (its names importable from here too)."""
 
 import functools
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -199,18 +198,11 @@ class RuntimeAllowance(NamedTuple):
 
 
 @functools.cache
-def inferred_runtime_allowance(budget_bytes: int = 16 * GiB) -> RuntimeAllowance:
+def inferred_runtime_allowance() -> RuntimeAllowance:
     """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    window = allowance_window(load_gemma4_26b_config(), budget_bytes=int(budget_bytes))  # the port's schemes, TP=2, 512
+    window = allowance_window(load_gemma4_26b_config())  # the port's schemes, TP=2, 512 tokens, a 16 GiB core
     return RuntimeAllowance(window["min_to_fail_bytes"], window["max_to_fit_bytes"],
                             "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)")
-
-
-def given_runtime_allowance(gb: float) -> RuntimeAllowance:
-    """One allowance, in GB (10^9 bytes) per NeuronCore; ValueError unless a finite number >= 0."""
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
-        raise ValueError(f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)")
-    return RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
 
 
 def fit_table(config, schemes: Iterable[str | Scheme] = tuple(SCHEMES), instances: Iterable[str] = tuple(INSTANCES),

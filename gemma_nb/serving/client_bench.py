@@ -62,11 +62,10 @@ def stream_chat(url: str, messages: Sequence[dict], *, model: str | None = None,
 
 
 def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = "The capital of France is",
-                       concurrency: Sequence[int] = (1, 2, 4), requests_per_level: int = 4,
-                       max_tokens: int = 32, ignore_eos: bool = True, warmup: bool = True,
-                       api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
-    """``requests_per_level`` greedy streamed chats (one per client at least) at each level, one row each: concurrency,
-    request, ``stream_chat``'s timings, level_wall_s (the level's wall time). ``model``: the first of ``/v1/models``."""
+                       concurrency: Sequence[int] = (1, 2, 4), requests_per_level: int = 4, max_tokens: int = 32,
+                       warmup: bool = True, api_key: str | None = None, timeout_s: float = 300.0) -> pd.DataFrame:
+    """``requests_per_level`` greedy streamed chats of ``max_tokens`` (ignore_eos; one per client at least) at each level, a
+    row each: concurrency, request, ``stream_chat``'s timings, level_wall_s (the level's). ``model``: the first of /v1/models."""
     levels = [int(c) for c in concurrency]
     if not levels or any(c < 1 for c in levels):
         raise ValueError(f"concurrency={list(concurrency)!r}; expected positive integers such as (1, 2, 4)")
@@ -76,7 +75,7 @@ def benchmark_endpoint(url: str, *, model: str | None = None, prompt: str = "The
 
     def one(_index: int) -> dict:
         return stream_chat(url, [{"role": "user", "content": prompt}], model=model, max_tokens=max_tokens,
-                           ignore_eos=ignore_eos, api_key=api_key, timeout_s=timeout_s)
+                           api_key=api_key, timeout_s=timeout_s)
 
     if warmup:
         one(-1)

@@ -40,13 +40,6 @@ class TrainArgs:
     dims: str = "tiny"  # a key of gemma_nb.tiny.DIMS: "tiny" (the bundled checkpoint) or "tp2"
 
 
-def sentence_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)."""
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    rows = [torch.tensor(tokenizer(f.sentence).input_ids + [eos_id]) for f in FACTS]
-    return tuple(pad_sequence(rows, batch_first=True, padding_value=value) for value in (tokenizer.pad_token_id, -100))
-
-
 class RouterBalance:
     """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all experts carry facts."""
 
@@ -116,7 +109,9 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
 
 def _fit(model, tokenizer, args: TrainArgs, log, started: float):
     """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss, recall, history)."""
-    input_ids, labels = sentence_batch(tokenizer)
+    # (input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)
+    rows = [torch.tensor(tokenizer(f.sentence).input_ids + [tokenizer.convert_tokens_to_ids(EOS)]) for f in FACTS]
+    input_ids, labels = (pad_sequence(rows, batch_first=True, padding_value=value) for value in (tokenizer.pad_token_id, -100))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     balance = RouterBalance(model)
     shuffle = torch.Generator().manual_seed(args.seed)

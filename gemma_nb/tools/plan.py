@@ -4,6 +4,7 @@ its decode roofline and $ per million tokens, and host RAM and disk scaled from 
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -43,8 +44,7 @@ def host_needs(config) -> dict:
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
     """Bytes of weights on all NeuronCores together: what a compiled artifact holds."""
-    table = memory.plan(config, tp, scheme).table
-    return tp * int(table.loc[~table["group"].isin(("kv_cache", "runtime_allowance")), "bytes_per_rank"].sum())
+    return tp * memory.plan(config, tp, scheme).weights_bytes
 
 
 def rehearsal_record() -> dict | None:  # None where make rehearse left none
@@ -294,8 +294,10 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     try:
-        source = read_config(args.config)
-        allowance = None if args.runtime_allowance is None else memory.given_runtime_allowance(args.runtime_allowance)
+        source, gb = read_config(args.config), args.runtime_allowance  # GB (10^9 bytes) per NeuronCore
+        if gb is not None and not (math.isfinite(gb) and gb >= 0):
+            raise ValueError(f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)")
+        allowance = None if gb is None else memory.RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
         report = plan_report(source.config, args.scheme, args.tp, args.context, args.instance, args.budget,
                              name=Path(args.config).name, allowance=allowance, notes=source.notes,
                              towers_params=source.towers_params)
