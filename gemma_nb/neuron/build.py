@@ -181,14 +181,12 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
                                                  input_is_parallel=True, **int8)
         layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
                                     dtype=dtype, sdk=sdk, activation=config.hidden_activation)
-    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
-                               pad=config.vocab_size % tp != 0, sdk=sdk)
+    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, dtype=dtype, pad=config.vocab_size % tp != 0, sdk=sdk)
 
 
-def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
-    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
-    inter = config.moe_intermediate_size
-    assert inter % tp == 0, f"moe_intermediate_size={inter} is not divisible by tp={tp}"
+def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding;
+    the same for any TP degree (the experts check that theirs divides ``moe_intermediate_size``)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
@@ -202,7 +200,7 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
         out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], prefix=f"lm.{base}."))
-    out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
+    out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], prefix="lm.lm_head."))
     return out
 
 
@@ -235,7 +233,7 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
 
     builder = sdk.ModelBuilder(
         router=None, tp_degree=build.tp_degree, compiler_workdir=build.compiler_workdir,
-        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree))
+        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config))
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
         builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)], compiler_args=build.compiler_args)

@@ -59,7 +59,7 @@ def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "flo
     config, hf_state = B.text_config(model_dir), B.read_hf_state(model_dir)
     build = B.NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
                                 dtype=dtype)
-    checkpoint = B.convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
+    checkpoint = B.convert_checkpoint(hf_state, config, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
     return config, hf_state, build, checkpoint, embed
