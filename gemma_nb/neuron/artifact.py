@@ -47,9 +47,10 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
-    """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
-    write_serving_files(model_dir, artifact_dir)
+    """After the model: the build ``record``, the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
     artifact_dir = Path(artifact_dir)
+    (artifact_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    write_serving_files(model_dir, artifact_dir)
     build = record["build"]
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": list(record["graphs"]),

@@ -1,7 +1,6 @@
 """The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by ModelBuilder v1.
 The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)``: the graph at TP=1."""
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import distributions
@@ -13,7 +12,7 @@ from transformers import Gemma4ForCausalLM
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
+from gemma_nb.neuron.artifact import DECODE_PATHS, MODEL_FILE, finish_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
@@ -185,8 +184,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 
 
 def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
-    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding;
-    the same for any TP degree (the experts check that theirs divides ``moe_intermediate_size``)."""
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` at any TP (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
@@ -266,7 +264,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()), "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size, "versions": package_versions(RECORDED_VERSIONS),
     }
-    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
     finish_artifact(build.model_dir, out_dir, record)
     return record
 
