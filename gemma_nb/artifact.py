@@ -99,8 +99,7 @@ class StepRunner:
         if max_new_tokens == 0:
             return ids
         kv = new_kv_cache(self.kv_shapes, self.dtype)
-        padded = torch.full((1, self.shapes.prefill_len), self.pad_token_id, dtype=torch.long)
-        padded[:, :prompt] = ids
+        padded = torch.nn.functional.pad(ids, (0, self.shapes.prefill_len - prompt), value=self.pad_token_id)
         # The padding slots past the prompt are overwritten by decode steps before any query attends to them.
         logits = self.prefill(self.weights, kv, self.embed(padded), torch.tensor([0]), torch.tensor([prompt - 1]))
         tokens = [int(logits.argmax(-1))]
