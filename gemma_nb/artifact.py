@@ -26,7 +26,7 @@ WEIGHTS_FILE = "tp0_weights.safetensors"  # named as NxD names rank 0's file
 
 
 class ArtifactError(ValueError):
-    """A compiled artifact or weights file that is missing, truncated or does not match."""
+    """A compiled artifact (cpu or neuron) or one of its files that is missing, truncated, of another format or does not match."""
 
 
 class ArtifactNotFoundError(ArtifactError, FileNotFoundError):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from gemma_nb.artifact import ArtifactError
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
@@ -25,10 +26,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 REQUIRED_FILES = (MODEL_FILE, BUILD_RECORD, HOST_EMBEDDING_FILE, CONFIG_FILE, "tokenizer_config.json")
 DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
-
-
-class ArtifactError(ValueError):
-    """An artifact folder that is missing, incomplete, or of another format version; says what to do."""
 
 
 def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None:
