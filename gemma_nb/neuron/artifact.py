@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemma_nb.artifact import ArtifactError
+from gemma_nb.artifact import HOST_EMBEDDING_FILE, MANIFEST, ArtifactError  # the names both artifact folders use
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
@@ -16,10 +16,8 @@ from gemma_nb.paths import artifacts_dir
 
 FORMAT = "gemma-nb-neuron-artifact"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 MODEL_FILE = "model.pt"
 BUILD_RECORD = "build_record.json"
-HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
 CONFIG_FILE = "config.json"
 # Copied when the model folder has them; a tokenizer needs tokenizer_config.json and one of the first two.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
