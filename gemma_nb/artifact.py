@@ -26,7 +26,7 @@ WEIGHTS_FILE = "tp0_weights.safetensors"  # named as NxD names rank 0's file
 
 
 class ArtifactError(ValueError):
-    """A compiled artifact or weights file that is missing, truncated or does not match."""
+    """A compiled artifact (cpu or neuron) or one of its files that is missing, truncated, of another format or does not match."""
 
 
 class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
@@ -99,8 +99,7 @@ class StepRunner:
         if max_new_tokens == 0:
             return ids
         kv = new_kv_cache(self.kv_shapes, self.dtype)
-        padded = torch.full((1, self.shapes.prefill_len), self.pad_token_id, dtype=torch.long)
-        padded[:, :prompt] = ids
+        padded = torch.nn.functional.pad(ids, (0, self.shapes.prefill_len - prompt), value=self.pad_token_id)
         # The padding slots past the prompt are overwritten by decode steps before any query attends to them.
         logits = self.prefill(self.weights, kv, self.embed(padded), torch.tensor([0]), torch.tensor([prompt - 1]))
         tokens = [int(logits.argmax(-1))]

@@ -36,11 +36,9 @@ def check_exportable_config(config) -> None:
 
 def set_traceable_experts(model: nn.Module) -> str:
     """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, unless already traceable; return it."""
-    current = getattr(model.config, "_experts_implementation", None)
-    if current in ("grouped_mm", "batched_mm"):  # what torch.export traces
-        return current
-    model.set_experts_implementation("grouped_mm")
-    return "grouped_mm"
+    if getattr(model.config, "_experts_implementation", None) not in ("grouped_mm", "batched_mm"):  # what torch.export traces
+        model.set_experts_implementation("grouped_mm")
+    return model.config._experts_implementation
 
 
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -159,7 +159,7 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
 
     model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), seed=2, dtype=torch.float32)
     config = model.config
-    state = convert_checkpoint(model.state_dict(), config, tp=2)
+    state = convert_checkpoint(model.state_dict(), config)
     assert state["lm.lm_head.weight"].dtype == torch.int8 and "lm.model.embed_tokens.weight" not in state
     assert state["lm.model.layers.0.mlp.gate_proj.weight"].dtype == torch.int8
     assert not any(key.endswith(".rank") for key in state)  # no rank id in the graph
@@ -167,8 +167,6 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
     base = "lm.model.layers.0.experts"
     assert state[f"{base}.gate_up.weight"].shape == (e, h, 2 * i) and state[f"{base}.gate_up.scale"].shape == (e, 1, 2 * i)
     assert state[f"{base}.down.weight"].shape == (e, i, h) and state[f"{base}.down.scale"].shape == (e, 1, h)
-    assert {k: v.shape for k, v in convert_checkpoint(model.state_dict(), config, tp=1).items()} == \
-        {k: v.shape for k, v in state.items()}
     gate_up = state[f"{base}.gate_up.weight"].float() * state[f"{base}.gate_up.scale"]  # [E, H, 2I]
     down = state[f"{base}.down.weight"].float() * state[f"{base}.down.scale"]  # [E, I, H]
     source = model.model.layers[0].experts
@@ -189,8 +187,6 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
         ours = ours + (out * dense.T[..., None]).sum(0)
     expected = source(x, index, weights)
     assert (ours - expected).norm() / expected.norm() < 0.02
-    with pytest.raises(AssertionError, match="moe_intermediate_size=64 is not divisible by tp=3"):
-        convert_checkpoint(model.state_dict(), config, tp=3)
 
 
 def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
@@ -207,7 +203,7 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
                                 dtype="float32")
     with standins.model_parallel(1):
         module = B.NeuronGemma4(model.config, build, parallel=True, sdk=standins.cpu_sdk())
-    state = B.convert_checkpoint(model.state_dict(), model.config, tp=1, dtype=torch.float32)
+    state = B.convert_checkpoint(model.state_dict(), model.config, dtype=torch.float32)
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if "_cache." not in k}
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
     module.load_state_dict(state, strict=False)

@@ -44,7 +44,6 @@ def stand_in_compile(model_dir: Path, out_dir: Path) -> dict:
     torch.save(module.state_dict(), out_dir / A.MODEL_FILE)
     record = {"build": asdict(build), "versions": {"torch": torch.__version__}, "sdk": "Neuron SDK",
               "graphs": build.graph_keys(), "routed_graphs": build.routed_graphs()}
-    (out_dir / A.BUILD_RECORD).write_text(json.dumps(record))
     return A.finish_artifact(model_dir, out_dir, record)
 
 

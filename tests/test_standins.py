@@ -22,7 +22,7 @@ TP2_DIMS = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=
 @pytest.fixture(scope="module")
 def tp2_model():
     model = random_gemma4_model(random_gemma4_config(**TP2_DIMS), seed=5, dtype=torch.float32)
-    checkpoint = B.convert_checkpoint(model.state_dict(), model.config, tp=2, dtype=torch.float32)
+    checkpoint = B.convert_checkpoint(model.state_dict(), model.config, dtype=torch.float32)
     return model, checkpoint
 
 

@@ -36,7 +36,7 @@ def test_aliased_graphs_write_the_state_back_and_refuse_a_mismatched_alias():
                                 dtype="float32")
     with S.model_parallel(1):
         module = B.NeuronGemma4(model.config, build, parallel=True, sdk=S.cpu_sdk())
-    module.load_state_dict(B.convert_checkpoint(model.state_dict(), model.config, 1, torch.float32), strict=False)
+    module.load_state_dict(B.convert_checkpoint(model.state_dict(), model.config, torch.float32), strict=False)
     graphs = E.AliasedGraphs(module, module, bucket=4)
     embed = model.get_input_embeddings()
     graphs(*B.step_inputs(embed(torch.tensor([[5, 6, 7, 8]])), [0, 1, 2, 3], 12, model.config.sliding_window))

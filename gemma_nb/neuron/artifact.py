@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from gemma_nb.artifact import HOST_EMBEDDING_FILE, MANIFEST, ArtifactError  # the names both artifact folders use
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
@@ -15,20 +16,14 @@ from gemma_nb.paths import artifacts_dir
 
 FORMAT = "gemma-nb-neuron-artifact"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 MODEL_FILE = "model.pt"
 BUILD_RECORD = "build_record.json"
-HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
 CONFIG_FILE = "config.json"
 # Copied when the model folder has them; a tokenizer needs tokenizer_config.json and one of the first two.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 REQUIRED_FILES = (MODEL_FILE, BUILD_RECORD, HOST_EMBEDDING_FILE, CONFIG_FILE, "tokenizer_config.json")
 DECODE_PATHS = ("dense", "sparse")  # the port's decode, then the fix: one artifact each
-
-
-class ArtifactError(ValueError):
-    """An artifact folder that is missing, incomplete, or of another format version; says what to do."""
 
 
 def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None:
@@ -47,9 +42,10 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
-    """After the model and build record: the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
-    write_serving_files(model_dir, artifact_dir)
+    """After the model: the build ``record``, the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
     artifact_dir = Path(artifact_dir)
+    (artifact_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    write_serving_files(model_dir, artifact_dir)
     build = record["build"]
     files = {p.name: p.stat().st_size for p in sorted(artifact_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "graphs": list(record["graphs"]),

@@ -1,7 +1,6 @@
 """The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by ModelBuilder v1.
 The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)``: the graph at TP=1."""
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import distributions
@@ -13,7 +12,7 @@ from transformers import Gemma4ForCausalLM
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.artifact import BUILD_RECORD, DECODE_PATHS, MODEL_FILE, finish_artifact
+from gemma_nb.neuron.artifact import DECODE_PATHS, MODEL_FILE, finish_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
 from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
@@ -181,14 +180,11 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
                                                  input_is_parallel=True, **int8)
         layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
                                     dtype=dtype, sdk=sdk, activation=config.hidden_activation)
-    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, quantized=True, dtype=dtype,
-                               pad=config.vocab_size % tp != 0, sdk=sdk)
+    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, dtype=dtype, pad=config.vocab_size % tp != 0, sdk=sdk)
 
 
-def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) -> dict:
-    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
-    inter = config.moe_intermediate_size
-    assert inter % tp == 0, f"moe_intermediate_size={inter} is not divisible by tp={tp}"
+def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` at any TP (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
@@ -202,7 +198,7 @@ def convert_checkpoint(hf_state: dict, config, tp: int, dtype=torch.bfloat16) ->
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
         out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], prefix=f"lm.{base}."))
-    out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], quantized=True, prefix="lm.lm_head."))
+    out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], prefix="lm.lm_head."))
     return out
 
 
@@ -235,7 +231,7 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
 
     builder = sdk.ModelBuilder(
         router=None, tp_degree=build.tp_degree, compiler_workdir=build.compiler_workdir,
-        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config, build.tp_degree))
+        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config))
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
         builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)], compiler_args=build.compiler_args)
@@ -268,7 +264,6 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()), "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size, "versions": package_versions(RECORDED_VERSIONS),
     }
-    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
     finish_artifact(build.model_dir, out_dir, record)
     return record
 

@@ -96,13 +96,15 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5) -> tup
     return runner, figures
 
 
+def until_eos(tokens: list, eos_token_id: int | None) -> list:
+    return tokens[: tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
+
+
 def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16) -> dict:
     """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence token."""
     tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = runner.generate(ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
-    if tokenizer.eos_token_id in out:
-        out = out[: out.index(tokenizer.eos_token_id)]
+    ids, eos = tokenizer(prompt, return_tensors="pt").input_ids, tokenizer.eos_token_id
+    out = until_eos(runner.generate(ids, max_new_tokens, eos_token_id=eos)[0, ids.shape[1]:].tolist(), eos)
     return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
             "step_ms": [1000 * s for s in runner.step_times_s]}
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from gemma_nb.bench import time_runners
 from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
-from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy
+from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy, until_eos
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
 SMOKE_SHAPES = {"max_len": 64, "bucket": 16}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
@@ -58,11 +58,5 @@ def benchmark_builds(folders, prompt: str = "The capital of France is", new_toke
         finally:
             release(runner)
         tables.append(table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"]))
-    table = pd.concat(tables)
-    eos = tokenizer.eos_token_id
-
-    def completion(tokens):
-        new = list(tokens)[ids.shape[1]:]
-        return tokenizer.decode(new[: new.index(eos)] if eos in new else new).strip()
-
-    return table.assign(completion=[completion(t) for t in table["tokens"]])
+    table, eos = pd.concat(tables), tokenizer.eos_token_id
+    return table.assign(completion=[tokenizer.decode(until_eos(list(t)[ids.shape[1]:], eos)).strip() for t in table["tokens"]])

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron import build as B
-from gemma_nb.neuron.deploy import NeuronStepRunner
+from gemma_nb.neuron.deploy import NeuronStepRunner, until_eos
 from gemma_nb.ranks import run_tp
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_TP2_ID
@@ -59,7 +59,7 @@ def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "flo
     config, hf_state = B.text_config(model_dir), B.read_hf_state(model_dir)
     build = B.NeuronBuildConfig(model_dir=model_dir, output_dir="unused", tp_degree=tp, max_len=max_len, bucket=bucket,
                                 dtype=dtype)
-    checkpoint = B.convert_checkpoint(hf_state, config, tp, dtype=getattr(torch, dtype))
+    checkpoint = B.convert_checkpoint(hf_state, config, dtype=getattr(torch, dtype))
     scale = torch.tensor(model_skeleton(config).get_input_embeddings().scalar_embed_scale)
     embed = HostEmbedding(hf_state["model.embed_tokens.weight"].float(), scale)
     return config, hf_state, build, checkpoint, embed
@@ -174,7 +174,7 @@ def tp_emulation(model_id: str = BUNDLED_TP2_ID, prompts=DEFAULT_PROMPTS, new_to
         "router_choices": len(choices), "router_topk_equal_bf16": matching(bf16[0]["fp32_softmax"]),
         "router_topk_equal_bf16_autocast_all": matching(bf16[0]["bf16_softmax"]),
         "router_ranks_agree": all(r == bf16[0] for r in bf16), "prompt_texts": list(prompts),
-        "reference_answers": [tokenizer.decode(t[: t.index(eos)] if eos in t else t) for t in expected],
+        "reference_answers": [tokenizer.decode(until_eos(t, eos)) for t in expected],
         "reference_tokens": expected, "tokens_per_rank": [r["tokens"] for r in ranks],
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -243,13 +243,13 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
-    head_checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"], quantized=True)
+    head_checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"])
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
             def make_module(module_dtype, experts=experts, graph=graph):
                 module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
-                checkpoint = B.convert_checkpoint(state, config, tp, dtype=module_dtype)
+                checkpoint = B.convert_checkpoint(state, config, dtype=module_dtype)
                 module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
                 if graph == "decode":
                     fill_cache(module)
