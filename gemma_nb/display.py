@@ -153,10 +153,9 @@ def _plain(frame, printer, cycle) -> None:
     printer.text(shown.to_string(max_rows=MAX_ROWS, index=index))
 
 
-def setup_page(column_formats: bool = True) -> None:
+def setup_page() -> None:
     """Pandas options, IPython table formatters (one number format per column, index names in the header's
-    corner, no default index) and the plot theme; idempotent. ``column_formats`` must be True, as the notebooks pass it."""
-    assert column_formats, "tables always get one number format per column: call setup_page(column_formats=True)"
+    corner, no default index) and the plot theme; idempotent."""
     for option, value in (("max_colwidth", None), ("max_columns", None), ("max_rows", MAX_ROWS),
                           ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)), ("float_format", format_float)):
         pd.set_option(f"display.{option}", value)

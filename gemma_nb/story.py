@@ -122,10 +122,6 @@ def get_claim(key: str) -> Claim:
     return CLAIMS[key]
 
 
-def claim_range(key: str) -> tuple[float, float]:
-    return get_claim(key).within
-
-
 def agrees_with_claim(key: str, computed: float) -> bool:
     low, high = get_claim(key).within
     return low <= float(computed) <= high

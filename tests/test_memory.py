@@ -397,10 +397,10 @@ def test_allowance_window_short_by_what_if(gemma26b):
 
 
 def test_claim_range_and_agreement(gemma26b):
-    assert story.claim_range("experts_bf16_gb") == (45.5, 45.7)              # "45.6 GB": its last decimal
-    assert story.claim_range("lm_head_bf16_gb_per_rank") == (1.47, 1.49)
-    assert story.claim_range("int8_experts_gap_gb") == (3.0, 4.0)            # quoted as "~3-4 GB"
-    assert story.claim_range("final_residency_gb_per_rank") == (12.0, 13.0)  # quoted as "~12-13 GB"
+    assert story.get_claim("experts_bf16_gb").within == (45.5, 45.7)              # "45.6 GB": its last decimal
+    assert story.get_claim("lm_head_bf16_gb_per_rank").within == (1.47, 1.49)
+    assert story.get_claim("int8_experts_gap_gb").within == (3.0, 4.0)            # quoted as "~3-4 GB"
+    assert story.get_claim("final_residency_gb_per_rank").within == (12.0, 13.0)  # quoted as "~12-13 GB"
     figures = memory_arithmetic.story_figures(gemma26b)
     for key in ("total_params_b", "experts_bf16_gb", "experts_int8_gb_per_rank", "experts_share_pct",
                 "lm_head_released_gb_per_rank", "shared_mlp_int8_saving_gb_per_rank"):
@@ -418,5 +418,5 @@ def test_claim_range_and_agreement(gemma26b):
     assert not story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"])
     assert story.agrees_with_claim("final_residency_gb_per_rank", figures["final_residency_gb_per_rank"] * GB / GiB)
     with pytest.raises(ValueError, match="'not_a_claim' is not in gemma_nb.story.CLAIMS"):
-        story.claim_range("not_a_claim")
+        story.get_claim("not_a_claim").within
 

@@ -47,11 +47,11 @@ def test_the_repo_cites_only_its_own_sources_document():
 def test_an_unknown_claim_is_one_error_everywhere():
     """story, metrics and the verdicts raise the same UnknownClaim: a KeyError and a ValueError."""
     from gemma_nb.metrics import headline
-    from gemma_nb.story import UnknownClaim, agrees_with_claim, claim_range, claims_table
+    from gemma_nb.story import UnknownClaim, agrees_with_claim, claims_table, get_claim
 
     for call in (lambda: claims_table({"not_a_claim": 1.0}),
                  lambda: headline("x", 1.0, "GB", claim="not_a_claim"),
-                 lambda: claim_range("not_a_claim"), lambda: agrees_with_claim("not_a_claim", 1.0)):
+                 lambda: get_claim("not_a_claim").within, lambda: agrees_with_claim("not_a_claim", 1.0)):
         with pytest.raises(UnknownClaim, match="'not_a_claim' is not in gemma_nb.story.CLAIMS") as info:
             call()
         assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)

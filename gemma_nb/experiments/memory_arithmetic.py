@@ -10,7 +10,7 @@ import seaborn as sns
 from gemma_nb.formats import tensor_bytes
 from gemma_nb.hardware import GB, get_instance
 from gemma_nb.memory import PLAN_ROWS, SHIPPED_CONTEXT_LEN, Plan, allowance_window, kv_cache_bytes_per_token, param_summary, plan
-from gemma_nb.story import claim_range, get_claim
+from gemma_nb.story import get_claim
 
 
 def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = None) -> None:
@@ -78,7 +78,7 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN):
         ("how far the build overflows the story's 16 GB core", (failing.total_bytes - host.budget_bytes("story")) / GB),
         ("how far the build overflows a 16 GiB core (AWS)", (failing.total_bytes - host.budget_bytes("spec")) / GB),
     ]
-    low, high = claim_range("int8_experts_gap_gb")
+    low, high = get_claim("int8_experts_gap_gb").within
     return pd.DataFrame([{"reading": text, "computed_gb": gb, "inside_claim": low <= gb <= high} for text, gb in rows])
 
 

@@ -12,14 +12,12 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."
 
 
-def build_lm_head(hidden_size: int, vocab_size: int, quantized: bool = True, dtype: torch.dtype = torch.bfloat16,
-                  pad: bool = False, sdk=None) -> nn.Module:
-    """The int8 ``QuantizedColumnParallel`` or bf16 ``ColumnParallelLinear`` head; built in NxD's parallel state."""
+def build_lm_head(hidden_size: int, vocab_size: int, dtype: torch.dtype = torch.bfloat16, pad: bool = False,
+                  sdk=None) -> nn.Module:
+    """The int8 ``QuantizedColumnParallel`` head over the vocab, gathered; built in NxD's parallel state."""
     sdk = import_nxd() if sdk is None else sdk
-    kwargs = dict(input_size=hidden_size, output_size=vocab_size, gather_output=True, pad=pad)
-    if not quantized:
-        return sdk.ColumnParallelLinear(**kwargs, bias=False, dtype=dtype)
-    return sdk.QuantizedColumnParallel(**kwargs, **int8_kwargs(sdk, dtype), scale_dtype=torch.float32)
+    return sdk.QuantizedColumnParallel(input_size=hidden_size, output_size=vocab_size, gather_output=True, pad=pad,
+                                       **int8_kwargs(sdk, dtype), scale_dtype=torch.float32)
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -27,10 +25,8 @@ def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits[..., :vocab_size] if logits.shape[-1] != vocab_size else logits
 
 
-def lm_head_state_dict(embed_weight: torch.Tensor, quantized: bool = True, prefix: str = HEAD_PREFIX) -> dict:
-    """The untied head's full checkpoint entries from the embedding table ``[V, H]`` (int8 + scale, or bf16)."""
-    if not quantized:
-        return {f"{prefix}weight": embed_weight.detach().to(torch.bfloat16)}
+def lm_head_state_dict(embed_weight: torch.Tensor, prefix: str = HEAD_PREFIX) -> dict:
+    """The untied head's full checkpoint entries from the embedding table ``[V, H]``: int8 weight and fp32 scale."""
     q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
