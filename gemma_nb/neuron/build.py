@@ -184,7 +184,7 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 
 
 def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
-    """The checkpoint ModelBuilder shards for ``NeuronGemma4`` at any TP (keys ``lm.*``): MLP, experts, lm_head int8, no embedding."""
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4``, any TP (keys ``lm.*``): MLP, experts, int8 lm_head, no embed."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
