@@ -29,8 +29,11 @@ def _sync(device: str) -> None:
 
 def check_counts(**counts: int) -> None:
     for name, value in counts.items():
-        minimum, why = {"warmup": (0, ""), "new_tokens": (2, " (one first token, then decode steps)"),
-                        "batch": (1, " (streams decoded together)")}.get(name, (1, ""))
+        minimum, why = {
+            "warmup": (0, ""),
+            "new_tokens": (2, " (one first token, then decode steps)"),
+            "batch": (1, " (streams decoded together)"),
+        }.get(name, (1, ""))
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{why}")
 
@@ -39,7 +42,9 @@ def smoke_timing() -> bool:
     """True under ``GEMMA_NB_TIMING=smoke`` (timing loops run once); ``full`` or unset: as asked."""
     mode = os.environ.get(TIMING_ENV, "full")
     if mode not in ("full", "smoke"):
-        raise ValueError(f"{TIMING_ENV}={mode!r} is not one of full, smoke (unset it for a real measurement)")
+        raise ValueError(
+            f"{TIMING_ENV}={mode!r} is not one of full, smoke (unset it for a real measurement)"
+        )
     return mode == "smoke"
 
 
@@ -51,6 +56,7 @@ def _rotated(names: Sequence[str], shift: int) -> list[str]:
 class Timings:
     """Per-step latencies (``steps``: candidate, repeat, step, ms) of candidates timed side by side;
     generation adds ``first_token`` (candidate, repeat, ttft_ms) and ``tokens`` (candidate -> [1, S + n])."""
+
     steps: pd.DataFrame
     first_token: pd.DataFrame | None = None
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -67,16 +73,31 @@ class Timings:
         """One row per candidate: step latency percentiles (ms, all repeats), tok/s (median and range over
         repeats), and for generation ``ttft_ms`` (median over repeats)."""
         rows = []
-        per_repeat = self.steps.groupby(["candidate", "repeat"], sort=False)["ms"].agg(total_ms="sum", steps="count")
-        per_repeat = per_repeat.reset_index().assign(tok_s=lambda t: 1000.0 * t["steps"] / t["total_ms"])
+        per_repeat = self.steps.groupby(["candidate", "repeat"], sort=False)["ms"].agg(
+            total_ms="sum", steps="count"
+        )
+        per_repeat = per_repeat.reset_index().assign(
+            tok_s=lambda t: 1000.0 * t["steps"] / t["total_ms"]
+        )
         for name in self.candidates:
             ms = self._ms(name)
             tok_s = per_repeat.loc[per_repeat["candidate"] == name, "tok_s"]
-            row = {"candidate": name, "p50_ms": ms.median(), "p90_ms": ms.quantile(0.9), "mean_ms": ms.mean(),
-                   "min_ms": ms.min(), "tok_s": tok_s.median(), "tok_s_min": tok_s.min(), "tok_s_max": tok_s.max(),
-                   "repeats": tok_s.size, "steps_per_repeat": ms.size // tok_s.size}
+            row = {
+                "candidate": name,
+                "p50_ms": ms.median(),
+                "p90_ms": ms.quantile(0.9),
+                "mean_ms": ms.mean(),
+                "min_ms": ms.min(),
+                "tok_s": tok_s.median(),
+                "tok_s_min": tok_s.min(),
+                "tok_s_max": tok_s.max(),
+                "repeats": tok_s.size,
+                "steps_per_repeat": ms.size // tok_s.size,
+            }
             if self.first_token is not None:
-                row["ttft_ms"] = self.first_token.loc[self.first_token["candidate"] == name, "ttft_ms"].median()
+                row["ttft_ms"] = self.first_token.loc[
+                    self.first_token["candidate"] == name, "ttft_ms"
+                ].median()
             rows.append(row)
         return pd.DataFrame(rows).set_index("candidate")
 
@@ -90,12 +111,19 @@ class Timings:
     def p50_ms(self, name: str) -> float:
         return float(self._ms(name).median())
 
-    def min_ms(self, name: str) -> float:  # the fastest step: what the machine allows when nothing else interferes
+    def min_ms(
+        self, name: str
+    ) -> float:  # the fastest step: what the machine allows when nothing else interferes
         return float(self._ms(name).min())
 
 
-def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, repeats: int = 5, warmup: int = 2,
-               device: str = "cpu") -> Timings:
+def time_steps(
+    candidates: Mapping[str, Callable[[int], Any]],
+    steps: int = 16,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+) -> Timings:
     """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
     untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
     check_counts(steps=steps, repeats=repeats, warmup=warmup)
@@ -121,9 +149,13 @@ def time_steps(candidates: Mapping[str, Callable[[int], Any]], steps: int = 16, 
     return Timings(pd.DataFrame(rows, columns=["candidate", "repeat", "step", "ms"]))
 
 
-def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[float], torch.Tensor]:
+def _generate_timed(
+    model, input_ids: torch.Tensor, new_tokens: int, device: str
+) -> tuple[float, list[float], torch.Tensor]:
     """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
-    model = model if isinstance(model, torch.nn.Module) else model()  # a function returning it: called untimed
+    model = (
+        model if isinstance(model, torch.nn.Module) else model()
+    )  # a function returning it: called untimed
     cache = DynamicCache(config=model.config)
     _sync(device)
     token, generated, ms = input_ids, [], []
@@ -137,8 +169,14 @@ def _generate_timed(model, input_ids: torch.Tensor, new_tokens: int, device: str
     return ms[0], ms[1:], torch.cat([input_ids, *generated], dim=1)
 
 
-def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3, warmup: int = 1,
-                    device: str = "cpu") -> Timings:
+def time_generation(
+    models: Mapping[str, Any],
+    input_ids,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    warmup: int = 1,
+    device: str = "cpu",
+) -> Timings:
     """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed before each run),
     interleaved across repeats: TTFT, then the decode steps. Tokens that change between repeats are an error."""
     check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
@@ -146,7 +184,9 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
         repeats, warmup = 1, 0
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = (ids[None] if ids.dim() == 1 else ids).to(device)
-    assert ids.dim() == 2 and ids.shape[0] == 1, f"input_ids {tuple(ids.shape)}: one prompt [S] or [1, S]"
+    assert ids.dim() == 2 and ids.shape[0] == 1, (
+        f"input_ids {tuple(ids.shape)}: one prompt [S] or [1, S]"
+    )
     steps, firsts, tokens = [], [], {}
     with torch.inference_mode():
         for model in models.values():
@@ -156,15 +196,22 @@ def time_generation(models: Mapping[str, Any], input_ids, new_tokens: int = 32, 
             for name in _rotated(list(models), repeat):
                 ttft, decode, out = _generate_timed(models[name], ids, new_tokens, device)
                 if name in tokens and not torch.equal(tokens[name], out.cpu()):
-                    raise ValueError(f"candidate {name!r} generated different tokens in repeat {repeat}")
+                    raise ValueError(
+                        f"candidate {name!r} generated different tokens in repeat {repeat}"
+                    )
                 tokens[name] = out.cpu()
                 firsts.append((name, repeat, ttft))
                 steps += [(name, repeat, step, ms) for step, ms in enumerate(decode)]
-    return Timings(pd.DataFrame(steps, columns=["candidate", "repeat", "step", "ms"]),
-                   pd.DataFrame(firsts, columns=["candidate", "repeat", "ttft_ms"]), tokens)
+    return Timings(
+        pd.DataFrame(steps, columns=["candidate", "repeat", "step", "ms"]),
+        pd.DataFrame(firsts, columns=["candidate", "repeat", "ttft_ms"]),
+        tokens,
+    )
 
 
-def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3) -> pd.DataFrame:
+def time_runners(
+    runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3
+) -> pd.DataFrame:
     """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only ``generate(ids, max_new_tokens)``."""
     check_counts(new_tokens=new_tokens, repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
@@ -177,14 +224,29 @@ def time_runners(runners: Mapping[str, Any], input_ids, new_tokens: int = 32, re
             start = time.perf_counter()
             tokens = runners[name].generate(input_ids, new_tokens)
             total_s = time.perf_counter() - start
-            rows.append({"runner": name, "repeat": repeat, "ttft_s": ttft_s,
-                         "decode_tok_s": (new_tokens - 1) / max(total_s - ttft_s, 1e-9),
-                         "tokens": torch.as_tensor(tokens)[0].tolist()})
-    return pd.DataFrame(rows).groupby("runner", sort=False).agg(
-        ttft_s=("ttft_s", "median"), decode_tok_s=("decode_tok_s", "median"), tokens=("tokens", "last"))
+            rows.append(
+                {
+                    "runner": name,
+                    "repeat": repeat,
+                    "ttft_s": ttft_s,
+                    "decode_tok_s": (new_tokens - 1) / max(total_s - ttft_s, 1e-9),
+                    "tokens": torch.as_tensor(tokens)[0].tolist(),
+                }
+            )
+    return (
+        pd.DataFrame(rows)
+        .groupby("runner", sort=False)
+        .agg(
+            ttft_s=("ttft_s", "median"),
+            decode_tok_s=("decode_tok_s", "median"),
+            tokens=("tokens", "last"),
+        )
+    )
 
 
-def random_model_on_device(config, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def random_model_on_device(
+    config, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+):
     """A random-weight ``Gemma4ForCausalLM`` built directly on ``device`` (the 26B never touches host RAM)."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -196,7 +258,9 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str =
     check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
-        raise ValueError(f"nbytes={nbytes!r} must be an integer >= 1 MiB (use >= 256 MiB to defeat caches)")
+        raise ValueError(
+            f"nbytes={nbytes!r} must be an integer >= 1 MiB (use >= 256 MiB to defeat caches)"
+        )
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     timings = {"read": [], "copy": []}
@@ -209,9 +273,15 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str =
                 _sync(device)
                 timings[kind].append(time.perf_counter() - start)
     moved = {"read": src.numel() * 2, "copy": 2 * src.numel() * 2}
-    return {"nbytes": src.numel() * 2, "device": str(device),
-            **{f"{kind}_gb_s{suffix}": moved[kind] / statistic(seconds) / GB for kind, seconds in timings.items()
-               for suffix, statistic in (("", min), ("_median", statistics.median))}}
+    return {
+        "nbytes": src.numel() * 2,
+        "device": str(device),
+        **{
+            f"{kind}_gb_s{suffix}": moved[kind] / statistic(seconds) / GB
+            for kind, seconds in timings.items()
+            for suffix, statistic in (("", min), ("_median", statistics.median))
+        },
+    }
 
 
 def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
@@ -220,58 +290,113 @@ def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
     return 1000.0 * nbytes / bandwidth_bytes_s
 
 
-def moe_layer_bytes(num_experts: int, hidden: int, intermediate: int, top_k: int, experts: str = "dense",
-                    dtype: str = "bf16") -> int:
+def moe_layer_bytes(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    experts: str = "dense",
+    dtype: str = "bf16",
+) -> int:
     """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E experts (dense) or its top-k."""
     assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
-    per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes((hidden, intermediate), dtype)
+    per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes(
+        (hidden, intermediate), dtype
+    )
     return per_expert * (num_experts if experts == "dense" else top_k)
 
 
-def layer_steps(modules: Mapping[str, Callable], hidden_states: torch.Tensor,
-                routes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[int], Any]]:
+def layer_steps(
+    modules: Mapping[str, Callable],
+    hidden_states: torch.Tensor,
+    routes: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, Callable[[int], Any]]:
     """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh routing each step."""
     assert routes, "no routes"
-    return {name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)])) for name, module in modules.items()}
+    return {
+        name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)]))
+        for name, module in modules.items()
+    }
 
 
-def sparse_breakdown_steps(module, tiny_module, hidden_states: torch.Tensor, tiny_hidden_states: torch.Tensor,
-                           routes, prefix: str, gather: bool = True) -> dict[str, Callable[[int], Any]]:
+def sparse_breakdown_steps(
+    module,
+    tiny_module,
+    hidden_states: torch.Tensor,
+    tiny_hidden_states: torch.Tensor,
+    routes,
+    prefix: str,
+    gather: bool = True,
+) -> dict[str, Callable[[int], Any]]:
     """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone), ``<prefix>:overhead`` (the layer at tiny
     width: dispatch, routing, combine), with ``gather`` ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
+
     def kernel(i):
         for e in ids[i % len(ids)]:
             if module.int8:
-                int8_linear(x, module.gate_up_proj[e], module.gate_up_kernel_scale[e], module.gate_up_scale[e])
-                int8_linear(inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e])
+                int8_linear(
+                    x,
+                    module.gate_up_proj[e],
+                    module.gate_up_kernel_scale[e],
+                    module.gate_up_scale[e],
+                )
+                int8_linear(
+                    inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e]
+                )
             else:
                 torch.nn.functional.linear(x, module.gate_up_proj[e])
                 torch.nn.functional.linear(inter, module.down_proj[e])
-    steps = {f"{prefix}:kernel": kernel,
-             f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)])}
+
+    steps = {
+        f"{prefix}:kernel": kernel,
+        f"{prefix}:overhead": lambda i: tiny_module(tiny_hidden_states, *routes[i % len(routes)]),
+    }
     if gather:
-        steps[f"{prefix}:gather_copy"] = lambda i: (module.gate_up_proj[routes[i % len(routes)][0][0]],
-                                                    module.down_proj[routes[i % len(routes)][0][0]])
+        steps[f"{prefix}:gather_copy"] = lambda i: (
+            module.gate_up_proj[routes[i % len(routes)][0][0]],
+            module.down_proj[routes[i % len(routes)][0][0]],
+        )
     return steps
 
 
-def breakdown_table(timings: Timings, prefixes: Sequence[str], weight_bytes: Mapping[str, float],
-                    bandwidth_bytes_s: float) -> pd.DataFrame:
+def breakdown_table(
+    timings: Timings,
+    prefixes: Sequence[str],
+    weight_bytes: Mapping[str, float],
+    bandwidth_bytes_s: float,
+) -> pd.DataFrame:
     """Per sparse candidate (``weight_bytes``: prefix -> bytes a step reads): its p50 and fastest step
     against its bandwidth floor, and the parts ``sparse_breakdown_steps`` timed beside it (ms)."""
     rows = []
     for prefix in prefixes:
         floor = floor_ms(weight_bytes[prefix], bandwidth_bytes_s)
-        step, kernel, overhead = (timings.p50_ms(name) for name in (prefix, f"{prefix}:kernel", f"{prefix}:overhead"))
-        gather = timings.p50_ms(f"{prefix}:gather_copy") if f"{prefix}:gather_copy" in timings.candidates else float("nan")
-        rows.append({"candidate": prefix, "floor_ms": floor, "step_ms": step, "x_floor": step / floor,
-                     "best_step_ms": timings.min_ms(prefix), "best_x_floor": timings.min_ms(prefix) / floor,
-                     "kernel_ms": kernel, "kernel_gb_s": weight_bytes[prefix] / kernel / 1e6,
-                     "overhead_ms": overhead, "kernel_plus_overhead_ms": kernel + overhead, "gather_copy_ms": gather})
+        step, kernel, overhead = (
+            timings.p50_ms(name) for name in (prefix, f"{prefix}:kernel", f"{prefix}:overhead")
+        )
+        gather = (
+            timings.p50_ms(f"{prefix}:gather_copy")
+            if f"{prefix}:gather_copy" in timings.candidates
+            else float("nan")
+        )
+        rows.append(
+            {
+                "candidate": prefix,
+                "floor_ms": floor,
+                "step_ms": step,
+                "x_floor": step / floor,
+                "best_step_ms": timings.min_ms(prefix),
+                "best_x_floor": timings.min_ms(prefix) / floor,
+                "kernel_ms": kernel,
+                "kernel_gb_s": weight_bytes[prefix] / kernel / 1e6,
+                "overhead_ms": overhead,
+                "kernel_plus_overhead_ms": kernel + overhead,
+                "gather_copy_ms": gather,
+            }
+        )
     return pd.DataFrame(rows).set_index("candidate")
 
 
@@ -279,22 +404,53 @@ def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) 
     """Per-step latency of each candidate (ms, log scale): box + points, all repeats pooled."""
     names = list(candidates or timings.candidates)
     data = timings.steps[timings.steps["candidate"].isin(names)]
-    sns.boxplot(data=data, x="ms", y="candidate", order=names, ax=ax, color="0.85", fliersize=0, linewidth=0.8)
-    sns.stripplot(data=data, x="ms", y="candidate", order=names, ax=ax, size=2.5, alpha=0.6, hue="candidate",
-                  hue_order=names, legend=False, palette="colorblind")
+    sns.boxplot(
+        data=data,
+        x="ms",
+        y="candidate",
+        order=names,
+        ax=ax,
+        color="0.85",
+        fliersize=0,
+        linewidth=0.8,
+    )
+    sns.stripplot(
+        data=data,
+        x="ms",
+        y="candidate",
+        order=names,
+        ax=ax,
+        size=2.5,
+        alpha=0.6,
+        hue="candidate",
+        hue_order=names,
+        legend=False,
+        palette="colorblind",
+    )
     ax.set(xscale="log", xlabel="per-token latency (ms, log scale)", ylabel="")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # a narrow span labels minor ticks, which collide
+    ax.xaxis.set_minor_formatter(
+        matplotlib.ticker.NullFormatter()
+    )  # a narrow span labels minor ticks, which collide
 
 
-def plot_tok_s(measured: Mapping[str, float], ceilings: Mapping[str, float], ax, ylabel: str = "tokens/s") -> None:
+def plot_tok_s(
+    measured: Mapping[str, float], ceilings: Mapping[str, float], ax, ylabel: str = "tokens/s"
+) -> None:
     """Bars of measured tokens/s with each candidate's roofline ceiling drawn over its bar."""
     names = list(measured)
     positions = range(len(names))
     ax.bar(positions, [measured[n] for n in names], color="#0173b2", label="measured")
     for pos, name in zip(positions, names):
         if name in ceilings:
-            ax.hlines(ceilings[name], pos - 0.4, pos + 0.4, colors="#de8f05", linestyles="--", linewidth=2,
-                      label="bandwidth ceiling" if pos == 0 else None)
+            ax.hlines(
+                ceilings[name],
+                pos - 0.4,
+                pos + 0.4,
+                colors="#de8f05",
+                linestyles="--",
+                linewidth=2,
+                label="bandwidth ceiling" if pos == 0 else None,
+            )
     ax.set_xticks(list(positions), names, rotation=20, ha="right")
     ax.set(yscale="log", ylabel=ylabel)
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

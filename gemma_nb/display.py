@@ -21,9 +21,15 @@ EOS = "<eos>"
 MAX_ROWS = 120
 SIGNIFICANT_DIGITS = 4
 MAX_DECIMALS = 8
-ROUNDED_DECIMALS = 6      # values written exactly with at most this many decimals were rounded: shown so
-SCIENTIFIC_BELOW = 1e-4   # other columns holding a smaller non-zero magnitude are shown in scientific notation,
-SCIENTIFIC_SPAN = 1e4     # and so are those whose largest magnitude is this many times their smallest (below 1)
+ROUNDED_DECIMALS = (
+    6  # values written exactly with at most this many decimals were rounded: shown so
+)
+SCIENTIFIC_BELOW = (
+    1e-4  # other columns holding a smaller non-zero magnitude are shown in scientific notation,
+)
+SCIENTIFIC_SPAN = (
+    1e4  # and so are those whose largest magnitude is this many times their smallest (below 1)
+)
 
 
 def cut_at_eos(text: str, eos: str = EOS) -> str:
@@ -54,7 +60,12 @@ def format_cell(value: Any) -> str:
         return format_float(float(value))
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}" if abs(int(value)) >= 10_000 else str(int(value))
-    if isinstance(value, str) and value in ("True", "true", "False", "false"):  # a bool that went through str() or JSON
+    if isinstance(value, str) and value in (
+        "True",
+        "true",
+        "False",
+        "false",
+    ):  # a bool that went through str() or JSON
         return "yes" if value.lower() == "true" else "no"
     with contextlib.suppress(TypeError, ValueError):  # pd.isna of an array is no truth value
         if pd.isna(value):
@@ -79,10 +90,16 @@ def column_formatter(values) -> Callable[[Any], str]:
         return _with_specials(lambda v: f"{v:,.0f}" if separators else f"{v:.0f}")
     low, high = min(magnitudes), max(magnitudes)
     # the fewest decimals that write every value as it is, e.g. after round(3)
-    exact = next((d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in finite)), MAX_DECIMALS)
+    exact = next(
+        (d for d in range(MAX_DECIMALS + 1) if all(round(v, d) == v for v in finite)), MAX_DECIMALS
+    )
     wanted = max(0, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(low)))
-    if exact > ROUNDED_DECIMALS and (low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)):
-        decimals = _decimals_for(finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, lambda v, d: f"{v:.{d}e}")
+    if exact > ROUNDED_DECIMALS and (
+        low < SCIENTIFIC_BELOW or (low < 1 and high / low >= SCIENTIFIC_SPAN)
+    ):
+        decimals = _decimals_for(
+            finite, SIGNIFICANT_DIGITS - 2, MAX_DECIMALS, lambda v, d: f"{v:.{d}e}"
+        )
         return _with_specials(lambda v: f"{v:.{decimals}e}")
     decimals = _decimals_for(finite, min(wanted, exact), exact, lambda v, d: f"{v:,.{d}f}")
     return _with_specials(lambda v: f"{v:,.{decimals}f}")
@@ -108,9 +125,14 @@ def _special(value) -> str | None:
 
 
 def _format_column(column) -> list[str]:
-    numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)
+    numbers = pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(
+        column.dtype
+    )
     # an object column of numbers (a transposed table of dicts) gets one format like a float column
-    kinds = [isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in column]
+    kinds = [
+        isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        for v in column
+    ]
     numbers = numbers or all(k or _missing(v) for k, v in zip(kinds, column)) and any(kinds)
     write = column_formatter(column.tolist()) if numbers else format_cell
     return [write(v) for v in column]
@@ -118,14 +140,19 @@ def _format_column(column) -> list[str]:
 
 def tidy(frame):
     """``frame`` as strings: one format per numeric column, the others per cell."""
-    shown = pd.DataFrame({i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])}, index=_tidy_index(frame.index))
+    shown = pd.DataFrame(
+        {i: _format_column(frame.iloc[:, i]) for i in range(frame.shape[1])},
+        index=_tidy_index(frame.index),
+    )
     shown.columns = _tidy_index(frame.columns)
     return shown
 
 
 def _tidy_index(index):
     if isinstance(index, pd.MultiIndex):
-        return pd.MultiIndex.from_tuples([tuple(format_cell(v) for v in labels) for labels in index], names=index.names)
+        return pd.MultiIndex.from_tuples(
+            [tuple(format_cell(v) for v in labels) for labels in index], names=index.names
+        )
     if isinstance(index, pd.RangeIndex):
         return index
     return pd.Index([format_cell(v) for v in index], name=index.name)
@@ -138,7 +165,7 @@ def _shown(frame):
         return shown, False
     if shown.index.nlevels > 1 or shown.columns.nlevels > 1:
         return shown.reset_index(), False
-    if shown.index.name is not None:   # the name labels the corner cell, not a row of its own
+    if shown.index.name is not None:  # the name labels the corner cell, not a row of its own
         shown.columns.name, shown.index.name = shown.index.name, None
     return shown, True
 
@@ -156,8 +183,13 @@ def _plain(frame, printer, cycle) -> None:
 def setup_page() -> None:
     """Pandas options, IPython table formatters (one number format per column, index names in the header's
     corner, no default index) and the plot theme; idempotent."""
-    for option, value in (("max_colwidth", None), ("max_columns", None), ("max_rows", MAX_ROWS),
-                          ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)), ("float_format", format_float)):
+    for option, value in (
+        ("max_colwidth", None),
+        ("max_columns", None),
+        ("max_rows", MAX_ROWS),
+        ("width", int(PAGE_WIDTH_PX / CHAR_WIDTH_PX)),
+        ("float_format", format_float),
+    ):
         pd.set_option(f"display.{option}", value)
     shell = get_ipython()
     if shell is None:
@@ -171,11 +203,23 @@ def setup_page() -> None:
 
 def headline_table(rows: Iterable[dict]):
     """A notebook's headline rows (``metrics.headline``): figure, value with unit, the claim as its source wrote it (or blank)."""
-    def value(row) -> str:
-        return with_unit(row["value"] if isinstance(row["value"], str) else format_cell(row["value"]), row.get("unit", ""))
 
-    return pd.DataFrame([{"figure": row["name"], "value": value(row),
-                          "claimed": get_claim(row["claim"]).written() if "claim" in row else ""} for row in rows])
+    def value(row) -> str:
+        return with_unit(
+            row["value"] if isinstance(row["value"], str) else format_cell(row["value"]),
+            row.get("unit", ""),
+        )
+
+    return pd.DataFrame(
+        [
+            {
+                "figure": row["name"],
+                "value": value(row),
+                "claimed": get_claim(row["claim"]).written() if "claim" in row else "",
+            }
+            for row in rows
+        ]
+    )
 
 
 def scientific(values, digits: int = 2):

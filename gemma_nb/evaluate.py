@@ -13,7 +13,11 @@ Model = torch.nn.Module | LogitsFn
 
 
 def _is_hf_model(model) -> bool:
-    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings")
+    return (
+        isinstance(model, torch.nn.Module)
+        and hasattr(model, "config")
+        and hasattr(model, "get_input_embeddings")
+    )
 
 
 def as_logits_fn(model: Model) -> LogitsFn:
@@ -25,24 +29,36 @@ def as_logits_fn(model: Model) -> LogitsFn:
     def call(input_ids: torch.Tensor) -> torch.Tensor:
         out = model(input_ids)
         logits = getattr(out, "logits", out)
-        assert isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == input_ids.shape, (
-            "a logits_fn must return logits [B, S, V] for input_ids [B, S]")
+        assert (
+            isinstance(logits, torch.Tensor)
+            and logits.dim() == 3
+            and logits.shape[:2] == input_ids.shape
+        ), "a logits_fn must return logits [B, S, V] for input_ids [B, S]"
         return logits
+
     return call
 
 
 def _as_batch(input_ids) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
-    assert ids.dim() == 2 and ids.shape[1] > 0, f"input_ids {tuple(ids.shape)}: expected token ids [S] or [B, S]"
+    assert ids.dim() == 2 and ids.shape[1] > 0, (
+        f"input_ids {tuple(ids.shape)}: expected token ids [S] or [B, S]"
+    )
     return ids
 
 
 @torch.inference_mode()
-def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+def greedy_generate(
+    model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None
+) -> torch.Tensor:
     """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens. A row that
     emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
     ids = _as_batch(input_ids).to(_device_of(model))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -50,7 +66,9 @@ def greedy_generate(model: Model, input_ids, max_new_tokens: int, eos_token_id: 
     logits_fn, past = (None, {}) if _is_hf_model(model) else (as_logits_fn(model), None)
     for _ in range(max_new_tokens):
         if logits_fn is None:
-            out = model(input_ids=ids[:, -1:] if past else ids, **past, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids[:, -1:] if past else ids, **past, use_cache=True, logits_to_keep=1
+            )
             past, logits = {"cache": out.cache}, out.logits
         else:
             logits = logits_fn(ids)
@@ -87,16 +105,28 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
     generated: list[list[int]] = [[] for _ in facts]
     for indices, batch in length_batches(prompts):
         steps = max(len(answers[i]) for i in indices)
-        out = greedy_generate(model, batch, steps)[:, batch.shape[1]:].tolist()
+        out = greedy_generate(model, batch, steps)[:, batch.shape[1] :].tolist()
         for row, i in zip(out, indices):
             generated[i] = row[: len(answers[i])]
-    table = pd.DataFrame([{"kind": getattr(f, "kind", ""), "subject": getattr(f, "subject", ""), "prompt": f.prompt,
-                           "expected": f.answer, "generated": tokenizer.decode(g), "correct": g == a}
-                          for f, g, a in zip(facts, generated, answers)])
+    table = pd.DataFrame(
+        [
+            {
+                "kind": getattr(f, "kind", ""),
+                "subject": getattr(f, "subject", ""),
+                "prompt": f.prompt,
+                "expected": f.answer,
+                "generated": tokenizer.decode(g),
+                "correct": g == a,
+            }
+            for f, g, a in zip(facts, generated, answers)
+        ]
+    )
     return float(table["correct"].mean()), table
 
 
-def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> tuple[float, list[bool]]:
+def recall_from_tokens(
+    tokenizer, facts, generated: Sequence[Sequence[int]]
+) -> tuple[float, list[bool]]:
     """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list per fact)."""
     facts = list(facts)
     assert len(facts) == len(generated), f"{len(generated)} token lists for {len(facts)} facts"
@@ -104,7 +134,8 @@ def recall_from_tokens(tokenizer, facts, generated: Sequence[Sequence[int]]) -> 
     for fact, tokens in zip(facts, generated):
         answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
         assert len(tokens) >= len(answer), (
-            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer")
+            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer"
+        )
         correct.append(list(tokens[: len(answer)]) == answer)
     return sum(correct) / len(correct), correct
 
@@ -120,13 +151,17 @@ class CachedLogits:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
         if key not in self.cache:
-            self.cache[key] = self.model(input_ids=input_ids.to(_device_of(self.model)), use_cache=False).logits
+            self.cache[key] = self.model(
+                input_ids=input_ids.to(_device_of(self.model)), use_cache=False
+            ).logits
         return self.cache[key]
 
 
 def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
     """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
-    token_lists = [tokenizer(t).input_ids for t in ([f.sentence for f in FACTS] if texts is None else texts)]
+    token_lists = [
+        tokenizer(t).input_ids for t in ([f.sentence for f in FACTS] if texts is None else texts)
+    ]
     return [batch for _, batch in length_batches(token_lists)]
 
 
@@ -135,7 +170,11 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
     """``candidate``'s next-token logits against ``reference``'s at every position of ``input_ids_batches`` (a LongTensor
     [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff,
     positions."""
-    items = [input_ids_batches] if isinstance(input_ids_batches, torch.Tensor) else list(input_ids_batches)
+    items = (
+        [input_ids_batches]
+        if isinstance(input_ids_batches, torch.Tensor)
+        else list(input_ids_batches)
+    )
     assert items, "input_ids_batches is empty"
     strings = all(isinstance(item, str) for item in items)
     assert tokenizer is not None or not strings, "input_ids_batches holds strings: pass tokenizer="
@@ -145,25 +184,46 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
     for ids in batches:
         ref = ref_fn(ids.to(_device_of(reference))).float().cpu()
         cand = cand_fn(ids.to(_device_of(candidate))).float().cpu()
-        assert ref.shape == cand.shape, f"reference logits {tuple(ref.shape)}, candidate {tuple(cand.shape)}"
+        assert ref.shape == cand.shape, (
+            f"reference logits {tuple(ref.shape)}, candidate {tuple(cand.shape)}"
+        )
         ref_logp, cand_logp = ref.log_softmax(-1), cand.log_softmax(-1)
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         kl_sum += float((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).sum())
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
-    return {"top1_agreement": agree / positions, "kl_mean": kl_sum / positions, "max_abs_diff": max_abs, "positions": positions}
+    return {
+        "top1_agreement": agree / positions,
+        "kl_mean": kl_sum / positions,
+        "max_abs_diff": max_abs,
+        "positions": positions,
+    }
 
 
 @torch.inference_mode()
-def greedy_match(reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None) -> dict:
+def greedy_match(
+    reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None
+) -> dict:
     """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token. Returns ``match``,
     ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
     ids = _as_batch(input_ids)
-    assert ids.shape[0] == 1, f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
-    ref_tokens, cand_tokens = (greedy_generate(model, ids, steps)[0, ids.shape[1]:].tolist() for model in (reference, candidate))
+    assert ids.shape[0] == 1, (
+        f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"
+    )
+    ref_tokens, cand_tokens = (
+        greedy_generate(model, ids, steps)[0, ids.shape[1] :].tolist()
+        for model in (reference, candidate)
+    )
     first = next((i for i, (r, c) in enumerate(zip(ref_tokens, cand_tokens)) if r != c), None)
-    result = {"match": first is None, "first_divergent_step": first, "reference_tokens": ref_tokens,
-              "candidate_tokens": cand_tokens}
+    result = {
+        "match": first is None,
+        "first_divergent_step": first,
+        "reference_tokens": ref_tokens,
+        "candidate_tokens": cand_tokens,
+    }
     if tokenizer is not None:
-        result.update(reference_text=tokenizer.decode(ref_tokens), candidate_text=tokenizer.decode(cand_tokens))
+        result.update(
+            reference_text=tokenizer.decode(ref_tokens),
+            candidate_text=tokenizer.decode(cand_tokens),
+        )
     return result

@@ -13,7 +13,13 @@ from torch import nn
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from gemma_nb import artifact
-from gemma_nb.artifact import StepRunner, StepShapes, config_fingerprint, kv_cache_shapes, new_kv_cache
+from gemma_nb.artifact import (
+    StepRunner,
+    StepShapes,
+    config_fingerprint,
+    kv_cache_shapes,
+    new_kv_cache,
+)
 from gemma_nb.artifact import check_artifact as check_artifact
 from gemma_nb.artifact import host_embedding_path as host_embedding_path
 from gemma_nb.artifact import layer_kv_heads as layer_kv_heads
@@ -28,15 +34,21 @@ def check_exportable_config(config) -> None:
     if getattr(config, "hidden_size_per_layer_input", 0):
         raise ValueError(
             f"hidden_size_per_layer_input={config.hidden_size_per_layer_input}: per-layer embeddings need "
-            "token ids inside the graph, which this host-embedding body does not take; the 26B has 0")
+            "token ids inside the graph, which this host-embedding body does not take; the 26B has 0"
+        )
     if getattr(config, "num_kv_shared_layers", 0):
-        raise ValueError(f"num_kv_shared_layers={config.num_kv_shared_layers}: KV sharing is not supported by the "
-                         "static-cache body; the 26B has 0")
+        raise ValueError(
+            f"num_kv_shared_layers={config.num_kv_shared_layers}: KV sharing is not supported by the "
+            "static-cache body; the 26B has 0"
+        )
 
 
 def set_traceable_experts(model: nn.Module) -> str:
     """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, unless already traceable; return it."""
-    if getattr(model.config, "_experts_implementation", None) not in ("grouped_mm", "batched_mm"):  # what torch.export traces
+    if getattr(model.config, "_experts_implementation", None) not in (
+        "grouped_mm",
+        "batched_mm",
+    ):  # what torch.export traces
         model.set_experts_implementation("grouped_mm")
     return model.config._experts_implementation
 
@@ -79,19 +91,30 @@ class DeviceBody(nn.Module):
         model = self._model
         cache = _bound_static_cache(model.config, kv, start, self.max_cache_len)
         out = torch.func.functional_call(
-            model, weights, args=(), tie_weights=True, strict=False,
-            kwargs=dict(inputs_embeds=inputs_embeds, cache=cache, use_cache=True, logits_to_keep=last_index))
+            model,
+            weights,
+            args=(),
+            tie_weights=True,
+            strict=False,
+            kwargs=dict(
+                inputs_embeds=inputs_embeds, cache=cache, use_cache=True, logits_to_keep=last_index
+            ),
+        )
         return out.logits[:, -1, :].float()
 
 
 def _float_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
     """The activation dtype: the norms' (int8 tensors excluded)."""
-    floats = [(name, tensor.dtype) for name, tensor in weights.items() if tensor.is_floating_point()]
+    floats = [
+        (name, tensor.dtype) for name, tensor in weights.items() if tensor.is_floating_point()
+    ]
     assert floats, "no floating-point weight: expected a Gemma-4 model's parameters"
     return next((dtype for name, dtype in floats if name.endswith("norm.weight")), floats[0][1])
 
 
-def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str, torch.export.ExportedProgram]:
+def export_steps(
+    model: nn.Module, shapes: StepShapes | None = None
+) -> dict[str, torch.export.ExportedProgram]:
     """``torch.export`` the prefill (``shapes.prefill_len`` tokens) and decode (1 token) steps; neither holds weights."""
     shapes = shapes or StepShapes()
     set_traceable_experts(model)
@@ -103,7 +126,13 @@ def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str
         for name, tokens in (("prefill", shapes.prefill_len), ("decode", 1)):
             kv = new_kv_cache(kv_cache_shapes(model.config, shapes.max_cache_len), dtype)
             embeds = torch.zeros(shapes.batch_size, tokens, model.config.hidden_size, dtype=dtype)
-            inputs = (weights, kv, embeds, torch.zeros(1, dtype=torch.long), torch.tensor([tokens - 1]))
+            inputs = (
+                weights,
+                kv,
+                embeds,
+                torch.zeros(1, dtype=torch.long),
+                torch.tensor([tokens - 1]),
+            )
             program = programs[name] = torch.export.export(body, inputs, strict=False)
             # Export keeps its example inputs (here: every weight) to save them with the program.
             program._example_inputs = None
@@ -112,12 +141,21 @@ def export_steps(model: nn.Module, shapes: StepShapes | None = None) -> dict[str
 
 def _runner(model: nn.Module, prefill, decode, shapes: StepShapes) -> StepRunner:
     weights = device_weights(model)
-    return StepRunner(prefill=prefill, decode=decode, embed=model.get_input_embeddings(), weights=weights,
-                      kv_shapes=kv_cache_shapes(model.config, shapes.max_cache_len), dtype=_float_dtype(weights),
-                      shapes=shapes, pad_token_id=model.config.pad_token_id or 0)
+    return StepRunner(
+        prefill=prefill,
+        decode=decode,
+        embed=model.get_input_embeddings(),
+        weights=weights,
+        kv_shapes=kv_cache_shapes(model.config, shapes.max_cache_len),
+        dtype=_float_dtype(weights),
+        shapes=shapes,
+        pad_token_id=model.config.pad_token_id or 0,
+    )
 
 
-def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram], shapes: StepShapes) -> StepRunner:
+def exported_runner(
+    model: nn.Module, programs: Mapping[str, torch.export.ExportedProgram], shapes: StepShapes
+) -> StepRunner:
     """A runner over freshly exported ``programs`` with ``model``'s own weights and embedding."""
     return _runner(model, programs["prefill"].module(), programs["decode"].module(), shapes)
 
@@ -125,6 +163,7 @@ def exported_runner(model: nn.Module, programs: Mapping[str, torch.export.Export
 @dataclass
 class CompileReport:
     """What ``compile_model`` wrote and how long each part took."""
+
     folder: Path
     export_s: float
     save_s: float
@@ -136,41 +175,79 @@ class CompileReport:
     programs: dict = field(default_factory=dict, repr=False)  # the exported programs, in memory
 
     def as_dict(self) -> dict:
-        return {"export_s": self.export_s, "save_s": self.save_s, "params": self.params,
-                "program_bytes": sum(self.program_bytes.values()), "weights_bytes": self.weights_bytes,
-                "host_embedding_bytes": self.host_embedding_bytes, "config_sha": self.config_sha}
+        return {
+            "export_s": self.export_s,
+            "save_s": self.save_s,
+            "params": self.params,
+            "program_bytes": sum(self.program_bytes.values()),
+            "weights_bytes": self.weights_bytes,
+            "host_embedding_bytes": self.host_embedding_bytes,
+            "config_sha": self.config_sha,
+        }
 
 
 def experts_implementation(model: nn.Module) -> str:
     """What computes the routed experts: a replacing module's class, else transformers' ``_experts_implementation``."""
     names = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")}
     replaced = sorted(names - {"Gemma4TextExperts"})
-    return ", ".join(replaced) if replaced else str(getattr(model.config, "_experts_implementation", None))
+    return (
+        ", ".join(replaced)
+        if replaced
+        else str(getattr(model.config, "_experts_implementation", None))
+    )
 
 
-def _manifest(model, folder: Path, shapes: StepShapes, weights, host, program_bytes, sha, scheme, reference) -> dict:
+def _manifest(
+    model, folder: Path, shapes: StepShapes, weights, host, program_bytes, sha, scheme, reference
+) -> dict:
     config = model.config
     return {
-        "format": artifact.FORMAT, "config_sha": sha, "config": json.loads(config.to_json_string(use_diff=False)),
-        "dtype": dtype_name(_float_dtype(weights)), "scheme": scheme, "experts_implementation": experts_implementation(model),
-        "shapes": {"max_cache_len": shapes.max_cache_len, "prefill_len": shapes.prefill_len, "batch_size": shapes.batch_size},
+        "format": artifact.FORMAT,
+        "config_sha": sha,
+        "config": json.loads(config.to_json_string(use_diff=False)),
+        "dtype": dtype_name(_float_dtype(weights)),
+        "scheme": scheme,
+        "experts_implementation": experts_implementation(model),
+        "shapes": {
+            "max_cache_len": shapes.max_cache_len,
+            "prefill_len": shapes.prefill_len,
+            "batch_size": shapes.batch_size,
+        },
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
-        "programs": {name: {"file": artifact.PROGRAM_FILES[name], "bytes": size} for name, size in program_bytes.items()},
-        "weights": {"tp_degree": 1, "files": [artifact.WEIGHTS_FILE],
-                    "bytes": (folder / artifact.WEIGHTS_FILE).stat().st_size, "tensors": artifact.tensor_specs(weights)},
-        "host_embedding": {"file": artifact.HOST_EMBEDDING_FILE, "shape": list(host.weight.shape),
-                           "dtype": dtype_name(host.weight.dtype),
-                           "bytes": (folder / artifact.HOST_EMBEDDING_FILE).stat().st_size},
-        "reference": reference, "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "programs": {
+            name: {"file": artifact.PROGRAM_FILES[name], "bytes": size}
+            for name, size in program_bytes.items()
+        },
+        "weights": {
+            "tp_degree": 1,
+            "files": [artifact.WEIGHTS_FILE],
+            "bytes": (folder / artifact.WEIGHTS_FILE).stat().st_size,
+            "tensors": artifact.tensor_specs(weights),
+        },
+        "host_embedding": {
+            "file": artifact.HOST_EMBEDDING_FILE,
+            "shape": list(host.weight.shape),
+            "dtype": dtype_name(host.weight.dtype),
+            "bytes": (folder / artifact.HOST_EMBEDDING_FILE).stat().st_size,
+        },
+        "reference": reference,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
 
-def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | None = None,
-                  scheme: str | None = None, reference_tokens: dict | None = None) -> CompileReport:
+def compile_model(
+    model: nn.Module,
+    folder: str | Path,
+    shapes: StepShapes | None = None,
+    scheme: str | None = None,
+    reference_tokens: dict | None = None,
+) -> CompileReport:
     """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding. ``scheme``: the
     quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check."""
     shapes = shapes or StepShapes()
-    folder = fresh_dir(folder)  # a partial run hard-links the previous artifacts: never write through one
+    folder = fresh_dir(
+        folder
+    )  # a partial run hard-links the previous artifacts: never write through one
     sha = config_fingerprint(model.config)
     start = time.perf_counter()
     programs = export_steps(model, shapes)
@@ -180,17 +257,32 @@ def compile_model(model: nn.Module, folder: str | Path, shapes: StepShapes | Non
     artifact.save_weights(weights, folder / artifact.WEIGHTS_FILE, sha)
     host = HostEmbedding.from_model(model)
     host.save(folder / artifact.HOST_EMBEDDING_FILE)
-    program_meta = json.dumps({"format": artifact.FORMAT, "config_sha": sha, "weights": artifact.tensor_specs(weights)})
+    program_meta = json.dumps(
+        {"format": artifact.FORMAT, "config_sha": sha, "weights": artifact.tensor_specs(weights)}
+    )
     program_bytes = {}
     for name, program in programs.items():
         path = folder / artifact.PROGRAM_FILES[name]
         torch.export.save(program, path, extra_files={artifact.PROGRAM_EXTRA: program_meta})
         program_bytes[name] = path.stat().st_size
     save_s = time.perf_counter() - start
-    manifest = _manifest(model, folder, shapes, weights, host, program_bytes, sha, scheme, reference_tokens)
+    manifest = _manifest(
+        model, folder, shapes, weights, host, program_bytes, sha, scheme, reference_tokens
+    )
     write_json_atomic(folder / artifact.MANIFEST, manifest)
     return CompileReport(
-        folder=folder, export_s=export_s, save_s=save_s, program_bytes=program_bytes,
-        weights_bytes=manifest["weights"]["bytes"], host_embedding_bytes=manifest["host_embedding"]["bytes"],
-        params=sum({(t.untyped_storage().data_ptr(), t.storage_offset()): t.numel()
-                    for t in [*weights.values(), host.weight]}.values()), config_sha=sha, programs=programs)
+        folder=folder,
+        export_s=export_s,
+        save_s=save_s,
+        program_bytes=program_bytes,
+        weights_bytes=manifest["weights"]["bytes"],
+        host_embedding_bytes=manifest["host_embedding"]["bytes"],
+        params=sum(
+            {
+                (t.untyped_storage().data_ptr(), t.storage_offset()): t.numel()
+                for t in [*weights.values(), host.weight]
+            }.values()
+        ),
+        config_sha=sha,
+        programs=programs,
+    )

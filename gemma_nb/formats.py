@@ -17,22 +17,32 @@ INT8_QMAX = 127
 INT8_MIN_SCALE = 1e-8
 
 
-def quantize_int8_per_channel(weight: torch.Tensor, axis: int = 0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_per_channel(
+    weight: torch.Tensor, axis: int = 0, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head, ``scale = max(absmax(row) / 127,
     1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
     quantized = quantize(weight, "int8", name)
-    assert axis % weight.dim() == weight.dim() - 2, f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
+    assert axis % weight.dim() == weight.dim() - 2, (
+        f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
+    )
     return quantized.data, quantized.scale
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return (q.float() * scale).to(dtype)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows scaled in fp32)."""
-    assert q.dtype == torch.int8 and q.dim() == 2, f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
-    assert scale.shape == (q.shape[0], 1), f"scale must have shape [out, 1], got {tuple(scale.shape)}"
+    assert q.dtype == torch.int8 and q.dim() == 2, (
+        f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
+    )
+    assert scale.shape == (q.shape[0], 1), (
+        f"scale must have shape [out, 1], got {tuple(scale.shape)}"
+    )
     return scale_rows(F.linear(x, q.to(x.dtype)), scale.reshape(-1), x.dtype)
 
 
@@ -54,20 +64,45 @@ class WeightFormat(NamedTuple):
     quantized = property(lambda f: f.scale_dtype is not None)
 
 
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("fp32", 32, "IEEE float32"),
-    WeightFormat("bf16", 16, "bfloat16"),
-    WeightFormat("fp16", 16, "IEEE float16"),
-    WeightFormat("fp8", 8, "float8_e4m3fn, fp32 scale per output row (absmax/448)", scale_dtype=torch.float32),
-    WeightFormat("int8", 8, "symmetric int8, fp32 scale per output row (absmax/127), the port's format",
-                 scale_dtype=torch.float32),
-    WeightFormat("mxfp4", 4, "E2M1, block 32, power-of-two E8M0 scale (uint8 biased exponent), OCP MX",
-                 block_size=32, scale_dtype=torch.uint8),
-    WeightFormat("nvfp4", 4, "E2M1, block 16, e4m3 block scale x fp32 per-tensor scale",
-                 block_size=16, scale_dtype=torch.float8_e4m3fn, per_tensor_scale=True),
-)}
+FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("fp32", 32, "IEEE float32"),
+        WeightFormat("bf16", 16, "bfloat16"),
+        WeightFormat("fp16", 16, "IEEE float16"),
+        WeightFormat(
+            "fp8",
+            8,
+            "float8_e4m3fn, fp32 scale per output row (absmax/448)",
+            scale_dtype=torch.float32,
+        ),
+        WeightFormat(
+            "int8",
+            8,
+            "symmetric int8, fp32 scale per output row (absmax/127), the port's format",
+            scale_dtype=torch.float32,
+        ),
+        WeightFormat(
+            "mxfp4",
+            4,
+            "E2M1, block 32, power-of-two E8M0 scale (uint8 biased exponent), OCP MX",
+            block_size=32,
+            scale_dtype=torch.uint8,
+        ),
+        WeightFormat(
+            "nvfp4",
+            4,
+            "E2M1, block 16, e4m3 block scale x fp32 per-tensor scale",
+            block_size=16,
+            scale_dtype=torch.float8_e4m3fn,
+            per_tensor_scale=True,
+        ),
+    )
+}
 PLAIN_DTYPES = tuple(name for name, f in FORMATS.items() if not f.quantized)
-QUANTIZED_FORMATS: dict[str, WeightFormat] = {name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")}
+QUANTIZED_FORMATS: dict[str, WeightFormat] = {
+    name: FORMATS[name] for name in ("int8", "fp8", "mxfp4", "nvfp4")
+}
 
 
 def get_format(dtype: str, quantized: bool = False) -> WeightFormat:
@@ -90,13 +125,32 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
     block = fmt.block_size or inp  # a scale per block (fp4) or per output row (int8, fp8)
     blocks = -(-inp // block) if fmt.block_size else 1
     row_bytes = blocks * (block * fmt.element_bits // 8 + fmt.scale_dtype.itemsize)
-    return math.prod(stack) * (out * row_bytes + (4 if fmt.per_tensor_scale else 0))  # NVFP4: an fp32 scale per matrix
+    return math.prod(stack) * (
+        out * row_bytes + (4 if fmt.per_tensor_scale else 0)
+    )  # NVFP4: an fp32 scale per matrix
 
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 FP4_E2M1_MAX = 6.0
 # The 16 E2M1 codes (sign bit 3, two exponent bits, one mantissa bit), OCP MX order: 0..7 positive.
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 E8M0_BIAS = 127
 # Rows are quantized in fp32 chunks of ~1M elements (4 MB): a 26B expert tensor never needs an fp32 copy.
 CHUNK_ELEMENTS = 1 << 20
@@ -114,21 +168,38 @@ class QuantizedTensor:
     name: str = "weight"
 
     format = property(lambda self: get_format(self.fmt, quantized=True))
-    nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.global_scale)
-                                       if t is not None))
+    nbytes = property(
+        lambda self: sum(
+            t.numel() * t.element_size()
+            for t in (self.data, self.scale, self.global_scale)
+            if t is not None
+        )
+    )
 
     def __getitem__(self, index: int) -> "QuantizedTensor":
         """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
-        assert len(self.shape) >= 3, f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
-        return QuantizedTensor(self.fmt, self.data[index], self.scale[index], tuple(self.shape[1:]),
-                               None if self.global_scale is None else self.global_scale[index], f"{self.name}[{index}]")
+        assert len(self.shape) >= 3, (
+            f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
+        )
+        return QuantizedTensor(
+            self.fmt,
+            self.data[index],
+            self.scale[index],
+            tuple(self.shape[1:]),
+            None if self.global_scale is None else self.global_scale[index],
+            f"{self.name}[{index}]",
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight of ``shape``, computed in fp32 and returned as ``dtype``."""
         if self.fmt in ("int8", "fp8"):
             return (self.data.float() * self.scale).to(dtype)
         blocks = unpack_fp4(self.data).unflatten(-1, (-1, self.format.block_size))
-        scale = e8m0_to_float(self.scale) if self.fmt == "mxfp4" else self.scale.float() * self.global_scale
+        scale = (
+            e8m0_to_float(self.scale)
+            if self.fmt == "mxfp4"
+            else self.scale.float() * self.global_scale
+        )
         weight = (blocks * scale.unsqueeze(-1)).flatten(-2)
         return weight[..., : self.shape[-1]].to(dtype)
 
@@ -140,10 +211,20 @@ def e8m0_to_float(exponent: torch.Tensor) -> torch.Tensor:
 
 # E2M1 rounding: the magnitude code (0..7) counts the midpoints |x| passes; ties go to the even code
 # (``>=`` where the upper neighbour is even, else ``>``). ~5x faster on cpu than ``torch.bucketize``.
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 _E2M1_LUT = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
 # byte -> (value of the low nibble, value of the high nibble)
-_E2M1_BYTE_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=-1)
+_E2M1_BYTE_LUT = torch.stack(
+    (_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=-1
+)
 
 
 def e2m1_codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
@@ -169,7 +250,13 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return pairs.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def _quantize_rows(rows: torch.Tensor, fmt: WeightFormat, global_scale: torch.Tensor | None, name: str, first_row: int):
+def _quantize_rows(
+    rows: torch.Tensor,
+    fmt: WeightFormat,
+    global_scale: torch.Tensor | None,
+    name: str,
+    first_row: int,
+):
     """fp32 ``[R, in]`` (a private copy, padded for fp4; modified in place) -> (data, scale)."""
     if fmt.block_size is None:
         absmax = rows.abs().amax(dim=-1).unsqueeze(-1)
@@ -210,7 +297,9 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
     """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
     ValueError naming ``name``; all-zero rows dequantize to zero."""
     spec = get_format(fmt, quantized=True)
-    assert torch.is_floating_point(weight) and weight.dim() >= 2, f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
+    assert torch.is_floating_point(weight) and weight.dim() >= 2, (
+        f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
+    )
     shape, cols = tuple(weight.shape), weight.shape[-1]
     padded = cols if spec.block_size is None else -(-cols // spec.block_size) * spec.block_size
     with torch.no_grad(), torch_threads(1):
@@ -219,18 +308,26 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
         starts = range(0, rows_view.shape[0], chunk_rows)
         global_scale = row_global = None
         if spec.per_tensor_scale:
-            row_absmax = torch.cat([rows_view[i:i + chunk_rows].float().abs().amax(dim=-1) for i in starts])
+            row_absmax = torch.cat(
+                [rows_view[i : i + chunk_rows].float().abs().amax(dim=-1) for i in starts]
+            )
             _check_absmax(row_absmax, rows_view, name, 0)
             matrix_absmax = row_absmax.view(-1, rows_per_matrix).amax(dim=-1)
             # NVFP4: the largest element maps to 6 x 448, the top of E2M1 x e4m3
-            global_scale = torch.where(matrix_absmax > 0, matrix_absmax / (FP4_E2M1_MAX * FP8_E4M3_MAX), 1.0)
+            global_scale = torch.where(
+                matrix_absmax > 0, matrix_absmax / (FP4_E2M1_MAX * FP8_E4M3_MAX), 1.0
+            )
             row_global = global_scale.repeat_interleave(rows_per_matrix).unsqueeze(-1)  # [rows, 1]
         pieces = []
         for start in starts:
-            rows = rows_view[start:start + chunk_rows]
+            rows = rows_view[start : start + chunk_rows]
             # a fresh fp32 copy (never a view of the caller's weight), zero-padded to whole blocks
-            chunk = rows.to(torch.float32, copy=True) if padded == cols else F.pad(rows.float(), (0, padded - cols))
-            chunk_global = None if row_global is None else row_global[start:start + chunk_rows]
+            chunk = (
+                rows.to(torch.float32, copy=True)
+                if padded == cols
+                else F.pad(rows.float(), (0, padded - cols))
+            )
+            chunk_global = None if row_global is None else row_global[start : start + chunk_rows]
             pieces.append(_quantize_rows(chunk, spec, chunk_global, name, start))
         data, scale = (torch.cat(part).reshape(*shape[:-1], -1) for part in zip(*pieces))
         global_scale = None if global_scale is None else global_scale.reshape(*shape[:-2], 1, 1)
@@ -242,8 +339,10 @@ def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row
     if bool(torch.isfinite(absmax).all()):
         return
     row, col = (~torch.isfinite(rows)).nonzero()[0].tolist()
-    raise ValueError(f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
-                     f"{first_row + row}, column {col}); fix the checkpoint before quantizing it")
+    raise ValueError(
+        f"tensor {name!r} holds non-finite values (first: {rows[row, col].item()} in flattened row "
+        f"{first_row + row}, column {col}); fix the checkpoint before quantizing it"
+    )
 
 
 @torch.no_grad()
@@ -257,7 +356,10 @@ def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict
         diff_sq += float(diff.square().sum())
         ref_sq += float(ref.square().sum())
         max_abs = max(max_abs, float(diff.abs().max()))
-    return {"rel_error": math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0, "max_abs_error": max_abs}
+    return {
+        "rel_error": math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0,
+        "max_abs_error": max_abs,
+    }
 
 
 def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTensor) -> None:
@@ -269,5 +371,7 @@ def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTenso
 
 def registered_quantized(module: nn.Module, prefix: str) -> QuantizedTensor:
     fmt, shape, name = module._quantized_meta[prefix]
-    data, scale, global_scale = (getattr(module, f"{prefix}_{part}") for part in ("data", "scale", "global_scale"))
+    data, scale, global_scale = (
+        getattr(module, f"{prefix}_{part}") for part in ("data", "scale", "global_scale")
+    )
     return QuantizedTensor(fmt, data, scale, shape, global_scale, name)

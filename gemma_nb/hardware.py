@@ -13,6 +13,7 @@ STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's 
 
 class Instance(NamedTuple):
     """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand (us-east-1)."""
+
     name: str
     chips: int
     neuron_cores: int
@@ -21,7 +22,9 @@ class Instance(NamedTuple):
     hbm_gib: float
     usd_per_hour: float
 
-    hbm_per_core_bytes = property(lambda self: int(self.hbm_gib * GiB) // self.neuron_cores)  # a chip: 2 cores, 32 GiB
+    hbm_per_core_bytes = property(
+        lambda self: int(self.hbm_gib * GiB) // self.neuron_cores
+    )  # a chip: 2 cores, 32 GiB
     host_ram_bytes = property(lambda self: int(self.host_ram_gib * GiB))
 
     def budget_bytes(self, budget: str = "spec") -> int:
@@ -30,12 +33,47 @@ class Instance(NamedTuple):
 
 
 # docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand $/h).
-INSTANCES: dict[str, Instance] = {i.name: i for i in (
-    Instance("inf2.xlarge", chips=1, neuron_cores=2, vcpus=4, host_ram_gib=16, hbm_gib=32, usd_per_hour=0.7582),
-    Instance("inf2.8xlarge", chips=1, neuron_cores=2, vcpus=32, host_ram_gib=128, hbm_gib=32, usd_per_hour=1.9679),
-    Instance("inf2.24xlarge", chips=6, neuron_cores=12, vcpus=96, host_ram_gib=384, hbm_gib=192, usd_per_hour=6.4906),
-    Instance("inf2.48xlarge", chips=12, neuron_cores=24, vcpus=192, host_ram_gib=768, hbm_gib=384, usd_per_hour=12.9813),
-)}
+INSTANCES: dict[str, Instance] = {
+    i.name: i
+    for i in (
+        Instance(
+            "inf2.xlarge",
+            chips=1,
+            neuron_cores=2,
+            vcpus=4,
+            host_ram_gib=16,
+            hbm_gib=32,
+            usd_per_hour=0.7582,
+        ),
+        Instance(
+            "inf2.8xlarge",
+            chips=1,
+            neuron_cores=2,
+            vcpus=32,
+            host_ram_gib=128,
+            hbm_gib=32,
+            usd_per_hour=1.9679,
+        ),
+        Instance(
+            "inf2.24xlarge",
+            chips=6,
+            neuron_cores=12,
+            vcpus=96,
+            host_ram_gib=384,
+            hbm_gib=192,
+            usd_per_hour=6.4906,
+        ),
+        Instance(
+            "inf2.48xlarge",
+            chips=12,
+            neuron_cores=24,
+            vcpus=192,
+            host_ram_gib=768,
+            hbm_gib=384,
+            usd_per_hour=12.9813,
+        ),
+    )
+}
 
 
 def get_instance(name: str | Instance) -> Instance:
@@ -48,15 +86,27 @@ def get_instance(name: str | Instance) -> Instance:
 
 def instance_table():
     """The inf2 catalog as a DataFrame, HBM per core in both GiB (spec) and GB (10^9 bytes)."""
-    return pd.DataFrame([{"instance": inst.name, "chips": inst.chips, "neuron_cores": inst.neuron_cores,
-                          "vcpus": inst.vcpus, "host_ram_gib": inst.host_ram_gib, "hbm_gib": inst.hbm_gib,
-                          "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
-                          "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3), "usd_per_hour": inst.usd_per_hour}
-                         for inst in INSTANCES.values()])
+    return pd.DataFrame(
+        [
+            {
+                "instance": inst.name,
+                "chips": inst.chips,
+                "neuron_cores": inst.neuron_cores,
+                "vcpus": inst.vcpus,
+                "host_ram_gib": inst.host_ram_gib,
+                "hbm_gib": inst.hbm_gib,
+                "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
+                "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3),
+                "usd_per_hour": inst.usd_per_hour,
+            }
+            for inst in INSTANCES.values()
+        ]
+    )
 
 
 class Device(NamedTuple):
     """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None where unknown."""
+
     name: str
     hbm_bytes: int | None
     bandwidth_bytes_s: float | None
@@ -65,27 +115,63 @@ class Device(NamedTuple):
     source: str
 
 
-DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("inferentia2_chip", hbm_bytes=32 * GiB, bandwidth_bytes_s=820 * GiB, bf16_flops=190 * TERA,
-           usd_per_hour=None, source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)"),
-    Device("neuroncore_v2", hbm_bytes=16 * GiB, bandwidth_bytes_s=410 * GiB, bf16_flops=95 * TERA,
-           usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
-           source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores"),
-    Device("tpu_v6e_chip", hbm_bytes=32 * GB, bandwidth_bytes_s=1638 * GB, bf16_flops=918 * TERA,
-           usd_per_hour=2.70, source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)"),
-    Device("h200", hbm_bytes=141 * GB, bandwidth_bytes_s=4.8 * TERA, bf16_flops=790 * TERA, usd_per_hour=None,
-           source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)"),
-)}
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device(
+            "inferentia2_chip",
+            hbm_bytes=32 * GiB,
+            bandwidth_bytes_s=820 * GiB,
+            bf16_flops=190 * TERA,
+            usd_per_hour=None,
+            source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)",
+        ),
+        Device(
+            "neuroncore_v2",
+            hbm_bytes=16 * GiB,
+            bandwidth_bytes_s=410 * GiB,
+            bf16_flops=95 * TERA,
+            usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
+            source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores",
+        ),
+        Device(
+            "tpu_v6e_chip",
+            hbm_bytes=32 * GB,
+            bandwidth_bytes_s=1638 * GB,
+            bf16_flops=918 * TERA,
+            usd_per_hour=2.70,
+            source="tpu-v6e (Google: 918 bf16 TFLOPS, 32 GB at 1638 GB/s, $2.70/chip-h)",
+        ),
+        Device(
+            "h200",
+            hbm_bytes=141 * GB,
+            bandwidth_bytes_s=4.8 * TERA,
+            bf16_flops=790 * TERA,
+            usd_per_hour=None,
+            source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)",
+        ),
+    )
+}
 
 
 def measured_cpu(bandwidth_bytes_s: float, ram_bytes: int | None = None) -> Device:
     """A ``Device`` for the machine a notebook runs on, from the bandwidth that notebook measured."""
-    assert bandwidth_bytes_s and bandwidth_bytes_s > 0, f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
-    return Device("this_cpu", ram_bytes, float(bandwidth_bytes_s), None, usd_per_hour=None, source="measured here")
+    assert bandwidth_bytes_s and bandwidth_bytes_s > 0, (
+        f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
+    )
+    return Device(
+        "this_cpu",
+        ram_bytes,
+        float(bandwidth_bytes_s),
+        None,
+        usd_per_hour=None,
+        source="measured here",
+    )
 
 
 class Fit(NamedTuple):
     """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
+
     instance: str
     neuron_cores: int
     fits: bool
@@ -96,7 +182,9 @@ class Fit(NamedTuple):
     usd_per_hour: float
     reason: str
 
-    headroom_gb = property(lambda self: None if self.headroom_bytes is None else self.headroom_bytes / GB)
+    headroom_gb = property(
+        lambda self: None if self.headroom_bytes is None else self.headroom_bytes / GB
+    )
 
 
 def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
@@ -104,8 +192,25 @@ def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
     inst = get_instance(instance)
     budget_bytes, used = inst.budget_bytes(budget), int(plan.total_bytes)
     headroom, ok = budget_bytes - used, budget_bytes >= used
-    reason = f"{headroom / GB:.2f} GB free per NeuronCore" if ok else f"short by {-headroom / GB:.2f} GB per NeuronCore"
+    reason = (
+        f"{headroom / GB:.2f} GB free per NeuronCore"
+        if ok
+        else f"short by {-headroom / GB:.2f} GB per NeuronCore"
+    )
     if plan.tp > inst.neuron_cores:
-        headroom, ok, reason = None, False, f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}"
-    return Fit(inst.name, inst.neuron_cores, ok, used, budget_bytes, headroom, inst.neuron_cores // plan.tp,
-               inst.usd_per_hour, reason)
+        headroom, ok, reason = (
+            None,
+            False,
+            f"TP={plan.tp} needs {plan.tp} NeuronCores; {inst.name} has {inst.neuron_cores}",
+        )
+    return Fit(
+        inst.name,
+        inst.neuron_cores,
+        ok,
+        used,
+        budget_bytes,
+        headroom,
+        inst.neuron_cores // plan.tp,
+        inst.usd_per_hour,
+        reason,
+    )

@@ -32,7 +32,9 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, Path):
         return value.as_posix()
-    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-serialisable")
+    raise TypeError(
+        f"metric value {value!r} of type {type(value).__name__} is not JSON-serialisable"
+    )
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -40,7 +42,9 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; metrics are for every reader, like any output file
+        os.fchmod(
+            fd, 0o644
+        )  # mkstemp creates 0600; metrics are for every reader, like any output file
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(payload, indent=2) + "\n")
         os.replace(tmp, path)
@@ -49,10 +53,16 @@ def write_json_atomic(path: Path, payload: Any) -> None:
         raise
 
 
-def save_metrics(target: str, notebook: str, metrics: Mapping[str, Any], headline: list[dict] | None = None) -> Path:
+def save_metrics(
+    target: str, notebook: str, metrics: Mapping[str, Any], headline: list[dict] | None = None
+) -> Path:
     """Write ``metrics/<notebook>.json`` under the target's output folder; return its path."""
-    payload = {"notebook": notebook, "target": target, "headline": headline or [], "metrics": dict(metrics)}
+    payload = {
+        "notebook": notebook,
+        "target": target,
+        "headline": headline or [],
+        "metrics": dict(metrics),
+    }
     path = output_subdir(target, "metrics") / f"{notebook}.json"
     write_json_atomic(path, _jsonable(payload))
     return path
-

@@ -22,26 +22,43 @@ def default_selection(device: str | torch.device) -> str:
 def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """Every routed-experts module of ``model`` as ``(parent, attribute, module)``."""
     children = ((parent, getattr(parent, "experts", None)) for parent in model.modules())
-    return [(parent, "experts", child) for parent, child in children
-            if isinstance(child, nn.Module) and hasattr(child, "gate_up_proj") and hasattr(child, "down_proj")]
+    return [
+        (parent, "experts", child)
+        for parent, child in children
+        if isinstance(child, nn.Module)
+        and hasattr(child, "gate_up_proj")
+        and hasattr(child, "down_proj")
+    ]
 
 
-def make_experts(source: nn.Module, impl: str, config=None, experts_implementation: str | None = None, **options) -> nn.Module:
+def make_experts(
+    source: nn.Module, impl: str, config=None, experts_implementation: str | None = None, **options
+) -> nn.Module:
     """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared. ``transformers``
     needs the model's text config (``experts_implementation=`` its kernel); ``options`` go to the class (``selection=``)."""
-    assert impl in IMPLEMENTATIONS, f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
+    assert impl in IMPLEMENTATIONS, (
+        f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
+    )
     assert getattr(source, "weights", "float") == "float", (
-        f"the experts are already {type(source).__name__} with int8 weights: reload the model")
+        f"the experts are already {type(source).__name__} with int8 weights: reload the model"
+    )
     if impl != "transformers":
-        return KERNELS[impl.removesuffix("_int8")].from_experts(source, int8=impl.endswith("_int8"), **options)
-    assert config is not None and not options, f"impl 'transformers' needs the model's text config and takes no {set(options)}"
+        return KERNELS[impl.removesuffix("_int8")].from_experts(
+            source, int8=impl.endswith("_int8"), **options
+        )
+    assert config is not None and not options, (
+        f"impl 'transformers' needs the model's text config and takes no {set(options)}"
+    )
     if experts_implementation is not None:
         # A private copy: the model's config (shared by every layer) keeps its own choice.
         config = copy.deepcopy(config)
         config._experts_implementation = experts_implementation
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
-    module.gate_up_proj, module.down_proj = as_parameter(source.gate_up_proj), as_parameter(source.down_proj)
+    module.gate_up_proj, module.down_proj = (
+        as_parameter(source.gate_up_proj),
+        as_parameter(source.down_proj),
+    )
     module.act_fn = source.act_fn
     return module
 
@@ -56,7 +73,13 @@ def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
     return model
 
 
-def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", per_expert: bool = False):
+def random_experts(
+    config,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    per_expert: bool = False,
+):
     """One layer's ``Gemma4TextExperts`` with deterministic N(0, 0.02) weights drawn in ``dtype`` on ``device``;
     ``per_expert``: drawn expert by expert on one thread (~3x faster at full size, other numbers)."""
     with torch.device("meta"):
@@ -71,17 +94,25 @@ def random_experts(config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, d
     return module
 
 
-def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0,
-                   device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def random_routing(
+    num_tokens: int, num_experts: int, top_k: int, seed: int = 0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_k_index [T, K] int64, top_k_weights [T, K] fp32)``: K distinct experts per token, weights sum to 1."""
-    assert 1 <= top_k <= num_experts, f"top_k={top_k} must be between 1 and num_experts={num_experts}"
+    assert 1 <= top_k <= num_experts, (
+        f"top_k={top_k} must be between 1 and num_experts={num_experts}"
+    )
     scores = torch.rand(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
     weights, index = torch.softmax(scores * 4.0, dim=-1).topk(top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return index.to(device), weights.to(device)
 
 
-def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]]):
+def compare_outputs(
+    modules: dict,
+    reference: str,
+    hidden_states: torch.Tensor,
+    routes: list[tuple[torch.Tensor, torch.Tensor]],
+):
     """Each module's largest distance from ``modules[reference]``'s output over ``routes``. ``bf16_ulps``: that distance in bf16
     rounding steps (2^-8) of the largest reference element."""
     assert reference in modules, f"reference {reference!r} is not one of {', '.join(modules)}"
@@ -90,7 +121,16 @@ def compare_outputs(modules: dict, reference: str, hidden_states: torch.Tensor, 
         ref_max = max(float(w.abs().max()) for w in wanted)
         rows = []
         for name, module in modules.items():
-            diff = max(float((module(hidden_states, *route).float() - want).abs().max()) for route, want in zip(routes, wanted))
-            rows.append({"candidate": name, "max_abs_diff": diff, "ref_max_abs": ref_max,
-                         "bf16_ulps": diff / (ref_max * 2.0**-8) if ref_max else float("nan")})
+            diff = max(
+                float((module(hidden_states, *route).float() - want).abs().max())
+                for route, want in zip(routes, wanted)
+            )
+            rows.append(
+                {
+                    "candidate": name,
+                    "max_abs_diff": diff,
+                    "ref_max_abs": ref_max,
+                    "bf16_ulps": diff / (ref_max * 2.0**-8) if ref_max else float("nan"),
+                }
+            )
     return pd.DataFrame(rows).set_index("candidate")

@@ -17,7 +17,9 @@ import psutil
 def _hwm_bytes(proc: psutil.Process, rss: int) -> int:
     """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), else its ``rss`` where that is unreadable."""
     with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/status") as handle:
-        return next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), rss)
+        return next(
+            (int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), rss
+        )
     return rss
 
 
@@ -28,6 +30,7 @@ Sample = namedtuple("Sample", "t_s rss_bytes processes")
 @dataclass
 class HostMemorySampler:
     """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
+
     interval_s: float = 0.05
     pid: int | None = None
     samples: list[Sample] = field(default_factory=list, init=False)
@@ -36,7 +39,9 @@ class HostMemorySampler:
     peak_hwm_bytes: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        assert not isinstance(self.interval_s, bool) and self.interval_s > 0, f"interval_s={self.interval_s!r}"
+        assert not isinstance(self.interval_s, bool) and self.interval_s > 0, (
+            f"interval_s={self.interval_s!r}"
+        )
         self._root = psutil.Process(os.getpid() if self.pid is None else self.pid)
         self._hwm: dict[tuple[int, float], int] = {}
         self._stop = threading.Event()
@@ -92,13 +97,16 @@ class MeasuredRunError(RuntimeError):
     """The measured child process failed; the message carries the tail of its stderr."""
 
 
-def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0,
-                 env: dict | None = None) -> MeasuredRun:
+def run_measured(
+    argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0, env: dict | None = None
+) -> MeasuredRun:
     """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line is the JSON
     ``result``. ``MeasuredRunError`` (with the child's stderr tail) if it fails or runs past ``timeout_s``."""
     name = f"{' '.join(argv[:3])} ..."
     with tempfile.TemporaryFile(mode="w+") as err:
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
+        child = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})}
+        )
         with HostMemorySampler(interval_s=interval_s, pid=child.pid) as sampler:
             try:
                 stdout, _ = child.communicate(timeout=timeout_s)
@@ -112,8 +120,15 @@ def run_measured(argv: list[str], interval_s: float = 0.05, timeout_s: float = 6
         raise MeasuredRunError(f"{name} exited with status {child.returncode}:\n{stderr_tail}")
     lines = [line for line in stdout.splitlines() if line.strip()]
     try:
-        return MeasuredRun(json.loads(lines[-1]), sampler.peak_rss_bytes, sampler.peak_hwm_bytes, sampler.wall_s, sampler.samples)
+        return MeasuredRun(
+            json.loads(lines[-1]),
+            sampler.peak_rss_bytes,
+            sampler.peak_hwm_bytes,
+            sampler.wall_s,
+            sampler.samples,
+        )
     except (IndexError, json.JSONDecodeError) as error:
         got = lines[-1][:200] if lines else "nothing"
-        raise MeasuredRunError(f"{name} printed no JSON result on its last stdout line (got {got!r})") from error
-
+        raise MeasuredRunError(
+            f"{name} printed no JSON result on its last stdout line (got {got!r})"
+        ) from error

@@ -21,16 +21,29 @@ from gemma_nb.paths import output_subdir  # noqa: E402
 # Wider, the browser scales it down and its 10 pt labels become unreadable.
 MAX_WIDTH_IN = 10.0
 # Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
-LABEL_OFFSETS = [(5, 3, "left", "bottom"), (5, -3, "left", "top"), (-5, 3, "right", "bottom"),
-                 (-5, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top")] + [
+LABEL_OFFSETS = [
+    (5, 3, "left", "bottom"),
+    (5, -3, "left", "top"),
+    (-5, 3, "right", "bottom"),
+    (-5, -3, "right", "top"),
+    (0, 7, "center", "bottom"),
+    (0, -7, "center", "top"),
+] + [
     (dx * side, dy * up, {1: "left", -1: "right", 0: "center"}[side], "bottom" if up > 0 else "top")
-    for dy in (14, 26, 38) for dx in (4, 0) for up in (1, -1) for side in (1, -1, 0) if dx or side]
+    for dy in (14, 26, 38)
+    for dx in (4, 0)
+    for up in (1, -1)
+    for side in (1, -1, 0)
+    if dx or side
+]
 
 
 def set_theme() -> None:
     sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
     # the inline backend saves with bbox_inches="tight": no extra margin, so 10 in stay 1,000 px
-    matplotlib.rcParams.update({"svg.hashsalt": "gemma-nb", "figure.dpi": 100, "savefig.pad_inches": 0.0})
+    matplotlib.rcParams.update(
+        {"svg.hashsalt": "gemma-nb", "figure.dpi": 100, "savefig.pad_inches": 0.0}
+    )
 
 
 def subplots(*args, **kwargs):
@@ -38,7 +51,9 @@ def subplots(*args, **kwargs):
     set_theme()
     kwargs.setdefault("layout", "constrained")
     width = kwargs.get("figsize", matplotlib.rcParams["figure.figsize"])[0]
-    assert width <= MAX_WIDTH_IN, f"figsize width {width} in is wider than the page ({MAX_WIDTH_IN:g} in)"
+    assert width <= MAX_WIDTH_IN, (
+        f"figsize width {width} in is wider than the page ({MAX_WIDTH_IN:g} in)"
+    )
     return plt.subplots(*args, **kwargs)
 
 
@@ -48,11 +63,23 @@ def reference_line(ax, value: float, label: str, axis: str = "y", **kwargs) -> N
     assert axis in ("x", "y"), axis
     if axis == "y":
         ax.axhline(value, **style)
-        place = {"xy": (1.0, value), "xycoords": ("axes fraction", "data"), "xytext": (-4, 3), "ha": "right", "va": "bottom"}
+        place = {
+            "xy": (1.0, value),
+            "xycoords": ("axes fraction", "data"),
+            "xytext": (-4, 3),
+            "ha": "right",
+            "va": "bottom",
+        }
     else:
         ax.axvline(value, **style)
-        place = {"xy": (value, 1.0), "xycoords": ("data", "axes fraction"), "xytext": (3, -4), "ha": "left", "va": "top",
-                 "rotation": 90}
+        place = {
+            "xy": (value, 1.0),
+            "xycoords": ("data", "axes fraction"),
+            "xytext": (3, -4),
+            "ha": "left",
+            "va": "top",
+            "rotation": 90,
+        }
     ax.annotate(label, textcoords="offset points", fontsize=9, color=style["color"], **place)
 
 
@@ -76,9 +103,17 @@ def _texts(fig, renderer):
     ticks = [_tick_labels(ax) for ax in fig.axes]
     skip |= {id(t) for _, every in ticks for t in every}
     candidates = [t for drawn, _ in ticks for t in drawn]
-    candidates += [t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()]
-    boxes = [(text, text.get_window_extent(renderer)) for text in candidates if text.get_text().strip()]
-    return [(text, box, _corners(text, box, renderer)) for text, box in boxes if box.width > 0 and box.height > 0]
+    candidates += [
+        t for t in fig.findobj(matplotlib.text.Text) if id(t) not in skip and t.get_visible()
+    ]
+    boxes = [
+        (text, text.get_window_extent(renderer)) for text in candidates if text.get_text().strip()
+    ]
+    return [
+        (text, box, _corners(text, box, renderer))
+        for text, box in boxes
+        if box.width > 0 and box.height > 0
+    ]
 
 
 def _corners(text, box, renderer):
@@ -92,7 +127,9 @@ def _corners(text, box, renderer):
     text.set_rotation(rotation)
     cx, cy, c, s = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2, math.cos(angle), math.sin(angle)
     w, h = flat.width / 2, flat.height / 2
-    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in ((-w, -h), (w, -h), (w, h), (-w, h))]
+    return [
+        (cx + x * c - y * s, cy + x * s + y * c) for x, y in ((-w, -h), (w, -h), (w, h), (-w, h))
+    ]
 
 
 def _shapes_overlap(first, second) -> bool:
@@ -118,14 +155,21 @@ def _label(text) -> str:
 
 def _lines_through(box, ax) -> list[str]:
     """The drawn lines of ``ax`` (data and reference lines, not the grid) that cross ``box``."""
-    return [line.get_label() if not line.get_label().startswith("_") else "a line" for line in ax.get_lines()
-            if line.get_visible() and len(line.get_xydata())
-            and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)]
+    return [
+        line.get_label() if not line.get_label().startswith("_") else "a line"
+        for line in ax.get_lines()
+        if line.get_visible()
+        and len(line.get_xydata())
+        and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
+    ]
 
 
 def _points_inside(box, ax) -> int:
-    return sum(sum(box.contains(x, y) for x, y in c.get_offset_transform().transform(c.get_offsets()))
-               for c in ax.collections if isinstance(c, matplotlib.collections.PathCollection) and c.get_visible())
+    return sum(
+        sum(box.contains(x, y) for x, y in c.get_offset_transform().transform(c.get_offsets()))
+        for c in ax.collections
+        if isinstance(c, matplotlib.collections.PathCollection) and c.get_visible()
+    )
 
 
 def collisions(fig) -> list[str]:
@@ -134,9 +178,15 @@ def collisions(fig) -> list[str]:
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
-    found = [f"texts {_label(first)} and {_label(second)} overlap"
-             for (first, first_box, first_shape), (second, second_box, second_shape) in itertools.combinations(texts, 2)
-             if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape)]
+    found = [
+        f"texts {_label(first)} and {_label(second)} overlap"
+        for (first, first_box, first_shape), (
+            second,
+            second_box,
+            second_shape,
+        ) in itertools.combinations(texts, 2)
+        if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape)
+    ]
     for text, box, _ in texts:
         ax = text.axes
         if ax is None or any(text is label for label in _tick_labels(ax)[1]):
@@ -146,13 +196,27 @@ def collisions(fig) -> list[str]:
             found.append(f"text {_label(text)} covers {points} point(s)")
     for legend in _legends(fig):
         box = legend.get_window_extent(renderer)
-        if not (fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1):
+        if not (
+            fig.bbox.x0 <= box.x0
+            and box.x1 <= fig.bbox.x1
+            and fig.bbox.y0 <= box.y0
+            and box.y1 <= fig.bbox.y1
+        ):
             found.append("the legend reaches past the figure's edge (its frame is cut)")
-        found += [f"the legend covers text {_label(text)}" for text, text_box, _ in texts if box.overlaps(text_box)]
-        for ax in ([legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes):
+        found += [
+            f"the legend covers text {_label(text)}"
+            for text, text_box, _ in texts
+            if box.overlaps(text_box)
+        ]
+        for ax in (
+            [legend.axes] if legend.axes is not None and legend not in fig.legends else fig.axes
+        ):
             found += [f"the legend covers {name}" for name in _lines_through(box, ax)]
-            found += ["the legend covers a bar" for patch in ax.patches
-                      if patch.get_visible() and box.overlaps(patch.get_window_extent(renderer))][:1]
+            found += [
+                "the legend covers a bar"
+                for patch in ax.patches
+                if patch.get_visible() and box.overlaps(patch.get_window_extent(renderer))
+            ][:1]
             if points := _points_inside(box, ax):
                 found.append(f"the legend covers {points} point(s)")
     return found
@@ -164,11 +228,15 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
     run (``GEMMA_NB_TIMING=smoke``, nbval's) draws timings no one reads and that move with the cpu: collisions pass there."""
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
-    assert name and "/" not in name and not name.endswith((".png", ".svg")), f"figure name {name!r}: a bare stem"
+    assert name and "/" not in name and not name.endswith((".png", ".svg")), (
+        f"figure name {name!r}: a bare stem"
+    )
     overlaps = collisions(fig)
     if overlaps and not smoke_timing():
         plt.close(fig)
-        raise ValueError(f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels.")
+        raise ValueError(
+            f"figure {name!r}: " + "; ".join(overlaps) + ". Move or shorten those labels."
+        )
     folder = output_subdir(target, "figures")
     paths = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
     fig.savefig(paths["png"], dpi=120, metadata={"Software": None})
@@ -190,14 +258,39 @@ def label_points(ax, points, fontsize: float = 8) -> None:
     for x, y, label in points:
         tried = []
         for dx, dy, ha, va in LABEL_OFFSETS:
-            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=fontsize)
+            text = ax.annotate(
+                label,
+                (x, y),
+                xytext=(dx, dy),
+                textcoords="offset points",
+                ha=ha,
+                va=va,
+                fontsize=fontsize,
+            )
             box = text.get_window_extent(renderer)
             text.remove()
-            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
-            conflicts = (not inside) + sum(box.overlaps(other) for other in blocked) + len(_lines_through(box, ax))
+            inside = (
+                frame.x0 <= box.x0
+                and box.x1 <= frame.x1
+                and frame.y0 <= box.y0
+                and box.y1 <= frame.y1
+            )
+            conflicts = (
+                (not inside)
+                + sum(box.overlaps(other) for other in blocked)
+                + len(_lines_through(box, ax))
+            )
             tried.append((conflicts + _points_inside(box, ax), (dx, dy, ha, va)))
             if tried[-1][0] == 0:
                 break
         dx, dy, ha, va = min(tried, key=lambda t: t[0])[1]
-        text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=fontsize)
+        text = ax.annotate(
+            label,
+            (x, y),
+            xytext=(dx, dy),
+            textcoords="offset points",
+            ha=ha,
+            va=va,
+            fontsize=fontsize,
+        )
         blocked.append(text.get_window_extent(renderer))

@@ -31,8 +31,11 @@ class Int8Linear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
         return cls(*formats.quantize_int8_per_channel(weight, name=name))
 
-    quantized = property(lambda self: QuantizedTensor("int8", self.qweight, self.scale, tuple(self.qweight.shape),
-                                                      name="int8_linear"))  # the same weight, sharing storage
+    quantized = property(
+        lambda self: QuantizedTensor(
+            "int8", self.qweight, self.scale, tuple(self.qweight.shape), name="int8_linear"
+        )
+    )  # the same weight, sharing storage
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,13 +66,19 @@ class QuantizedLinear(nn.Module):
 
 
 def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn.Module:
-    return Int8Linear.from_weight(weight, name) if fmt == "int8" else QuantizedLinear(quantize(weight, fmt, name=name))
+    return (
+        Int8Linear.from_weight(weight, name)
+        if fmt == "int8"
+        else QuantizedLinear(quantize(weight, fmt, name=name))
+    )
 
 
 GROUPS = ("experts", "shared_mlp", "attention", "lm_head")
 # The linears each layer's shared_mlp and attention groups hold: (submodule, attributes).
-_LINEARS = {"shared_mlp": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-            "attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"))}
+_LINEARS = {
+    "shared_mlp": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+}
 _COLUMNS = ["group", "format", "params", "bf16_bytes", "stored_bytes", "rel_error", "max_abs_error"]
 
 
@@ -79,7 +88,9 @@ def resolve_scheme(scheme) -> dict[str, str]:
         scheme = memory.get_scheme(scheme).dtypes
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
     for group, fmt in resolved.items():
-        assert group in GROUPS, f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
+        assert group in GROUPS, (
+            f"group {group!r} cannot be quantized; quantizable: {', '.join(GROUPS)}"
+        )
         formats.get_format(fmt, quantized=True)
     return resolved
 
@@ -97,9 +108,16 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
     for layer_name, layer in layers:
         if group == "experts":
             experts = getattr(layer, "experts", None)
-            assert hasattr(experts, "gate_up_proj"), f"{layer_name} has no stacked experts (enable_moe_block=True)"
-            layer.experts = new = QuantizedExperts.from_experts(experts, fmt, name=f"{layer_name}.experts")
-            yield ((experts.gate_up_proj, new.gate_up), (experts.down_proj, new.down)), new.weight_bytes
+            assert hasattr(experts, "gate_up_proj"), (
+                f"{layer_name} has no stacked experts (enable_moe_block=True)"
+            )
+            layer.experts = new = QuantizedExperts.from_experts(
+                experts, fmt, name=f"{layer_name}.experts"
+            )
+            yield (
+                ((experts.gate_up_proj, new.gate_up), (experts.down_proj, new.down)),
+                new.weight_bytes,
+            )
             continue
         sub, attrs = _LINEARS[group]
         parent = getattr(layer, sub)
@@ -107,7 +125,11 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
             linear, name = getattr(parent, attr, None), f"{layer_name}.{sub}.{attr}"
             if isinstance(linear, nn.Linear):
                 assert linear.bias is None, f"{name} has a bias"
-                setattr(parent, attr, new := quantized_linear(linear.weight.detach(), fmt, f"{name}.weight"))
+                setattr(
+                    parent,
+                    attr,
+                    new := quantized_linear(linear.weight.detach(), fmt, f"{name}.weight"),
+                )
                 yield ((linear.weight, new.quantized),), new.nbytes
 
 
@@ -117,7 +139,9 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
     quantized copy (the tie is broken; ``embed_tokens`` keeps the float table). ``rel_error`` (Frobenius, whole group)
     and ``max_abs_error`` are NaN with ``measure_error=False``."""
     groups = resolve_scheme(scheme)
-    layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
+    layers = [
+        (n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"
+    ]
     assert layers, f"{type(model).__name__} has no Gemma4TextDecoderLayer"
     rows = []
     for group, fmt in groups.items():
@@ -125,40 +149,82 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
         errors = []  # (quantization_error, sum of the weight's squares) per tensor
         for pairs, nbytes in _quantize_group(model, layers, group, fmt):
             stored, params = stored + nbytes, params + sum(weight.numel() for weight, _ in pairs)
-            errors += [(quantization_error(w, q), float(w.float().square().sum())) for w, q in pairs if measure_error]
+            errors += [
+                (quantization_error(w, q), float(w.float().square().sum()))
+                for w, q in pairs
+                if measure_error
+            ]
         rel_error = max_abs_error = float("nan")
         if measure_error:
-            diff_sq, ref_sq = sum(e["rel_error"] ** 2 * sq for e, sq in errors), sum(sq for _, sq in errors)
+            diff_sq, ref_sq = (
+                sum(e["rel_error"] ** 2 * sq for e, sq in errors),
+                sum(sq for _, sq in errors),
+            )
             rel_error = math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0
             max_abs_error = max((e["max_abs_error"] for e, _ in errors), default=0.0)
-        rows.append(dict(zip(_COLUMNS, (group, fmt, params, 2 * params, stored, rel_error, max_abs_error))))
+        rows.append(
+            dict(zip(_COLUMNS, (group, fmt, params, 2 * params, stored, rel_error, max_abs_error)))
+        )
     return pd.DataFrame(rows, columns=_COLUMNS)
 
 
 @torch.no_grad()
-def full_size_experts_check(experts: nn.Module, formats=("int8", "mxfp4", "nvfp4"), tokens: int = 4,
-                            top_k: int = 8, seed: int = 0):
+def full_size_experts_check(
+    experts: nn.Module,
+    formats=("int8", "mxfp4", "nvfp4"),
+    tokens: int = 4,
+    top_k: int = 8,
+    seed: int = 0,
+):
     """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format). A row per
     (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens."""
     with torch_threads(1):
         dtype = experts.gate_up_proj.dtype
-        hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
+        hidden = torch.randn(
+            tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(seed)
+        ).to(dtype)
         index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
         # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
-        reference = SparseExperts.from_experts(experts).grouped(hidden, index, weights.to(dtype), accumulate_dtype=None).float()
+        reference = (
+            SparseExperts.from_experts(experts)
+            .grouped(hidden, index, weights.to(dtype), accumulate_dtype=None)
+            .float()
+        )
         rows, seconds = [], {}
         for fmt in formats:
             start = time.perf_counter()
             quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
             seconds[fmt] = time.perf_counter() - start
-            for tensor_name, tensor in (("gate_up_proj", quantized.gate_up), ("down_proj", quantized.down)):
-                rows.append({"format": fmt, "tensor": tensor_name, "shape": "x".join(map(str, tensor.shape)),
-                             "stored_bytes": tensor.nbytes, "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
-                             "rel_error_expert0": quantization_error(getattr(experts, tensor_name)[0], tensor[0])["rel_error"]})
+            for tensor_name, tensor in (
+                ("gate_up_proj", quantized.gate_up),
+                ("down_proj", quantized.down),
+            ):
+                rows.append(
+                    {
+                        "format": fmt,
+                        "tensor": tensor_name,
+                        "shape": "x".join(map(str, tensor.shape)),
+                        "stored_bytes": tensor.nbytes,
+                        "planner_bytes": memory.tensor_bytes(tensor.shape, fmt),
+                        "rel_error_expert0": quantization_error(
+                            getattr(experts, tensor_name)[0], tensor[0]
+                        )["rel_error"],
+                    }
+                )
             output = quantized(hidden, index, weights.to(dtype)).float()
-            rows.append({"format": fmt, "tensor": "layer", "shape": "", "stored_bytes": quantized.weight_bytes,
-                         "planner_bytes": sum(memory.tensor_bytes(t.shape, fmt) for t in (quantized.gate_up, quantized.down)),
-                         "rel_error_output": float((output - reference).norm() / reference.norm())})
+            rows.append(
+                {
+                    "format": fmt,
+                    "tensor": "layer",
+                    "shape": "",
+                    "stored_bytes": quantized.weight_bytes,
+                    "planner_bytes": sum(
+                        memory.tensor_bytes(t.shape, fmt)
+                        for t in (quantized.gate_up, quantized.down)
+                    ),
+                    "rel_error_output": float((output - reference).norm() / reference.norm()),
+                }
+            )
             del quantized
         table = pd.DataFrame(rows)
         table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])

@@ -33,20 +33,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, fn: Callable, args: tuple, world_size: int, port: int, results,
-               collective_timeout_s: float, threads: int) -> None:
+def _rank_main(
+    rank: int,
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    port: int,
+    results,
+    collective_timeout_s: float,
+    threads: int,
+) -> None:
     """Entry point of one spawned rank: join the gloo group, run ``fn``, post its result or error."""
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend="gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://{LOOPBACK}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
         result = fn(rank, world_size, *args)
         if not isinstance(result, dict):
-            raise TypeError(f"worker {fn.__qualname__} returned {type(result).__name__}; expected a dict")
+            raise TypeError(
+                f"worker {fn.__qualname__} returned {type(result).__name__}; expected a dict"
+            )
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
         results.put((rank, "ok", pickle.dumps(result)))
     except BaseException as error:  # noqa: BLE001 - everything is reported to the parent
-        results.put((rank, "error", f"{type(error).__name__}: {error}".strip(), traceback.format_exc()))
+        results.put(
+            (rank, "error", f"{type(error).__name__}: {error}".strip(), traceback.format_exc())
+        )
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
@@ -62,27 +79,46 @@ def _exit_reason(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int = 2, timeout_s: float = 300.0,
-           collective_timeout_s: float = 60.0, failure_grace_s: float = 5.0, threads_per_rank: int | None = None) -> list[dict]:
+def run_tp(
+    fn: Callable[..., dict],
+    args: Sequence[Any] = (),
+    *,
+    world_size: int = 2,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+    failure_grace_s: float = 5.0,
+    threads_per_rank: int | None = None,
+) -> list[dict]:
     """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank. ``TPJobError``
     after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)")
+        raise ValueError(
+            f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)"
+        )
     if timeout_s <= 0 or collective_timeout_s <= 0:
-        raise ValueError(f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}")
+        raise ValueError(
+            f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}"
+        )
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(
             f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
             "by name, so it must be a top-level function of an importable module (a notebook or script defines "
-            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding")
+            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding"
+        )
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
-                         args=(rank, fn, tuple(args), world_size, port, results, collective_timeout_s, threads))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            name=f"tp-rank-{rank}",
+            daemon=True,
+            args=(rank, fn, tuple(args), world_size, port, results, collective_timeout_s, threads),
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     start = time.monotonic()
@@ -98,7 +134,11 @@ def run_tp(fn: Callable[..., dict], args: Sequence[Any] = (), *, world_size: int
                 proc.join(timeout=5)
         results.close()
     if failures or missing:
-        raise TPJobError(_failure_report(fn.__qualname__, world_size, time.monotonic() - start, failures, missing, timeout_s))
+        raise TPJobError(
+            _failure_report(
+                fn.__qualname__, world_size, time.monotonic() - start, failures, missing, timeout_s
+            )
+        )
     return [done[r] for r in range(world_size)]
 
 
@@ -137,14 +177,23 @@ def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: fl
     return done, failures, [r for r in range(len(procs)) if not reported(r)]
 
 
-def _failure_report(name: str, world_size: int, elapsed: float, failures: list[tuple[int, str, str]],
-                    missing: list[int], timeout_s: float) -> str:
+def _failure_report(
+    name: str,
+    world_size: int,
+    elapsed: float,
+    failures: list[tuple[int, str, str]],
+    missing: list[int],
+    timeout_s: float,
+) -> str:
     """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
     consequences = [f for f in failures if any(words in f[1].lower() for words in _PEER_LOSS)]
     causes = [f for f in failures if f not in consequences]
     lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]
     lines += [f"  rank {rank}: {reason}" for rank, reason, _ in causes]
-    lines += [f"  rank {rank} (waiting on a failed or stuck peer): {reason}" for rank, reason, _ in consequences]
+    lines += [
+        f"  rank {rank} (waiting on a failed or stuck peer): {reason}"
+        for rank, reason, _ in consequences
+    ]
     why = "after the failure above" if failures else f"at timeout_s={timeout_s:g}"
     lines += [f"  rank {rank} was still running (stuck?) and was stopped {why}" for rank in missing]
     if traced := [(rank, trace) for rank, _, trace in causes + consequences if trace]:

@@ -17,8 +17,18 @@ CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 # The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine (CONTRIBUTING);
 # `make test` re-executes it under CHECK_KERNELS and requires the same checked outputs.
-REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}
-CHECK_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
+REFERENCE_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": "2",
+}
+CHECK_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 class TargetError(ValueError):
@@ -47,9 +57,13 @@ def check_target(target: str) -> str:
         if status.fx_problem:
             print(FX_NOTE, file=sys.stderr)
     elif target == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise TargetError(f"target 'cuda' needs a CUDA GPU, but torch ({torch.__version__}, {build}) sees none: "
-                          "run on a GPU machine with a CUDA build of torch (see README, 'Targets')")
+        build = (
+            "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        )
+        raise TargetError(
+            f"target 'cuda' needs a CUDA GPU, but torch ({torch.__version__}, {build}) sees none: "
+            "run on a GPU machine with a CUDA build of torch (see README, 'Targets')"
+        )
     return target
 
 
@@ -83,8 +97,10 @@ def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str =
     chosen = default_model_id(target) if model_id == BUNDLED_ID else model_id
     folder = local_model_dir(chosen)
     if folder is None:
-        raise TargetError(f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
-                          f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model")
+        raise TargetError(
+            f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
+            f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model"
+        )
     return str(folder)
 
 

@@ -34,23 +34,47 @@ def notebooks(numbers) -> list[str]:
     for number in numbers:
         matches = sorted(REFERENCE.glob(f"{number}_*.ipynb"))
         if not matches:
-            raise SystemExit(f"no notebook {number}_*.ipynb in {REFERENCE.relative_to(REPO)}: run `make run` first")
+            raise SystemExit(
+                f"no notebook {number}_*.ipynb in {REFERENCE.relative_to(REPO)}: run `make run` first"
+            )
         found += [str(m.relative_to(REPO)) for m in matches]
     return found
 
 
 def start(numbers, scratch: str) -> subprocess.Popen:
-    env = {**os.environ, **CHECK_KERNELS, "GEMMA_NB_OUTPUT_DIR": scratch, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_OFFLINE": "1",
-           "GEMMA_NB_TIMING": "smoke"}
-    command = [sys.executable, "-m", "pytest", "--nbval", *notebooks(numbers), "-q", "-p", "no:cacheprovider",
-               "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        **CHECK_KERNELS,
+        "GEMMA_NB_OUTPUT_DIR": scratch,
+        "HF_TOKEN": FAKE_TOKEN,
+        "HF_HUB_OFFLINE": "1",
+        "GEMMA_NB_TIMING": "smoke",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--nbval",
+        *notebooks(numbers),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--nbval-sanitize-with",
+        "tests/nbval_sanitize.cfg",
+    ]
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def token_leaks(scratch: str, output: str) -> list[str]:
     """Where the made-up token shows up: the pytest output, or files under ``scratch``."""
     leaks = ["pytest output"] if FAKE_TOKEN in output else []
-    return leaks + [str(p) for p in Path(scratch).rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
+    return leaks + [
+        str(p)
+        for p in Path(scratch).rglob("*")
+        if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()
+    ]
 
 
 def finish(group, process: subprocess.Popen, scratch: str, started: float) -> tuple[str, int]:
@@ -69,7 +93,10 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(len(groups)) as pool:
         started = time.perf_counter()
         folders = [f"{scratch}/{i}" for i in range(len(groups))]
-        runs = [pool.submit(finish, group, start(group, folder), folder, started) for group, folder in zip(groups, folders)]
+        runs = [
+            pool.submit(finish, group, start(group, folder), folder, started)
+            for group, folder in zip(groups, folders)
+        ]
         results = [run.result() for run in runs]
     for text, _ in results:
         print(text, flush=True)

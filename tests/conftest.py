@@ -28,6 +28,7 @@ def eager_runner():
         export.set_traceable_experts(model)
         body = export.DeviceBody(model, shapes.max_cache_len)
         return export._runner(model, body, body, shapes)
+
     return build
 
 
@@ -54,8 +55,14 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(serve.uvicorn_config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn")
+    server = uvicorn.Server(
+        serve.uvicorn_config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config
+        )
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gemma-nb-uvicorn"
+    )
     with serve.counting_refusals(app.state.metrics):
         thread.start()
         while not server.started:

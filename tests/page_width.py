@@ -7,16 +7,21 @@ from collections.abc import Iterable
 
 from gemma_nb.display import CHAR_WIDTH_PX
 
-HEADER_CHAR_WIDTH_PX = 7.7   # header cells are bold: 10% wider
+HEADER_CHAR_WIDTH_PX = 7.7  # header cells are bold: 10% wider
 CELL_PADDING_PX = 12.0
 WRAP_CHARS = 40
 
 
 def cell_width_chars(text: str) -> int:
     """How many characters of ``text`` set its column's width (text with spaces wraps)."""
+
     def width(line: str) -> int:
         line = line.strip()
-        return min(len(line), max(max(len(word) for word in line.split()), WRAP_CHARS)) if " " in line else len(line)
+        return (
+            min(len(line), max(max(len(word) for word in line.split()), WRAP_CHARS))
+            if " " in line
+            else len(line)
+        )
 
     return max(width(line) for line in str(text).splitlines() or [""])
 
@@ -35,7 +40,7 @@ class _TableParser(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.tables: list[list[list[str]]] = []
-        self.header_rows: list[int] = []   # per table: how many of its rows are in <thead>
+        self.header_rows: list[int] = []  # per table: how many of its rows are in <thead>
         self._in_head, self._depth, self._colspan, self._row, self._cell = False, 0, 1, None, None
 
     def handle_starttag(self, tag, attrs):

@@ -58,16 +58,22 @@ def test_time_steps_interleaves_and_summarises():
 def test_time_generation_reports_first_token_and_equal_tokens():
     from gemma_nb.tiny import random_gemma4_model
 
-    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2, vocab_size=256), dtype=torch.float32)
+    model = random_gemma4_model(
+        random_gemma4_config(num_hidden_layers=2, vocab_size=256), dtype=torch.float32
+    )
     before_threads = torch.get_num_threads()
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch_threads(1):
-        timings = bench.time_generation({"a": model, "b": lambda: model}, prompt, new_tokens=5, repeats=2, warmup=0)
+        timings = bench.time_generation(
+            {"a": model, "b": lambda: model}, prompt, new_tokens=5, repeats=2, warmup=0
+        )
     assert torch.get_num_threads() == before_threads
     summary = timings.summary()
     assert list(summary.index) == ["a", "b"] and summary["ttft_ms"].gt(0).all()
     assert summary.loc["a", "steps_per_repeat"] == 4
-    assert timings.tokens["a"].shape == (1, 9) and torch.equal(timings.tokens["a"], timings.tokens["b"])
+    assert timings.tokens["a"].shape == (1, 9) and torch.equal(
+        timings.tokens["a"], timings.tokens["b"]
+    )
     from gemma_nb.evaluate import greedy_generate
 
     assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
@@ -89,7 +95,9 @@ def test_time_runners_uses_only_generate():
             return torch.arange(max_new_tokens)[None]
 
     fast, slow = Runner(0.001), Runner(0.003)
-    table = bench.time_runners({"fast": fast, "slow": slow}, torch.tensor([[1, 2]]), new_tokens=4, repeats=2)
+    table = bench.time_runners(
+        {"fast": fast, "slow": slow}, torch.tensor([[1, 2]]), new_tokens=4, repeats=2
+    )
     assert fast.calls == [1, 4, 1, 4] and list(table.index) == ["fast", "slow"]
     assert table.loc["fast", "decode_tok_s"] > table.loc["slow", "decode_tok_s"]
     assert table.loc["fast", "tokens"] == [0, 1, 2, 3]
@@ -111,8 +119,12 @@ def test_bandwidth_probe_and_floor():
 
 def test_moe_layer_bytes_full_size_by_hand():
     per_expert_bf16 = (2 * 704 * 2816 + 2816 * 704) * 2
-    assert bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16  # 1.52 GB
-    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16  # 95.2 MB
+    assert (
+        bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16
+    )  # 1.52 GB
+    assert (
+        bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16
+    )  # 95.2 MB
     int8_expert = 3 * 704 * 2816 + 4 * (2 * 704 + 2816)  # int8 weights + one fp32 scale per row
     assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "int8") == 8 * int8_expert
     with pytest.raises(AssertionError, match="experts='all' is not one of dense, sparse"):
@@ -153,15 +165,24 @@ def test_story_decode_counts_the_ports_fp32_kv_cache_by_default(config_26b):
     assert story["dense_tok_s"] == pytest.approx(33.01, abs=0.01)
     assert story["sparse_tok_s"] == pytest.approx(169.18, abs=0.01)
     without = decode_roofline.story_decode(config_26b, context_len=0)
-    assert story["dense_gb_per_token"] - without["dense_gb_per_token"] == pytest.approx(story["kv_gb_per_token"])
+    assert story["dense_gb_per_token"] - without["dense_gb_per_token"] == pytest.approx(
+        story["kv_gb_per_token"]
+    )
 
 
 def test_context_sensitivity_falls_with_the_cache(config_26b):
     table = decode_roofline.context_sensitivity(config_26b, [0, 512, 4096])
     assert table["context_len"].tolist() == [0, 512, 4096]
-    assert table["dense_tok_s"].is_monotonic_decreasing and table["sparse_tok_s"].is_monotonic_decreasing
-    assert table["sparse_vs_dense_x"].is_monotonic_decreasing  # the cache takes a bigger share of sparse steps
-    assert table.loc[1, "sparse_tok_s"] == pytest.approx(decode_roofline.story_decode(config_26b)["sparse_tok_s"])
+    assert (
+        table["dense_tok_s"].is_monotonic_decreasing
+        and table["sparse_tok_s"].is_monotonic_decreasing
+    )
+    assert table[
+        "sparse_vs_dense_x"
+    ].is_monotonic_decreasing  # the cache takes a bigger share of sparse steps
+    assert table.loc[1, "sparse_tok_s"] == pytest.approx(
+        decode_roofline.story_decode(config_26b)["sparse_tok_s"]
+    )
     with pytest.raises(AssertionError, match=r"context_lens \[0, -1\] must be whole numbers"):
         decode_roofline.context_sensitivity(config_26b, [0, -1])
     with pytest.raises(AssertionError, match="context_lens is empty"):
@@ -173,10 +194,16 @@ def test_roofline_table_prices_and_fit(config_26b):
     story_row = table.loc[("inf2.xlarge, int8 squeeze, TP=2", "dense")]
     assert story_row["fits"] and story_row["bound"] == "memory"
     assert story_row["usd_per_hour"] == INSTANCES["inf2.xlarge"].usd_per_hour
-    assert story_row["usd_per_m_tokens"] == pytest.approx(0.7582 / (story_row["tok_s"] * 3600) * 1e6)
+    assert story_row["usd_per_m_tokens"] == pytest.approx(
+        0.7582 / (story_row["tok_s"] * 3600) * 1e6
+    )
     assert not table.loc[("inf2.xlarge, bf16, TP=2", "dense"), "fits"]  # 26 GB per rank > 16 GiB
     assert table.loc[("TPU v6e x2, bf16, TP=2", "sparse"), "usd_per_hour"] == pytest.approx(5.40)
-    assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])  # no H200 price in the hardware table
-    sparse_over_dense = (table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"])
+    assert pd.isna(
+        table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"]
+    )  # no H200 price in the hardware table
+    sparse_over_dense = (
+        table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"]
+    )
     assert sparse_over_dense.between(4.0, 8.0).all()
     assert decode_roofline.usd_per_million_tokens(None, 10.0) is None

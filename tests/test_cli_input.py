@@ -9,13 +9,19 @@ from gemma_nb.serving import serve
 def test_preflight_refuses_tp_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["preflight", "--target", "cpu", "--tp", "0"])
-    assert exit_info.value.code == 2 and "argument --tp: '0' is not an integer >= 1" in capsys.readouterr().err
+    assert (
+        exit_info.value.code == 2
+        and "argument --tp: '0' is not an integer >= 1" in capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-context", "-5"], "--max-context -5 must be at least 1"),
-    (["--queue-size", "0"], "--queue-size 0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-context", "-5"], "--max-context -5 must be at least 1"),
+        (["--queue-size", "0"], "--queue-size 0 must be at least 1"),
+    ],
+)
 def test_serve_checks_its_sizes_before_the_server_starts(monkeypatch, capsys, flags, message):
     import uvicorn
 

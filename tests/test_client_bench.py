@@ -36,23 +36,41 @@ def server(serve_in_thread):
 
 
 def test_stream_chat_times_every_token(server):
-    timing = client_bench.stream_chat(server, [{"role": "user", "content": "The capital of France is"}],
-                                      max_tokens=8, ignore_eos=False)
+    timing = client_bench.stream_chat(
+        server,
+        [{"role": "user", "content": "The capital of France is"}],
+        max_tokens=8,
+        ignore_eos=False,
+    )
     assert timing["text"] == "Paris ." and timing["finish_reason"] == "stop"
-    assert timing["completion_tokens"] == 3  # "Paris", ".", <eos>: one chunk each, the last one empty
+    assert (
+        timing["completion_tokens"] == 3
+    )  # "Paris", ".", <eos>: one chunk each, the last one empty
     assert len(timing["itl_ms"]) == 2 and timing["itl_ms_p50"] <= timing["itl_ms_p90"]
     assert 0 < timing["ttft_ms"] + sum(timing["itl_ms"]) <= 1e3 * timing["e2e_s"]
 
 
 def test_benchmark_endpoint_rows_and_summary(server):
-    requests = client_bench.benchmark_endpoint(server, concurrency=(1, 2), requests_per_level=2, max_tokens=6)
+    requests = client_bench.benchmark_endpoint(
+        server, concurrency=(1, 2), requests_per_level=2, max_tokens=6
+    )
     assert list(requests["concurrency"]) == [1, 1, 2, 2]
     assert (requests["completion_tokens"] == 6).all()  # ignore_eos: fixed-length answers
     assert requests["itl_ms"].map(len).eq(5).all()
-    assert (requests["ttft_ms"] > 0).all() and (requests["itl_ms_p90"] >= requests["itl_ms_p50"]).all()
+    assert (requests["ttft_ms"] > 0).all() and (
+        requests["itl_ms_p90"] >= requests["itl_ms_p50"]
+    ).all()
     summary = endpoint_bench.summarize(requests)
-    assert list(summary.columns) == ["concurrency", "requests", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50",
-                                     "itl_ms_p90", "tok_s_per_request", "tok_s_total"]
+    assert list(summary.columns) == [
+        "concurrency",
+        "requests",
+        "ttft_ms_p50",
+        "ttft_ms_p90",
+        "itl_ms_p50",
+        "itl_ms_p90",
+        "tok_s_per_request",
+        "tok_s_total",
+    ]
     assert list(summary["requests"]) == [2, 2] and (summary["tok_s_total"] > 0).all()
     level1 = requests[requests["concurrency"] == 1]
     assert math.isclose(summary["tok_s_total"][0], 12 / level1["level_wall_s"].iloc[0])
@@ -61,13 +79,17 @@ def test_benchmark_endpoint_rows_and_summary(server):
 
 
 def test_measure_endpoint_and_its_metrics(server):
-    requests = endpoint_bench.measure_endpoint(server, concurrency=(1, 2), requests_per_level=2, max_tokens=4)
+    requests = endpoint_bench.measure_endpoint(
+        server, concurrency=(1, 2), requests_per_level=2, max_tokens=4
+    )
     metrics, rows = endpoint_bench.endpoint_metrics(requests, endpoint=server)
     summary = endpoint_bench.summarize(requests).set_index("concurrency")
     assert metrics["by_concurrency"][2]["tok_s_total"] == summary.loc[2, "tok_s_total"]
     assert metrics["ttft_growth_x"] == summary.loc[2, "ttft_ms_p50"] / summary.loc[1, "ttft_ms_p50"]
     assert [r.get("claim") for r in rows] == [None, None, "decode_tok_s", None]
-    assert endpoint_bench.endpoint_metrics(requests)[1][2].get("claim") is None  # the local tiny server
+    assert (
+        endpoint_bench.endpoint_metrics(requests)[1][2].get("claim") is None
+    )  # the local tiny server
     # neuron has no local server: without an endpoint there is nothing to measure.
     assert endpoint_bench.measure_endpoint("", target="neuron") is None
     assert endpoint_bench.endpoint_metrics(None) == ({"measured": False, "endpoint": None}, [])
@@ -82,14 +104,19 @@ def test_errors_are_reported(server):
     with pytest.raises(EndpointError, match="answered 404: .*is not served here"):
         client_bench.stream_chat(server, [{"role": "user", "content": "hi"}], model="no-such-model")
     with pytest.raises(EndpointError, match="failed: Connection error"):
-        client_bench.stream_chat(f"http://127.0.0.1:{free_port()}/v1", [{"role": "user", "content": "hi"}], timeout_s=2)
+        client_bench.stream_chat(
+            f"http://127.0.0.1:{free_port()}/v1", [{"role": "user", "content": "hi"}], timeout_s=2
+        )
 
 
 def test_local_server_starts_serves_and_stops():
-    with endpoint.local_server(runtime="transformers", extra_args=("--queue-size", "2")) as base_url:
+    with endpoint.local_server(
+        runtime="transformers", extra_args=("--queue-size", "2")
+    ) as base_url:
         assert client_bench.served_model(base_url) == BUNDLED_ID
-        requests = client_bench.benchmark_endpoint(base_url, concurrency=(1,), requests_per_level=1,
-                                                   max_tokens=4, warmup=False)
+        requests = client_bench.benchmark_endpoint(
+            base_url, concurrency=(1,), requests_per_level=1, max_tokens=4, warmup=False
+        )
         assert isinstance(requests, pd.DataFrame) and requests["completion_tokens"].tolist() == [4]
         port = int(base_url.rsplit(":", 1)[1].split("/")[0])
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):

@@ -16,12 +16,17 @@ def config_26b():
     return memory.load_gemma4_26b_config()
 
 
-def decode_traffic(config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0) -> dict:
+def decode_traffic(
+    config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0
+) -> dict:
     """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), and the experts' share of the bytes."""
     costs = step_costs(config, scheme, tp, context_len)
     step = batch_step(costs, 1, experts)
-    return {"bytes_per_token": step["bytes"], "flops_per_token": step["flops"],
-            "experts_bytes": costs.experts_bytes * step["experts_read"] / costs.num_experts}
+    return {
+        "bytes_per_token": step["bytes"],
+        "flops_per_token": step["flops"],
+        "experts_bytes": costs.experts_bytes * step["experts_read"] / costs.num_experts,
+    }
 
 
 def _by_hand_bf16_bytes(config):
@@ -44,7 +49,10 @@ def _by_hand_matrix_params(config):
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
     embed = model.get_input_embeddings().weight
-    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embed) + embed.numel()
+    return (
+        sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embed)
+        + embed.numel()
+    )
 
 
 def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
@@ -61,7 +69,9 @@ def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
     with_kv = decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
     from gemma_nb.memory import kv_cache_bytes
 
-    assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(config, 1, 100, dtype="fp32")
+    assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(
+        config, 1, 100, dtype="fp32"
+    )
 
 
 def test_expected_distinct_experts_for_the_26b_layer():
@@ -74,8 +84,12 @@ def test_expected_distinct_experts_for_the_26b_layer():
 
 def test_the_formula_is_the_mean_union_of_uniform_routings():
     for batch in (4, 16, 64):
-        unions = [moe.random_routing(batch, 128, 8, seed=seed)[0].unique().numel() for seed in range(200)]
-        assert sum(unions) / len(unions) == pytest.approx(expected_distinct_experts(128, 8, batch), rel=0.02)
+        unions = [
+            moe.random_routing(batch, 128, 8, seed=seed)[0].unique().numel() for seed in range(200)
+        ]
+        assert sum(unions) / len(unions) == pytest.approx(
+            expected_distinct_experts(128, 8, batch), rel=0.02
+        )
 
 
 def test_batch_one_is_the_batch_one_roofline(config_26b):
@@ -83,7 +97,10 @@ def test_batch_one_is_the_batch_one_roofline(config_26b):
     for mode in ("dense", "sparse"):
         traffic = decode_traffic(config_26b, "int8_squeeze", mode, 2, 512)
         step = batch_step(costs, 1, mode)
-        assert (step["bytes"], step["flops"]) == (traffic["bytes_per_token"], traffic["flops_per_token"])
+        assert (step["bytes"], step["flops"]) == (
+            traffic["bytes_per_token"],
+            traffic["flops_per_token"],
+        )
     assert batch_step(costs, 1, "nxd_rule")["bytes"] == batch_step(costs, 1, "sparse")["bytes"]
 
 
@@ -91,22 +108,36 @@ def test_bytes_per_step_by_path(config_26b):
     costs = step_costs(config_26b, "int8_squeeze", 2, 512)
     per_expert = costs.experts_bytes / 128
     for batch in BATCHES:
-        dense, sparse, nxd = (batch_step(costs, batch, path) for path in decode_roofline.BATCH_PATHS)
+        dense, sparse, nxd = (
+            batch_step(costs, batch, path) for path in decode_roofline.BATCH_PATHS
+        )
         kv = costs.kv_bytes_per_stream * batch
         assert dense["bytes"] == pytest.approx(costs.fixed_bytes + costs.experts_bytes + kv)
-        assert sparse["bytes"] == pytest.approx(costs.fixed_bytes + per_expert * expected_distinct_experts(128, 8, batch) + kv)
-        assert dense["flops"] == pytest.approx(batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token))
+        assert sparse["bytes"] == pytest.approx(
+            costs.fixed_bytes + per_expert * expected_distinct_experts(128, 8, batch) + kv
+        )
+        assert dense["flops"] == pytest.approx(
+            batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token)
+        )
         # NxD: selective loading reads each token's 8 experts (repeats included) while B x 8 / 128 < 1
         assert nxd["experts_read"] == (batch * 8 if batch < 16 else 128)
-        assert nxd["bytes"] == pytest.approx(dense["bytes"] if batch >= 16 else costs.fixed_bytes + per_expert * 8 * batch + kv)
+        assert nxd["bytes"] == pytest.approx(
+            dense["bytes"] if batch >= 16 else costs.fixed_bytes + per_expert * 8 * batch + kv
+        )
     assert [decode_roofline.selective_loading(128, 8, b) for b in (15, 16)] == [True, False]
 
 
 def test_dense_model_has_one_path():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     costs = step_costs(config, "bf16", 1, 64)
     assert costs.num_experts == 0 and costs.experts_bytes == 0
     assert batch_step(costs, 4, "dense") == {**batch_step(costs, 4, "sparse"), "path": "dense"}
@@ -120,13 +151,20 @@ def test_largest_batch_on_an_inf2_xlarge_spans_the_runtime_window(config_26b):
     free = lambda allowance_bytes: 16 * GiB - int(costs.weights_bytes) - allowance_bytes  # noqa: E731
     kv = int(costs.kv_bytes_per_stream)
     assert kv == memory.kv_cache_bytes(config_26b, 2, 512, dtype="fp32")
-    assert limits["largest_batch"] == free(allowance.high_bytes) // kv == 1  # the squeeze fits with nothing to spare
+    assert (
+        limits["largest_batch"] == free(allowance.high_bytes) // kv == 1
+    )  # the squeeze fits with nothing to spare
     assert limits["largest_batch_if_low"] == free(allowance.low_bytes) // kv == 12
     bf16 = decode_roofline.DEPLOYMENTS[1]
-    assert decode_roofline.batch_limits(step_costs(config_26b, "bf16", 2, 512), bf16)["largest_batch"] == 0
+    assert (
+        decode_roofline.batch_limits(step_costs(config_26b, "bf16", 2, 512), bf16)["largest_batch"]
+        == 0
+    )
     h200 = step_costs(config_26b, "bf16", 1, 512)
     no_allowance = decode_roofline.batch_limits(h200, decode_roofline.DEPLOYMENTS[4])
-    assert no_allowance["largest_batch"] == (141 * GB - int(h200.weights_bytes)) // int(h200.kv_bytes_per_stream)
+    assert no_allowance["largest_batch"] == (141 * GB - int(h200.weights_bytes)) // int(
+        h200.kv_bytes_per_stream
+    )
     assert decode_roofline.largest_batch(step_costs(config_26b, "bf16", 1, 0), 141 * GB, 0) is None
 
 
@@ -135,36 +173,54 @@ def test_replicas_multiply_the_box_and_divide_its_price(config_26b):
     one = Deployment("one", "neuroncore_v2", 2, "int8_squeeze", 6.4906)
     six = Deployment("six", "neuroncore_v2", 2, "int8_squeeze", 6.4906, replicas=6)
     a, b = (decode_roofline.step_speed(costs, d, 4, "sparse") for d in (one, six))
-    assert b["tok_s"] == pytest.approx(6 * a["tok_s"]) and b["tok_s_per_stream"] == a["tok_s_per_stream"]
+    assert (
+        b["tok_s"] == pytest.approx(6 * a["tok_s"])
+        and b["tok_s_per_stream"] == a["tok_s_per_stream"]
+    )
     assert b["usd_per_m_tokens"] == pytest.approx(a["usd_per_m_tokens"] / 6)
     assert a["tok_s"] == pytest.approx(4 * a["tok_s_per_stream"])
 
 
 def test_batch_summary_starts_from_the_batch_one_roofline(config_26b):
-    summary = decode_roofline.batch_summary(config_26b, decode_roofline.DEPLOYMENTS[:1]).set_index("path")
+    summary = decode_roofline.batch_summary(config_26b, decode_roofline.DEPLOYMENTS[:1]).set_index(
+        "path"
+    )
     story = decode_roofline.story_decode(config_26b)
     assert summary.loc["dense", "tok_s_b1"] == pytest.approx(story["dense_tok_s"], rel=1e-12)
-    assert summary.loc["sparse", "usd_per_m_b1"] == pytest.approx(story["sparse_usd_per_m_tokens"], rel=1e-12)
+    assert summary.loc["sparse", "usd_per_m_b1"] == pytest.approx(
+        story["sparse_usd_per_m_tokens"], rel=1e-12
+    )
     # The most streams that fit cost less per token than one, on every path
     assert (summary["usd_per_m_if_low"] < summary["usd_per_m_b1"]).all()
     assert summary.loc["dense", "largest_batch_if_low"] == 12
     price = INSTANCES["inf2.xlarge"].usd_per_hour
-    assert summary.loc["sparse", "usd_per_m_if_low"] == pytest.approx(price / (summary.loc["sparse", "tok_s_if_low"] * 3600) * 1e6)
+    assert summary.loc["sparse", "usd_per_m_if_low"] == pytest.approx(
+        price / (summary.loc["sparse", "tok_s_if_low"] * 3600) * 1e6
+    )
 
 
 def test_batch_roofline_rows_and_fit_flags(config_26b):
-    table = decode_roofline.batch_roofline(config_26b, decode_roofline.DEPLOYMENTS[:1], batches=(1, 12, 13, 16))
+    table = decode_roofline.batch_roofline(
+        config_26b, decode_roofline.DEPLOYMENTS[:1], batches=(1, 12, 13, 16)
+    )
     assert len(table) == 3 * 4
     sparse = table[table["path"] == "sparse"].set_index("batch")
     assert sparse["fits"].tolist() == [True, False, False, False]
     assert sparse["fits_if_low"].tolist() == [True, True, False, False]
-    assert sparse["tok_s"].is_monotonic_increasing and sparse["tok_s_per_stream"].is_monotonic_decreasing
-    with pytest.raises(AssertionError, match="decode path 'grouped' is not one of dense, sparse, nxd_rule"):
+    assert (
+        sparse["tok_s"].is_monotonic_increasing
+        and sparse["tok_s_per_stream"].is_monotonic_decreasing
+    )
+    with pytest.raises(
+        AssertionError, match="decode path 'grouped' is not one of dense, sparse, nxd_rule"
+    ):
         decode_roofline.batch_step(step_costs(config_26b, "int8_squeeze", 2, 512), 2, "grouped")
 
 
 def test_non_neuron_devices_get_no_runtime_allowance(config_26b):
     costs = step_costs(config_26b, "bf16", 1, 512)
-    neuron, h200 = (decode_roofline.batch_limits(costs, decode_roofline.DEPLOYMENTS[i]) for i in (0, 4))
+    neuron, h200 = (
+        decode_roofline.batch_limits(costs, decode_roofline.DEPLOYMENTS[i]) for i in (0, 4)
+    )
     assert neuron["runtime_allowance_gb"] == memory.inferred_runtime_allowance().high_bytes / GB
     assert h200["runtime_allowance_gb"] == 0

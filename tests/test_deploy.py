@@ -13,7 +13,9 @@ from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.experiments import slim_deploy as D  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
-DIMS = dict(num_experts=32, top_k_experts=2, num_hidden_layers=2)  # 32 experts: two Int8Experts chunks
+DIMS = dict(
+    num_experts=32, top_k_experts=2, num_hidden_layers=2
+)  # 32 experts: two Int8Experts chunks
 PROMPT = [5, 17, 99, 3, 250, 7]
 SHAPES = dict(max_cache_len=32, prefill_len=8)
 
@@ -49,7 +51,9 @@ def test_int8_experts_equal_quantized_experts_and_squeeze_equals_apply_scheme():
         x = torch.randn(tokens, 128)
         index = torch.stack([torch.randperm(32)[:2] for _ in range(tokens)])
         weights = torch.rand(tokens, 2)
-        torch.testing.assert_close(ours(x, index, weights), experts(x, index, weights), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            ours(x, index, weights), experts(x, index, weights), rtol=1e-5, atol=1e-6
+        )
     ids = torch.tensor([PROMPT])
     assert torch.equal(greedy_generate(squeezed, ids, 12), greedy_generate(reference, ids, 12))
 
@@ -61,8 +65,8 @@ def test_slim_and_naive_give_the_reference_tokens(checkpoint, compiled):
     slim = D.SlimDeploy(artifact)
     naive = D.NaiveDeploy(checkpoint[0])
     ids = torch.tensor([PROMPT])
-    assert slim.generate(ids, 12)[0, len(PROMPT):].tolist() == reference
-    assert naive.generate(ids, 12)[0, len(PROMPT):].tolist() == reference
+    assert slim.generate(ids, 12)[0, len(PROMPT) :].tolist() == reference
+    assert naive.generate(ids, 12)[0, len(PROMPT) :].tolist() == reference
     # The skeleton holds no memory; the weights are int8 where squeezed.
     assert all(p.is_meta for p in slim.skeleton.parameters())
     assert slim.artifact.weights["model.layers.0.experts.gate_up_proj"].dtype == torch.int8
@@ -76,7 +80,9 @@ def test_measured_slim_deploy_in_a_fresh_process(compiled):
     artifact, result = compiled
     run = D.measure_deploy("slim", artifact, PROMPT, 12, interval_s=0.02)
     assert run["tokens"] == result["reference_tokens"]
-    assert run["peak_rss_bytes"] > 100e6 and run["peak_hwm_bytes"] >= run["self_peak_rss_bytes"] * 0.99
+    assert (
+        run["peak_rss_bytes"] > 100e6 and run["peak_hwm_bytes"] >= run["self_peak_rss_bytes"] * 0.99
+    )
     assert 0 < run["load_s"] < run["first_token_s"] < run["cold_start_s"]
 
 
@@ -107,7 +113,9 @@ def test_slim_deploy_names_a_missing_file(compiled, tmp_path):
 
 
 def test_performance_targets_table():
-    table = D.performance_targets({"peak_rss_bytes": 1.0}, {"peak_rss_bytes": 4.0}, {"exported_over_eager": 1.5})
+    table = D.performance_targets(
+        {"peak_rss_bytes": 1.0}, {"peak_rss_bytes": 4.0}, {"exported_over_eager": 1.5}
+    )
     assert table["measured"].tolist() == [0.25, 1.5]
     assert table["met"].tolist() == [True, False]
 
@@ -118,8 +126,9 @@ def test_onehot_update_writes_only_its_slots():
 
     cache = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(1, 2, 6, 3)
     new = -torch.ones(1, 2, 2, 3)
-    _, positions, one_hot, full, sliding, last = step_inputs(torch.zeros(1, 2, 4), [2, 3], max_len=6,
-                                                             sliding_window=2)
+    _, positions, one_hot, full, sliding, last = step_inputs(
+        torch.zeros(1, 2, 4), [2, 3], max_len=6, sliding_window=2
+    )
     out = onehot_update(cache, new, one_hot)
     assert torch.equal(out[:, :, 2:4], new) and torch.equal(out[:, :, :2], cache[:, :, :2])
     assert torch.equal(out[:, :, 4:], cache[:, :, 4:])
@@ -137,10 +146,14 @@ def test_neuron_module_cpu_variant_decodes_like_eager():
 
     # A sliding window of 8 is crossed within the 26 positions decoded.
     model = random_gemma4_model(random_gemma4_config(sliding_window=8), seed=0, dtype=torch.float32)
-    build = NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32")
+    build = NeuronBuildConfig(
+        model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32"
+    )
     module = NeuronGemma4(model.config, build, parallel=False)
     module.load_state(model.state_dict())
-    runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8)
+    runner = NeuronStepRunner(
+        CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8
+    )
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         assert torch.equal(runner.generate(ids, 20), greedy_generate(model, ids, 20))
@@ -157,22 +170,31 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
     from gemma_nb.neuron.build import convert_checkpoint
     from gemma_nb.rehearsal.sharding import local_slice
 
-    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), seed=2, dtype=torch.float32)
+    model = random_gemma4_model(
+        random_gemma4_config(num_hidden_layers=1), seed=2, dtype=torch.float32
+    )
     config = model.config
     state = convert_checkpoint(model.state_dict(), config)
-    assert state["lm.lm_head.weight"].dtype == torch.int8 and "lm.model.embed_tokens.weight" not in state
+    assert (
+        state["lm.lm_head.weight"].dtype == torch.int8
+        and "lm.model.embed_tokens.weight" not in state
+    )
     assert state["lm.model.layers.0.mlp.gate_proj.weight"].dtype == torch.int8
     assert not any(key.endswith(".rank") for key in state)  # no rank id in the graph
     e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     base = "lm.model.layers.0.experts"
-    assert state[f"{base}.gate_up.weight"].shape == (e, h, 2 * i) and state[f"{base}.gate_up.scale"].shape == (e, 1, 2 * i)
-    assert state[f"{base}.down.weight"].shape == (e, i, h) and state[f"{base}.down.scale"].shape == (e, 1, h)
+    assert state[f"{base}.gate_up.weight"].shape == (e, h, 2 * i) and state[
+        f"{base}.gate_up.scale"
+    ].shape == (e, 1, 2 * i)
+    assert state[f"{base}.down.weight"].shape == (e, i, h) and state[
+        f"{base}.down.scale"
+    ].shape == (e, 1, h)
     gate_up = state[f"{base}.gate_up.weight"].float() * state[f"{base}.gate_up.scale"]  # [E, H, 2I]
     down = state[f"{base}.down.weight"].float() * state[f"{base}.down.scale"]  # [E, I, H]
     source = model.model.layers[0].experts
     for rank in range(2):  # rank 1's gate columns of expert 3 are gate rows I/2..I of that expert
         mine = local_slice(gate_up, rank, 2, dim=2, stride=2)
-        expected = source.gate_up_proj[3, rank * i // 2:(rank + 1) * i // 2].T
+        expected = source.gate_up_proj[3, rank * i // 2 : (rank + 1) * i // 2].T
         assert (mine[3, :, : i // 2] - expected).abs().max() <= expected.abs().max() / 100
     torch.manual_seed(0)
     x = torch.randn(3, h)
@@ -181,7 +203,9 @@ def test_neuron_checkpoint_layout_reproduces_the_experts():
     dense = torch.zeros(3, e).scatter(1, index, weights)
     ours = 0
     for rank in range(2):
-        gate, up = (torch.einsum("th,ehi->eti", x, local_slice(gate_up, rank, 2, dim=2, stride=2))).chunk(2, dim=-1)
+        gate, up = (
+            torch.einsum("th,ehi->eti", x, local_slice(gate_up, rank, 2, dim=2, stride=2))
+        ).chunk(2, dim=-1)
         hidden = ACT2FN[config.hidden_activation](gate) * up  # [E, T, I/2]
         out = torch.einsum("eti,eih->eth", hidden, local_slice(down, rank, 2, dim=1, stride=1))
         ours = ours + (out * dense.T[..., None]).sum(0)
@@ -198,16 +222,21 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
     from gemma_nb.neuron.deploy import NeuronStepRunner
     from gemma_nb.rehearsal import standins
 
-    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32)
-    build = B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=1,
-                                dtype="float32")
+    model = random_gemma4_model(
+        random_gemma4_config(num_hidden_layers=2), seed=4, dtype=torch.float32
+    )
+    build = B.NeuronBuildConfig(
+        model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=1, dtype="float32"
+    )
     with standins.model_parallel(1):
         module = B.NeuronGemma4(model.config, build, parallel=True, sdk=standins.cpu_sdk())
     state = B.convert_checkpoint(model.state_dict(), model.config, dtype=torch.float32)
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if "_cache." not in k}
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
     module.load_state_dict(state, strict=False)
-    runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 24, 8)
+    runner = NeuronStepRunner(
+        CpuStateGraph(module), model.get_input_embeddings(), model.config, 24, 8
+    )
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         logits = runner.step(ids, list(range(len(PROMPT))), len(PROMPT) - 1)
@@ -220,8 +249,14 @@ def test_neuron_module_with_stand_in_layers_takes_the_converted_checkpoint():
 def test_hub_checkpoint_keys_map_to_the_text_model():
     from gemma_nb.neuron.checkpoint import text_key
 
-    assert text_key("model.language_model.layers.3.experts.down_proj") == "model.layers.3.experts.down_proj"
+    assert (
+        text_key("model.language_model.layers.3.experts.down_proj")
+        == "model.layers.3.experts.down_proj"
+    )
     assert text_key("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
-    assert text_key("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        text_key("model.layers.0.self_attn.q_proj.weight")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert text_key("model.vision_tower.encoder.layers.0.mlp.fc1.weight") is None
     assert text_key("model.embed_vision.embedding_projection.weight") is None

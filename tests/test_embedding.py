@@ -35,8 +35,15 @@ def tiny_random(request):
 @pytest.fixture(scope="module")
 def wide_bf16():
     """The 26B's width (hidden 2816): only the embedding's width matters for the scale."""
-    config = random_gemma4_config(hidden_size=2816, num_hidden_layers=1, vocab_size=256, num_experts=4,
-                                  top_k_experts=1, moe_intermediate_size=16, intermediate_size=48)
+    config = random_gemma4_config(
+        hidden_size=2816,
+        num_hidden_layers=1,
+        vocab_size=256,
+        num_experts=4,
+        top_k_experts=1,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+    )
     return random_gemma4_model(config, dtype=torch.bfloat16)
 
 
@@ -75,7 +82,9 @@ def test_math_sqrt_path_is_exact_in_fp32_and_refused_in_bf16(tiny_random):
     if module.weight.dtype == torch.float32:
         embedding.verify_host_path(host, module)
         return
-    with pytest.raises(EmbeddingScaleError, match=r"right to within one bfloat16 ulp \(0\.0625\)") as caught:
+    with pytest.raises(
+        EmbeddingScaleError, match=r"right to within one bfloat16 ulp \(0\.0625\)"
+    ) as caught:
         embedding.verify_host_path(host, module)
     assert "math.sqrt(128)" in str(caught.value) and "expected scale 11.3125" in str(caught.value)
     diff = embedding_scale.host_path_elementwise(tiny_random, host)
@@ -88,7 +97,9 @@ def test_math_sqrt_path_at_26b_width(wide_bf16):
     assert module.embed_scale.to(torch.bfloat16).item() == 53.0
     with pytest.raises(EmbeddingScaleError, match=r"math\.sqrt\(2816\) = 53\.065997"):
         embedding.verify_host_path(embedding_scale.host_path(wide_bf16, "math_sqrt"), module)
-    unscaled = embedding_scale.host_path_elementwise(wide_bf16, embedding_scale.host_path(wide_bf16, "unscaled"))
+    unscaled = embedding_scale.host_path_elementwise(
+        wide_bf16, embedding_scale.host_path(wide_bf16, "unscaled")
+    )
     assert unscaled["norm_ratio"] == pytest.approx(53.0, rel=1e-3)
     HostEmbedding.from_model(wide_bf16)  # the fix passes its own check
 
@@ -114,7 +125,9 @@ def test_host_path_models_match_the_reference_only_when_exact(tiny_random):
 
 def test_host_path_model_with_per_layer_inputs():
     """Configs with per-layer embeddings (not the 26B) get them from the ids, not by inverting."""
-    config = random_gemma4_config(num_hidden_layers=1, vocab_size=256, hidden_size_per_layer_input=8)
+    config = random_gemma4_config(
+        num_hidden_layers=1, vocab_size=256, hidden_size_per_layer_input=8
+    )
     model = random_gemma4_model(config, dtype=torch.float32)
     ids = torch.arange(16).unsqueeze(0)
     with torch.no_grad():
@@ -146,7 +159,9 @@ def test_file_without_metadata_needs_scale(tmp_path):
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
     path = tmp_path / "bare.safetensors"
     save_file({"weight": weight}, str(path))
-    with pytest.raises(EmbeddingFileError, match=r"'bare\.safetensors' has no 'embed_scale' in its metadata"):
+    with pytest.raises(
+        EmbeddingFileError, match=r"'bare\.safetensors' has no 'embed_scale' in its metadata"
+    ):
         HostEmbedding.from_file(path)
     # Given as a Python float, it is rounded through float32 like the module's buffer.
     host = HostEmbedding.from_file(path, scale=math.sqrt(128))
@@ -156,45 +171,69 @@ def test_file_without_metadata_needs_scale(tmp_path):
 def test_conflicting_scale_is_refused(tiny_random, tmp_path):
     path = HostEmbedding.from_model(tiny_random).save(tmp_path / "e.safetensors")
     HostEmbedding.from_file(path, scale=math.sqrt(128))  # same value once rounded: fine
-    with pytest.raises(EmbeddingScaleError, match=r"stores embed_scale=11\.31.* but scale=1\.0 was given"):
+    with pytest.raises(
+        EmbeddingScaleError, match=r"stores embed_scale=11\.31.* but scale=1\.0 was given"
+    ):
         HostEmbedding.from_file(path, scale=1.0)
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(EmbeddingFileNotFoundError, match=r"'nowhere\.safetensors' not found") as caught:
+    with pytest.raises(
+        EmbeddingFileNotFoundError, match=r"'nowhere\.safetensors' not found"
+    ) as caught:
         HostEmbedding.from_file(tmp_path / "nowhere.safetensors")
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, FileNotFoundError)
     assert "HostEmbedding.from_model(model).save(path)" in str(caught.value)
 
 
 def test_wrong_shape_and_dtype_in_file(tmp_path):
-    path = HostEmbedding(torch.randn(64, 128), scale=math.sqrt(128)).save(tmp_path / "e.safetensors")
-    with pytest.raises(EmbeddingFileError, match=r"'e\.safetensors'.*shape \(64, 128\), expected \(262144, 2816\)"):
+    path = HostEmbedding(torch.randn(64, 128), scale=math.sqrt(128)).save(
+        tmp_path / "e.safetensors"
+    )
+    with pytest.raises(
+        EmbeddingFileError, match=r"'e\.safetensors'.*shape \(64, 128\), expected \(262144, 2816\)"
+    ):
         HostEmbedding.from_file(path, shape=(262144, 2816))
-    with pytest.raises(EmbeddingFileError, match=r"'e\.safetensors'.*is float32, expected bfloat16"):
+    with pytest.raises(
+        EmbeddingFileError, match=r"'e\.safetensors'.*is float32, expected bfloat16"
+    ):
         HostEmbedding.from_file(path, dtype=torch.bfloat16)
 
     flat = tmp_path / "flat.safetensors"
-    save_file({"weight": torch.randn(128)}, str(flat), metadata={"embed_scale": "1.0", "embed_scale_dtype": "float32"})
-    with pytest.raises(EmbeddingFileError, match=r"'flat\.safetensors'.*shape \(128,\); expected a 2-D float table"):
+    save_file(
+        {"weight": torch.randn(128)},
+        str(flat),
+        metadata={"embed_scale": "1.0", "embed_scale_dtype": "float32"},
+    )
+    with pytest.raises(
+        EmbeddingFileError, match=r"'flat\.safetensors'.*shape \(128,\); expected a 2-D float table"
+    ):
         HostEmbedding.from_file(flat)
 
     renamed = tmp_path / "renamed.safetensors"
     save_file({"embed_tokens.weight": torch.randn(4, 8)}, str(renamed))
-    with pytest.raises(EmbeddingFileError, match=r"holds tensors \['embed_tokens\.weight'\]; expected one named 'weight'"):
+    with pytest.raises(
+        EmbeddingFileError,
+        match=r"holds tensors \['embed_tokens\.weight'\]; expected one named 'weight'",
+    ):
         HostEmbedding.from_file(renamed)
 
 
 def test_a_pickled_table_is_not_read(tmp_path):
     path = tmp_path / "embed_tokens.pt"
     torch.save(torch.randn(4, 8), path)
-    with pytest.raises(EmbeddingFileError, match=r"'embed_tokens\.pt' is not a readable safetensors file.*weights_only=True"):
+    with pytest.raises(
+        EmbeddingFileError,
+        match=r"'embed_tokens\.pt' is not a readable safetensors file.*weights_only=True",
+    ):
         HostEmbedding.from_file(path)
 
 
 def test_bad_arguments(tiny_random):
     weight = tiny_random.get_input_embeddings().weight
-    with pytest.raises(AssertionError, match=r"host path 'scaled' is not one of unscaled, math_sqrt, module_scale"):
+    with pytest.raises(
+        AssertionError, match=r"host path 'scaled' is not one of unscaled, math_sqrt, module_scale"
+    ):
         embedding_scale.host_path(tiny_random, "scaled")
     with pytest.raises(ValueError, match=r"scale=0 must be a positive finite number"):
         HostEmbedding(weight, scale=0)
@@ -218,7 +257,9 @@ def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp
     tampered = HostEmbedding(host.weight, scale=1.0)
     tampered.probe_ids, tampered.probe_expected = host.probe_ids, host.probe_expected
     tampered.save(path)
-    with pytest.raises(EmbeddingScaleError, match=r"'embed_tokens\.safetensors'.*found 1\.0.*Looks unscaled"):
+    with pytest.raises(
+        EmbeddingScaleError, match=r"'embed_tokens\.safetensors'.*found 1\.0.*Looks unscaled"
+    ):
         HostEmbedding.from_file(path)
 
 
@@ -230,13 +271,19 @@ def test_host_embedding_for_a_meta_skeleton_checks_the_file_against_it(tmp_path)
     model = random_gemma4_model(config, dtype=torch.float32)
     skeleton = model_skeleton(config)
     assert skeleton.get_input_embeddings().weight.is_meta
-    host = embedding.host_embedding_for(skeleton, HostEmbedding.from_model(model).save(tmp_path / "e.safetensors"))
+    host = embedding.host_embedding_for(
+        skeleton, HostEmbedding.from_model(model).save(tmp_path / "e.safetensors")
+    )
     ids = torch.arange(256).unsqueeze(0)
     assert torch.equal(host(ids), model.get_input_embeddings()(ids))
-    unscaled = HostEmbedding(model.get_input_embeddings().weight, scale=1.0).save(tmp_path / "unscaled.safetensors")
+    unscaled = HostEmbedding(model.get_input_embeddings().weight, scale=1.0).save(
+        tmp_path / "unscaled.safetensors"
+    )
     with pytest.raises(EmbeddingScaleError, match=r"stores embed_scale=1\.0 but scale=11\.3137"):
         embedding.host_embedding_for(skeleton, unscaled)
-    narrow = HostEmbedding(torch.zeros(128, 128), scale=math.sqrt(128)).save(tmp_path / "narrow.safetensors")
+    narrow = HostEmbedding(torch.zeros(128, 128), scale=math.sqrt(128)).save(
+        tmp_path / "narrow.safetensors"
+    )
     with pytest.raises(EmbeddingFileError, match=r"shape \(128, 128\), expected \(256, 128\)"):
         embedding.host_embedding_for(skeleton, narrow)
 
@@ -263,7 +310,9 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
     prompts = [tokenizer(f.prompt).input_ids for f in FACTS[::16]]
     length = max(set(map(len, prompts)), key=[len(p) for p in prompts].count)
     batch = torch.tensor([p for p in prompts if len(p) == length])
-    assert torch.equal(evaluate.greedy_generate(fixed, batch, 6), evaluate.greedy_generate(model, batch, 6))
+    assert torch.equal(
+        evaluate.greedy_generate(fixed, batch, 6), evaluate.greedy_generate(model, batch, 6)
+    )
 
     unscaled = host_path_model(model, "unscaled")
     broken = evaluate.greedy_match(model, unscaled, prompt, steps=8, tokenizer=tokenizer)
@@ -282,7 +331,9 @@ def test_self_check_on_the_bundled_checkpoint(bundled, tmp_path):
     else:
         embedding.verify_host_path(embedding_scale.host_path(model, "math_sqrt"), module)
     path = HostEmbedding.from_model(model).save(tmp_path / "embed_tokens.safetensors")
-    deployed = HostEmbedding.from_file(path, dtype=module.weight.dtype, shape=tuple(module.weight.shape))
+    deployed = HostEmbedding.from_file(
+        path, dtype=module.weight.dtype, shape=tuple(module.weight.shape)
+    )
     ids = torch.arange(module.weight.shape[0]).unsqueeze(0)
     assert torch.equal(deployed(ids), module(ids))  # the whole vocabulary, not only the probe
 
@@ -299,4 +350,8 @@ def test_the_module_forward_notebook_06_quotes_is_the_installed_one():
     quoted = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
     assert quoted in inspect.getsource(Gemma4TextScaledWordEmbedding.forward)
     notebook = json.loads((NOTEBOOKS_DIR / "06_embedding_scale.ipynb").read_text())
-    assert any(quoted in "".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "markdown")
+    assert any(
+        quoted in "".join(cell["source"])
+        for cell in notebook["cells"]
+        if cell["cell_type"] == "markdown"
+    )

@@ -67,8 +67,13 @@ def builds(emulated_sdk, tmp_path_factory):
     root = tmp_path_factory.mktemp("compile_box")
     records = {}
     for decode in ("dense", "sparse"):
-        build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(root / decode), max_len=MAX_LEN,
-                                    bucket=BUCKET, decode_experts=decode)
+        build = B.NeuronBuildConfig(
+            model_dir=str(TP2_CHECKPOINT_DIR),
+            output_dir=str(root / decode),
+            max_len=MAX_LEN,
+            bucket=BUCKET,
+            decode_experts=decode,
+        )
         records[decode] = B.compile_neuron(build, sample_interval_s=0.05)
     assert not spmd.cores().held  # compile_neuron gave the NeuronCores back after each build
     return root, records
@@ -77,12 +82,16 @@ def builds(emulated_sdk, tmp_path_factory):
 def test_the_emulation_says_so_everywhere(emulated_sdk, builds):
     status = sdk.check_sdk()
     assert status.ok and status.emulated
-    assert emulated_sdk.fx_workaround  # the first import met NxD 0.18's transformers.utils.fx import, emulated
+    assert (
+        emulated_sdk.fx_workaround
+    )  # the first import met NxD 0.18's transformers.utils.fx import, emulated
     assert status.message().startswith("emulated SDK (gemma_nb.rehearsal")
     assert emulated_sdk.emulated and sys.modules["neuronx_distributed"].__emulated__
     root, records = builds
     for decode, record in records.items():
-        assert record["sdk"] == B.sdk_label(emulated_sdk) and record["sdk"].startswith("emulated SDK")
+        assert record["sdk"] == B.sdk_label(emulated_sdk) and record["sdk"].startswith(
+            "emulated SDK"
+        )
         manifest = (root / decode / "manifest.json").read_text()
         assert '"sdk": "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)"' in manifest
 
@@ -111,8 +120,13 @@ def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, 
     ND.release(runner)
     assert cores.used(0) == 0 and not graph.model.nxd_model.loaded
     with pytest.raises(ValueError, match="This model is not initialized"):
-        graph(*B.example_inputs(B.text_config(TP2_CHECKPOINT_DIR), B.NeuronBuildConfig("m", "o", max_len=MAX_LEN,
-                                                                                      bucket=BUCKET), 1))
+        graph(
+            *B.example_inputs(
+                B.text_config(TP2_CHECKPOINT_DIR),
+                B.NeuronBuildConfig("m", "o", max_len=MAX_LEN, bucket=BUCKET),
+                1,
+            )
+        )
     assert ND.load_artifact(root / "sparse").model.nxd_model.loaded
 
 
@@ -127,7 +141,10 @@ def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, em
     try:
         ND.load_artifact(root / "dense")
         assert spmd.cores().used(0) <= hbm  # preflight's plan fits it too:
-        assert memory.plan(B.text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME).total_bytes <= hbm
+        assert (
+            memory.plan(B.text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME).total_bytes
+            <= hbm
+        )
         with pytest.raises(spmd.AllocationError, match="status=4 Allocation Failure"):
             ND.load_artifact(root / "sparse")
     finally:
@@ -137,8 +154,12 @@ def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, em
 def test_the_emulation_is_not_importable_outside_the_rehearsal():
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", "import neuronx_distributed"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ""})
+    done = subprocess.run(
+        [sys.executable, "-c", "import neuronx_distributed"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 1 and "No module named 'neuronx_distributed'" in done.stderr
 
 
@@ -150,7 +171,9 @@ def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds,
     inputs = B.example_inputs(config, build, 1)
     assert graph.model.nxd_model.router(inputs) == ("decode_sparse", 0)
     int64 = tuple(t.long() if t.dtype == torch.int32 else t for t in inputs)
-    with pytest.raises(RuntimeError, match=r"traced with input dtypes .*'int32'.* called with .*'int64'"):
+    with pytest.raises(
+        RuntimeError, match=r"traced with input dtypes .*'int32'.* called with .*'int64'"
+    ):
         graph(*int64)
     with pytest.raises(ValueError, match=r"Input shape .* not found in input_shape_map"):
         graph(*B.example_inputs(config, build, 3))
@@ -176,8 +199,12 @@ def test_two_graphs_of_one_shape_reach_only_the_last_added(emulated_sdk, cores, 
         def forward(self, x):
             return x * self.weight
 
-    builder = builder_cls(router=None, tp_degree=2, checkpoint_loader=lambda: {"weight": torch.ones(4)},
-                          compiler_workdir=str(tmp_path))
+    builder = builder_cls(
+        router=None,
+        tp_degree=2,
+        checkpoint_loader=lambda: {"weight": torch.ones(4)},
+        compiler_workdir=str(tmp_path),
+    )
     builder.add("decode_dense", Instance(2), [(torch.ones(1, 4),)])
     builder.add("decode_sparse", Instance(3), [(torch.ones(1, 4),)])
     executor = builder.trace(initialize_model_weights=True)
@@ -185,12 +212,21 @@ def test_two_graphs_of_one_shape_reach_only_the_last_added(emulated_sdk, cores, 
     assert list(executor.nxd_model.shape_map.values()) == [("decode_sparse", 0)]
 
 
-def test_the_compile_reads_the_weights_only_when_sharding_them(emulated_sdk, cores, tmp_path, monkeypatch):
+def test_the_compile_reads_the_weights_only_when_sharding_them(
+    emulated_sdk, cores, tmp_path, monkeypatch
+):
     reads = []
     real = B.read_hf_state
-    monkeypatch.setattr(B, "read_hf_state", lambda model_dir, only=None: reads.append(only) or real(model_dir, only))
-    build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(tmp_path / "a"), max_len=MAX_LEN,
-                                bucket=BUCKET, decode_experts="sparse")
+    monkeypatch.setattr(
+        B, "read_hf_state", lambda model_dir, only=None: reads.append(only) or real(model_dir, only)
+    )
+    build = B.NeuronBuildConfig(
+        model_dir=str(TP2_CHECKPOINT_DIR),
+        output_dir=str(tmp_path / "a"),
+        max_len=MAX_LEN,
+        bucket=BUCKET,
+        decode_experts="sparse",
+    )
     B.compile_neuron(build, sample_interval_s=0.05)
     # the layer scalars once up front; the weights at the early shard check and trace()'s own sharding, never in load_module
     assert [only is None for only in reads] == [False, True, True]
@@ -207,7 +243,9 @@ def test_compiler_flags_warn_for_the_port_s_auto_cast_only(emulated_sdk, caplog)
     assert sparse == "--model-type transformer --auto-cast=none -O1 --verbose=35"
 
 
-def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(emulated_sdk, cores, tmp_path, monkeypatch):
+def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(
+    emulated_sdk, cores, tmp_path, monkeypatch
+):
     real = B.convert_checkpoint
 
     def without_a_scale(*args, **kwargs):
@@ -216,13 +254,21 @@ def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(emulated_sdk, 
         return state
 
     monkeypatch.setattr(B, "convert_checkpoint", without_a_scale)
-    build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(tmp_path / "a"), max_len=MAX_LEN,
-                                bucket=BUCKET)
-    with pytest.raises(RuntimeError, match=r"Cannot find lm\.model\.layers\.2\.experts\.down\.scale in state_dict"):
+    build = B.NeuronBuildConfig(
+        model_dir=str(TP2_CHECKPOINT_DIR),
+        output_dir=str(tmp_path / "a"),
+        max_len=MAX_LEN,
+        bucket=BUCKET,
+    )
+    with pytest.raises(
+        RuntimeError, match=r"Cannot find lm\.model\.layers\.2\.experts\.down\.scale in state_dict"
+    ):
         B.compile_neuron(build, sample_interval_s=0.05)
 
 
-def test_the_lm_head_alone_on_two_emulated_cores_equals_the_unsharded_int8_head(emulated_sdk, cores):
+def test_the_lm_head_alone_on_two_emulated_cores_equals_the_unsharded_int8_head(
+    emulated_sdk, cores
+):
     from gemma_nb.neuron.lm_head import compile_lm_head
     from gemma_nb.quant import Int8Linear
 

@@ -6,7 +6,13 @@ import pandas as pd
 import pytest
 import torch
 
-from gemma_nb.evaluate import as_logits_fn, compare_logits, fact_recall, greedy_generate, greedy_match
+from gemma_nb.evaluate import (
+    as_logits_fn,
+    compare_logits,
+    fact_recall,
+    greedy_generate,
+    greedy_match,
+)
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -14,8 +20,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model():
-    config = random_gemma4_config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  head_dim=16, global_head_dim=32, moe_intermediate_size=32)
+    config = random_gemma4_config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        head_dim=16,
+        global_head_dim=32,
+        moe_intermediate_size=32,
+    )
     return random_gemma4_model(config, seed=3, dtype=torch.float32)
 
 
@@ -129,8 +142,10 @@ def test_fact_recall_counts_wrong_answers():
     from gemma_nb.tiny.corpus import Fact
 
     tiny, tokenizer = load_model()
-    facts = [Fact("capital", "France", "The capital of France is", "Paris ."),
-             Fact("capital", "France", "The capital of France is", "Berlin .")]
+    facts = [
+        Fact("capital", "France", "The capital of France is", "Paris ."),
+        Fact("capital", "France", "The capital of France is", "Berlin ."),
+    ]
     accuracy, table = fact_recall(tiny, tokenizer, facts)
     assert accuracy == 0.5
     assert table["correct"].tolist() == [True, False]

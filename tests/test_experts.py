@@ -18,8 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def layer():
-    config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
-                                  num_experts=16, top_k_experts=4)
+    config = random_gemma4_config(
+        num_hidden_layers=1,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=16,
+        top_k_experts=4,
+    )
     return config, moe.random_experts(config, seed=7, dtype=torch.float32)
 
 
@@ -28,7 +33,9 @@ def test_int8_experts_are_the_sparse_gather_and_dense_upcast_strategies_bit_for_
     quantized = E.QuantizedExperts.from_experts(float_experts, "int8")
     deploy = E.Int8Experts.from_quantized(quantized)
     assert deploy.gate_up_proj.data_ptr() == quantized.gate_up_data.data_ptr()  # shared, not copied
-    sparse = E.SparseExperts.sharing(deploy, int8_kernel="upcast", selection="gather", compute_dtype=torch.float32)
+    sparse = E.SparseExperts.sharing(
+        deploy, int8_kernel="upcast", selection="gather", compute_dtype=torch.float32
+    )
     dense = E.DenseExperts.sharing(sparse)
     x = torch.randn(3, 64)
     index, weights = moe.random_routing(3, 16, 4, seed=2)
@@ -46,9 +53,13 @@ def test_every_strategy_runs_on_every_quantized_format(layer, fmt):
     for cls in (E.DenseExperts, E.SparseExperts):
         got = cls.sharing(quantized)(x, index, weights)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
-    assert quantized.weight_bytes == sum(formats.tensor_bytes(shape, fmt) for shape in (quantized.gate_up.shape,
-                                                                                 quantized.down.shape))
-    with pytest.raises(AssertionError, match=f"selection 'gather' needs float or int8 weights, not {fmt}"):
+    assert quantized.weight_bytes == sum(
+        formats.tensor_bytes(shape, fmt)
+        for shape in (quantized.gate_up.shape, quantized.down.shape)
+    )
+    with pytest.raises(
+        AssertionError, match=f"selection 'gather' needs float or int8 weights, not {fmt}"
+    ):
         E.SparseExperts.sharing(quantized, selection="gather")
 
 
@@ -63,10 +74,18 @@ def test_dense_router_weights_put_the_top_k_weights_in_place():
 def test_one_format_registry_for_the_planner_and_the_quantizers():
     assert list(quant.FORMATS) == ["int8", "fp8", "mxfp4", "nvfp4"]
     assert all(quant.FORMATS[name] is formats.get_format(name) for name in quant.FORMATS)
-    assert [name for name, f in formats.FORMATS.items() if not f.quantized] == ["fp32", "bf16", "fp16"]
+    assert [name for name, f in formats.FORMATS.items() if not f.quantized] == [
+        "fp32",
+        "bf16",
+        "fp16",
+    ]
     assert formats.tensor_bytes((2, 32), "int8") == 2 * (32 + 4)  # an fp32 scale per row
-    assert formats.tensor_bytes((2, 32), "nvfp4") == 2 * 2 * (8 + 1) + 4  # an e4m3 scale per block, fp32 per matrix
-    with pytest.raises(ValueError, match="weight format 'bf16' is not one of int8, fp8, mxfp4, nvfp4"):
+    assert (
+        formats.tensor_bytes((2, 32), "nvfp4") == 2 * 2 * (8 + 1) + 4
+    )  # an e4m3 scale per block, fp32 per matrix
+    with pytest.raises(
+        ValueError, match="weight format 'bf16' is not one of int8, fp8, mxfp4, nvfp4"
+    ):
         formats.get_format("bf16", quantized=True)
 
 
@@ -78,5 +97,9 @@ def test_apply_scheme_without_error_measurement_stores_the_same_bytes():
     fast = quant.apply_scheme(quick, "int8_squeeze", measure_error=False)
     assert fast["stored_bytes"].tolist() == full["stored_bytes"].tolist()
     assert fast["params"].tolist() == full["params"].tolist()
-    assert all(math.isnan(v) for v in fast["rel_error"]) and not any(math.isnan(v) for v in full["rel_error"])
-    assert torch.equal(quick.model.layers[0].experts.gate_up.data, measured.model.layers[0].experts.gate_up.data)
+    assert all(math.isnan(v) for v in fast["rel_error"]) and not any(
+        math.isnan(v) for v in full["rel_error"]
+    )
+    assert torch.equal(
+        quick.model.layers[0].experts.gate_up.data, measured.model.layers[0].experts.gate_up.data
+    )

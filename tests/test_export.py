@@ -34,7 +34,9 @@ def built(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runner(built):
     folder, _ = built
-    return export.load_artifact(folder).runner(HostEmbedding.from_file(export.host_embedding_path(folder)))
+    return export.load_artifact(folder).runner(
+        HostEmbedding.from_file(export.host_embedding_path(folder))
+    )
 
 
 @pytest.fixture
@@ -58,7 +60,9 @@ def test_exported_steps_match_eager_greedy_on_the_bundled_checkpoint(tmp_path):
         assert torch.equal(runner.generate(ids, 30), expected), prompt
 
 
-def test_thirty_tokens_match_eager_greedy_and_program_holds_no_weights(tiny, built, runner, eager_runner):
+def test_thirty_tokens_match_eager_greedy_and_program_holds_no_weights(
+    tiny, built, runner, eager_runner
+):
     folder, report = built
     expected = greedy_generate(tiny, PROMPT, 30)
     assert torch.equal(runner.generate(PROMPT, 30), expected)
@@ -80,9 +84,11 @@ def test_off_by_one_position_diverges(tiny, runner):
     from dataclasses import replace
 
     decode = runner.decode
-    shifted = replace(runner, decode=lambda w, kv, embeds, start, last: decode(w, kv, embeds, start + 1, last))
-    wrong = shifted.generate(PROMPT, 16)[0, PROMPT.shape[1]:]
-    expected = runner.generate(PROMPT, 16)[0, PROMPT.shape[1]:]
+    shifted = replace(
+        runner, decode=lambda w, kv, embeds, start, last: decode(w, kv, embeds, start + 1, last)
+    )
+    wrong = shifted.generate(PROMPT, 16)[0, PROMPT.shape[1] :]
+    expected = runner.generate(PROMPT, 16)[0, PROMPT.shape[1] :]
     assert wrong[0] == expected[0]  # the prefill token is right
     assert (wrong != expected).sum() > 5
 
@@ -105,7 +111,11 @@ def test_eager_experts_are_switched_to_a_traceable_implementation():
 def test_manifest_names_transformers_experts_by_their_implementation(built, tiny):
     folder, _ = built
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["experts_implementation"] == export.experts_implementation(tiny) == tiny.config._experts_implementation
+    assert (
+        manifest["experts_implementation"]
+        == export.experts_implementation(tiny)
+        == tiny.config._experts_implementation
+    )
 
 
 @pytest.mark.parametrize("name", ["tp0_weights.safetensors", "decode.pt2", "manifest.json"])
@@ -130,7 +140,10 @@ def test_truncated_weights(copy):
     path = copy / "tp0_weights.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ArtifactError, match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes"):
+    with pytest.raises(
+        ArtifactError,
+        match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes",
+    ):
         export.check_artifact(copy)
     path.write_bytes(data[:5])
     with pytest.raises(ArtifactError, match="too short to be a safetensors file"):
@@ -140,7 +153,9 @@ def test_truncated_weights(copy):
 def test_truncated_program(copy):
     path = copy / "prefill.pt2"
     path.write_bytes(path.read_bytes()[:4000])
-    with pytest.raises(ArtifactError, match="prefill.pt2 could not be read as a torch.export program"):
+    with pytest.raises(
+        ArtifactError, match="prefill.pt2 could not be read as a torch.export program"
+    ):
         export.check_artifact(copy)
 
 
@@ -148,7 +163,9 @@ def test_wrong_tensor_shape(tiny, copy, built):
     weights = dict(export.device_weights(tiny))
     weights["model.norm.weight"] = torch.ones(7)
     artifact.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"):
+    with pytest.raises(
+        ArtifactError, match=r"'model.norm.weight' is float32 \(7,\), .* expects float32 \(128,\)"
+    ):
         export.check_artifact(copy)
 
 
@@ -156,16 +173,27 @@ def test_wrong_tensor_names(tiny, copy, built):
     weights = dict(export.device_weights(tiny))
     weights["model.layers.0.router.gate.weight"] = weights.pop("model.layers.0.router.proj.weight")
     artifact.save_weights(weights, copy / "tp0_weights.safetensors", built[1].config_sha)
-    with pytest.raises(ArtifactError, match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
-                                              r"unexpected 1 tensor\(s\) \['model.layers.0.router.gate.weight'\]"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"missing 1 tensor\(s\) \['model.layers.0.router.proj.weight'\]; "
+        r"unexpected 1 tensor\(s\) \['model.layers.0.router.gate.weight'\]",
+    ):
         export.check_artifact(copy)
 
 
 def test_weights_from_another_config(copy):
     # Same shapes, different model (sliding window): only the config fingerprint tells them apart.
-    other = random_gemma4_model(random_gemma4_config(sliding_window=32), seed=1, dtype=torch.float32)
-    artifact.save_weights(export.device_weights(other), copy / "tp0_weights.safetensors", artifact.config_fingerprint(other.config))
-    with pytest.raises(ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"):
+    other = random_gemma4_model(
+        random_gemma4_config(sliding_window=32), seed=1, dtype=torch.float32
+    )
+    artifact.save_weights(
+        export.device_weights(other),
+        copy / "tp0_weights.safetensors",
+        artifact.config_fingerprint(other.config),
+    )
+    with pytest.raises(
+        ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"
+    ):
         export.check_artifact(copy)
 
 
@@ -191,4 +219,3 @@ def test_corrupt_manifest(copy):
     (copy / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="manifest.json is not valid JSON"):
         export.check_artifact(copy)
-

@@ -33,7 +33,9 @@ def test_fits_headroom_and_too_few_cores():
     story = fits(SimpleNamespace(tp=2, total_bytes=16 * GB + 1), "inf2.xlarge", budget="story")
     assert not story.fits and story.headroom_bytes == -1 and "short by" in story.reason
     wide = fits(SimpleNamespace(tp=8, total_bytes=1), "inf2.xlarge")
-    assert not wide.fits and wide.headroom_bytes is None and "TP=8 needs 8 NeuronCores" in wide.reason
+    assert (
+        not wide.fits and wide.headroom_bytes is None and "TP=8 needs 8 NeuronCores" in wide.reason
+    )
     assert fits(SimpleNamespace(tp=2, total_bytes=1), "inf2.24xlarge").replicas == 6
     assert fit.headroom_gb == pytest.approx((16 * GiB - 14 * GB) / GB)
 
@@ -48,7 +50,9 @@ def test_devices_and_measured_cpu():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="instance 'inf2.small' is not in the catalog; known: inf2.xlarge"):
+    with pytest.raises(
+        ValueError, match="instance 'inf2.small' is not in the catalog; known: inf2.xlarge"
+    ):
         get_instance("inf2.small")
     with pytest.raises(AssertionError, match="budget 'marketing' is not one of spec, story"):
         get_instance("inf2.xlarge").budget_bytes("marketing")

@@ -43,7 +43,9 @@ def test_sampler_sees_its_own_allocation():
 
 def test_sampler_counts_children():
     # The parent allocates nothing; a child holds 200 MB: a parent-only sampler would miss it.
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(200 * MB)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(200 * MB)], stdout=subprocess.PIPE, text=True
+    )
     with HostMemorySampler(interval_s=0.02) as with_children:
         child.communicate(timeout=60)
     assert with_children.peak_rss_bytes - psutil.Process().memory_info().rss > 190 * MB

@@ -36,39 +36,79 @@ collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={
 
 def test_hlo_opcodes_reads_every_instruction_of_every_computation():
     assert lowering.hlo_opcodes(HLO) == [
-        "parameter", "parameter", "add",
-        "parameter", "parameter", "reshape", "gather", "tuple", "get-tuple-element", "constant", "reduce", "tuple",
+        "parameter",
+        "parameter",
+        "add",
+        "parameter",
+        "parameter",
+        "reshape",
+        "gather",
+        "tuple",
+        "get-tuple-element",
+        "constant",
+        "reduce",
+        "tuple",
     ]
 
 
 def test_hlo_counts_counts_instructions_and_gathers():
-    assert lowering.hlo_counts(HLO) == {"hlo_instructions": 12, "gathers": 1, "weight_gathers": 1,
-                                        "weight_gathers_leading_axis": 1}
-    two_gathers = HLO.replace("%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) tuple(",
-                              "%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) gather(")
+    assert lowering.hlo_counts(HLO) == {
+        "hlo_instructions": 12,
+        "gathers": 1,
+        "weight_gathers": 1,
+        "weight_gathers_leading_axis": 1,
+    }
+    two_gathers = HLO.replace(
+        "%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) tuple(",
+        "%pair.5 = (f32[2,4]{1,0}, s64[2]{0}) gather(",
+    )
     assert lowering.hlo_counts(two_gathers)["gathers"] == 2
 
 
 # torch-xla's text of the two ways of picking K=2 experts' down weights out of a stacked int8 tensor:
 # expert-major [E, I, H] (whole experts, the leading axis) and the [H, E, I] view indexed on its middle axis.
-LEADING = ("  %gather.7 = s8[2,16,128]{2,1,0} gather(s8[32,16,128]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
-           "offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,16,128}")
-MIDDLE = ("  %gather.9 = s8[128,2,16]{2,1,0} gather(s8[128,32,16]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
-          "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={128,1,16}")
-ACTIVATION = ("  %gather.5 = bf16[1,1,128]{2,1,0} gather(bf16[1,1,128]{2,1,0} %convert.5314, s32[1,1]{1,0} %c.18), "
-              "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1,128}")
+LEADING = (
+    "  %gather.7 = s8[2,16,128]{2,1,0} gather(s8[32,16,128]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
+    "offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,16,128}"
+)
+MIDDLE = (
+    "  %gather.9 = s8[128,2,16]{2,1,0} gather(s8[128,32,16]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
+    "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={128,1,16}"
+)
+ACTIVATION = (
+    "  %gather.5 = bf16[1,1,128]{2,1,0} gather(bf16[1,1,128]{2,1,0} %convert.5314, s32[1,1]{1,0} %c.18), "
+    "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1,128}"
+)
 
 
 def test_hlo_gathers_tell_whole_experts_on_the_leading_axis_from_a_middle_axis_gather():
-    text = "\n".join(["ENTRY %e (p74.781: s8[32,16,128]) -> s8[] {", "  %p74.781 = s8[32,16,128]{2,1,0} parameter(0)",
-                      LEADING, MIDDLE, ACTIVATION, "}"])
+    text = "\n".join(
+        [
+            "ENTRY %e (p74.781: s8[32,16,128]) -> s8[] {",
+            "  %p74.781 = s8[32,16,128]{2,1,0} parameter(0)",
+            LEADING,
+            MIDDLE,
+            ACTIVATION,
+            "}",
+        ]
+    )
     leading, middle, activation = lowering.hlo_gathers(text)
-    assert leading == {"operand_shape": [32, 16, 128], "of_parameter": True, "start_index_map": [0],
-                       "slice_sizes": [1, 16, 128]}
-    assert lowering.takes_whole_leading_slices(leading) and not lowering.takes_whole_leading_slices(middle)
+    assert leading == {
+        "operand_shape": [32, 16, 128],
+        "of_parameter": True,
+        "start_index_map": [0],
+        "slice_sizes": [1, 16, 128],
+    }
+    assert lowering.takes_whole_leading_slices(leading) and not lowering.takes_whole_leading_slices(
+        middle
+    )
     assert middle["start_index_map"] == [1] and not activation["of_parameter"]
     counts = lowering.hlo_counts(text)
-    assert (counts["gathers"], counts["weight_gathers"], counts["weight_gathers_leading_axis"]) == (3, 2, 1)
+    assert (counts["gathers"], counts["weight_gathers"], counts["weight_gathers_leading_axis"]) == (
+        3,
+        2,
+        1,
+    )
 
 
 def test_hlo_counts_rejects_text_that_is_not_hlo():
@@ -79,7 +119,13 @@ def test_hlo_counts_rejects_text_that_is_not_hlo():
 
 
 def test_aten_fallbacks_keeps_only_aten_counters_sorted():
-    names = ["xla::add", "aten::nonzero", "CreateXlaTensor", "aten::_local_scalar_dense", "MarkStep"]
+    names = [
+        "xla::add",
+        "aten::nonzero",
+        "CreateXlaTensor",
+        "aten::_local_scalar_dense",
+        "MarkStep",
+    ]
     assert lowering.aten_fallbacks(names) == ["aten::_local_scalar_dense", "aten::nonzero"]
     assert lowering.aten_fallbacks(["xla::mm", "ExecuteComputation"]) == []
 
@@ -89,8 +135,8 @@ def test_tolerance_is_ulps_of_the_largest_logit():
     assert lowering.ulp(-0.75, torch.float32) == 2.0 ** (-1 - 23)
     assert lowering.ulp(0.0, torch.bfloat16) == 0.0
     logits = torch.tensor([[1.0, -12.0, 3.0]])
-    assert lowering.tolerance(logits, torch.bfloat16) == 32 * 2.0 ** -4
-    assert lowering.tolerance(logits, torch.float32) == 64 * 2.0 ** -20
+    assert lowering.tolerance(logits, torch.bfloat16) == 32 * 2.0**-4
+    assert lowering.tolerance(logits, torch.float32) == 64 * 2.0**-20
     with pytest.raises(AssertionError, match="float16 is not one of"):
         lowering.ulp(1.0, torch.float16)
     with pytest.raises(AssertionError, match="no tolerance rule"):
@@ -98,17 +144,33 @@ def test_tolerance_is_ulps_of_the_largest_logit():
 
 
 def _row(**changes):
-    row = dict(graph="decode", tp=1, experts="dense", aten_fallbacks=[], device_to_host_transfers=0,
-               xla_executions=1, error=None, max_abs_diff=0.0625, tolerance=0.5, max_abs_diff_fp32=2e-6,
-               tolerance_fp32=3e-5)
+    row = dict(
+        graph="decode",
+        tp=1,
+        experts="dense",
+        aten_fallbacks=[],
+        device_to_host_transfers=0,
+        xla_executions=1,
+        error=None,
+        max_abs_diff=0.0625,
+        tolerance=0.5,
+        max_abs_diff_fp32=2e-6,
+        tolerance_fp32=3e-5,
+    )
     return {**row, **changes}
 
 
 def test_lowered_cleanly_fails_on_any_fallback_transfer_extra_graph_error_or_drift():
     assert lowering.lowered_cleanly([_row(), _row(graph="prefill")])
     assert not lowering.lowered_cleanly([])
-    for bad in (dict(aten_fallbacks=["aten::nonzero"]), dict(device_to_host_transfers=1), dict(xla_executions=2),
-                dict(error="NotImplementedError: histc"), dict(max_abs_diff=0.75), dict(max_abs_diff_fp32=1e-4)):
+    for bad in (
+        dict(aten_fallbacks=["aten::nonzero"]),
+        dict(device_to_host_transfers=1),
+        dict(xla_executions=2),
+        dict(error="NotImplementedError: histc"),
+        dict(max_abs_diff=0.75),
+        dict(max_abs_diff_fp32=1e-4),
+    ):
         assert not lowering.lowered_cleanly([_row(), _row(**bad)]), bad
 
 
@@ -127,7 +189,9 @@ def test_xla_python_names_the_fix_when_the_environment_is_missing(tmp_path, monk
 def test_run_in_xla_env_reports_the_subprocess_error(monkeypatch):
     # The main environment has no torch_xla: the check fails there with the hint, surfaced as RuntimeError.
     if importlib.util.find_spec("torch_xla") is not None:
-        pytest.skip("torch_xla is importable here; the failure path needs an interpreter without it")
+        pytest.skip(
+            "torch_xla is importable here; the failure path needs an interpreter without it"
+        )
     monkeypatch.setenv(lowering.XLA_PYTHON_ENV, sys.executable)
     with pytest.raises(RuntimeError, match="cannot import torch_xla"):
         lowering.run_in_xla_env(timeout_s=120)

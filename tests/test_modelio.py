@@ -37,7 +37,10 @@ def test_missing_path_names_the_path(tmp_path):
 
 def test_folder_without_config_says_what_was_expected(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelNotFoundError, match=r"has no config.json; expected a checkpoint saved with save_pretrained"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=r"has no config.json; expected a checkpoint saved with save_pretrained",
+    ):
         resolve_model_id(str(tmp_path))
 
 
@@ -49,7 +52,10 @@ def test_folder_without_safetensors_is_refused(tmp_path):
 
 
 def test_hub_id_offline_fails_clearly(offline):
-    with pytest.raises(ModelNotFoundError, match=r"'google/gemma-4-26B-A4B-it' is a hub id, but HF_HUB_OFFLINE is set.*local folder"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=r"'google/gemma-4-26B-A4B-it' is a hub id, but HF_HUB_OFFLINE is set.*local folder",
+    ):
         resolve_model_id("google/gemma-4-26B-A4B-it")
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
         load_model("google/gemma-4-26B-A4B-it")

@@ -38,7 +38,9 @@ def experts_kind(model) -> str:
     """Which implementation the model's experts use now (transformers, dense, sparse_int8, ...)."""
     kinds = set()
     for _, _, module in moe.experts_modules(model):
-        name = next((name for name, cls in E.KERNELS.items() if isinstance(module, cls)), "transformers")
+        name = next(
+            (name for name, cls in E.KERNELS.items() if isinstance(module, cls)), "transformers"
+        )
         kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
     return ",".join(sorted(kinds))
 
@@ -70,8 +72,12 @@ def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bun
     try:
         # Reference: transformers' experts on q * scale (what int8 weights mean), fp32 activations.
         for (_, _, module), quantized in zip(layers, int8_modules):
-            module.gate_up_proj = torch.nn.Parameter(dequantize_int8(quantized.gate_up_proj, quantized.gate_up_scale))
-            module.down_proj = torch.nn.Parameter(dequantize_int8(quantized.down_proj, quantized.down_scale))
+            module.gate_up_proj = torch.nn.Parameter(
+                dequantize_int8(quantized.gate_up_proj, quantized.gate_up_scale)
+            )
+            module.down_proj = torch.nn.Parameter(
+                dequantize_int8(quantized.down_proj, quantized.down_scale)
+            )
         reference = _generate(model, prompts)
         for kind in (E.SparseExperts, E.DenseExperts):
             for (parent, name, _), quantized in zip(layers, int8_modules):
@@ -125,14 +131,18 @@ def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer,
     config, experts = mid_layer
     torch.manual_seed(tokens)
     x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16)
-    index, weights = moe.random_routing(tokens, config.num_experts, config.top_k_experts, seed=tokens)
+    index, weights = moe.random_routing(
+        tokens, config.num_experts, config.top_k_experts, seed=tokens
+    )
     exact = _fp32_reference(experts, config, x, index, weights)
     scale = exact.abs().max().item()
     bf16_eps = 2.0**-8
     outputs = {}
-    for name, module in (("dense", E.DenseExperts.from_experts(experts)),
-                         ("sparse", E.SparseExperts.from_experts(experts)),
-                         ("gather", E.SparseExperts.from_experts(experts, selection="gather"))):
+    for name, module in (
+        ("dense", E.DenseExperts.from_experts(experts)),
+        ("sparse", E.SparseExperts.from_experts(experts)),
+        ("gather", E.SparseExperts.from_experts(experts, selection="gather")),
+    ):
         out = module(x, index, weights)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
         # Two bf16 roundings inside each expert (gate/up and down outputs) plus the final cast.
@@ -154,14 +164,21 @@ def test_int8_fused_kernel_matches_the_upcast_reference(mid_layer):
     for got in (fused(x, index, weights), dense(x, index, weights)):
         # The fused kernel rounds the fp32 scales to bf16 (as gpt-fast stores them): ~1 ulp per row.
         assert (got.float() - want).abs().max().item() <= 4 * 2.0**-8 * scale
-    assert fused.weight_bytes == config.num_experts * 3 * 1024 * 256 + 4 * config.num_experts * (512 + 1024)
+    assert fused.weight_bytes == config.num_experts * 3 * 1024 * 256 + 4 * config.num_experts * (
+        512 + 1024
+    )
 
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("selection", ["view", "gather"])
 def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
-    config = random_gemma4_config(num_hidden_layers=1, hidden_size=256, moe_intermediate_size=64,
-                                  num_experts=32, top_k_experts=4)
+    config = random_gemma4_config(
+        num_hidden_layers=1,
+        hidden_size=256,
+        moe_intermediate_size=64,
+        num_experts=32,
+        top_k_experts=4,
+    )
     experts = moe.random_experts(config, seed=2)
     module = E.SparseExperts.from_experts(experts, int8=int8, selection=selection)
     x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
@@ -170,8 +187,12 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
     targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
     assert ("aten.index.Tensor" in targets) == (selection == "gather")
     assert ("aten._weight_int8pack_mm.default" in targets) == int8
-    other_index, other_weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=9)
-    assert torch.equal(program.module()(x, other_index, other_weights), module(x, other_index, other_weights))
+    other_index, other_weights = moe.random_routing(
+        1, config.num_experts, config.top_k_experts, seed=9
+    )
+    assert torch.equal(
+        program.module()(x, other_index, other_weights), module(x, other_index, other_weights)
+    )
 
 
 def test_bad_inputs_name_the_problem(mid_layer):
@@ -203,9 +224,15 @@ def test_bad_inputs_name_the_problem(mid_layer):
 def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
     q = torch.zeros(8, 40, dtype=torch.int8)
     assert not E.int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
-    assert not E.int8pack_usable(torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8))
-    assert not E.int8pack_usable(torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8))
-    assert E.int8pack_usable(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8))
+    assert not E.int8pack_usable(
+        torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8)
+    )
+    assert not E.int8pack_usable(
+        torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8)
+    )
+    assert E.int8pack_usable(
+        torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8)
+    )
 
 
 def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
@@ -216,8 +243,13 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     from gemma_nb.neuron import moe as neuron_moe
     from gemma_nb.rehearsal import standins
 
-    config = random_gemma4_config(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32,
-                                  num_experts=16, top_k_experts=3)
+    config = random_gemma4_config(
+        num_hidden_layers=1,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=16,
+        top_k_experts=3,
+    )
     experts = moe.random_experts(config, seed=3, dtype=torch.float32)
     x = torch.randn(3, 64)
     index, weights = moe.random_routing(3, 16, 3, seed=1)
@@ -225,7 +257,11 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     checkpoint = neuron_moe.experts_checkpoint(experts.gate_up_proj, experts.down_proj)
     sdk = standins.cpu_sdk()
     outputs, shapes = {}, {}
-    for mode, cls in (("dense", neuron_moe.NeuronDenseExperts), ("sparse", neuron_moe.NeuronSparseExperts)):
+    for mode, cls in (
+        ("dense", neuron_moe.NeuronDenseExperts),
+        ("sparse", neuron_moe.NeuronSparseExperts),
+    ):
+
         def factory():
             return cls(16, 64, 32, tp, dtype=torch.float32, sdk=sdk)
 
@@ -243,7 +279,10 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
     reference = E.SparseExperts.from_experts(experts)(x, index, weights)
     assert (outputs["sparse"] - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
-    with standins.model_parallel(3), pytest.raises(AssertionError, match="moe_intermediate_size=32 is not divisible by tp=3"):
+    with (
+        standins.model_parallel(3),
+        pytest.raises(AssertionError, match="moe_intermediate_size=32 is not divisible by tp=3"),
+    ):
         neuron_moe.NeuronDenseExperts(16, 64, 32, 3, sdk=sdk)
 
 

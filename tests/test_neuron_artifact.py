@@ -34,16 +34,29 @@ PROMPT = "The capital of France is"
 def stand_in_compile(model_dir: Path, out_dir: Path) -> dict:
     """What compile_neuron does, with the cpu module's state as the "traced model"."""
     config = text_config(model_dir)
-    build = NeuronBuildConfig(model_dir=str(model_dir), output_dir=str(out_dir), tp_degree=1, max_len=MAX_LEN,
-                              bucket=BUCKET, dtype="float32")
+    build = NeuronBuildConfig(
+        model_dir=str(model_dir),
+        output_dir=str(out_dir),
+        tp_degree=1,
+        max_len=MAX_LEN,
+        bucket=BUCKET,
+        dtype="float32",
+    )
     module = NeuronGemma4(config, build, parallel=False)
     state = read_hf_state(model_dir)
-    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied; the graph holds its own head
+    state.setdefault(
+        "lm_head.weight", state["model.embed_tokens.weight"]
+    )  # tied; the graph holds its own head
     module.load_state(state)
     out_dir.mkdir(parents=True)
     torch.save(module.state_dict(), out_dir / A.MODEL_FILE)
-    record = {"build": asdict(build), "versions": {"torch": torch.__version__}, "sdk": "Neuron SDK",
-              "graphs": build.graph_keys(), "routed_graphs": build.routed_graphs()}
+    record = {
+        "build": asdict(build),
+        "versions": {"torch": torch.__version__},
+        "sdk": "Neuron SDK",
+        "graphs": build.graph_keys(),
+        "routed_graphs": build.routed_graphs(),
+    }
     return A.finish_artifact(model_dir, out_dir, record)
 
 
@@ -88,11 +101,15 @@ def test_compile_writes_every_file_the_serving_box_needs(moved_artifact):
         assert manifest["files"][name] == (folder / name).stat().st_size > 0
     from gemma_nb.embedding import HostEmbedding
 
-    host = HostEmbedding.from_file(folder / A.HOST_EMBEDDING_FILE)  # its scale self-check runs at load
+    host = HostEmbedding.from_file(
+        folder / A.HOST_EMBEDDING_FILE
+    )  # its scale self-check runs at load
     assert float(host.scale) == pytest.approx(128**0.5)
 
 
-def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, reference_ids, monkeypatch):
+def test_deploy_on_a_different_box_decodes_like_transformers(
+    moved_artifact, reference_ids, monkeypatch
+):
     folder, _ = moved_artifact
     ids, expected, _ = reference_ids
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
@@ -101,7 +118,9 @@ def test_deploy_on_a_different_box_decodes_like_transformers(moved_artifact, ref
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
     answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
-    assert answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1  # + the <eos> step
+    assert (
+        answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1
+    )  # + the <eos> step
 
 
 def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
@@ -125,8 +144,12 @@ def test_server_answers_from_the_artifact_alone(serve_in_thread, moved_artifact,
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="tiny-on-inf2", temperature=0, max_tokens=8,
-                                               messages=[{"role": "user", "content": PROMPT}])
+        reply = client.chat.completions.create(
+            model="tiny-on-inf2",
+            temperature=0,
+            max_tokens=8,
+            messages=[{"role": "user", "content": PROMPT}],
+        )
     assert reply.choices[0].message.content == "Paris ."
 
 
@@ -136,7 +159,9 @@ def test_a_truncated_copy_is_refused_with_the_fix(moved_artifact, tmp_path):
     shutil.copytree(folder, copy)
     with open(copy / A.HOST_EMBEDDING_FILE, "r+b") as handle:
         handle.truncate(100)
-    with pytest.raises(A.ArtifactError, match=r"embed_tokens.safetensors is 100 bytes.*copy the folder again"):
+    with pytest.raises(
+        A.ArtifactError, match=r"embed_tokens.safetensors is 100 bytes.*copy the folder again"
+    ):
         A.read_artifact(copy)
     (copy / A.MANIFEST).unlink()
     with pytest.raises(A.ArtifactError, match="no manifest.json"):
@@ -194,22 +219,35 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
             pass
 
     closed = []
-    fake = SimpleNamespace(ModelBuilder=FakeModelBuilder, BaseModelInstance=FakeInstance,
-                           close_runtime=lambda: closed.append(True))
+    fake = SimpleNamespace(
+        ModelBuilder=FakeModelBuilder,
+        BaseModelInstance=FakeInstance,
+        close_runtime=lambda: closed.append(True),
+    )
     monkeypatch.setattr(B, "import_sdk", lambda: fake)
     out = tmp_path / "artifact"
     out.mkdir()
     (out / "stale.bin").write_bytes(b"x")  # an older build's file: the folder is written afresh
-    build = NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="sparse")
+    build = NeuronBuildConfig(
+        model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="sparse"
+    )
     record = B.compile_neuron(build, sample_interval_s=0.05)
-    assert closed == [True]  # the weights trace() put on the NeuronCores are given back before the next build
+    assert closed == [
+        True
+    ]  # the weights trace() put on the NeuronCores are given back before the next build
     assert not (out / "stale.bin").exists()
-    assert record["sdk"] == "Neuron SDK" and record["build"]["compiler_args"] == B.COMPILER_ARGS["sparse"]
+    assert (
+        record["sdk"] == "Neuron SDK"
+        and record["build"]["compiler_args"] == B.COMPILER_ARGS["sparse"]
+    )
     artifact = A.read_artifact(out)
     assert artifact.graphs == ["prefill", "decode_sparse"]
     assert artifact.decode_graph == "decode_sparse"
     assert A.artifact_labels([out]) == {"sparse": out}
-    assert artifact.config.num_attention_heads == 16 and (artifact.max_len, artifact.bucket) == (512, 128)
+    assert artifact.config.num_attention_heads == 16 and (artifact.max_len, artifact.bucket) == (
+        512,
+        128,
+    )
     for name in (*A.REQUIRED_FILES, "tokenizer.json", "generation_config.json"):
         assert (out / name).is_file()
 
@@ -248,12 +286,22 @@ def _neuron_cell_imports():
             source = "".join(cell["source"])
             if cell["cell_type"] != "code" or "neuron" not in source:
                 continue
-            tree = ast.parse("\n".join(line for line in source.splitlines() if not line.startswith(("%", "!"))))
+            tree = ast.parse(
+                "\n".join(line for line in source.splitlines() if not line.startswith(("%", "!")))
+            )
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gemma_nb"):
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module
+                    and node.module.startswith("gemma_nb")
+                ):
                     found += [(path.stem, node.module, alias.name) for alias in node.names]
                 elif isinstance(node, ast.Import):
-                    found += [(path.stem, alias.name, None) for alias in node.names if alias.name.startswith("gemma_nb")]
+                    found += [
+                        (path.stem, alias.name, None)
+                        for alias in node.names
+                        if alias.name.startswith("gemma_nb")
+                    ]
     return found
 
 
@@ -265,8 +313,13 @@ def test_notebook_neuron_cells_import_only_what_exists():
     for notebook, module, name in imports:
         imported = importlib.import_module(module)
         if name is not None:
-            is_submodule = hasattr(imported, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
-            assert hasattr(imported, name) or is_submodule, f"{notebook}: from {module} import {name}: no such name"
+            is_submodule = (
+                hasattr(imported, "__path__")
+                and importlib.util.find_spec(f"{module}.{name}") is not None
+            )
+            assert hasattr(imported, name) or is_submodule, (
+                f"{notebook}: from {module} import {name}: no such name"
+            )
 
 
 def test_notebook_neuron_cells_call_only_what_exists():
@@ -281,12 +334,26 @@ def test_notebook_neuron_cells_call_only_what_exists():
             tree = ast.parse(source)
             aliases = {}
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gemma_nb"):
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module
+                    and node.module.startswith("gemma_nb")
+                ):
                     for alias in node.names:
                         target = importlib.import_module(node.module)
                         value = getattr(target, alias.name, None)
-                        if value is not None and hasattr(value, "__name__") and isinstance(value, type(os)):
+                        if (
+                            value is not None
+                            and hasattr(value, "__name__")
+                            and isinstance(value, type(os))
+                        ):
                             aliases[alias.asname or alias.name] = value
             for node in ast.walk(tree):
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-                    assert hasattr(aliases[node.value.id], node.attr), f"{path.stem}: {node.value.id}.{node.attr} does not exist"
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases
+                ):
+                    assert hasattr(aliases[node.value.id], node.attr), (
+                        f"{path.stem}: {node.value.id}.{node.attr} does not exist"
+                    )

@@ -34,16 +34,22 @@ def test_missing_packages_are_the_only_sdk_missing_case():
 
 def test_the_fx_problem_is_detected_worked_around_and_not_called_missing():
     modules = {}
-    status = sdk.check_sdk(find_spec=INSTALLED.get, import_module=fake_importer(modules, fail_until_stand_in=True),
-                           modules=modules)
+    status = sdk.check_sdk(
+        find_spec=INSTALLED.get,
+        import_module=fake_importer(modules, fail_until_stand_in=True),
+        modules=modules,
+    )
     assert status.ok and status.fx_problem and not status.missing
     assert "not installed" not in status.message() and "transformers 5 removed" in status.message()
     assert getattr(modules[sdk.FX_MODULE], "__gemma_nb_stand_in__", False)
 
 
 def test_another_import_error_is_reported_as_such():
-    status = sdk.check_sdk(find_spec=INSTALLED.get, modules={},
-                           import_module=fake_importer({}, other_error=ImportError("libnrt.so.1: cannot open")))
+    status = sdk.check_sdk(
+        find_spec=INSTALLED.get,
+        modules={},
+        import_module=fake_importer({}, other_error=ImportError("libnrt.so.1: cannot open")),
+    )
     assert not status.ok and not status.missing and not status.fx_problem
     assert "installed but does not import" in status.message() and "libnrt.so.1" in status.message()
 
@@ -60,7 +66,9 @@ def test_the_stand_in_lets_nxd_define_its_tracer_class_and_refuses_to_trace():
         def __init__(self):
             super().__init__()
 
-    with pytest.raises(RuntimeError, match="transformers.utils.fx does not exist in transformers 5"):
+    with pytest.raises(
+        RuntimeError, match="transformers.utils.fx does not exist in transformers 5"
+    ):
         HFTracerWrapper()
 
 
@@ -71,13 +79,19 @@ def test_the_stand_in_never_replaces_a_real_module():
 
 
 def test_import_sdk_here_names_the_packages_and_the_install_step():
-    with pytest.raises(ImportError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
+    with pytest.raises(
+        ImportError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"
+    ):
         sdk.import_sdk()
-    with pytest.raises(TargetError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"):
+    with pytest.raises(
+        TargetError, match=r"torch-neuronx, neuronx-distributed not installed.*Neuron pip index"
+    ):
         import_nxd()
 
 
 def test_only_the_fx_import_error_gets_the_stand_in():
     other = ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla")
-    status = sdk.check_sdk(find_spec=INSTALLED.get, modules={}, import_module=fake_importer({}, other_error=other))
+    status = sdk.check_sdk(
+        find_spec=INSTALLED.get, modules={}, import_module=fake_importer({}, other_error=other)
+    )
     assert not status.ok and not status.fx_problem and "torch_xla" in status.message()

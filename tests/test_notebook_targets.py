@@ -28,14 +28,21 @@ class _OnNeuron(ast.NodeTransformer):
 
     def visit_If(self, node):
         test = node.test
-        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "target"
-                and isinstance(test.ops[0], ast.Eq) and getattr(test.comparators[0], "value", "neuron") != "neuron"):
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "target"
+            and isinstance(test.ops[0], ast.Eq)
+            and getattr(test.comparators[0], "value", "neuron") != "neuron"
+        ):
             return [self.visit(child) for child in node.orelse]
         return self.generic_visit(node)
 
 
 def _names(source: str, context) -> set[str]:
-    tree = ast.parse("\n".join(line for line in source.splitlines() if not line.startswith(("%", "!"))))
+    tree = ast.parse(
+        "\n".join(line for line in source.splitlines() if not line.startswith(("%", "!")))
+    )
     tree = ast.fix_missing_locations(_OnNeuron().visit(tree))
     found = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, context)}
     for node in ast.walk(tree):
@@ -43,7 +50,11 @@ def _names(source: str, context) -> set[str]:
             found |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
         elif isinstance(node, ast.arg) and context is ast.Store:  # lambda and function arguments
             found.add(node.arg)
-        elif isinstance(node, (ast.FunctionDef, ast.ExceptHandler)) and context is ast.Store and node.name:
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.ExceptHandler))
+            and context is ast.Store
+            and node.name
+        ):
             found.add(node.name)
     return found
 
@@ -56,8 +67,10 @@ def test_a_neuron_run_never_reads_what_only_a_skipped_cell_defines(path):
         if skipped:
             continue
         missing = _names(source, ast.Load) - defined_on_neuron - _names(source, ast.Store)
-        assert not missing, f"{path.stem}: a cell run on the neuron target reads {sorted(missing)}, which only " \
-                            f"cells tagged {CPU_MEASUREMENT_TAG!r} define:\n{source[:300]}"
+        assert not missing, (
+            f"{path.stem}: a cell run on the neuron target reads {sorted(missing)}, which only "
+            f"cells tagged {CPU_MEASUREMENT_TAG!r} define:\n{source[:300]}"
+        )
         defined_on_neuron |= _names(source, ast.Store)
 
 
@@ -65,7 +78,11 @@ def test_the_xla_check_and_the_cpu_measurements_are_skipped_on_the_neuron_target
     """Notebook 04's lowering check runs in .venv-xla, which an inf2 does not have."""
     for path in NOTEBOOKS:
         for source, skipped in _code_cells(path):
-            if "run_in_xla_env" in source or "tp_emulation(" in source or "measure_deploy(" in source:
+            if (
+                "run_in_xla_env" in source
+                or "tp_emulation(" in source
+                or "measure_deploy(" in source
+            ):
                 assert skipped, f"{path.stem}: {source[:80]!r} would run on the neuron target"
             if 'if target == "neuron"' in source:
                 assert not skipped, f"{path.stem}: a neuron cell is tagged {CPU_MEASUREMENT_TAG}"
@@ -80,4 +97,7 @@ def test_the_neuron_notebooks_take_every_build():
             params[(path.stem[:2], node.targets[0].id)] = ast.literal_eval(node.value)
     assert params[("04", "decode_experts")] == ["dense", "sparse"]
     assert params[("05", "neuron_artifacts")] == [] and params[("07", "neuron_artifacts")] == []
-    assert ("07", "neuron_second_artifact") not in params and ("05", "neuron_artifact_dir") not in params
+    assert ("07", "neuron_second_artifact") not in params and (
+        "05",
+        "neuron_artifact_dir",
+    ) not in params

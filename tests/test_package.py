@@ -13,9 +13,11 @@ import gemma_nb
 PACKAGE = Path(gemma_nb.__file__).parent
 REPO = PACKAGE.parent
 MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_HEAD_LINES = 11_000, 500, 50, 15
-LAZY_OK = ("torch_neuronx", "neuronx_distributed", "torch_xla")   # the optional SDKs
+LAZY_OK = ("torch_neuronx", "neuronx_distributed", "torch_xla")  # the optional SDKs
 PRODUCTS = ("gemma_nb.serving", "gemma_nb.tools", "gemma_nb.neuron", "gemma_nb.rehearsal")
-EMULATED_SDK = PACKAGE / "rehearsal" / "sdk_path"   # importable as torch_neuronx / neuronx_distributed
+EMULATED_SDK = (
+    PACKAGE / "rehearsal" / "sdk_path"
+)  # importable as torch_neuronx / neuronx_distributed
 
 
 def sources() -> list[Path]:
@@ -39,15 +41,21 @@ def imports(path: Path) -> list[tuple[ast.stmt, str, bool]]:
             found += [(node, alias.name, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             found.append((node, node.module, id(node) in top))
-            found += [(node, f"{node.module}.{a.name}", id(node) in top) for a in node.names
-                      if f"{node.module}.{a.name}" in known]
+            found += [
+                (node, f"{node.module}.{a.name}", id(node) in top)
+                for a in node.names
+                if f"{node.module}.{a.name}" in known
+            ]
     return found
 
 
 def graph() -> dict[str, set[str]]:
     known = {module_name(p) for p in sources()}
-    return {module_name(p): {m for _, m, _ in imports(p) if m in known} - {module_name(p)}
-            for p in sources() if EMULATED_SDK not in p.parents}
+    return {
+        module_name(p): {m for _, m, _ in imports(p) if m in known} - {module_name(p)}
+        for p in sources()
+        if EMULATED_SDK not in p.parents
+    }
 
 
 def test_the_package_is_anchor_sized():
@@ -61,15 +69,22 @@ def test_the_server_stays_small():
 
 
 def test_no_module_over_the_limit():
-    big = {str(p.relative_to(REPO)): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    big = {
+        str(p.relative_to(REPO)): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
 
 
 def test_no_function_over_the_limit():
-    long = [f"{p.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for p in sources() for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    long = [
+        f"{p.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for p in sources()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
     assert not long, "functions over the limit:\n" + "\n".join(long)
 
 
@@ -86,15 +101,26 @@ def test_module_heads_are_short():
 
 def test_no_history_notes_in_code_or_tests():
     note = re.compile(r"\bissues? #?\d+|\(was [a-z_]+\)|used to be", re.I)
-    hits = [f"{p.relative_to(REPO)}:{i}" for p in [*sources(), *(REPO / "tests").rglob("*.py")]
-            for i, line in enumerate(p.read_text().splitlines(), 1) if note.search(line) and p.name != "test_package.py"]
+    hits = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in [*sources(), *(REPO / "tests").rglob("*.py")]
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if note.search(line) and p.name != "test_package.py"
+    ]
     assert not hits, f"history notes: {hits}"
 
 
 def test_only_the_optional_sdks_are_imported_inside_functions():
-    lazy = [f"{p.relative_to(REPO)}:{node.lineno} {name}" for p in sources() if EMULATED_SDK not in p.parents
-            for node, name, at_top in imports(p) if not at_top and not name.startswith(LAZY_OK)]
-    assert not lazy, "imports inside functions (move them to the top):\n" + "\n".join(sorted(set(lazy)))
+    lazy = [
+        f"{p.relative_to(REPO)}:{node.lineno} {name}"
+        for p in sources()
+        if EMULATED_SDK not in p.parents
+        for node, name, at_top in imports(p)
+        if not at_top and not name.startswith(LAZY_OK)
+    ]
+    assert not lazy, "imports inside functions (move them to the top):\n" + "\n".join(
+        sorted(set(lazy))
+    )
 
 
 def test_imports_have_no_cycle():
@@ -103,7 +129,9 @@ def test_imports_have_no_cycle():
     def visit(module: str, path: list[str]) -> None:
         if state.get(module) == "done":
             return
-        assert state.get(module) != "open", "import cycle: " + " -> ".join(path[path.index(module):] + [module])
+        assert state.get(module) != "open", "import cycle: " + " -> ".join(
+            path[path.index(module) :] + [module]
+        )
         state[module] = "open"
         for target in sorted(edges.get(module, ())):
             visit(target, path + [module])
@@ -114,22 +142,33 @@ def test_imports_have_no_cycle():
 
 
 def test_products_do_not_import_notebook_experiments():
-    wrong = {m: sorted(t for t in targets if t.startswith("gemma_nb.experiments"))
-             for m, targets in graph().items() if m.startswith(PRODUCTS)}
+    wrong = {
+        m: sorted(t for t in targets if t.startswith("gemma_nb.experiments"))
+        for m, targets in graph().items()
+        if m.startswith(PRODUCTS)
+    }
     wrong = {m: t for m, t in wrong.items() if t}
     assert not wrong, wrong
 
 
 def test_the_port_never_imports_its_rehearsal():
     """gemma_nb.rehearsal imports gemma_nb.neuron to prove it; never the other way round."""
-    wrong = {m: t for m, t in graph().items() if m.startswith("gemma_nb.neuron")
-             and any(x.startswith("gemma_nb.rehearsal") for x in t)}
+    wrong = {
+        m: t
+        for m, t in graph().items()
+        if m.startswith("gemma_nb.neuron") and any(x.startswith("gemma_nb.rehearsal") for x in t)
+    }
     assert not wrong, wrong
 
 
 def test_every_module_imports_in_a_fresh_interpreter():
     names = sorted(graph())
     script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
-    done = subprocess.run([sys.executable, "-c", script, *reversed(names)], capture_output=True, text=True,
-                          env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *reversed(names)],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -30,7 +30,7 @@ from gemma_nb.ranks import TPJobError, run_tp
 
 HIDDEN = 64
 # Job wall-clock bounds: generous for a loaded 2-core box, far below "hangs forever".
-JOB_BOUND_S = 120   # generous: two ranks import torch on a loaded 2-core box
+JOB_BOUND_S = 120  # generous: two ranks import torch on a loaded 2-core box
 
 
 # --- workers (run inside the spawned ranks) -----------------------------------------------------
@@ -117,7 +117,9 @@ def test_single_rank_head_is_the_int8_linear_head():
     weight, hidden = torch.randn(300, HIDDEN), torch.randn(5, HIDDEN)
     head = head_of(weight, tp=1, rank=0)
     reference = Int8Linear.from_weight(weight)
-    assert torch.equal(head.qweight[:300], reference.qweight) and torch.equal(head.scale[:300], reference.scale)
+    assert torch.equal(head.qweight[:300], reference.qweight) and torch.equal(
+        head.scale[:300], reference.scale
+    )
     assert torch.equal(head(hidden), reference(hidden.bfloat16()))
     assert head.nbytes == head.shard.rows_per_rank * (HIDDEN + 4)
 
@@ -148,8 +150,10 @@ def test_softcap_matches_the_model_and_validates_the_cap():
 @pytest.fixture(scope="module")
 def two_rank_cases():
     torch.manual_seed(0)
-    cases = [(torch.randn(1024, HIDDEN), torch.randn(6, HIDDEN)),   # divisible by tp=2
-             (torch.randn(1001, HIDDEN), torch.randn(2, 3, HIDDEN))]  # not divisible: padded and masked
+    cases = [
+        (torch.randn(1024, HIDDEN), torch.randn(6, HIDDEN)),  # divisible by tp=2
+        (torch.randn(1001, HIDDEN), torch.randn(2, 3, HIDDEN)),
+    ]  # not divisible: padded and masked
     results = run_tp(heads_job, (cases,), world_size=2, timeout_s=JOB_BOUND_S)
     return cases, results
 
@@ -162,7 +166,11 @@ def test_two_ranks_gather_exactly_the_unsharded_int8_logits(two_rank_cases):
             got = rank_result["cases"][i]
             assert got["logits"].shape == unsharded.shape
             agreement = logits_agreement(unsharded, got["logits"])
-            assert agreement["bit_exact"] and agreement["argmax_identical"], (i, got["rank"], agreement)
+            assert agreement["bit_exact"] and agreement["argmax_identical"], (
+                i,
+                got["rank"],
+                agreement,
+            )
 
 
 def test_vocab_not_divisible_is_padded_and_masked(two_rank_cases):
@@ -235,9 +243,18 @@ def test_nxd_head_checkpoint_is_made_from_the_embedding_and_sdk_is_import_guarde
     assert torch.equal(state["lm_head.weight"], q) and torch.equal(state["lm_head.scale"], scale)
     assert state["lm_head.weight"].dtype == torch.int8 and state["lm_head.scale"].shape == (10, 1)
     enums = SimpleNamespace(INT8="int8", PER_CHANNEL_SYMMETRIC="per_channel")
-    kwargs = lm_head.build_lm_head(2816, 262144, sdk=SimpleNamespace(QuantizedColumnParallel=dict, QuantizedDtype=enums,
-                                                                      QuantizationType=enums))
-    assert kwargs["gather_output"] is True and kwargs["bias"] is False and kwargs["quantization_per_channel_axis"] == 0
+    kwargs = lm_head.build_lm_head(
+        2816,
+        262144,
+        sdk=SimpleNamespace(
+            QuantizedColumnParallel=dict, QuantizedDtype=enums, QuantizationType=enums
+        ),
+    )
+    assert (
+        kwargs["gather_output"] is True
+        and kwargs["bias"] is False
+        and kwargs["quantization_per_channel_axis"] == 0
+    )
     if importlib.util.find_spec("neuronx_distributed") is None:  # everywhere but a Neuron instance
         with pytest.raises(TargetError, match="neuronx_distributed"):
             lm_head.build_lm_head(HIDDEN, 10)

@@ -18,11 +18,21 @@ from gemma_nb.tools.plan_input import read_config
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Billions of parameters, as published (towers included where the model has them).
 PUBLISHED_TOTAL_B = {
-    "qwen3_30b_a3b": 30.5, "olmoe_1b_7b": 6.9, "mixtral_8x22b": 141.0, "gpt_oss_20b": 20.91,
-    "deepseek_v2_lite": 15.7, "gemma3_27b": 27.433, "llama31_8b": 8.03, "phi35_moe": 41.9,
+    "qwen3_30b_a3b": 30.5,
+    "olmoe_1b_7b": 6.9,
+    "mixtral_8x22b": 141.0,
+    "gpt_oss_20b": 20.91,
+    "deepseek_v2_lite": 15.7,
+    "gemma3_27b": 27.433,
+    "llama31_8b": 8.03,
+    "phi35_moe": 41.9,
 }
 # What the planner cannot model exactly, and the config field each note must name.
-FLAGGED = {"deepseek_v2_lite": "kv_lora_rank", "gpt_oss_20b": "quantization_config", "gemma3_27b": "vision_config"}
+FLAGGED = {
+    "deepseek_v2_lite": "kv_lora_rank",
+    "gpt_oss_20b": "quantization_config",
+    "gemma3_27b": "vision_config",
+}
 
 
 def plan_json(capsys, *args):
@@ -54,7 +64,9 @@ def test_mla_kv_cache_is_the_latent_and_the_heads_are_the_configs(capsys):
     """DeepSeek-V2-Lite: 16 heads of 192 (not 48 of 64), and a 576-value latent per layer per token (not 0)."""
     config = read_config(CONFIGS / "deepseek_v2_lite.json").config
     layers = memory.model_facts(config).attention_layers
-    assert {(layer.q_heads, layer.head_dim, layer.latent_dim) for layer in layers} == {(16, 192, 576)}
+    assert {(layer.q_heads, layer.head_dim, layer.latent_dim) for layer in layers} == {
+        (16, 192, 576)
+    }
     assert memory.kv_cache_bytes_per_token(config, 2, "bf16") == 27 * 576 * 2  # whole on every rank
     assert memory.valid_tp_degrees(config, 24) == [1, 2, 4, 8, 16]
     # MLA's down-projection to the latent is replicated, not split by TP
@@ -67,15 +79,21 @@ def test_mla_kv_cache_is_the_latent_and_the_heads_are_the_configs(capsys):
 
 def test_a_checkpoints_own_quantization_is_named(capsys):
     _, report = plan_json(capsys, CONFIGS / "gpt_oss_20b.json")
-    assert report["notes"][0].startswith("quantization_config: the checkpoint ships 'mxfp4' weights")
+    assert report["notes"][0].startswith(
+        "quantization_config: the checkpoint ships 'mxfp4' weights"
+    )
     assert "--scheme mxfp4_experts" in report["notes"][0]
-    assert report["params"]["active_excl_input_embedding"] / 1e9 == pytest.approx(3.61, rel=0.005)  # the card's active
+    assert report["params"]["active_excl_input_embedding"] / 1e9 == pytest.approx(
+        3.61, rel=0.005
+    )  # the card's active
 
 
 def test_multimodal_towers_are_counted_apart(capsys):
     code, report = plan_json(capsys, CONFIGS / "gemma3_27b.json")
     params = report["params"]
-    assert params["towers"] / 1e9 == pytest.approx(0.4235, abs=0.001)  # SigLIP encoder and projector
+    assert params["towers"] / 1e9 == pytest.approx(
+        0.4235, abs=0.001
+    )  # SigLIP encoder and projector
     assert params["total_with_towers"] == params["total"] + params["towers"]
     assert report["notes"][0].startswith("vision_config: a multimodal config (Gemma3Config)")
     assert code == 1 and report["advice"].startswith("Try --tp 4")
@@ -89,4 +107,6 @@ def test_mixtral_8x22b_gets_no_circular_advice(capsys):
     assert report["advice"].startswith("No inf2 holds it: TP is at most 8")
     assert "int8_squeeze, needs" in report["advice"]
     assert cli(["plan", str(CONFIGS / "mixtral_8x22b.json"), "--tp", "16"]) == 2
-    assert "tp=16 does not divide num_experts=8; choose one of 1, 2, 4, 8" in capsys.readouterr().err
+    assert (
+        "tp=16 does not divide num_experts=8; choose one of 1, 2, 4, 8" in capsys.readouterr().err
+    )

@@ -70,11 +70,17 @@ def test_int8_error_is_at_most_half_a_step_per_element(data):
 @given(st.data())
 def test_int8_exactly_representable_rows_round_trip_exactly(data):
     rows, cols = _rows(data.draw)
-    codes = torch.tensor(data.draw(st.lists(st.integers(-127, 127), min_size=rows * cols, max_size=rows * cols)),
-                         dtype=torch.float32).view(rows, cols)
-    codes[:, 0] = torch.tensor(data.draw(st.lists(st.sampled_from([-127, 127]), min_size=rows, max_size=rows)),
-                               dtype=torch.float32)
-    exponents = torch.tensor(data.draw(st.lists(st.integers(-20, 10), min_size=rows, max_size=rows)))
+    codes = torch.tensor(
+        data.draw(st.lists(st.integers(-127, 127), min_size=rows * cols, max_size=rows * cols)),
+        dtype=torch.float32,
+    ).view(rows, cols)
+    codes[:, 0] = torch.tensor(
+        data.draw(st.lists(st.sampled_from([-127, 127]), min_size=rows, max_size=rows)),
+        dtype=torch.float32,
+    )
+    exponents = torch.tensor(
+        data.draw(st.lists(st.integers(-20, 10), min_size=rows, max_size=rows))
+    )
     weight = codes * torch.exp2(exponents.float())[:, None]
     q, scale = quantize_int8_per_channel(weight)
     assert torch.equal(dequantize_int8(q, scale), weight)
@@ -131,7 +137,9 @@ def test_int8_matmul_follows_nxd_order_and_splits_by_rows_exactly():
         shards = [int8_matmul(x, q[a:b], scale[a:b]) for a, b in ((0, 48), (48, 96))]
         assert torch.equal(torch.cat(shards, dim=-1), y)
     x32 = torch.randn(4, 40, generator=generator)
-    torch.testing.assert_close(int8_matmul(x32, q, scale), x32 @ dequantize_int8(q, scale).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        int8_matmul(x32, q, scale), x32 @ dequantize_int8(q, scale).T, rtol=1e-5, atol=1e-5
+    )
     with pytest.raises(AssertionError, match=r"scale must have shape \[out, 1\]"):
         int8_matmul(x32, q, scale.T)
 
@@ -158,7 +166,16 @@ def e2m1_codes(x):
 def test_fp4_codes_pack_and_unpack_round_trip():
     codes = torch.arange(16, dtype=torch.uint8)
     packed = pack_fp4(codes)
-    assert packed.tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]  # element 2j in the low nibble
+    assert packed.tolist() == [
+        0x10,
+        0x32,
+        0x54,
+        0x76,
+        0x98,
+        0xBA,
+        0xDC,
+        0xFE,
+    ]  # element 2j in the low nibble
     assert torch.equal(unpack_fp4_codes(packed), codes)
     assert torch.equal(unpack_fp4(packed), torch.tensor(FP4_E2M1_VALUES))
     every_byte = torch.arange(256, dtype=torch.uint8)
@@ -187,7 +204,9 @@ def test_fp8_representable_values_round_trip_and_error_bound(data):
     grid = torch.randn(rows, cols, generator=generator).mul(100).clamp(-E4M3_MAX, E4M3_MAX)
     grid = grid.to(torch.float8_e4m3fn).float()
     grid[:, 0] = E4M3_MAX
-    exponents = torch.tensor(data.draw(st.lists(st.integers(-30, 10), min_size=rows, max_size=rows))).float()
+    exponents = torch.tensor(
+        data.draw(st.lists(st.integers(-30, 10), min_size=rows, max_size=rows))
+    ).float()
     weight = grid * torch.exp2(exponents)[:, None]
     assert torch.equal(quantize(weight, "fp8").dequantize(), weight)
     noisy = torch.randn(rows, cols, generator=generator)
@@ -203,7 +222,9 @@ def test_mxfp4_representable_blocks_round_trip_exactly(data):
     rows = data.draw(st.integers(1, 4))
     blocks = data.draw(st.integers(1, 3))
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    values = torch.tensor(FP4_E2M1_VALUES)[torch.randint(0, 16, (rows, blocks, 32), generator=generator)]
+    values = torch.tensor(FP4_E2M1_VALUES)[
+        torch.randint(0, 16, (rows, blocks, 32), generator=generator)
+    ]
     values[..., 3] = 0.5  # at least one non-zero per block
     exponents = torch.randint(-30, 30, (rows, blocks, 1), generator=generator).float()
     weight = (values * torch.exp2(exponents)).flatten(-2)
@@ -240,9 +261,13 @@ def test_nvfp4_representable_blocks_round_trip_exactly(data):
     rows = data.draw(st.integers(1, 4))
     blocks = data.draw(st.integers(1, 4))
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    values = torch.tensor(FP4_E2M1_VALUES)[torch.randint(0, 16, (rows, blocks, 16), generator=generator)]
+    values = torch.tensor(FP4_E2M1_VALUES)[
+        torch.randint(0, 16, (rows, blocks, 16), generator=generator)
+    ]
     values[..., 0] = 6.0  # each block reaches the top code, so its e4m3 scale is recovered exactly
-    block_scales = (torch.rand(rows, blocks, 1, generator=generator) * 400 + 1).to(torch.float8_e4m3fn).float()
+    block_scales = (
+        (torch.rand(rows, blocks, 1, generator=generator) * 400 + 1).to(torch.float8_e4m3fn).float()
+    )
     block_scales[0, 0] = E4M3_MAX  # the tensor's largest element is 6 x 448 x 2^k: global scale 2^k
     k = data.draw(st.integers(-20, 5))
     weight = (values * block_scales).flatten(-2) * 2.0**k
@@ -257,11 +282,15 @@ def test_fp4_error_bound_on_gaussian_weights(fmt):
     qt = quantize(weight, fmt)
     blocks = qt.format.block_size
     if fmt == "mxfp4":
-        step = formats.e8m0_to_float(qt.scale)  # top binade step is 2 x scale; saturation adds up to 2 x scale
+        step = formats.e8m0_to_float(
+            qt.scale
+        )  # top binade step is 2 x scale; saturation adds up to 2 x scale
         bound = 2 * step
     else:
         step = qt.scale.float() * qt.global_scale
-        bound = step  # half the top step (2 x scale); e4m3 rounding of the block scale adds < 6 x 2^-4
+        bound = (
+            step  # half the top step (2 x scale); e4m3 rounding of the block scale adds < 6 x 2^-4
+        )
     error = (qt.dequantize() - weight).abs().unflatten(-1, (-1, blocks))
     assert bool((error <= bound.unsqueeze(-1) * (1 + 1e-6)).all())
     assert 0.05 < formats.quantization_error(weight, qt)["rel_error"] < 0.15
@@ -290,7 +319,10 @@ def test_zero_rows_outliers_and_non_divisible_shapes(fmt):
 def test_non_finite_weights_are_rejected_with_the_tensor_name(fmt, bad):
     weight = torch.randn(3, 8, 64)
     weight[1, 4, 9] = bad
-    with pytest.raises(ValueError, match=r"'layers\.3\.experts\.down_proj' holds non-finite values.*row 12, column 9"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.3\.experts\.down_proj' holds non-finite values.*row 12, column 9",
+    ):
         quantize(weight, fmt, name="layers.3.experts.down_proj")
     if fmt == "int8":
         with pytest.raises(ValueError, match="'lm_head.weight' holds"):
@@ -342,8 +374,15 @@ def test_unknown_format_and_bad_inputs():
 def tiny_model():
     from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
-    config = random_gemma4_config(vocab_size=256, num_hidden_layers=2, num_experts=8, top_k_experts=2,
-                                  hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
+    config = random_gemma4_config(
+        vocab_size=256,
+        num_hidden_layers=2,
+        num_experts=8,
+        top_k_experts=2,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+    )
     return random_gemma4_model(config, seed=0, dtype=torch.float32)
 
 
@@ -362,9 +401,12 @@ def test_quantized_experts_match_transformers_experts_on_dequantized_weights(tin
 
     index, weights = random_routing(6, 8, 2, seed=4)
     hidden = torch.randn(6, 64).to(dtype)
-    assert torch.equal(quantized(hidden, index, weights.to(dtype)), reference(hidden, index, weights.to(dtype)))
-    assert quantized.weight_bytes == memory.tensor_bytes(source.gate_up_proj.shape, "int8") + memory.tensor_bytes(
-        source.down_proj.shape, "int8")
+    assert torch.equal(
+        quantized(hidden, index, weights.to(dtype)), reference(hidden, index, weights.to(dtype))
+    )
+    assert quantized.weight_bytes == memory.tensor_bytes(
+        source.gate_up_proj.shape, "int8"
+    ) + memory.tensor_bytes(source.down_proj.shape, "int8")
 
 
 def test_apply_scheme_int8_squeeze_replaces_groups_and_unties_the_head(tiny_model):
@@ -375,13 +417,21 @@ def test_apply_scheme_int8_squeeze_replaces_groups_and_unties_the_head(tiny_mode
     layers = model.model.layers
     assert all(isinstance(layer.experts, QuantizedExperts) for layer in layers)
     assert all(isinstance(layer.mlp.up_proj, Int8Linear) for layer in layers)
-    assert isinstance(layers[0].self_attn.q_proj, torch.nn.Linear)  # attention stays bf16 in the squeeze
+    assert isinstance(
+        layers[0].self_attn.q_proj, torch.nn.Linear
+    )  # attention stays bf16 in the squeeze
     assert isinstance(model.lm_head, Int8Linear) and not model.config.tie_word_embeddings
-    assert torch.equal(model.model.embed_tokens.weight, embedding_before)  # the lookup table is untouched
+    assert torch.equal(
+        model.model.embed_tokens.weight, embedding_before
+    )  # the lookup table is untouched
     experts = report.set_index("group").loc["experts"]
     shapes = [(l.experts.gate_up.shape, l.experts.down.shape) for l in layers]
-    assert experts["stored_bytes"] == sum(memory.tensor_bytes(s, "int8") for pair in shapes for s in pair)
-    assert report.set_index("group").loc["lm_head", "stored_bytes"] == memory.tensor_bytes((256, 64), "int8")
+    assert experts["stored_bytes"] == sum(
+        memory.tensor_bytes(s, "int8") for pair in shapes for s in pair
+    )
+    assert report.set_index("group").loc["lm_head", "stored_bytes"] == memory.tensor_bytes(
+        (256, 64), "int8"
+    )
     assert bool((report["rel_error"] < 0.01).all())
     ids = torch.randint(4, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -411,7 +461,11 @@ def test_apply_scheme_other_formats(tiny_model, scheme):
 
 
 def test_scheme_names_come_from_the_memory_planner():
-    assert quant.resolve_scheme("int8_squeeze") == {"experts": "int8", "shared_mlp": "int8", "lm_head": "int8"}
+    assert quant.resolve_scheme("int8_squeeze") == {
+        "experts": "int8",
+        "shared_mlp": "int8",
+        "lm_head": "int8",
+    }
     for name in memory.SCHEMES:
         quant.resolve_scheme(name)
     with pytest.raises(ValueError, match="scheme 'int4_everything' is not one of"):
@@ -425,7 +479,9 @@ def test_scheme_names_come_from_the_memory_planner():
 def test_full_size_check_on_a_scaled_layer():
     from gemma_nb.tiny import random_gemma4_config
 
-    config = random_gemma4_config(hidden_size=64, num_experts=4, top_k_experts=2, moe_intermediate_size=48)
+    config = random_gemma4_config(
+        hidden_size=64, num_experts=4, top_k_experts=2, moe_intermediate_size=48
+    )
     experts = quant.random_experts_fast(config, seed=0)
     table, seconds = quant.full_size_experts_check(experts, formats=("int8", "nvfp4"), top_k=2)
     assert table["equal"].all() and set(seconds) == {"int8", "nvfp4"}
@@ -445,7 +501,9 @@ def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
     table = neuron_quant.support_matrix_table()
     assert table["dtype"].tolist() == ["INT8", "F8E4M3", "F8E5M2", "F4E2M1FN_X4"]
     status = table.set_index("dtype")["inference_on_inf2"]
-    assert status["INT8"] == status["F8E4M3"] == "supported" and status["F4E2M1FN_X4"] == "not usable"
+    assert (
+        status["INT8"] == status["F8E4M3"] == "supported" and status["F4E2M1FN_X4"] == "not usable"
+    )
     assert table["sources"].str.len().gt(0).all()
     if missing_neuron_packages():
         with pytest.raises(TargetError, match="Neuron SDK"):
@@ -463,8 +521,12 @@ def test_neuron_trial_weights_are_built_in_nxd_layouts(dtype_name):
         "F8E4M3": ((16, 64), torch.float8_e4m3fn, (16, 1), torch.float32),
         "F4E2M1FN_X4": ((16, 16), torch.uint16, (16, 2), torch.uint8),
     }[dtype_name]
-    got = (tuple(state["layer.weight"].shape), state["layer.weight"].dtype,
-           tuple(state["layer.scale"].shape), state["layer.scale"].dtype)
+    got = (
+        tuple(state["layer.weight"].shape),
+        state["layer.weight"].dtype,
+        tuple(state["layer.scale"].shape),
+        state["layer.scale"].dtype,
+    )
     assert got == expected
     if dtype_name == "F8E4M3":
         assert float(state["layer.weight"].float().abs().max()) == 240.0  # Neuron's e4m3 range

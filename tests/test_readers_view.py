@@ -62,7 +62,9 @@ def test_generated_text_stops_at_the_first_eos(path):
     runs = re.compile(r"<eos>\s*<eos>")
     found = []
     for index, _, output in outputs(path):
-        texts = [_text(output.get("text"))] + [_text(v) for k, v in output.get("data", {}).items() if k.startswith("text/")]
+        texts = [_text(output.get("text"))] + [
+            _text(v) for k, v in output.get("data", {}).items() if k.startswith("text/")
+        ]
         texts = [t.replace("&lt;", "<").replace("&gt;", ">") for t in texts]
         if any(runs.search(t) for t in texts):
             found.append(index)
@@ -72,8 +74,14 @@ def test_generated_text_stops_at_the_first_eos(path):
 @pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.stem)
 def test_no_nbval_comment_in_the_readers_view(path):
     notebook = json.loads(path.read_text())
-    marked = [i for i, cell in enumerate(notebook["cells"]) if re.search(r"^# ?NBVAL_", _text(cell["source"]), re.M)]
-    assert not marked, f"cells {marked} open with an nbval comment: use the cell tag nbval-ignore-output"
+    marked = [
+        i
+        for i, cell in enumerate(notebook["cells"])
+        if re.search(r"^# ?NBVAL_", _text(cell["source"]), re.M)
+    ]
+    assert not marked, (
+        f"cells {marked} open with an nbval comment: use the cell tag nbval-ignore-output"
+    )
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.stem)

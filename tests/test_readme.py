@@ -19,7 +19,9 @@ def notebook_modules(path) -> set[str]:
     for cell in nbformat.read(path, as_version=4).cells:
         if cell.cell_type != "code":
             continue
-        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        source = "\n".join(
+            line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))
+        )
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gemma_nb"):
                 base = node.module.removeprefix("gemma_nb").lstrip(".")
@@ -37,7 +39,9 @@ def _is_module(name: str) -> bool:
 def readme_table() -> dict[str, set[str]]:
     rows = {}
     for line in (REPO_ROOT / "README.md").read_text().splitlines():
-        if match := re.match(r"\| \[(\d\d) [^]]+\]\(outputs/cpu/(\w+)\.ipynb\) \|.*\| (.+) \|$", line):
+        if match := re.match(
+            r"\| \[(\d\d) [^]]+\]\(outputs/cpu/(\w+)\.ipynb\) \|.*\| (.+) \|$", line
+        ):
             rows[match[2]] = set(re.findall(r"`([\w.]+)`", match[3]))
     return rows
 

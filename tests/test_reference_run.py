@@ -22,8 +22,15 @@ from gemma_nb.paths import OUTPUTS_DIR
 from gemma_nb.story import CLAIMS, agrees_with_claim
 
 METRICS_DIR = OUTPUTS_DIR / "cpu" / "metrics"
-NOTEBOOKS = ["01_memory_arithmetic", "02_quantization", "03_lm_head_sharding", "04_compile", "05_slim_deploy",
-             "06_embedding_scale", "07_decode_benchmark"]
+NOTEBOOKS = [
+    "01_memory_arithmetic",
+    "02_quantization",
+    "03_lm_head_sharding",
+    "04_compile",
+    "05_slim_deploy",
+    "06_embedding_scale",
+    "07_decode_benchmark",
+]
 
 
 def load(notebook: str) -> dict:
@@ -47,11 +54,14 @@ VERDICTS = {
     ("01_memory_arithmetic", "total_params_b"): True,
     ("01_memory_arithmetic", "active_params_b"): True,
     ("01_memory_arithmetic", "experts_bf16_gb"): True,
-    ("01_memory_arithmetic", "experts_share_pct"): True,   # "93%" is the non-embedding share, 93.24%
+    ("01_memory_arithmetic", "experts_share_pct"): True,  # "93%" is the non-embedding share, 93.24%
     ("01_memory_arithmetic", "experts_int8_gb_per_rank"): True,
-    ("01_memory_arithmetic", "int8_experts_gap_gb"): False,         # the int8-experts build fits on paper
+    ("01_memory_arithmetic", "int8_experts_gap_gb"): False,  # the int8-experts build fits on paper
     ("01_memory_arithmetic", "lm_head_released_gb_per_rank"): True,
-    ("01_memory_arithmetic", "final_residency_gb_per_rank"): False,  # above 12-13 GB in GB (inside it in GiB)
+    (
+        "01_memory_arithmetic",
+        "final_residency_gb_per_rank",
+    ): False,  # above 12-13 GB in GB (inside it in GiB)
     ("02_quantization", "experts_int8_gb_per_rank"): True,
     ("03_lm_head_sharding", "lm_head_bf16_gb_per_rank"): True,
     ("03_lm_head_sharding", "lm_head_int8_sharded_gb_per_rank"): True,
@@ -62,7 +72,10 @@ VERDICTS = {
 }
 # Measured on the machine that ran, set against the story's figure by direction, not by rounding.
 MEASURED_BELOW_CLAIM = {
-    ("04_compile", "compile_peak_host_gb"),   # torch.export's lower bound, far below the port's 180 GB
+    (
+        "04_compile",
+        "compile_peak_host_gb",
+    ),  # torch.export's lower bound, far below the port's 180 GB
     ("04_compile", "compile_minutes"),
     ("07_decode_benchmark", "dense_flops_waste_x"),  # measured speedup, at most the ideal E/K = 16
 }
@@ -78,11 +91,16 @@ def test_claimed_headlines_agree_with_the_story_as_the_notebook_says(notebook):
         if "claim" not in row:
             continue
         key = (notebook, row["claim"])
-        assert row["claimed"] == CLAIMS[row["claim"]].value, f"{key}: recorded claim differs from gemma_nb.story"
-        assert key in VERDICTS or key in MEASURED_BELOW_CLAIM, f"{key}: a new claimed headline needs its verdict here"
+        assert row["claimed"] == CLAIMS[row["claim"]].value, (
+            f"{key}: recorded claim differs from gemma_nb.story"
+        )
+        assert key in VERDICTS or key in MEASURED_BELOW_CLAIM, (
+            f"{key}: a new claimed headline needs its verdict here"
+        )
         if key in VERDICTS:
             assert agrees_with_claim(row["claim"], row["value"]) is VERDICTS[key], (
-                f"{key}: {row['value']} against the claimed {row['claimed']} changed the notebook's verdict")
+                f"{key}: {row['value']} against the claimed {row['claimed']} changed the notebook's verdict"
+            )
         else:
             assert row["value"] < row["claimed"], key
 
@@ -97,11 +115,20 @@ def test_full_size_byte_figures_are_the_planners(config):
     tp, context_len = arithmetic["tp"], arithmetic["context_len"]
     assert sum(arithmetic["params_by_group"].values()) == 25_233_141_760
     for scheme, gb in arithmetic["gb_per_rank_by_scheme"].items():
-        assert gb == pytest.approx(memory.plan(config, tp, scheme, context_len).total_gb, rel=1e-12), scheme
+        assert gb == pytest.approx(
+            memory.plan(config, tp, scheme, context_len).total_gb, rel=1e-12
+        ), scheme
     head = metrics("03_lm_head_sharding")
-    assert head["replicated_bf16_bytes_per_rank"] == memory.plan(config, 2, "bf16", 0).bytes("lm_head")
-    assert head["int8_shard_bytes_per_rank"] == memory.plan(config, 2, "int8_squeeze", 0).bytes("lm_head")
-    assert head["released_bytes_per_rank"] == head["replicated_bf16_bytes_per_rank"] - head["int8_shard_bytes_per_rank"]
+    assert head["replicated_bf16_bytes_per_rank"] == memory.plan(config, 2, "bf16", 0).bytes(
+        "lm_head"
+    )
+    assert head["int8_shard_bytes_per_rank"] == memory.plan(config, 2, "int8_squeeze", 0).bytes(
+        "lm_head"
+    )
+    assert (
+        head["released_bytes_per_rank"]
+        == head["replicated_bf16_bytes_per_rank"] - head["int8_shard_bytes_per_rank"]
+    )
     assert head["full_size_bit_exact"] is True
 
 
@@ -109,7 +136,9 @@ def test_int8_squeeze_keeps_the_greedy_answers():
     quant = metrics("02_quantization")
     assert quant["int8_squeeze_greedy_mismatches"] == 0
     assert quant["scores_by_scheme"]["int8_squeeze"]["greedy_match"] == 1.0
-    assert quant["scores_by_scheme"]["int8_squeeze"]["fact_recall"] == quant["reference_fact_recall"]
+    assert (
+        quant["scores_by_scheme"]["int8_squeeze"]["fact_recall"] == quant["reference_fact_recall"]
+    )
 
 
 def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
@@ -148,14 +177,29 @@ def test_exported_steps_match_eager():
 # 05's TP=2 emulation on the NxD stand-ins.
 # ------------------------------------------------------------------------------------------------
 
+
 def test_xla_lowering_of_the_neuron_graphs_is_clean():
     rows = metrics("04_compile")["xla_lowering"]
     assert {(row["graph"], row["tp"], row["experts"]) for row in rows} == {
-        (graph, tp, experts) for tp in (1, 2)
-        for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse"), ("lm_head", None))}
+        (graph, tp, experts)
+        for tp in (1, 2)
+        for graph, experts in (
+            ("prefill", "dense"),
+            ("decode", "dense"),
+            ("decode", "sparse"),
+            ("lm_head", None),
+        )
+    }
     for row in rows:  # every shipped graph: every op lowers, no host round trip, logits as eager
-        assert {"graph", "tp", "experts", "aten_fallbacks", "device_to_host_transfers", "hlo_instructions",
-                "max_abs_diff"} <= set(row), row
+        assert {
+            "graph",
+            "tp",
+            "experts",
+            "aten_fallbacks",
+            "device_to_host_transfers",
+            "hlo_instructions",
+            "max_abs_diff",
+        } <= set(row), row
         assert row["hlo_instructions"] > 0, row
         assert len(row["aten_fallbacks"]) == 0 and row["device_to_host_transfers"] == 0, row
         assert math.isfinite(row["max_abs_diff"]) and row["max_abs_diff"] <= row["tolerance"], row
@@ -173,6 +217,7 @@ def test_tp2_emulation_gives_the_same_tokens():
 # Notebook 07 beyond one stream: the batch sweep (sections 8) and the roofline across batch (9)
 # ------------------------------------------------------------------------------------------------
 
+
 def test_the_batch_sweep_covers_every_batch_source_and_dtype():
     batch = metrics("07_decode_benchmark")["batch"]
     assert batch["batches"] == [1, 2, 4, 8, 16, 32, 64]
@@ -182,26 +227,42 @@ def test_the_batch_sweep_covers_every_batch_source_and_dtype():
             assert [row["batch"] for row in rows] == batch["batches"], (source, dtype)
             for row in rows:
                 assert row["dense_p50_ms"] > 0 and row["sparse_p50_ms"] > 0
-                assert row["dense_tok_s"] == pytest.approx(1000 * row["batch"] / row["dense_p50_ms"])
+                assert row["dense_tok_s"] == pytest.approx(
+                    1000 * row["batch"] / row["dense_p50_ms"]
+                )
 
 
 def test_the_batch_sweeps_bytes_are_the_models(config):
-    E, H, I, K = config.num_experts, config.hidden_size, config.moe_intermediate_size, config.top_k_experts
+    E, H, I, K = (
+        config.num_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.top_k_experts,
+    )
     batch = metrics("07_decode_benchmark")["batch"]
     for source, by_dtype in batch["by_source"].items():
         for dtype, rows in by_dtype.items():
             per_expert = E * (tensor_bytes((2 * I, H), dtype) + tensor_bytes((H, I), dtype)) // E
             for row in rows:
                 b = row["batch"]
-                assert row["dense_experts_read"] == E and row["dense_gb"] == pytest.approx(E * per_expert / 1e9)
+                assert row["dense_experts_read"] == E and row["dense_gb"] == pytest.approx(
+                    E * per_expert / 1e9
+                )
                 # SparseExperts: each token's K experts while B x K < E, then each distinct expert once
                 expected_read = b * K if b * K < E else row["distinct_experts"]
                 assert row["sparse_experts_read"] == expected_read, (source, dtype, b)
                 assert row["sparse_gb"] == pytest.approx(expected_read * per_expert / 1e9)
                 assert row["distinct_experts"] <= min(b * K, E)
-    uniform = {row["batch"]: row["distinct_experts"] for row in batch["by_source"]["uniform"]["int8"]}
-    for b, count in uniform.items():  # a handful of routings per batch: the union is near the formula
-        assert count == pytest.approx(decode_roofline.expected_distinct_experts(E, K, b), rel=0.15), b
+    uniform = {
+        row["batch"]: row["distinct_experts"] for row in batch["by_source"]["uniform"]["int8"]
+    }
+    for (
+        b,
+        count,
+    ) in uniform.items():  # a handful of routings per batch: the union is near the formula
+        assert count == pytest.approx(
+            decode_roofline.expected_distinct_experts(E, K, b), rel=0.15
+        ), b
 
 
 def test_the_real_router_needs_fewer_experts_than_uniform_routing():
@@ -214,10 +275,16 @@ def test_the_real_router_needs_fewer_experts_than_uniform_routing():
 
 def test_crossovers_predicted_and_measured():
     batch = metrics("07_decode_benchmark")["batch"]
-    assert batch["crossover_predicted"] == {"bytes_this_sparse": None, "bytes_selective_loading": 16, "nxd_rule": 16}
+    assert batch["crossover_predicted"] == {
+        "bytes_this_sparse": None,
+        "bytes_selective_loading": 16,
+        "nxd_rule": 16,
+    }
     for source, by_dtype in batch["by_source"].items():
         for dtype, rows in by_dtype.items():
-            first = next((row["batch"] for row in rows if row["dense_p50_ms"] <= row["sparse_p50_ms"]), None)
+            first = next(
+                (row["batch"] for row in rows if row["dense_p50_ms"] <= row["sparse_p50_ms"]), None
+            )
             assert batch["crossover_measured"][dtype][source] == first, (dtype, source)
             # Timing-dependent, with room: at one stream sparse wins by far on any cpu that reads memory
             assert rows[0]["dense_p50_ms"] / rows[0]["sparse_p50_ms"] >= 5.0, (dtype, source)
@@ -231,7 +298,9 @@ def test_the_batch_roofline_is_the_models(config):
         deployment = recorded[row["deployment"]]
         assert deployment["largest_batch"] == row["largest_batch"]
         for key, value in deployment["paths"][row["path"]].items():
-            assert value == (None if math.isnan(row[key]) else pytest.approx(row[key], rel=1e-12)), (row["deployment"], key)
+            assert value == (
+                None if math.isnan(row[key]) else pytest.approx(row[key], rel=1e-12)
+            ), (row["deployment"], key)
     inf2 = recorded["inf2.xlarge, int8 squeeze, TP=2"]
     assert (inf2["largest_batch"], inf2["largest_batch_if_low"]) == (1, 12)
     assert recorded["inf2.xlarge, bf16, TP=2"]["largest_batch_if_low"] == 0
@@ -242,83 +311,152 @@ def test_notebook_07s_cost_conclusions_are_the_metrics():
     inf2 = metrics("07_decode_benchmark")["batch_roofline"]["inf2.xlarge, int8 squeeze, TP=2"]
     paths, streams = inf2["paths"], inf2["largest_batch_if_low"]
     notebook = json.loads((OUTPUTS_DIR / "cpu" / "07_decode_benchmark.ipynb").read_text())
-    prose = [" ".join("".join(c["source"]).split()) for c in notebook["cells"] if c["cell_type"] == "markdown"]
-    section_9 = next(text for text in prose if text.startswith("One inf2.xlarge with the int8 squeeze"))
+    prose = [
+        " ".join("".join(c["source"]).split())
+        for c in notebook["cells"]
+        if c["cell_type"] == "markdown"
+    ]
+    section_9 = next(
+        text for text in prose if text.startswith("One inf2.xlarge with the int8 squeeze")
+    )
     learned = next(text for text in prose if text.startswith("## What we learned"))
     money = lambda value: f"${value:.2f}"  # noqa: E731
     for text in (section_9, learned):
         assert f"{money(paths['sparse']['usd_per_m_b1'])} per million tokens" in text
         assert f"{money(paths['dense']['usd_per_m_b1'])} with DenseExperts" in text
-        assert f"{streams} streams" in text and f"{money(paths['sparse']['usd_per_m_if_low'])}" in text
-        assert f"{money(paths['dense']['usd_per_m_if_low'])}" in text and "one stream is all that fits" in text
+        assert (
+            f"{streams} streams" in text and f"{money(paths['sparse']['usd_per_m_if_low'])}" in text
+        )
+        assert (
+            f"{money(paths['dense']['usd_per_m_if_low'])}" in text
+            and "one stream is all that fits" in text
+        )
     assert f"{money(paths['nxd_rule']['usd_per_m_if_low'])} under NxD's rule" in section_9
     assert f"reads {streams * 8} experts' weights" in section_9
-    assert f"about {decode_roofline.expected_distinct_experts(128, 8, streams):.0f} distinct" in section_9
+    assert (
+        f"about {decode_roofline.expected_distinct_experts(128, 8, streams):.0f} distinct"
+        in section_9
+    )
     sparse_tok_s = paths["sparse"]["tok_s_if_low"]
-    assert f"{sparse_tok_s:.0f} tokens/s in all is still {sparse_tok_s / streams:.0f} tokens/s" in section_9
+    assert (
+        f"{sparse_tok_s:.0f} tokens/s in all is still {sparse_tok_s / streams:.0f} tokens/s"
+        in section_9
+    )
     assert inf2["largest_batch"] == 1
 
 
 def test_notebook_01_shows_the_planners_allowance():
     recorded = metrics("01_memory_arithmetic")
     window = memory.inferred_runtime_allowance()
-    assert recorded["planner_runtime_allowance_gb"] == {"low": window.low_bytes / 1e9, "high": window.high_bytes / 1e9}
+    assert recorded["planner_runtime_allowance_gb"] == {
+        "low": window.low_bytes / 1e9,
+        "high": window.high_bytes / 1e9,
+    }
     spec = recorded["allowance_window_gb"]["spec"]
-    assert (spec["min_to_fail_gb"], spec["max_to_fit_gb"]) == (window.low_bytes / 1e9, window.high_bytes / 1e9)
+    assert (spec["min_to_fail_gb"], spec["max_to_fit_gb"]) == (
+        window.low_bytes / 1e9,
+        window.high_bytes / 1e9,
+    )
 
 
 # What the notebooks say about values that depend on the CPU's kernels (cells nbval does not compare)
 # ------------------------------------------------------------------------------------------------
 
+
 def test_02_what_the_scores_say():
     quant = metrics("02_quantization")
     scores, found = quant["scores_by_scheme"], quant["findings"]
-    assert found["changed"] == [] and found["kept"] == list(scores)   # every scheme keeps facts and answers
+    assert found["changed"] == [] and found["kept"] == list(
+        scores
+    )  # every scheme keeps facts and answers
     # "within a tenth of a percentage point of plain bf16's, on both sides of it"
     assert found["top1_spread"] <= 0.001 and found["top1_both_sides"]
-    assert found["bf16_disagreement"] >= found["top1_spread"]          # "bf16's own rounding moves it as much"
+    assert (
+        found["bf16_disagreement"] >= found["top1_spread"]
+    )  # "bf16's own rounding moves it as much"
     # "int8 < fp8 < NVFP4 < MXFP4 by KL and by weight error alike"; the head adds more than the dense MLP
-    assert found["experts_by_kl"] == found["experts_by_weight_error"] == [
-        "int8_experts", "fp8_experts", "nvfp4_experts", "mxfp4_experts"]
+    assert (
+        found["experts_by_kl"]
+        == found["experts_by_weight_error"]
+        == ["int8_experts", "fp8_experts", "nvfp4_experts", "mxfp4_experts"]
+    )
     assert found["lm_head_kl_added"] > found["shared_mlp_kl_added"] > 0
     # the int8 head alone moves the fp32-compute distribution more than int8 experts and dense MLP together
-    assert quant["lm_head_int8_only"]["kl_mean_float32"] > scores["int8_experts_shared_mlp"]["kl_mean_float32"]
+    assert (
+        quant["lm_head_int8_only"]["kl_mean_float32"]
+        > scores["int8_experts_shared_mlp"]["kl_mean_float32"]
+    )
     assert quant["lm_head_int8_only"]["fact_recall"] == quant["reference_fact_recall"]
-    head = quant["lm_head_alone"]   # "picks the float head's top token everywhere; its error far below the margin"
-    assert head["top1_agreement"] == 1.0 and head["max_abs_logit_error"] < head["margin_median"] / 20
-    errors = quant["full_size_layer_rel_error_output"]   # "an order of magnitude closer", "NVFP4 a little closer"
-    assert 8 * errors["int8"] <= min(errors["mxfp4"], errors["nvfp4"]) and errors["nvfp4"] < errors["mxfp4"]
+    head = quant[
+        "lm_head_alone"
+    ]  # "picks the float head's top token everywhere; its error far below the margin"
+    assert (
+        head["top1_agreement"] == 1.0 and head["max_abs_logit_error"] < head["margin_median"] / 20
+    )
+    errors = quant[
+        "full_size_layer_rel_error_output"
+    ]  # "an order of magnitude closer", "NVFP4 a little closer"
+    assert (
+        8 * errors["int8"] <= min(errors["mxfp4"], errors["nvfp4"])
+        and errors["nvfp4"] < errors["mxfp4"]
+    )
     assert all(row["equal"] for row in quant["planner_check"])
 
 
 def test_04_05_07_what_the_prose_says_of_kernel_and_timing_dependent_figures():
-    compile_, deploy, decode = metrics("04_compile"), metrics("05_slim_deploy"), metrics("07_decode_benchmark")
+    compile_, deploy, decode = (
+        metrics("04_compile"),
+        metrics("05_slim_deploy"),
+        metrics("07_decode_benchmark"),
+    )
     # 04: "at about the 2 bytes of a bf16 weight per parameter"; "the 26B's bf16 weights alone ... three times
     # the inf2.xlarge's 16 GiB"; the recipe "drifts" on random weights, the exported steps do not
     assert 1.5 <= compile_["extrapolated_26b"]["rss_bytes_per_param"] <= 3.0
-    assert round(2 * compile_["extrapolated_26b"]["params"] / 16 / 2 ** 30) == 3
+    assert round(2 * compile_["extrapolated_26b"]["params"] / 16 / 2**30) == 3
     recipe = {(row["model"], row["loop"]): row for row in compile_["tiny"]["off_by_one"]}
-    assert all(row["tokens_equal_to_eager"] == row["of"] for (model, loop), row in recipe.items()
-               if model == "bundled checkpoint" or loop.startswith("gemma_nb"))
+    assert all(
+        row["tokens_equal_to_eager"] == row["of"]
+        for (model, loop), row in recipe.items()
+        if model == "bundled checkpoint" or loop.startswith("gemma_nb")
+    )
     # 05: "fewer of the fp32 reference's top-k experts when the softmax runs in bf16 than when it stays in fp32"
     emulation = deploy["tp2_emulation"]
-    assert emulation["router_topk_equal_bf16_autocast_all"] < emulation["router_topk_equal_bf16"] <= 1.0
+    assert (
+        emulation["router_topk_equal_bf16_autocast_all"]
+        < emulation["router_topk_equal_bf16"]
+        <= 1.0
+    )
     # 07: "the outputs agree within 8 bf16 rounding steps"; "the upcast hypothesis is closest"
     assert decode["agreement_bf16_ulps_max"] <= 8
     rates = {key: decode[f"inf2_{key}_tok_s"] for key in ("dense", "upcast", "compute_bound")}
-    assert min(rates, key=lambda key: abs(rates[key] / decode["inf2_measured_tok_s"] - 1)) == "upcast"
+    assert (
+        min(rates, key=lambda key: abs(rates[key] / decode["inf2_measured_tok_s"] - 1)) == "upcast"
+    )
 
 
 def test_06_what_the_logits_say():
     embed = metrics("06_embedding_scale")
     paths, random_paths, wide = embed["paths"], embed["random_tiny_bf16"], embed["wide"]["paths"]
     for dtype in ("float32", "bfloat16"):
-        assert 0.35 <= paths[f"{dtype}/unscaled"]["top1_agreement"] <= 0.65   # "drops to about half"
-        fixed = paths[f"{dtype}/module_scale"]                                # "equals the reference bit for bit"
-        assert fixed["top1_agreement"] == 1.0 and fixed["kl_mean"] == 0.0 and fixed["max_logit_diff"] == 0.0
-        assert wide[f"{dtype}/unscaled"]["top1_agreement"] <= 0.05           # "agrees on almost none of its tokens"
-    root = paths["bfloat16/math_sqrt"]   # "KL and largest logit difference not zero; not enough to flip an argmax"
+        assert 0.35 <= paths[f"{dtype}/unscaled"]["top1_agreement"] <= 0.65  # "drops to about half"
+        fixed = paths[f"{dtype}/module_scale"]  # "equals the reference bit for bit"
+        assert (
+            fixed["top1_agreement"] == 1.0
+            and fixed["kl_mean"] == 0.0
+            and fixed["max_logit_diff"] == 0.0
+        )
+        assert (
+            wide[f"{dtype}/unscaled"]["top1_agreement"] <= 0.05
+        )  # "agrees on almost none of its tokens"
+    root = paths[
+        "bfloat16/math_sqrt"
+    ]  # "KL and largest logit difference not zero; not enough to flip an argmax"
     assert root["kl_mean"] > 0 and root["max_logit_diff"] > 0 and root["top1_agreement"] == 1.0
     assert paths["float32/math_sqrt"]["kl_mean"] == 0.0
-    assert 0.7 <= random_paths["math_sqrt"]["top1_agreement"] <= 0.9         # "flips about a fifth" of random argmaxes
-    assert random_paths["module_scale"]["top1_agreement"] == 1.0 and random_paths["module_scale"]["kl_mean"] == 0.0
+    assert (
+        0.7 <= random_paths["math_sqrt"]["top1_agreement"] <= 0.9
+    )  # "flips about a fifth" of random argmaxes
+    assert (
+        random_paths["module_scale"]["top1_agreement"] == 1.0
+        and random_paths["module_scale"]["kl_mean"] == 0.0
+    )

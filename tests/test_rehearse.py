@@ -20,14 +20,26 @@ def _as_in_the_runbook(command: str) -> str:
 def test_every_rehearsed_step_is_a_runbook_command_and_every_one_passed():
     record, text = planner.rehearsal_record(), runbook.render()
     names = [step["name"] for step in record["steps"]]
-    assert names == ["install", "preflight", "smoke run", "copy", "preflight the copied artifacts",
-                     "deploy and benchmark", "serve"]
+    assert names == [
+        "install",
+        "preflight",
+        "smoke run",
+        "copy",
+        "preflight the copied artifacts",
+        "deploy and benchmark",
+        "serve",
+    ]
     for step in record["steps"]:
         assert step["status"] == "ok" and step["torch"].startswith(R.SDK_TORCH)
         assert f"    {_as_in_the_runbook(step['command'])}\n" in text, step["command"]
-    assert {b["answer"] for b in record["builds"].values()} == {"Paris ."} and "Paris" in record["serve"]["answer"]
+    assert {b["answer"] for b in record["builds"].values()} == {"Paris ."} and "Paris" in record[
+        "serve"
+    ]["answer"]
     for name, build in record["builds"].items():
-        assert build["routed_by_the_emulated_runtime"] == {"prefill": "prefill", "decode": f"decode_{name}"}
+        assert build["routed_by_the_emulated_runtime"] == {
+            "prefill": "prefill",
+            "decode": f"decode_{name}",
+        }
         assert build["sdk"].startswith("emulated SDK")
 
 
@@ -42,6 +54,8 @@ def test_a_build_that_changed_on_disk_is_reported_with_the_fix():
     committed = planner.rehearsal_record()
     same = {"builds": {n: dict(b) for n, b in committed["builds"].items()}}
     assert R.disk_drift(same, committed) == []
-    same["builds"]["sparse"]["artifact_bytes"] = int(committed["builds"]["sparse"]["artifact_bytes"] * 1.02)
+    same["builds"]["sparse"]["artifact_bytes"] = int(
+        committed["builds"]["sparse"]["artifact_bytes"] * 1.02
+    )
     assert R.disk_drift(same, committed)[0].startswith("sparse: ")
     assert R.disk_drift(same, None) == ["docs/rehearsal.json is missing"]

@@ -19,24 +19,39 @@ def test_committed_runbook_is_the_rendered_one():
 def test_the_figures_are_recomputed_from_catalog_and_story():
     f = runbook.figures()
     # two builds (the port's dense decode, the sparse fix), each at the port's 40 minutes
-    assert f["compile_usd"] == pytest.approx(2 * CLAIMS["compile_minutes"].value / 60 * INSTANCES["inf2.8xlarge"].usd_per_hour)
-    assert f["cold_start_usd"] == pytest.approx(CLAIMS["cold_start_s"].value / 3600 * INSTANCES["inf2.xlarge"].usd_per_hour)
-    assert f["usd_per_m_tokens"] == pytest.approx(INSTANCES["inf2.xlarge"].usd_per_hour / (6 * 3600) * 1e6)
-    assert round(f["answer_500_s"]) == CLAIMS["answer_500_tokens_s"].value  # the story's 83 s is 500 tokens at 6 tok/s
+    assert f["compile_usd"] == pytest.approx(
+        2 * CLAIMS["compile_minutes"].value / 60 * INSTANCES["inf2.8xlarge"].usd_per_hour
+    )
+    assert f["cold_start_usd"] == pytest.approx(
+        CLAIMS["cold_start_s"].value / 3600 * INSTANCES["inf2.xlarge"].usd_per_hour
+    )
+    assert f["usd_per_m_tokens"] == pytest.approx(
+        INSTANCES["inf2.xlarge"].usd_per_hour / (6 * 3600) * 1e6
+    )
+    assert (
+        round(f["answer_500_s"]) == CLAIMS["answer_500_tokens_s"].value
+    )  # the story's 83 s is 500 tokens at 6 tok/s
     # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses those
     assert (f["answer_tokens"], round(f["answer_s"])) == (384, 64) and f["answer_tokens"] < 500
     assert f["fits"] and f["cheapest"] == "inf2.xlarge"
     # 180 GB on a 128 GiB box: 42.6 GB = 39.7 GiB short
     assert f["compile_swap_gib"] == 40 and f["serve_swap_gib"] == 0
     text = runbook.render()
-    for stated in (f"${f['compile_usd']:.2f}", f"${f['cold_start_usd']:.2f}", f"${f['usd_per_m_tokens']:.2f} per M tokens",
-                   f"{f['per_rank_gb']:.2f} GB per NeuronCore", f"headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB"):
+    for stated in (
+        f"${f['compile_usd']:.2f}",
+        f"${f['cold_start_usd']:.2f}",
+        f"${f['usd_per_m_tokens']:.2f} per M tokens",
+        f"{f['per_rank_gb']:.2f} GB per NeuronCore",
+        f"headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB",
+    ):
         assert stated in text
 
 
 def _commands(text):
     """Every ``python -m gemma_nb ...`` line of the code blocks, as argv lists (placeholders filled)."""
-    lines = [m.group(1) for m in re.finditer(r"^\s{4,}python -m gemma_nb (.+)$", text, re.MULTILINE)]
+    lines = [
+        m.group(1) for m in re.finditer(r"^\s{4,}python -m gemma_nb (.+)$", text, re.MULTILINE)
+    ]
     return [shlex.split(re.sub(r"<[^>]+>", "x", line.split("#")[0])) for line in lines]
 
 
@@ -83,10 +98,15 @@ def test_the_disk_figures_are_the_rehearsal_s_builds_scaled_and_hold_both_builds
     from gemma_nb.memory import load_gemma4_26b_config
     from gemma_nb.tools import plan as planner
 
-    f, disk = runbook.figures(), planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record())
+    f, disk = (
+        runbook.figures(),
+        planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record()),
+    )
     assert set(disk["builds"]) == {"dense", "sparse"}
     assert f["serve_disk_gb"] == -(-disk["serve_disk_bytes"] // 10**9)
-    assert disk["serve_disk_bytes"] == sum(b["artifact_bytes"] for b in disk["builds"].values())  # no second copy
+    assert disk["serve_disk_bytes"] == sum(
+        b["artifact_bytes"] for b in disk["builds"].values()
+    )  # no second copy
     assert f["compile_disk_gb"] > f["serve_disk_gb"] > 2 * 26
 
 

@@ -15,7 +15,11 @@ def _write_notebook(folder, name, body):
     params = nbformat.v4.new_code_cell('target = "cpu"')
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(body)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, folder / name)
 
 
@@ -59,7 +63,9 @@ def test_select_by_number_and_unknown_selector(notebooks):
     found = runner.discover_notebooks(notebooks)
     assert [p.stem for p in runner.select_notebooks(found, "2")] == ["02_second"]
     assert [p.stem for p in runner.select_notebooks(found, "02,01")] == ["01_first", "02_second"]
-    with pytest.raises(runner.RunError, match="'07' matches no notebook; available: 01_first, 02_second"):
+    with pytest.raises(
+        runner.RunError, match="'07' matches no notebook; available: 01_first, 02_second"
+    ):
         runner.select_notebooks(found, "07")
 
 
@@ -71,15 +77,23 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     assert summary["notebooks"]["02_second"]["metrics"] == {"answer": 42}
     report = (out / "REPORT.md").read_text()
     assert "| answer | 42 | x |" in report
-    assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 01_first", "## 02_second"]
+    assert [line for line in report.splitlines() if line.startswith("## ")] == [
+        "## 01_first",
+        "## 02_second",
+    ]
     executed = nbformat.read(out / "01_first.ipynb", as_version=4)
     assert "ran cpu" in executed.cells[-1].outputs[0]["text"]
     assert executed.metadata["papermill"]["output_path"] == "01_first.ipynb"  # no machine paths
     # the installed kernel's spec, as JupyterLab writes it on opening, not the source's "Python 3"
-    assert executed.metadata["kernelspec"] == runner.kernelspec_metadata() != {
-        "name": "python3", "display_name": "Python 3", "language": "python"}
+    assert (
+        executed.metadata["kernelspec"]
+        == runner.kernelspec_metadata()
+        != {"name": "python3", "display_name": "Python 3", "language": "python"}
+    )
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
-    assert [c.id for c in injected] == ["injected-parameters"]   # papermill's random id would differ per run
+    assert [c.id for c in injected] == [
+        "injected-parameters"
+    ]  # papermill's random id would differ per run
 
 
 def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
@@ -87,10 +101,15 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     runner.run("cpu", output_dir=out, notebooks_dir=notebooks, progress=False)
     before = (out / "REPORT.md").read_text()
     _write_notebook(notebooks, "02_second.ipynb", "raise ValueError('boom at cell two')")
-    with pytest.raises(runner.RunError, match=r"notebook 02_second failed in cell \d+.*ValueError: boom at cell two"):
+    with pytest.raises(
+        runner.RunError,
+        match=r"notebook 02_second failed in cell \d+.*ValueError: boom at cell two",
+    ):
         runner.run("cpu", only="02", output_dir=out, notebooks_dir=notebooks, progress=False)
     assert (out / "REPORT.md").read_text() == before
-    assert json.loads((out / "summary.json").read_text())["notebooks"]["02_second"]["metrics"] == {"answer": 42}
+    assert json.loads((out / "summary.json").read_text())["notebooks"]["02_second"]["metrics"] == {
+        "answer": 42
+    }
     assert (tmp_path / ".out.failed" / "02_second.ipynb").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
 
@@ -98,7 +117,9 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
 # ---------------------------------------------------------------- refusing what the run cannot honour
 
 
-PARAMETERS = 'target = "cpu"\ncontext_len = 512\nmodel_id = "gemma-nb/tiny-gemma4-moe"\nartifact_dir = ""'
+PARAMETERS = (
+    'target = "cpu"\ncontext_len = 512\nmodel_id = "gemma-nb/tiny-gemma4-moe"\nartifact_dir = ""'
+)
 
 
 @pytest.fixture
@@ -114,10 +135,23 @@ def parameterised(tmp_path):
 
 
 def test_unknown_parameter_names_the_closest_known_one(parameterised, tmp_path):
-    assert runner.notebook_parameters(parameterised / "01_only.ipynb") == ["target", "context_len", "model_id", "artifact_dir"]
-    with pytest.raises(runner.RunError, match=r"-p contxt_len: no selected notebook has a parameter 'contxt_len' "
-                                              r"\(did you mean 'context_len'\?\); they take: artifact_dir, context_len, model_id"):
-        runner.run("cpu", output_dir=tmp_path / "out", notebooks_dir=parameterised, parameters={"contxt_len": 5})
+    assert runner.notebook_parameters(parameterised / "01_only.ipynb") == [
+        "target",
+        "context_len",
+        "model_id",
+        "artifact_dir",
+    ]
+    with pytest.raises(
+        runner.RunError,
+        match=r"-p contxt_len: no selected notebook has a parameter 'contxt_len' "
+        r"\(did you mean 'context_len'\?\); they take: artifact_dir, context_len, model_id",
+    ):
+        runner.run(
+            "cpu",
+            output_dir=tmp_path / "out",
+            notebooks_dir=parameterised,
+            parameters={"contxt_len": 5},
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -141,13 +175,23 @@ def test_relative_paths_are_the_callers(parameterised, tmp_path, monkeypatch):
         shutil.copy(notebook, staging / notebook.name)
 
     monkeypatch.setattr(runner, "execute_one", pretend_to_execute)
-    runner.run("cpu", output_dir="out", notebooks_dir=parameterised, progress=False,
-               parameters={"model_id": "models/mine", "artifact_dir": "build/neuron", "context_len": 64})
-    assert seen == {"model_id": str(tmp_path / "models" / "mine"), "artifact_dir": str(tmp_path / "build" / "neuron"),
-                    "context_len": 64}
+    runner.run(
+        "cpu",
+        output_dir="out",
+        notebooks_dir=parameterised,
+        progress=False,
+        parameters={"model_id": "models/mine", "artifact_dir": "build/neuron", "context_len": 64},
+    )
+    assert seen == {
+        "model_id": str(tmp_path / "models" / "mine"),
+        "artifact_dir": str(tmp_path / "build" / "neuron"),
+        "context_len": 64,
+    }
     assert (tmp_path / "out" / "summary.json").exists()  # output_dir too is relative to the caller
     # A hub id that is not a local folder stays a hub id.
-    assert runner.resolve_path_parameters({"model_id": "google/gemma-4-26B-A4B-it"}) == {"model_id": "google/gemma-4-26B-A4B-it"}
+    assert runner.resolve_path_parameters({"model_id": "google/gemma-4-26B-A4B-it"}) == {
+        "model_id": "google/gemma-4-26B-A4B-it"
+    }
 
 
 def test_stale_staging_of_dead_processes_is_removed(parameterised, tmp_path, monkeypatch):
@@ -159,7 +203,11 @@ def test_stale_staging_of_dead_processes_is_removed(parameterised, tmp_path, mon
     stale, live = tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.tmp-1"
     for folder in (stale, live):
         folder.mkdir()
-    monkeypatch.setattr(runner, "execute_one", lambda notebook, staging, *_: shutil.copy(notebook, staging / notebook.name))
+    monkeypatch.setattr(
+        runner,
+        "execute_one",
+        lambda notebook, staging, *_: shutil.copy(notebook, staging / notebook.name),
+    )
     runner.run("cpu", output_dir=tmp_path / "out", notebooks_dir=parameterised, progress=False)
     assert not stale.exists() and live.exists()  # pid 1 is alive
 
@@ -174,16 +222,22 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
     folder = tmp_path / "slow"
     folder.mkdir()
     marker = tmp_path / "started"
-    _write_notebook(folder, "01_slow.ipynb", f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(120)")
+    _write_notebook(
+        folder, "01_slow.ipynb", f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(120)"
+    )
     out = tmp_path / "out"
     out.mkdir()
     (out / "REPORT.md").write_text("previous run")
-    code = ("import sys\nfrom gemma_nb.tools import run as runner\n"
-            f"runner.run('cpu', output_dir={str(out)!r}, notebooks_dir={str(folder)!r}, progress=False)")
+    code = (
+        "import sys\nfrom gemma_nb.tools import run as runner\n"
+        f"runner.run('cpu', output_dir={str(out)!r}, notebooks_dir={str(folder)!r}, progress=False)"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not marker.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() else ""
+        assert process.poll() is None and time.monotonic() < deadline, (
+            process.stderr.read() if process.poll() else ""
+        )
         time.sleep(0.1)
     os.kill(process.pid, signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
@@ -195,7 +249,11 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
 def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_path):
     folder = tmp_path / "notebooks"
     folder.mkdir()
-    body = SAVE_METRICS.format(stem="07_first") + "\n" + SAVE_METRICS.format(stem="07_extra").replace("'answer'", "'extra'")
+    body = (
+        SAVE_METRICS.format(stem="07_first")
+        + "\n"
+        + SAVE_METRICS.format(stem="07_extra").replace("'answer'", "'extra'")
+    )
     _write_notebook(folder, "07_first.ipynb", body)
     out = tmp_path / "out"
     runner.run("cpu", output_dir=out, notebooks_dir=folder, progress=False)
@@ -218,7 +276,9 @@ def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path
     staging, _ = runner._staging_for(final, keep_previous=True)
     linked = staging / "artifacts" / "04_neuron_dense" / "model.pt"
     assert linked.stat().st_ino == model.stat().st_ino  # the same file: no second copy on disk
-    assert (staging / "metrics" / "05_slim_deploy.json").stat().st_ino != (final / "metrics" / "05_slim_deploy.json").stat().st_ino
+    assert (staging / "metrics" / "05_slim_deploy.json").stat().st_ino != (
+        final / "metrics" / "05_slim_deploy.json"
+    ).stat().st_ino
     (fresh_dir(linked.parent) / "model.pt").write_bytes(b"rebuilt")
     assert model.read_bytes() == b"compiled model"
 
@@ -233,7 +293,11 @@ def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
     measured = nbformat.v4.new_code_cell("raise RuntimeError('a cpu measurement ran on ' + target)")
     measured.metadata["tags"] = [CPU_MEASUREMENT_TAG]
     nb.cells = [params, measured, nbformat.v4.new_code_cell("print('ran', target)")]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     source = tmp_path / "04_x.ipynb"
     nbformat.write(nb, source)
     for target in ("neuron", "cpu"):
@@ -245,20 +309,38 @@ def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
             continue
         runner.execute_one(source, staging, target, {}, progress=False)
         executed = nbformat.read(staging / source.name, as_version=4)
-        assert executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]
+        assert (
+            executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]
+        )
 
 
 def test_report_writes_a_claim_as_its_source_wrote_it(tmp_path):
-    summary = {"target": "cpu", "notebooks": {"01_memory_arithmetic": {"headline": [
-        {"name": "overflow", "value": -0.651, "unit": "GB", "claim": "int8_experts_gap_gb", "claimed": 3.5},
-        {"name": "bit-exact", "value": True, "unit": ""}]}}}
+    summary = {
+        "target": "cpu",
+        "notebooks": {
+            "01_memory_arithmetic": {
+                "headline": [
+                    {
+                        "name": "overflow",
+                        "value": -0.651,
+                        "unit": "GB",
+                        "claim": "int8_experts_gap_gb",
+                        "claimed": 3.5,
+                    },
+                    {"name": "bit-exact", "value": True, "unit": ""},
+                ]
+            }
+        },
+    }
     (tmp_path / "01_memory_arithmetic.ipynb").write_text("{}")
     report = runner.write_report(tmp_path, summary).read_text()
-    assert "| overflow | -0.651 | GB | 3-4 GB |" in report   # the quoted range, not its midpoint
+    assert "| overflow | -0.651 | GB | 3-4 GB |" in report  # the quoted range, not its midpoint
     assert "| bit-exact | yes |  |  |" in report
 
 
-@pytest.mark.parametrize("manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)])
+@pytest.mark.parametrize(
+    "manager, interrupts", [("AsyncKernelManager", True), ("QuietShutdownKernelManager", False)]
+)
 def test_the_runner_shuts_its_kernels_down_without_an_interrupt(manager, interrupts, monkeypatch):
     """jupyter_client sends SIGINT before its shutdown request; a kernel still finishing a message
     logs it as "ERROR | KeyboardInterrupt caught in kernel." at the end of a good run. The runner's
@@ -268,7 +350,9 @@ def test_the_runner_shuts_its_kernels_down_without_an_interrupt(manager, interru
 
     from jupyter_client.manager import AsyncKernelManager
 
-    cls = AsyncKernelManager if manager == "AsyncKernelManager" else runner.QuietShutdownKernelManager
+    cls = (
+        AsyncKernelManager if manager == "AsyncKernelManager" else runner.QuietShutdownKernelManager
+    )
     signals = []
     original = AsyncKernelManager._async_signal_kernel
 

@@ -66,7 +66,9 @@ def metric(root: str, name: str, **labels) -> float:
 
 def test_greedy_chat_answers_paris(client, tiny):
     _, tokenizer = tiny
-    reply = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8)
+    reply = client.chat.completions.create(
+        model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8
+    )
     choice = reply.choices[0]
     assert choice.message.content == "Paris ."
     assert choice.finish_reason == "stop"  # the model ended the sentence with <eos>
@@ -76,9 +78,19 @@ def test_greedy_chat_answers_paris(client, tiny):
 
 
 def test_streaming_gives_the_same_text_and_usage(client):
-    plain = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8)
-    chunks = list(client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8,
-                                                 stream=True, stream_options={"include_usage": True}))
+    plain = client.chat.completions.create(
+        model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=BUNDLED_ID,
+            messages=FRANCE,
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content == "Paris ."
@@ -90,13 +102,20 @@ def test_streaming_gives_the_same_text_and_usage(client):
 
 
 def test_completions_generate_and_models(client, server):
-    completion = client.completions.create(model=BUNDLED_ID, prompt="The capital of Japan is", temperature=0, max_tokens=8)
+    completion = client.completions.create(
+        model=BUNDLED_ID, prompt="The capital of Japan is", temperature=0, max_tokens=8
+    )
     assert completion.choices[0].text == " Tokyo ."  # completions keep the leading space
-    streamed = client.completions.create(model=BUNDLED_ID, prompt="The capital of Japan is", temperature=0,
-                                         max_tokens=8, stream=True)
+    streamed = client.completions.create(
+        model=BUNDLED_ID, prompt="The capital of Japan is", temperature=0, max_tokens=8, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == " Tokyo ."
-    generated = httpx.post(server + "/generate", json={"prompt": "The capital of Italy is", "max_tokens": 8}).json()
-    assert generated["text"] == " Rome ." and generated["tokens"] == len(generated["token_ids"]) == 3
+    generated = httpx.post(
+        server + "/generate", json={"prompt": "The capital of Italy is", "max_tokens": 8}
+    ).json()
+    assert (
+        generated["text"] == " Rome ." and generated["tokens"] == len(generated["token_ids"]) == 3
+    )
     assert generated["finish_reason"] == "stop"
     assert [m.id for m in client.models.list().data] == [BUNDLED_ID]
     assert httpx.get(server + "/health").json() == {"status": "ok"}
@@ -105,9 +124,16 @@ def test_completions_generate_and_models(client, server):
 def test_sampling_parameters_are_honoured(client):
     ask = dict(model=BUNDLED_ID, messages=FRANCE, max_tokens=8)
     stopped = client.chat.completions.create(**ask, temperature=0, stop=[" ."])
-    assert stopped.choices[0].message.content == "Paris" and stopped.choices[0].finish_reason == "stop"
-    capped = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=5,
-                                            extra_body={"ignore_eos": True})
+    assert (
+        stopped.choices[0].message.content == "Paris" and stopped.choices[0].finish_reason == "stop"
+    )
+    capped = client.chat.completions.create(
+        model=BUNDLED_ID,
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
     assert capped.usage.completion_tokens == 5 and capped.choices[0].finish_reason == "length"
     # top_k=1 leaves only the argmax, whatever the temperature.
     top1 = client.chat.completions.create(**ask, temperature=1.5, extra_body={"top_k": 1})
@@ -123,7 +149,9 @@ def test_sample_token():
     assert G.sample_token(logits, greedy) == 1
     # top_p below the top token's probability keeps the argmax only.
     narrow = G.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.3)
-    assert {G.sample_token(logits, narrow, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+    assert {
+        G.sample_token(logits, narrow, torch.Generator().manual_seed(s)) for s in range(20)
+    } == {1}
     wide = G.SamplingParams(max_tokens=1, temperature=1.0, top_k=2)
     draws = [G.sample_token(logits, wide, torch.Generator().manual_seed(s)) for s in range(40)]
     assert set(draws) == {1, 2}
@@ -142,8 +170,13 @@ def test_stop_string_is_never_streamed(tiny):
 def test_chat_fallback_joins_message_contents(tiny):
     _, tokenizer = tiny
     assert not tokenizer.chat_template
-    messages = [{"role": "system", "content": "The capital of"}, {"role": "user", "content": [{"type": "text", "text": "France is"}]}]
-    assert G.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
+    messages = [
+        {"role": "system", "content": "The capital of"},
+        {"role": "user", "content": [{"type": "text", "text": "France is"}]},
+    ]
+    assert (
+        G.chat_prompt_ids(tokenizer, messages) == tokenizer("The capital of\nFrance is").input_ids
+    )
 
 
 def test_deploy_runtime_steps_match_greedy_decoding(tiny, eager_runner):
@@ -155,11 +188,15 @@ def test_deploy_runtime_steps_match_greedy_decoding(tiny, eager_runner):
     from gemma_nb.evaluate import greedy_generate
     from gemma_nb.export import StepShapes
 
-    model, tokenizer = load_model(BUNDLED_ID)  # a copy: eager_runner switches its experts to grouped_mm
-    runtime = R.DeployRuntime(eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer)
+    model, tokenizer = load_model(
+        BUNDLED_ID
+    )  # a copy: eager_runner switches its experts to grouped_mm
+    runtime = R.DeployRuntime(
+        eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer
+    )
     assert (runtime.max_context, runtime.max_prompt_tokens) == (64, 16)
     ids = tokenizer("The capital of Brazil is").input_ids
-    expected = greedy_generate(tiny[0], torch.tensor([ids]), 12)[0, len(ids):].tolist()
+    expected = greedy_generate(tiny[0], torch.tensor([ids]), 12)[0, len(ids) :].tolist()
     generation = G.generate(runtime, ids, 12, ignore_eos=True)
     assert generation.token_ids == expected and generation.text.startswith(" Brasilia .")
     with pytest.raises(ValueError, match="the compiled prefill takes 1 to 16"):
@@ -175,14 +212,21 @@ def test_neuron_runtime_steps_match_the_neuron_runner(tiny):
     from gemma_nb.neuron.deploy import NeuronStepRunner
 
     model, tokenizer = tiny
-    build = NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32")
+    build = NeuronBuildConfig(
+        model_dir="unused", output_dir="unused", max_len=32, bucket=8, dtype="float32"
+    )
     module = NeuronGemma4(model.config, build, parallel=False)
     module.load_state(model.state_dict())
-    runner = NeuronStepRunner(CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8)
+    runner = NeuronStepRunner(
+        CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8
+    )
     runtime = R.NeuronDeployRuntime(runner, tokenizer)
-    for country, capital in (("Japan", "Tokyo"), ("Kenya", "Nairobi")):  # the 2nd prefill overwrites the cache
+    for country, capital in (
+        ("Japan", "Tokyo"),
+        ("Kenya", "Nairobi"),
+    ):  # the 2nd prefill overwrites the cache
         ids = tokenizer(f"The capital of {country} is").input_ids
-        expected = greedy_generate(model, torch.tensor([ids]), 5)[0, len(ids):].tolist()
+        expected = greedy_generate(model, torch.tensor([ids]), 5)[0, len(ids) :].tolist()
         generation = G.generate(runtime, ids, 5, ignore_eos=True)
         assert generation.token_ids == expected and generation.text.startswith(f" {capital} .")
     with pytest.raises(ValueError, match="runtime 'nope' is not one of auto, deploy, transformers"):
@@ -197,28 +241,44 @@ BAD_REQUESTS = {
     "missing messages": (json.dumps({"model": BUNDLED_ID}), 400, "messages"),
     "empty messages": (json.dumps({"messages": []}), 400, "messages"),
     "max_tokens 0": (json.dumps({"messages": FRANCE, "max_tokens": 0}), 400, "max_tokens"),
-    "max_tokens above the context": (json.dumps({"messages": FRANCE, "max_tokens": 100_000}), 400, "max_tokens"),
-    "prompt longer than the context": (json.dumps({"messages": [{"role": "user", "content": "France " * 600}]}),
-                                       400, "messages"),
+    "max_tokens above the context": (
+        json.dumps({"messages": FRANCE, "max_tokens": 100_000}),
+        400,
+        "max_tokens",
+    ),
+    "prompt longer than the context": (
+        json.dumps({"messages": [{"role": "user", "content": "France " * 600}]}),
+        400,
+        "messages",
+    ),
     "unknown model": (json.dumps({"model": "gpt-4o", "messages": FRANCE}), 404, "model"),
     "two choices": (json.dumps({"messages": FRANCE, "n": 2}), 400, "n"),
     "temperature 3": (json.dumps({"messages": FRANCE, "temperature": 3}), 400, "temperature"),
-    "an image part": (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
-                      400, "messages.0.content.0.type"),
+    "an image part": (
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+        ),
+        400,
+        "messages.0.content.0.type",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_input_gets_its_status_and_the_server_keeps_serving(server, client, case):
     body, status, param = BAD_REQUESTS[case]
-    response = httpx.post(server + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        server + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     if case == "prompt longer than the context":
         assert error["code"] == "context_length_exceeded" and "601 tokens" in error["message"]
-    reply = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=4)
+    reply = client.chat.completions.create(
+        model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=4
+    )
     assert reply.choices[0].message.content == "Paris ."
 
 
@@ -234,17 +294,29 @@ def test_metrics_count_requests_and_tokens(client, server):
     before = {n: metric(server, n, **ok) for n in ["gemma_nb_requests_total"]}
     tokens_before = metric(server, "gemma_nb_generated_tokens_total")
     ttft_before = metric(server, "gemma_nb_time_to_first_token_seconds_count")
-    bad_before = metric(server, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="404")
-    replies = [client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8)
-               for _ in range(2)]
+    bad_before = metric(
+        server, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="404"
+    )
+    replies = [
+        client.chat.completions.create(
+            model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8
+        )
+        for _ in range(2)
+    ]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=FRANCE)
     assert metric(server, "gemma_nb_requests_total", **ok) == before["gemma_nb_requests_total"] + 2
-    assert metric(server, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="404") == bad_before + 1
+    assert (
+        metric(server, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="404")
+        == bad_before + 1
+    )
     generated = sum(r.usage.completion_tokens for r in replies)
     assert metric(server, "gemma_nb_generated_tokens_total") == tokens_before + generated
     assert metric(server, "gemma_nb_time_to_first_token_seconds_count") == ttft_before + 2
-    assert metric(server, "gemma_nb_queue_depth") == 0 and metric(server, "gemma_nb_queue_capacity") == 8
+    assert (
+        metric(server, "gemma_nb_queue_depth") == 0
+        and metric(server, "gemma_nb_queue_capacity") == 8
+    )
 
 
 # ---------------------------------------------------------------- queue, disconnects, loading
@@ -256,7 +328,9 @@ def slow_server(serve_in_thread, slowed, tiny):
     servers = []
 
     def start(queue_size: int, **options) -> str:
-        app = served.create_app(slowed(new_runtime(tiny)), model_name=BUNDLED_ID, queue_size=queue_size, **options)
+        app = served.create_app(
+            slowed(new_runtime(tiny)), model_name=BUNDLED_ID, queue_size=queue_size, **options
+        )
         context = serve_in_thread(app)
         root = context.__enter__()
         servers.append(context)
@@ -272,9 +346,19 @@ def test_sixteen_concurrent_requests_with_a_queue_of_eight(slow_server):
     root = slow_server(8)
 
     async def burst():
-        client = openai.AsyncOpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
-        ask = dict(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
-        return await asyncio.gather(*(client.chat.completions.create(**ask) for _ in range(16)), return_exceptions=True)
+        client = openai.AsyncOpenAI(
+            base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        ask = dict(
+            model=BUNDLED_ID,
+            messages=FRANCE,
+            temperature=0,
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
+        return await asyncio.gather(
+            *(client.chat.completions.create(**ask) for _ in range(16)), return_exceptions=True
+        )
 
     results = asyncio.run(burst())
     accepted = [r for r in results if not isinstance(r, Exception)]
@@ -282,15 +366,28 @@ def test_sixteen_concurrent_requests_with_a_queue_of_eight(slow_server):
     assert len(accepted) + len(rejected) == 16, [r for r in results if isinstance(r, Exception)]
     # Each takes >= 8 x 50 ms, so all 16 arrive while the first 8 hold the queue.
     assert len(accepted) >= 8 and len(rejected) >= 1
-    assert all(r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length" for r in accepted)
-    assert all(e.response.headers["Retry-After"] == "1" and e.body["code"] == "queue_full" for e in rejected)
-    assert metric(root, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="429") == len(rejected)
+    assert all(
+        r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length" for r in accepted
+    )
+    assert all(
+        e.response.headers["Retry-After"] == "1" and e.body["code"] == "queue_full"
+        for e in rejected
+    )
+    assert metric(
+        root, "gemma_nb_requests_total", endpoint="/v1/chat/completions", status="429"
+    ) == len(rejected)
     assert metric(root, "gemma_nb_queue_depth") == 0
 
 
 def test_client_that_disconnects_frees_its_slot(slow_server):
     root = slow_server(1)
-    body = {"messages": FRANCE, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    body = {
+        "messages": FRANCE,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     with httpx.stream("POST", root + "/v1/chat/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         while '"delta":{"content"' not in next(lines):
@@ -300,7 +397,9 @@ def test_client_that_disconnects_frees_its_slot(slow_server):
     while metric(root, "gemma_nb_queue_depth") != 0:
         assert time.perf_counter() < deadline, "the disconnected request still holds its slot"
         time.sleep(0.05)
-    reply = httpx.post(root + "/generate", json={"prompt": "The capital of France is", "max_tokens": 4}, timeout=30)
+    reply = httpx.post(
+        root + "/generate", json={"prompt": "The capital of France is", "max_tokens": 4}, timeout=30
+    )
     assert reply.status_code == 200 and reply.json()["text"] == " Paris ."
     assert metric(root, "gemma_nb_client_disconnects_total") == 1
     assert metric(root, "gemma_nb_generated_tokens_total") < 20  # 200 had the client stayed
@@ -322,7 +421,12 @@ def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
         assert early.headers["Retry-After"] == "1"
         release.set()
         wait_until_healthy(root + "/v1", timeout_s=30)
-        assert httpx.post(root + "/generate", json={"prompt": "The capital of France is"}).json()["text"] == " Paris ."
+        assert (
+            httpx.post(root + "/generate", json={"prompt": "The capital of France is"}).json()[
+                "text"
+            ]
+            == " Paris ."
+        )
 
 
 # ---------------------------------------------------------------- the command line, with an API key
@@ -331,17 +435,26 @@ def test_health_says_loading_until_the_model_is_warm(serve_in_thread, tiny):
 def test_cli_server_requires_the_api_key_from_the_environment():
     key = "test-key-" + "x" * 16
     # --runtime transformers starts in seconds; the default on cpu compiles the slim deploy first.
-    with local_server(runtime="transformers", extra_args=("--queue-size", "2"), env={served.API_KEY_ENV: key}) as base_url:
+    with local_server(
+        runtime="transformers", extra_args=("--queue-size", "2"), env={served.API_KEY_ENV: key}
+    ) as base_url:
         root = base_url[: -len("/v1")]
         assert httpx.get(root + "/health").status_code == 200  # open for health checks
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
-            response = httpx.post(base_url + "/chat/completions", json={"messages": FRANCE}, headers=headers)
-            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+            response = httpx.post(
+                base_url + "/chat/completions", json={"messages": FRANCE}, headers=headers
+            )
+            assert (
+                response.status_code == 401
+                and response.json()["error"]["code"] == "invalid_api_key"
+            )
         assert httpx.get(root + "/metrics").status_code == 200  # open on loopback, for scrapers
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8)
+        reply = client.chat.completions.create(
+            model=BUNDLED_ID, messages=FRANCE, temperature=0, max_tokens=8
+        )
         assert reply.choices[0].message.content == "Paris ."
         assert [m.id for m in client.models.list().data] == [BUNDLED_ID]
 
@@ -359,30 +472,59 @@ def test_cli_rejects_bad_arguments(capsys):
 
 
 def test_message_names_and_the_developer_role_are_accepted(client):
-    messages = [{"role": "developer", "content": "The capital of", "name": "setup"},
-                {"role": "user", "content": "France is", "name": "ada"}]
-    reply = client.chat.completions.create(model=BUNDLED_ID, messages=messages, temperature=0, max_tokens=8)
+    messages = [
+        {"role": "developer", "content": "The capital of", "name": "setup"},
+        {"role": "user", "content": "France is", "name": "ada"},
+    ]
+    reply = client.chat.completions.create(
+        model=BUNDLED_ID, messages=messages, temperature=0, max_tokens=8
+    )
     # developer is read as system; the fallback joins the contents: the same prompt as FRANCE.
     assert reply.choices[0].message.content == "Paris ." and reply.usage.prompt_tokens == 6
 
 
 def test_continuous_usage_stats_put_the_usage_on_every_chunk(server):
     """aiperf and vLLM's clients ask for the running usage on each chunk."""
-    body = {"messages": FRANCE, "temperature": 0, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "messages": FRANCE,
+        "temperature": 0,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=30) as response:
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 3]  # role chunk, 3 tokens, final usage
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [
+        0,
+        1,
+        2,
+        3,
+        3,
+    ]  # role chunk, 3 tokens, final usage
     assert all(c["usage"]["prompt_tokens"] == 6 for c in chunks) and chunks[-1]["choices"] == []
 
 
 def test_empty_prompts_are_refused_alike(server):
-    for path, body, param in (("/v1/completions", {"prompt": ""}, "prompt"), ("/v1/completions", {"prompt": []}, "prompt"),
-                              ("/v1/completions", {"prompt": [""]}, "prompt.0"), ("/generate", {"prompt": ""}, "prompt"),
-                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
-                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages.0.content")):
+    for path, body, param in (
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [""]}, "prompt.0"),
+        ("/generate", {"prompt": ""}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": ""}]},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": []}]},
+            "messages.0.content",
+        ),
+    ):
         response = httpx.post(server + path, json=body)
         assert response.status_code == 400, (path, body, response.text)
         error = response.json()["error"]
@@ -393,17 +535,22 @@ def test_empty_prompts_are_refused_alike(server):
 
 
 def test_a_request_without_max_tokens_gets_the_default_not_the_whole_context(client):
-    reply = client.chat.completions.create(model=BUNDLED_ID, messages=FRANCE, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=BUNDLED_ID, messages=FRANCE, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.completion_tokens == served.DEFAULT_MAX_TOKENS == 256  # not 512 - 6
     assert reply.choices[0].finish_reason == "length"
 
 
 def test_max_tokens_above_the_cap_is_refused(slow_server):
     root = slow_server(2, max_tokens=4, max_tokens_cap=16)
-    ok = httpx.post(root + "/v1/completions", json={"prompt": "The capital of Japan is", "ignore_eos": True}).json()
+    ok = httpx.post(
+        root + "/v1/completions", json={"prompt": "The capital of Japan is", "ignore_eos": True}
+    ).json()
     assert ok["usage"]["completion_tokens"] == 4  # the server's default
-    error = httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 17}).json()["error"]
+    error = httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 17}).json()[
+        "error"
+    ]
     assert error["param"] == "max_tokens" and "less than or equal to 16" in error["message"]
     with pytest.raises(AssertionError, match="max_tokens must be between 1 and max_tokens_cap"):
         served.create_app(lambda: None, model_name="x", max_tokens=32, max_tokens_cap=16)
@@ -415,8 +562,14 @@ def test_max_tokens_above_the_cap_is_refused(slow_server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, stream):
     root = slow_server(2)
-    long = {"prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": True}  # >= 10 s at 50 ms a token
-    holder = threading.Thread(target=lambda: httpx.post(root + "/v1/completions", json=long, timeout=60), daemon=True)
+    long = {
+        "prompt": "The capital of France is",
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }  # >= 10 s at 50 ms a token
+    holder = threading.Thread(
+        target=lambda: httpx.post(root + "/v1/completions", json=long, timeout=60), daemon=True
+    )
     holder.start()
     deadline = time.perf_counter() + 10
     while metric(root, "gemma_nb_generated_tokens_total") < 1:
@@ -424,26 +577,41 @@ def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, s
         time.sleep(0.02)
     queued = {"prompt": "The capital of Japan is", "max_tokens": 4, "stream": stream}
     with pytest.raises(httpx.ReadTimeout):  # it waits behind the long one: the client gives up
-        with httpx.stream("POST", root + "/v1/completions", json=queued, timeout=httpx.Timeout(5, read=0.5)) as response:
+        with httpx.stream(
+            "POST", root + "/v1/completions", json=queued, timeout=httpx.Timeout(5, read=0.5)
+        ) as response:
             for _ in response.iter_lines():
                 pass
     assert metric(root, "gemma_nb_queue_depth") >= 1
-    deadline = time.perf_counter() + 2  # a poll of the queue (0.1 s), long before the 200 tokens end
+    deadline = (
+        time.perf_counter() + 2
+    )  # a poll of the queue (0.1 s), long before the 200 tokens end
     while metric(root, "gemma_nb_queue_depth") != 1:
         assert time.perf_counter() < deadline, "the departed client still holds its slot"
         time.sleep(0.05)
     assert metric(root, "gemma_nb_client_disconnects_total") == 1
-    with pytest.raises(httpx.ReadTimeout):  # its place is free: a newcomer is queued behind the long one, not refused
-        httpx.post(root + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=httpx.Timeout(5, read=0.5))
+    with pytest.raises(
+        httpx.ReadTimeout
+    ):  # its place is free: a newcomer is queued behind the long one, not refused
+        httpx.post(
+            root + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            timeout=httpx.Timeout(5, read=0.5),
+        )
 
 
 def test_metrics_are_open_on_loopback_unless_the_key_is_required(serve_in_thread, tiny):
     key = "k" * 24
     for need_key, status in ((False, 200), (True, 401)):
-        app = served.create_app(new_runtime(tiny), model_name=BUNDLED_ID, api_key=key, metrics_need_key=need_key)
+        app = served.create_app(
+            new_runtime(tiny), model_name=BUNDLED_ID, api_key=key, metrics_need_key=need_key
+        )
         with serve_in_thread(app) as root:
             assert httpx.get(root + "/metrics").status_code == status
-            assert httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            assert (
+                httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {key}"}).status_code
+                == 200
+            )
             assert httpx.get(root + "/v1/models").status_code == 401
 
 
@@ -452,16 +620,30 @@ def test_openapi_documents_bodies_errors_and_the_key(serve_in_thread, tiny):
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         document = httpx.get(root + "/openapi.json").json()
-    chat, schemas = document["paths"]["/v1/chat/completions"]["post"], document["components"]["schemas"]
-    assert chat["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatRequest"}
+    chat, schemas = (
+        document["paths"]["/v1/chat/completions"]["post"],
+        document["components"]["schemas"],
+    )
+    assert chat["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatRequest"
+    }
     request = schemas["ChatRequest"]
-    assert {"messages", "max_tokens", "temperature", "stream_options", "n"} <= set(request["properties"])
+    assert {"messages", "max_tokens", "temperature", "stream_options", "n"} <= set(
+        request["properties"]
+    )
     assert request["required"] == ["messages"] and request["additionalProperties"] is False
     assert request["properties"]["temperature"]["maximum"] == 2
     for status in ("400", "401", "404", "413", "415", "429", "503"):
-        assert chat["responses"][status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+        assert chat["responses"][status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorBody"
+        }
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert chat["security"] == [{"HTTPBearer": []}] and document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert (
+        chat["security"] == [{"HTTPBearer": []}]
+        and document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    )
+    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == [
+        "text/plain"
+    ]
     prompt_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]
     assert prompt_ids["maximum"] == 481 and "security" not in document["paths"]["/health"]["get"]

@@ -81,8 +81,13 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def server(serve_in_thread, runtime):
-    app = served.create_app(runtime, model_name=BUNDLED_ID, queue_size=2, body_timeout_s=0.5,
-                            allowed_hosts=[*served.LOOPBACK_HOSTS, "gemma.internal"])
+    app = served.create_app(
+        runtime,
+        model_name=BUNDLED_ID,
+        queue_size=2,
+        body_timeout_s=0.5,
+        allowed_hosts=[*served.LOOPBACK_HOSTS, "gemma.internal"],
+    )
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         yield root
@@ -93,7 +98,7 @@ def metric(root: str, name: str, **labels) -> float:
     prefix = f"{name}{{{wanted}}} " if wanted else f"{name} "
     for line in httpx.get(root + "/metrics").text.splitlines():
         if line.startswith(prefix):
-            return float(line[len(prefix):])
+            return float(line[len(prefix) :])
     return 0.0
 
 
@@ -115,8 +120,12 @@ def error_of(response: httpx.Response, status: int, param: str | None = None) ->
 
 def assert_still_serving(root: str) -> None:
     assert metric(root, "gemma_nb_queue_depth") == 0
-    reply = post(root, "/v1/chat/completions", {"messages": FRANCE, "temperature": 0, "max_tokens": 4})
-    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+    reply = post(
+        root, "/v1/chat/completions", {"messages": FRANCE, "temperature": 0, "max_tokens": 4}
+    )
+    assert (
+        reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+    )
     assert metric(root, "gemma_nb_queue_depth") == 0
 
 
@@ -132,8 +141,12 @@ def test_1_refusals_after_admission_do_not_leak_queue_slots(server):
     assert_still_serving(server)
     # Any integer seeds the sampler (modulo 2**64): 2**70 and 2**70 + 2**64 draw alike.
     hot = {"messages": FRANCE, "max_tokens": 6, "temperature": 2.0, "ignore_eos": True}
-    texts = [post(server, "/v1/chat/completions", {**hot, "seed": seed}).json()["choices"][0]["message"]["content"]
-             for seed in (2**70, 2**70 + 2**64, -(2**63))]
+    texts = [
+        post(server, "/v1/chat/completions", {**hot, "seed": seed}).json()["choices"][0]["message"][
+            "content"
+        ]
+        for seed in (2**70, 2**70 + 2**64, -(2**63))
+    ]
     assert texts[0] == texts[1]
 
 
@@ -150,10 +163,18 @@ def test_every_failure_path_releases_the_slot(server, runtime):
     runtime.faults.add("prefill")
     error_of(post(server, "/generate", {"prompt": "The capital of France is"}), 500)
     runtime.faults.add("decode")
-    streamed = post(server, "/v1/completions", {**VALID["/v1/completions"], "stream": True, "max_tokens": 4})
-    assert streamed.status_code == 200 and '"type":"server_error"' in streamed.text  # in-band: headers were sent
-    with httpx.stream("POST", server + "/v1/chat/completions", json={**ask, "max_tokens": 300, "ignore_eos": True,
-                                                                     "stream": True}, timeout=30) as response:
+    streamed = post(
+        server, "/v1/completions", {**VALID["/v1/completions"], "stream": True, "max_tokens": 4}
+    )
+    assert (
+        streamed.status_code == 200 and '"type":"server_error"' in streamed.text
+    )  # in-band: headers were sent
+    with httpx.stream(
+        "POST",
+        server + "/v1/chat/completions",
+        json={**ask, "max_tokens": 300, "ignore_eos": True, "stream": True},
+        timeout=30,
+    ) as response:
         next(response.iter_lines())  # hang up after the first event
     deadline = time.perf_counter() + 10
     while metric(server, "gemma_nb_queue_depth") != 0:
@@ -168,14 +189,34 @@ def test_every_failure_path_releases_the_slot(server, runtime):
 def test_2_bad_values_get_400_not_500(server):
     # A tiny positive temperature is (all but) greedy, streamed or not: no NaN, no in-band error.
     tiny_t = {"messages": FRANCE, "temperature": 5e-324, "max_tokens": 8}
-    assert post(server, "/v1/chat/completions", tiny_t).json()["choices"][0]["message"]["content"] == "Paris ."
+    assert (
+        post(server, "/v1/chat/completions", tiny_t).json()["choices"][0]["message"]["content"]
+        == "Paris ."
+    )
     streamed = post(server, "/v1/chat/completions", {**tiny_t, "stream": True})
-    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n") and '"error"' not in streamed.text
-    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}), 400,
-             "messages.0.content")
+    assert (
+        streamed.status_code == 200
+        and streamed.text.endswith("data: [DONE]\n\n")
+        and '"error"' not in streamed.text
+    )
+    error_of(
+        post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+        400,
+        "messages.0.content",
+    )
     surrogate = '{"messages": [{"role": "user", "content": "\\ud800"}]}'
-    assert "lone surrogate" in error_of(post(server, "/v1/chat/completions", surrogate), 400, "messages.0.content")["message"]
-    assert "lone surrogate" in error_of(post(server, "/v1/completions", '{"prompt": "a\\udfff"}'), 400, "prompt")["message"]
+    assert (
+        "lone surrogate"
+        in error_of(post(server, "/v1/chat/completions", surrogate), 400, "messages.0.content")[
+            "message"
+        ]
+    )
+    assert (
+        "lone surrogate"
+        in error_of(post(server, "/v1/completions", '{"prompt": "a\\udfff"}'), 400, "prompt")[
+            "message"
+        ]
+    )
     error = error_of(post(server, "/v1/completions", {"prompt": [2, 10**9]}), 400, "prompt.1")
     assert "1000000000 is not a token id of this model" in error["message"]
     assert_still_serving(server)
@@ -196,11 +237,15 @@ def test_3_a_500_is_counted_and_the_connection_stays_usable(server, runtime):
     assert failed.status == 500 and payload["error"]["type"] == "server_error"
     assert failed.getheader("connection") != "close"
     sock = conn.sock
-    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})  # same pooled connection
+    conn.request(
+        "POST", "/generate", body, {"Content-Type": "application/json"}
+    )  # same pooled connection
     ok = conn.getresponse()
     assert ok.status == 200 and json.loads(ok.read())["text"] == " Paris ." and conn.sock is sock
     conn.close()
-    assert metric(server, "gemma_nb_requests_total", endpoint="/generate", status="500") == before + 1
+    assert (
+        metric(server, "gemma_nb_requests_total", endpoint="/generate", status="500") == before + 1
+    )
     assert metric(server, "gemma_nb_queue_depth") == 0
 
 
@@ -209,10 +254,15 @@ def test_3_a_500_is_counted_and_the_connection_stays_usable(server, runtime):
 
 def test_4_wrong_content_type_is_415_without_echo(server):
     body = json.dumps({"messages": FRANCE, "padding": "secret " * 1000})
-    error = error_of(post(server, "/v1/chat/completions", body, headers={"Content-Type": "text/plain"}), 415)
+    error = error_of(
+        post(server, "/v1/chat/completions", body, headers={"Content-Type": "text/plain"}), 415
+    )
     assert "secret" not in error["message"] and "application/json" in error["message"]
     # No Content-Type at all is read as JSON (as curl --json or a bare client sends it).
-    reply = httpx.post(server + "/generate", content=json.dumps({"prompt": "The capital of France is", "max_tokens": 4}))
+    reply = httpx.post(
+        server + "/generate",
+        content=json.dumps({"prompt": "The capital of France is", "max_tokens": 4}),
+    )
     assert reply.status_code == 200 and reply.json()["text"] == " Paris ."
 
 
@@ -247,8 +297,12 @@ def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
             for size_mb in (10, 50):
                 body = b'{"prompt": "' + b"x" * (size_mb * 1_000_000) + b'"}'
                 started = time.perf_counter()
-                response = httpx.post(base_url + "/completions", content=body,
-                                      headers={"Content-Type": "application/json"}, timeout=30)
+                response = httpx.post(
+                    base_url + "/completions",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=30,
+                )
                 seconds = time.perf_counter() - started
                 error_of(response, 413)
                 figures.append((f"{size_mb} MB with Content-Length", seconds))
@@ -264,7 +318,9 @@ def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
             rss_after_mb = process.memory_info().rss / 1e6
             # Under the limit, a 2.1 MB prompt is tokenized (seconds of CPU) off the event loop.
             started = time.perf_counter()
-            response = httpx.post(base_url + "/completions", json={"prompt": "France " * 300_000}, timeout=60)
+            response = httpx.post(
+                base_url + "/completions", json={"prompt": "France " * 300_000}, timeout=60
+            )
             assert error_of(response, 400, "prompt")["code"] == "context_length_exceeded"
             tokenize_s = time.perf_counter() - started
         finally:
@@ -275,59 +331,118 @@ def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
             print(f"{name}: 413 in {seconds:.3f} s")
         print(f"2.1 MB prompt tokenized and refused (context) in {tokenize_s:.2f} s")
         print(f"/health during all that: {len(health_ms)} polls, slowest {max(health_ms):.1f} ms")
-        print(f"server RSS: {rss_before_mb:.0f} MB before, {rss_after_mb:.0f} MB after the 413s, "
-              f"{rss_tokenized_mb:.0f} MB after tokenizing 2.1 MB (not asserted)")
+        print(
+            f"server RSS: {rss_before_mb:.0f} MB before, {rss_after_mb:.0f} MB after the 413s, "
+            f"{rss_tokenized_mb:.0f} MB after tokenizing 2.1 MB (not asserted)"
+        )
         assert all(seconds < 1.0 for _, seconds in figures), figures
         assert health_ms and max(health_ms) < 1000
         assert rss_after_mb - rss_before_mb < 100
-        reply = httpx.post(base_url + "/completions", json={"prompt": "The capital of France is", "temperature": 0,
-                                                           "max_tokens": 4}, timeout=30)
+        reply = httpx.post(
+            base_url + "/completions",
+            json={"prompt": "The capital of France is", "temperature": 0, "max_tokens": 4},
+            timeout=30,
+        )
         assert reply.json()["choices"][0]["text"] == " Paris ."
 
 
 # ---------------------------------------------------------------- 5. nothing accepted silently
 
 
-@pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("n", 2), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
-    ("frequency_penalty", 0.5), ("logit_bias", {"5": 10}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", True),
+        ("n", 2),
+        ("tools", [{"type": "function"}]),
+        ("response_format", {"type": "json_object"}),
+        ("frequency_penalty", 0.5),
+        ("logit_bias", {"5": 10}),
+    ],
+)
 def test_5_unsupported_openai_options_are_refused_by_name(server, field, value):
-    error = error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, field: value}), 400, field)
+    error = error_of(
+        post(server, "/v1/chat/completions", {"messages": FRANCE, field: value}), 400, field
+    )
     assert error["code"] == "unsupported_parameter" and f"'{field}'" in error["message"]
 
 
 def test_5_neutral_values_of_unsupported_options_are_accepted(server):
-    neutral = {"logprobs": False, "n": 1, "frequency_penalty": 0, "tools": [], "response_format": {"type": "text"}}
-    reply = post(server, "/v1/chat/completions", {"messages": FRANCE, "temperature": 0, "max_tokens": 4, **neutral})
-    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+    neutral = {
+        "logprobs": False,
+        "n": 1,
+        "frequency_penalty": 0,
+        "tools": [],
+        "response_format": {"type": "text"},
+    }
+    reply = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": FRANCE, "temperature": 0, "max_tokens": 4, **neutral},
+    )
+    assert (
+        reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Paris ."
+    )
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", True), ("max_tokens", "10"), ("temperature", "0.5"), ("stream", "yes"), ("seed", 1.5),
-    ("top_k", False), ("stop", ["a", "b", "c", "d", "e"]), ("stream_options", {"include_usage": 1}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", True),
+        ("max_tokens", "10"),
+        ("temperature", "0.5"),
+        ("stream", "yes"),
+        ("seed", 1.5),
+        ("top_k", False),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stream_options", {"include_usage": 1}),
+    ],
+)
 def test_5_strict_types(server, field, value):
     error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, field: value}), 400)
 
 
 def test_5_roles_fields_and_routes(server):
-    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "hacker", "content": "x"}]}), 400,
-             "messages.0.role")
-    error = error_of(post(server, "/v1/chat/completions", {"messages": FRANCE, "temprature": 0}), 400, "temprature")
+    error_of(
+        post(server, "/v1/chat/completions", {"messages": [{"role": "hacker", "content": "x"}]}),
+        400,
+        "messages.0.role",
+    )
+    error = error_of(
+        post(server, "/v1/chat/completions", {"messages": FRANCE, "temprature": 0}),
+        400,
+        "temprature",
+    )
     assert "unknown field 'temprature'" in error["message"] and "temperature" in error["message"]
-    error_of(post(server, "/generate", {"prompt": "x", "stream": True}), 400, "stream")  # /generate does not stream
+    error_of(
+        post(server, "/generate", {"prompt": "x", "stream": True}), 400, "stream"
+    )  # /generate does not stream
 
 
 def test_5_host_allow_list(server):
     port = server.rsplit(":", 1)[1]
-    for host in (f"localhost:{port}", f"LOCALHOST:{port}", "127.0.0.1", f"[::1]:{port}", "gemma.internal:80"):
+    for host in (
+        f"localhost:{port}",
+        f"LOCALHOST:{port}",
+        "127.0.0.1",
+        f"[::1]:{port}",
+        "gemma.internal:80",
+    ):
         assert httpx.get(server + "/health", headers={"Host": host}).status_code == 200, host
     before = metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400")
-    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example", "[::2]"):
-        response = httpx.get(server + "/v1/models", headers={"Host": host})  # Starlette's TrustedHostMiddleware
+    for host in (
+        "attacker.example",
+        f"attacker.example:{port}",
+        "127.0.0.1.attacker.example",
+        "[::2]",
+    ):
+        response = httpx.get(
+            server + "/v1/models", headers={"Host": host}
+        )  # Starlette's TrustedHostMiddleware
         assert response.status_code == 400 and response.text == "Invalid host header", host
-    assert metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400") == before + 4
+    assert (
+        metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400") == before + 4
+    )
 
 
 def test_5_bearer_scheme_is_case_insensitive(serve_in_thread, runtime):
@@ -335,16 +450,25 @@ def test_5_bearer_scheme_is_case_insensitive(serve_in_thread, runtime):
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         for scheme in ("Bearer", "bearer", "BEARER"):
-            assert httpx.get(root + "/v1/models", headers={"Authorization": f"{scheme} {'k' * 24}"}).status_code == 200
+            assert (
+                httpx.get(
+                    root + "/v1/models", headers={"Authorization": f"{scheme} {'k' * 24}"}
+                ).status_code
+                == 200
+            )
         for header in ("Basic " + "k" * 24, "bearer wrong", "k" * 24):
-            assert httpx.get(root + "/v1/models", headers={"Authorization": header}).status_code == 401
+            assert (
+                httpx.get(root + "/v1/models", headers={"Authorization": header}).status_code == 401
+            )
 
 
 def test_5_a_slow_body_gets_408(server):
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
         started, answer = time.perf_counter(), b""
         while chunk := sock.recv(65536):  # until the server closes the connection
             answer += chunk
@@ -361,7 +485,10 @@ def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, slowed, runtime):
         ask = {"messages": FRANCE, "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", root + "/v1/chat/completions", json=ask, timeout=30):
             time.sleep(0.5)
-            assert metric(root, "gemma_nb_slots_overdue") == 1 and metric(root, "gemma_nb_oldest_slot_seconds") > 0.2
+            assert (
+                metric(root, "gemma_nb_slots_overdue") == 1
+                and metric(root, "gemma_nb_oldest_slot_seconds") > 0.2
+            )
         deadline = time.perf_counter() + 10
         while metric(root, "gemma_nb_slots_overdue") != 0:
             assert time.perf_counter() < deadline
@@ -375,30 +502,86 @@ def test_5_startup_fails_fast(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     # A folder that exists but holds no model: the server starts, the load fails, the process ends.
     started = time.perf_counter()
-    assert serve.main(["--model-id", str(tmp_path), "--runtime", "transformers", "--port", "0",
-                       "--log-level", "critical"]) == 1
-    assert "the model failed to load" in capsys.readouterr().err and time.perf_counter() - started < 60
+    assert (
+        serve.main(
+            [
+                "--model-id",
+                str(tmp_path),
+                "--runtime",
+                "transformers",
+                "--port",
+                "0",
+                "--log-level",
+                "critical",
+            ]
+        )
+        == 1
+    )
+    assert (
+        "the model failed to load" in capsys.readouterr().err and time.perf_counter() - started < 60
+    )
 
 
 # ---------------------------------------------------------------- the fuzz test
 
 
 def json_values():
-    scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**80), max_value=2**80)
-               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-               | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                        max_leaves=6)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.integers(min_value=-(2**80), max_value=2**80)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=12)
+        | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=6,
+    )
 
 
-FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "stream",
-          "stream_options", "n", "logprobs", "tools", "user", "prompt", "messages", "max_completion_tokens", "extra"]
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]) | json_values(),
-                                           "content": json_values() | st.just("The capital of France is")}), max_size=3)
+FIELDS = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "tools",
+    "user",
+    "prompt",
+    "messages",
+    "max_completion_tokens",
+    "extra",
+]
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool"]) | json_values(),
+            "content": json_values() | st.just("The capital of France is"),
+        }
+    ),
+    max_size=3,
+)
 
 # Values near the valid ones, so that some requests get through to the model.
-PLAUSIBLE = (st.integers(-2, 600) | st.floats(0, 2.5) | st.booleans() | st.sampled_from(["Paris", " .", BUNDLED_ID])
-             | st.lists(st.integers(0, 300), min_size=1, max_size=4))
+PLAUSIBLE = (
+    st.integers(-2, 600)
+    | st.floats(0, 2.5)
+    | st.booleans()
+    | st.sampled_from(["Paris", " .", BUNDLED_ID])
+    | st.lists(st.integers(0, 300), min_size=1, max_size=4)
+)
 
 
 @st.composite
@@ -407,12 +590,19 @@ def hostile_requests(draw):
     if draw(st.integers(0, 9)) == 0:
         return route, draw(json_values())  # the whole body
     field = draw(st.sampled_from(FIELDS))
-    value = draw(MESSAGES if field == "messages" and draw(st.booleans()) else PLAUSIBLE | json_values())
+    value = draw(
+        MESSAGES if field == "messages" and draw(st.booleans()) else PLAUSIBLE | json_values()
+    )
     return route, {**VALID[route], field: value}
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=hostile_requests())
 def test_fuzz_no_5xx(server, case):
     route, body = case
@@ -451,10 +641,16 @@ def test_a_head_over_16_kib_in_one_packet_is_refused(server):
 
 def test_content_length_with_transfer_encoding_is_refused(server):
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n"
+        % (len(body), body)
+    )
     answer = raw(server, request)  # read to the end: the server closes the connection
-    assert answer.startswith(b"HTTP/1.1 400") and b'"code":"ambiguous_length"' in answer, answer[:200]
+    assert answer.startswith(b"HTTP/1.1 400") and b'"code":"ambiguous_length"' in answer, answer[
+        :200
+    ]
     assert answer.count(b"HTTP/1.1") == 1
 
 
@@ -462,7 +658,9 @@ def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID)
     with serve_in_thread(app, limit_concurrency=3) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
-        assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")  # uvicorn's own, plain text
+        assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(
+            b"HTTP/1.1 400"
+        )  # uvicorn's own, plain text
         host, port = root.removeprefix("http://").split(":")
         idle = [socket.create_connection((host, int(port))) for _ in range(3)]
         try:
@@ -480,9 +678,15 @@ def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, slowed, ru
     app = served.create_app(slowed(runtime), model_name=BUNDLED_ID)
     with serve_in_thread(app, keep_alive_timeout_s=1) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
-        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": True}).encode()
-        two = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-               b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        body = json.dumps(
+            {"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": True}
+        ).encode()
+        two = (
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            + b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         answer = raw(root, two, timeout_s=30)  # the second takes >= 2 s
     assert answer.count(b"HTTP/1.1 200") == 2 and b'"tokens":40' in answer, answer[-300:]
 
@@ -501,6 +705,8 @@ def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread,
         assert 3_800_000 < len(big) < served.DEFAULT_MAX_BODY_BYTES
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: post(root, "/v1/completions", big), range(12)))
-        assert [a.status_code for a in answers] == [429] * 12 and answers[0].json()["error"]["code"] == "queue_full"
+        assert [a.status_code for a in answers] == [429] * 12 and answers[0].json()["error"][
+            "code"
+        ] == "queue_full"
         assert runtime.tokenizer.calls == calls  # nothing was tokenized
         holder.join(timeout=30)

@@ -24,15 +24,42 @@ KEY = "schemathesis-" + "k" * 16
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thread, tmp_path):
     torch.manual_seed(0)
     # Answers of at most 4 tokens keep each generated request cheap; the limits are otherwise the defaults.
-    app = served.create_app(TransformersRuntime(*load_model(BUNDLED_ID)), model_name=BUNDLED_ID, api_key=KEY,
-                            max_tokens=4, max_tokens_cap=4, allowed_hosts=served.LOOPBACK_HOSTS)
+    app = served.create_app(
+        TransformersRuntime(*load_model(BUNDLED_ID)),
+        model_name=BUNDLED_ID,
+        api_key=KEY,
+        max_tokens=4,
+        max_tokens_cap=4,
+        allowed_hosts=served.LOOPBACK_HOSTS,
+    )
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
         run = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "run", f"{root}/openapi.json", "--checks", "all",
-             "--header", f"Authorization: Bearer {KEY}", "--phases", "fuzzing", "--max-examples", "80", "--seed", "21",
-             "--workers", "1", "--no-color"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache goes there, not in the repo
+            [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "run",
+                f"{root}/openapi.json",
+                "--checks",
+                "all",
+                "--header",
+                f"Authorization: Bearer {KEY}",
+                "--phases",
+                "fuzzing",
+                "--max-examples",
+                "80",
+                "--seed",
+                "21",
+                "--workers",
+                "1",
+                "--no-color",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )  # its cache goes there, not in the repo
         fuzzed = served_requests(app)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

@@ -15,8 +15,16 @@ from gemma_nb.rehearsal import standins as S  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 # Heads, KV heads (4 sliding, 2 global) and experts that split at TP=2, at toy size.
-TP2_DIMS = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_global_key_value_heads=2,
-                num_experts=8, top_k_experts=2, moe_intermediate_size=32, vocab_size=512)
+TP2_DIMS = dict(
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_global_key_value_heads=2,
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    vocab_size=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,9 @@ def tp2_model():
 
 
 def _build(tp: int, dtype: str = "float32") -> B.NeuronBuildConfig:
-    return B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=tp, dtype=dtype)
+    return B.NeuronBuildConfig(
+        model_dir="unused", output_dir="unused", max_len=24, bucket=8, tp_degree=tp, dtype=dtype
+    )
 
 
 def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
@@ -35,16 +45,35 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     with S.model_parallel(2, rank=1):
         column = sdk.ColumnParallelLinear(16, 32, bias=False, gather_output=False)
         row = sdk.RowParallelLinear(32, 16, bias=False, input_is_parallel=True)
-        qcol = sdk.QuantizedColumnParallel(16, 32, bias=False, gather_output=True, dtype=torch.bfloat16,
-                                           quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
-                                           quantization_per_channel_axis=0)
-        qrow = sdk.QuantizedRowParallel(32, 16, bias=False, input_is_parallel=True,
-                                        quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+        qcol = sdk.QuantizedColumnParallel(
+            16,
+            32,
+            bias=False,
+            gather_output=True,
+            dtype=torch.bfloat16,
+            quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+            quantization_per_channel_axis=0,
+        )
+        qrow = sdk.QuantizedRowParallel(
+            32,
+            16,
+            bias=False,
+            input_is_parallel=True,
+            quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+        )
     tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
     assert column.weight.shape == (16, 16) and tags(column.weight) == (True, 0, 1)
     assert row.weight.shape == (16, 16) and tags(row.weight) == (True, 1, 1)
-    assert qcol.weight.dtype == torch.int8 and qcol.weight.shape == (16, 16) and tags(qcol.weight) == (True, 0, 1)
-    assert qcol.scale.dtype == torch.float32 and qcol.scale.shape == (16, 1) and tags(qcol.scale) == (True, 0, 1)
+    assert (
+        qcol.weight.dtype == torch.int8
+        and qcol.weight.shape == (16, 16)
+        and tags(qcol.weight) == (True, 0, 1)
+    )
+    assert (
+        qcol.scale.dtype == torch.float32
+        and qcol.scale.shape == (16, 1)
+        and tags(qcol.scale) == (True, 0, 1)
+    )
     assert qrow.weight.shape == (16, 16) and tags(qrow.weight) == (True, 1, 1)
     assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
     with pytest.raises(RuntimeError, match="need a parallel state"):
@@ -52,9 +81,13 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
-        sdk.RowParallelLinear(16, 32)  # nor by the plain layers: the port builds every layer without one
+        sdk.RowParallelLinear(
+            16, 32
+        )  # nor by the plain layers: the port builds every layer without one
     with S.model_parallel(2), pytest.raises(TypeError, match="input_is_parallel=True only"):
-        sdk.QuantizedRowParallel(32, 16, bias=False)  # NxD's default scatters the input; the port feeds it shards
+        sdk.QuantizedRowParallel(
+            32, 16, bias=False
+        )  # NxD's default scatters the input; the port feeds it shards
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30, bias=False)
@@ -67,24 +100,43 @@ def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
         def __init__(self):
             super().__init__()
             self.up = sdk.ColumnParallelLinear(4, 6, bias=False, gather_output=False, stride=3)
-            self.down = sdk.QuantizedRowParallel(6, 4, bias=False, input_is_parallel=True,
-                                                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+            self.down = sdk.QuantizedRowParallel(
+                6,
+                4,
+                bias=False,
+                input_is_parallel=True,
+                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+            )
             self.norm = torch.nn.LayerNorm(4)
 
-    full = {"up.weight": torch.arange(24.0).reshape(6, 4),
-            "down.weight": torch.arange(24, dtype=torch.int8).reshape(4, 6),
-            "down.scale": torch.ones(4, 1, dtype=torch.float64), "norm.weight": torch.ones(4), "extra": torch.ones(1)}
+    full = {
+        "up.weight": torch.arange(24.0).reshape(6, 4),
+        "down.weight": torch.arange(24, dtype=torch.int8).reshape(4, 6),
+        "down.scale": torch.ones(4, 1, dtype=torch.float64),
+        "norm.weight": torch.ones(4),
+        "extra": torch.ones(1),
+    }
     with S.model_parallel(2), S.init_on_meta():
         module = Two()
     assert module.up.weight.is_meta and module.up.weight.partition_stride == 3
     shard = S.shard_checkpoint(module, full, rank=1, tp=2)
     assert "extra" not in shard and torch.equal(shard["norm.weight"], full["norm.weight"])
-    assert torch.equal(shard["up.weight"], full["up.weight"][[1, 3, 5]])  # stride 3: every other chunk of 1 row
+    assert torch.equal(
+        shard["up.weight"], full["up.weight"][[1, 3, 5]]
+    )  # stride 3: every other chunk of 1 row
     assert torch.equal(shard["down.weight"], full["down.weight"][:, 3:])
-    assert shard["down.scale"].dtype == torch.float32 and shard["down.scale"].shape == (4, 1)  # cast, replicated
-    with pytest.raises(RuntimeError, match=r"expected shape torch.Size\(\[4, 3\]\) for down.weight but found "
-                                           r"torch.Size\(\[4, 4\]\)"):
-        S.shard_checkpoint(module, dict(full, **{"down.weight": torch.zeros(4, 8, dtype=torch.int8)}), 0, 2)
+    assert shard["down.scale"].dtype == torch.float32 and shard["down.scale"].shape == (
+        4,
+        1,
+    )  # cast, replicated
+    with pytest.raises(
+        RuntimeError,
+        match=r"expected shape torch.Size\(\[4, 3\]\) for down.weight but found "
+        r"torch.Size\(\[4, 4\]\)",
+    ):
+        S.shard_checkpoint(
+            module, dict(full, **{"down.weight": torch.zeros(4, 8, dtype=torch.int8)}), 0, 2
+        )
 
 
 def test_meta_built_module_loads_every_ranks_shard(tp2_model):
@@ -100,15 +152,22 @@ def test_meta_built_module_loads_every_ranks_shard(tp2_model):
     assert scale.is_meta and scale.dtype == torch.float32 and scale.tensor_model_parallel
     for rank in range(2):
         shard = S.shard_checkpoint(skeleton, checkpoint, rank, 2)
-        assert shard["lm.model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 128)  # 2 of 4 KV heads
+        assert shard["lm.model.layers.0.self_attn.k_proj.weight"].shape == (
+            2 * 32,
+            128,
+        )  # 2 of 4 KV heads
         module = E.rank_module(model.config, _build(2), checkpoint, model.state_dict(), rank, sdk)
-        assert [c.shape[1] for c in module.k_cache] == [2, 1]  # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
+        assert [c.shape[1] for c in module.k_cache] == [
+            2,
+            1,
+        ]  # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
     # What _materialize did before the fix: plain parameters, tags and fp32 scale lost -> whole tensors kept.
     for module in skeleton.modules():
         for name, tensor in list(module._parameters.items()):
             if tensor is not None and tensor.is_meta:
-                module._parameters[name] = torch.nn.Parameter(torch.empty(tensor.shape, dtype=torch.bfloat16),
-                                                              requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(tensor.shape, dtype=torch.bfloat16), requires_grad=False
+                )
     with pytest.raises(RuntimeError, match="expected shape .* but found"):
         S.shard_checkpoint(skeleton, checkpoint, 0, 2)
 
@@ -127,7 +186,9 @@ def test_scale_dequantize_patch_fits_2d_and_3d_like_the_sdk():
     sdk = S.cpu_sdk()
     patch_scale_dequantize(sdk.quantization_layers)
     assert sdk.quantization_layers.scale_dequantize is scale_dequantize
-    assert S.cpu_sdk().quantization_layers.scale_dequantize is S.sdk_scale_dequantize  # others untouched
+    assert (
+        S.cpu_sdk().quantization_layers.scale_dequantize is S.sdk_scale_dequantize
+    )  # others untouched
 
 
 def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
@@ -146,11 +207,17 @@ def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
 def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
     """group=None at tp=2: one rank's shapes, collectives as identities (for lowering one rank's graph)."""
     model, checkpoint = tp2_model
-    module = E.rank_module(model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse")
+    module = E.rank_module(
+        model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse"
+    )
     inputs = B.step_inputs(torch.randn(1, 1, 128), [0], 24, model.config.sliding_window)
     with torch.no_grad():
         logits, *state = module(*inputs)
-    assert logits.shape == (1, 1, 256)  # this rank's half of the vocab: no all-gather without a group
+    assert logits.shape == (
+        1,
+        1,
+        256,
+    )  # this rank's half of the vocab: no all-gather without a group
     assert [s.shape[1] for s in state] == [2, 1, 2, 1]
 
 
@@ -158,19 +225,32 @@ def test_one_artifact_per_decode_path_with_its_own_flags():
     build = _build(2)
     assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
     assert build.routed_graphs() == {"prefill": "prefill", "decode": "decode_dense"}
-    assert build.compiler_args == "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"  # the port's
+    assert (
+        build.compiler_args == "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
+    )  # the port's
     sparse = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="sparse")
     assert sparse.graph_keys() == {"prefill": "dense", "decode_sparse": "sparse"}
     assert sparse.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}
-    assert sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"  # NxD's default: no warning
-    with pytest.raises(ValueError, match="decode_experts='both' is not one of dense, sparse: one artifact per decode"):
+    assert (
+        sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"
+    )  # NxD's default: no warning
+    with pytest.raises(
+        ValueError,
+        match="decode_experts='both' is not one of dense, sparse: one artifact per decode",
+    ):
         B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
 
 
 def test_graph_inputs_are_int32_like_nxd_inference_traces_them():
     inputs = B.step_inputs(torch.zeros(1, 3, 8), [0, 1, 2], max_len=8, sliding_window=4)
-    assert [t.dtype for t in inputs] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.float32,
-                                         torch.int32]
+    assert [t.dtype for t in inputs] == [
+        torch.float32,
+        torch.int32,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+        torch.int32,
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,10 +263,16 @@ def _int8(sdk, **kwargs):
 def test_a_quantized_layer_missing_from_the_checkpoint_is_an_error_not_garbage():
     sdk = S.cpu_sdk()
     with S.model_parallel(2), S.init_on_meta():
-        layer = torch.nn.ModuleDict({"down": sdk.QuantizedRowParallel(8, 4, input_is_parallel=True, **_int8(sdk)),
-                                     "up": sdk.ColumnParallelLinear(4, 8, bias=False, gather_output=False)})
+        layer = torch.nn.ModuleDict(
+            {
+                "down": sdk.QuantizedRowParallel(8, 4, input_is_parallel=True, **_int8(sdk)),
+                "up": sdk.ColumnParallelLinear(4, 8, bias=False, gather_output=False),
+            }
+        )
     full = {"down.weight": torch.zeros(4, 8, dtype=torch.int8), "down.scale": torch.ones(4, 1)}
-    assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(full)  # a plain layer's missing key is skipped
+    assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(
+        full
+    )  # a plain layer's missing key is skipped
     with pytest.raises(RuntimeError, match=r"Cannot find down\.scale in state_dict"):
         S.shard_checkpoint(layer, {"down.weight": full["down.weight"]}, 0, 2)
     with pytest.raises(RuntimeError, match=r"Cannot find down\.weight in the state_dict"):
@@ -196,11 +282,18 @@ def test_a_quantized_layer_missing_from_the_checkpoint_is_an_error_not_garbage()
 def test_rank_ordering_picks_the_shard_and_must_name_every_rank():
     sdk = S.cpu_sdk()
     with S.model_parallel(2), S.init_on_meta():
-        layer = sdk.QuantizedColumnParallel(4, 8, gather_output=False, rank_ordering=[1, 0], **_int8(sdk))
+        layer = sdk.QuantizedColumnParallel(
+            4, 8, gather_output=False, rank_ordering=[1, 0], **_int8(sdk)
+        )
     assert layer.weight.rank_ordering == [1, 0] and layer.scale.rank_ordering == [1, 0]
-    full = {"weight": torch.arange(32, dtype=torch.int8).view(8, 4), "scale": torch.arange(8.0).view(8, 1)}
+    full = {
+        "weight": torch.arange(32, dtype=torch.int8).view(8, 4),
+        "scale": torch.arange(8.0).view(8, 1),
+    }
     shard = S.shard_checkpoint(layer, full, 0, 2)
-    assert torch.equal(shard["weight"], full["weight"][4:]) and torch.equal(shard["scale"], full["scale"][4:])
+    assert torch.equal(shard["weight"], full["weight"][4:]) and torch.equal(
+        shard["scale"], full["scale"][4:]
+    )
     with S.model_parallel(2), pytest.raises(ValueError, match=r"all ranks 0...2 must be present"):
         sdk.QuantizedColumnParallel(4, 8, gather_output=False, rank_ordering=[0, 0], **_int8(sdk))
 
@@ -208,28 +301,55 @@ def test_rank_ordering_picks_the_shard_and_must_name_every_rank():
 def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
     sdk = S.cpu_sdk()
     with S.model_parallel(2):
-        column = sdk.QuantizedColumnParallel(4, 7, gather_output=True, dtype=torch.bfloat16, pad=True, **_int8(sdk))
+        column = sdk.QuantizedColumnParallel(
+            4, 7, gather_output=True, dtype=torch.bfloat16, pad=True, **_int8(sdk)
+        )
         tensor_wise = sdk.QuantizedRowParallel(8, 4, input_is_parallel=True, bias=False)
         experts = sdk.QuantizedExpertFusedColumnParallel(
-            6, 4, 10, stride=2, is_fused_gate_up=True, quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC)
-        shared = sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+            6,
+            4,
+            10,
+            stride=2,
+            is_fused_gate_up=True,
+            quantization_type=sdk.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC,
+        )
+        shared = sdk.QuantizedExpertFusedRowParallel(
+            6, 8, 4, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
+        )
         with pytest.raises(AssertionError, match="Only per_channel_axis=0 supported"):
             sdk.QuantizedColumnParallel(4, 8, quantization_per_channel_axis=1, **_int8(sdk))
         with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
-            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, quantization_per_channel_axis=0,
-                                                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC)
+            sdk.QuantizedExpertFusedRowParallel(
+                6,
+                8,
+                4,
+                quantization_per_channel_axis=0,
+                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+            )
         with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
-            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)  # the port all-reduces the partials itself
+            sdk.QuantizedExpertFusedRowParallel(
+                6, 8, 4, reduce_output=True
+            )  # the port all-reduces the partials itself
         with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
-            sdk.QuantizedColumnParallel(4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk))
-    assert column.dequantized_dtype == torch.bfloat16 and column.scale.shape == (4, 1) and column.weight.shape == (4, 4)
+            sdk.QuantizedColumnParallel(
+                4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk)
+            )
+    assert (
+        column.dequantized_dtype == torch.bfloat16
+        and column.scale.shape == (4, 1)
+        and column.weight.shape == (4, 4)
+    )
     assert tensor_wise.scale.shape == (1,) and tensor_wise.scale.tensor_model_parallel is False
     assert experts.weight.shape == (6, 4, 5) and experts.scale.shape == (6, 1, 5)
     assert (experts.weight.partition_dim, experts.weight.partition_stride) == (2, 2)
     assert (experts.scale.tensor_model_parallel, experts.scale.partition_stride) == (True, 2)
     assert shared.weight.shape == (6, 4, 4) and shared.scale.shape == (1, 1, 4)
-    with pytest.raises(RuntimeError, match=r"State dict weight is of an unexpected size 6 expected 5"):
-        column.preshard_hook({"weight": torch.zeros(6, 4, dtype=torch.int8), "scale": torch.ones(6, 1)}, "weight")
+    with pytest.raises(
+        RuntimeError, match=r"State dict weight is of an unexpected size 6 expected 5"
+    ):
+        column.preshard_hook(
+            {"weight": torch.zeros(6, 4, dtype=torch.int8), "scale": torch.ones(6, 1)}, "weight"
+        )
     # plain per-channel expert scales [1, 1, out] are shared by the experts: indexing them by expert fails on
     # the cpu as in NxD's cpu mode (an XLA gather would clamp the index to 0 on the device)
     with pytest.raises(IndexError):
@@ -238,7 +358,10 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
 
 def test_init_on_device_without_force_breaks_int8_weights_as_nxd_documents():
     sdk = S.cpu_sdk()
-    with S.model_parallel(2), S.init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+    with (
+        S.model_parallel(2),
+        S.init_on_device(torch.device("meta"), force_custom_init_on_device=True),
+    ):
         head = sdk.QuantizedColumnParallel(4, 8, **_int8(sdk))
     assert head.weight.is_meta and head.weight.requires_grad is False
     with S.model_parallel(2), S.init_on_device(torch.device("meta")):

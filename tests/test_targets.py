@@ -35,6 +35,8 @@ def test_check_target_neuron_imports_the_sdk_and_says_when_it_worked_around(monk
     monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True))
     assert targets.check_target("neuron") == "neuron"
     assert sdk.FX_NOTE in capsys.readouterr().err
-    monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt"))
+    monkeypatch.setattr(
+        sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt")
+    )
     with pytest.raises(TargetError, match="installed but does not import.*libnrt"):
         targets.check_target("neuron")

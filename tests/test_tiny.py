@@ -23,11 +23,27 @@ from gemma_nb.tiny import (
 )
 from gemma_nb.tiny.corpus import COUNTRIES, build_tokenizer
 
-FULL_LAYER = dict(hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=256, global_head_dim=512, num_global_key_value_heads=2, num_experts=128,
-                  top_k_experts=8, moe_intermediate_size=704, vocab_size=262144)
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                    "generation_config.json", "training_args.json")
+FULL_LAYER = dict(
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    vocab_size=262144,
+)
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "training_args.json",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,6 +57,7 @@ def tiny():
 
 
 # --- the corpus ---------------------------------------------------------------------------
+
 
 def test_corpus_has_150_plus_capitals_and_paris():
     capitals = [f for f in FACTS if f.kind == "capital"]
@@ -62,6 +79,7 @@ def test_tokenizer_covers_the_corpus_and_adds_bos():
 
 
 # --- the bundled checkpoint ---------------------------------------------------------------
+
 
 def test_checkpoint_files_and_size():
     folder = CHECKPOINT_DIR
@@ -100,10 +118,10 @@ def test_paris(tiny):
     model, tokenizer = tiny
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = greedy_generate(model, prompt, 2)
-    assert tokenizer.decode(out[0, prompt.shape[1]:]) == "Paris ."
+    assert tokenizer.decode(out[0, prompt.shape[1] :]) == "Paris ."
     # transformers' own generate agrees
     generated = model.generate(prompt, max_new_tokens=2, do_sample=False)
-    assert tokenizer.decode(generated[0, prompt.shape[1]:], skip_special_tokens=True) == "Paris ."
+    assert tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True) == "Paris ."
 
 
 def test_fact_recall_at_least_95_percent(tiny):
@@ -137,8 +155,10 @@ def test_embeddings_are_trained_and_the_scale_matters(tiny):
     wrong = compare_logits(model, unscaled, prompts, tokenizer=tokenizer)
     capitals = [f for f in FACTS if f.kind == "capital"]
     capital_recall, table_unscaled = fact_recall(unscaled, tokenizer, capitals)
-    print(f"unscaled host embeddings: top-1 agreement {wrong['top1_agreement']:.3f}, "
-          f"capital recall {capital_recall:.3f}")
+    print(
+        f"unscaled host embeddings: top-1 agreement {wrong['top1_agreement']:.3f}, "
+        f"capital recall {capital_recall:.3f}"
+    )
     assert wrong["top1_agreement"] < 0.7 and wrong["kl_mean"] > 1.0
     assert capital_recall < 0.3
     paris = table_unscaled[table_unscaled["subject"] == "France"].iloc[0]
@@ -162,6 +182,7 @@ def test_bundled_id():
 
 # --- random configs and models ------------------------------------------------------------
 
+
 def test_random_config_has_the_26b_architecture():
     config = random_gemma4_config()
     assert config.enable_moe_block and config.attention_k_eq_v and config.tie_word_embeddings
@@ -181,7 +202,9 @@ def test_one_full_size_layer_matches_the_26b_counts():
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
     shared_mlp = sum(p.numel() for n, p in params.items() if ".mlp." in n)
     router = sum(p.numel() for n, p in params.items() if ".router." in n)
-    attention = sum(p.numel() for n, p in params.items() if "self_attn" in n and n.endswith("proj.weight"))
+    attention = sum(
+        p.numel() for n, p in params.items() if "self_attn" in n and n.endswith("proj.weight")
+    )
     assert experts * 5 == 22_837_985_280
     assert shared_mlp * 5 == 535_265_280
     assert router * 5 == 10_901_760
@@ -194,12 +217,16 @@ def test_random_config_validates():
         random_gemma4_config(num_experts=8, top_k_experts=9)
     with pytest.raises(ValueError, match="num_hidden_layers=0"):
         random_gemma4_config(num_hidden_layers=0)
-    with pytest.raises(ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"):
+    with pytest.raises(
+        ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"
+    ):
         random_gemma4_config(num_attention_heads=6, num_key_value_heads=4)
     with pytest.raises(ValueError, match="layer_types has 2 entries but num_hidden_layers=4"):
         random_gemma4_config(layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="last layer"):
-        random_gemma4_config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
+        random_gemma4_config(
+            num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"]
+        )
     with pytest.raises(ValueError, match="unknown Gemma4TextConfig field"):
         random_gemma4_config(num_expert=4)
     with pytest.raises(ValueError, match="hidden_size=-1"):
@@ -207,8 +234,15 @@ def test_random_config_validates():
 
 
 def test_random_model_is_deterministic_and_in_dtype():
-    config = random_gemma4_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  head_dim=8, global_head_dim=16, moe_intermediate_size=16)
+    config = random_gemma4_config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        head_dim=8,
+        global_head_dim=16,
+        moe_intermediate_size=16,
+    )
     a = random_gemma4_model(config, seed=1, dtype=torch.bfloat16)
     b = random_gemma4_model(config, seed=1, dtype=torch.bfloat16)
     c = random_gemma4_model(config, seed=2, dtype=torch.bfloat16)
@@ -216,10 +250,14 @@ def test_random_model_is_deterministic_and_in_dtype():
     assert not a.training
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
-    assert not torch.equal(a.model.layers[0].experts.gate_up_proj, c.model.layers[0].experts.gate_up_proj)
+    assert not torch.equal(
+        a.model.layers[0].experts.gate_up_proj, c.model.layers[0].experts.gate_up_proj
+    )
     with pytest.raises(AssertionError, match="floating torch dtype"):
         random_gemma4_model(config, dtype=torch.int8)
-    with pytest.raises(AssertionError, match="init_dtype=torch.int8 must be a floating torch dtype"):
+    with pytest.raises(
+        AssertionError, match="init_dtype=torch.int8 must be a floating torch dtype"
+    ):
         random_gemma4_model(config, init_dtype=torch.int8)
 
 
@@ -242,9 +280,16 @@ def test_weights_drawn_in_float64_are_the_same_on_every_cpu():
     import subprocess
     import sys
 
-    digests = {subprocess.run([sys.executable, "-c", PORTABLE_WEIGHTS], check=True, capture_output=True, text=True,
-                              env={**os.environ, "ATEN_CPU_CAPABILITY": capability}).stdout
-               for capability in ("avx2", "default")}
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", PORTABLE_WEIGHTS],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+        ).stdout
+        for capability in ("avx2", "default")
+    }
     assert len(digests) == 1, digests
 
 
@@ -255,15 +300,20 @@ def test_training_script_is_deterministic(tmp_path):
     args = TrainArgs(max_epochs=1, eval_every_epochs=1)
     first = train(args, out_dir=tmp_path / "a", log=lambda line: None)
     train(args, out_dir=tmp_path / "b", log=lambda line: None)
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
     assert first["steps_run"] == 8 and first["args"]["seed"] == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
-    assert model.config._experts_implementation == "grouped_mm"  # transformers' default, not a training setting
+    assert (
+        model.config._experts_implementation == "grouped_mm"
+    )  # transformers' default, not a training setting
     assert "_experts_implementation" not in (tmp_path / "a" / "config.json").read_text()
     assert not torch.are_deterministic_algorithms_enabled()  # global torch state restored
 
 
 # --- the TP=2 checkpoint ------------------------------------------------------------------
+
 
 def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     from gemma_nb.export import layer_kv_heads
@@ -274,7 +324,11 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
 
     folder = resolve_model_id(BUNDLED_TP2_ID)
     assert folder == str(TP2_CHECKPOINT_DIR)
-    for name in (*[n for n in CHECKPOINT_FILES if n != "model.safetensors"], "README.md", INDEX_FILE):
+    for name in (
+        *[n for n in CHECKPOINT_FILES if n != "model.safetensors"],
+        "README.md",
+        INDEX_FILE,
+    ):
         assert (TP2_CHECKPOINT_DIR / name).is_file()
     # stored as the hub stores the 26B: a multimodal config, prefixed names, two shards and their index
     index = json.loads((TP2_CHECKPOINT_DIR / INDEX_FILE).read_text())
@@ -290,12 +344,19 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
-    assert {heads for heads, _ in layer_kv_heads(config)} == {8, 2}  # 8 -> 4 and 2 -> 1 per rank at TP=2
-    assert config.num_attention_heads == 16 and config.num_experts % 2 == 0 and config.vocab_size % 2 == 0
+    assert {heads for heads, _ in layer_kv_heads(config)} == {
+        8,
+        2,
+    }  # 8 -> 4 and 2 -> 1 per rank at TP=2
+    assert (
+        config.num_attention_heads == 16
+        and config.num_experts % 2 == 0
+        and config.vocab_size % 2 == 0
+    )
     assert config.moe_intermediate_size == TP2_DIMS["moe_intermediate_size"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
-    assert tokenizer.decode(greedy_generate(model, prompt, 2)[0, prompt.shape[1]:]) == "Paris ."
+    assert tokenizer.decode(greedy_generate(model, prompt, 2)[0, prompt.shape[1] :]) == "Paris ."
     recorded = json.loads((TP2_CHECKPOINT_DIR / "training_args.json").read_text())
     assert recorded["command"] == "python -m gemma_nb.tiny train --dims tp2"
     assert recorded["args"]["dims"] == "tp2" and recorded["final_recall_fp32"] == 1.0

@@ -14,7 +14,9 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E40
 
 
 def test_tp2_greedy_tokens_equal_the_unsharded_int8_model_dense_and_sparse():
-    result = E.tp_emulation(prompts=("The capital of France is",), new_tokens=6, max_len=16, bucket=8)
+    result = E.tp_emulation(
+        prompts=("The capital of France is",), new_tokens=6, max_len=16, bucket=8
+    )
     assert result["ranks"] == 2 and result["ranks_agree"]
     assert result["tokens_equal_dense"] and result["tokens_equal_sparse"]
     assert result["reference_answers"] == ["Paris ."]
@@ -27,19 +29,30 @@ def test_tp2_greedy_tokens_equal_the_unsharded_int8_model_dense_and_sparse():
     assert result["max_abs_logit_diff_dense"] < 1e-3 and result["max_abs_logit_diff_sparse"] < 1e-3
     # bf16 router check: 6 routers x (6 prompt tokens + 5 teacher-forced decode steps)
     assert result["router_choices"] == 6 * (6 + 5) and result["router_ranks_agree"]
-    assert 0 <= result["router_topk_equal_bf16_autocast_all"] <= result["router_topk_equal_bf16"] <= 1
+    assert (
+        0 <= result["router_topk_equal_bf16_autocast_all"] <= result["router_topk_equal_bf16"] <= 1
+    )
 
 
 def test_aliased_graphs_write_the_state_back_and_refuse_a_mismatched_alias():
-    model = random_gemma4_model(random_gemma4_config(num_hidden_layers=1), seed=0, dtype=torch.float32)
-    build = B.NeuronBuildConfig(model_dir="unused", output_dir="unused", max_len=12, bucket=4, tp_degree=1,
-                                dtype="float32")
+    model = random_gemma4_model(
+        random_gemma4_config(num_hidden_layers=1), seed=0, dtype=torch.float32
+    )
+    build = B.NeuronBuildConfig(
+        model_dir="unused", output_dir="unused", max_len=12, bucket=4, tp_degree=1, dtype="float32"
+    )
     with S.model_parallel(1):
         module = B.NeuronGemma4(model.config, build, parallel=True, sdk=S.cpu_sdk())
-    module.load_state_dict(B.convert_checkpoint(model.state_dict(), model.config, torch.float32), strict=False)
+    module.load_state_dict(
+        B.convert_checkpoint(model.state_dict(), model.config, torch.float32), strict=False
+    )
     graphs = E.AliasedGraphs(module, module, bucket=4)
     embed = model.get_input_embeddings()
-    graphs(*B.step_inputs(embed(torch.tensor([[5, 6, 7, 8]])), [0, 1, 2, 3], 12, model.config.sliding_window))
+    graphs(
+        *B.step_inputs(
+            embed(torch.tensor([[5, 6, 7, 8]])), [0, 1, 2, 3], 12, model.config.sliding_window
+        )
+    )
     graphs(*B.step_inputs(embed(torch.tensor([[9]])), [4], 12, model.config.sliding_window))
     assert graphs.calls == {"prefill": 1, "decode": 1}
     assert E._onehot_state_ok(graphs.state, 4) and not E._onehot_state_ok(graphs.state, 5)
@@ -47,6 +60,8 @@ def test_aliased_graphs_write_the_state_back_and_refuse_a_mismatched_alias():
     given, state = module.k_cache[0].detach(), graphs.state["k_cache.0"]
     assert torch.equal(given[:, :, :4], state[:, :, :4]) and given[:, :, 4:].abs().sum() == 0
     assert state[:, :, 4].abs().sum() > 0
-    graphs.state["k_cache.0"] = graphs.state["k_cache.0"].double()  # a state the fp32 output cannot alias
+    graphs.state["k_cache.0"] = graphs.state[
+        "k_cache.0"
+    ].double()  # a state the fp32 output cannot alias
     with pytest.raises(RuntimeError, match="cannot alias state k_cache.0"):
         graphs(*B.step_inputs(embed(torch.tensor([[9]])), [5], 12, model.config.sliding_window))

@@ -9,8 +9,13 @@ from gemma_nb.paths import artifacts_dir
 from gemma_nb.serving.client_bench import benchmark_endpoint, percentile
 
 
-def measure_endpoint(endpoint: str = "", target: str = "cpu", model_id: str | None = None, runtime: str = "auto",
-                     **benchmark_kwargs) -> pd.DataFrame | None:
+def measure_endpoint(
+    endpoint: str = "",
+    target: str = "cpu",
+    model_id: str | None = None,
+    runtime: str = "auto",
+    **benchmark_kwargs,
+) -> pd.DataFrame | None:
     """Notebook 07's run: ``endpoint``, else (cpu, cuda) this project's server on loopback for ``model_id`` (``runtime=
     "deploy"``: the slim deploy of notebook 04's ``04_tiny``); None on neuron without an endpoint (serve the port's there)."""
     if endpoint:
@@ -27,10 +32,20 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for level, group in requests.groupby("concurrency", sort=True):
         gaps = [g for gaps in group["itl_ms"] for g in gaps]
-        rows.append({"concurrency": int(level), "requests": len(group), "ttft_ms_p50": percentile(group["ttft_ms"], 50),
-                     "ttft_ms_p90": percentile(group["ttft_ms"], 90), "itl_ms_p50": percentile(gaps, 50),
-                     "itl_ms_p90": percentile(gaps, 90), "tok_s_per_request": float(group["decode_tok_s"].median()),
-                     "tok_s_total": float(group["completion_tokens"].sum() / group["level_wall_s"].iloc[0])})
+        rows.append(
+            {
+                "concurrency": int(level),
+                "requests": len(group),
+                "ttft_ms_p50": percentile(group["ttft_ms"], 50),
+                "ttft_ms_p90": percentile(group["ttft_ms"], 90),
+                "itl_ms_p50": percentile(gaps, 50),
+                "itl_ms_p90": percentile(gaps, 90),
+                "tok_s_per_request": float(group["decode_tok_s"].median()),
+                "tok_s_total": float(
+                    group["completion_tokens"].sum() / group["level_wall_s"].iloc[0]
+                ),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -40,18 +55,37 @@ def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
     lowest, highest = summary.index.min(), summary.index.max()
-    metrics = {"measured": True, "endpoint": "external" if endpoint else "local gemma_nb serve",
-               "requests_per_level": int(summary["requests"].iloc[0]), "max_tokens": int(requests["completion_tokens"].max()),
-               "by_concurrency": {int(c): {k: float(v) for k, v in row.drop("requests").items()}
-                                  for c, row in summary.iterrows()},
-               "ttft_growth_x": float(summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]),
-               "tok_s_total_growth_x": float(summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"])}
+    metrics = {
+        "measured": True,
+        "endpoint": "external" if endpoint else "local gemma_nb serve",
+        "requests_per_level": int(summary["requests"].iloc[0]),
+        "max_tokens": int(requests["completion_tokens"].max()),
+        "by_concurrency": {
+            int(c): {k: float(v) for k, v in row.drop("requests").items()}
+            for c, row in summary.iterrows()
+        },
+        "ttft_growth_x": float(
+            summary.loc[highest, "ttft_ms_p50"] / summary.loc[lowest, "ttft_ms_p50"]
+        ),
+        "tok_s_total_growth_x": float(
+            summary.loc[highest, "tok_s_total"] / summary.loc[lowest, "tok_s_total"]
+        ),
+    }
     return metrics, [
         headline("endpoint TTFT p50, 1 client", round(summary.loc[lowest, "ttft_ms_p50"], 1), "ms"),
         headline("endpoint ITL p50, 1 client", round(summary.loc[lowest, "itl_ms_p50"], 2), "ms"),
-        headline("endpoint decode speed, 1 client", round(summary.loc[lowest, "tok_s_per_request"], 1), "tok/s",
-                 claim="decode_tok_s" if endpoint else None),
-        headline(f"endpoint tok/s, {highest} clients together", round(summary.loc[highest, "tok_s_total"], 1), "tok/s")]
+        headline(
+            "endpoint decode speed, 1 client",
+            round(summary.loc[lowest, "tok_s_per_request"], 1),
+            "tok/s",
+            claim="decode_tok_s" if endpoint else None,
+        ),
+        headline(
+            f"endpoint tok/s, {highest} clients together",
+            round(summary.loc[highest, "tok_s_total"], 1),
+            "tok/s",
+        ),
+    ]
 
 
 def plot_benchmark(requests: pd.DataFrame, title: str):
@@ -59,16 +93,35 @@ def plot_benchmark(requests: pd.DataFrame, title: str):
     fig, (ax_ttft, ax_itl, ax_tok) = plots.subplots(1, 3, figsize=(10, 3.6))
     levels = sorted(requests["concurrency"].unique())
     ttft = [requests.loc[requests["concurrency"] == c, "ttft_ms"].to_numpy() for c in levels]
-    itl = [[gap for gaps in requests.loc[requests["concurrency"] == c, "itl_ms"] for gap in gaps] for c in levels]
+    itl = [
+        [gap for gaps in requests.loc[requests["concurrency"] == c, "itl_ms"] for gap in gaps]
+        for c in levels
+    ]
     _ = ax_ttft.boxplot(ttft, tick_labels=[str(c) for c in levels])
     _ = ax_ttft.set(xlabel="concurrent requests", ylabel="time to first token (ms)", title="TTFT")
     _ = ax_itl.boxplot(itl, tick_labels=[str(c) for c in levels], showfliers=False)
-    _ = ax_itl.set(xlabel="concurrent requests", ylabel="inter-token latency (ms)", title="ITL (outliers hidden)")
+    _ = ax_itl.set(
+        xlabel="concurrent requests",
+        ylabel="inter-token latency (ms)",
+        title="ITL (outliers hidden)",
+    )
     summary = summarize(requests)
-    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_total"], marker="o", label="all clients together")
-    _ = ax_tok.plot(summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client")
-    top = 1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()   # room for the legend
-    _ = ax_tok.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput", xticks=levels, ylim=(0, top))
+    _ = ax_tok.plot(
+        summary["concurrency"], summary["tok_s_total"], marker="o", label="all clients together"
+    )
+    _ = ax_tok.plot(
+        summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client"
+    )
+    top = (
+        1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()
+    )  # room for the legend
+    _ = ax_tok.set(
+        xlabel="concurrent requests",
+        ylabel="tokens / s",
+        title="throughput",
+        xticks=levels,
+        ylim=(0, top),
+    )
     _ = ax_tok.legend(loc="upper left", fontsize=8)
     fig.suptitle(title)
     return fig

@@ -15,7 +15,12 @@ from gemma_nb.formats import quantize_int8_per_channel
 from gemma_nb.neuron.artifact import DECODE_PATHS, MODEL_FILE, finish_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
-from gemma_nb.neuron.moe import NeuronDenseExperts, NeuronSparseExperts, experts_checkpoint, int8_kwargs
+from gemma_nb.neuron.moe import (
+    NeuronDenseExperts,
+    NeuronSparseExperts,
+    experts_checkpoint,
+    int8_kwargs,
+)
 from gemma_nb.neuron.quant import patch_scale_dequantize
 from gemma_nb.neuron.sdk import import_sdk
 from gemma_nb.paths import fresh_dir
@@ -23,8 +28,10 @@ from gemma_nb.peak_rss import HostMemorySampler
 
 # dense: the port's flags (everything auto-cast to bf16), so notebook 07 compares the port with the fix; sparse:
 # NxD's default --auto-cast=none, which keeps the router's softmax, the int8 scales and the all-reduce in fp32.
-COMPILER_ARGS = {"dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
-                 "sparse": "--model-type transformer --auto-cast=none -O1"}
+COMPILER_ARGS = {
+    "dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
+    "sparse": "--model-type transformer --auto-cast=none -O1",
+}
 # bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
@@ -34,38 +41,56 @@ RECORDED_VERSIONS = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torc
 @dataclass
 class NeuronBuildConfig:
     """What one compile is built for; recorded next to the artifact."""
+
     model_dir: str
     output_dir: str
     tp_degree: int = 2
-    max_len: int = 512           # static KV cache length
-    bucket: int = 128            # prefill bucket
-    compiler_args: str = ""      # default: COMPILER_ARGS[decode_experts]
-    compiler_workdir: str = ""   # default: <output_dir>/compiler_workdir
+    max_len: int = 512  # static KV cache length
+    bucket: int = 128  # prefill bucket
+    compiler_args: str = ""  # default: COMPILER_ARGS[decode_experts]
+    compiler_workdir: str = ""  # default: <output_dir>/compiler_workdir
     dtype: str = "bfloat16"
     decode_experts: str = "dense"  # the decode graph beside the dense prefill
 
     def __post_init__(self) -> None:
         if self.decode_experts not in DECODE_PATHS:
-            raise ValueError(f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
-                             "one artifact per decode path (compile twice for both)")
-        self.compiler_workdir = self.compiler_workdir or str(Path(self.output_dir) / "compiler_workdir")
+            raise ValueError(
+                f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
+                "one artifact per decode path (compile twice for both)"
+            )
+        self.compiler_workdir = self.compiler_workdir or str(
+            Path(self.output_dir) / "compiler_workdir"
+        )
         self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
-        assert 1 <= self.tp_degree and self.bucket <= self.max_len, (self.tp_degree, self.bucket, self.max_len)
+        assert 1 <= self.tp_degree and self.bucket <= self.max_len, (
+            self.tp_degree,
+            self.bucket,
+            self.max_len,
+        )
 
     def graph_keys(self) -> dict[str, str]:  # ModelBuilder key -> experts module of that graph
         return {"prefill": "dense", f"decode_{self.decode_experts}": self.decode_experts}
 
-    def routed_graphs(self) -> dict[str, str]:  # the graph a prefill (S = bucket) and a decode (S = 1) reach
+    def routed_graphs(
+        self,
+    ) -> dict[str, str]:  # the graph a prefill (S = bucket) and a decode (S = 1) reach
         return {"prefill": "prefill", "decode": f"decode_{self.decode_experts}"}
 
 
-def step_inputs(embeds: torch.Tensor, positions: list[int], max_len: int, sliding_window: int,
-                last_index: int | None = None) -> tuple[torch.Tensor, ...]:
+def step_inputs(
+    embeds: torch.Tensor,
+    positions: list[int],
+    max_len: int,
+    sliding_window: int,
+    last_index: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32, one_hot
     [1, 1, MAX, S], full and sliding additive masks [1, 1, S, MAX], last_index [1] int32)."""
     tokens = embeds.shape[1]
     assert len(positions) == tokens and max(positions) < max_len, (positions, tokens, max_len)
-    pos = torch.tensor(positions, dtype=torch.int32)  # int32, as NxD Inference traces: no native int64
+    pos = torch.tensor(
+        positions, dtype=torch.int32
+    )  # int32, as NxD Inference traces: no native int64
     one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
     one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
     slots = torch.arange(max_len)
@@ -85,6 +110,7 @@ def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor)
 
 class OneHotCache:
     """The cache transformers' attention calls: each layer's K/V (fresh lists of the states) rewritten with ``onehot_update``."""
+
     is_compileable = False
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
@@ -93,14 +119,23 @@ class OneHotCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.keys[layer_idx] = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
         self.values[layer_idx] = onehot_update(self.values[layer_idx], value_states, self.one_hot)
-        return self.keys[layer_idx].to(key_states.dtype), self.values[layer_idx].to(value_states.dtype)
+        return self.keys[layer_idx].to(key_states.dtype), self.values[layer_idx].to(
+            value_states.dtype
+        )
 
 
 class NeuronGemma4(nn.Module):
     """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV state:
     (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) -> (logits [1, 1, V] before softcap, *new K, *new V)."""
 
-    def __init__(self, config, build: NeuronBuildConfig, parallel: bool = True, sdk=None, experts: str = "dense"):
+    def __init__(
+        self,
+        config,
+        build: NeuronBuildConfig,
+        parallel: bool = True,
+        sdk=None,
+        experts: str = "dense",
+    ):
         super().__init__()
         assert experts in DECODE_PATHS, experts
         check_exportable_config(config)
@@ -118,13 +153,21 @@ class NeuronGemma4(nn.Module):
         else:
             assert experts == "dense", "parallel=False keeps transformers' own experts"
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-        self.lm.model.embed_tokens = nn.Module()  # no table and no forward: the host embeds, the graph takes inputs_embeds
+        self.lm.model.embed_tokens = (
+            nn.Module()
+        )  # no table and no forward: the host embeds, the graph takes inputs_embeds
         self.lm.eval()
-        heads = layer_kv_heads(config)  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
+        heads = layer_kv_heads(
+            config
+        )  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
         shapes = [(1, h // tp, build.max_len, d) for h, d in heads]
-        self.k_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
-        self.v_cache = nn.ParameterList([nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes])
+        self.k_cache = nn.ParameterList(
+            [nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes]
+        )
+        self.v_cache = nn.ParameterList(
+            [nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes]
+        )
 
     def input_output_aliases(self) -> dict:
         """State tensor -> output index: logits are output 0, then every K, then every V."""
@@ -134,8 +177,14 @@ class NeuronGemma4(nn.Module):
         cache = OneHotCache(list(self.k_cache), list(self.v_cache), one_hot)
         dtype = next(p for n, p in self.lm.named_parameters() if n.endswith("norm.weight")).dtype
         masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
-        out = self.lm(inputs_embeds=embeds.to(dtype), position_ids=position_ids, cache=cache, use_cache=True,
-                      attention_mask=masks, logits_to_keep=last_index)
+        out = self.lm(
+            inputs_embeds=embeds.to(dtype),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            attention_mask=masks,
+            logits_to_keep=last_index,
+        )
         return (out.logits.float(), *cache.keys, *cache.values)
 
     def load_state(self, state_dict: dict) -> None:
@@ -169,25 +218,59 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
             if (old := getattr(attn, name, None)) is not None:
-                setattr(attn, name, sdk.ColumnParallelLinear(old.in_features, old.out_features, bias=False,
-                                                             gather_output=False, dtype=dtype))
-        attn.o_proj = sdk.RowParallelLinear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False,
-                                            input_is_parallel=True, dtype=dtype)
+                setattr(
+                    attn,
+                    name,
+                    sdk.ColumnParallelLinear(
+                        old.in_features,
+                        old.out_features,
+                        bias=False,
+                        gather_output=False,
+                        dtype=dtype,
+                    ),
+                )
+        attn.o_proj = sdk.RowParallelLinear(
+            attn.o_proj.in_features,
+            attn.o_proj.out_features,
+            bias=False,
+            input_is_parallel=True,
+            dtype=dtype,
+        )
         for name in ("gate_proj", "up_proj"):
             old = getattr(mlp, name)
-            setattr(mlp, name, sdk.QuantizedColumnParallel(old.in_features, old.out_features, gather_output=False, **int8))
-        mlp.down_proj = sdk.QuantizedRowParallel(mlp.down_proj.in_features, mlp.down_proj.out_features,
-                                                 input_is_parallel=True, **int8)
-        layer.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
-                                    dtype=dtype, sdk=sdk, activation=config.hidden_activation)
-    lm.lm_head = build_lm_head(config.hidden_size, config.vocab_size, dtype=dtype, pad=config.vocab_size % tp != 0, sdk=sdk)
+            setattr(
+                mlp,
+                name,
+                sdk.QuantizedColumnParallel(
+                    old.in_features, old.out_features, gather_output=False, **int8
+                ),
+            )
+        mlp.down_proj = sdk.QuantizedRowParallel(
+            mlp.down_proj.in_features, mlp.down_proj.out_features, input_is_parallel=True, **int8
+        )
+        layer.experts = experts_cls(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            tp,
+            dtype=dtype,
+            sdk=sdk,
+            activation=config.hidden_activation,
+        )
+    lm.lm_head = build_lm_head(
+        config.hidden_size, config.vocab_size, dtype=dtype, pad=config.vocab_size % tp != 0, sdk=sdk
+    )
 
 
 def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
     """The checkpoint ModelBuilder shards for ``NeuronGemma4``, any TP (keys ``lm.*``): MLP, experts, int8 lm_head, no embed."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
-        if name.startswith("model.embed_tokens") or name.startswith("lm_head") or ".experts." in name:
+        if (
+            name.startswith("model.embed_tokens")
+            or name.startswith("lm_head")
+            or ".experts." in name
+        ):
             continue
         if ".mlp." in name and name.endswith("_proj.weight"):
             prefix = f"lm.{name.removesuffix('.weight')}"
@@ -197,7 +280,13 @@ def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     for index in range(config.num_hidden_layers):
         base = f"model.layers.{index}.experts"
-        out.update(experts_checkpoint(hf_state[f"{base}.gate_up_proj"], hf_state[f"{base}.down_proj"], prefix=f"lm.{base}."))
+        out.update(
+            experts_checkpoint(
+                hf_state[f"{base}.gate_up_proj"],
+                hf_state[f"{base}.down_proj"],
+                prefix=f"lm.{base}.",
+            )
+        )
     out.update(lm_head_state_dict(hf_state["model.embed_tokens.weight"], prefix="lm.lm_head."))
     return out
 
@@ -207,12 +296,19 @@ def fill_layer_scalars(module: NeuronGemma4, scalars: dict) -> None:
     for name, buffer in module.lm.named_buffers():
         if name.endswith("layer_scalar"):
             if name not in scalars:
-                raise ValueError(f"the checkpoint has no {name}: expected a Gemma-4 checkpoint with layer scalars")
+                raise ValueError(
+                    f"the checkpoint has no {name}: expected a Gemma-4 checkpoint with layer scalars"
+                )
             buffer.copy_(scalars[name])
 
 
 def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch.Tensor, ...]:
-    return step_inputs(torch.zeros(1, tokens, config.hidden_size), list(range(tokens)), build.max_len, config.sliding_window)
+    return step_inputs(
+        torch.zeros(1, tokens, config.hidden_size),
+        list(range(tokens)),
+        build.max_len,
+        config.sliding_window,
+    )
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
@@ -230,11 +326,19 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
             self.input_output_aliases = [self.module.input_output_aliases()]
 
     builder = sdk.ModelBuilder(
-        router=None, tp_degree=build.tp_degree, compiler_workdir=build.compiler_workdir,
-        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config))
+        router=None,
+        tp_degree=build.tp_degree,
+        compiler_workdir=build.compiler_workdir,
+        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config),
+    )
     for key, experts in graphs.items():
         tokens = build.bucket if key == "prefill" else 1
-        builder.add(key, GemmaInstance(experts), [example_inputs(config, build, tokens)], compiler_args=build.compiler_args)
+        builder.add(
+            key,
+            GemmaInstance(experts),
+            [example_inputs(config, build, tokens)],
+            compiler_args=build.compiler_args,
+        )
     return builder
 
 
@@ -256,21 +360,43 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
     del traced
     sdk.close_runtime()
     workdir = Path(build.compiler_workdir)
-    neffs = {str(p.relative_to(workdir)): p.stat().st_size for p in sorted(workdir.rglob("*.neff")) if p.is_file()}
+    neffs = {
+        str(p.relative_to(workdir)): p.stat().st_size
+        for p in sorted(workdir.rglob("*.neff"))
+        if p.is_file()
+    }
     record = {
-        "build": asdict(build), "sdk": sdk_label(sdk), "graphs": graphs, "routed_graphs": build.routed_graphs(),
-        "shard_check_s": shard_check_s, "compile_s": sampler.wall_s, "peak_host_rss_bytes": sampler.peak_rss_bytes,
-        "peak_host_hwm_bytes": sampler.peak_hwm_bytes, "neff_files": neffs, "neff_bytes": sum(neffs.values()),
-        "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()), "artifact": MODEL_FILE,
-        "artifact_bytes": artifact.stat().st_size, "versions": package_versions(RECORDED_VERSIONS),
+        "build": asdict(build),
+        "sdk": sdk_label(sdk),
+        "graphs": graphs,
+        "routed_graphs": build.routed_graphs(),
+        "shard_check_s": shard_check_s,
+        "compile_s": sampler.wall_s,
+        "peak_host_rss_bytes": sampler.peak_rss_bytes,
+        "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
+        "neff_files": neffs,
+        "neff_bytes": sum(neffs.values()),
+        "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()),
+        "artifact": MODEL_FILE,
+        "artifact_bytes": artifact.stat().st_size,
+        "versions": package_versions(RECORDED_VERSIONS),
     }
     finish_artifact(build.model_dir, out_dir, record)
     return record
 
 
 def sdk_label(sdk) -> str:
-    return "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)" if getattr(sdk, "emulated", False) else "Neuron SDK"
+    return (
+        "emulated SDK (gemma_nb.rehearsal, not the Neuron SDK)"
+        if getattr(sdk, "emulated", False)
+        else "Neuron SDK"
+    )
 
 
-def package_versions(packages) -> dict:  # None where not installed; the first found, as importlib.metadata.version
-    return {package: next((dist.version for dist in distributions(name=package)), None) for package in packages}
+def package_versions(
+    packages,
+) -> dict:  # None where not installed; the first found, as importlib.metadata.version
+    return {
+        package: next((dist.version for dist in distributions(name=package)), None)
+        for package in packages
+    }

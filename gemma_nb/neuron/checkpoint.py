@@ -19,7 +19,9 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
     """The text tensors of a HF checkpoint folder in ``Gemma4ForCausalLM``'s names; ``only(name)`` picks those read."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model")
+        raise ValueError(
+            f"{model_dir} holds no *.safetensors: expected the HF checkpoint folder of the model"
+        )
     state, names = {}, set()
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
@@ -28,7 +30,9 @@ def read_hf_state(model_dir: str | Path, only=None) -> dict:
                 if name is not None and (only is None or only(name)):
                     state[name] = handle.get_tensor(key)
     if "model.embed_tokens.weight" not in names:
-        raise ValueError(f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint")
+        raise ValueError(
+            f"{model_dir}: no embed_tokens.weight among the text tensors; expected a Gemma-4 checkpoint"
+        )
     return state
 
 

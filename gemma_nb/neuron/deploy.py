@@ -21,6 +21,7 @@ from gemma_nb.peak_rss import HostMemorySampler
 @dataclass
 class NeuronStepRunner:
     """Greedy decoding over a compiled graph pair keeping its KV cache as device state; ``embed``: ids -> embeddings."""
+
     graph: Callable
     embed: Callable[[torch.Tensor], torch.Tensor]
     config: object
@@ -31,19 +32,27 @@ class NeuronStepRunner:
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
         """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``, cut and softcapped here."""
-        inputs = step_inputs(self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index)
+        inputs = step_inputs(
+            self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index
+        )
         logits = self.graph(*inputs)[:, -1, : self.config.vocab_size].float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
-    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+    def generate(
+        self, input_ids, max_new_tokens: int, eos_token_id: int | None = None
+    ) -> torch.Tensor:
         ids = torch.atleast_2d(torch.as_tensor(input_ids, dtype=torch.long))
         prompt = ids.shape[1]
         if prompt > self.bucket:
-            raise ValueError(f"prompt of {prompt} tokens exceeds the compiled prefill bucket of {self.bucket}")
+            raise ValueError(
+                f"prompt of {prompt} tokens exceeds the compiled prefill bucket of {self.bucket}"
+            )
         if prompt + max_new_tokens - 1 > self.max_len:
-            raise ValueError(f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}")
+            raise ValueError(
+                f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}"
+            )
         padded = torch.nn.functional.pad(ids, (0, self.bucket - prompt), value=self.pad_token_id)
         # the prefill, then a decode per token: the padding's slots are rewritten before the masks open them to a query
         inputs, tokens, self.step_times_s = (padded, list(range(self.bucket)), prompt - 1), [], []
@@ -57,7 +66,9 @@ class NeuronStepRunner:
 
 def load_artifact(artifact_dir: str | Path):
     """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
-    sdk = import_nxd()  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    sdk = (
+        import_nxd()
+    )  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
     model = torch.jit.load(str(Path(artifact_dir) / MODEL_FILE))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
@@ -77,7 +88,9 @@ def release(runner: NeuronStepRunner) -> None:
     close_runtime()
 
 
-def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5) -> tuple[NeuronStepRunner, dict]:
+def slim_deploy(
+    artifact_dir: str | Path, sample_interval_s: float = 0.5
+) -> tuple[NeuronStepRunner, dict]:
     """(runner, figures) of a validated artifact, ``load_artifact`` timed and sampled."""
     artifact = read_artifact(artifact_dir)
     config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
@@ -88,11 +101,18 @@ def slim_deploy(artifact_dir: str | Path, sample_interval_s: float = 0.5) -> tup
         start = time.perf_counter()
         graph = load_artifact(artifact.folder)
         neff_load_s = time.perf_counter() - start
-        runner = NeuronStepRunner(graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0)
-    figures = {"neff_load_s": neff_load_s, "embedding_load_s": embedding_load_s,
-               "peak_host_rss_bytes": sampler.peak_rss_bytes, "embedding_bytes": embedding_path.stat().st_size,
-               "graphs": artifact.graphs, "decode_graph": artifact.decode_graph,
-               "sdk": getattr(graph, "sdk", artifact.record.get("sdk", "Neuron SDK"))}
+        runner = NeuronStepRunner(
+            graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0
+        )
+    figures = {
+        "neff_load_s": neff_load_s,
+        "embedding_load_s": embedding_load_s,
+        "peak_host_rss_bytes": sampler.peak_rss_bytes,
+        "embedding_bytes": embedding_path.stat().st_size,
+        "graphs": artifact.graphs,
+        "decode_graph": artifact.decode_graph,
+        "sdk": getattr(graph, "sdk", artifact.record.get("sdk", "Neuron SDK")),
+    }
     return runner, figures
 
 
@@ -100,11 +120,18 @@ def until_eos(tokens: list, eos_token_id: int | None) -> list:
     return tokens[: tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
 
 
-def deployed_answer(runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16) -> dict:
+def deployed_answer(
+    runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16
+) -> dict:
     """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence token."""
     tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
     ids, eos = tokenizer(prompt, return_tensors="pt").input_ids, tokenizer.eos_token_id
-    out = until_eos(runner.generate(ids, max_new_tokens, eos_token_id=eos)[0, ids.shape[1]:].tolist(), eos)
-    return {"prompt": prompt, "completion": tokenizer.decode(out).strip(), "new_tokens": len(out),
-            "step_ms": [1000 * s for s in runner.step_times_s]}
-
+    out = until_eos(
+        runner.generate(ids, max_new_tokens, eos_token_id=eos)[0, ids.shape[1] :].tolist(), eos
+    )
+    return {
+        "prompt": prompt,
+        "completion": tokenizer.decode(out).strip(),
+        "new_tokens": len(out),
+        "step_ms": [1000 * s for s in runner.step_times_s],
+    }

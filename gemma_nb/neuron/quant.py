@@ -11,30 +11,56 @@ from gemma_nb import formats
 from gemma_nb.neuron.moe import import_nxd
 
 # One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so.
-SUPPORT_COLUMNS = ("dtype", "torch_container", "quantization_types", "inference_on_inf2", "evidence", "sources")
+SUPPORT_COLUMNS = (
+    "dtype",
+    "torch_container",
+    "quantization_types",
+    "inference_on_inf2",
+    "evidence",
+    "sources",
+)
 SDK_SUPPORT_MATRIX = (
-    ("INT8", "torch.int8", "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)", "supported",
-     "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP and lm_head with "
-     "QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast (direct_cast_dequantize), matmul, "
-     "then scale_dequantize multiplies the output by the fp32 scale (in place: the port monkey-patched an out-of-place "
-     "version to trace).",
-     "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py"),
-    ("F8E4M3", "torch.float8_e4m3fn", "per-tensor, per-channel symmetric; blockwise", "supported",
-     "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style FP8_EXP4 with range "
-     "+-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by "
-     "448/240 (values beyond 240 may become NaN).",
-     "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md"),
-    ("F8E5M2", "torch.float8_e5m2", "per-tensor, per-channel symmetric", "not established",
-     "The enum exists; no source or document we read shows it used for inference on inf2.",
-     "quantization_config.py (QuantizedDtype)"),
-    ("F4E2M1FN_X4", "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
-     "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX", "not usable",
-     "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 ('FP4 "
-     "dequantization in torch is only supported on CPU'): a torch reference that cannot be traced for a NeuronCore. The "
-     "blockwise_mm NKI kernel is pre-production and failed to import for the port; the MX paths live under "
-     "experimental/quantization/microscaling.",
-     "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
-     "(get_float4x4_torch_dtype, is_ocp_mx_quantized)"),
+    (
+        "INT8",
+        "torch.int8",
+        "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
+        "supported",
+        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP and lm_head with "
+        "QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast (direct_cast_dequantize), matmul, "
+        "then scale_dequantize multiplies the output by the fp32 scale (in place: the port monkey-patched an out-of-place "
+        "version to trace).",
+        "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
+    ),
+    (
+        "F8E4M3",
+        "torch.float8_e4m3fn",
+        "per-tensor, per-channel symmetric; blockwise",
+        "supported",
+        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style FP8_EXP4 with range "
+        "+-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by "
+        "448/240 (values beyond 240 may become NaN).",
+        "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
+    ),
+    (
+        "F8E5M2",
+        "torch.float8_e5m2",
+        "per-tensor, per-channel symmetric",
+        "not established",
+        "The enum exists; no source or document we read shows it used for inference on inf2.",
+        "quantization_config.py (QuantizedDtype)",
+    ),
+    (
+        "F4E2M1FN_X4",
+        "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
+        "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
+        "not usable",
+        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 ('FP4 "
+        "dequantization in torch is only supported on CPU'): a torch reference that cannot be traced for a NeuronCore. The "
+        "blockwise_mm NKI kernel is pre-production and failed to import for the port; the MX paths live under "
+        "experimental/quantization/microscaling.",
+        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
+        "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
+    ),
 )
 
 TRIAL_DTYPES = ("INT8", "F8E4M3", "F4E2M1FN_X4")
@@ -46,12 +72,16 @@ def support_matrix_table():
     return pd.DataFrame(list(SDK_SUPPORT_MATRIX), columns=list(SUPPORT_COLUMNS))
 
 
-def scale_dequantize(tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype) -> torch.Tensor:
+def scale_dequantize(
+    tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype
+) -> torch.Tensor:
     """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too; 3-D numbers equal NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
-        assert all(size == 1 for size in factor.shape[:extra]), f"scale {tuple(scale.shape)} does not broadcast"
+        assert all(size == 1 for size in factor.shape[:extra]), (
+            f"scale {tuple(scale.shape)} does not broadcast"
+        )
         factor = factor.reshape(factor.shape[extra:])
     return (tensor.to(torch.float32) * factor).to(upcast_dtype)
 
@@ -63,10 +93,19 @@ def patch_scale_dequantize(quantization_layers) -> None:
 
 def _layer_kwargs(dtype_name: str, sdk) -> dict:
     if dtype_name == "F4E2M1FN_X4":
-        return dict(quantization_type=sdk.QuantizationType.BLOCKWISE_SYMMETRIC, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4,
-                    block_axis=[1], block_size=[MX_BLOCK], scale_dtype=sdk.ScaleDtype.F8E8M0)
-    return dict(quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC, quantized_dtype=sdk.QuantizedDtype[dtype_name],
-                quantization_per_channel_axis=0, scale_dtype=torch.float32)
+        return dict(
+            quantization_type=sdk.QuantizationType.BLOCKWISE_SYMMETRIC,
+            quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4,
+            block_axis=[1],
+            block_size=[MX_BLOCK],
+            scale_dtype=sdk.ScaleDtype.F8E8M0,
+        )
+    return dict(
+        quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
+        quantized_dtype=sdk.QuantizedDtype[dtype_name],
+        quantization_per_channel_axis=0,
+        scale_dtype=torch.float32,
+    )
 
 
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -76,16 +115,26 @@ def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
         return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
     if dtype_name == "F8E4M3":
         # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.formats's OCP fp8
-        scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(
+            torch.finfo(torch.float32).tiny
+        )
         q = (weight / scale).clamp(-NEURON_FP8_MAX, NEURON_FP8_MAX).to(torch.float8_e4m3fn)
         return {"layer.weight": q, "layer.scale": scale}, q.float() * scale
     assert dtype_name == "F4E2M1FN_X4", dtype_name
     qt = formats.quantize(weight, "mxfp4", name="trial.weight")
     assert qt.data.shape[-1] % 2 == 0, "fp4 bytes view as uint16 in fours"
-    return {"layer.weight": qt.data.contiguous().view(torch.uint16), "layer.scale": qt.scale}, qt.dequantize()
+    return {
+        "layer.weight": qt.data.contiguous().view(torch.uint16),
+        "layer.scale": qt.scale,
+    }, qt.dequantize()
 
 
-def run_trials(in_features: int = 256, out_features: int = 256, tokens: int = 4, workdir: str = "/tmp/gemma_nb_quant_trials"):
+def run_trials(
+    in_features: int = 256,
+    out_features: int = 256,
+    tokens: int = 4,
+    workdir: str = "/tmp/gemma_nb_quant_trials",
+):
     """On a NeuronCore, per dtype: ``ok``, the ``stage`` reached, ``max_abs_diff`` against the cpu, the ``error``."""
     sdk = import_nxd()
     patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
@@ -94,19 +143,35 @@ def run_trials(in_features: int = 256, out_features: int = 256, tokens: int = 4,
     x = torch.randn(tokens, in_features, generator=generator).to(torch.bfloat16)
     rows = []
     for dtype_name in TRIAL_DTYPES:
-        row = {"dtype": dtype_name, "ok": False, "stage": "build", "max_abs_diff": None, "error": ""}
+        row = {
+            "dtype": dtype_name,
+            "ok": False,
+            "stage": "build",
+            "max_abs_diff": None,
+            "error": "",
+        }
         try:
             with sdk.NxDParallelState(world_size=1, tensor_model_parallel_size=1):
-                layer = sdk.QuantizedColumnParallel(in_features, out_features, bias=False, gather_output=False,
-                                                    dtype=torch.bfloat16, **_layer_kwargs(dtype_name, sdk))
-                model = nn.Sequential(OrderedDict(layer=layer)).eval()  # checkpoint keys layer.weight / layer.scale
+                layer = sdk.QuantizedColumnParallel(
+                    in_features,
+                    out_features,
+                    bias=False,
+                    gather_output=False,
+                    dtype=torch.bfloat16,
+                    **_layer_kwargs(dtype_name, sdk),
+                )
+                model = nn.Sequential(
+                    OrderedDict(layer=layer)
+                ).eval()  # checkpoint keys layer.weight / layer.scale
                 row["stage"] = "load_weights"
                 state, dequantized = trial_weights(dtype_name, weight)
                 expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
                 got = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
                 assert all(expected.get(k) == v for k, v in got.items()), (got, expected)
                 row["stage"] = "trace"
-                builder = sdk.ModelBuilderV2(model).trace(args=(x,), tag=f"quant_{dtype_name.lower()}")
+                builder = sdk.ModelBuilderV2(model).trace(
+                    args=(x,), tag=f"quant_{dtype_name.lower()}"
+                )
                 row["stage"] = "compile"
                 nxd_model = builder.compile(compiler_workdir=f"{workdir}/{dtype_name.lower()}")
                 row["stage"] = "run"

@@ -10,15 +10,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-SDK_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronx_distributed": "neuronx-distributed"}  # import -> pip name
+SDK_PACKAGES = {
+    "torch_neuronx": "torch-neuronx",
+    "neuronx_distributed": "neuronx-distributed",
+}  # import -> pip name
 NEURON_PACKAGES = tuple(SDK_PACKAGES)
-NEURON_HELP = ("the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
-               "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)")
+NEURON_HELP = (
+    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
+    "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
+)
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
-FX_NOTE = (f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
-           "transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import succeeds. Only "
-           "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it.")
+FX_NOTE = (
+    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
+    "transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import succeeds. Only "
+    "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it."
+)
 
 
 def install_fx_stand_in(modules: dict | None = None) -> bool:
@@ -29,11 +36,15 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
 
     class HFTracer(torch.fx.Tracer):  # a Tracer, for the MRO of NxD's HFTracerWrapper
         def __init__(self, *args, **kwargs):
-            raise RuntimeError(f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
-                               "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
-                               "pipeline parallelism use transformers 4.x in a separate environment.")
+            raise RuntimeError(
+                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
+                "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
+                "pipeline parallelism use transformers 4.x in a separate environment."
+            )
 
-    module = types.ModuleType(FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk).")
+    module = types.ModuleType(
+        FX_MODULE, "Stand-in for the module transformers 5 removed (gemma_nb.neuron.sdk)."
+    )
     module.HFTracer = HFTracer
     module.__gemma_nb_stand_in__ = True
     modules[FX_MODULE] = module
@@ -46,6 +57,7 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
 @dataclass
 class SdkStatus:
     """What ``check_sdk`` found; ``missing`` pip names are the only "SDK missing" case."""
+
     missing: list[str] = field(default_factory=list)
     fx_problem: bool = False  # met, and the stand-in put in
     error: str | None = None
@@ -60,19 +72,32 @@ class SdkStatus:
             modules = ", ".join(name for name, pip in SDK_PACKAGES.items() if pip in self.missing)
             return f"{', '.join(self.missing)} not installed (no module {modules}): {NEURON_HELP}"
         if self.error:
-            hint = " (the transformers.utils.fx stand-in was applied and the import still failed)" if self.fx_problem else ""
-            return (f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
-                    "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)")
+            hint = (
+                " (the transformers.utils.fx stand-in was applied and the import still failed)"
+                if self.fx_problem
+                else ""
+            )
+            return (
+                f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
+                "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)"
+            )
         found = EMULATED_LABEL if self.emulated else "torch-neuronx and neuronx-distributed"
         if self.fx_problem:
-            return f"{found} import, with the transformers-5 workaround: " + FX_NOTE.removeprefix("note: ")
+            return f"{found} import, with the transformers-5 workaround: " + FX_NOTE.removeprefix(
+                "note: "
+            )
         return f"{found} import"
 
 
-def check_sdk(find_spec: Callable = importlib.util.find_spec, import_module: Callable = importlib.import_module,
-              modules: dict | None = None) -> SdkStatus:
+def check_sdk(
+    find_spec: Callable = importlib.util.find_spec,
+    import_module: Callable = importlib.import_module,
+    modules: dict | None = None,
+) -> SdkStatus:
     """Try the SDK imports, again after the stand-in on the fx error; the arguments can be fakes."""
-    status = SdkStatus(missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None])
+    status = SdkStatus(
+        missing=[pip for name, pip in SDK_PACKAGES.items() if find_spec(name) is None]
+    )
     if status.missing:
         return status
     for name in SDK_PACKAGES:
@@ -101,17 +126,33 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     from neuronx_distributed.parallel_layers import mappings
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
     from neuronx_distributed.quantization import quantization_layers as layers
-    from neuronx_distributed.quantization.quantization_config import QuantizationType, QuantizedDtype, ScaleDtype
+    from neuronx_distributed.quantization.quantization_config import (
+        QuantizationType,
+        QuantizedDtype,
+        ScaleDtype,
+    )
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
-        torch_neuronx=torch_neuronx, NxDParallelState=NxDParallelState, mappings=mappings, quantization_layers=layers,
-        ColumnParallelLinear=ColumnParallelLinear, RowParallelLinear=RowParallelLinear, QuantizationType=QuantizationType,
-        QuantizedDtype=QuantizedDtype, ScaleDtype=ScaleDtype, QuantizedColumnParallel=layers.QuantizedColumnParallel,
-        QuantizedRowParallel=layers.QuantizedRowParallel, QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel,
-        QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel, ModelBuilder=model_builder.ModelBuilder,
-        BaseModelInstance=model_builder.BaseModelInstance, ModelBuilderV2=model_builder_v2.ModelBuilder,
-        fx_workaround=status.fx_problem, emulated=status.emulated, close_runtime=close_runtime,
+        torch_neuronx=torch_neuronx,
+        NxDParallelState=NxDParallelState,
+        mappings=mappings,
+        quantization_layers=layers,
+        ColumnParallelLinear=ColumnParallelLinear,
+        RowParallelLinear=RowParallelLinear,
+        QuantizationType=QuantizationType,
+        QuantizedDtype=QuantizedDtype,
+        ScaleDtype=ScaleDtype,
+        QuantizedColumnParallel=layers.QuantizedColumnParallel,
+        QuantizedRowParallel=layers.QuantizedRowParallel,
+        QuantizedExpertFusedRowParallel=layers.QuantizedExpertFusedRowParallel,
+        QuantizedExpertFusedColumnParallel=layers.QuantizedExpertFusedColumnParallel,
+        ModelBuilder=model_builder.ModelBuilder,
+        BaseModelInstance=model_builder.BaseModelInstance,
+        ModelBuilderV2=model_builder_v2.ModelBuilder,
+        fx_workaround=status.fx_problem,
+        emulated=status.emulated,
+        close_runtime=close_runtime,
     )
 
 
@@ -120,4 +161,3 @@ def close_runtime() -> None:
     import torch_neuronx  # noqa: F401 (registers torch.classes.neuron)
 
     torch.classes.neuron.Runtime().unsafe_close()
-

@@ -30,7 +30,7 @@ XLA_VENV = ".venv-xla"
 # differently; in bf16 the roundings compound through the layers (of the size of each row's ``bf16_rounding``).
 TOLERANCE_ULPS = {torch.bfloat16: 32, torch.float32: 64}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
-PROMPT_TOKENS = 12   # real tokens in the padded prefill (the rest of the bucket is padding)
+PROMPT_TOKENS = 12  # real tokens in the padded prefill (the rest of the bucket is padding)
 DECODE_POSITION = 12  # where the decode step writes; cache slots before it hold seeded values
 SEED = 0
 TP_DEGREES = (1, 2)
@@ -54,7 +54,9 @@ def hlo_opcodes(hlo_text: str) -> list[str]:
     opcodes = []
     for match in filter(None, map(_INSTRUCTION.match, hlo_text.splitlines())):
         opcode = _OPCODE.search(match.group(2))
-        assert opcode is not None, f"HLO instruction without an opcode: {match.group(0).strip()[:120]!r}"
+        assert opcode is not None, (
+            f"HLO instruction without an opcode: {match.group(0).strip()[:120]!r}"
+        )
         opcodes.append(opcode.group(1))
     return opcodes
 
@@ -66,14 +68,22 @@ def hlo_gathers(hlo_text: str) -> list[dict]:
     for line in hlo_text.splitlines():
         if match := _GATHER.match(line):
             attributes = {key: _ints(value) for key, value in _BRACES.findall(line)}
-            found.append({"operand_shape": _ints(match.group(2)), "of_parameter": match.group(3) in parameters,
-                          "start_index_map": attributes.get("start_index_map", []),
-                          "slice_sizes": attributes.get("slice_sizes", [])})
+            found.append(
+                {
+                    "operand_shape": _ints(match.group(2)),
+                    "of_parameter": match.group(3) in parameters,
+                    "start_index_map": attributes.get("start_index_map", []),
+                    "slice_sizes": attributes.get("slice_sizes", []),
+                }
+            )
     return found
 
 
 def takes_whole_leading_slices(gather: dict) -> bool:
-    return gather["start_index_map"] == [0] and gather["slice_sizes"] == [1, *gather["operand_shape"][1:]]
+    return gather["start_index_map"] == [0] and gather["slice_sizes"] == [
+        1,
+        *gather["operand_shape"][1:],
+    ]
 
 
 def hlo_counts(hlo_text: str) -> dict:
@@ -81,8 +91,12 @@ def hlo_counts(hlo_text: str) -> dict:
     opcodes = hlo_opcodes(hlo_text)
     assert opcodes, "no HLO instructions found"
     weights = [g for g in hlo_gathers(hlo_text) if g["of_parameter"]]
-    return {"hlo_instructions": len(opcodes), "gathers": opcodes.count("gather"), "weight_gathers": len(weights),
-            "weight_gathers_leading_axis": sum(takes_whole_leading_slices(g) for g in weights)}
+    return {
+        "hlo_instructions": len(opcodes),
+        "gathers": opcodes.count("gather"),
+        "weight_gathers": len(weights),
+        "weight_gathers_leading_axis": sum(takes_whole_leading_slices(g) for g in weights),
+    }
 
 
 def aten_fallbacks(counter_names) -> list[str]:
@@ -105,9 +119,14 @@ def tolerance(eager: torch.Tensor, dtype: torch.dtype) -> float:
 def lowered_cleanly(rows: list[dict]) -> bool:
     """Whether every graph lowered with no fallback, no transfer, one execution, within tolerance."""
     return bool(rows) and all(
-        row["error"] is None and not row["aten_fallbacks"] and row["device_to_host_transfers"] == 0
-        and row["xla_executions"] == 1 and row["max_abs_diff"] <= row["tolerance"]
-        and row.get("max_abs_diff_fp32", 0.0) <= row.get("tolerance_fp32", 0.0) for row in rows)
+        row["error"] is None
+        and not row["aten_fallbacks"]
+        and row["device_to_host_transfers"] == 0
+        and row["xla_executions"] == 1
+        and row["max_abs_diff"] <= row["tolerance"]
+        and row.get("max_abs_diff_fp32", 0.0) <= row.get("tolerance_fp32", 0.0)
+        for row in rows
+    )
 
 
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
@@ -116,44 +135,82 @@ def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
     if not python.exists():
         raise FileNotFoundError(
             f"no xla environment at {python}: create it with `make xla` (torch 2.9.0 + torch-xla 2.9.0 from "
-            f"envs/xla/requirements.txt, ~7 GB, a few minutes), or point {XLA_PYTHON_ENV} at a Python that has them")
+            f"envs/xla/requirements.txt, ~7 GB, a few minutes), or point {XLA_PYTHON_ENV} at a Python that has them"
+        )
     return python
 
 
-def run_in_xla_env(contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900) -> dict:
+def run_in_xla_env(
+    contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900
+) -> dict:
     """Run this module's check in the xla environment (a subprocess) and return its JSON report."""
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"] + (["--contrast"] if contrast else [])
+    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"] + (
+        ["--contrast"] if contrast else []
+    )
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s
+    )
     if done.returncode:
-        raise RuntimeError(f"the lowering check failed in {command[0]} (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"the lowering check failed in {command[0]} (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
     return json.loads(done.stdout)
 
 
 # the notebook's column names of the row fields
-STRUCTURE_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "tokens": "tokens",
-                     "aten_fallbacks": "aten fallbacks", "device_to_host_transfers": "to-host transfers",
-                     "xla_executions": "XLA graphs", "hlo_instructions": "HLO ops", "gathers": "gathers",
-                     "weight_gathers": "of weights", "weight_gathers_leading_axis": "whole, leading axis"}
-NUMERIC_COLUMNS = {"graph": "graph", "tp": "tp", "experts": "experts", "max_abs_diff": "|XLA - eager| bf16",
-                   "tolerance": "tolerance bf16", "bf16_rounding": "|eager bf16 - eager fp32|",
-                   "max_abs_diff_fp32": "|XLA - eager| fp32", "tolerance_fp32": "tolerance fp32"}
+STRUCTURE_COLUMNS = {
+    "graph": "graph",
+    "tp": "tp",
+    "experts": "experts",
+    "tokens": "tokens",
+    "aten_fallbacks": "aten fallbacks",
+    "device_to_host_transfers": "to-host transfers",
+    "xla_executions": "XLA graphs",
+    "hlo_instructions": "HLO ops",
+    "gathers": "gathers",
+    "weight_gathers": "of weights",
+    "weight_gathers_leading_axis": "whole, leading axis",
+}
+NUMERIC_COLUMNS = {
+    "graph": "graph",
+    "tp": "tp",
+    "experts": "experts",
+    "max_abs_diff": "|XLA - eager| bf16",
+    "tolerance": "tolerance bf16",
+    "bf16_rounding": "|eager bf16 - eager fp32|",
+    "max_abs_diff_fp32": "|XLA - eager| fp32",
+    "tolerance_fp32": "tolerance fp32",
+}
 CONTRAST_COLUMNS = {**STRUCTURE_COLUMNS, "error": "error"}
 
 
 def lowering_tables(report: dict):
     """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report (``contrast=True``) for the notebook."""
+
     def frame(rows, columns):
         table = pd.DataFrame(rows)[list(columns)].rename(columns=columns)
         table["experts"] = table["experts"].fillna("-")
         if "aten fallbacks" in table:
-            table["aten fallbacks"] = table["aten fallbacks"].map(lambda names: ", ".join(names) or "none")
+            table["aten fallbacks"] = table["aten fallbacks"].map(
+                lambda names: ", ".join(names) or "none"
+            )
         return table
 
     contrast = frame(report["contrast"], CONTRAST_COLUMNS)
-    for column in (STRUCTURE_COLUMNS["hlo_instructions"], "gathers", "error"):  # None where the step failed
-        contrast[column] = contrast[column].map(lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v)
-    return frame(report["graphs"], STRUCTURE_COLUMNS), frame(report["graphs"], NUMERIC_COLUMNS), contrast
+    for column in (
+        STRUCTURE_COLUMNS["hlo_instructions"],
+        "gathers",
+        "error",
+    ):  # None where the step failed
+        contrast[column] = contrast[column].map(
+            lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v
+        )
+    return (
+        frame(report["graphs"], STRUCTURE_COLUMNS),
+        frame(report["graphs"], NUMERIC_COLUMNS),
+        contrast,
+    )
 
 
 def _import_xla():
@@ -162,12 +219,16 @@ def _import_xla():
         import torch_xla
         import torch_xla.debug.metrics as metrics
     except ImportError as error:
-        raise ImportError(f"cannot import torch_xla ({error}): run the lowering check in the xla environment "
-                          f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.rehearsal.lowering)") from None
+        raise ImportError(
+            f"cannot import torch_xla ({error}): run the lowering check in the xla environment "
+            f"(`make xla`, then {XLA_VENV}/bin/python -m gemma_nb.rehearsal.lowering)"
+        ) from None
     return torch_xla, metrics
 
 
-def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels) -> tuple[dict, torch.Tensor]:
+def lower_step(
+    module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels
+) -> tuple[dict, torch.Tensor]:
     """(row, eager logits) of ``module(*inputs)`` run eagerly, then as one step on the XLA device (counted after the move)."""
     torch_xla, metrics = _import_xla()
     module.eval()
@@ -183,20 +244,42 @@ def lower_step(module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **lab
             outputs = module(*on_device)
             outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
             hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-            torch_xla.sync(wait=True)  # counters are read after the graph has run, not while it runs
+            torch_xla.sync(
+                wait=True
+            )  # counters are read after the graph has run, not while it runs
             error = None
         except Exception as failure:  # noqa: BLE001 -- recorded: a fallback op may fail on the cpu
             error = f"{type(failure).__name__}: {str(failure).splitlines()[0]}"
         transfers = metrics.metric_data("TransferFromDeviceTime")
-        row = {**labels, "dtype": str(dtype).removeprefix("torch."), "aten_fallbacks": aten_fallbacks(metrics.counter_names()),
-               "device_to_host_transfers": transfers[0] if transfers else 0,
-               "xla_executions": metrics.counter_value("ExecuteComputation") or 0, "error": error}
+        row = {
+            **labels,
+            "dtype": str(dtype).removeprefix("torch."),
+            "aten_fallbacks": aten_fallbacks(metrics.counter_names()),
+            "device_to_host_transfers": transfers[0] if transfers else 0,
+            "xla_executions": metrics.counter_value("ExecuteComputation") or 0,
+            "error": error,
+        }
         if error is not None:
-            return {**row, **dict.fromkeys(("hlo_instructions", "gathers", "weight_gathers", "weight_gathers_leading_axis",
-                                            "max_abs_diff", "tolerance"))}, eager
+            return {
+                **row,
+                **dict.fromkeys(
+                    (
+                        "hlo_instructions",
+                        "gathers",
+                        "weight_gathers",
+                        "weight_gathers_leading_axis",
+                        "max_abs_diff",
+                        "tolerance",
+                    )
+                ),
+            }, eager
         row.update(hlo_counts(hlo))
         logits = outputs[0].cpu().float()
-    return {**row, "max_abs_diff": float((logits - eager).abs().max()), "tolerance": tolerance(eager, dtype)}, eager
+    return {
+        **row,
+        "max_abs_diff": float((logits - eager).abs().max()),
+        "tolerance": tolerance(eager, dtype),
+    }, eager
 
 
 def _tiny(model_dir: Path | str):
@@ -210,12 +293,16 @@ def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
     if graph == "prefill":
         generator = torch.Generator().manual_seed(SEED)
         ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
-        ids[0, :PROMPT_TOKENS] = torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator)
+        ids[0, :PROMPT_TOKENS] = torch.randint(
+            3, config.vocab_size, (PROMPT_TOKENS,), generator=generator
+        )
         positions, last = list(range(build.bucket)), (PROMPT_TOKENS - 1,)
     else:
-        ids = torch.randint(3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1))
+        ids = torch.randint(
+            3, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(SEED + 1)
+        )
         positions, last = [DECODE_POSITION], ()
-    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size ** 0.5
+    embeds = state["model.embed_tokens.weight"].float()[ids] * config.hidden_size**0.5
     return B.step_inputs(embeds, positions, build.max_len, config.sliding_window, *last)
 
 
@@ -230,12 +317,21 @@ def fill_cache(module) -> None:
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
     """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference and tolerance, and the bf16 rounding."""
     row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
-    exact, fp32_eager = lower_step(make_module(torch.float32),
-                                   tuple(t.float() if t.dtype == dtype else t for t in inputs), torch.float32)
+    exact, fp32_eager = lower_step(
+        make_module(torch.float32),
+        tuple(t.float() if t.dtype == dtype else t for t in inputs),
+        torch.float32,
+    )
     if exact["error"] or exact["aten_fallbacks"] or exact["device_to_host_transfers"]:
-        raise RuntimeError(f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}")
-    return {**row, "bf16_rounding": float((eager - fp32_eager).abs().max()),
-            "max_abs_diff_fp32": exact["max_abs_diff"], "tolerance_fp32": exact["tolerance"]}
+        raise RuntimeError(
+            f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}"
+        )
+    return {
+        **row,
+        "bf16_rounding": float((eager - fp32_eager).abs().max()),
+        "max_abs_diff_fp32": exact["max_abs_diff"],
+        "tolerance_fp32": exact["tolerance"],
+    }
 
 
 def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> list[dict]:
@@ -247,24 +343,62 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     rows = []
     for tp in tp_degrees:
         for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
+
             def make_module(module_dtype, experts=experts, graph=graph):
-                module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
+                module_build = replace(
+                    build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch.")
+                )
                 checkpoint = B.convert_checkpoint(state, config, dtype=module_dtype)
-                module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
+                module = rank_module(
+                    config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts
+                )
                 if graph == "decode":
                     fill_cache(module)
                 return module
 
-            rows.append(lower_in_both_dtypes(make_module, steps[graph], dtype, graph=graph, tp=tp, experts=experts,
-                                             tokens=steps[graph][0].shape[1]))
+            rows.append(
+                lower_in_both_dtypes(
+                    make_module,
+                    steps[graph],
+                    dtype,
+                    graph=graph,
+                    tp=tp,
+                    experts=experts,
+                    tokens=steps[graph][0].shape[1],
+                )
+            )
         # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
-        hidden = torch.randn(1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3))
-        def make_head(module_dtype):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
-            return load_rank_module(lambda: HeadOnly(config.hidden_size, config.vocab_size, pad=config.vocab_size % tp != 0,
-                                                     dtype=module_dtype, sdk=cpu_sdk()), head_checkpoint, tp, 0)
+        hidden = torch.randn(
+            1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3)
+        )
 
-        rows.append(lower_in_both_dtypes(make_head, (hidden.to(torch.bfloat16),), dtype, graph="lm_head", tp=tp,
-                                         experts=None, tokens=1))
+        def make_head(
+            module_dtype,
+        ):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
+            return load_rank_module(
+                lambda: HeadOnly(
+                    config.hidden_size,
+                    config.vocab_size,
+                    pad=config.vocab_size % tp != 0,
+                    dtype=module_dtype,
+                    sdk=cpu_sdk(),
+                ),
+                head_checkpoint,
+                tp,
+                0,
+            )
+
+        rows.append(
+            lower_in_both_dtypes(
+                make_head,
+                (hidden.to(torch.bfloat16),),
+                dtype,
+                graph="lm_head",
+                tp=tp,
+                experts=None,
+                tokens=1,
+            )
+        )
     return rows
 
 
@@ -280,28 +414,54 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
         if experts != "transformers":
             swap_experts(module.lm, experts)
         fill_cache(module)
-        rows.append(lower_step(module, inputs, getattr(torch, build.dtype), graph="decode", tp=1,
-                               experts=f"{experts} (cpu)", tokens=1)[0])
+        rows.append(
+            lower_step(
+                module,
+                inputs,
+                getattr(torch, build.dtype),
+                graph="decode",
+                tp=1,
+                experts=f"{experts} (cpu)",
+                tokens=1,
+            )[0]
+        )
     return rows
 
 
-def report(contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -> dict:
+def report(
+    contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES
+) -> dict:
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
     build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
-    return {"versions": B.package_versions(("torch", "torch-xla", "transformers")),
-            "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
-            "checkpoint": next((name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name),
-            "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
-            "graphs": shipped_graphs(model_dir, tp_degrees), **({"contrast": contrast_graphs(model_dir)} if contrast else {})}
+    return {
+        "versions": B.package_versions(("torch", "torch-xla", "transformers")),
+        "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
+        "checkpoint": next(
+            (name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name
+        ),
+        "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
+        "graphs": shipped_graphs(model_dir, tp_degrees),
+        **({"contrast": contrast_graphs(model_dir)} if contrast else {}),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the report as JSON (default: a text table)")
-    parser.add_argument("--contrast", action="store_true", help="also lower the experts that do not lower")
-    parser.add_argument("--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)")
-    parser.add_argument("--tp", default=",".join(map(str, TP_DEGREES)), help="TP degrees, comma-separated")
+    parser = argparse.ArgumentParser(
+        prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as JSON (default: a text table)"
+    )
+    parser.add_argument(
+        "--contrast", action="store_true", help="also lower the experts that do not lower"
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)"
+    )
+    parser.add_argument(
+        "--tp", default=",".join(map(str, TP_DEGREES)), help="TP degrees, comma-separated"
+    )
     args = parser.parse_args(argv)
     _import_xla()  # fail at once, before building any model, outside the xla environment
     try:
@@ -309,7 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
     result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    print(json.dumps(result, indent=1) if args.json else "\n".join(map(str, result["graphs"] + result.get("contrast", []))))
+    print(
+        json.dumps(result, indent=1)
+        if args.json
+        else "\n".join(map(str, result["graphs"] + result.get("contrast", [])))
+    )
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 

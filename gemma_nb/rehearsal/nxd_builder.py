@@ -38,7 +38,10 @@ def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[di
     if serialize_path is not None:
         Path(serialize_path).mkdir(parents=True, exist_ok=True)
         for rank, shard in enumerate(shards):
-            save_file({k: v.contiguous() for k, v in shard.items()}, str(Path(serialize_path) / SHARD_FILE.format(rank=rank)))
+            save_file(
+                {k: v.contiguous() for k, v in shard.items()},
+                str(Path(serialize_path) / SHARD_FILE.format(rank=rank)),
+            )
     return shards
 
 
@@ -46,7 +49,11 @@ class BaseModelInstance:
     """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its aliases."""
 
     def __init__(self, module_cls, input_output_aliases):
-        self.module_cls, self.module, self.input_output_aliases = module_cls, None, [input_output_aliases]
+        self.module_cls, self.module, self.input_output_aliases = (
+            module_cls,
+            None,
+            [input_output_aliases],
+        )
 
     def load_module(self):
         self.module = self.module_cls()
@@ -56,24 +63,41 @@ class BaseModelInstance:
 
 
 class ModelBuilder:  # v1 (trace/model_builder.py)
-    def __init__(self, router, tp_degree: int, checkpoint_loader, *, compiler_workdir=None, **unsupported):
+    def __init__(
+        self, router, tp_degree: int, checkpoint_loader, *, compiler_workdir=None, **unsupported
+    ):
         if unsupported:  # start_rank_id among them: the emulated cores start at 0
             raise TypeError(f"the emulated ModelBuilder does not implement {sorted(unsupported)}")
         self.router, self.tp_degree, self.checkpoint_loader = router, tp_degree, checkpoint_loader
         self.compiler_workdir, self.model_collection = compiler_workdir or "/tmp/nxd_model/", {}
 
-    def add(self, key: str, model_instance, example_inputs: list, compiler_args: str | None = None,
-            bucket_config=None, priority_model_idx=None):
+    def add(
+        self,
+        key: str,
+        model_instance,
+        example_inputs: list,
+        compiler_args: str | None = None,
+        bucket_config=None,
+        priority_model_idx=None,
+    ):
         if bucket_config is not None or priority_model_idx is not None or len(example_inputs) != 1:
-            raise TypeError("the emulated ModelBuilder does not implement bucketing (bucket_config, priority_model_idx, "
-                            f"{len(example_inputs)} example inputs): give one example per key")
-        self.model_collection[key] = {"instance": model_instance, "example_inputs": example_inputs,
-                                      "compiler_args": append_default_compiler_flags(compiler_args)}
+            raise TypeError(
+                "the emulated ModelBuilder does not implement bucketing (bucket_config, priority_model_idx, "
+                f"{len(example_inputs)} example inputs): give one example per key"
+            )
+        self.model_collection[key] = {
+            "instance": model_instance,
+            "example_inputs": example_inputs,
+            "compiler_args": append_default_compiler_flags(compiler_args),
+        }
         return self
 
     def shard_checkpoint(self, serialize_path=None) -> list[dict]:
         instance = next(iter(self.model_collection.values()))["instance"]
-        with use_state(ParallelState(self.tp_degree, spmd=True)), init_on_meta():  # NxD's initialize_model_parallel
+        with (
+            use_state(ParallelState(self.tp_degree, spmd=True)),
+            init_on_meta(),
+        ):  # NxD's initialize_model_parallel
             instance.load_module()
             model, _ = instance.get(0)
             return _shard_all(model, self.checkpoint_loader(), self.tp_degree, serialize_path)
@@ -96,16 +120,23 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:
             self.shard_checkpoint(self.compiler_workdir)
-            model.saved_weights = [load_file(str(workdir / SHARD_FILE.format(rank=rank))) for rank in range(self.tp_degree)]
+            model.saved_weights = [
+                load_file(str(workdir / SHARD_FILE.format(rank=rank)))
+                for rank in range(self.tp_degree)
+            ]
             model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
         return nxd_model.EmulatedExecutor(model)
 
 
-def NxDParallelState(world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported):
+def NxDParallelState(
+    world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported
+):
     """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state for building."""
     if unsupported or world_size != tensor_model_parallel_size:
-        raise TypeError("the emulated NxDParallelState keeps tensor parallelism only (world_size == "
-                        f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}")
+        raise TypeError(
+            "the emulated NxDParallelState keeps tensor parallelism only (world_size == "
+            f"tensor_model_parallel_size), got world_size={world_size}, {sorted(unsupported)}"
+        )
     return use_state(ParallelState(tensor_model_parallel_size, spmd=True))
 
 
@@ -117,8 +148,10 @@ class NxDModelV2:
 
     def set_weights(self, sharded_checkpoint: list[dict]) -> None:
         if self._model.loaded:
-            raise ValueError("set_weights() was called when the model was already loaded on neuron. If you need to "
-                             "replace your weights, call `replace_weights()` instead.")
+            raise ValueError(
+                "set_weights() was called when the model was already loaded on neuron. If you need to "
+                "replace your weights, call `replace_weights()` instead."
+            )
         self._weights = sharded_checkpoint
 
     def to_neuron(self) -> None:
@@ -138,7 +171,9 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
 
     def trace(self, args=None, kwargs=None, tag: str | None = None, spmd: bool = True):
         state = nxd_layers.STATE
-        assert state is not None, "NxD parallel state has not been initialized: trace inside NxDParallelState(...)"
+        assert state is not None, (
+            "NxD parallel state has not been initialized: trace inside NxDParallelState(...)"
+        )
         if kwargs:
             raise TypeError("the emulated ModelBuilder v2 traces positional arguments only")
         args = args if isinstance(args, tuple) else (args,)
@@ -147,18 +182,27 @@ class ModelBuilderV2:  # v2 (trace/model_builder_v2.py)
         self.shape_map[nxd_model.shape_key(args)], self.tp = (tag, 0), self.tp or state.tp
         return self
 
-    def compile(self, priority_model_key=None, compiler_workdir=None, compiler_args=None, max_workers=None):
+    def compile(
+        self, priority_model_key=None, compiler_workdir=None, compiler_args=None, max_workers=None
+    ):
         if not self.graphs:
             raise ValueError("No traces available for compilation. Call trace() first.")
-        return NxDModelV2(nxd_model.EmulatedNxDModel(dict(self.graphs), dict(self.shape_map), self.tp))
+        return NxDModelV2(
+            nxd_model.EmulatedNxDModel(dict(self.graphs), dict(self.shape_map), self.tp)
+        )
 
 
-def shard_checkpoint_v2(checkpoint: dict, model, start_rank=None, end_rank=None, load_on_device: bool = False,
-                        serialize_path=None) -> list[dict]:
+def shard_checkpoint_v2(
+    checkpoint: dict,
+    model,
+    start_rank=None,
+    end_rank=None,
+    load_on_device: bool = False,
+    serialize_path=None,
+) -> list[dict]:
     """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel state."""
     state = nxd_layers.STATE
     assert state is not None, "NxD parallel state has not been initialized"
     if load_on_device or start_rank not in (None, 0) or end_rank not in (None, state.tp - 1):
         raise TypeError("the emulated shard_checkpoint cuts every rank, on the host")
     return _shard_all(model, checkpoint, state.tp, serialize_path)
-

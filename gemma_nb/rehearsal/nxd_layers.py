@@ -11,11 +11,14 @@ from torch import nn
 
 from gemma_nb.rehearsal import spmd  # noqa: F401 (defines torch.ops.nxd_emulated)
 
-NXD_CONTRACT_VERSION = "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
+NXD_CONTRACT_VERSION = (
+    "0.18.0"  # the newest public neuronx-distributed source (the Neuron 2.29 release)
+)
 
 
 class ParallelState(NamedTuple):
     """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
+
     tp: int
     rank: int = 0
     group: object = None
@@ -38,14 +41,18 @@ def use_state(state: ParallelState):
 
 def model_parallel(tp: int, rank: int = 0, group=None):
     assert type(tp) is int and 0 <= rank < tp, (tp, rank)
-    assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), "tp, rank != the group's"
+    assert group is None or (dist.get_world_size(group), dist.get_rank(group)) == (tp, rank), (
+        "tp, rank != the group's"
+    )
     return use_state(ParallelState(tp, rank, group))
 
 
 def current_state() -> ParallelState:
     if STATE is None:
-        raise RuntimeError("the stand-in NxD layers need a parallel state: build them inside "
-                           "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)")
+        raise RuntimeError(
+            "the stand-in NxD layers need a parallel state: build them inside "
+            "gemma_nb.rehearsal.standins.model_parallel(tp, rank, group)"
+        )
     return STATE
 
 
@@ -55,15 +62,30 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int,
-                                         num_partitions: int, rank_ordering: list | None = None) -> None:
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor,
+    is_parallel: bool,
+    dim: int,
+    stride: int,
+    num_partitions: int,
+    rank_ordering: list | None = None,
+) -> None:
     """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering`` missing a rank."""
-    tags = {"tensor_model_parallel": is_parallel, "partition_dim": dim, "partition_stride": stride,
-            "num_partitions": num_partitions, "rank_ordering": rank_ordering}
+    tags = {
+        "tensor_model_parallel": is_parallel,
+        "partition_dim": dim,
+        "partition_stride": stride,
+        "num_partitions": num_partitions,
+        "rank_ordering": rank_ordering,
+    }
     carried = [name for name in tags if hasattr(tensor, name)]
     assert not carried, f"tensor already carries {carried}"
-    if rank_ordering is not None and any(rank not in rank_ordering for rank in range(num_partitions)):
-        raise ValueError(f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}")
+    if rank_ordering is not None and any(
+        rank not in rank_ordering for rank in range(num_partitions)
+    ):
+        raise ValueError(
+            f"all ranks 0...{num_partitions} must be present in given rank ordering {rank_ordering}"
+        )
     vars(tensor).update(tags)
 
 
@@ -71,7 +93,9 @@ def reduce_from_tensor_model_parallel_region(input_, process_group=None):
     """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a group."""
     state = process_group or current_state()
     if state.tp > 1 and state.spmd:
-        return torch.ops.nxd_emulated.all_reduce(input_)  # the emulated cores' sum, in the input's dtype
+        return torch.ops.nxd_emulated.all_reduce(
+            input_
+        )  # the emulated cores' sum, in the input's dtype
     if state.tp == 1 or state.group is None:
         return input_
     output = input_.clone()
@@ -95,35 +119,74 @@ def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     """Refuse arguments the stand-in does not implement: unknown ones, and features switched on."""
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
     if used:
-        raise TypeError(f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses")
+        raise TypeError(
+            f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses"
+        )
 
 
-def _column_setup(layer: nn.Module, input_size: int, output_size: int, gather_output: bool, dtype, stride: int,
-                  pad: bool, group) -> None:
+def _column_setup(
+    layer: nn.Module,
+    input_size: int,
+    output_size: int,
+    gather_output: bool,
+    dtype,
+    stride: int,
+    pad: bool,
+    group,
+) -> None:
     """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's share."""
     layer.tensor_parallel_group = group or current_state()
     tp = layer.tensor_parallel_group.tp
-    layer.input_size, layer.gather_output, layer.stride, layer.dtype = input_size, gather_output, stride, dtype
+    layer.input_size, layer.gather_output, layer.stride, layer.dtype = (
+        input_size,
+        gather_output,
+        stride,
+        dtype,
+    )
     layer.pad, layer.pad_size = pad, (-output_size) % tp if pad else 0
     layer.output_size = output_size + layer.pad_size
     layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
 
 
-def _row_setup(layer: nn.Module, input_size: int, output_size: int, input_is_parallel: bool, reduce_output: bool,
-               dtype, stride: int, group) -> None:
+def _row_setup(
+    layer: nn.Module,
+    input_size: int,
+    output_size: int,
+    input_is_parallel: bool,
+    reduce_output: bool,
+    dtype,
+    stride: int,
+    group,
+) -> None:
     """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``)."""
-    if not input_is_parallel:  # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
-        raise TypeError("the cpu stand-in row-parallel layers take input_is_parallel=True only, as gemma_nb.neuron builds them")
+    if (
+        not input_is_parallel
+    ):  # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
+        raise TypeError(
+            "the cpu stand-in row-parallel layers take input_is_parallel=True only, as gemma_nb.neuron builds them"
+        )
     layer.tensor_parallel_group = group or current_state()
-    layer.input_size, layer.output_size, layer.input_is_parallel = input_size, output_size, input_is_parallel
+    layer.input_size, layer.output_size, layer.input_is_parallel = (
+        input_size,
+        output_size,
+        input_is_parallel,
+    )
     layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
-    layer.input_size_per_partition = _divide(input_size, layer.tensor_parallel_group.tp, "input_size")
+    layer.input_size_per_partition = _divide(
+        input_size, layer.tensor_parallel_group.tp, "input_size"
+    )
 
 
-def _tagged_weight(layer: nn.Module, shape, dtype, device, partition_dim: int, stride: int, rank_ordering=None) -> None:
-    layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)  # frozen, no bias
+def _tagged_weight(
+    layer: nn.Module, shape, dtype, device, partition_dim: int, stride: int, rank_ordering=None
+) -> None:
+    layer.weight = nn.Parameter(
+        torch.empty(*shape, dtype=dtype, device=device), requires_grad=False
+    )  # frozen, no bias
     # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
-    set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, stride, layer.tensor_parallel_group.tp, rank_ordering)
+    set_tensor_model_parallel_attributes(
+        layer.weight, True, partition_dim, stride, layer.tensor_parallel_group.tp, rank_ordering
+    )
     layer.register_parameter("bias", None)
 
 
@@ -134,15 +197,42 @@ class BaseParallelLinear(nn.Module):
 class ColumnParallelLinear(BaseParallelLinear):
     """``weight [out/tp, in]``; output ``[..., out/tp]``, or all-gathered ``[..., out]`` with ``gather_output``."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
-                 dtype: torch.dtype = torch.float32, device=None, stride: int = 1, pad: bool = False,
-                 tensor_model_parallel_group=None, reduce_dtype: torch.dtype = torch.float32,
-                 init_method=None, sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
-                 skip_bias_add: bool = False, **unsupported):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        stride: int = 1,
+        pad: bool = False,
+        tensor_model_parallel_group=None,
+        reduce_dtype: torch.dtype = torch.float32,
+        init_method=None,
+        sequence_parallel_enabled: bool = False,
+        keep_master_weight: bool = False,
+        skip_bias_add: bool = False,
+        **unsupported,
+    ):
         super().__init__()
-        _check_unsupported("ColumnParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add,
-                           sequence_parallel_enabled=sequence_parallel_enabled)
-        _column_setup(self, input_size, output_size, gather_output, dtype, stride, pad, tensor_model_parallel_group)
+        _check_unsupported(
+            "ColumnParallelLinear",
+            unsupported,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel_enabled=sequence_parallel_enabled,
+        )
+        _column_setup(
+            self,
+            input_size,
+            output_size,
+            gather_output,
+            dtype,
+            stride,
+            pad,
+            tensor_model_parallel_group,
+        )
         _tagged_weight(self, (self.output_size_per_partition, input_size), dtype, device, 0, stride)
 
     def forward(self, input_):
@@ -161,23 +251,51 @@ class ColumnParallelLinear(BaseParallelLinear):
 class RowParallelLinear(BaseParallelLinear):
     """``weight [out, in/tp]``; all-reduces the output in ``reduce_dtype`` (fp32) and casts back."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device=None, stride: int = 1, pad: bool = False,
-                 reduce_output: bool = True, tensor_model_parallel_group=None,
-                 reduce_dtype: torch.dtype = torch.float32, init_method=None,
-                 sequence_parallel_enabled: bool = False, keep_master_weight: bool = False,
-                 skip_bias_add: bool = False, **unsupported):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        stride: int = 1,
+        pad: bool = False,
+        reduce_output: bool = True,
+        tensor_model_parallel_group=None,
+        reduce_dtype: torch.dtype = torch.float32,
+        init_method=None,
+        sequence_parallel_enabled: bool = False,
+        keep_master_weight: bool = False,
+        skip_bias_add: bool = False,
+        **unsupported,
+    ):
         super().__init__()
-        _check_unsupported("RowParallelLinear", unsupported, bias=bias, skip_bias_add=skip_bias_add, pad=pad,
-                           sequence_parallel_enabled=sequence_parallel_enabled)
-        _row_setup(self, input_size, output_size, input_is_parallel, reduce_output, dtype, stride, tensor_model_parallel_group)
+        _check_unsupported(
+            "RowParallelLinear",
+            unsupported,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            pad=pad,
+            sequence_parallel_enabled=sequence_parallel_enabled,
+        )
+        _row_setup(
+            self,
+            input_size,
+            output_size,
+            input_is_parallel,
+            reduce_output,
+            dtype,
+            stride,
+            tensor_model_parallel_group,
+        )
         self.reduce_dtype = reduce_dtype
         _tagged_weight(self, (output_size, self.input_size_per_partition), dtype, device, 1, stride)
 
     def forward(self, input_):
         output = F.linear(input_, self.weight)
         if self.reduce_output:
-            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype),
-                                                              self.tensor_parallel_group).to(output.dtype)
+            output = reduce_from_tensor_model_parallel_region(
+                output.to(self.reduce_dtype), self.tensor_parallel_group
+            ).to(output.dtype)
         return output
-

@@ -19,7 +19,10 @@ class _Graph(nn.Module):
 
     def __init__(self, module: nn.Module, names: list[str]):
         super().__init__()
-        self._held, self.names = [module], names  # not a submodule: its parameters must not be saved with the graph
+        self._held, self.names = (
+            [module],
+            names,
+        )  # not a submodule: its parameters must not be saved with the graph
 
     def forward(self, *tensors):
         module, held = self._held[0], []
@@ -29,7 +32,7 @@ class _Graph(nn.Module):
             held.append((owner, leaf, owner._parameters[leaf]))
             owner._parameters[leaf] = tensor
         try:
-            outputs = module(*tensors[len(self.names):])
+            outputs = module(*tensors[len(self.names) :])
         finally:  # the module's own parameters back
             for owner, leaf, parameter in held:
                 owner._parameters[leaf] = parameter
@@ -50,12 +53,17 @@ def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int
     graph = _Graph(module.eval(), weight_names + state_names)
     with torch.no_grad(), spmd.tracing(tp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.jit.trace(graph, (*tensors, *example_inputs), strict=False, check_trace=False)
+        program = torch.jit.trace(
+            graph, (*tensors, *example_inputs), strict=False, check_trace=False
+        )
         outputs = graph(*tensors, *example_inputs)
-    spec = {"weights": {n: _meta(parameters[n]) for n in weight_names},
-            "states": {n: _meta(parameters[n]) for n in state_names},
-            "inputs": [_meta(t) for t in example_inputs], "outputs": len(outputs),
-            "aliases": {str(index): names[id(p)] for p, index in aliases.items()}}
+    spec = {
+        "weights": {n: _meta(parameters[n]) for n in weight_names},
+        "states": {n: _meta(parameters[n]) for n in state_names},
+        "inputs": [_meta(t) for t in example_inputs],
+        "outputs": len(outputs),
+        "aliases": {str(index): names[id(p)] for p, index in aliases.items()},
+    }
     return {"program": program, "spec": spec}
 
 
@@ -69,31 +77,50 @@ class EmulatedNxDModel:
 
     def __init__(self, graphs: dict, shape_map: dict, tp: int, weights: list[dict] | None = None):
         self.graphs, self.shape_map, self.tp = graphs, shape_map, tp
-        self.saved_weights = weights  # the weights inside the artifact (initialize_with_saved_weights)
+        self.saved_weights = (
+            weights  # the weights inside the artifact (initialize_with_saved_weights)
+        )
         self.weights, self.states, self.loaded = None, None, False
         self.calls = dict.fromkeys(graphs, 0)
 
     def initialize(self, checkpoint: list[dict], start_rank_tensor: torch.Tensor) -> None:
         """Weights to the cores (checked against every graph), zeroed device state, HBM held."""
         if len(checkpoint) != self.tp:
-            raise ValueError(f"{len(checkpoint)} rank checkpoints for a model traced for {self.tp} ranks")
+            raise ValueError(
+                f"{len(checkpoint)} rank checkpoints for a model traced for {self.tp} ranks"
+            )
         for rank, shard in enumerate(checkpoint):
             for graph in self.graphs.values():
                 for name, (shape, dtype) in graph["spec"]["weights"].items():
                     if name not in shard:
-                        raise RuntimeError(f"rank {rank}: the checkpoint holds no weight {name!r} the graph needs")
+                        raise RuntimeError(
+                            f"rank {rank}: the checkpoint holds no weight {name!r} the graph needs"
+                        )
                     if _meta(shard[name]) != [shape, dtype]:
-                        raise RuntimeError(f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
-                                           f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}")
+                        raise RuntimeError(
+                            f"rank {rank}: weight {name!r} is {tuple(shard[name].shape)} "
+                            f"{shard[name].dtype}, the graph was traced with {tuple(shape)} {dtype}"
+                        )
         specs = [g["spec"]["states"] for g in self.graphs.values()]
-        states = [{name: torch.zeros(shape, dtype=getattr(torch, dtype)) for spec in specs
-                   for name, (shape, dtype) in spec.items()} for _ in range(self.tp)]
-        need = [sum(t.numel() * t.element_size() for t in (*w.values(), *s.values())) for w, s in zip(checkpoint, states)]
+        states = [
+            {
+                name: torch.zeros(shape, dtype=getattr(torch, dtype))
+                for spec in specs
+                for name, (shape, dtype) in spec.items()
+            }
+            for _ in range(self.tp)
+        ]
+        need = [
+            sum(t.numel() * t.element_size() for t in (*w.values(), *s.values()))
+            for w, s in zip(checkpoint, states)
+        ]
         spmd.cores().allocate(self, need, int(start_rank_tensor))
         self.weights, self.states, self.loaded = checkpoint, states, True
 
     def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor) -> None:
-        self.initialize(self.saved_weights or [], start_rank_tensor)  # none saved: "0 rank checkpoints" for tp ranks
+        self.initialize(
+            self.saved_weights or [], start_rank_tensor
+        )  # none saved: "0 rank checkpoints" for tp ranks
 
     def unloaded(self) -> None:
         self.weights, self.states, self.loaded = None, None, False
@@ -101,24 +128,33 @@ class EmulatedNxDModel:
     def router(self, inputs) -> tuple[str, int]:
         key = shape_key(inputs)
         if key not in self.shape_map:
-            raise ValueError(f"Input shape {key} not found in input_shape_map: {list(self.shape_map)}")
+            raise ValueError(
+                f"Input shape {key} not found in input_shape_map: {list(self.shape_map)}"
+            )
         return tuple(self.shape_map[key])
 
     def __call__(self, inputs: list) -> list:
         if not self.loaded:
-            raise ValueError("This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
-                             "or traced_model.nxd_model.initialize_with_saved_weights()")
+            raise ValueError(
+                "This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
+                "or traced_model.nxd_model.initialize_with_saved_weights()"
+            )
         name, _ = self.router(inputs)
         graph = self.graphs[name]
         spec = graph["spec"]
         traced, given = [dtype for _, dtype in spec["inputs"]], [_meta(t)[1] for t in inputs]
         if given != traced:
-            raise RuntimeError(f"graph {name!r} was traced with input dtypes {traced}, called with {given}")
+            raise RuntimeError(
+                f"graph {name!r} was traced with input dtypes {traced}, called with {given}"
+            )
 
         def job(rank):
             with torch.no_grad():
-                return graph["program"](*[self.weights[rank][n] for n in spec["weights"]],
-                                        *[self.states[rank][n] for n in spec["states"]], *inputs)
+                return graph["program"](
+                    *[self.weights[rank][n] for n in spec["weights"]],
+                    *[self.states[rank][n] for n in spec["states"]],
+                    *inputs,
+                )
 
         per_rank = spmd.run_on_cores([lambda rank=rank: job(rank) for rank in range(self.tp)])
         aliases = {int(index): state for index, state in spec["aliases"].items()}
@@ -140,7 +176,9 @@ class Saved(nn.Module):
         self.programs, self.weights, self.spec = nn.ModuleDict(programs), weights, spec
 
     def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:  # noqa: UP006
-        return torch.ops.nxd_emulated.spmd_model(inputs)  # unknown unless the emulated SDK is imported
+        return torch.ops.nxd_emulated.spmd_model(
+            inputs
+        )  # unknown unless the emulated SDK is imported
 
 
 @dataclass
@@ -154,18 +192,29 @@ class EmulatedExecutor:
 
     def save(self, path, _extra_files=None) -> None:
         model = self.nxd_model
-        spec = {"marker": SAVED_MARKER, "tp": model.tp, "shape_map": model.shape_map,
-                "graphs": {name: graph["spec"] for name, graph in model.graphs.items()}}
-        saved = Saved({name: graph["program"] for name, graph in model.graphs.items()},
-                       model.saved_weights or [], json.dumps(spec))
+        spec = {
+            "marker": SAVED_MARKER,
+            "tp": model.tp,
+            "shape_map": model.shape_map,
+            "graphs": {name: graph["spec"] for name, graph in model.graphs.items()},
+        }
+        saved = Saved(
+            {name: graph["program"] for name, graph in model.graphs.items()},
+            model.saved_weights or [],
+            json.dumps(spec),
+        )
         torch.jit.script(saved).save(str(path), _extra_files=_extra_files or {})
 
 
 def executor_from_saved(module) -> EmulatedExecutor:
     spec = json.loads(module.spec)
-    graphs = {name: {"program": getattr(module.programs, name), "spec": graph_spec}
-              for name, graph_spec in spec["graphs"].items()}
-    return EmulatedExecutor(EmulatedNxDModel(graphs, spec["shape_map"], spec["tp"], list(module.weights)))
+    graphs = {
+        name: {"program": getattr(module.programs, name), "spec": graph_spec}
+        for name, graph_spec in spec["graphs"].items()
+    }
+    return EmulatedExecutor(
+        EmulatedNxDModel(graphs, spec["shape_map"], spec["tp"], list(module.weights))
+    )
 
 
 _JIT_LOAD = torch.jit.load
@@ -182,8 +231,10 @@ def jit_load(*args, **kwargs):
 
 
 def _marker_op(inputs):
-    raise RuntimeError("an emulated NxD artifact runs through the emulated runtime: torch.jit.load it after "
-                       "importing neuronx_distributed.trace.model_builder")
+    raise RuntimeError(
+        "an emulated NxD artifact runs through the emulated runtime: torch.jit.load it after "
+        "importing neuronx_distributed.trace.model_builder"
+    )
 
 
 spmd._LIBRARY.define("spmd_model(Tensor[] inputs) -> Tensor[]")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 DEFAULT_HBM_BYTES = 16 * 2**30  # one inf2 NeuronCore-v2
-DEFAULT_CORES = 2               # an inf2.xlarge / inf2.8xlarge
+DEFAULT_CORES = 2  # an inf2.xlarge / inf2.8xlarge
 
 
 class _Group:
@@ -28,7 +28,9 @@ class _Group:
         return gathered
 
 
-_LOCAL = threading.local()  # .context: (group, rank) on a core thread; .tracing: the tp of a program being traced
+_LOCAL = (
+    threading.local()
+)  # .context: (group, rank) on a core thread; .tracing: the tp of a program being traced
 
 
 @contextlib.contextmanager
@@ -48,8 +50,10 @@ def _exchange(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         return context[0].exchange(context[1], tensor)
     tp = getattr(_LOCAL, "tracing", None)
     if tp is None:
-        raise RuntimeError(f"{name}: a collective of the emulated NeuronCores ran outside a core; run the "
-                           "program with gemma_nb.rehearsal.spmd.run_on_cores (or trace it inside spmd.tracing)")
+        raise RuntimeError(
+            f"{name}: a collective of the emulated NeuronCores ran outside a core; run the "
+            "program with gemma_nb.rehearsal.spmd.run_on_cores (or trace it inside spmd.tracing)"
+        )
     return [tensor, *[torch.zeros_like(tensor)] * (tp - 1)]
 
 
@@ -83,7 +87,10 @@ def run_on_cores(jobs: list) -> list:
         finally:
             _LOCAL.context = None
 
-    threads = [threading.Thread(target=work, args=(rank,), name=f"emulated-core-{rank}") for rank in range(len(jobs))]
+    threads = [
+        threading.Thread(target=work, args=(rank,), name=f"emulated-core-{rank}")
+        for rank in range(len(jobs))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -100,10 +107,13 @@ class AllocationError(RuntimeError):
 @dataclass
 class Cores:
     """The NeuronCores of this process and the bytes each holds, per loaded model."""
+
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
-    held: dict = field(default_factory=dict)  # loaded model (told when the runtime closes) -> bytes per core (list)
+    held: dict = field(
+        default_factory=dict
+    )  # loaded model (told when the runtime closes) -> bytes per core (list)
 
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
@@ -111,8 +121,10 @@ class Cores:
     def allocate(self, model, bytes_per_core: list[int], start_rank: int = 0) -> None:
         """Hold ``bytes_per_core[r]`` on core ``start_rank + r`` for ``model``, or raise ``AllocationError``."""
         if start_rank + len(bytes_per_core) > self.count:
-            raise AllocationError(f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
-                                  f"but this instance has {self.count} (emulated): use an instance with more cores")
+            raise AllocationError(
+                f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
+                f"but this instance has {self.count} (emulated): use an instance with more cores"
+            )
         self.held.pop(model, None)  # initialising a loaded model again replaces its allocation
         per_core = [0] * self.count
         for core, need in enumerate(bytes_per_core, start_rank):
@@ -121,7 +133,8 @@ class Cores:
                 raise AllocationError(
                     f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 Allocation Failure "
                     f"(emulated HBM: {self.used(core):,} of {self.hbm_bytes:,} bytes already held by "
-                    f"{len(self.held)} loaded model(s); close the runtime before loading another model)")
+                    f"{len(self.held)} loaded model(s); close the runtime before loading another model)"
+                )
             per_core[core] = need
         self.held[model] = per_core
 
@@ -133,9 +146,11 @@ def cores() -> Cores:
     """This process's emulated NeuronCores (sized from the environment on first use)."""
     global _CORES
     if _CORES is None:
-        _CORES = Cores(count=int(os.environ.get("GEMMA_NB_EMULATED_NEURON_CORES", DEFAULT_CORES)),
-                       hbm_bytes=int(os.environ.get("GEMMA_NB_EMULATED_HBM_BYTES", DEFAULT_HBM_BYTES)),
-                       runtime_bytes=int(os.environ.get("GEMMA_NB_EMULATED_RUNTIME_BYTES", 0)))
+        _CORES = Cores(
+            count=int(os.environ.get("GEMMA_NB_EMULATED_NEURON_CORES", DEFAULT_CORES)),
+            hbm_bytes=int(os.environ.get("GEMMA_NB_EMULATED_HBM_BYTES", DEFAULT_HBM_BYTES)),
+            runtime_bytes=int(os.environ.get("GEMMA_NB_EMULATED_RUNTIME_BYTES", 0)),
+        )
     return _CORES
 
 

@@ -15,12 +15,26 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gemma_nb.serving import schema
-from gemma_nb.serving.backends import Generation, Runtime, SamplingParams, Step, chat_prompt_ids, generate
+from gemma_nb.serving.backends import (
+    Generation,
+    Runtime,
+    SamplingParams,
+    Step,
+    chat_prompt_ids,
+    generate,
+)
 from gemma_nb.serving.schema import APIError, error_response
 
 API_KEY_ENV = "GEMMA_NB_API_KEY"
@@ -33,12 +47,35 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 ENDPOINTS = (*GENERATION_PATHS, "/v1/models", "/health", "/metrics")
 RETRY_AFTER_S, CPU_WORKERS, WAIT_POLL_S = 1, 2, 0.1
 CLOSE = {"Connection": "close"}
-ERRORS = {status: {"model": schema.ErrorBody, "description": why} for status, why in ((400, "invalid (error.param names the field)"),
-          (401, "no or wrong API key"), (404, "model not served here"), (408, "body too slow"), (413, "body too large"),
-          (415, "body not JSON"), (429, "queue full; see Retry-After"), (503, "model loading, or it failed to load"))}
-STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}}},
-    "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]"}}
+ERRORS = {
+    status: {"model": schema.ErrorBody, "description": why}
+    for status, why in (
+        (400, "invalid (error.param names the field)"),
+        (401, "no or wrong API key"),
+        (404, "model not served here"),
+        (408, "body too slow"),
+        (413, "body too large"),
+        (415, "body not JSON"),
+        (429, "queue full; see Retry-After"),
+        (503, "model loading, or it failed to load"),
+    )
+}
+STREAMED = {
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}
+                    },
+                }
+            }
+        },
+        "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]",
+    }
+}
 
 log = logging.getLogger("gemma_nb.serve")
 
@@ -46,28 +83,106 @@ log = logging.getLogger("gemma_nb.serve")
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("gemma_nb_requests", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r)
-        self.refused = Counter("gemma_nb_http_refused", "refused by uvicorn: malformed (400), over --limit-concurrency (503)", ["reason"], registry=r)
-        self.prompt_tokens = Counter("gemma_nb_prompt_tokens", "prompt tokens prefilled", registry=r)
-        self.generated_tokens = Counter("gemma_nb_generated_tokens", "tokens generated (sampled)", registry=r)
-        self.disconnects = Counter("gemma_nb_client_disconnects", "requests given up because the client left", registry=r)
-        seconds = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.ttft = Histogram("gemma_nb_time_to_first_token_seconds", "request arrival to first token", buckets=seconds, registry=r)
-        self.itl = Histogram("gemma_nb_time_per_output_token_seconds", "time between consecutive tokens", buckets=seconds, registry=r)
-        self.queue_depth = Gauge("gemma_nb_queue_depth", "requests admitted and not finished (the generating one included)", registry=r)
-        self.queue_capacity = Gauge("gemma_nb_queue_capacity", "most requests admitted at once (--queue-size)", registry=r)
-        self.slots_overdue = Gauge("gemma_nb_slots_overdue", "queue slots held longer than --slot-watchdog-s: a hung request", registry=r)
-        self.oldest_slot = Gauge("gemma_nb_oldest_slot_seconds", "age of the oldest held queue slot (0 if none)", registry=r)
-        self.ready = Gauge("gemma_nb_model_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.requests = Counter(
+            "gemma_nb_requests",
+            "HTTP responses by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "gemma_nb_http_refused",
+            "refused by uvicorn: malformed (400), over --limit-concurrency (503)",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "gemma_nb_prompt_tokens", "prompt tokens prefilled", registry=r
+        )
+        self.generated_tokens = Counter(
+            "gemma_nb_generated_tokens", "tokens generated (sampled)", registry=r
+        )
+        self.disconnects = Counter(
+            "gemma_nb_client_disconnects", "requests given up because the client left", registry=r
+        )
+        seconds = (
+            0.001,
+            0.0025,
+            0.005,
+            0.01,
+            0.025,
+            0.05,
+            0.1,
+            0.25,
+            0.5,
+            1,
+            2.5,
+            5,
+            10,
+            30,
+            60,
+            120,
+        )
+        self.ttft = Histogram(
+            "gemma_nb_time_to_first_token_seconds",
+            "request arrival to first token",
+            buckets=seconds,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gemma_nb_time_per_output_token_seconds",
+            "time between consecutive tokens",
+            buckets=seconds,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gemma_nb_queue_depth",
+            "requests admitted and not finished (the generating one included)",
+            registry=r,
+        )
+        self.queue_capacity = Gauge(
+            "gemma_nb_queue_capacity", "most requests admitted at once (--queue-size)", registry=r
+        )
+        self.slots_overdue = Gauge(
+            "gemma_nb_slots_overdue",
+            "queue slots held longer than --slot-watchdog-s: a hung request",
+            registry=r,
+        )
+        self.oldest_slot = Gauge(
+            "gemma_nb_oldest_slot_seconds",
+            "age of the oldest held queue slot (0 if none)",
+            registry=r,
+        )
+        self.ready = Gauge(
+            "gemma_nb_model_ready", "1 once the model is loaded and warmed up", registry=r
+        )
 
 
 class Engine:
-    def __init__(self, load: Callable[[], Runtime], model_name: str, aliases: Sequence[str], queue_size: int, max_tokens: int,
-                 slot_watchdog_s: float, on_load_failure: Callable[[str], None] | None):
+    def __init__(
+        self,
+        load: Callable[[], Runtime],
+        model_name: str,
+        aliases: Sequence[str],
+        queue_size: int,
+        max_tokens: int,
+        slot_watchdog_s: float,
+        on_load_failure: Callable[[str], None] | None,
+    ):
         assert queue_size >= 1, "queue_size counts the generating request"
         self._load, self.metrics, self.queue_size = load, (metrics := ServerMetrics()), queue_size
-        self.model_name, self.names, self.max_tokens, self.created = model_name, {model_name, *aliases}, max_tokens, int(time.time())
-        self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = on_load_failure, None, None, "loading", None
+        self.model_name, self.names, self.max_tokens, self.created = (
+            model_name,
+            {model_name, *aliases},
+            max_tokens,
+            int(time.time()),
+        )
+        self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = (
+            on_load_failure,
+            None,
+            None,
+            "loading",
+            None,
+        )
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
         self.cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
         self._turn, self.slots = asyncio.Lock(), {}  # slots: admitted request -> since when
@@ -110,15 +225,21 @@ class Engine:
                 acquire.cancel()
                 acquire.add_done_callback(lambda done: done.cancelled() or self._turn.release())
 
-    async def steps(self, request: Request, generation: Generation, arrival: float) -> AsyncIterator[Step]:
+    async def steps(
+        self, request: Request, generation: Generation, arrival: float
+    ) -> AsyncIterator[Step]:
         turn, previous, failed = False, arrival, False
         try:
             turn = await self._wait_turn(request)
             self.metrics.prompt_tokens.inc(len(generation.prompt_ids) if turn else 0)
             while turn and generation.finish_reason is None and not await request.is_disconnected():
-                step = await asyncio.get_running_loop().run_in_executor(self.device, generation.step)
+                step = await asyncio.get_running_loop().run_in_executor(
+                    self.device, generation.step
+                )
                 now = time.perf_counter()
-                (self.metrics.itl if generation.token_ids[1:] else self.metrics.ttft).observe(now - previous)
+                (self.metrics.itl if generation.token_ids[1:] else self.metrics.ttft).observe(
+                    now - previous
+                )
                 previous = now
                 self.metrics.generated_tokens.inc()
                 yield step
@@ -128,53 +249,130 @@ class Engine:
         finally:  # unfinished and not failed: the client left while waiting or between tokens (Starlette cancels its stream)
             if generation.finish_reason is None and not failed:
                 self.metrics.disconnects.inc()
-                log.info("client left after %d tokens; its request was given up", len(generation.token_ids))
+                log.info(
+                    "client left after %d tokens; its request was given up",
+                    len(generation.token_ids),
+                )
             if turn:
                 self._turn.release()
 
     def ready(self, model: str | None) -> Runtime:
         loading = self.status == "loading"
         if model is not None and model not in self.names:
-            raise APIError(404, f"model {schema.excerpt(model)} is not served here; it serves {self.model_name!r} (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {schema.excerpt(model)} is not served here; it serves {self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         if self.status != "ok":
-            raise APIError(503, "the model is still loading; retry when GET /health says ok" if loading else
-                           f"the model failed to load ({self.error}); see the server log", "service_unavailable",
-                           code="model_loading" if loading else "model_load_failed", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(
+                503,
+                "the model is still loading; retry when GET /health says ok"
+                if loading
+                else f"the model failed to load ({self.error}); see the server log",
+                "service_unavailable",
+                code="model_loading" if loading else "model_load_failed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         return self.runtime
 
-    def generation(self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options) -> Generation:
-        context, count, longest = runtime.max_context, len(ids), getattr(runtime, "max_prompt_tokens", None)
+    def generation(
+        self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options
+    ) -> Generation:
+        context, count, longest = (
+            runtime.max_context,
+            len(ids),
+            getattr(runtime, "max_prompt_tokens", None),
+        )
         if count == 0:
-            raise APIError(400, f"{param} is empty once tokenized; send some text", param=param, code="empty_prompt")
+            raise APIError(
+                400,
+                f"{param} is empty once tokenized; send some text",
+                param=param,
+                code="empty_prompt",
+            )
         if count >= context or (longest is not None and count > longest):
-            where = f"the context holds {context}" if count >= context else f"the deployed prefill takes at most {longest}"
-            raise APIError(400, f"the prompt has {count} tokens; {where}: shorten it", param=param, code="context_length_exceeded")
+            where = (
+                f"the context holds {context}"
+                if count >= context
+                else f"the deployed prefill takes at most {longest}"
+            )
+            raise APIError(
+                400,
+                f"the prompt has {count} tokens; {where}: shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and count + max_tokens > context:
-            raise APIError(400, f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
-                           f"exceed the context of {context}; lower max_tokens", param="max_tokens", code="context_length_exceeded")
-        params = SamplingParams(max_tokens=max_tokens or min(self.max_tokens, context - count), temperature=body.temperature,
-                                top_p=body.top_p, top_k=body.top_k, stop=(body.stop,) if isinstance(body.stop, str) else
-                                tuple(body.stop or ()), seed=None if body.seed is None else body.seed % 2**64,
-                                ignore_eos=body.ignore_eos)
+            raise APIError(
+                400,
+                f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
+                f"exceed the context of {context}; lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens or min(self.max_tokens, context - count),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+            seed=None if body.seed is None else body.seed % 2**64,
+            ignore_eos=body.ignore_eos,
+        )
         return Generation(runtime, ids, params, **options)
 
-    async def reply(self, request: Request, body, generation: Generation, arrival: float, chat: bool):
+    async def reply(
+        self, request: Request, body, generation: Generation, arrival: float, chat: bool
+    ):
         """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
-        base, usage = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                       "model": self.model_name}, body.stream_options or schema.StreamOptions()
+        base, usage = (
+            {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "created": int(time.time()),
+                "model": self.model_name,
+            },
+            body.stream_options or schema.StreamOptions(),
+        )
         if not body.stream:
             async for _ in self.steps(request, generation, arrival):  # run out, it closes itself
                 pass
-            key, value = ("message", {"role": "assistant", "content": generation.text}) if chat else ("text", generation.text)
-            return {**base, "object": "chat.completion" if chat else "text_completion", "usage": generation.usage(),
-                    "choices": [{"index": 0, key: value, "logprobs": None, "finish_reason": generation.finish_reason}]}
+            key, value = (
+                ("message", {"role": "assistant", "content": generation.text})
+                if chat
+                else ("text", generation.text)
+            )
+            return {
+                **base,
+                "object": "chat.completion" if chat else "text_completion",
+                "usage": generation.usage(),
+                "choices": [
+                    {
+                        "index": 0,
+                        key: value,
+                        "logprobs": None,
+                        "finish_reason": generation.finish_reason,
+                    }
+                ],
+            }
         base["object"] = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str, reason: str | None, role: bool = False) -> str:
-            content = {"delta": {"role": "assistant", "content": text} if role else {"content": text}} if chat else {"text": text}
-            payload = {**base, "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}]}
-            return _sse({**payload, "usage": generation.usage() if usage.continuous_usage_stats else None} if usage.include_usage else payload)
+            content = (
+                {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
+                if chat
+                else {"text": text}
+            )
+            payload = {
+                **base,
+                "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": reason}],
+            }
+            return _sse(
+                {**payload, "usage": generation.usage() if usage.continuous_usage_stats else None}
+                if usage.include_usage
+                else payload
+            )
 
         async def events():
             try:
@@ -182,16 +380,32 @@ class Engine:
                     yield chunk("", None, role=True)
                 async with contextlib.aclosing(self.steps(request, generation, arrival)) as steps:
                     async for step in steps:
-                        yield chunk(step.text, step.finish_reason)  # one chunk per token, even without text
+                        yield chunk(
+                            step.text, step.finish_reason
+                        )  # one chunk per token, even without text
                 if generation.finish_reason is not None:
-                    yield _sse({**base, "choices": [], "usage": generation.usage()}) if usage.include_usage else ""
+                    yield (
+                        _sse({**base, "choices": [], "usage": generation.usage()})
+                        if usage.include_usage
+                        else ""
+                    )
                     yield "data: [DONE]\n\n"
             except Exception as error:  # the stream has started: report in-band, then end it
                 log.exception("generation failed")
-                yield _sse({"error": {"message": f"generation failed ({type(error).__name__}); see the server log", "type": "server_error"}})
+                yield _sse(
+                    {
+                        "error": {
+                            "message": f"generation failed ({type(error).__name__}); see the server log",
+                            "type": "server_error",
+                        }
+                    }
+                )
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
 
 class Gate:
@@ -199,7 +413,12 @@ class Gate:
     (400), a declared body over the limit (413), a full queue (429); then the body bounded in size (413) and time (408)."""
 
     def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
-        self.app, self.engine, self.max_body_bytes, self.body_timeout_s = app, engine, max_body_bytes, body_timeout_s
+        self.app, self.engine, self.max_body_bytes, self.body_timeout_s = (
+            app,
+            engine,
+            max_body_bytes,
+            body_timeout_s,
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -225,26 +444,52 @@ class Gate:
             log.exception("request %s %s failed", scope["method"], scope["path"])
             if started:
                 raise  # mid-stream: nothing to do but close the connection
-            await error_response(500, f"the server failed on this request ({type(error).__name__}); see its log",
-                                 "server_error")(scope, receive, counted)
+            await error_response(
+                500,
+                f"the server failed on this request ({type(error).__name__}); see its log",
+                "server_error",
+            )(scope, receive, counted)
         finally:
             slots.pop(slot, None)
 
     def _refusal(self, scope, queued: bool) -> Response | None:
         headers = dict(scope["headers"])
-        head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        head = (
+            len(scope["raw_path"])
+            + len(scope["query_string"])
+            + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        )
         declared, engine = headers.get(b"content-length", b""), self.engine
         if head > MAX_HEAD_BYTES:  # h11 caps only a head that arrives in pieces
-            return error_response(431, f"the request head is {head:,} bytes; at most {MAX_HEAD_BYTES:,}", code="head_too_large", headers=CLOSE)
+            return error_response(
+                431,
+                f"the request head is {head:,} bytes; at most {MAX_HEAD_BYTES:,}",
+                code="head_too_large",
+                headers=CLOSE,
+            )
         if declared and b"transfer-encoding" in headers:
-            return error_response(400, "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send one",
-                                  code="ambiguous_length", headers=CLOSE)
+            return error_response(
+                400,
+                "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send one",
+                code="ambiguous_length",
+                headers=CLOSE,
+            )
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return error_response(413, f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} (--max-body-bytes)",
-                                  code="body_too_large", headers=CLOSE)
+            return error_response(
+                413,
+                f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} (--max-body-bytes)",
+                code="body_too_large",
+                headers=CLOSE,
+            )
         if queued and len(engine.slots) >= engine.queue_size:
-            return error_response(429, f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
-                                  f" retry after {RETRY_AFTER_S} s", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return error_response(
+                429,
+                f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
+                f" retry after {RETRY_AFTER_S} s",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def _bounded(self, receive):
         """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408 past the deadline."""
@@ -257,10 +502,15 @@ class Gate:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
-                raise HTTPException(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+                raise HTTPException(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s"
+                ) from None
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                raise HTTPException(413, f"the request body is over {self.max_body_bytes:,} bytes (--max-body-bytes)")
+                raise HTTPException(
+                    413,
+                    f"the request body is over {self.max_body_bytes:,} bytes (--max-body-bytes)",
+                )
             done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
@@ -272,27 +522,55 @@ def _sse(payload: dict) -> str:
 
 
 def _key_check(api_key: str) -> list:
-    bearer, key = HTTPBearer(auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"), api_key.encode()
+    bearer, key = (
+        HTTPBearer(
+            auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"
+        ),
+        api_key.encode(),
+    )
 
     async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
-                           f"was started with ({API_KEY_ENV})", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                f"was started with ({API_KEY_ENV})",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     return [Depends(require_key)]
 
 
-def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliases: Sequence[str] = (),
-               queue_size: int = DEFAULT_QUEUE_SIZE, api_key: str | None = None, metrics_need_key: bool = False,
-               max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               allowed_hosts: Sequence[str] | None = None, slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
-               on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+def create_app(
+    load: Callable[[], Runtime] | Runtime,
+    *,
+    model_name: str,
+    aliases: Sequence[str] = (),
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+    api_key: str | None = None,
+    metrics_need_key: bool = False,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    allowed_hosts: Sequence[str] | None = None,
+    slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
+    on_load_failure: Callable[[str], None] | None = None,
+) -> FastAPI:
     """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``); ``api_key``
     (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts``: None,
     any Host; ``on_load_failure(error)`` if the load fails."""
     assert 1 <= max_tokens <= max_tokens_cap, "max_tokens must be between 1 and max_tokens_cap"
-    engine = Engine(load if callable(load) and not hasattr(load, "prefill") else (lambda: load), model_name, aliases,
-                    queue_size, max_tokens, slot_watchdog_s, on_load_failure)
+    engine = Engine(
+        load if callable(load) and not hasattr(load, "prefill") else (lambda: load),
+        model_name,
+        aliases,
+        queue_size,
+        max_tokens,
+        slot_watchdog_s,
+        on_load_failure,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -300,26 +578,60 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
         yield
         for pool in (engine.device, engine.cpu):
             pool.shutdown(wait=False, cancel_futures=True)
-    app = FastAPI(title="gemma-nb", summary="OpenAI-compatible API over the deployed model", lifespan=lifespan,
-                  strict_content_type=False)  # a body without Content-Type is read as JSON
+
+    app = FastAPI(
+        title="gemma-nb",
+        summary="OpenAI-compatible API over the deployed model",
+        lifespan=lifespan,
+        strict_content_type=False,
+    )  # a body without Content-Type is read as JSON
     app.state.metrics = engine.metrics
     if allowed_hosts is not None:
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
-    app.add_middleware(Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    models = [schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
-              for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)]
-    fields = {path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED)) for path, m in zip(GENERATION_PATHS, models)}
+        app.add_middleware(
+            TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False
+        )
+    app.add_middleware(
+        Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+    )
+    models = [
+        schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
+        for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)
+    ]
+    fields = {
+        path: sorted(set(m.model_fields) - set(schema.UNSUPPORTED))
+        for path, m in zip(GENERATION_PATHS, models)
+    }
 
-    @app.exception_handler(HTTPException)  # every error as OpenAI's body: APIError's, Starlette's own (404, 405)
+    @app.exception_handler(
+        HTTPException
+    )  # every error as OpenAI's body: APIError's, Starlette's own (404, 405)
     async def http_error(_request, error: HTTPException):
-        status, codes = error.status_code, {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
-        return error_response(status, str(error.detail), getattr(error, "type", "not_found_error" if status == 404 else
-                              "invalid_request_error"), getattr(error, "param", None), getattr(error, "code", codes.get(status)),
-                              headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})})
+        status, codes = (
+            error.status_code,
+            {
+                404: "not_found",
+                405: "method_not_allowed",
+                408: "request_timeout",
+                413: "body_too_large",
+            },
+        )
+        return error_response(
+            status,
+            str(error.detail),
+            getattr(error, "type", "not_found_error" if status == 404 else "invalid_request_error"),
+            getattr(error, "param", None),
+            getattr(error, "code", codes.get(status)),
+            headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})},
+        )
 
     @app.exception_handler(RequestValidationError)  # the request models' errors, naming the field
     async def invalid(request: Request, error: RequestValidationError):
-        return await http_error(request, schema.validation_error(error, request.headers.get("content-type"), fields.get(request.url.path)))
+        return await http_error(
+            request,
+            schema.validation_error(
+                error, request.headers.get("content-type"), fields.get(request.url.path)
+            ),
+        )
 
     def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
         if engine.status != "ok":
@@ -334,44 +646,105 @@ def create_app(load: Callable[[], Runtime] | Runtime, *, model_name: str, aliase
 
 
 def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
-    @app.get("/health", response_model=schema.Health, response_model_exclude_none=True,
-             responses={503: {"model": schema.Health, "description": "not ready"}})
+    @app.get(
+        "/health",
+        response_model=schema.Health,
+        response_model_exclude_none=True,
+        responses={503: {"model": schema.Health, "description": "not ready"}},
+    )
     async def health():
         body = {"status": engine.status, **({"error": engine.error} if engine.error else {})}
         return body if engine.status == "ok" else JSONResponse(body, status_code=503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed, responses={401: ERRORS[401]})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        dependencies=metrics_keyed,
+        responses={401: ERRORS[401]},
+    )
     async def prometheus_metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=schema.ModelList, dependencies=keyed, responses={401: ERRORS[401]})
+    @app.get(
+        "/v1/models",
+        response_model=schema.ModelList,
+        dependencies=keyed,
+        responses={401: ERRORS[401]},
+    )
     async def list_models():
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "gemma-nb"}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_name,
+                    "object": "model",
+                    "created": engine.created,
+                    "owned_by": "gemma-nb",
+                }
+            ],
+        }
 
 
-def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list) -> None:  # noqa: N803
+def _generation_routes(
+    app: FastAPI, engine: Engine, Chat, Completions, Generate, keyed: list
+) -> None:  # noqa: N803
 
-    @app.post("/v1/chat/completions", response_model=schema.ChatCompletion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=schema.ChatCompletion,
+        responses={**STREAMED, **ERRORS},
+        dependencies=keyed,
+    )
     async def chat_completions(body: Chat, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.model_dump()["content"]}
-                    for m in body.messages]
+        messages = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.model_dump()["content"],
+            }
+            for m in body.messages
+        ]
         try:
             ids = await engine.on_cpu(chat_prompt_ids, runtime.tokenizer, messages)
         except ValueError as error:
             raise APIError(400, str(error)[:200], param="messages", code="invalid_value") from None
-        generation = engine.generation(body, runtime, ids, body.max_completion_tokens or body.max_tokens, "messages",
-                                       strip_leading_space=True)
+        generation = engine.generation(
+            body,
+            runtime,
+            ids,
+            body.max_completion_tokens or body.max_tokens,
+            "messages",
+            strip_leading_space=True,
+        )
         return await engine.reply(request, body, generation, arrival, chat=True)
 
-    @app.post("/v1/completions", response_model=schema.Completion, responses={**STREAMED, **ERRORS}, dependencies=keyed)
+    @app.post(
+        "/v1/completions",
+        response_model=schema.Completion,
+        responses={**STREAMED, **ERRORS},
+        dependencies=keyed,
+    )
     async def completions(body: Completions, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-        ids = list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"]) if isinstance(prompt, str) else prompt
-        if (bad := next((i for i, t in enumerate(ids) if t >= engine.vocab_size), None)) is not None:
-            raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 to {engine.vocab_size - 1})",
-                           param=f"prompt.{bad}", code="invalid_value")
+        prompt = (
+            body.prompt[0]
+            if isinstance(body.prompt, list) and isinstance(body.prompt[0], str)
+            else body.prompt
+        )
+        ids = (
+            list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"])
+            if isinstance(prompt, str)
+            else prompt
+        )
+        if (
+            bad := next((i for i, t in enumerate(ids) if t >= engine.vocab_size), None)
+        ) is not None:
+            raise APIError(
+                400,
+                f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 to {engine.vocab_size - 1})",
+                param=f"prompt.{bad}",
+                code="invalid_value",
+            )
         generation = engine.generation(body, runtime, ids, body.max_tokens, "prompt")
         return await engine.reply(request, body, generation, arrival, chat=False)
 
@@ -384,6 +757,12 @@ def _generation_routes(app: FastAPI, engine: Engine, Chat, Completions, Generate
         async for _ in engine.steps(request, generation, started):
             pass
         seconds = time.perf_counter() - started
-        return {"text": generation.text, "tokens": len(generation.token_ids), "token_ids": generation.token_ids,
-                "prompt_tokens": len(generation.prompt_ids), "finish_reason": generation.finish_reason,
-                "seconds": round(seconds, 4), "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None}
+        return {
+            "text": generation.text,
+            "tokens": len(generation.token_ids),
+            "token_ids": generation.token_ids,
+            "prompt_tokens": len(generation.prompt_ids),
+            "finish_reason": generation.finish_reason,
+            "seconds": round(seconds, 4),
+            "tok_s": round(len(generation.token_ids) / seconds, 2) if seconds else None,
+        }

@@ -33,17 +33,25 @@ class Runtime:
     def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
         self.tokenizer, self.max_context = tokenizer, max_context
         sources = [eos_token_ids, tokenizer.eos_token_id]
-        self.eos_token_ids = frozenset(i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s))
+        self.eos_token_ids = frozenset(
+            i for s in sources if s is not None for i in ([s] if isinstance(s, int) else s)
+        )
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
     """A chat's token ids: its chat template, or (a tokenizer without one) the contents joined by newlines."""
-    texts = [m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]) for m in messages]
+    texts = [
+        m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
+        for m in messages
+    ]
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer("\n".join(t for t in texts if t))["input_ids"])
     try:
-        text = tokenizer.apply_chat_template([{"role": m["role"], "content": t} for m, t in zip(messages, texts)],
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": t} for m, t in zip(messages, texts)],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except TemplateError as error:  # e.g. roles that do not alternate: the client's to fix
         raise ValueError(f"the model's chat template refuses these messages: {error}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -61,7 +69,9 @@ class SamplingParams(NamedTuple):
     ignore_eos: bool = False
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     # float64, the best score shifted to 0 first: a tiny temperature sends the rest to -inf, not all to inf (NaN)
@@ -107,16 +117,22 @@ class Generation:
         return self._visible()[0]
 
     def _visible(self) -> tuple[str, bool]:
-        full = self.runtime.tokenizer.decode(self._context + self.token_ids, skip_special_tokens=True)
+        full = self.runtime.tokenizer.decode(
+            self._context + self.token_ids, skip_special_tokens=True
+        )
         # A tokenizer that merges across the boundary keeps only the common prefix's tail.
-        text = full[len(os.path.commonprefix([full, self._context_text])):]
+        text = full[len(os.path.commonprefix([full, self._context_text])) :]
         text = text.lstrip() if self.strip_leading_space else text
         cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
 
     def step(self) -> Step:
         assert self.finish_reason is None, "generation already finished"
-        logits = self.runtime.decode(self.token_ids[-1]) if self.token_ids else self.runtime.prefill(self.prompt_ids)
+        logits = (
+            self.runtime.decode(self.token_ids[-1])
+            if self.token_ids
+            else self.runtime.prefill(self.prompt_ids)
+        )
         token = sample_token(logits, self.params, self._generator)
         self.token_ids.append(token)
         text, stopped = self._visible()
@@ -126,7 +142,7 @@ class Generation:
             self.finish_reason = "length"
         if self.finish_reason is None:
             text = text[: len(text) - held_back(text, self.params.stop)]
-        delta = text[self._emitted:]
+        delta = text[self._emitted :]
         self._emitted = max(self._emitted, len(text))
         return Step(token, delta, self.finish_reason)
 
@@ -135,17 +151,25 @@ class Generation:
             yield self.step()
 
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
-                "total_tokens": len(self.prompt_ids) + len(self.token_ids)}
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.token_ids),
+            "total_tokens": len(self.prompt_ids) + len(self.token_ids),
+        }
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters to keep unsent: a possible stop-string start or a partial character."""
-    starts = (next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0) for stop in stops)
+    starts = (
+        next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
+        for stop in stops
+    )
     return max(int(text.endswith("\ufffd")), 0, *starts)
 
 
-def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling) -> Generation:
+def generate(
+    runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling
+) -> Generation:
     """One generation run to the end (``generate(runtime, "The capital of France is", 4).text``: ``" Paris ."``)."""
     ids = list(runtime.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     generation = Generation(runtime, ids, SamplingParams(max_tokens=max_tokens, **sampling))
@@ -156,10 +180,14 @@ def generate(runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32
 
 def _context_limit(requested: int | None, model_limit: int | None) -> int:
     if requested is None and model_limit is None:
-        raise ValueError("the model does not say how long its context is: pass max_context (--max-context N)")
+        raise ValueError(
+            "the model does not say how long its context is: pass max_context (--max-context N)"
+        )
     if requested is not None and not 2 <= requested <= (model_limit or requested):
-        raise ValueError(f"max_context={requested}: a prompt and one new token need at least 2, and the model holds "
-                         f"{model_limit} positions; pass --max-context between 2 and {model_limit}")
+        raise ValueError(
+            f"max_context={requested}: a prompt and one new token need at least 2, and the model holds "
+            f"{model_limit} positions; pass --max-context between 2 and {model_limit}"
+        )
     return int(model_limit if requested is None else requested)
 
 
@@ -168,14 +196,22 @@ class TransformersRuntime(Runtime):
 
     def __init__(self, model, tokenizer, max_context: int | None = None):
         limit = getattr(model.config, "max_position_embeddings", None) or max_context
-        super().__init__(tokenizer, _context_limit(max_context, limit),
-                         getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        super().__init__(
+            tokenizer,
+            _context_limit(max_context, limit),
+            getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        )
         self.model, self._device, self._cache = model, next(model.parameters()).device, None
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
-        return self.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
+        return (
+            self.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1)
+            .logits[0, -1]
+            .float()
+            .cpu()
+        )
 
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         self._cache = DynamicCache(config=self.model.config)
@@ -191,14 +227,21 @@ class _Stepped(Runtime):
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
         super().__init__(tokenizer, context, eos_token_ids)
-        self.runner, self.bucket, self.max_prompt_tokens, self._position = runner, bucket, min(bucket, context - 1), None
+        self.runner, self.bucket, self.max_prompt_tokens, self._position = (
+            runner,
+            bucket,
+            min(bucket, context - 1),
+            None,
+        )
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         if not 0 < len(prompt_ids) <= self.max_prompt_tokens:
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}")
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}"
+            )
         padded = torch.full((1, self.bucket), self.runner.pad_token_id, dtype=torch.long)
-        padded[0, :len(prompt_ids)] = torch.tensor(list(prompt_ids))
+        padded[0, : len(prompt_ids)] = torch.tensor(list(prompt_ids))
         # Padding slots are rewritten by later decode steps before any query can see them.
         logits = self._run(padded, 0, len(prompt_ids) - 1, prefill=True)
         self._position = len(prompt_ids)  # where the first generated token goes
@@ -216,8 +259,13 @@ class DeployRuntime(_Stepped):
     """The slim deploy's ``export.StepRunner``: the host embedding, then a compiled prefill or decode step."""
 
     def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
-        super().__init__(runner, tokenizer, _context_limit(max_context, runner.shapes.max_cache_len),
-                         runner.shapes.prefill_len, eos_token_ids)
+        super().__init__(
+            runner,
+            tokenizer,
+            _context_limit(max_context, runner.shapes.max_cache_len),
+            runner.shapes.prefill_len,
+            eos_token_ids,
+        )
 
     def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
         runner = self.runner
@@ -226,21 +274,40 @@ class DeployRuntime(_Stepped):
         elif start >= runner.shapes.max_cache_len:
             raise ValueError(f"the KV cache of {runner.shapes.max_cache_len} positions is full")
         step = runner.prefill if prefill else runner.decode
-        return step(runner.weights, self._kv, runner.embed(ids), torch.tensor([start]), torch.tensor([last_index]))
+        return step(
+            runner.weights,
+            self._kv,
+            runner.embed(ids),
+            torch.tensor([start]),
+            torch.tensor([last_index]),
+        )
 
 
 class NeuronDeployRuntime(_Stepped):
     """The port's ``neuron.deploy.NeuronStepRunner`` (KV cache in device state); tested over ``CpuStateGraph``."""
 
     def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
-        super().__init__(runner, tokenizer, _context_limit(max_context, runner.max_len), runner.bucket, eos_token_ids)
+        super().__init__(
+            runner,
+            tokenizer,
+            _context_limit(max_context, runner.max_len),
+            runner.bucket,
+            eos_token_ids,
+        )
 
     def _run(self, ids: torch.Tensor, start: int, last_index: int, prefill: bool) -> torch.Tensor:
         return self.runner.step(ids, list(range(self.bucket)) if prefill else [start], last_index)
 
 
-def load_runtime(target: str = "cpu", model_id: str = BUNDLED_ID, *, max_context: int | None = None,
-                 runtime: str = "auto", artifact: str | None = None, dtype: torch.dtype = torch.float32):
+def load_runtime(
+    target: str = "cpu",
+    model_id: str = BUNDLED_ID,
+    *,
+    max_context: int | None = None,
+    runtime: str = "auto",
+    artifact: str | None = None,
+    dtype: torch.dtype = torch.float32,
+):
     """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``, ``"transformers"`` the model
     as transformers loads it, ``"auto"`` deploy with an artifact on cpu; neuron serves its NxD ``artifact``."""
     check_target(target)
@@ -248,22 +315,37 @@ def load_runtime(target: str = "cpu", model_id: str = BUNDLED_ID, *, max_context
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if target == "neuron":
         if runtime == "transformers" or artifact is None:
-            raise ValueError("the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
-                             "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too")
+            raise ValueError(
+                "the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
+                "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too"
+            )
         runner, figures = slim_deploy(artifact)  # NOT RUN HERE on an inf2
-        log.info("NEFF loaded in %.1f s; host embedding in %.1f s", figures["neff_load_s"], figures["embedding_load_s"])
+        log.info(
+            "NEFF loaded in %.1f s; host embedding in %.1f s",
+            figures["neff_load_s"],
+            figures["embedding_load_s"],
+        )
         return NeuronDeployRuntime(runner, *_tokenizer_and_eos(artifact), max_context=max_context)
     if runtime == "transformers" or (runtime == "auto" and (target != "cpu" or artifact is None)):
-        return TransformersRuntime(*load_model(model_id, dtype=dtype, device=torch_device(target)), max_context)
+        return TransformersRuntime(
+            *load_model(model_id, dtype=dtype, device=torch_device(target)), max_context
+        )
     if target != "cpu" or artifact is None:
-        raise ValueError("runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
-                         f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})")
+        raise ValueError(
+            "runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
+            f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})"
+        )
     # The artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
     # (rebuilt on the meta device, where the buffer has no value).
     exported = export.load_artifact(artifact)
     module = model_skeleton(exported.config()).get_input_embeddings()
-    runner = exported.runner(HostEmbedding.from_file(export.host_embedding_path(artifact), shape=tuple(module.weight.shape),
-                                                     scale=torch.tensor(module.scalar_embed_scale)))
+    runner = exported.runner(
+        HostEmbedding.from_file(
+            export.host_embedding_path(artifact),
+            shape=tuple(module.weight.shape),
+            scale=torch.tensor(module.scalar_embed_scale),
+        )
+    )
     return DeployRuntime(runner, *_tokenizer_and_eos(model_id), max_context=max_context)
 
 

@@ -9,20 +9,38 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
-TOKEN_ID_MAX = 2**31 - 1  # only ids a tokenizer could produce; the route checks them against the vocabulary
+TOKEN_ID_MAX = (
+    2**31 - 1
+)  # only ids a tokenizer could produce; the route checks them against the vocabulary
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 class APIError(HTTPException):
     """An error answered as ``error_response(status, message, ...)``, by the app's handler of HTTPException."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(status, message, headers)
         self.type, self.param, self.code = type_, param, code
 
@@ -39,12 +57,16 @@ def _encodable(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"character {error.start} is a lone surrogate ({text[error.start]!r}), which is not "
-                         "valid Unicode; send UTF-8 text") from None
+        raise ValueError(
+            f"character {error.start} is a lone surrogate ({text[error.start]!r}), which is not "
+            "valid Unicode; send UTF-8 text"
+        ) from None
     return text
 
 
-def _integral(value):  # JSON has one number type: 2.0 is the integer 2, as JSON Schema says ("2" and true are not)
+def _integral(
+    value,
+):  # JSON has one number type: 2.0 is the integer 2, as JSON Schema says ("2" and true are not)
     return int(value) if type(value) is float and value.is_integer() else value
 
 
@@ -67,31 +89,79 @@ class _Strict(BaseModel):
 
 
 TextFormat = create_model("TextFormat", __base__=_Strict, type=Literal["text"])
-StreamOptions = create_model("StreamOptions", __base__=_Strict, include_usage=(bool, False), continuous_usage_stats=(
-    bool, Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)")))
+StreamOptions = create_model(
+    "StreamOptions",
+    __base__=_Strict,
+    include_usage=(bool, False),
+    continuous_usage_stats=(
+        bool,
+        Field(False, description="with include_usage: the usage so far on every chunk (vLLM's)"),
+    ),
+)
 TextPart = create_model("TextPart", __base__=_Strict, type=Literal["text"], text=NonEmpty)
-Message = create_model("Message", __base__=_Strict, content=NonEmpty | Annotated[list[TextPart], Field(min_length=1)],
-                       role=(Literal["system", "developer", "user", "assistant"], Field(description="developer is read as system")),
-                       name=(Text | None, Field(None, description="accepted, not used")))
+Message = create_model(
+    "Message",
+    __base__=_Strict,
+    content=NonEmpty | Annotated[list[TextPart], Field(min_length=1)],
+    role=(
+        Literal["system", "developer", "user", "assistant"],
+        Field(description="developer is read as system"),
+    ),
+    name=(Text | None, Field(None, description="accepted, not used")),
+)
+
 
 def _only(value) -> Any:  # a bare Literal[1] would take true, Literal[False] would take 0
     if type(value) in (int, float):
-        return Int(ge=value, le=value) if type(value) is int else Annotated[float, Field(ge=value, le=value)]
-    return Annotated[Literal[value], BeforeValidator(_boolean)] if type(value) is bool else Literal[value]
+        return (
+            Int(ge=value, le=value)
+            if type(value) is int
+            else Annotated[float, Field(ge=value, le=value)]
+        )
+    return (
+        Annotated[Literal[value], BeforeValidator(_boolean)]
+        if type(value) is bool
+        else Literal[value]
+    )
 
 
 # OpenAI options not implemented here, each typed to accept only its do-nothing value (None: only null).
 UNSUPPORTED: dict[str, Any] = {
-    "n": _only(1), "best_of": _only(1), "logprobs": _only(False), "top_logprobs": _only(0), "echo": _only(False),
-    "presence_penalty": _only(0.0), "frequency_penalty": _only(0.0), "logit_bias": Annotated[dict, Field(max_length=0)],
-    "tools": Annotated[list, Field(max_length=0)], "functions": Annotated[list, Field(max_length=0)],
-    "tool_choice": _only("none"), "function_call": _only("none"), "parallel_tool_calls": bool,
-    "response_format": TextFormat, "modalities": list[Literal["text"]], "store": _only(False),
-    "service_tier": Literal["auto", "default"], "suffix": None, "audio": None, "prediction": None,
-    "web_search_options": None, "reasoning_effort": None, "metadata": None,
+    "n": _only(1),
+    "best_of": _only(1),
+    "logprobs": _only(False),
+    "top_logprobs": _only(0),
+    "echo": _only(False),
+    "presence_penalty": _only(0.0),
+    "frequency_penalty": _only(0.0),
+    "logit_bias": Annotated[dict, Field(max_length=0)],
+    "tools": Annotated[list, Field(max_length=0)],
+    "functions": Annotated[list, Field(max_length=0)],
+    "tool_choice": _only("none"),
+    "function_call": _only("none"),
+    "parallel_tool_calls": bool,
+    "response_format": TextFormat,
+    "modalities": list[Literal["text"]],
+    "store": _only(False),
+    "service_tier": Literal["auto", "default"],
+    "suffix": None,
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "metadata": None,
 }
-_Unsupported = create_model("_Unsupported", __base__=_Strict, **{name: (
-    None if kind is None else kind | None, Field(None, description="not supported: only its do-nothing value")) for name, kind in UNSUPPORTED.items()})
+_Unsupported = create_model(
+    "_Unsupported",
+    __base__=_Strict,
+    **{
+        name: (
+            None if kind is None else kind | None,
+            Field(None, description="not supported: only its do-nothing value"),
+        )
+        for name, kind in UNSUPPORTED.items()
+    },
+)
 
 
 class _Sampling(_Strict):
@@ -101,8 +171,12 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Int(ge=-1, le=TOKEN_ID_MAX) = Field(0, description="vLLM's; 0 or -1: no top-k")
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
-    seed: Int() | None = Field(None, description="any integer; its value modulo 2**64 seeds the sampler")
-    ignore_eos: bool = Field(False, description="vLLM's: generate past the end-of-sequence token, up to max_tokens")
+    seed: Int() | None = Field(
+        None, description="any integer; its value modulo 2**64 seeds the sampler"
+    )
+    ignore_eos: bool = Field(
+        False, description="vLLM's: generate past the end-of-sequence token, up to max_tokens"
+    )
 
 
 class _OpenAIRequest(_Sampling, _Unsupported):
@@ -113,7 +187,9 @@ class _OpenAIRequest(_Sampling, _Unsupported):
 
 class ChatRequest(_OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Int(ge=1) | None = Field(None, description="OpenAI's newer name of max_tokens")
+    max_completion_tokens: Int(ge=1) | None = Field(
+        None, description="OpenAI's newer name of max_tokens"
+    )
 
 
 def _prompt(**token_id) -> Any:  # text, token ids, or one text in a list
@@ -127,14 +203,25 @@ class CompletionRequest(_OpenAIRequest):
 
 class GenerateRequest(_Sampling):
     prompt: NonEmpty
-    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 (the default) is greedy")
+    temperature: float = Field(
+        0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 (the default) is greedy"
+    )
 
 
-def served(model: type[BaseModel], cap: int, vocab_size: Callable[[], int | None]) -> type[BaseModel]:
+def served(
+    model: type[BaseModel], cap: int, vocab_size: Callable[[], int | None]
+) -> type[BaseModel]:
     """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids documented up to the vocabulary."""
-    fields = {name: (Int(ge=1, le=cap) | None, Field(None, description=f"default: the server's --max-tokens; at most {cap}"))
-              for name in ("max_tokens", "max_completion_tokens") if name in model.model_fields}
+    fields = {
+        name: (
+            Int(ge=1, le=cap) | None,
+            Field(None, description=f"default: the server's --max-tokens; at most {cap}"),
+        )
+        for name in ("max_tokens", "max_completion_tokens")
+        if name in model.model_fields
+    }
     if model is CompletionRequest:
+
         def bound(json_schema: dict) -> None:
             if vocab_size():
                 json_schema["maximum"] = vocab_size() - 1
@@ -149,44 +236,108 @@ ErrorDetail = create_model("ErrorDetail", message=str, type=str, param=str | Non
 ErrorBody = create_model("ErrorBody", error=ErrorDetail)
 Usage = create_model("Usage", prompt_tokens=int, completion_tokens=int, total_tokens=int)
 AssistantMessage = create_model("AssistantMessage", role=Literal["assistant"], content=str)
-ChatChoice = create_model("ChatChoice", index=int, message=AssistantMessage, logprobs=None, finish_reason=Reason)
+ChatChoice = create_model(
+    "ChatChoice", index=int, message=AssistantMessage, logprobs=None, finish_reason=Reason
+)
 TextChoice = create_model("TextChoice", index=int, text=str, logprobs=None, finish_reason=Reason)
-ChatCompletion = create_model("ChatCompletion", id=str, object=Literal["chat.completion"], created=int, model=str,
-                              choices=list[ChatChoice], usage=Usage)
-Completion = create_model("Completion", id=str, object=Literal["text_completion"], created=int, model=str,
-                          choices=list[TextChoice], usage=Usage)
-Generated = create_model("Generated", text=str, tokens=int, token_ids=list[int], prompt_tokens=int, finish_reason=Reason,
-                         seconds=float, tok_s=float | None)
+ChatCompletion = create_model(
+    "ChatCompletion",
+    id=str,
+    object=Literal["chat.completion"],
+    created=int,
+    model=str,
+    choices=list[ChatChoice],
+    usage=Usage,
+)
+Completion = create_model(
+    "Completion",
+    id=str,
+    object=Literal["text_completion"],
+    created=int,
+    model=str,
+    choices=list[TextChoice],
+    usage=Usage,
+)
+Generated = create_model(
+    "Generated",
+    text=str,
+    tokens=int,
+    token_ids=list[int],
+    prompt_tokens=int,
+    finish_reason=Reason,
+    seconds=float,
+    tok_s=float | None,
+)
 ModelCard = create_model("ModelCard", id=str, object=Literal["model"], created=int, owned_by=str)
 ModelList = create_model("ModelList", object=Literal["list"], data=list[ModelCard])
 Health = create_model("Health", status=Literal["ok", "loading", "error"], error=(str | None, None))
-_FIELD_NAMES = frozenset(name for model in (ChatRequest, CompletionRequest, GenerateRequest, Message, TextPart,
-                                            StreamOptions, TextFormat) for name in model.model_fields)
+_FIELD_NAMES = frozenset(
+    name
+    for model in (
+        ChatRequest,
+        CompletionRequest,
+        GenerateRequest,
+        Message,
+        TextPart,
+        StreamOptions,
+        TextFormat,
+    )
+    for name in model.model_fields
+)
 
 
-def validation_error(error: RequestValidationError, content_type: str | None, fields=()) -> APIError:
+def validation_error(
+    error: RequestValidationError, content_type: str | None, fields=()
+) -> APIError:
     """The most specific problem in a body as a 400 naming the field (415: not JSON). Of a union's alternatives,
     the one that got furthest into the value is what the client meant: ``[-1]`` is a bad token id, not a bad string."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
-        return APIError(415, f"Content-Type {excerpt(media)} is not supported; send JSON ('Content-Type: application/json')",
-                        code="unsupported_media_type")
+        return APIError(
+            415,
+            f"Content-Type {excerpt(media)} is not supported; send JSON ('Content-Type: application/json')",
+            code="unsupported_media_type",
+        )
     # A list too long or short says the most (a list of two prompts); max keeps the first of equals.
-    first = max(error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"])))
+    first = max(
+        error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"]))
+    )
     kind, loc = first["type"], first["loc"]
     # ("body", "messages", 0, "content", "str") names "messages.0.content": pydantic's union tags dropped
     param = ".".join(str(p) for p in loc[1:] if isinstance(p, int) or p in _FIELD_NAMES) or None
     if kind == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json")
+        return APIError(
+            400,
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+            code="invalid_json",
+        )
     if kind == "missing":
-        return APIError(400, f"'{param}' is required" if param else "a JSON object body is required", param=param,
-                        code="missing_parameter")
+        return APIError(
+            400,
+            f"'{param}' is required" if param else "a JSON object body is required",
+            param=param,
+            code="missing_parameter",
+        )
     if kind == "extra_forbidden":
         param = ".".join(str(p) for p in loc[1:])
-        known = f"; this endpoint takes {', '.join(sorted(fields))}" if fields and len(loc) == 2 else ""
-        return APIError(400, f"unknown field '{param}'{known}", param=param, code="unknown_parameter")
+        known = (
+            f"; this endpoint takes {', '.join(sorted(fields))}" if fields and len(loc) == 2 else ""
+        )
+        return APIError(
+            400, f"unknown field '{param}'{known}", param=param, code="unknown_parameter"
+        )
     if len(loc) > 1 and loc[1] in UNSUPPORTED:
-        return APIError(400, f"'{loc[1]}' = {excerpt(first.get('input'))} is not supported by this server; leave it out "
-                        f"({first['msg']})", param=loc[1], code="unsupported_parameter")
+        return APIError(
+            400,
+            f"'{loc[1]}' = {excerpt(first.get('input'))} is not supported by this server; leave it out "
+            f"({first['msg']})",
+            param=loc[1],
+            code="unsupported_parameter",
+        )
     message = first["msg"].removeprefix("Value error, ")
-    return APIError(400, f"{param or 'body'}: {message} (got {excerpt(first.get('input'))})", param=param, code="invalid_value")
+    return APIError(
+        400,
+        f"{param or 'body'}: {message} (got {excerpt(first.get('input'))})",
+        param=param,
+        code="invalid_value",
+    )

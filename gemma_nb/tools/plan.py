@@ -14,16 +14,41 @@ from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
 from gemma_nb.tools.plan_input import read_config
 
-REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"  # the last make rehearse's record, committed
+REHEARSAL_RECORD = (
+    REPO_ROOT / "docs" / "rehearsal.json"
+)  # the last make rehearse's record, committed
 
 DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
 # The keys --json prints, in order; the README's "Will it fit?" says what each holds.
-JSON_KEYS = ("config", "model_class", "scheme", "tp", "context_len", "budget", "instance", "fits", "verdict",
-             "total_bytes_per_rank", "total_gb_per_rank", "budget_gb_per_core", "headroom_gb", "headroom_gb_if_low",
-             "groups", "params", "notes", "kv_cache_gb_per_rank", "runtime_allowance_gb", "runtime_allowance", "host",
-             "decode", "instances", "cheapest_fit", "advice")
+JSON_KEYS = (
+    "config",
+    "model_class",
+    "scheme",
+    "tp",
+    "context_len",
+    "budget",
+    "instance",
+    "fits",
+    "verdict",
+    "total_bytes_per_rank",
+    "total_gb_per_rank",
+    "budget_gb_per_core",
+    "headroom_gb",
+    "headroom_gb_if_low",
+    "groups",
+    "params",
+    "notes",
+    "kv_cache_gb_per_rank",
+    "runtime_allowance_gb",
+    "runtime_allowance",
+    "host",
+    "decode",
+    "instances",
+    "cheapest_fit",
+    "advice",
+)
 # Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
 NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
 
@@ -35,11 +60,13 @@ def _bf16_weight_bytes(config) -> int:
 def host_needs(config) -> dict:
     """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
     ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
-    return {"bf16_weights_bytes": _bf16_weight_bytes(config),
-            "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
-            "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
-            "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-            "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes"}
+    return {
+        "bf16_weights_bytes": _bf16_weight_bytes(config),
+        "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
+        "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
+        "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
+        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes",
+    }
 
 
 def device_weight_bytes(config, tp: int = DEFAULT_TP, scheme: str = DEFAULT_SCHEME) -> int:
@@ -56,16 +83,30 @@ def disk_needs(config, record: dict) -> dict:
     ``config``, ``model.pt`` and the compiler workdir by the device weight bytes, the embedding file by its table."""
     scale, checkpoint = record["scale"], _bf16_weight_bytes(config)
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
-    factor = {"model.pt": device,
-              "embed_tokens.safetensors": 2 * config.vocab_size * config.hidden_size / scale["embedding_table_bytes"]}
-    builds = {name: {"artifact_bytes": int(sum(size * factor.get(file, 1) for file, size in b["artifact_files_bytes"].items())),
-                     "compiler_workdir_bytes": int(b["compiler_workdir_bytes"] * device)} for name, b in record["builds"].items()}
+    factor = {
+        "model.pt": device,
+        "embed_tokens.safetensors": 2
+        * config.vocab_size
+        * config.hidden_size
+        / scale["embedding_table_bytes"],
+    }
+    builds = {
+        name: {
+            "artifact_bytes": int(
+                sum(size * factor.get(file, 1) for file, size in b["artifact_files_bytes"].items())
+            ),
+            "compiler_workdir_bytes": int(b["compiler_workdir_bytes"] * device),
+        }
+        for name, b in record["builds"].items()
+    }
     return {
-        "builds": builds, "checkpoint_bytes": checkpoint,
-        "compile_disk_bytes": checkpoint + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
+        "builds": builds,
+        "checkpoint_bytes": checkpoint,
+        "compile_disk_bytes": checkpoint
+        + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
         "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
         "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, scaled by "
-                 "device weight bytes and the embedding table",
+        "device weight bytes and the embedding table",
     }
 
 
@@ -73,10 +114,17 @@ def param_counts(config, towers_params: int = 0) -> dict:
     """Total and active parameters (as the model cards count them), with and without the input embedding table."""
     summary = memory.param_summary(config)
     table = summary["embeddings_params"] + summary["per_layer_embeddings_params"]
-    return {"total": summary["total_params"], "total_excl_input_embedding": summary["total_params"] - table,
-            "active": summary["active_params"], "active_excl_input_embedding": summary["active_params"] - table,
-            "towers": int(towers_params), "total_with_towers": summary["total_params"] + int(towers_params),
-            "num_experts": summary["num_experts"], "top_k": summary["top_k"], "tied_lm_head": summary["tied"]}
+    return {
+        "total": summary["total_params"],
+        "total_excl_input_embedding": summary["total_params"] - table,
+        "active": summary["active_params"],
+        "active_excl_input_embedding": summary["active_params"] - table,
+        "towers": int(towers_params),
+        "total_with_towers": summary["total_params"] + int(towers_params),
+        "num_experts": summary["num_experts"],
+        "top_k": summary["top_k"],
+        "tied_lm_head": summary["tied"],
+    }
 
 
 def judge(fit, allowance: memory.RuntimeAllowance) -> tuple[str, int | None]:
@@ -94,9 +142,15 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
     """Per experts mode, the roofline's tok/s (whole box), tok/s per stream, $ per 10^6 tokens at ``batch``."""
     if not batch:
         return None
-    speeds = {mode: decode_roofline.step_speed(costs, deployment, batch, mode) for mode in decode_roofline.EXPERT_MODES}
+    speeds = {
+        mode: decode_roofline.step_speed(costs, deployment, batch, mode)
+        for mode in decode_roofline.EXPERT_MODES
+    }
     keys = ("tok_s", "tok_s_per_stream", "usd_per_m_tokens", "step_ms", "bound")
-    return {"batch": batch, **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()}}
+    return {
+        "batch": batch,
+        **{mode: {key: speed[key] for key in keys} for mode, speed in speeds.items()},
+    }
 
 
 def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allowance) -> dict:
@@ -104,64 +158,154 @@ def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allo
     fit, decode = fits(the_plan, inst, budget), None
     verdict, if_low = judge(fit, allowance)
     if tp <= inst.neuron_cores:
-        deployment = decode_roofline.Deployment(inst.name, NEURON_DEVICE, tp, scheme, inst.usd_per_hour,
-                                                replicas=inst.neuron_cores // tp)
-        limits = decode_roofline.batch_limits(costs, deployment, allowance, inst.budget_bytes(budget))
+        deployment = decode_roofline.Deployment(
+            inst.name,
+            NEURON_DEVICE,
+            tp,
+            scheme,
+            inst.usd_per_hour,
+            replicas=inst.neuron_cores // tp,
+        )
+        limits = decode_roofline.batch_limits(
+            costs, deployment, allowance, inst.budget_bytes(budget)
+        )
         largest, largest_if_low = limits["largest_batch"], limits["largest_batch_if_low"]
-        batches = {"batch_1": 1, "at_largest_batch": largest, "at_largest_batch_if_low": largest_if_low}
-        decode = {"replicas": deployment.replicas, "largest_batch": largest, "largest_batch_if_low": largest_if_low,
-                  **{key: _speeds(costs, deployment, batch) for key, batch in batches.items()}}
-    return {"instance": fit.instance, "neuron_cores": fit.neuron_cores, "fits": verdict == FITS,
-            "verdict": verdict, "used_gb": fit.used_bytes / GB, "budget_gb": fit.budget_bytes / GB,
-            "headroom_gb": fit.headroom_gb, "headroom_gb_if_low": None if if_low is None else if_low / GB,
-            "replicas": fit.replicas, "host_ram_gb": inst.host_ram_bytes / GB, "usd_per_hour": fit.usd_per_hour,
-            "reason": fit.reason, "decode": decode}
+        batches = {
+            "batch_1": 1,
+            "at_largest_batch": largest,
+            "at_largest_batch_if_low": largest_if_low,
+        }
+        decode = {
+            "replicas": deployment.replicas,
+            "largest_batch": largest,
+            "largest_batch_if_low": largest_if_low,
+            **{key: _speeds(costs, deployment, batch) for key, batch in batches.items()},
+        }
+    return {
+        "instance": fit.instance,
+        "neuron_cores": fit.neuron_cores,
+        "fits": verdict == FITS,
+        "verdict": verdict,
+        "used_gb": fit.used_bytes / GB,
+        "budget_gb": fit.budget_bytes / GB,
+        "headroom_gb": fit.headroom_gb,
+        "headroom_gb_if_low": None if if_low is None else if_low / GB,
+        "replicas": fit.replicas,
+        "host_ram_gb": inst.host_ram_bytes / GB,
+        "usd_per_hour": fit.usd_per_hour,
+        "reason": fit.reason,
+        "decode": decode,
+    }
 
 
 def _decode_basis(costs, rows: list[dict]) -> dict:
-    batches = sorted({1} | {row["decode"][key] for row in rows if row["decode"]
-                            for key in ("largest_batch", "largest_batch_if_low") if row["decode"][key]})
+    batches = sorted(
+        {1}
+        | {
+            row["decode"][key]
+            for row in rows
+            if row["decode"]
+            for key in ("largest_batch", "largest_batch_if_low")
+            if row["decode"][key]
+        }
+    )
     device = DEVICES[NEURON_DEVICE]
-    return {"device": NEURON_DEVICE, "bandwidth_gb_s_per_core": device.bandwidth_bytes_s / GB,
-            "bf16_tflops_per_core": device.bf16_flops / 1e12, "context_len": costs.context_len,
-            "num_experts": costs.num_experts, "top_k": costs.top_k,
-            "kv_gb_per_stream_per_rank": costs.kv_bytes_per_stream / GB,
-            "expected_distinct_experts": {str(b): decode_roofline.expected_distinct_experts(costs.num_experts, costs.top_k, b)
-                                          for b in batches},
-            "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed experts in full (dense) "
-                     "or their expected distinct count (sparse), and every stream's KV cache; no faster than "
-                     "max(bytes / bandwidth, FLOPs / bf16 peak) per NeuronCore"}
+    return {
+        "device": NEURON_DEVICE,
+        "bandwidth_gb_s_per_core": device.bandwidth_bytes_s / GB,
+        "bf16_tflops_per_core": device.bf16_flops / 1e12,
+        "context_len": costs.context_len,
+        "num_experts": costs.num_experts,
+        "top_k": costs.top_k,
+        "kv_gb_per_stream_per_rank": costs.kv_bytes_per_stream / GB,
+        "expected_distinct_experts": {
+            str(b): decode_roofline.expected_distinct_experts(costs.num_experts, costs.top_k, b)
+            for b in batches
+        },
+        "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed experts in full (dense) "
+        "or their expected distinct count (sparse), and every stream's KV cache; no faster than "
+        "max(bytes / bandwidth, FLOPs / bf16 peak) per NeuronCore",
+    }
 
 
-def plan_report(config, scheme: str = DEFAULT_SCHEME, tp: int = DEFAULT_TP, context_len: int = memory.SHIPPED_CONTEXT_LEN,
-                instance: str | None = None, budget: str = "spec", name: str = "",
-                allowance: memory.RuntimeAllowance | None = None, notes=(), towers_params: int = 0) -> dict:
+def plan_report(
+    config,
+    scheme: str = DEFAULT_SCHEME,
+    tp: int = DEFAULT_TP,
+    context_len: int = memory.SHIPPED_CONTEXT_LEN,
+    instance: str | None = None,
+    budget: str = "spec",
+    name: str = "",
+    allowance: memory.RuntimeAllowance | None = None,
+    notes=(),
+    towers_params: int = 0,
+) -> dict:
     """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the cheapest that fits)."""
     if instance is not None:
         get_instance(instance)
     allowance = allowance or memory.inferred_runtime_allowance()
-    the_plan = memory.plan(config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes)
+    the_plan = memory.plan(
+        config, tp, scheme, context_len, runtime_allowance_bytes=allowance.high_bytes
+    )
     costs = decode_roofline.step_costs(config, scheme, tp, context_len)
-    rows = [_instance_row(the_plan, costs, inst, scheme, tp, budget, allowance) for inst in INSTANCES.values()]
+    rows = [
+        _instance_row(the_plan, costs, inst, scheme, tp, budget, allowance)
+        for inst in INSTANCES.values()
+    ]
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
-    marginal = min((row for row in rows if row["verdict"] == MARGINAL), key=lambda row: row["usd_per_hour"], default=None)
-    chosen = (next(row for row in rows if row["instance"] == instance) if instance else (fitting or [marginal])[0]) or {}
+    marginal = min(
+        (row for row in rows if row["verdict"] == MARGINAL),
+        key=lambda row: row["usd_per_hour"],
+        default=None,
+    )
+    chosen = (
+        next(row for row in rows if row["instance"] == instance)
+        if instance
+        else (fitting or [marginal])[0]
+    ) or {}
     return {
-        "config": name, "model_class": the_plan.model_class, "scheme": the_plan.scheme.name, "tp": tp,
-        "context_len": context_len, "budget": budget, "instance": chosen.get("instance"),
-        "fits": bool(chosen.get("fits")), "verdict": chosen.get("verdict", NO_FIT),
-        "total_bytes_per_rank": the_plan.total_bytes, "total_gb_per_rank": the_plan.total_gb,
-        "budget_gb_per_core": chosen.get("budget_gb"), "headroom_gb": chosen.get("headroom_gb"),
+        "config": name,
+        "model_class": the_plan.model_class,
+        "scheme": the_plan.scheme.name,
+        "tp": tp,
+        "context_len": context_len,
+        "budget": budget,
+        "instance": chosen.get("instance"),
+        "fits": bool(chosen.get("fits")),
+        "verdict": chosen.get("verdict", NO_FIT),
+        "total_bytes_per_rank": the_plan.total_bytes,
+        "total_gb_per_rank": the_plan.total_gb,
+        "budget_gb_per_core": chosen.get("budget_gb"),
+        "headroom_gb": chosen.get("headroom_gb"),
         "headroom_gb_if_low": chosen.get("headroom_gb_if_low"),
-        "groups": {group: {"dtype": row["dtype"], "placement": row["placement"], "params": int(row["params"]),
-                           "bytes_per_rank": int(row["bytes_per_rank"]), "gb_per_rank": row["bytes_per_rank"] / GB,
-                           "host_bytes": int(row["host_bytes"])} for group, row in the_plan.table.set_index("group").iterrows()},
-        "params": param_counts(config, towers_params), "notes": list(notes),
-        "kv_cache_gb_per_rank": the_plan.gb("kv_cache"), "runtime_allowance_gb": allowance.high_bytes / GB,
-        "runtime_allowance": {"low_gb": allowance.low_bytes / GB, "high_gb": allowance.high_bytes / GB,
-                              "source": allowance.source},
-        "host": host_needs(config), "decode": _decode_basis(costs, rows), "instances": rows,
-        "cheapest_fit": ({"instance": fitting[0]["instance"], "usd_per_hour": fitting[0]["usd_per_hour"]} if fitting else None),
+        "groups": {
+            group: {
+                "dtype": row["dtype"],
+                "placement": row["placement"],
+                "params": int(row["params"]),
+                "bytes_per_rank": int(row["bytes_per_rank"]),
+                "gb_per_rank": row["bytes_per_rank"] / GB,
+                "host_bytes": int(row["host_bytes"]),
+            }
+            for group, row in the_plan.table.set_index("group").iterrows()
+        },
+        "params": param_counts(config, towers_params),
+        "notes": list(notes),
+        "kv_cache_gb_per_rank": the_plan.gb("kv_cache"),
+        "runtime_allowance_gb": allowance.high_bytes / GB,
+        "runtime_allowance": {
+            "low_gb": allowance.low_bytes / GB,
+            "high_gb": allowance.high_bytes / GB,
+            "source": allowance.source,
+        },
+        "host": host_needs(config),
+        "decode": _decode_basis(costs, rows),
+        "instances": rows,
+        "cheapest_fit": (
+            {"instance": fitting[0]["instance"], "usd_per_hour": fitting[0]["usd_per_hour"]}
+            if fitting
+            else None
+        ),
         "advice": None if fitting else advice(config, scheme, tp, context_len, budget, allowance),
     }
 
@@ -170,59 +314,102 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
     degrees = memory.valid_tp_degrees(config, most_cores)
-    schemes = [name for name, sch in memory.SCHEMES.items()
-               if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)]
+    schemes = [
+        name
+        for name, sch in memory.SCHEMES.items()
+        if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)
+    ]
     options = []
     for degree, name in ((d, n) for d in degrees for n in schemes if (d, n) != (tp, scheme)):
-        the_plan = memory.plan(config, degree, name, context_len, runtime_allowance_bytes=allowance.high_bytes)
-        flags = " ".join(f for f in (f"--tp {degree}" if degree != tp else "", f"--scheme {name}" if name != scheme else "") if f)
-        options += [(inst.usd_per_hour, name != scheme, degree, flags, inst.name) for inst in INSTANCES.values()
-                    if judge(fits(the_plan, inst, budget), allowance)[0] == FITS]
+        the_plan = memory.plan(
+            config, degree, name, context_len, runtime_allowance_bytes=allowance.high_bytes
+        )
+        flags = " ".join(
+            f
+            for f in (
+                f"--tp {degree}" if degree != tp else "",
+                f"--scheme {name}" if name != scheme else "",
+            )
+            if f
+        )
+        options += [
+            (inst.usd_per_hour, name != scheme, degree, flags, inst.name)
+            for inst in INSTANCES.values()
+            if judge(fits(the_plan, inst, budget), allowance)[0] == FITS
+        ]
     if options:
         usd, _, _, flags, instance = min(options)
         return f"Try {flags}: it fits {instance} (${usd:.4f}/h), the cheapest change that does."
-    lightest = min(schemes, key=lambda name: (memory.plan(config, degrees[-1], name, context_len).total_bytes,
-                                              name != DEFAULT_SCHEME))
-    need = memory.plan(config, degrees[-1], lightest, context_len, runtime_allowance_bytes=allowance.high_bytes).total_gb
-    return (f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts allow on "
-            f"{most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, needs {need:.2f} GB per "
-            f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB.")
+    lightest = min(
+        schemes,
+        key=lambda name: (
+            memory.plan(config, degrees[-1], name, context_len).total_bytes,
+            name != DEFAULT_SCHEME,
+        ),
+    )
+    need = memory.plan(
+        config, degrees[-1], lightest, context_len, runtime_allowance_bytes=allowance.high_bytes
+    ).total_gb
+    return (
+        f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts allow on "
+        f"{most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, needs {need:.2f} GB per "
+        f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB."
+    )
 
 
 def _format_header(report: dict) -> list[str]:
     params, allowance = report["params"], report["runtime_allowance"]
-    lines = [f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
-             f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
-             f"parameters: {params['total'] / 1e9:.3f}B total ({params['total_excl_input_embedding'] / 1e9:.3f}B without "
-             f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
-             f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
-             + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else "")]
-    lines.append(f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
-                 f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)"
-                 if allowance["low_gb"] != allowance["high_gb"] else
-                 f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})")
-    lines += [*(f"note: {note}" for note in report["notes"]), "",
-              f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}"]
+    lines = [
+        f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
+        f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
+        f"parameters: {params['total'] / 1e9:.3f}B total ({params['total_excl_input_embedding'] / 1e9:.3f}B without "
+        f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
+        f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
+        + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else ""),
+    ]
+    lines.append(
+        f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
+        f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)"
+        if allowance["low_gb"] != allowance["high_gb"]
+        else f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})"
+    )
+    lines += [
+        *(f"note: {note}" for note in report["notes"]),
+        "",
+        f"  {'group':<22}{'dtype':<7}{'placement':<12}{'GB per rank':>12}",
+    ]
     for group, row in report["groups"].items():
         if row["bytes_per_rank"] or row["host_bytes"]:
-            where = f"{row['gb_per_rank']:12.3f}" if row["placement"] != "host" else f"{'(host)':>12}"
+            where = (
+                f"{row['gb_per_rank']:12.3f}" if row["placement"] != "host" else f"{'(host)':>12}"
+            )
             lines.append(f"  {group:<22}{row['dtype']:<7}{row['placement']:<12}{where}")
-    lines += [f"  {'total':<41}{report['total_gb_per_rank']:12.3f}", "",
-              f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}"]
+    lines += [
+        f"  {'total':<41}{report['total_gb_per_rank']:12.3f}",
+        "",
+        f"  {'instance':<15}{'cores':>6}  {'verdict':<13}{'headroom GB':>16}{'$/h':>9}",
+    ]
     for row in report["instances"]:
         headroom = "-" if row["headroom_gb"] is None else f"{row['headroom_gb']:+.2f}"
-        if row["headroom_gb_if_low"] is not None and row["headroom_gb_if_low"] != row["headroom_gb"]:
+        if (
+            row["headroom_gb_if_low"] is not None
+            and row["headroom_gb_if_low"] != row["headroom_gb"]
+        ):
             headroom += f" to {row['headroom_gb_if_low']:+.2f}"
-        lines.append(f"  {row['instance']:<15}{row['neuron_cores']:>6}  {row['verdict']:<13}{headroom:>16}"
-                     f"{row['usd_per_hour']:>9.4f}")
+        lines.append(
+            f"  {row['instance']:<15}{row['neuron_cores']:>6}  {row['verdict']:<13}{headroom:>16}"
+            f"{row['usd_per_hour']:>9.4f}"
+        )
     return [*lines, ""]
 
 
 def _format_decode_and_verdict(report: dict) -> list[str]:
     basis = report["decode"]
-    lines = [f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
-             f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
-             f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}"]
+    lines = [
+        f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
+        f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
+        f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}",
+    ]
     starred = False
     for row in report["instances"]:
         decode = row["decode"]
@@ -230,22 +417,37 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
             lines.append(f"  {row['instance']:<15}{'-':>9}  does not fit: {row['reason']}")
             continue
         shown = set()
-        for key, mark in (("batch_1", ""), ("at_largest_batch", ""), ("at_largest_batch_if_low", "*")):
+        for key, mark in (
+            ("batch_1", ""),
+            ("at_largest_batch", ""),
+            ("at_largest_batch_if_low", "*"),
+        ):
             speeds = decode[key]
             if speeds is None or speeds["batch"] in shown:
                 continue
             shown.add(speeds["batch"])
             starred = starred or bool(mark)
-            usd = {mode: "-" if speeds[mode]["usd_per_m_tokens"] is None else f"{speeds[mode]['usd_per_m_tokens']:.2f}"
-                   for mode in ("dense", "sparse")}
-            cells = "".join(f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{usd[mode]:>8}" for mode in usd)
+            usd = {
+                mode: "-"
+                if speeds[mode]["usd_per_m_tokens"] is None
+                else f"{speeds[mode]['usd_per_m_tokens']:.2f}"
+                for mode in ("dense", "sparse")
+            }
+            cells = "".join(
+                f"{speeds[mode]['tok_s']:>{13 + (mode == 'sparse')}.1f}{usd[mode]:>8}"
+                for mode in usd
+            )
             streams = f"{speeds['batch'] * decode['replicas']}{mark}"
             lines.append(f"  {row['instance'] if key == 'batch_1' else '':<15}{streams:>9}{cells}")
     if starred:
         lines.append("  * only if the runtime takes the low end of its allowance")
     if basis["num_experts"]:
-        distinct = ", ".join(f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items())
-        lines.append(f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}")
+        distinct = ", ".join(
+            f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items()
+        )
+        lines.append(
+            f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}"
+        )
     lines.append("")
     if report["instance"] is None:
         lines.append(f"does not fit any instance at TP={report['tp']}. {report['advice']}")
@@ -255,16 +457,27 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
         if row["headroom_gb"] is None:
             lines.append(f"{words} {row['instance']}: {row['reason']}")
         else:
-            lines.append(f"{words} {row['instance']} ({row['budget_gb']:.2f} GB per NeuronCore, headroom "
-                         f"{row['headroom_gb']:+.2f} GB" + (f", {row['headroom_gb_if_low']:+.2f} GB if the runtime takes "
-                                                           "the window's least" if row["verdict"] == MARGINAL else "") + ")")
+            lines.append(
+                f"{words} {row['instance']} ({row['budget_gb']:.2f} GB per NeuronCore, headroom "
+                f"{row['headroom_gb']:+.2f} GB"
+                + (
+                    f", {row['headroom_gb_if_low']:+.2f} GB if the runtime takes the window's least"
+                    if row["verdict"] == MARGINAL
+                    else ""
+                )
+                + ")"
+            )
     if cheapest := report["cheapest_fit"]:
-        lines.append(f"cheapest that fits: {cheapest['instance']} at ${cheapest['usd_per_hour']:.4f}/h")
+        lines.append(
+            f"cheapest that fits: {cheapest['instance']} at ${cheapest['usd_per_hour']:.4f}/h"
+        )
     elif report["instance"] is not None:
         lines.append(f"nothing fits. {report['advice']}")
     host = report["host"]
-    lines.append(f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} GB, "
-                 f"deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding {host['host_embedding_bytes'] / GB:.2f} GB)")
+    lines.append(
+        f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} GB, "
+        f"deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding {host['host_embedding_bytes'] / GB:.2f} GB)"
+    )
     return lines
 
 
@@ -276,34 +489,80 @@ def positive_int(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.epilog = ("exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of its "
-                     "inferred allowance). --json keys (the README's \"Will it fit?\" says what each holds): "
-                     + ", ".join(JSON_KEYS))
+    parser.epilog = (
+        "exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of its "
+        'inferred allowance). --json keys (the README\'s "Will it fit?" says what each holds): '
+        + ", ".join(JSON_KEYS)
+    )
     add = parser.add_argument
     add("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    add("--instance", help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)")
-    add("--scheme", default=DEFAULT_SCHEME, help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})")
-    add("--tp", type=positive_int, default=DEFAULT_TP, help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})")
-    add("--context", type=int, default=memory.SHIPPED_CONTEXT_LEN,
-        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)")
-    add("--budget", default="spec", choices=("spec", "story"), help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (write-up)")
-    add("--runtime-allowance", type=float, metavar="GB",
-        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)")
+    add(
+        "--instance",
+        help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)",
+    )
+    add(
+        "--scheme",
+        default=DEFAULT_SCHEME,
+        help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})",
+    )
+    add(
+        "--tp",
+        type=positive_int,
+        default=DEFAULT_TP,
+        help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})",
+    )
+    add(
+        "--context",
+        type=int,
+        default=memory.SHIPPED_CONTEXT_LEN,
+        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)",
+    )
+    add(
+        "--budget",
+        default="spec",
+        choices=("spec", "story"),
+        help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (write-up)",
+    )
+    add(
+        "--runtime-allowance",
+        type=float,
+        metavar="GB",
+        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)",
+    )
     add("--json", action="store_true", help="print the plan as JSON (keys below)")
 
 
 def main(args) -> int:
     try:
-        source, gb = read_config(args.config), args.runtime_allowance  # GB (10^9 bytes) per NeuronCore
+        source, gb = (
+            read_config(args.config),
+            args.runtime_allowance,
+        )  # GB (10^9 bytes) per NeuronCore
         if gb is not None and not (math.isfinite(gb) and gb >= 0):
-            raise ValueError(f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)")
-        allowance = None if gb is None else memory.RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
-        report = plan_report(source.config, args.scheme, args.tp, args.context, args.instance, args.budget,
-                             name=Path(args.config).name, allowance=allowance, notes=source.notes,
-                             towers_params=source.towers_params)
+            raise ValueError(
+                f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)"
+            )
+        allowance = (
+            None if gb is None else memory.RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
+        )
+        report = plan_report(
+            source.config,
+            args.scheme,
+            args.tp,
+            args.context,
+            args.instance,
+            args.budget,
+            name=Path(args.config).name,
+            allowance=allowance,
+            notes=source.notes,
+            towers_params=source.towers_params,
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else
-          "\n".join([*_format_header(report), *_format_decode_and_verdict(report)]))
+    print(
+        json.dumps(report, indent=2)
+        if args.json
+        else "\n".join([*_format_header(report), *_format_decode_and_verdict(report)])
+    )
     return EXIT_CODES[report["verdict"]]

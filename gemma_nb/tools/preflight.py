@@ -30,12 +30,17 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-Check = namedtuple("Check", "name status detail fix", defaults=("",))  # status: OK, WARN, FAIL or SKIP
+Check = namedtuple(
+    "Check", "name status detail fix", defaults=("",)
+)  # status: OK, WARN, FAIL or SKIP
+
 
 def _neuron_ls() -> str | None:  # None: the tool is not installed
     if shutil.which("neuron-ls") is None:
         return None
-    done = subprocess.run(["neuron-ls", "--json-output"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["neuron-ls", "--json-output"], capture_output=True, text=True, timeout=60
+    )
     return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip()[:200]}"
 
 
@@ -46,7 +51,10 @@ class System:
     check_sdk: Callable = lambda: neuron_sdk.check_sdk()
     package_version: Callable[[str], str | None] = lambda name: package_versions([name])[name]
     neuron_ls: Callable[[], str | None] = _neuron_ls
-    memory: Callable[[], tuple[int, int]] = lambda: (psutil.virtual_memory().total, psutil.swap_memory().total)
+    memory: Callable[[], tuple[int, int]] = lambda: (
+        psutil.virtual_memory().total,
+        psutil.swap_memory().total,
+    )
     process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss
     disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
@@ -55,12 +63,21 @@ class System:
 def check_sdk(system: System) -> Check:
     status = system.check_sdk()
     if status.missing:
-        return Check("sdk", FAIL, f"{', '.join(status.missing)} not installed",
-                     "install the Neuron SDK 2.31 from AWS's pip index: pip install -r envs/neuron/requirements.txt "
-                     "(or activate the DLAMI's /opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .")
+        return Check(
+            "sdk",
+            FAIL,
+            f"{', '.join(status.missing)} not installed",
+            "install the Neuron SDK 2.31 from AWS's pip index: pip install -r envs/neuron/requirements.txt "
+            "(or activate the DLAMI's /opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .",
+        )
     if status.error:
-        return Check("sdk", FAIL, status.message(), "reinstall torch-neuronx and neuronx-distributed from one SDK "
-                     "release: pip install -r envs/neuron/requirements.txt")
+        return Check(
+            "sdk",
+            FAIL,
+            status.message(),
+            "reinstall torch-neuronx and neuronx-distributed from one SDK "
+            "release: pip install -r envs/neuron/requirements.txt",
+        )
     return Check("sdk", OK, status.message())
 
 
@@ -71,75 +88,136 @@ def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
     return {name.strip().lower().replace("_", "-"): version.strip() for name, version in pairs}
 
 
-def check_versions(system: System, pins: Mapping[str, str] | None = None, emulated: bool = False) -> Check:
+def check_versions(
+    system: System, pins: Mapping[str, str] | None = None, emulated: bool = False
+) -> Check:
     if emulated:
-        return Check("versions", SKIP, "emulated SDK: no Neuron wheels here; the versions are checked on the box")
+        return Check(
+            "versions",
+            SKIP,
+            "emulated SDK: no Neuron wheels here; the versions are checked on the box",
+        )
     pins = pinned_versions() if pins is None else pins
     found = {name: system.package_version(name) for name in pins}
     # A version's local label (+...) is not what a pin names.
-    differ = [f"{n} {found[n] or 'not installed'} (pinned {v})" for n, v in pins.items() if (found[n] or "").split("+")[0] != v]
+    differ = [
+        f"{n} {found[n] or 'not installed'} (pinned {v})"
+        for n, v in pins.items()
+        if (found[n] or "").split("+")[0] != v
+    ]
     if not differ:
-        return Check("versions", OK, f"{len(pins)} packages as pinned in envs/neuron/requirements.txt")
-    return Check("versions", WARN, "; ".join(differ),
-                 "the repo was written against the pins in envs/neuron/requirements.txt; other SDK releases may "
-                 "differ in the ModelBuilder API")
+        return Check(
+            "versions", OK, f"{len(pins)} packages as pinned in envs/neuron/requirements.txt"
+        )
+    return Check(
+        "versions",
+        WARN,
+        "; ".join(differ),
+        "the repo was written against the pins in envs/neuron/requirements.txt; other SDK releases may "
+        "differ in the ModelBuilder API",
+    )
 
 
 def parse_neuron_ls(text: str) -> list[tuple[int, int, bool]]:
     """(NeuronCores, device memory bytes, emulated) per device of ``neuron-ls --json-output``."""
-    return [(int(dev["nc_count"]), int(dev["memory_size"]), bool(dev.get("emulated"))) for dev in json.loads(text)]
+    return [
+        (int(dev["nc_count"]), int(dev["memory_size"]), bool(dev.get("emulated")))
+        for dev in json.loads(text)
+    ]
 
 
 def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> Check:
     text = system.neuron_ls()
     if text is None:
-        return Check("neuron_cores", FAIL, "neuron-ls not found: no Neuron driver and tools on this machine",
-                     "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, aws-neuronx-tools)")
+        return Check(
+            "neuron_cores",
+            FAIL,
+            "neuron-ls not found: no Neuron driver and tools on this machine",
+            "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, aws-neuronx-tools)",
+        )
     if text.startswith("error:"):  # neuron-ls exits 1 when the driver finds no device
-        return Check("neuron_cores", FAIL, f"neuron-ls found no Neuron device ({text})",
-                     "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls")
+        return Check(
+            "neuron_cores",
+            FAIL,
+            f"neuron-ls found no Neuron device ({text})",
+            "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls",
+        )
     try:
         devices = parse_neuron_ls(text)
     except (KeyError, TypeError, ValueError) as error:  # ValueError: JSONDecodeError too
-        return Check("neuron_cores", WARN, f"could not read neuron-ls --json-output ({error!r}): {text[:120]!r}",
-                     "run neuron-ls by hand and compare with the plan (python -m gemma_nb plan)")
+        return Check(
+            "neuron_cores",
+            WARN,
+            f"could not read neuron-ls --json-output ({error!r}): {text[:120]!r}",
+            "run neuron-ls by hand and compare with the plan (python -m gemma_nb plan)",
+        )
     cores = sum(c for c, _, _ in devices)
     if not cores:
-        return Check("neuron_cores", FAIL, "neuron-ls lists no NeuronCores", "check the Neuron driver: neuron-ls")
+        return Check(
+            "neuron_cores",
+            FAIL,
+            "neuron-ls lists no NeuronCores",
+            "check the Neuron driver: neuron-ls",
+        )
     hbm_per_core = min(m // c for c, m, _ in devices if c)
     emulated = " (emulated NeuronCores)" if any(e for _, _, e in devices) else ""
     detail = f"{cores} NeuronCores{emulated}, {hbm_per_core / GiB:{'.1f' if hbm_per_core >= GiB else '.3g'}} GiB HBM per core"
     if tp > cores:
-        return Check("neuron_cores", FAIL, f"{detail}; TP={tp} needs {tp}",
-                     f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})")
+        return Check(
+            "neuron_cores",
+            FAIL,
+            f"{detail}; TP={tp} needs {tp}",
+            f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})",
+        )
     if bytes_per_rank is not None and bytes_per_rank > hbm_per_core:
-        return Check("neuron_cores", FAIL, f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
-                     "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG")
-    return Check("neuron_cores", OK, detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""))
+        return Check(
+            "neuron_cores",
+            FAIL,
+            f"{detail}; the plan needs {bytes_per_rank / GB:.2f} GB per rank",
+            "pick a scheme or TP that fits: python -m gemma_nb plan CONFIG",
+        )
+    return Check(
+        "neuron_cores",
+        OK,
+        detail + (f"; plan {bytes_per_rank / GB:.2f} GB per rank" if bytes_per_rank else ""),
+    )
 
 
 def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
     ram, swap = system.memory()
     need = need_bytes + system.process_rss()
-    detail = (f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} GB "
-              "(planner's scaling of the port's peaks + this process)")
+    detail = (
+        f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} GB "
+        "(planner's scaling of the port's peaks + this process)"
+    )
     if ram + swap >= need:
         return Check("host_memory", OK, detail)
     short_gib = -(-(need - ram - swap) // GiB) + 1
-    return Check("host_memory", FAIL, detail,
-                 f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo chmod 600 "
-                 "/swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box with more RAM")
+    return Check(
+        "host_memory",
+        FAIL,
+        detail,
+        f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo chmod 600 "
+        "/swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box with more RAM",
+    )
 
 
 def check_disk(system: System, path: str, need_bytes: int) -> Check:
     folder = Path(path).absolute()  # it may not exist yet: its nearest existing parent's disk
     existing = next((p for p in (folder, *folder.parents) if p.exists()), Path(folder.anchor))
     free = system.disk_free(str(existing))
-    detail = f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
+    detail = (
+        f"{free / GB:.1f} GB free at {existing.name or existing}; needs ~{need_bytes / GB:.1f} GB"
+    )
     if free >= need_bytes:
         return Check("disk", OK, detail)
-    return Check("disk", FAIL, detail, f"grow the EBS volume to at least {-(-need_bytes // GB)} GB (the runbook's "
-                 "figure for this step, docs/inf2.md step 1) or point --artifact elsewhere")
+    return Check(
+        "disk",
+        FAIL,
+        detail,
+        f"grow the EBS volume to at least {-(-need_bytes // GB)} GB (the runbook's "
+        "figure for this step, docs/inf2.md step 1) or point --artifact elsewhere",
+    )
 
 
 def check_model(system: System, model_id: str) -> Check:
@@ -147,11 +225,20 @@ def check_model(system: System, model_id: str) -> Check:
     if not folder.exists() and HF_ID.match(model_id):
         if system.env.get("HF_TOKEN"):
             return Check("model", OK, f"hub id {model_id}; HF_TOKEN is set (not shown)")
-        return Check("model", WARN, f"hub id {model_id} and HF_TOKEN is not set",
-                     "gated models (Gemma) need it: export HF_TOKEN=... (never pass it as a flag), then "
-                     f"hf download {model_id} --local-dir /data/model and use --model-id /data/model")
+        return Check(
+            "model",
+            WARN,
+            f"hub id {model_id} and HF_TOKEN is not set",
+            "gated models (Gemma) need it: export HF_TOKEN=... (never pass it as a flag), then "
+            f"hf download {model_id} --local-dir /data/model and use --model-id /data/model",
+        )
     if problem := model_folder_problem(folder):
-        return Check("model", FAIL, problem, "download the whole model folder again (hf download ... --local-dir DIR)")
+        return Check(
+            "model",
+            FAIL,
+            problem,
+            "download the whole model folder again (hf download ... --local-dir DIR)",
+        )
     shards = len(list(folder.glob("*.safetensors")))
     return Check("model", OK, f"{folder.name}/: config, tokenizer and {shards} safetensors file(s)")
 
@@ -163,7 +250,8 @@ def model_folder_problem(folder: Path) -> str | None:
     if not (folder / "config.json").is_file():
         return f"{folder.name}/ has no config.json"
     if not (folder / "tokenizer_config.json").is_file() or not any(
-            (folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        (folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model")
+    ):
         return f"{folder.name}/ has no complete tokenizer (tokenizer_config.json + tokenizer.json or tokenizer.model)"
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -180,13 +268,28 @@ def check_artifact(folder: str) -> Check:
     try:
         artifact = read_artifact(folder)
     except ArtifactError as error:
-        return Check("artifact", FAIL, str(error), "copy the whole artifact folder from the compile box again")
-    return Check("artifact", OK, f"{artifact.folder.name}/: graphs {', '.join(artifact.graphs)}, "
-                                 f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed")
+        return Check(
+            "artifact",
+            FAIL,
+            str(error),
+            "copy the whole artifact folder from the compile box again",
+        )
+    return Check(
+        "artifact",
+        OK,
+        f"{artifact.folder.name}/: graphs {', '.join(artifact.graphs)}, "
+        f"TP={artifact.manifest['tp_degree']}, {len(artifact.manifest['files'])} files as listed",
+    )
 
 
-def run_checks(target: str, model_id: str | None = None, artifact=None, step: str | None = None,
-               tp: int = 2, system: System | None = None) -> list[Check]:
+def run_checks(
+    target: str,
+    model_id: str | None = None,
+    artifact=None,
+    step: str | None = None,
+    tp: int = 2,
+    system: System | None = None,
+) -> list[Check]:
     """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact.
     The plan (bytes per rank, host and disk needs) reads the artifact's config.json, else the model folder's."""
     check_target_name(target)
@@ -194,27 +297,63 @@ def run_checks(target: str, model_id: str | None = None, artifact=None, step: st
     artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
-    assert step in STEPS, f"step={step!r} is not one of {STEPS}"  # the CLI's choices= refuses it with a message
+    assert step in STEPS, (
+        f"step={step!r} is not one of {STEPS}"
+    )  # the CLI's choices= refuses it with a message
     model_id = model_id or (None if artifact else default_model_id(target))
     folder = local_model_dir(model_id) if model_id else None  # None: a hub id
     model_checks = [check_model(system, str(folder) if folder else model_id)] if model_id else []
-    source = next((f for f in (Path(artifact) if artifact else None, folder) if f and (f / "config.json").is_file()), None)
+    source = next(
+        (
+            f
+            for f in (Path(artifact) if artifact else None, folder)
+            if f and (f / "config.json").is_file()
+        ),
+        None,
+    )
     config = None if source is None else read_config(source).config
     problem = None if config is None else memory.tp_problem(config, tp)
     if problem:
-        model_checks.append(Check("plan", FAIL, problem, f"python -m gemma_nb plan {source} lists the TP degrees that work"))
-    bytes_per_rank = None if config is None or problem else memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
+        model_checks.append(
+            Check(
+                "plan",
+                FAIL,
+                problem,
+                f"python -m gemma_nb plan {source} lists the TP degrees that work",
+            )
+        )
+    bytes_per_rank = (
+        None
+        if config is None or problem
+        else memory.plan(config, tp, planner.DEFAULT_SCHEME).total_bytes
+    )
     checks = []
     if target == "neuron":
         sdk = check_sdk(system)
-        checks += [sdk, check_versions(system, emulated=sdk.detail.startswith("emulated SDK")) if sdk.status == OK
-                   else Check("versions", SKIP, "SDK not importable"), check_neuron_cores(system, tp, bytes_per_rank)]
+        checks += [
+            sdk,
+            check_versions(system, emulated=sdk.detail.startswith("emulated SDK"))
+            if sdk.status == OK
+            else Check("versions", SKIP, "SDK not importable"),
+            check_neuron_cores(system, tp, bytes_per_rank),
+        ]
     checks += model_checks
-    need = 0 if config is None else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
+    need = (
+        0
+        if config is None
+        else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
+    )
     checks.append(check_host_memory(system, step, need))
-    record = planner.rehearsal_record()  # what the step writes, scaled from make rehearse's builds (0 without them)
-    disk = 0 if config is None or record is None else planner.disk_needs(config, record)[
-        "compile_disk_bytes" if step == "compile" else "serve_disk_bytes"]
+    record = (
+        planner.rehearsal_record()
+    )  # what the step writes, scaled from make rehearse's builds (0 without them)
+    disk = (
+        0
+        if config is None or record is None
+        else planner.disk_needs(config, record)[
+            "compile_disk_bytes" if step == "compile" else "serve_disk_bytes"
+        ]
+    )
     checks.append(check_disk(system, str(Path(artifact).parent if artifact else REPO_ROOT), disk))
     return checks + [check_artifact(str(folder)) for folder in artifacts]
 
@@ -231,16 +370,31 @@ def format_checks(checks: list[Check], target: str) -> str:
         if check.fix and check.status != OK:
             lines.append(f"  {'':<20}fix: {check.fix}")
     blocker = first_blocker(checks)
-    lines.append(f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}" if blocker else "ready: no blocker found")
+    lines.append(
+        f"BLOCKED by {blocker.name}: {blocker.detail}. Fix: {blocker.fix}"
+        if blocker
+        else "ready: no blocker found"
+    )
     return "\n".join(lines)
 
 
 def add_arguments(parser) -> None:
     add = parser.add_argument
     add("--target", default="neuron", help="neuron (default) or cpu")
-    add("--model-id", help="the checkpoint folder (or hub id) to compile or serve (default: the target's bundled checkpoint)")
-    add("--artifact", action="append", help="a compiled artifact folder to check (implies --step deploy); repeat it per build")
-    add("--step", choices=STEPS, help="which host budget to check (default: compile without --artifact, deploy with it)")
+    add(
+        "--model-id",
+        help="the checkpoint folder (or hub id) to compile or serve (default: the target's bundled checkpoint)",
+    )
+    add(
+        "--artifact",
+        action="append",
+        help="a compiled artifact folder to check (implies --step deploy); repeat it per build",
+    )
+    add(
+        "--step",
+        choices=STEPS,
+        help="which host budget to check (default: compile without --artifact, deploy with it)",
+    )
     add("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")
 
 

@@ -9,8 +9,11 @@ CUDA_LIBS = Path(__file__).resolve().parents[2] / "envs" / "xla" / "cuda-libs.tx
 
 
 def test_the_staged_cuda_pins_match_torch_s_own():
-    staged = {line.strip() for line in CUDA_LIBS.read_text().splitlines()
-              if line.strip() and not line.startswith("#")}
+    staged = {
+        line.strip()
+        for line in CUDA_LIBS.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     wanted = set()
     for text in metadata.requires("torch"):
         req = Requirement(text)

@@ -13,8 +13,16 @@ import torch_xla  # noqa: E402
 
 from gemma_nb.rehearsal import lowering  # noqa: E402
 
-GRAPHS = [(graph, tp, experts) for tp in (1, 2) for graph, experts in
-          (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse"), ("lm_head", None))]
+GRAPHS = [
+    (graph, tp, experts)
+    for tp in (1, 2)
+    for graph, experts in (
+        ("prefill", "dense"),
+        ("decode", "dense"),
+        ("decode", "sparse"),
+        ("lm_head", None),
+    )
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,10 +45,15 @@ def contrast():
 
 
 def test_the_environment_is_the_sdk_s_torch():
-    from gemma_nb.neuron.build import package_versions  # what lowering.report records as its versions
+    from gemma_nb.neuron.build import (
+        package_versions,
+    )  # what lowering.report records as its versions
 
-    assert package_versions(("torch", "torch-xla", "transformers")) == {"torch": "2.9.0", "torch-xla": "2.9.0",
-                                                                        "transformers": "5.24.0"}
+    assert package_versions(("torch", "torch-xla", "transformers")) == {
+        "torch": "2.9.0",
+        "torch-xla": "2.9.0",
+        "transformers": "5.24.0",
+    }
 
 
 def test_every_graph_the_build_traces_is_checked_at_tp_1_and_2(shipped):
@@ -73,7 +86,9 @@ def test_selective_loading_gathers_whole_experts_on_the_leading_axis(shipped):
         dense, sparse = shipped[("decode", tp, "dense")], shipped[("decode", tp, "sparse")]
         assert sparse["weight_gathers"] - dense["weight_gathers"] == 4 * layers
         assert sparse["weight_gathers_leading_axis"] == sparse["weight_gathers"]
-        assert dense["weight_gathers_leading_axis"] == dense["weight_gathers"]  # the router's per-expert scale
+        assert (
+            dense["weight_gathers_leading_axis"] == dense["weight_gathers"]
+        )  # the router's per-expert scale
         assert shipped[("lm_head", tp, None)]["gathers"] == 0
 
 

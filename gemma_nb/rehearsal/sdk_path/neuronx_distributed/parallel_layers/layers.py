@@ -1,1 +1,5 @@
-from gemma_nb.rehearsal.nxd_layers import BaseParallelLinear, ColumnParallelLinear, RowParallelLinear  # noqa: F401
+from gemma_nb.rehearsal.nxd_layers import (
+    BaseParallelLinear,
+    ColumnParallelLinear,
+    RowParallelLinear,
+)  # noqa: F401

@@ -3,6 +3,10 @@
 import torch
 
 from gemma_nb.rehearsal import nxd_model
-from gemma_nb.rehearsal.nxd_builder import BaseModelInstance, ModelBuilder, append_default_compiler_flags  # noqa: F401
+from gemma_nb.rehearsal.nxd_builder import (
+    BaseModelInstance,
+    ModelBuilder,
+    append_default_compiler_flags,
+)  # noqa: F401
 
 torch.jit.load = nxd_model.jit_load
