@@ -20,7 +20,8 @@ def _parse_parameter(pair: list[str]) -> tuple[str, object]:
     name, raw = pair
     if name in ("target", "hf_token", "HF_TOKEN"):
         raise SystemExit(
-            f"-p {name} is not a notebook parameter: use --target, and HF_TOKEN from the environment"
+            f"-p {name} is not a notebook parameter: use --target, and HF_TOKEN from the "
+            "environment"
         )
     try:
         return name, ast.literal_eval(raw)
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 143 if isinstance(interrupt, Terminated) else 130
     print(
-        f"{len(results)} notebook(s) for target {args.target} in {sum(r.seconds for r in results):.0f} s",
+        f"{len(results)} notebook(s) for target {args.target} in "
+        f"{sum(r.seconds for r in results):.0f} s",
         file=sys.stderr,
     )
     return 0

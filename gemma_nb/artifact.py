@@ -1,5 +1,6 @@
-"""The cpu target's compiled artifact (notebook 04), written by ``gemma_nb.export.compile_model``: its files, the checks
-``load_artifact`` makes before torch reads them (``ArtifactError`` names a missing, truncated or bad one), the greedy loop."""
+"""The cpu target's compiled artifact (notebook 04), written by ``gemma_nb.export.compile_model``:
+its files, the checks ``load_artifact`` makes before torch reads them (``ArtifactError`` names a
+missing, truncated or bad one), the greedy loop."""
 
 import hashlib
 import json
@@ -26,7 +27,8 @@ WEIGHTS_FILE = "tp0_weights.safetensors"  # named as NxD names rank 0's file
 
 
 class ArtifactError(ValueError):
-    """A compiled artifact (cpu or neuron) or one of its files that is missing, truncated, of another format or does not match."""
+    """A compiled artifact (cpu or neuron) or one of its files that is missing, truncated, of
+    another format or does not match."""
 
 
 class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
@@ -34,7 +36,8 @@ class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
 
 
 def layer_kv_heads(config) -> list[tuple[int, int]]:
-    """Per layer, (KV heads, head_dim) as transformers builds the cache (sliding and full layers differ)."""
+    """Per layer, (KV heads, head_dim) as transformers builds the cache (sliding and full layers
+    differ)."""
     heads, dims = (
         [v] * config.num_hidden_layers if isinstance(v, int) else list(v)
         for v in get_head_shapes(config)
@@ -43,7 +46,8 @@ def layer_kv_heads(config) -> list[tuple[int, int]]:
 
 
 def kv_cache_shapes(config, max_cache_len: int, batch_size: int = 1) -> list[tuple[int, ...]]:
-    """Keys then values per layer, ``[batch, kv_heads, max_len, head_dim]``; sliding layers get the full length."""
+    """Keys then values per layer, ``[batch, kv_heads, max_len, head_dim]``; sliding layers get the
+    full length."""
     return [
         (batch_size, heads, max_cache_len, dim)
         for heads, dim in layer_kv_heads(config)
@@ -81,8 +85,8 @@ Step = Callable[..., torch.Tensor]
 
 @dataclass
 class StepRunner:
-    """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` / ``decode`` take
-    ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
+    """Greedy decoding with a prefill step and a decode step that share one KV cache. ``prefill`` /
+    ``decode`` take ``export.DeviceBody``'s arguments; ``embed``: ids [1, S] -> inputs_embeds."""
 
     prefill: Step
     decode: Step
@@ -97,7 +101,8 @@ class StepRunner:
     def generate(
         self, input_ids, max_new_tokens: int, eos_token_id: int | None = None
     ) -> torch.Tensor:
-        """Prompt plus greedy continuation, LongTensor [1, S + n] (n <= max_new_tokens; stops after eos)."""
+        """Prompt plus greedy continuation, LongTensor [1, S + n] (n <= max_new_tokens; stops after
+        eos)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
         if (
@@ -113,13 +118,15 @@ class StepRunner:
         prompt = ids.shape[1]
         if prompt > self.shapes.prefill_len:
             raise ValueError(
-                f"prompt of {prompt} tokens exceeds the prefill bucket of {self.shapes.prefill_len}: "
-                "shorten the prompt or compile with a larger StepShapes(prefill_len=...)"
+                f"prompt of {prompt} tokens exceeds the prefill bucket of "
+                f"{self.shapes.prefill_len}: shorten the prompt or compile with a larger "
+                "StepShapes(prefill_len=...)"
             )
         if prompt + max_new_tokens - 1 > self.shapes.max_cache_len:
             raise ValueError(
-                f"{prompt} prompt + {max_new_tokens} new tokens need {prompt + max_new_tokens - 1} cache slots, "
-                f"more than max_cache_len={self.shapes.max_cache_len}: ask for fewer tokens or compile "
+                f"{prompt} prompt + {max_new_tokens} new tokens need "
+                f"{prompt + max_new_tokens - 1} cache slots, more than "
+                f"max_cache_len={self.shapes.max_cache_len}: ask for fewer tokens or compile "
                 "with a larger StepShapes(max_cache_len=...)"
             )
         if max_new_tokens == 0:
@@ -128,13 +135,15 @@ class StepRunner:
         padded = torch.nn.functional.pad(
             ids, (0, self.shapes.prefill_len - prompt), value=self.pad_token_id
         )
-        # The padding slots past the prompt are overwritten by decode steps before any query attends to them.
+        # The padding slots past the prompt are overwritten by decode steps before any query attends
+        # to them.
         logits = self.prefill(
             self.weights, kv, self.embed(padded), torch.tensor([0]), torch.tensor([prompt - 1])
         )
         tokens = [int(logits.argmax(-1))]
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
-            # The token just generated sits at position prompt + len(tokens) - 1 (transformers' recipe feeds it one further).
+            # The token just generated sits at position prompt + len(tokens) - 1 (transformers'
+            # recipe feeds it one further).
             logits = self.decode(
                 self.weights,
                 kv,
@@ -162,14 +171,14 @@ def config_fingerprint(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tensor_specs(
-    weights: Mapping[str, torch.Tensor],
-) -> dict[str, list]:  # name -> [shape, dtype name]
+# name -> [shape, dtype name]
+def tensor_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:
     return {name: [list(t.shape), dtype_name(t.dtype)] for name, t in weights.items()}
 
 
 def save_weights(weights: Mapping[str, torch.Tensor], path: str | Path, config_sha: str) -> Path:
-    """Write the device weights (one rank, TP=1) as safetensors, tagged with the config they belong to."""
+    """Write the device weights (one rank, TP=1) as safetensors, tagged with the config they belong
+    to."""
     meta = {"format": FORMAT, "config_sha": config_sha, "rank": "0", "tp_degree": "1"}
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata=meta)
     return Path(path)
@@ -220,8 +229,8 @@ def check_tensor_specs(
         if [list(found[name][0]), found[name][1]] != [list(spec[0]), spec[1]]:
             raise ArtifactError(
                 f"{file_name}: tensor {name!r} is {found[name][1]} {tuple(found[name][0])}, "
-                f"{expected_from} expects {spec[1]} {tuple(spec[0])}: programs and weights come from different "
-                "configs; use the files one compile_model run wrote together"
+                f"{expected_from} expects {spec[1]} {tuple(spec[0])}: programs and weights come "
+                "from different configs; use the files one compile_model run wrote together"
             )
 
 
@@ -233,14 +242,16 @@ def _unreadable(path: Path, error: BaseException, why: str) -> ArtifactError:
 
 
 def read_program_meta(path: Path) -> dict:
-    """The metadata compile_model stored inside an exported program, read from its zip directory only."""
+    """The metadata compile_model stored inside an exported program, read from its zip directory
+    only."""
     _require(path, f"the exported {path.stem} program (torch.export .pt2)")
     try:
         with zipfile.ZipFile(path) as archive:
             names = [n for n in archive.namelist() if n.endswith(f"/extra/{PROGRAM_EXTRA}")]
             if not names:
                 raise ArtifactError(
-                    f"{path.name} holds no {PROGRAM_EXTRA}: it is not a program written by compile_model; re-run the compile"
+                    f"{path.name} holds no {PROGRAM_EXTRA}: it is not a program written by "
+                    "compile_model; re-run the compile"
                 )
             return json.loads(archive.read(names[0]))
     except (zipfile.BadZipFile, OSError, json.JSONDecodeError, EOFError) as error:
@@ -265,7 +276,8 @@ def check_weights_file(
     size = path.stat().st_size
     if size < 8:
         raise ArtifactError(
-            f"{path.name} is {size} bytes: too short to be a safetensors file (expected an 8-byte header length)"
+            f"{path.name} is {size} bytes: too short to be a safetensors file (expected an "
+            "8-byte header length)"
         )
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -278,8 +290,8 @@ def check_weights_file(
     except SafetensorError as error:
         if "not fully covered" in str(error):
             raise ArtifactError(
-                f"{path.name} is truncated: {size} bytes on disk, its header describes more ({error}); "
-                "copy or download the file again"
+                f"{path.name} is truncated: {size} bytes on disk, its header describes more "
+                f"({error}); copy or download the file again"
             ) from error
         raise ArtifactError(
             f"{path.name} is not a readable safetensors file ({error}); expected a safetensors file"
@@ -287,15 +299,17 @@ def check_weights_file(
     sha = metadata.get("config_sha")
     if sha is not None and sha != config_sha:
         raise ArtifactError(
-            f"{path.name} was saved for config {sha}, but {expected_from} was compiled for config {config_sha}: "
-            "programs and weights come from different models; use the files one compile_model run wrote together"
+            f"{path.name} was saved for config {sha}, but {expected_from} was compiled for "
+            f"config {config_sha}: programs and weights come from different models; use the "
+            "files one compile_model run wrote together"
         )
     check_tensor_specs(found, expected, path.name, expected_from)
 
 
 @dataclass
 class Artifact:
-    """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked against."""
+    """A loaded artifact: programs, memory-mapped weights, and the manifest they were checked
+    against."""
 
     manifest: dict
     programs: dict[str, torch.export.ExportedProgram]
@@ -318,7 +332,8 @@ class Artifact:
 
 
 def check_artifact(folder: str | Path) -> dict:
-    """Check an artifact folder without loading it (manifest, programs, weights header); return its manifest."""
+    """Check an artifact folder without loading it (manifest, programs, weights header); return its
+    manifest."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactNotFoundError(
@@ -341,8 +356,9 @@ def check_artifact(folder: str | Path) -> dict:
         meta = read_program_meta(folder / entry["file"])
         if meta.get("config_sha") != sha:
             raise ArtifactError(
-                f"{entry['file']} was compiled for config {meta.get('config_sha')}, {MANIFEST} describes config {sha}: "
-                "the folder mixes files of two compile runs; re-run compile_model into an empty folder"
+                f"{entry['file']} was compiled for config {meta.get('config_sha')}, {MANIFEST} "
+                f"describes config {sha}: the folder mixes files of two compile runs; re-run "
+                "compile_model into an empty folder"
             )
         check_tensor_specs(meta["weights"], expected, entry["file"], MANIFEST)
     files = manifest["weights"]["files"]

@@ -1,5 +1,5 @@
-"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the sparse
-step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``."""
+"""Decode benchmarks, measured (notebook 07): step and generation timings, memory bandwidth, the
+sparse step's breakdown. The modelled side (the roofline) is ``gemma_nb.decode_roofline``."""
 
 import os
 import statistics
@@ -55,7 +55,8 @@ def _rotated(names: Sequence[str], shift: int) -> list[str]:
 @dataclass
 class Timings:
     """Per-step latencies (``steps``: candidate, repeat, step, ms) of candidates timed side by side;
-    generation adds ``first_token`` (candidate, repeat, ttft_ms) and ``tokens`` (candidate -> [1, S + n])."""
+    generation adds ``first_token`` (candidate, repeat, ttft_ms) and ``tokens`` (candidate -> [1, S
+    + n])."""
 
     steps: pd.DataFrame
     first_token: pd.DataFrame | None = None
@@ -70,8 +71,8 @@ class Timings:
         return self.steps.loc[self.steps["candidate"] == name, "ms"]
 
     def summary(self) -> pd.DataFrame:
-        """One row per candidate: step latency percentiles (ms, all repeats), tok/s (median and range over
-        repeats), and for generation ``ttft_ms`` (median over repeats)."""
+        """One row per candidate: step latency percentiles (ms, all repeats), tok/s (median and
+        range over repeats), and for generation ``ttft_ms`` (median over repeats)."""
         rows = []
         per_repeat = self.steps.groupby(["candidate", "repeat"], sort=False)["ms"].agg(
             total_ms="sum", steps="count"
@@ -102,8 +103,9 @@ class Timings:
         return pd.DataFrame(rows).set_index("candidate")
 
     def ratio(self, numerator: str, denominator: str) -> float:
-        """Median over rounds (one step of every candidate, back to back) of numerator's step time over
-        denominator's: > 1 means ``numerator`` is slower; pairing steps moments apart cancels drift."""
+        """Median over rounds (one step of every candidate, back to back) of numerator's step time
+        over denominator's: > 1 means ``numerator`` is slower; pairing steps moments apart cancels
+        drift."""
         self._ms(numerator), self._ms(denominator)  # both were timed
         table = self.steps.pivot_table(index=["repeat", "step"], columns="candidate", values="ms")
         return float((table[numerator] / table[denominator]).median())
@@ -111,9 +113,8 @@ class Timings:
     def p50_ms(self, name: str) -> float:
         return float(self._ms(name).median())
 
-    def min_ms(
-        self, name: str
-    ) -> float:  # the fastest step: what the machine allows when nothing else interferes
+    # the fastest step: what the machine allows when nothing else interferes
+    def min_ms(self, name: str) -> float:
         return float(self._ms(name).min())
 
 
@@ -124,8 +125,9 @@ def time_steps(
     warmup: int = 2,
     device: str = "cpu",
 ) -> Timings:
-    """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after ``warmup``
-    untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating each round."""
+    """Time one-token steps of each candidate (name -> ``fn(i)``, ``i`` its call count), after
+    ``warmup`` untimed steps: per repeat, ``steps`` rounds of one step each, in an order rotating
+    each round."""
     check_counts(steps=steps, repeats=repeats, warmup=warmup)
     assert candidates, "no candidates"
     if smoke_timing():
@@ -152,10 +154,10 @@ def time_steps(
 def _generate_timed(
     model, input_ids: torch.Tensor, new_tokens: int, device: str
 ) -> tuple[float, list[float], torch.Tensor]:
-    """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S + new_tokens])."""
-    model = (
-        model if isinstance(model, torch.nn.Module) else model()
-    )  # a function returning it: called untimed
+    """Greedy generation with a KV cache: (ttft_ms, per-token decode ms, tokens [1, S +
+    new_tokens])."""
+    # a function returning it: called untimed
+    model = model if isinstance(model, torch.nn.Module) else model()
     cache = DynamicCache(config=model.config)
     _sync(device)
     token, generated, ms = input_ids, [], []
@@ -177,8 +179,9 @@ def time_generation(
     warmup: int = 1,
     device: str = "cpu",
 ) -> Timings:
-    """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed before each run),
-    interleaved across repeats: TTFT, then the decode steps. Tokens that change between repeats are an error."""
+    """Greedy generation of ``new_tokens`` by each model (or a function returning it, called untimed
+    before each run), interleaved across repeats: TTFT, then the decode steps. Tokens that change
+    between repeats are an error."""
     check_counts(new_tokens=new_tokens, repeats=repeats, warmup=warmup)
     if smoke_timing():
         repeats, warmup = 1, 0
@@ -212,7 +215,8 @@ def time_generation(
 def time_runners(
     runners: Mapping[str, Any], input_ids, new_tokens: int = 32, repeats: int = 3
 ) -> pd.DataFrame:
-    """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only ``generate(ids, max_new_tokens)``."""
+    """Median TTFT (``generate(ids, 1)``), decode tok/s and tokens per runner exposing only
+    ``generate(ids, max_new_tokens)``."""
     check_counts(new_tokens=new_tokens, repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     rows = []
@@ -247,14 +251,16 @@ def time_runners(
 def random_model_on_device(
     config, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ):
-    """A random-weight ``Gemma4ForCausalLM`` built directly on ``device`` (the 26B never touches host RAM)."""
+    """A random-weight ``Gemma4ForCausalLM`` built directly on ``device`` (the 26B never touches
+    host RAM)."""
     torch.manual_seed(seed)
     with torch.device(device):
         return Gemma4ForCausalLM._from_config(config, dtype=dtype).eval()
 
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str = "cpu") -> dict:
-    """Read (``sum``) and copy GB/s over a bf16 buffer of ``nbytes``: best of ``repeats`` (STREAM's convention) and median."""
+    """Read (``sum``) and copy GB/s over a bf16 buffer of ``nbytes``: best of ``repeats`` (STREAM's
+    convention) and median."""
     check_counts(repeats=repeats)
     repeats = 1 if smoke_timing() else repeats
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
@@ -298,7 +304,8 @@ def moe_layer_bytes(
     experts: str = "dense",
     dtype: str = "bf16",
 ) -> int:
-    """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E experts (dense) or its top-k."""
+    """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E
+    experts (dense) or its top-k."""
     assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
     per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes(
@@ -312,7 +319,8 @@ def layer_steps(
     hidden_states: torch.Tensor,
     routes: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, Callable[[int], Any]]:
-    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a fresh routing each step."""
+    """``time_steps`` candidates: step i runs ``module(hidden_states, *routes[i % len(routes)])``, a
+    fresh routing each step."""
     assert routes, "no routes"
     return {
         name: (lambda i, m=module: m(hidden_states, *routes[i % len(routes)]))
@@ -329,8 +337,9 @@ def sparse_breakdown_steps(
     prefix: str,
     gather: bool = True,
 ) -> dict[str, Callable[[int], Any]]:
-    """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone), ``<prefix>:overhead`` (the layer at tiny
-    width: dispatch, routing, combine), with ``gather`` ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
+    """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone),
+    ``<prefix>:overhead`` (the layer at tiny width: dispatch, routing, combine), with ``gather``
+    ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
@@ -369,8 +378,9 @@ def breakdown_table(
     weight_bytes: Mapping[str, float],
     bandwidth_bytes_s: float,
 ) -> pd.DataFrame:
-    """Per sparse candidate (``weight_bytes``: prefix -> bytes a step reads): its p50 and fastest step
-    against its bandwidth floor, and the parts ``sparse_breakdown_steps`` timed beside it (ms)."""
+    """Per sparse candidate (``weight_bytes``: prefix -> bytes a step reads): its p50 and fastest
+    step against its bandwidth floor, and the parts ``sparse_breakdown_steps`` timed beside it
+    (ms)."""
     rows = []
     for prefix in prefixes:
         floor = floor_ms(weight_bytes[prefix], bandwidth_bytes_s)
@@ -428,9 +438,8 @@ def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) 
         palette="colorblind",
     )
     ax.set(xscale="log", xlabel="per-token latency (ms, log scale)", ylabel="")
-    ax.xaxis.set_minor_formatter(
-        matplotlib.ticker.NullFormatter()
-    )  # a narrow span labels minor ticks, which collide
+    # a narrow span labels minor ticks, which collide
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
 def plot_tok_s(

@@ -1,5 +1,6 @@
-"""The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode step,
-modelled, at any batch, and the tokens/s and $ per million tokens they allow on each deployment."""
+"""The decode roofline of notebook 07 and ``python -m gemma_nb plan``: bytes and FLOPs per decode
+step, modelled, at any batch, and the tokens/s and $ per million tokens they allow on each
+deployment."""
 
 from collections import namedtuple
 from collections.abc import Mapping, Sequence
@@ -25,16 +26,19 @@ from gemma_nb.story import CLAIMS
 READ_GROUPS = ("router", "shared_mlp", "attention", "norms", "lm_head", "other")
 MATMUL_GROUPS = ("router", "shared_mlp", "attention", "lm_head")
 
-# Decode paths at batch B: "dense" runs all E experts (DenseExperts, NxD's forward_all_experts); "sparse" reads
-# each distinct routed expert once per step; "nxd_rule": NxD's forward_selective_loading, each token's K experts
-# (B x K reads, repeats included) while B x K / E < the threshold, else all experts.
+# Decode paths at batch B: "dense" runs all E experts (DenseExperts, NxD's forward_all_experts);
+# "sparse" reads each distinct routed expert once per step; "nxd_rule": NxD's
+# forward_selective_loading, each token's K experts (B x K reads, repeats included) while B x K / E
+# < the threshold, else all experts.
 BATCH_PATHS = ("dense", "sparse", "nxd_rule")
-# NxD 0.18 modules/moe/model_utils.py DEFAULT_SELECTIVE_LOADING_THRESHOLD (docs/sources.md: nxd-source).
+# NxD 0.18 modules/moe/model_utils.py DEFAULT_SELECTIVE_LOADING_THRESHOLD (docs/sources.md:
+# nxd-source).
 SELECTIVE_LOADING_THRESHOLD = 1.0
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Distinct experts per layer expected for ``batch`` tokens each routed uniformly to ``top_k``: E (1 - (1 - K/E)^B)."""
+    """Distinct experts per layer expected for ``batch`` tokens each routed uniformly to ``top_k``:
+    E (1 - (1 - K/E)^B)."""
     check_counts(batch=batch)
     if not num_experts:
         return 0.0
@@ -45,12 +49,14 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 
 
 def selective_loading(num_experts: int, top_k: int, batch: int) -> bool:
-    """NxD's decode rule: selective loading while ``batch * top_k / num_experts`` < the threshold."""
+    """NxD's decode rule: selective loading while ``batch * top_k / num_experts`` < the
+    threshold."""
     return bool(num_experts) and batch * top_k / num_experts < SELECTIVE_LOADING_THRESHOLD
 
 
-# One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the non-expert
-# weights (once per step), all E experts, one stream's KV cache; ``weights_bytes``: resident.
+# One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
+# non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes``:
+# resident.
 StepCosts = namedtuple(
     "StepCosts",
     "context_len num_experts top_k fixed_bytes experts_bytes kv_bytes_per_stream "
@@ -62,7 +68,8 @@ def step_costs(
     config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0
 ) -> StepCosts:
     """``StepCosts`` from ``memory.plan``: experts split evenly across ranks (NxD shards their
-    intermediate dimension); FLOPs 2 per matrix weight plus attention over the context, over ``tp``."""
+    intermediate dimension); FLOPs 2 per matrix weight plus attention over the context, over
+    ``tp``."""
     facts = model_facts(config)
     the_plan = plan(config, tp, scheme, context_len=context_len)
     table = the_plan.table.set_index("group")
@@ -95,7 +102,8 @@ def step_costs(
 
 
 def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
-    """Bytes and FLOPs per rank of one step of ``batch`` streams on ``path``, expert sets read per layer and run per token."""
+    """Bytes and FLOPs per rank of one step of ``batch`` streams on ``path``, expert sets read per
+    layer and run per token."""
     check_counts(batch=batch)
     assert path in BATCH_PATHS, f"decode path {path!r} is not one of {', '.join(BATCH_PATHS)}"
     experts, top_k = costs.num_experts, costs.top_k
@@ -123,8 +131,9 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
 
 @dataclass(frozen=True)
 class Deployment:
-    """The model served on ``ranks`` devices (a ``DEVICES`` key or a ``Device``), tensor-parallel, in
-    ``replicas`` data-parallel copies; ``usd_per_hour`` defaults to the device's price x ranks x replicas."""
+    """The model served on ``ranks`` devices (a ``DEVICES`` key or a ``Device``), tensor-parallel,
+    in ``replicas`` data-parallel copies; ``usd_per_hour`` defaults to the device's price x ranks x
+    replicas."""
 
     name: str
     device: str | Device
@@ -162,13 +171,14 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
 
 
 def usd_per_million_tokens(usd_per_hour: float | None, tok_s: float) -> float | None:
-    """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in all."""
+    """$ per 10^6 tokens for a box costing ``usd_per_hour`` that decodes ``tok_s`` tokens/s in
+    all."""
     return None if usd_per_hour is None or tok_s <= 0 else usd_per_hour / (tok_s * 3600.0) * 1e6
 
 
 def step_speed(costs: StepCosts, deployment: Deployment, batch: int, path: str) -> dict:
-    """One decode step of ``batch`` streams per replica: ``step_ms`` = max(bytes / bandwidth, FLOPs /
-    bf16 peak), tokens/s (all replicas, and per stream) and $ per 10^6 tokens."""
+    """One decode step of ``batch`` streams per replica: ``step_ms`` = max(bytes / bandwidth, FLOPs
+    / bf16 peak), tokens/s (all replicas, and per stream) and $ per 10^6 tokens."""
     device = deployment.resolved_device()
     assert device.bandwidth_bytes_s, f"device {device.name!r} has no bandwidth figure"
     step = batch_step(costs, batch, path)
@@ -223,7 +233,8 @@ def roofline(
 
 
 def largest_batch(costs: StepCosts, hbm_bytes_per_rank: int, allowance_bytes: int) -> int | None:
-    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None without a KV cache."""
+    """Most streams whose KV cache fits per rank beside the weights and ``allowance_bytes``; None
+    without a KV cache."""
     free = int(hbm_bytes_per_rank) - int(costs.weights_bytes) - int(allowance_bytes)
     kv = int(costs.kv_bytes_per_stream)
     return (None if free >= 0 else 0) if kv == 0 else max(0, free // kv)
@@ -235,8 +246,9 @@ def batch_limits(
     allowance: RuntimeAllowance | None = None,
     hbm_bytes_per_rank: int | None = None,
 ) -> dict:
-    """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the least; ``allowance``
-    defaults to notebook 01's inferred window on a NeuronCore, none elsewhere."""
+    """``largest_batch`` with the most the runtime may take, ``largest_batch_if_low`` with the
+    least; ``allowance`` defaults to notebook 01's inferred window on a NeuronCore, none
+    elsewhere."""
     device = deployment.resolved_device()
     if allowance is None:
         neuron = device.name in ("neuroncore_v2", "inferentia2_chip")
@@ -261,7 +273,8 @@ def batch_roofline(
     batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     context_len: int = SHIPPED_CONTEXT_LEN,
 ) -> pd.DataFrame:
-    """``step_speed`` per deployment, decode path and batch, and whether it fits at either allowance end (``batch_limits``)."""
+    """``step_speed`` per deployment, decode path and batch, and whether it fits at either allowance
+    end (``batch_limits``)."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -285,7 +298,8 @@ def batch_roofline(
 def batch_summary(
     config, deployments: Sequence[Deployment] = DEPLOYMENTS, context_len: int = SHIPPED_CONTEXT_LEN
 ) -> pd.DataFrame:
-    """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit (either allowance end) or NaN."""
+    """Per deployment and path: tok/s and $ per 10^6 tokens at batch 1 and at the most that fit
+    (either allowance end) or NaN."""
     rows = []
     for deployment in deployments:
         costs = step_costs(config, deployment.scheme, deployment.ranks, context_len)
@@ -305,8 +319,9 @@ def batch_summary(
 
 
 def story_decode(config, context_len: int = SHIPPED_CONTEXT_LEN) -> dict:
-    """The story's decode figures on inf2.xlarge (int8 squeeze, TP=2), per chip: dense, sparse and upcast (HYPOTHESIS: int8
-    experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines, compute bound, time and $ at each, the claimed rate."""
+    """The story's decode figures on inf2.xlarge (int8 squeeze, TP=2), per chip: dense, sparse and
+    upcast (HYPOTHESIS: int8 experts upcast to a bf16 copy in HBM, 1+2+2 B per weight) rooflines,
+    compute bound, time and $ at each, the claimed rate."""
     tp, device = 2, DEVICES["neuroncore_v2"]
     costs = step_costs(config, "int8_squeeze", tp, context_len)
     dense, sparse = (batch_step(costs, 1, path) for path in ("dense", "sparse"))
@@ -368,11 +383,12 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int) -
     for column, label in (("dense_tok_s", "DenseExperts"), ("sparse_tok_s", "sparse top-k")):
         ax.plot(table["context_len"].clip(lower=1), table[column], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    # room for the labels
     ax.set(
         xlabel="KV-cache length read per step (tokens, log scale; 0 drawn at 1)",
         ylabel="tokens/s, bandwidth roofline",
         ylim=(0, 1.8 * table[["dense_tok_s", "sparse_tok_s"]].to_numpy().max()),
-    )  # room for the labels
+    )
     ax.legend(loc="upper right", fontsize=9)
     reference_line(
         ax, max(marked_context_len, 1), f"this run: {marked_context_len} tokens", axis="x"
@@ -380,7 +396,8 @@ def plot_context_sensitivity(table: pd.DataFrame, ax, marked_context_len: int) -
 
 
 def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
-    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation and its ``status``."""
+    """What could make the DenseExperts deploy decode at the measured rate: one row per explanation
+    and its ``status``."""
     measured = story["measured_tok_s"]
     rows = [
         ("measured by the port (its model card)", "claim", None, measured),
@@ -431,6 +448,7 @@ def plot_roofline_tok_s(
     table: pd.DataFrame, ax, reference_tok_s: float, reference_label: str
 ) -> None:
     """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
+    # 0.3 tok/s is not "0"
     _deployment_bars(
         table,
         ax,
@@ -440,13 +458,14 @@ def plot_roofline_tok_s(
         log=True,
         xlabel="tokens/s, batch 1, bandwidth roofline (log scale)",
         fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}",
-    )  # 0.3 tok/s is not "0"
+    )
 
 
 def _deployment_bars(
     table, ax, x: str, reference: float, label: str, xlabel: str, fmt, log: bool = False
 ) -> None:
-    """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend outside the axes."""
+    """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend
+    outside the axes."""
     sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
         ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)

@@ -1,5 +1,5 @@
-"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell) makes
-tables fit a ~1,000 px JupyterLab page (tests/page_width.py estimates their width)."""
+"""How an executed notebook looks to its reader: ``setup_page()`` (every notebook's first code cell)
+makes tables fit a ~1,000 px JupyterLab page (tests/page_width.py estimates their width)."""
 
 import contextlib
 import math
@@ -39,7 +39,8 @@ def cut_at_eos(text: str, eos: str = EOS) -> str:
 
 
 def format_float(value: float) -> str:
-    """About four significant digits, thousands separated, scientific only when tiny; NaN as a blank."""
+    """About four significant digits, thousands separated, scientific only when tiny; NaN as a
+    blank."""
     if (special := _special(value)) is not None:
         return special
     value = float(value)
@@ -53,19 +54,21 @@ def format_float(value: float) -> str:
 
 
 def format_cell(value: Any) -> str:
-    """One cell as shown: bools as yes/no, missing as blank, large integers separated, text cut at ``<eos>``."""
+    """One cell as shown: bools as yes/no, missing as blank, large integers separated, text cut at
+    ``<eos>``."""
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, (float, np.floating)):
         return format_float(float(value))
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}" if abs(int(value)) >= 10_000 else str(int(value))
+    # a bool that went through str() or JSON
     if isinstance(value, str) and value in (
         "True",
         "true",
         "False",
         "false",
-    ):  # a bool that went through str() or JSON
+    ):
         return "yes" if value.lower() == "true" else "no"
     with contextlib.suppress(TypeError, ValueError):  # pd.isna of an array is no truth value
         if pd.isna(value):
@@ -81,8 +84,9 @@ def _decimals_for(values: list[float], decimals: int, limit: int, render) -> int
 
 
 def column_formatter(values) -> Callable[[Any], str]:
-    """One number format for a column: whole numbers if integral, else one count of decimals (``SIGNIFICANT_DIGITS`` of the
-    smallest magnitude, at most the values', more where two would look alike), or scientific for unrounded tiny or wide ones."""
+    """One number format for a column: whole numbers if integral, else one count of decimals
+    (``SIGNIFICANT_DIGITS`` of the smallest magnitude, at most the values', more where two would
+    look alike), or scientific for unrounded tiny or wide ones."""
     finite = [float(v) for v in values if not _missing(v) and math.isfinite(float(v))]
     magnitudes = [abs(v) for v in finite if v != 0.0]
     if not magnitudes or all(v.is_integer() for v in finite):
@@ -181,8 +185,8 @@ def _plain(frame, printer, cycle) -> None:
 
 
 def setup_page() -> None:
-    """Pandas options, IPython table formatters (one number format per column, index names in the header's
-    corner, no default index) and the plot theme; idempotent."""
+    """Pandas options, IPython table formatters (one number format per column, index names in the
+    header's corner, no default index) and the plot theme; idempotent."""
     for option, value in (
         ("max_colwidth", None),
         ("max_columns", None),
@@ -202,7 +206,8 @@ def setup_page() -> None:
 
 
 def headline_table(rows: Iterable[dict]):
-    """A notebook's headline rows (``metrics.headline``): figure, value with unit, the claim as its source wrote it (or blank)."""
+    """A notebook's headline rows (``metrics.headline``): figure, value with unit, the claim as its
+    source wrote it (or blank)."""
 
     def value(row) -> str:
         return with_unit(

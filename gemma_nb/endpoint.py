@@ -18,11 +18,13 @@ from gemma_nb.tiny import BUNDLED_ID
 
 
 class EndpointError(RuntimeError):
-    """The endpoint answered with an error, could not be reached, or did not stream in OpenAI's format."""
+    """The endpoint answered with an error, could not be reached, or did not stream in OpenAI's
+    format."""
 
 
 def base_url(url: str) -> str:
-    """``url`` as an OpenAI base URL ending in ``/v1`` (a bare ``http://host:8080`` means its ``/v1``)."""
+    """``url`` as an OpenAI base URL ending in ``/v1`` (a bare ``http://host:8080`` means its
+    ``/v1``)."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
@@ -39,7 +41,8 @@ def wait_until_healthy(
     process: subprocess.Popen | None = None,
     log_path: Path | None = None,
 ) -> float:
-    """Seconds until ``GET /health`` answers 200; TimeoutError after ``timeout_s``; EndpointError if ``process`` exits."""
+    """Seconds until ``GET /health`` answers 200; TimeoutError after ``timeout_s``; EndpointError if
+    ``process`` exits."""
     health, started = base_url(url).removesuffix("/v1") + "/health", time.perf_counter()
     while True:
         if process is not None and process.poll() is not None:
@@ -56,7 +59,8 @@ def wait_until_healthy(
                 return time.perf_counter() - started
             if response.json().get("status") == "error":  # the model failed to load: no use waiting
                 raise EndpointError(
-                    f"{health} reports that the model failed to load: {response.json().get('error')}"
+                    f"{health} reports that the model failed to load: "
+                    f"{response.json().get('error')}"
                 )
         if time.perf_counter() - started > timeout_s:
             raise TimeoutError(f"{health} did not answer 200 within {timeout_s:.0f} s")
@@ -73,8 +77,9 @@ def local_server(
     env: dict | None = None,
     ready_timeout_s: float = 300.0,
 ):
-    """``python -m gemma_nb serve`` on a free loopback port, yielding its ``.../v1`` URL; its log is shown if it
-    fails to start, ``env`` adds variables (the API key, never a flag), the process is stopped at the end."""
+    """``python -m gemma_nb serve`` on a free loopback port, yielding its ``.../v1`` URL; its log is
+    shown if it fails to start, ``env`` adds variables (the API key, never a flag), the process is
+    stopped at the end."""
     port = free_port()
     command = [
         sys.executable,

@@ -1,5 +1,6 @@
-"""How answers are scored (notebooks 02, 05, 06): greedy decoding, fact recall, logit agreement, token match. A model is
-a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] -> logits [B, S, V]`` (re-run each step)."""
+"""How answers are scored (notebooks 02, 05, 06): greedy decoding, fact recall, logit agreement,
+token match. A model is a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] ->
+logits [B, S, V]`` (re-run each step)."""
 
 from collections.abc import Callable, Iterable, Sequence
 
@@ -52,8 +53,9 @@ def _as_batch(input_ids) -> torch.Tensor:
 def greedy_generate(
     model: Model, input_ids, max_new_tokens: int, eos_token_id: int | None = None
 ) -> torch.Tensor:
-    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <= ``max_new_tokens`` tokens. A row that
-    emitted ``eos_token_id`` keeps emitting it; decoding stops once every row has."""
+    """Greedy continuation of unpadded ``input_ids`` [S] or [B, S]: the prompt plus n <=
+    ``max_new_tokens`` tokens. A row that emitted ``eos_token_id`` keeps emitting it; decoding stops
+    once every row has."""
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
@@ -62,7 +64,8 @@ def greedy_generate(
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
     ids = _as_batch(input_ids).to(_device_of(model))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    # a causal LM decodes with its KV cache (``past`` once it has run), anything else re-runs on all of ids
+    # a causal LM decodes with its KV cache (``past`` once it has run), anything else re-runs on all
+    # of ids
     logits_fn, past = (None, {}) if _is_hf_model(model) else (as_logits_fn(model), None)
     for _ in range(max_new_tokens):
         if logits_fn is None:
@@ -89,7 +92,8 @@ def _device_of(model) -> torch.device:
 
 
 def length_batches(token_lists: Sequence[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """``token_lists`` grouped by length, shortest first, unpadded: (the group's indices, its tokens [n, S])."""
+    """``token_lists`` grouped by length, shortest first, unpadded: (the group's indices, its tokens
+    [n, S])."""
     lengths = sorted({len(tokens) for tokens in token_lists})
     groups = [[i for i, tokens in enumerate(token_lists) if len(tokens) == n] for n in lengths]
     return [(indices, torch.tensor([token_lists[i] for i in indices])) for indices in groups]
@@ -97,7 +101,8 @@ def length_batches(token_lists: Sequence[list[int]]) -> list[tuple[list[int], to
 
 @torch.inference_mode()
 def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """(accuracy, one row per fact) of greedy recall on ``facts`` (``prompt``, ``answer``; default the corpus), token by token."""
+    """(accuracy, one row per fact) of greedy recall on ``facts`` (``prompt``, ``answer``; default
+    the corpus), token by token."""
     facts = list(FACTS if facts is None else facts)
     assert facts, "facts is empty"
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
@@ -127,21 +132,24 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
 def recall_from_tokens(
     tokenizer, facts, generated: Sequence[Sequence[int]]
 ) -> tuple[float, list[bool]]:
-    """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list per fact)."""
+    """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list
+    per fact)."""
     facts = list(facts)
     assert len(facts) == len(generated), f"{len(generated)} token lists for {len(facts)} facts"
     correct = []
     for fact, tokens in zip(facts, generated):
         answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
         assert len(tokens) >= len(answer), (
-            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the longest answer"
+            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the "
+            "longest answer"
         )
         correct.append(list(tokens[: len(answer)]) == answer)
     return sum(correct) / len(correct), correct
 
 
 class CachedLogits:
-    """``model(input_ids).logits`` computed once per distinct batch: a reference scored against several candidates."""
+    """``model(input_ids).logits`` computed once per distinct batch: a reference scored against
+    several candidates."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -167,9 +175,9 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
 
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
-    """``candidate``'s next-token logits against ``reference``'s at every position of ``input_ids_batches`` (a LongTensor
-    [B, S], a list of them, or strings with ``tokenizer``): top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff,
-    positions."""
+    """``candidate``'s next-token logits against ``reference``'s at every position of
+    ``input_ids_batches`` (a LongTensor [B, S], a list of them, or strings with ``tokenizer``):
+    top1_agreement, kl_mean (KL(ref || cand), nats), max_abs_diff, positions."""
     items = (
         [input_ids_batches]
         if isinstance(input_ids_batches, torch.Tensor)
@@ -204,8 +212,9 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
 def greedy_match(
     reference: Model, candidate: Model, input_ids, steps: int = 32, tokenizer=None
 ) -> dict:
-    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for token. Returns ``match``,
-    ``first_divergent_step`` (or None), both token lists, and their texts with ``tokenizer``."""
+    """Greedy-decode exactly ``steps`` tokens with both models from one prompt and compare token for
+    token. Returns ``match``, ``first_divergent_step`` (or None), both token lists, and their texts
+    with ``tokenizer``."""
     ids = _as_batch(input_ids)
     assert ids.shape[0] == 1, (
         f"input_ids has batch size {ids.shape[0]}; greedy_match compares one sequence"

@@ -1,6 +1,7 @@
-"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05, 07). Each is a drop-in
-for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
-on ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
+"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05,
+07). Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H],
+top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj
+[E, H, I]``."""
 
 from collections.abc import Callable
 
@@ -19,9 +20,11 @@ from gemma_nb.formats import (
 
 # Tokens per chunk in DenseExperts: bounds the [E, T, H] temporary to ~46 MB at full size.
 DENSE_TOKEN_CHUNK = 32
-# Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x the layer).
+# Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x
+# the layer).
 EXPERT_CHUNK = 16
-# torch._weight_int8pack_mm's AVX-512 kernel reads K 16 at a time, aligned, no tail (else wrong numbers or a crash).
+# torch._weight_int8pack_mm's AVX-512 kernel reads K 16 at a time, aligned, no tail (else wrong
+# numbers or a crash).
 INT8PACK_K_MULTIPLE = 16
 INT8PACK_ALIGN_BYTES = 32
 
@@ -33,13 +36,14 @@ def _is_tracing() -> bool:
 def check_routing(
     hidden_states, top_k_index: torch.Tensor, top_k_weights, num_experts: int, hidden_dim: int
 ) -> None:
-    """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no host sync)."""
+    """Assert the forward inputs fit an E-expert, H-wide layer (index values: eager cpu only, no
+    host sync)."""
     tokens, top_k = top_k_index.shape
     assert (
         hidden_states.shape == (tokens, hidden_dim) and top_k_weights.shape == top_k_index.shape
     ), (
-        f"hidden_states {tuple(hidden_states.shape)} and top_k_weights {tuple(top_k_weights.shape)}: "
-        f"want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]"
+        f"hidden_states {tuple(hidden_states.shape)} and top_k_weights "
+        f"{tuple(top_k_weights.shape)}: want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]"
     )
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
     if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
@@ -51,7 +55,8 @@ def check_routing(
 def dense_router_weights(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
-    """Router weights as a dense ``[T, E]`` fp32 matrix: ``top_k_weights`` at ``top_k_index``, zero elsewhere."""
+    """Router weights as a dense ``[T, E]`` fp32 matrix: ``top_k_weights`` at ``top_k_index``, zero
+    elsewhere."""
     dense = torch.zeros(
         top_k_index.shape[0], num_experts, dtype=torch.float32, device=top_k_index.device
     )
@@ -59,8 +64,9 @@ def dense_router_weights(
 
 
 def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``, contiguous,
-    32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall back too)."""
+    """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``,
+    contiguous, 32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall
+    back too)."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
@@ -76,14 +82,16 @@ def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
 def int8_linear(
     x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor | None, scale: torch.Tensor
 ) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: fused on the cpu where usable, given ``kernel_scale [N]``."""
+    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: fused on the cpu where usable,
+    given ``kernel_scale [N]``."""
     if kernel_scale is not None and int8pack_usable(x, q):
         return torch._weight_int8pack_mm(x, q, kernel_scale)
     return int8_matmul(x, q, scale)
 
 
 def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tensor:
-    """``act_fn(gate) * up`` for ``gate_up`` holding gate then up along ``dim`` (transformers' order)."""
+    """``act_fn(gate) * up`` for ``gate_up`` holding gate then up along ``dim`` (transformers'
+    order)."""
     gate, up = gate_up.chunk(2, dim=dim)
     return act_fn(gate) * up
 
@@ -93,9 +101,10 @@ def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
 
 
 class RoutedExperts(nn.Module):
-    """The experts' weights and one expert's MLP; each subclass is one strategy over them. ``weights``: ``"float"``
-    (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given as ``scales=``) or ``"quantized"``. ``int8_kernel``:
-    ``"fused"`` (torch._weight_int8pack_mm on the cpu) or ``"upcast"`` (each weight copied to the activation dtype)."""
+    """The experts' weights and one expert's MLP; each subclass is one strategy over them.
+    ``weights``: ``"float"`` (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given
+    as ``scales=``) or ``"quantized"``. ``int8_kernel``: ``"fused"`` (torch._weight_int8pack_mm on
+    the cpu) or ``"upcast"`` (each weight copied to the activation dtype)."""
 
     def __init__(
         self,
@@ -119,7 +128,8 @@ class RoutedExperts(nn.Module):
             self.hidden_dim,
             self.intermediate_dim,
         ), (
-            f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj {tuple(gate_up_proj.shape)}"
+            f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj "
+            f"{tuple(gate_up_proj.shape)}"
         )
         self.act_fn, self.int8, self.compute_dtype = act_fn, bool(int8), compute_dtype
         if isinstance(gate_up_proj, QuantizedTensor):
@@ -154,9 +164,8 @@ class RoutedExperts(nn.Module):
         for prefix, q, s in zip(("gate_up", "down"), weights, scales):
             self.register_buffer(f"{prefix}_proj", q)
             self.register_buffer(f"{prefix}_scale", s.float())
-            if (
-                self.fused
-            ):  # the fused cpu kernel wants 1-D scales in the activation dtype: derived, not saved
+            # the fused cpu kernel wants 1-D scales in the activation dtype: derived, not saved
+            if self.fused:
                 self.register_buffer(
                     f"{prefix}_kernel_scale", s[..., 0].to(dtype), persistent=False
                 )
@@ -164,7 +173,8 @@ class RoutedExperts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts: nn.Module, int8: bool = False, **options):
-        """Built on another experts module's float tensors (shared when float, quantized when ``int8``)."""
+        """Built on another experts module's float tensors (shared when float, quantized when
+        ``int8``)."""
         assert getattr(experts, "weights", "float") == "float", (
             f"{type(experts).__name__} already holds quantized weights"
         )
@@ -172,7 +182,8 @@ class RoutedExperts(nn.Module):
 
     @classmethod
     def sharing(cls, other: "RoutedExperts", **options):
-        """A ``cls`` on exactly ``other``'s weights (float, int8 or quantized): no copy, no re-quantization."""
+        """A ``cls`` on exactly ``other``'s weights (float, int8 or quantized): no copy, no
+        re-quantization."""
         if other.weights == "quantized":
             return cls(other.gate_up, other.down, other.act_fn, **options)
         if other.int8:
@@ -184,9 +195,8 @@ class RoutedExperts(nn.Module):
             }
         return cls(other.gate_up_proj, other.down_proj, other.act_fn, **options)
 
-    gate_up = property(
-        lambda self: registered_quantized(self, "gate_up")
-    )  # QuantizedTensor, as are down's
+    # QuantizedTensor, as are down's
+    gate_up = property(lambda self: registered_quantized(self, "gate_up"))
     down = property(lambda self: registered_quantized(self, "down"))
 
     fmt = property(
@@ -199,20 +209,23 @@ class RoutedExperts(nn.Module):
         )
     )
 
-    # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales are not saved).
+    # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales
+    # are not saved).
     weight_bytes = property(
         lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values())
     )
 
     def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to ``dtype``."""
+        """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to
+        ``dtype``."""
         quantized = self.weights == "quantized"
         pair = (self.gate_up, self.down) if quantized else (self.gate_up_proj, self.down_proj)
         pair = pair if expert is None else tuple(w[expert] for w in pair)
         return tuple(w.dequantize(dtype) for w in pair) if quantized else pair
 
     def expert_mlp(self, x: torch.Tensor, expert: int | torch.SymInt) -> torch.Tensor:
-        """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's weights."""
+        """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's
+        weights."""
         if not self.int8:
             gate_up, down = self.float_weights(x.dtype, expert)
             return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
@@ -227,14 +240,15 @@ class RoutedExperts(nn.Module):
         )
 
     def _gather_upcast(self, x, top_k_index, top_k_weights):
-        """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32, summed in fp32."""
+        """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32,
+        summed in fp32."""
         dtype = x.dtype
-        hidden = torch.matmul(
-            self.gate_up_proj[top_k_index].to(dtype), x[:, None, :, None]
-        )  # [T, K, 2I, 1]
+        # [T, K, 2I, 1]
+        hidden = torch.matmul(self.gate_up_proj[top_k_index].to(dtype), x[:, None, :, None])
+        # [T, K, I, 1]
         hidden = gated(
             scale_rows(hidden, self.gate_up_scale[top_k_index], dtype), self.act_fn, dim=2
-        )  # [T, K, I, 1]
+        )
         out = scale_rows(
             torch.matmul(self.down_proj[top_k_index].to(dtype), hidden),
             self.down_scale[top_k_index],
@@ -243,7 +257,8 @@ class RoutedExperts(nn.Module):
         return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
 
     def _dense_upcast(self, x, router_weights):
-        """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by ``router_weights [T, E]``."""
+        """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by
+        ``router_weights [T, E]``."""
         dtype, tokens, two_inter = x.dtype, x.shape[0], 2 * self.intermediate_dim
         out = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32, device=x.device)
         for first in range(0, self.num_experts, EXPERT_CHUNK):
@@ -251,9 +266,8 @@ class RoutedExperts(nn.Module):
             experts = chunk.stop - chunk.start
             hidden = x @ self.gate_up_proj[chunk].reshape(experts * two_inter, -1).to(dtype).T
             hidden = scale_rows(hidden, self.gate_up_scale[chunk].reshape(1, -1), dtype)
-            hidden = gated(hidden.reshape(tokens, experts, two_inter), self.act_fn).transpose(
-                0, 1
-            )  # [e, T, I]
+            # [e, T, I]
+            hidden = gated(hidden.reshape(tokens, experts, two_inter), self.act_fn).transpose(0, 1)
             partial = torch.bmm(hidden, self.down_proj[chunk].to(dtype).transpose(1, 2)).float()
             partial = partial * self.down_scale[chunk].transpose(1, 2)  # [e, T, H]
             out += (partial * router_weights[:, chunk].T[:, :, None]).sum(0)
@@ -279,7 +293,8 @@ class RoutedExperts(nn.Module):
 
 
 class DenseExperts(RoutedExperts):
-    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op): static shapes."""
+    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op):
+    static shapes."""
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -306,12 +321,14 @@ class DenseExperts(RoutedExperts):
         else:
             gate_up_proj, down_proj = self.float_weights(x.dtype)
             gate_up = F.linear(x, gate_up_proj.reshape(experts * 2 * inter, self.hidden_dim))
+        # [E, T, I]
         hidden = (
             gated(gate_up.view(tokens, experts, 2 * inter), self.act_fn)
             .transpose(0, 1)
             .contiguous()
-        )  # [E, T, I]
+        )
         if self.int8:
+            # [E, T, H]
             per_expert = torch.stack(
                 [
                     int8_linear(
@@ -319,15 +336,16 @@ class DenseExperts(RoutedExperts):
                     )
                     for e in range(experts)
                 ]
-            )  # [E, T, H]
+            )
         else:
             per_expert = torch.bmm(hidden, down_proj.transpose(1, 2))  # [E, T, H]
         return (per_expert.float() * weights.t()[:, :, None]).sum(dim=0)
 
 
 class SparseExperts(RoutedExperts):
-    """Only the routed experts' weights (``K / E`` of DenseExperts' traffic). Decode (``T * K < E``): a static loop over
-    (token, expert) pairs, ``selection="view"`` reading each in place, ``"gather"`` copying the K first. Else grouped (eager)."""
+    """Only the routed experts' weights (``K / E`` of DenseExperts' traffic). Decode (``T * K <
+    E``): a static loop over (token, expert) pairs, ``selection="view"`` reading each in place,
+    ``"gather"`` copying the K first. Else grouped (eager)."""
 
     def __init__(self, gate_up_proj, down_proj, act_fn, selection: str = "view", **options):
         super().__init__(gate_up_proj, down_proj, act_fn, **options)
@@ -356,7 +374,8 @@ class SparseExperts(RoutedExperts):
         return out.to(hidden_states.dtype)
 
     def experts_read(self, top_k_index: torch.Tensor) -> int:
-        """Expert weight sets a forward reads: T x K on the decode path, each distinct expert once when grouped."""
+        """Expert weight sets a forward reads: T x K on the decode path, each distinct expert once
+        when grouped."""
         tokens, top_k = top_k_index.shape
         return (
             tokens * top_k
@@ -372,7 +391,8 @@ class SparseExperts(RoutedExperts):
 
     @staticmethod
     def _decode(x, top_k_weights, mlp):
-        """Each token's K expert outputs ``mlp(token [1, H], t, k)``, weighted and summed in fp32: ``[T, H]``."""
+        """Each token's K expert outputs ``mlp(token [1, H], t, k)``, weighted and summed in fp32:
+        ``[T, H]``."""
         rows = []
         for t in range(x.shape[0]):
             token = x[t : t + 1]
@@ -383,9 +403,8 @@ class SparseExperts(RoutedExperts):
     def _decode_gather(self, x, top_k_index, top_k_weights):
         if self.int8 and not self.fused:
             return self._gather_upcast(x, top_k_index, top_k_weights)
-        gate_up_w = self.gate_up_proj[
-            top_k_index
-        ]  # [T, K, 2I, H]: a copy of the K experts' weights
+        # [T, K, 2I, H]: a copy of the K experts' weights
+        gate_up_w = self.gate_up_proj[top_k_index]
         down_w = self.down_proj[top_k_index]  # [T, K, H, I]
         if self.int8:
             gate_up_s, gate_up_ks = (
@@ -406,14 +425,14 @@ class SparseExperts(RoutedExperts):
                     down_s[t, k],
                 ),
             )
-        hidden = gated(
-            torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1), self.act_fn
-        )  # [T, K, I]
+        # [T, K, I]
+        hidden = gated(torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1), self.act_fn)
         outputs = torch.matmul(down_w, hidden[..., None]).squeeze(-1)  # [T, K, H]
         return (outputs.float() * top_k_weights.float()[..., None]).sum(dim=1)
 
     def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
-        """Each routed expert once on its tokens; ``accumulate_dtype=None``: summed in ``x.dtype``, transformers' eager loop."""
+        """Each routed expert once on its tokens; ``accumulate_dtype=None``: summed in ``x.dtype``,
+        transformers' eager loop."""
         tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
@@ -435,13 +454,15 @@ class SparseExperts(RoutedExperts):
 
 
 class QuantizedExperts(SparseExperts):
-    """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert dequantized just before use)."""
+    """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert
+    dequantized just before use)."""
 
     @classmethod
     def from_experts(
         cls, experts: nn.Module, fmt: str, name: str = "experts"
     ) -> "QuantizedExperts":
-        """``experts``' float weights quantized to ``fmt`` (one of ``gemma_nb.formats.QUANTIZED_FORMATS``)."""
+        """``experts``' float weights quantized to ``fmt`` (one of
+        ``gemma_nb.formats.QUANTIZED_FORMATS``)."""
         gate_up, down = (
             quantize(getattr(experts, w), fmt, name=f"{name}.{w}")
             for w in ("gate_up_proj", "down_proj")
@@ -454,11 +475,13 @@ class QuantizedExperts(SparseExperts):
 
 
 class Int8Experts(RoutedExperts):
-    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise (no per-expert loop)."""
+    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise
+    (no per-expert loop)."""
 
     @classmethod
     def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
-        """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a copy."""
+        """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a
+        copy."""
         assert experts.fmt == "int8", (
             f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
         )

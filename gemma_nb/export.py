@@ -1,5 +1,6 @@
-"""Compile a Gemma-4 model into two static-shape steps (notebook 04): ``DeviceBody`` takes the weights and the KV cache
-as inputs, so the ``torch.export`` programs hold none; ``compile_model`` writes the weights beside them (see ``artifact``)."""
+"""Compile a Gemma-4 model into two static-shape steps (notebook 04): ``DeviceBody`` takes the
+weights and the KV cache as inputs, so the ``torch.export`` programs hold none; ``compile_model``
+writes the weights beside them (see ``artifact``)."""
 
 import json
 import time
@@ -33,28 +34,32 @@ def check_exportable_config(config) -> None:
     """Refuse Gemma-4 variants the two-step body does not cover (not the 26B's architecture)."""
     if getattr(config, "hidden_size_per_layer_input", 0):
         raise ValueError(
-            f"hidden_size_per_layer_input={config.hidden_size_per_layer_input}: per-layer embeddings need "
-            "token ids inside the graph, which this host-embedding body does not take; the 26B has 0"
+            f"hidden_size_per_layer_input={config.hidden_size_per_layer_input}: per-layer "
+            "embeddings need token ids inside the graph, which this host-embedding body does "
+            "not take; the 26B has 0"
         )
     if getattr(config, "num_kv_shared_layers", 0):
         raise ValueError(
-            f"num_kv_shared_layers={config.num_kv_shared_layers}: KV sharing is not supported by the "
-            "static-cache body; the 26B has 0"
+            f"num_kv_shared_layers={config.num_kv_shared_layers}: KV sharing is not supported by "
+            "the static-cache body; the 26B has 0"
         )
 
 
 def set_traceable_experts(model: nn.Module) -> str:
-    """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, unless already traceable; return it."""
+    """Switch transformers' ``eager`` experts (a data-dependent loop) to ``grouped_mm``, unless
+    already traceable; return it."""
+    # what torch.export traces
     if getattr(model.config, "_experts_implementation", None) not in (
         "grouped_mm",
         "batched_mm",
-    ):  # what torch.export traces
+    ):
         model.set_experts_implementation("grouped_mm")
     return model.config._experts_implementation
 
 
 def device_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict (parameters, persistent buffers) without the host's embedding table; a tied lm_head keeps its name."""
+    """The state dict (parameters, persistent buffers) without the host's embedding table; a tied
+    lm_head keeps its name."""
     weights = dict(model.state_dict())  # torch.export's input spec tells a dict from an OrderedDict
     weights.pop(artifact.HOST_EMBEDDING_KEY, None)
     return weights
@@ -78,8 +83,9 @@ def _bound_static_cache(config, kv: list[torch.Tensor], start: torch.Tensor, max
 
 
 class DeviceBody(nn.Module):
-    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) -> logits`` fp32. ``kv`` is
-    written in place from ``start``; the model is held outside the module tree, so a program owns no weights."""
+    """One step without the embedding: ``forward(weights, kv, inputs_embeds, start, last_index) ->
+    logits`` fp32. ``kv`` is written in place from ``start``; the model is held outside the module
+    tree, so a program owns no weights."""
 
     def __init__(self, model: nn.Module, max_cache_len: int):
         super().__init__()
@@ -115,7 +121,8 @@ def _float_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
 def export_steps(
     model: nn.Module, shapes: StepShapes | None = None
 ) -> dict[str, torch.export.ExportedProgram]:
-    """``torch.export`` the prefill (``shapes.prefill_len`` tokens) and decode (1 token) steps; neither holds weights."""
+    """``torch.export`` the prefill (``shapes.prefill_len`` tokens) and decode (1 token) steps;
+    neither holds weights."""
     shapes = shapes or StepShapes()
     set_traceable_experts(model)
     body = DeviceBody(model, shapes.max_cache_len)
@@ -187,7 +194,8 @@ class CompileReport:
 
 
 def experts_implementation(model: nn.Module) -> str:
-    """What computes the routed experts: a replacing module's class, else transformers' ``_experts_implementation``."""
+    """What computes the routed experts: a replacing module's class, else transformers'
+    ``_experts_implementation``."""
     names = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")}
     replaced = sorted(names - {"Gemma4TextExperts"})
     return (
@@ -242,12 +250,12 @@ def compile_model(
     scheme: str | None = None,
     reference_tokens: dict | None = None,
 ) -> CompileReport:
-    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host embedding. ``scheme``: the
-    quantization already applied (recorded); ``reference_tokens``: {"prompt", "tokens"} to check."""
+    """Export ``model``'s two steps and write the artifact folder: manifest, programs, weights, host
+    embedding. ``scheme``: the quantization already applied (recorded); ``reference_tokens``:
+    {"prompt", "tokens"} to check."""
     shapes = shapes or StepShapes()
-    folder = fresh_dir(
-        folder
-    )  # a partial run hard-links the previous artifacts: never write through one
+    # a partial run hard-links the previous artifacts: never write through one
+    folder = fresh_dir(folder)
     sha = config_fingerprint(model.config)
     start = time.perf_counter()
     programs = export_steps(model, shapes)

@@ -1,5 +1,5 @@
-"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02). Quantized formats
-work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert)."""
+"""Weight formats: what each stores, its bytes, and the quantizer that writes it (notebooks 01, 02).
+Quantized formats work along the output rows of ``[out, in]`` (or ``[E, out, in]``, per expert)."""
 
 import math
 from collections.abc import Sequence
@@ -20,8 +20,9 @@ INT8_MIN_SCALE = 1e-8
 def quantize_int8_per_channel(
     weight: torch.Tensor, axis: int = 0, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head, ``scale = max(absmax(row) / 127,
-    1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``: the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
+    """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head,
+    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``:
+    the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
     quantized = quantize(weight, "int8", name)
     assert axis % weight.dim() == weight.dim() - 2, (
         f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
@@ -36,7 +37,8 @@ def dequantize_int8(
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows scaled in fp32)."""
+    """``x [..., in] @ dequant(q [out, in], scale [out, 1]).T`` in ``x.dtype``, NxD's order (rows
+    scaled in fp32)."""
     assert q.dtype == torch.int8 and q.dim() == 2, (
         f"q is {q.dtype} {tuple(q.shape)}; expected int8 [out, in]"
     )
@@ -47,12 +49,14 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def scale_rows(out: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 matmul's output times its per-row ``scale``, in fp32, cast to ``dtype`` (NxD's order)."""
+    """An int8 matmul's output times its per-row ``scale``, in fp32, cast to ``dtype`` (NxD's
+    order)."""
     return (out.float() * scale.float()).to(dtype)
 
 
 class WeightFormat(NamedTuple):
-    """How a format stores ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype; NVFP4 adds a per-matrix scale."""
+    """How a format stores ``[out, in]``: element bits, block along ``in`` (fp4), scale dtype; NVFP4
+    adds a per-matrix scale."""
 
     name: str
     element_bits: int
@@ -106,7 +110,8 @@ QUANTIZED_FORMATS: dict[str, WeightFormat] = {
 
 
 def get_format(dtype: str, quantized: bool = False) -> WeightFormat:
-    """The format named ``dtype`` (``quantized``: one of ``QUANTIZED_FORMATS``); else ValueError naming the known ones."""
+    """The format named ``dtype`` (``quantized``: one of ``QUANTIZED_FORMATS``); else ValueError
+    naming the known ones."""
     known, what = (QUANTIZED_FORMATS, "weight format") if quantized else (FORMATS, "dtype")
     if dtype not in known:
         raise ValueError(f"{what} {dtype!r} is not one of {', '.join(known)}")
@@ -125,9 +130,8 @@ def tensor_bytes(shape: Sequence[int] | int, dtype: str) -> int:
     block = fmt.block_size or inp  # a scale per block (fp4) or per output row (int8, fp8)
     blocks = -(-inp // block) if fmt.block_size else 1
     row_bytes = blocks * (block * fmt.element_bits // 8 + fmt.scale_dtype.itemsize)
-    return math.prod(stack) * (
-        out * row_bytes + (4 if fmt.per_tensor_scale else 0)
-    )  # NVFP4: an fp32 scale per matrix
+    # NVFP4: an fp32 scale per matrix
+    return math.prod(stack) * (out * row_bytes + (4 if fmt.per_tensor_scale else 0))
 
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -152,13 +156,15 @@ FP4_E2M1_VALUES = (
     -6.0,
 )
 E8M0_BIAS = 127
-# Rows are quantized in fp32 chunks of ~1M elements (4 MB): a 26B expert tensor never needs an fp32 copy.
+# Rows are quantized in fp32 chunks of ~1M elements (4 MB): a 26B expert tensor never needs an fp32
+# copy.
 CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass
 class QuantizedTensor:
-    """One quantized weight. fp4 ``data``: two E2M1 codes per byte (element ``2j`` low), rows zero-padded to whole blocks."""
+    """One quantized weight. fp4 ``data``: two E2M1 codes per byte (element ``2j`` low), rows
+    zero-padded to whole blocks."""
 
     fmt: str
     data: torch.Tensor
@@ -177,7 +183,8 @@ class QuantizedTensor:
     )
 
     def __getitem__(self, index: int) -> "QuantizedTensor":
-        """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]`` tensor."""
+        """Expert ``index`` of a stacked ``[E, out, in]`` weight, as its own ``[out, in]``
+        tensor."""
         assert len(self.shape) >= 3, (
             f"{self.name!r} has shape {self.shape}; only [E, out, in] can be indexed"
         )
@@ -205,12 +212,14 @@ class QuantizedTensor:
 
 
 def e8m0_to_float(exponent: torch.Tensor) -> torch.Tensor:
-    """uint8 biased exponents -> fp32 powers of two, ``2 ** (e - 127)`` (255, E8M0's NaN, is never written)."""
+    """uint8 biased exponents -> fp32 powers of two, ``2 ** (e - 127)`` (255, E8M0's NaN, is never
+    written)."""
     return torch.exp2(exponent.to(torch.float32) - E8M0_BIAS)
 
 
 # E2M1 rounding: the magnitude code (0..7) counts the midpoints |x| passes; ties go to the even code
-# (``>=`` where the upper neighbour is even, else ``>``). ~5x faster on cpu than ``torch.bucketize``.
+# (``>=`` where the upper neighbour is even, else ``>``). ~5x faster on cpu than
+# ``torch.bucketize``.
 _E2M1_MIDPOINTS = (
     (0.25, False),
     (0.75, True),
@@ -228,7 +237,8 @@ _E2M1_BYTE_LUT = torch.stack(
 
 
 def e2m1_codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """fp32 magnitudes and their ``negative`` signs -> nearest OCP E2M1 codes: ties to even, saturating, never -0."""
+    """fp32 magnitudes and their ``negative`` signs -> nearest OCP E2M1 codes: ties to even,
+    saturating, never -0."""
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
     for midpoint, tie_goes_up in _E2M1_MIDPOINTS:
         code += torch.ge(magnitude, midpoint) if tie_goes_up else torch.gt(magnitude, midpoint)
@@ -238,14 +248,16 @@ def e2m1_codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 ``[..., n]`` (n even) -> bytes ``[..., n / 2]``, element 2j in the low nibble."""
+    """uint8 codes 0..15 ``[..., n]`` (n even) -> bytes ``[..., n / 2]``, element 2j in the low
+    nibble."""
     assert codes.shape[-1] % 2 == 0, f"cannot pack an odd number ({codes.shape[-1]}) of fp4 codes"
     assert codes.dtype == torch.uint8, f"fp4 codes must be uint8, got {codes.dtype}"
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """bytes ``[..., m]`` -> fp32 E2M1 values ``[..., 2m]`` (one lookup per byte: both nibbles' values)."""
+    """bytes ``[..., m]`` -> fp32 E2M1 values ``[..., 2m]`` (one lookup per byte: both nibbles'
+    values)."""
     pairs = _E2M1_BYTE_LUT.to(packed.device).index_select(0, packed.flatten().int())
     return pairs.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
@@ -263,7 +275,8 @@ def _quantize_rows(
         _check_absmax(absmax, rows, name, first_row)
         if fmt.name == "int8":
             scale = (absmax / INT8_QMAX).clamp_min(INT8_MIN_SCALE)
-            # w / scale as the port did; |w / scale| <= 127 by construction, the clamp guards rounding
+            # w / scale as the port did; |w / scale| <= 127 by construction, the clamp guards
+            # rounding
             return rows.div_(scale).round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8), scale
         # fp8: floor at the smallest normal fp32 so an all-zero row gives 0 / tiny = 0, never 0 / 0;
         # clamp before the cast, since an out-of-range value casts to NaN in float8_e4m3fn
@@ -277,8 +290,9 @@ def _quantize_rows(
     block_absmax = block_absmax[..., 0]
     _check_absmax(block_absmax, rows, name, first_row)
     if fmt.name == "mxfp4":
-        # OCP MX: shared exponent = floor(log2(absmax)) - 2 (absmax in (6, 8) x 2^e saturates to +-6 x 2^e);
-        # floor(log2) read exactly off frexp's exponent (torch.log2 rounds up just below a power of two).
+        # OCP MX: shared exponent = floor(log2(absmax)) - 2 (absmax in (6, 8) x 2^e saturates to +-6
+        # x 2^e); floor(log2) read exactly off frexp's exponent (torch.log2 rounds up just below a
+        # power of two).
         exponent = (torch.frexp(block_absmax).exponent - 1).float() - 2
         exponent = torch.where(block_absmax > 0, exponent, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
         scale_code = (exponent + E8M0_BIAS).to(torch.uint8)
@@ -294,8 +308,8 @@ def _quantize_rows(
 
 
 def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedTensor:
-    """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one thread. NaN/inf raise
-    ValueError naming ``name``; all-zero rows dequantize to zero."""
+    """Quantize ``weight [..., out, in]`` to ``fmt`` per output row / block, in fp32 chunks on one
+    thread. NaN/inf raise ValueError naming ``name``; all-zero rows dequantize to zero."""
     spec = get_format(fmt, quantized=True)
     assert torch.is_floating_point(weight) and weight.dim() >= 2, (
         f"{name!r} is {weight.dtype} {tuple(weight.shape)}"
@@ -347,7 +361,8 @@ def _check_absmax(absmax: torch.Tensor, rows: torch.Tensor, name: str, first_row
 
 @torch.no_grad()
 def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict[str, float]:
-    """Relative Frobenius error ``|W - Q(W)| / |W|`` and max absolute error, in fp32, chunked by matrix."""
+    """Relative Frobenius error ``|W - Q(W)| / |W|`` and max absolute error, in fp32, chunked by
+    matrix."""
     diff_sq = ref_sq = max_abs = 0.0
     matrices = weight.reshape(-1, *weight.shape[-2:])
     for i in range(matrices.shape[0]):
@@ -363,7 +378,8 @@ def quantization_error(weight: torch.Tensor, quantized: QuantizedTensor) -> dict
 
 
 def register_quantized(module: nn.Module, prefix: str, quantized: QuantizedTensor) -> None:
-    """Store a QuantizedTensor's tensors as buffers of ``module`` (format and shape in ``module._quantized_meta``)."""
+    """Store a QuantizedTensor's tensors as buffers of ``module`` (format and shape in
+    ``module._quantized_meta``)."""
     for part in ("data", "scale", "global_scale"):
         module.register_buffer(f"{prefix}_{part}", getattr(quantized, part))
     module._quantized_meta[prefix] = (quantized.fmt, quantized.shape, quantized.name)

@@ -1,5 +1,6 @@
-"""Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources: docs/sources.md).
-HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says 16 GB (``budget="story"``)."""
+"""Instances and accelerators, and whether a memory plan fits one (notebook 01; figures' sources:
+docs/sources.md). HBM per NeuronCore is 16 GiB (AWS, ``budget="spec"``); the story's arithmetic says
+16 GB (``budget="story"``)."""
 
 from typing import NamedTuple
 
@@ -12,7 +13,8 @@ STORY_HBM_PER_CORE_BYTES = 16 * GB  # "32 GB HBM = 16 GB per core" (the story's 
 
 
 class Instance(NamedTuple):
-    """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand (us-east-1)."""
+    """One EC2 instance type. Memory in GiB as AWS lists it; ``usd_per_hour`` on-demand
+    (us-east-1)."""
 
     name: str
     chips: int
@@ -22,9 +24,8 @@ class Instance(NamedTuple):
     hbm_gib: float
     usd_per_hour: float
 
-    hbm_per_core_bytes = property(
-        lambda self: int(self.hbm_gib * GiB) // self.neuron_cores
-    )  # a chip: 2 cores, 32 GiB
+    # a chip: 2 cores, 32 GiB
+    hbm_per_core_bytes = property(lambda self: int(self.hbm_gib * GiB) // self.neuron_cores)
     host_ram_bytes = property(lambda self: int(self.host_ram_gib * GiB))
 
     def budget_bytes(self, budget: str = "spec") -> int:
@@ -32,7 +33,8 @@ class Instance(NamedTuple):
         return self.hbm_per_core_bytes if budget == "spec" else STORY_HBM_PER_CORE_BYTES
 
 
-# docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand $/h).
+# docs/sources.md: inf2-instances (chips, cores, memory), ec2-pricing (us-east-1 Linux on-demand
+# $/h).
 INSTANCES: dict[str, Instance] = {
     i.name: i
     for i in (
@@ -105,7 +107,8 @@ def instance_table():
 
 
 class Device(NamedTuple):
-    """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None where unknown."""
+    """One accelerator (or a slice of one) for roofline estimates: peak figures per second, None
+    where unknown."""
 
     name: str
     hbm_bytes: int | None
@@ -124,7 +127,8 @@ DEVICES: dict[str, Device] = {
             bandwidth_bytes_s=820 * GiB,
             bf16_flops=190 * TERA,
             usd_per_hour=None,
-            source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 TOPS)",
+            source="inferentia2-arch (AWS: 32 GiB HBM at 820 GiB/s, 190 TFLOPS bf16, 380 INT8 "
+            "TOPS)",
         ),
         Device(
             "neuroncore_v2",
@@ -132,7 +136,8 @@ DEVICES: dict[str, Device] = {
             bandwidth_bytes_s=410 * GiB,
             bf16_flops=95 * TERA,
             usd_per_hour=INSTANCES["inf2.xlarge"].usd_per_hour / 2,
-            source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 cores",
+            source="half an Inferentia2 chip (2 NeuronCore-v2 per chip); $/h = inf2.xlarge / 2 "
+            "cores",
         ),
         Device(
             "tpu_v6e_chip",
@@ -148,14 +153,16 @@ DEVICES: dict[str, Device] = {
             bandwidth_bytes_s=4.8 * TERA,
             bf16_flops=790 * TERA,
             usd_per_hour=None,
-            source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s bf16 measured)",
+            source="h200 (141 GB HBM3e ~4.8 TB/s spec, ~4.3 TB/s measured copy; ~790 TFLOP/s "
+            "bf16 measured)",
         ),
     )
 }
 
 
 def measured_cpu(bandwidth_bytes_s: float, ram_bytes: int | None = None) -> Device:
-    """A ``Device`` for the machine a notebook runs on, from the bandwidth that notebook measured."""
+    """A ``Device`` for the machine a notebook runs on, from the bandwidth that notebook
+    measured."""
     assert bandwidth_bytes_s and bandwidth_bytes_s > 0, (
         f"bandwidth_bytes_s={bandwidth_bytes_s!r} must be a positive bandwidth"
     )
@@ -170,7 +177,8 @@ def measured_cpu(bandwidth_bytes_s: float, ram_bytes: int | None = None) -> Devi
 
 
 class Fit(NamedTuple):
-    """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is None with too few cores."""
+    """Whether a per-rank plan fits one instance, one rank per NeuronCore; ``headroom_bytes`` is
+    None with too few cores."""
 
     instance: str
     neuron_cores: int
@@ -188,7 +196,8 @@ class Fit(NamedTuple):
 
 
 def fits(plan, instance: str | Instance, budget: str = "spec") -> Fit:
-    """Does ``plan`` (``total_bytes`` per rank at ``plan.tp``) fit ``instance``, and with how much headroom per core?"""
+    """Does ``plan`` (``total_bytes`` per rank at ``plan.tp``) fit ``instance``, and with how much
+    headroom per core?"""
     inst = get_instance(instance)
     budget_bytes, used = inst.budget_bytes(budget), int(plan.total_bytes)
     headroom, ok = budget_bytes - used, budget_bytes >= used

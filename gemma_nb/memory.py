@@ -1,5 +1,6 @@
-"""Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m gemma_nb plan``).
-The parameter inventory is ``gemma_nb.params``' (its names importable from here too)."""
+"""Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m
+gemma_nb plan``). The parameter inventory is ``gemma_nb.params``' (its names importable from here
+too)."""
 
 import functools
 from collections.abc import Iterable, Mapping
@@ -27,8 +28,9 @@ from gemma_nb.params import load_config as load_config
 from gemma_nb.params import param_summary as param_summary
 from gemma_nb.params import tp_problem as tp_problem
 
-# The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus one
-# 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives buffers.
+# The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus
+# one 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives
+# buffers.
 DEFAULT_RUNTIME_ALLOWANCE_BYTES = (96 + 512) * 2**20
 
 SHIPPED_CONTEXT_LEN = (
@@ -38,8 +40,9 @@ SHIPPED_CONTEXT_LEN = (
 
 @dataclass(frozen=True)
 class Scheme:
-    """A placement: dtype per group (else ``default_dtype``, also for a quantized group's vectors), what TP shards.
-    Embeddings are looked up on the host (0 HBM); a tied head on the device is its own copy."""
+    """A placement: dtype per group (else ``default_dtype``, also for a quantized group's vectors),
+    what TP shards. Embeddings are looked up on the host (0 HBM); a tied head on the device is its
+    own copy."""
 
     name: str
     description: str = ""
@@ -125,7 +128,8 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
 
 
 def _record_bytes(rec: params.ParamRecord, sch: Scheme, tp: int) -> int:
-    """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors: a plain dtype)."""
+    """Bytes of the slice of ``rec`` one rank holds when its group is sharded ``tp`` ways (vectors:
+    a plain dtype)."""
     dtype = sch.dtype(rec.group)
     shape = list(rec.shape)
     if tp > 1 and rec.split != "none" and shape:
@@ -164,9 +168,8 @@ class Plan(NamedTuple):
     def gb(self, group: str) -> float:
         return self.bytes(group) / GB
 
-    weights_bytes = property(
-        lambda self: sum(self.bytes(g) for g in GROUPS)
-    )  # no KV cache, no runtime allowance
+    # no KV cache, no runtime allowance
+    weights_bytes = property(lambda self: sum(self.bytes(g) for g in GROUPS))
 
 
 def plan(
@@ -177,11 +180,11 @@ def plan(
     batch: int = 1,
     runtime_allowance_bytes: int | None = None,
 ) -> Plan:
-    """Bytes per rank per group for ``scheme`` at TP ``tp``, then KV cache and runtime allowance; ``host_bytes``: on the host."""
+    """Bytes per rank per group for ``scheme`` at TP ``tp``, then KV cache and runtime allowance;
+    ``host_bytes``: on the host."""
     sch = get_scheme(scheme)
-    kv_bytes = kv_cache_bytes(
-        config, tp, context_len, batch, sch.kv_dtype
-    )  # checks context_len, batch and tp first
+    # checks context_len, batch and tp first
+    kv_bytes = kv_cache_bytes(config, tp, context_len, batch, sch.kv_dtype)
     facts = model_facts(config)
     if runtime_allowance_bytes is not None:
         sch = replace(sch, runtime_allowance_bytes=int(runtime_allowance_bytes))
@@ -220,10 +223,10 @@ def plan(
 
 
 def _group_rows(facts, sch: Scheme, tp: int) -> list[dict]:
-    """One row per weight group: whole-model ``params``, HBM bytes of one rank, host bytes, placement and a detail."""
-    sharded = (
-        sch.sharded | {"lm_head"} if sch.lm_head_sharded else sch.sharded
-    )  # Scheme never shards lm_head by name
+    """One row per weight group: whole-model ``params``, HBM bytes of one rank, host bytes,
+    placement and a detail."""
+    # Scheme never shards lm_head by name
+    sharded = sch.sharded | {"lm_head"} if sch.lm_head_sharded else sch.sharded
     on_host = ("embeddings", "per_layer_embeddings")
     counts, device, host = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
@@ -277,8 +280,9 @@ def allowance_window(
     budget_bytes: int = 16 * GiB,
     short_by_bytes: int | None = None,
 ) -> dict:
-    """The allowances (``min_to_fail < a <= max_to_fit``) with which ``failing`` overflows and ``fitting`` fits a core.
-    ``short_by_bytes``: the allowance that leaves ``failing`` short by that much, and ``fitting``'s overflow then."""
+    """The allowances (``min_to_fail < a <= max_to_fit``) with which ``failing`` overflows and
+    ``fitting`` fits a core. ``short_by_bytes``: the allowance that leaves ``failing`` short by that
+    much, and ``fitting``'s overflow then."""
     failing_static = plan(config, tp, failing, context_len, runtime_allowance_bytes=0).total_bytes
     fitting_static = plan(config, tp, fitting, context_len, runtime_allowance_bytes=0).total_bytes
     budget = int(budget_bytes)
@@ -299,7 +303,8 @@ def allowance_window(
 
 
 class RuntimeAllowance(NamedTuple):
-    """The runtime's HBM per NeuronCore besides weights and KV cache: ``low < allowance <= high``, or one value."""
+    """The runtime's HBM per NeuronCore besides weights and KV cache: ``low < allowance <= high``,
+    or one value."""
 
     low_bytes: int
     high_bytes: int
@@ -309,14 +314,15 @@ class RuntimeAllowance(NamedTuple):
 
 @functools.cache
 def inferred_runtime_allowance() -> RuntimeAllowance:
-    """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits (notebook 01)."""
-    window = allowance_window(
-        load_gemma4_26b_config()
-    )  # the port's schemes, TP=2, 512 tokens, a 16 GiB core
+    """The allowance window in which the port's int8-experts build fails and its int8 squeeze fits
+    (notebook 01)."""
+    # the port's schemes, TP=2, 512 tokens, a 16 GiB core
+    window = allowance_window(load_gemma4_26b_config())
     return RuntimeAllowance(
         window["min_to_fail_bytes"],
         window["max_to_fit_bytes"],
-        "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook 01)",
+        "inferred from the port's failed int8-experts and fitting int8-squeeze builds (notebook "
+        "01)",
     )
 
 

@@ -1,4 +1,5 @@
-"""Metrics JSON: what each notebook computed (``save_metrics``), with its headline figures for the runner's report."""
+"""Metrics JSON: what each notebook computed (``save_metrics``), with its headline figures for the
+runner's report."""
 
 import json
 import math
@@ -42,9 +43,8 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(
-            fd, 0o644
-        )  # mkstemp creates 0600; metrics are for every reader, like any output file
+        # mkstemp creates 0600; metrics are for every reader, like any output file
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(payload, indent=2) + "\n")
         os.replace(tmp, path)

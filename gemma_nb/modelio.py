@@ -1,5 +1,6 @@
-"""Which model a notebook runs on (the bundled checkpoint, a local folder, a hub id) and loading it: safetensors only,
-never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never printed."""
+"""Which model a notebook runs on (the bundled checkpoint, a local folder, a hub id) and loading it:
+safetensors only, never ``trust_remote_code``; the hub token only from ``HF_TOKEN``, never
+printed."""
 
 import contextlib
 import os
@@ -18,8 +19,9 @@ HF_TOKEN_ENV = "HF_TOKEN"
 # owner/name as the hub spells it (no leading dot or slash, one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HUB_HELP = (
-    "pass a local folder holding config.json, model.safetensors and tokenizer.json as model_id, or run where the "
-    f"hub is reachable (unset HF_HUB_OFFLINE; set {HF_TOKEN_ENV} for gated models)"
+    "pass a local folder holding config.json, model.safetensors and tokenizer.json as model_id, "
+    f"or run where the hub is reachable (unset HF_HUB_OFFLINE; set {HF_TOKEN_ENV} for gated "
+    "models)"
 )
 
 
@@ -38,31 +40,33 @@ def hub_offline() -> bool:  # HF_HUB_OFFLINE set to a true value
 def _check_local_dir(folder: Path, model_id: str) -> Path:
     if not folder.exists():
         raise ModelNotFoundError(
-            f"model_id {model_id!r}: no such folder {folder}; expected a folder holding config.json, "
-            f"model.safetensors and tokenizer.json (or a hub id such as google/gemma-4-26B-A4B-it, "
-            f"or {BUNDLED_ID!r} for the bundled checkpoint)"
+            f"model_id {model_id!r}: no such folder {folder}; expected a folder holding "
+            "config.json, model.safetensors and tokenizer.json (or a hub id such as "
+            f"google/gemma-4-26B-A4B-it, or {BUNDLED_ID!r} for the bundled checkpoint)"
         )
     if not folder.is_dir():
         raise ModelNotFoundError(
-            f"model_id {model_id!r}: {folder} is a file; expected a model folder holding config.json"
+            f"model_id {model_id!r}: {folder} is a file; expected a model folder holding "
+            "config.json"
         )
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(
-            f"model_id {model_id!r}: folder {folder} has no config.json; expected a checkpoint saved "
-            "with save_pretrained (config.json, model.safetensors, tokenizer.json)"
+            f"model_id {model_id!r}: folder {folder} has no config.json; expected a checkpoint "
+            "saved with save_pretrained (config.json, model.safetensors, tokenizer.json)"
         )
     if not any(folder.glob("*.safetensors")):
         raise ModelNotFoundError(
-            f"model_id {model_id!r}: folder {folder} has no *.safetensors weights; only safetensors "
-            "are loaded (no pickled .bin files): convert the checkpoint with "
+            f"model_id {model_id!r}: folder {folder} has no *.safetensors weights; only "
+            "safetensors are loaded (no pickled .bin files): convert the checkpoint with "
             "save_pretrained(safe_serialization=True)"
         )
     return folder
 
 
 def resolve_model_id(model_id: str | os.PathLike) -> str:
-    """What ``from_pretrained`` should be given for ``model_id``, checked (``ModelNotFoundError`` naming the fix): a bundled
-    id's folder, a local folder holding config.json and safetensors, or a hub id if the hub or the local hub cache has it."""
+    """What ``from_pretrained`` should be given for ``model_id``, checked (``ModelNotFoundError``
+    naming the fix): a bundled id's folder, a local folder holding config.json and safetensors, or a
+    hub id if the hub or the local hub cache has it."""
     if isinstance(model_id, os.PathLike):
         return str(_check_local_dir(Path(model_id), str(model_id)))
     if not isinstance(model_id, str) or not model_id.strip():
@@ -78,8 +82,8 @@ def resolve_model_id(model_id: str | os.PathLike) -> str:
         return str(_check_local_dir(Path(model_id).expanduser(), model_id))
     if hub_offline() and not isinstance(try_to_load_from_cache(model_id, "config.json"), str):
         raise ModelNotFoundError(
-            f"model_id {model_id!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the local "
-            f"hub cache: {_HUB_HELP}"
+            f"model_id {model_id!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the "
+            f"local hub cache: {_HUB_HELP}"
         )
     return model_id
 
@@ -101,7 +105,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ):
-    """(model, tokenizer) for ``model_id`` in ``dtype`` on ``device``, eval mode: the 26B's code path exactly."""
+    """(model, tokenizer) for ``model_id`` in ``dtype`` on ``device``, eval mode: the 26B's code
+    path exactly."""
     source = resolve_model_id(model_id)
     is_local = Path(source).is_dir()
     token = None if is_local else hf_token()

@@ -1,4 +1,5 @@
-"""Swapping the routed experts of a loaded Gemma-4 model, and inputs to compare them (notebook 07)."""
+"""Swapping the routed experts of a loaded Gemma-4 model, and inputs to compare them (notebook
+07)."""
 
 import contextlib
 import copy
@@ -15,7 +16,8 @@ IMPLEMENTATIONS = ("transformers", *KERNELS, *(f"{name}_int8" for name in KERNEL
 
 
 def default_selection(device: str | torch.device) -> str:
-    """``"gather"`` on cuda (each ``.item()`` of the view path would be a host sync), else ``"view"``."""
+    """``"gather"`` on cuda (each ``.item()`` of the view path would be a host sync), else
+    ``"view"``."""
     return "gather" if torch.device(device).type == "cuda" else "view"
 
 
@@ -34,8 +36,9 @@ def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 def make_experts(
     source: nn.Module, impl: str, config=None, experts_implementation: str | None = None, **options
 ) -> nn.Module:
-    """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights, shared. ``transformers``
-    needs the model's text config (``experts_implementation=`` its kernel); ``options`` go to the class (``selection=``)."""
+    """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights,
+    shared. ``transformers`` needs the model's text config (``experts_implementation=`` its kernel);
+    ``options`` go to the class (``selection=``)."""
     assert impl in IMPLEMENTATIONS, (
         f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
     )
@@ -64,7 +67,8 @@ def make_experts(
 
 
 def swap_experts(model: nn.Module, impl: str, **options) -> nn.Module:
-    """Every MoE layer's experts swapped in place (returns ``model``): free, reversible among float kinds; ``*_int8``: one-way."""
+    """Every MoE layer's experts swapped in place (returns ``model``): free, reversible among float
+    kinds; ``*_int8``: one-way."""
     found = experts_modules(model)
     assert found, f"{type(model).__name__} has no routed-experts modules"
     config = model.config.get_text_config() if hasattr(model, "config") else None
@@ -80,8 +84,9 @@ def random_experts(
     device: str = "cpu",
     per_expert: bool = False,
 ):
-    """One layer's ``Gemma4TextExperts`` with deterministic N(0, 0.02) weights drawn in ``dtype`` on ``device``;
-    ``per_expert``: drawn expert by expert on one thread (~3x faster at full size, other numbers)."""
+    """One layer's ``Gemma4TextExperts`` with deterministic N(0, 0.02) weights drawn in ``dtype`` on
+    ``device``; ``per_expert``: drawn expert by expert on one thread (~3x faster at full size, other
+    numbers)."""
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -97,7 +102,8 @@ def random_experts(
 def random_routing(
     num_tokens: int, num_experts: int, top_k: int, seed: int = 0, device: str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(top_k_index [T, K] int64, top_k_weights [T, K] fp32)``: K distinct experts per token, weights sum to 1."""
+    """``(top_k_index [T, K] int64, top_k_weights [T, K] fp32)``: K distinct experts per token,
+    weights sum to 1."""
     assert 1 <= top_k <= num_experts, (
         f"top_k={top_k} must be between 1 and num_experts={num_experts}"
     )
@@ -113,8 +119,8 @@ def compare_outputs(
     hidden_states: torch.Tensor,
     routes: list[tuple[torch.Tensor, torch.Tensor]],
 ):
-    """Each module's largest distance from ``modules[reference]``'s output over ``routes``. ``bf16_ulps``: that distance in bf16
-    rounding steps (2^-8) of the largest reference element."""
+    """Each module's largest distance from ``modules[reference]``'s output over ``routes``.
+    ``bf16_ulps``: that distance in bf16 rounding steps (2^-8) of the largest reference element."""
     assert reference in modules, f"reference {reference!r} is not one of {', '.join(modules)}"
     with torch.inference_mode():
         wanted = [modules[reference](hidden_states, *route).float() for route in routes]

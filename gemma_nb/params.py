@@ -1,4 +1,5 @@
-"""A causal LM's parameter inventory from its config (notebook 01): groups, TP splits, KV geometry, TP checks."""
+"""A causal LM's parameter inventory from its config (notebook 01): groups, TP splits, KV geometry,
+TP checks."""
 
 import json
 import math
@@ -38,7 +39,8 @@ EMBEDDING_GROUPS = ("embeddings", "lm_head", "per_layer_embeddings")
 
 
 def load_config(config_dict: Mapping[str, Any]):
-    """A transformers config from a ``config.json``'s dict, of the class its ``model_type`` key names."""
+    """A transformers config from a ``config.json``'s dict, of the class its ``model_type`` key
+    names."""
     raw = dict(config_dict)
     model_type = raw.pop("model_type", None)
     if model_type is None:
@@ -51,16 +53,19 @@ def load_config(config_dict: Mapping[str, Any]):
 
 
 def check_gemma4_pitfalls(raw: Mapping[str, Any]) -> None:
-    """ValueError if a Gemma-4 26B config dict leaves a field whose transformers default builds another model."""
-    if raw.get("hidden_size_per_layer_input", 256) != 0:
+    """ValueError if a Gemma-4 26B config dict leaves a field whose transformers default builds
+    another model."""
+    per_layer = raw.get("hidden_size_per_layer_input", "<missing: default 256>")
+    if per_layer != 0:
         raise ValueError(
-            f"hidden_size_per_layer_input={raw.get('hidden_size_per_layer_input', '<missing: default 256>')!r}: "
-            "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 adds 2.08B params)"
+            f"hidden_size_per_layer_input={per_layer!r}: "
+            "the 26B has no per-layer embeddings; set it to 0 (the transformers default 256 "
+            "adds 2.08B params)"
         )
     if "attention_k_eq_v" not in raw:
         raise ValueError(
-            "attention_k_eq_v is missing: the default False gives global layers a v_proj and 8 KV heads "
-            "(+100.9M params); set attention_k_eq_v: true for Gemma-4-26B-A4B"
+            "attention_k_eq_v is missing: the default False gives global layers a v_proj and 8 "
+            "KV heads (+100.9M params); set attention_k_eq_v: true for Gemma-4-26B-A4B"
         )
     if raw.get("final_logit_softcapping") is None:
         raise ValueError(
@@ -70,15 +75,17 @@ def check_gemma4_pitfalls(raw: Mapping[str, Any]) -> None:
 
 
 def load_gemma4_26b_config(path: str | Path = GEMMA4_26B_CONFIG_PATH):
-    """The Gemma-4-26B-A4B text config shipped in ``gemma_nb/configs`` (sources: configs/SOURCES.md)."""
+    """The Gemma-4-26B-A4B text config shipped in ``gemma_nb/configs`` (sources:
+    configs/SOURCES.md)."""
     raw = json.loads(Path(path).read_text())
     check_gemma4_pitfalls(raw)
     return load_config(raw)
 
 
 class ParamRecord(NamedTuple):
-    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its output rows (``"out"``),
-    input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank past them) or nothing."""
+    """One unique parameter (or persistent buffer) and how TP splits it: ``split`` divides its
+    output rows (``"out"``), input columns (``"in"``), expert axis, KV heads (``"kv"``: one per rank
+    past them) or nothing."""
 
     name: str
     group: str
@@ -206,7 +213,8 @@ def _classify(
 
 
 def check_causal_lm_config(config) -> None:
-    """ValueError unless ``config`` is a decoder-only causal-LM text config transformers can build."""
+    """ValueError unless ``config`` is a decoder-only causal-LM text config transformers can
+    build."""
     if not isinstance(config, PretrainedConfig):
         raise ValueError(
             f"config of type {type(config).__name__} is not a transformers PretrainedConfig; "
@@ -234,10 +242,10 @@ def check_causal_lm_config(config) -> None:
 
 
 def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
-    """Per-layer KV geometry read off the built modules (Gemma-4's head_dim and KV heads vary per layer)."""
-    if getattr(
-        config, "kv_lora_rank", None
-    ):  # MLA (DeepSeek): one latent plus the shared rope key per layer per token
+    """Per-layer KV geometry read off the built modules (Gemma-4's head_dim and KV heads vary per
+    layer)."""
+    # MLA (DeepSeek): one latent plus the shared rope key per layer per token
+    if getattr(config, "kv_lora_rank", None):
         head_dim, latent = (
             config.qk_nope_head_dim + config.qk_rope_head_dim,
             config.kv_lora_rank + config.qk_rope_head_dim,
@@ -269,7 +277,8 @@ def _attention_layers(model, config) -> tuple[AttentionLayer, ...]:
         )
     if layers:
         return tuple(layers)
-    # No q_proj/k_proj modules (fused-QKV architectures): fall back to the config's uniform geometry.
+    # No q_proj/k_proj modules (fused-QKV architectures): fall back to the config's uniform
+    # geometry.
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -293,9 +302,8 @@ def _records(model, input_ids: set, output_ids: set) -> list[ParamRecord]:
             if split == "kv"
             else 0
         )
-        split = (
-            "out" if split == "kv" and not head_dim else split
-        )  # a KV projection without head_dim: split its rows
+        # a KV projection without head_dim: split its rows
+        split = "out" if split == "kv" and not head_dim else split
         kv_heads = param.shape[0] // head_dim if head_dim else 0
         records.append(
             ParamRecord(name, group, tuple(param.shape), split, False, kv_heads, head_dim)
@@ -325,7 +333,8 @@ def model_facts(config) -> ModelFacts:
         for emb in (input_emb, output_emb)
     )
     records = _records(model, input_ids, output_ids)
-    # (num_experts, top_k): the stacked experts' axis, else the config's field names across MoE families; 0 when dense
+    # (num_experts, top_k): the stacked experts' axis, else the config's field names across MoE
+    # families; 0 when dense
     experts = next((r.shape[0] for r in records if r.group == "experts" and len(r.shape) >= 3), 0)
     experts = (
         experts
@@ -352,7 +361,8 @@ def model_facts(config) -> ModelFacts:
 
 
 def inventory(config):
-    """Parameters (tied once) and persistent buffer elements per group; ``attrs``: model_class, total_params, tied."""
+    """Parameters (tied once) and persistent buffer elements per group; ``attrs``: model_class,
+    total_params, tied."""
     facts = model_facts(config)
     params, tensors, buffers = ({g: 0 for g in GROUPS} for _ in range(3))
     for rec in facts.records:
@@ -397,7 +407,8 @@ def inventory(config):
 
 
 def param_summary(config) -> dict:
-    """Headline counts: total, per group, active per token (embeddings count as active), the experts' share."""
+    """Headline counts: total, per group, active per token (embeddings count as active), the
+    experts' share."""
     inv = inventory(config).set_index("group")
     facts = model_facts(config)
     total, experts = int(inv["params"].sum()), int(inv.loc["experts", "params"])
@@ -425,7 +436,8 @@ def param_summary(config) -> dict:
 
 
 def tp_problem(config, tp: int) -> str | None:
-    """Why ``tp`` cannot shard ``config`` (None if it can): heads, KV heads (or tp % KV heads), experts must divide."""
+    """Why ``tp`` cannot shard ``config`` (None if it can): heads, KV heads (or tp % KV heads),
+    experts must divide."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(
             f"tp={tp!r} must be an integer >= 1 (the tensor-parallel degree: ranks = NeuronCores)"
@@ -437,8 +449,9 @@ def tp_problem(config, tp: int) -> str | None:
         if layer.kv_heads and layer.kv_heads % tp and tp % layer.kv_heads:
             kind = f" ({layer.layer_type} layers)" if layer.layer_type else ""
             return (
-                f"tp={tp} neither divides nor is a multiple of num_key_value_heads={layer.kv_heads}{kind}, "
-                "so KV heads can be neither sharded nor replicated evenly"
+                f"tp={tp} neither divides nor is a multiple of "
+                f"num_key_value_heads={layer.kv_heads}{kind}, so KV heads can be neither sharded "
+                "nor replicated evenly"
             )
     if facts.num_experts and facts.num_experts % tp:
         return f"tp={tp} does not divide num_experts={facts.num_experts}"
@@ -454,14 +467,16 @@ def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
 
 
 def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
-    """KV-cache bytes per token per rank (K and V on every layer that writes the cache; MLA: its latent)."""
+    """KV-cache bytes per token per rank (K and V on every layer that writes the cache; MLA: its
+    latent)."""
     return kv_cache_bytes(config, tp, 1, 1, dtype)
 
 
 def kv_cache_bytes(
     config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16"
 ) -> int:
-    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens, sliding layers too (the port's static buffers)."""
+    """KV-cache bytes per rank for ``batch`` sequences of ``context_len`` tokens, sliding layers too
+    (the port's static buffers)."""
     if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
         raise ValueError(
             f"context_len={context_len!r} must be an integer >= 0 (tokens held in the KV cache)"
@@ -471,7 +486,8 @@ def kv_cache_bytes(
     check_plain(dtype, "KV cache")
     if problem := tp_problem(config, tp):
         raise ValueError(
-            f"{problem}; choose one of {', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}"
+            f"{problem}; choose one of "
+            f"{', '.join(str(t) for t in valid_tp_degrees(config, max(tp, 16)))}"
         )
     per_elem, total = FORMATS[dtype].element_bits // 8, 0
     for layer in model_facts(config).attention_layers:

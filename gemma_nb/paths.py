@@ -1,5 +1,6 @@
-"""Where things live: the repo (found from the working directory), and a target's output folders: under
-``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``, never the reference run."""
+"""Where things live: the repo (found from the working directory), and a target's output folders:
+under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``,
+never the reference run."""
 
 import os
 import shutil
@@ -9,7 +10,8 @@ from gemma_nb.targets import check_target_name
 
 
 def find_project_root(start: Path | str | None = None) -> Path:
-    """The nearest folder at or above ``start`` (default: cwd) holding pyproject.toml or .git, else ``start``."""
+    """The nearest folder at or above ``start`` (default: cwd) holding pyproject.toml or .git, else
+    ``start``."""
     start = (Path.cwd() if start is None else Path(start)).resolve()
     for folder in (start, *start.parents):
         if any((folder / marker).exists() for marker in ("pyproject.toml", ".git")):
@@ -41,12 +43,14 @@ def output_subdir(target: str, name: str) -> Path:
 
 
 def artifacts_dir(target: str) -> Path:
-    """Large files a later notebook reads (not committed); write one with :func:`fresh_dir` (a partial run hard-links them)."""
+    """Large files a later notebook reads (not committed); write one with :func:`fresh_dir` (a
+    partial run hard-links them)."""
     return output_subdir(target, ARTIFACTS)
 
 
 def fresh_dir(folder: Path | str) -> Path:
-    """``folder``, removed and created again, so no file hard-linked from a previous run is written through."""
+    """``folder``, removed and created again, so no file hard-linked from a previous run is written
+    through."""
     folder = Path(folder)
     if folder.exists():
         shutil.rmtree(folder)
@@ -55,7 +59,8 @@ def fresh_dir(folder: Path | str) -> Path:
 
 
 def display_path(path: Path | str) -> str:
-    """A path relative to the output folder or repo, never absolute (absolute paths differ per machine)."""
+    """A path relative to the output folder or repo, never absolute (absolute paths differ per
+    machine)."""
     path = Path(path).resolve()
     override = os.environ.get(OUTPUT_DIR_ENV)
     roots = [(Path(override).resolve(), "<outputs>")] if override else []

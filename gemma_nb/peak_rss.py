@@ -1,5 +1,6 @@
-"""Peak host memory of a process and its children (``neuronx-cc``), sampled on a thread (notebooks 04, 05): the largest
-summed RSS of a tick, and the sum of each process's ``VmHWM`` (never misses a spike). Shared pages count in each."""
+"""Peak host memory of a process and its children (``neuronx-cc``), sampled on a thread (notebooks
+04, 05): the largest summed RSS of a tick, and the sum of each process's ``VmHWM`` (never misses a
+spike). Shared pages count in each."""
 
 import contextlib
 import json
@@ -15,7 +16,8 @@ import psutil
 
 
 def _hwm_bytes(proc: psutil.Process, rss: int) -> int:
-    """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), else its ``rss`` where that is unreadable."""
+    """The process's peak RSS so far (``VmHWM`` in /proc/<pid>/status), else its ``rss`` where that
+    is unreadable."""
     with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/status") as handle:
         return next(
             (int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), rss
@@ -29,7 +31,8 @@ Sample = namedtuple("Sample", "t_s rss_bytes processes")
 
 @dataclass
 class HostMemorySampler:
-    """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context manager."""
+    """Sample the RSS of process ``pid`` (default: this one) plus its descendants, as a context
+    manager."""
 
     interval_s: float = 0.05
     pid: int | None = None
@@ -85,7 +88,8 @@ class HostMemorySampler:
 
 
 def self_peak_rss_bytes() -> int:
-    """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes: exact, no sampling interval."""
+    """This process's own kernel high-water mark of RSS (``VmHWM``), in bytes: exact, no sampling
+    interval."""
     return _hwm_bytes(psutil.Process(), psutil.Process().memory_info().rss)
 
 
@@ -100,8 +104,9 @@ class MeasuredRunError(RuntimeError):
 def run_measured(
     argv: list[str], interval_s: float = 0.05, timeout_s: float = 600.0, env: dict | None = None
 ) -> MeasuredRun:
-    """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line is the JSON
-    ``result``. ``MeasuredRunError`` (with the child's stderr tail) if it fails or runs past ``timeout_s``."""
+    """Run ``argv`` as a fresh process, sampling its tree's RSS until it exits; its last stdout line
+    is the JSON ``result``. ``MeasuredRunError`` (with the child's stderr tail) if it fails or runs
+    past ``timeout_s``."""
     name = f"{' '.join(argv[:3])} ..."
     with tempfile.TemporaryFile(mode="w+") as err:
         child = subprocess.Popen(

@@ -20,7 +20,8 @@ from gemma_nb.paths import output_subdir  # noqa: E402
 # A figure is shown at 100 dpi inline: 10 inches fill the ~1,000 px of a JupyterLab or GitHub page.
 # Wider, the browser scales it down and its 10 pt labels become unreadable.
 MAX_WIDTH_IN = 10.0
-# Where ``label_points`` tries a label, in order: offsets in points from its point, and the alignment.
+# Where ``label_points`` tries a label, in order: offsets in points from its point, and the
+# alignment.
 LABEL_OFFSETS = [
     (5, 3, "left", "bottom"),
     (5, -3, "left", "top"),
@@ -98,7 +99,8 @@ def _tick_labels(ax):
 
 
 def _texts(fig, renderer):
-    """Every drawn, non-empty text of ``fig`` with its box on the canvas (not a legend's: it is one box)."""
+    """Every drawn, non-empty text of ``fig`` with its box on the canvas (not a legend's: it is one
+    box)."""
     skip = {id(t) for legend in _legends(fig) for t in [*legend.get_texts(), legend.get_title()]}
     ticks = [_tick_labels(ax) for ax in fig.axes]
     skip |= {id(t) for _, every in ticks for t in every}
@@ -117,7 +119,8 @@ def _texts(fig, renderer):
 
 
 def _corners(text, box, renderer):
-    """The four corners of ``text``'s rotated rectangle on the canvas, centred on ``box``, its axis-aligned box."""
+    """The four corners of ``text``'s rotated rectangle on the canvas, centred on ``box``, its
+    axis-aligned box."""
     rotation = text.get_rotation()
     angle = math.radians(rotation)
     if abs(math.sin(angle)) < 1e-6 or abs(math.cos(angle)) < 1e-6:
@@ -173,8 +176,9 @@ def _points_inside(box, ax) -> int:
 
 
 def collisions(fig) -> list[str]:
-    """What overlaps in ``fig`` once drawn, as short sentences: two texts (labels, titles, annotations, ticks); a text in the
-    axes crossed by a line or covering a scatter point; a legend over a text, line, bar or point of its axes, or past the edge."""
+    """What overlaps in ``fig`` once drawn, as short sentences: two texts (labels, titles,
+    annotations, ticks); a text in the axes crossed by a line or covering a scatter point; a legend
+    over a text, line, bar or point of its axes, or past the edge."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
@@ -223,9 +227,11 @@ def collisions(fig) -> list[str]:
 
 
 def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
-    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as ``figures/<name>.png`` and ``.svg``
-    (``name`` starts with the notebook number: ``01_bytes_per_rank``), display it with ``alt`` text and close it. A smoke
-    run (``GEMMA_NB_TIMING=smoke``, nbval's) draws timings no one reads and that move with the cpu: collisions pass there."""
+    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as
+    ``figures/<name>.png`` and ``.svg`` (``name`` starts with the notebook number:
+    ``01_bytes_per_rank``), display it with ``alt`` text and close it. A smoke run
+    (``GEMMA_NB_TIMING=smoke``, nbval's) draws timings no one reads and that move with the cpu:
+    collisions pass there."""
     if not alt or not alt.strip():
         raise ValueError(f"figure {name!r} needs alt text: one sentence saying what it shows")
     assert name and "/" not in name and not name.endswith((".png", ".svg")), (
@@ -247,8 +253,9 @@ def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
 
 
 def label_points(ax, points, fontsize: float = 8) -> None:
-    """Name each point ``(x, y, label)`` of ``ax`` at the first place of ``LABEL_OFFSETS`` inside the axes clear of labels,
-    points, lines and the legend, else at the one with the fewest conflicts (which ``collisions`` then reports)."""
+    """Name each point ``(x, y, label)`` of ``ax`` at the first place of ``LABEL_OFFSETS`` inside
+    the axes clear of labels, points, lines and the legend, else at the one with the fewest
+    conflicts (which ``collisions`` then reports)."""
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

@@ -1,4 +1,5 @@
-"""Quantized linears and the planner's schemes applied to a loaded Gemma-4 model, measured (notebook 02)."""
+"""Quantized linears and the planner's schemes applied to a loaded Gemma-4 model, measured (notebook
+02)."""
 
 import math
 import time
@@ -18,7 +19,8 @@ FORMATS = QUANTIZED_FORMATS
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 ``nn.Linear`` (no bias): ``qweight int8 [out, in]``, ``scale fp32 [out, 1]``."""
+    """Weight-only int8 ``nn.Linear`` (no bias): ``qweight int8 [out, in]``, ``scale fp32 [out,
+    1]``."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
@@ -31,11 +33,12 @@ class Int8Linear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, name: str = "weight") -> "Int8Linear":
         return cls(*formats.quantize_int8_per_channel(weight, name=name))
 
+    # the same weight, sharing storage
     quantized = property(
         lambda self: QuantizedTensor(
             "int8", self.qweight, self.scale, tuple(self.qweight.shape), name="int8_linear"
         )
-    )  # the same weight, sharing storage
+    )
     nbytes = property(lambda self: self.quantized.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,8 @@ class Int8Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """Bias-free linear on a ``QuantizedTensor``, dequantized to ``x.dtype`` before the matmul (NxD's order)."""
+    """Bias-free linear on a ``QuantizedTensor``, dequantized to ``x.dtype`` before the matmul
+    (NxD's order)."""
 
     def __init__(self, quantized: QuantizedTensor):
         super().__init__()
@@ -62,7 +66,10 @@ class QuantizedLinear(nn.Module):
         return torch.nn.functional.linear(x, self.quantized.dequantize(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.quantized.fmt}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.quantized.fmt}"
+        )
 
 
 def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn.Module:
@@ -83,7 +90,8 @@ _COLUMNS = ["group", "format", "params", "bf16_bytes", "stored_bytes", "rel_erro
 
 
 def resolve_scheme(scheme) -> dict[str, str]:
-    """A planner scheme (name or ``memory.Scheme``: its formats only) or ``{group: format}`` -> the groups to quantize."""
+    """A planner scheme (name or ``memory.Scheme``: its formats only) or ``{group: format}`` -> the
+    groups to quantize."""
     if isinstance(scheme, (str, memory.Scheme)):
         scheme = memory.get_scheme(scheme).dtypes
     resolved = {group: fmt for group, fmt in scheme.items() if fmt not in (None, "bf16", "fp32")}
@@ -96,7 +104,8 @@ def resolve_scheme(scheme) -> dict[str, str]:
 
 
 def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
-    """Every module of ``group`` replaced by its quantized twin; yields ((weight, quantized) pairs, stored bytes) each."""
+    """Every module of ``group`` replaced by its quantized twin; yields ((weight, quantized) pairs,
+    stored bytes) each."""
     if group == "lm_head":
         head = model.get_output_embeddings()
         assert isinstance(head, nn.Linear), f"lm_head is {type(head).__name__}, already replaced"
@@ -135,9 +144,10 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
 
 @torch.no_grad()
 def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_error: bool = True):
-    """Quantize a loaded Gemma-4 model in place, group by group; one report row per group. ``lm_head`` gets its own
-    quantized copy (the tie is broken; ``embed_tokens`` keeps the float table). ``rel_error`` (Frobenius, whole group)
-    and ``max_abs_error`` are NaN with ``measure_error=False``."""
+    """Quantize a loaded Gemma-4 model in place, group by group; one report row per group.
+    ``lm_head`` gets its own quantized copy (the tie is broken; ``embed_tokens`` keeps the float
+    table). ``rel_error`` (Frobenius, whole group) and ``max_abs_error`` are NaN with
+    ``measure_error=False``."""
     groups = resolve_scheme(scheme)
     layers = [
         (n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"
@@ -176,8 +186,9 @@ def full_size_experts_check(
     top_k: int = 8,
     seed: int = 0,
 ):
-    """One layer's experts quantized to each format: (table of stored vs planner bytes and errors, seconds per format). A row per
-    (format, tensor) plus a ``layer`` row: the output's relative error on ``tokens`` routed tokens."""
+    """One layer's experts quantized to each format: (table of stored vs planner bytes and errors,
+    seconds per format). A row per (format, tensor) plus a ``layer`` row: the output's relative
+    error on ``tokens`` routed tokens."""
     with torch_threads(1):
         dtype = experts.gate_up_proj.dtype
         hidden = torch.randn(

@@ -1,5 +1,5 @@
-"""Run a function on tensor-parallel ranks: real gloo processes on 127.0.0.1 (notebook 03, the TP=2 rehearsal).
-Workers must be importable by name (spawn pickles them), not defined in a notebook."""
+"""Run a function on tensor-parallel ranks: real gloo processes on 127.0.0.1 (notebook 03, the TP=2
+rehearsal). Workers must be importable by name (spawn pickles them), not defined in a notebook."""
 
 import contextlib
 import os
@@ -23,7 +23,8 @@ _PEER_LOSS = ("closed by peer", "reset by peer", "timed out", "broken pipe")
 
 
 class TPJobError(RuntimeError):
-    """A rank raised, died or hung; the message names each rank that failed and why, causes first."""
+    """A rank raised, died or hung; the message names each rank that failed and why, causes
+    first."""
 
 
 def free_port() -> int:
@@ -43,7 +44,8 @@ def _rank_main(
     collective_timeout_s: float,
     threads: int,
 ) -> None:
-    """Entry point of one spawned rank: join the gloo group, run ``fn``, post its result or error."""
+    """Entry point of one spawned rank: join the gloo group, run ``fn``, post its result or
+    error."""
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
@@ -58,7 +60,8 @@ def _rank_main(
             raise TypeError(
                 f"worker {fn.__qualname__} returned {type(result).__name__}; expected a dict"
             )
-        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this
+        # process.
         results.put((rank, "ok", pickle.dumps(result)))
     except BaseException as error:  # noqa: BLE001 - everything is reported to the parent
         results.put(
@@ -89,22 +92,25 @@ def run_tp(
     failure_grace_s: float = 5.0,
     threads_per_rank: int | None = None,
 ) -> list[dict]:
-    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by rank. ``TPJobError``
-    after ``timeout_s``, or ``failure_grace_s`` after a first failure, the ranks stopped."""
+    """Run ``fn(rank, world_size, *args) -> dict`` on ``world_size`` gloo ranks; return the dicts by
+    rank. ``TPJobError`` after ``timeout_s``, or ``failure_grace_s`` after a first failure, the
+    ranks stopped."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(
             f"world_size={world_size!r} must be a positive integer (2 for the port's TP=2)"
         )
     if timeout_s <= 0 or collective_timeout_s <= 0:
         raise ValueError(
-            f"timeouts must be positive; got timeout_s={timeout_s}, collective_timeout_s={collective_timeout_s}"
+            f"timeouts must be positive; got timeout_s={timeout_s}, "
+            f"collective_timeout_s={collective_timeout_s}"
         )
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(
-            f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the ranks import it "
-            "by name, so it must be a top-level function of an importable module (a notebook or script defines "
-            "its functions in __main__); move it into a module such as gemma_nb.experiments.lm_head_sharding"
+            f"worker {qualname or fn!r} (module {module!r}) cannot be started with spawn: the "
+            "ranks import it by name, so it must be a top-level function of an importable "
+            "module (a notebook or script defines its functions in __main__); move it into a "
+            "module such as gemma_nb.experiments.lm_head_sharding"
         )
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
@@ -143,7 +149,8 @@ def run_tp(
 
 
 def _collect(results, procs, start: float, timeout_s: float, failure_grace_s: float):
-    """(results by rank, failures as they came, silent ranks) until all report, ``failure_grace_s`` past a failure, or timeout."""
+    """(results by rank, failures as they came, silent ranks) until all report, ``failure_grace_s``
+    past a failure, or timeout."""
     done: dict[int, dict] = {}
     failures: list[tuple[int, str, str]] = []
     deadline = start + timeout_s  # brought forward to failure_grace_s past the first failure
@@ -185,7 +192,8 @@ def _failure_report(
     missing: list[int],
     timeout_s: float,
 ) -> str:
-    """Causes first (a rank's own error or death), then ranks that failed waiting on them, then stuck ranks."""
+    """Causes first (a rank's own error or death), then ranks that failed waiting on them, then
+    stuck ranks."""
     consequences = [f for f in failures if any(words in f[1].lower() for words in _PEER_LOSS)]
     causes = [f for f in failures if f not in consequences]
     lines = [f"tensor-parallel job {name} failed after {elapsed:.1f} s (world size {world_size}):"]

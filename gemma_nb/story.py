@@ -1,5 +1,5 @@
-"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it stands for,
-and when a computed value agrees with it. Never used as a computed result."""
+"""What outside sources published (keys of ``docs/sources.md``), each figure with the range it
+stands for, and when a computed value agrees with it. Never used as a computed result."""
 
 import math
 from collections import namedtuple
@@ -10,7 +10,8 @@ import pandas as pd
 
 
 class UnknownClaim(KeyError, ValueError):
-    """A claim key that is not in ``CLAIMS`` (a ``KeyError`` for lookups, a ``ValueError`` for arguments)."""
+    """A claim key that is not in ``CLAIMS`` (a ``KeyError`` for lookups, a ``ValueError`` for
+    arguments)."""
 
     def __str__(self) -> str:  # KeyError's own str() would quote the message
         return str(self.args[0]) if self.args else ""
@@ -166,13 +167,15 @@ def with_unit(number: str, unit: str) -> str:
     return f"{number}{unit}" if unit in ("%", "x") else f"{number} {unit}".strip()
 
 
-# A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the claim.
+# A computed figure that bounds the claim from below: shown as "≥ value"; holds if at most the
+# claim.
 LowerBound = namedtuple("LowerBound", "value")
 
 
 def claims_table(computed: Mapping[str, float | LowerBound]):
-    """The story's figures beside this run's (claim key -> value or ``LowerBound``): computed with one decimal
-    more than the claim (two more than a quoted range), diff in % for a single figure only, and whether it holds."""
+    """The story's figures beside this run's (claim key -> value or ``LowerBound``): computed with
+    one decimal more than the claim (two more than a quoted range), diff in % for a single figure
+    only, and whether it holds."""
     rows = []
     for key, value in computed.items():
         claim = get_claim(key)

@@ -1,4 +1,5 @@
-"""The three targets a notebook can run on (cpu, the reference run; neuron, SDK 2.31 on inf2; cuda), behind one check."""
+"""The three targets a notebook can run on (cpu, the reference run; neuron, SDK 2.31 on inf2; cuda),
+behind one check."""
 
 import importlib.util
 import sys
@@ -12,11 +13,13 @@ from gemma_nb.neuron import sdk as neuron_sdk
 from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
 
-# Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target (measures_cpu).
+# Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target
+# (measures_cpu).
 CPU_MEASUREMENT_TAG = "cpu-measurement"
 
-# The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine (CONTRIBUTING);
-# `make test` re-executes it under CHECK_KERNELS and requires the same checked outputs.
+# The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine
+# (CONTRIBUTING); `make test` re-executes it under CHECK_KERNELS and requires the same checked
+# outputs.
 REFERENCE_KERNELS = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_CBWR": "AVX2",
@@ -50,7 +53,8 @@ def check_target(target: str) -> str:
     if check_target_name(target) == "neuron":
         if missing := missing_neuron_packages():
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
-        # In every process that runs the target: where the transformers.utils.fx stand-in goes in, before NxD imports.
+        # In every process that runs the target: where the transformers.utils.fx stand-in goes in,
+        # before NxD imports.
         status = neuron_sdk.check_sdk()
         if not status.ok:
             raise TargetError(status.message())
@@ -68,17 +72,20 @@ def check_target(target: str) -> str:
 
 
 def measures_cpu(target: str) -> bool:
-    """Whether a run for ``target`` executes the cells tagged ``CPU_MEASUREMENT_TAG``: every target but neuron."""
+    """Whether a run for ``target`` executes the cells tagged ``CPU_MEASUREMENT_TAG``: every target
+    but neuron."""
     return check_target_name(target) != "neuron"
 
 
 def torch_device(target: str) -> str:
-    """The torch device the cpu and cuda targets compute on (neuron: host tensors stay on the cpu)."""
+    """The torch device the cpu and cuda targets compute on (neuron: host tensors stay on the
+    cpu)."""
     return "cuda" if check_target_name(target) == "cuda" else "cpu"
 
 
 def default_model_id(target: str) -> str:
-    """The model a plain run uses: the bundled checkpoint, on neuron its TP=2 twin (a minutes-long smoke run)."""
+    """The model a plain run uses: the bundled checkpoint, on neuron its TP=2 twin (a minutes-long
+    smoke run)."""
     return tiny.BUNDLED_TP2_ID if check_target_name(target) == "neuron" else tiny.BUNDLED_ID
 
 
@@ -91,22 +98,24 @@ def local_model_dir(model_id: str) -> Path | None:
 
 
 def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str = "") -> str:
-    """The checkpoint the neuron compile reads: ``override``, else ``model_id``'s (bundled: its TP=2 twin; hub: TargetError)."""
+    """The checkpoint the neuron compile reads: ``override``, else ``model_id``'s (bundled: its TP=2
+    twin; hub: TargetError)."""
     if override:
         return override
     chosen = default_model_id(target) if model_id == BUNDLED_ID else model_id
     folder = local_model_dir(chosen)
     if folder is None:
         raise TargetError(
-            f"model_id {chosen!r} is a hub id; the compile reads a local folder: "
-            f"hf download {chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model"
+            f"model_id {chosen!r} is a hub id; the compile reads a local folder: hf download "
+            f"{chosen} --local-dir /data/model (with HF_TOKEN set), then -p model_id /data/model"
         )
     return str(folder)
 
 
 @contextmanager
 def torch_threads(count: int):
-    """Run the block with ``count`` torch cpu threads, then restore the previous count (the package's one limiter)."""
+    """Run the block with ``count`` torch cpu threads, then restore the previous count (the
+    package's one limiter)."""
     assert isinstance(count, int) and not isinstance(count, bool) and count >= 1, f"count={count!r}"
     previous = torch.get_num_threads()
     torch.set_num_threads(count)

@@ -6,7 +6,8 @@ fails here, on any machine. Two pytest processes run at once, one per group of n
 that reads what an earlier one wrote (05 reads 04's export) is in that one's group, after it. Each
 group writes into its own scratch folder, never over outputs/cpu. The kernels also see a made-up
 ``HF_TOKEN``: it must appear in no output (nbval compares them) and no file the notebooks write. And
-``GEMMA_NB_TIMING=smoke``: nbval compares no timing, so every timing loop runs once (``gemma_nb.bench``).
+``GEMMA_NB_TIMING=smoke``: nbval compares no timing, so every timing loop runs once
+(``gemma_nb.bench``).
 
     python tests/check_notebooks.py            # every notebook
     python tests/check_notebooks.py 02 06      # some, in one process
@@ -35,7 +36,8 @@ def notebooks(numbers) -> list[str]:
         matches = sorted(REFERENCE.glob(f"{number}_*.ipynb"))
         if not matches:
             raise SystemExit(
-                f"no notebook {number}_*.ipynb in {REFERENCE.relative_to(REPO)}: run `make run` first"
+                f"no notebook {number}_*.ipynb in {REFERENCE.relative_to(REPO)}: run `make run` "
+                "first"
             )
         found += [str(m.relative_to(REPO)) for m in matches]
     return found

@@ -21,7 +21,8 @@ def one_thread():
 
 @pytest.fixture
 def eager_runner():
-    """``export``'s two-step loop over the un-exported ``DeviceBody``: what the exported programs must equal."""
+    """``export``'s two-step loop over the un-exported ``DeviceBody``: what the exported programs
+    must equal."""
     from gemma_nb import export
 
     def build(model, shapes):
@@ -46,8 +47,8 @@ collect_ignore = [] if _has_torch_xla() else ["xla"]
 # The server's tests run its app in-process: uvicorn on a thread, with the CLI's limits.
 @contextlib.contextmanager
 def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
-    """Serve ``app`` on a thread; yields ``http://host:port`` once uvicorn listens (poll ``/health`` for the
-    model). ``port=0`` picks a free port; ``config``: ``uvicorn_config``'s limits."""
+    """Serve ``app`` on a thread; yields ``http://host:port`` once uvicorn listens (poll ``/health``
+    for the model). ``port=0`` picks a free port; ``config``: ``uvicorn_config``'s limits."""
     import uvicorn  # here: the xla environment runs tests/xla without the server's dependencies
 
     from gemma_nb.serving import serve
@@ -79,12 +80,14 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
 
 @pytest.fixture(scope="session")
 def serve_in_thread():
-    """``serve_in_thread(app, **limits)``: a context manager yielding the base URL of ``app`` served on a thread."""
+    """``serve_in_thread(app, **limits)``: a context manager yielding the base URL of ``app`` served
+    on a thread."""
     return serve_app
 
 
 class Slowed:
-    """``runtime`` on a slower device: every prefill and decode step ``delay_s`` longer, so that requests queue."""
+    """``runtime`` on a slower device: every prefill and decode step ``delay_s`` longer, so that
+    requests queue."""
 
     def __init__(self, runtime, delay_s: float = 0.05):
         self.runtime, self.delay_s = runtime, delay_s

@@ -4,7 +4,8 @@ import torch
 
 
 class CpuStateGraph:
-    """The cpu module as a graph: returned K/V written back into its state, as the runtime does; returns logits."""
+    """The cpu module as a graph: returned K/V written back into its state, as the runtime does;
+    returns logits."""
 
     def __init__(self, module):
         self.module = module

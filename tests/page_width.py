@@ -1,5 +1,6 @@
-"""How wide a table renders on the readers' ~1,000 px JupyterLab page, estimated from its cell texts; the
-readers'-view tests (test_readers_view, test_story_notebooks) check every executed notebook with it."""
+"""How wide a table renders on the readers' ~1,000 px JupyterLab page, estimated from its cell
+texts; the readers'-view tests (test_readers_view, test_story_notebooks) check every executed
+notebook with it."""
 
 import html.parser
 import re
@@ -27,7 +28,8 @@ def cell_width_chars(text: str) -> int:
 
 
 def table_width_px(rows: Iterable[Iterable[str]], header_rows: int = 0) -> float:
-    """Estimated rendered width of a table given as rows of cell texts, the first ``header_rows`` bold."""
+    """Estimated rendered width of a table given as rows of cell texts, the first ``header_rows``
+    bold."""
     widths: dict[int, float] = {}
     for index, row in enumerate(rows):
         char_px = HEADER_CHAR_WIDTH_PX if index < header_rows else CHAR_WIDTH_PX
@@ -83,13 +85,14 @@ def html_table_parts(markup: str) -> list[tuple[list[list[str]], list[list[str]]
 
 
 def index_label_rows(header: list[list[str]]) -> list[list[str]]:
-    """Header rows that only label the index (a name in the first cell, the rest empty): pandas' extra row for a named index."""
+    """Header rows that only label the index (a name in the first cell, the rest empty): pandas'
+    extra row for a named index."""
     return [row for row in header if len(row) > 1 and row[0] and not any(row[1:])]
 
 
 def number_format(text: str) -> str | None:
-    """A cell's number format: "integer", "N decimals", "scientific, N decimals"; "" for a text every format
-    shares (blank, 0, inf); None for a cell that is not a number."""
+    """A cell's number format: "integer", "N decimals", "scientific, N decimals"; "" for a text
+    every format shares (blank, 0, inf); None for a cell that is not a number."""
     text = text.strip()
     if text in ("", "0", "inf", "-inf"):
         return ""
@@ -103,7 +106,8 @@ def number_format(text: str) -> str | None:
 
 
 def mixed_format_columns(body: list[list[str]]) -> dict[int, set[str]]:
-    """Columns of a table's body rows whose cells are all numbers written in more than one format."""
+    """Columns of a table's body rows whose cells are all numbers written in more than one
+    format."""
     mixed = {}
     for column in range(max((len(row) for row in body), default=0)):
         formats = [number_format(row[column]) for row in body if column < len(row)]

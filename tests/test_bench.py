@@ -119,12 +119,10 @@ def test_bandwidth_probe_and_floor():
 
 def test_moe_layer_bytes_full_size_by_hand():
     per_expert_bf16 = (2 * 704 * 2816 + 2816 * 704) * 2
-    assert (
-        bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16
-    )  # 1.52 GB
-    assert (
-        bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16
-    )  # 95.2 MB
+    # 1.52 GB
+    assert bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16
+    # 95.2 MB
+    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16
     int8_expert = 3 * 704 * 2816 + 4 * (2 * 704 + 2816)  # int8 weights + one fp32 scale per row
     assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "int8") == 8 * int8_expert
     with pytest.raises(AssertionError, match="experts='all' is not one of dense, sparse"):
@@ -141,7 +139,8 @@ def config_26b():
 def test_story_decode_reproduces_the_story_roofline_without_kv(config_26b):
     story = decode_roofline.story_decode(config_26b, context_len=0)
     # The roofline without the KV cache: DenseExperts ~26.4 GB/token -> <= ~33 tok/s;
-    # top-8 ~4.9 GB -> <= ~178 tok/s; upcast hypothesis ~118 GB -> ~7.5 tok/s; it leaves the KV cache out.
+    # top-8 ~4.9 GB -> <= ~178 tok/s; upcast hypothesis ~118 GB -> ~7.5 tok/s; it leaves the KV
+    # cache out.
     assert story["kv_gb_per_token"] == 0.0
     assert story["dense_gb_per_token"] == pytest.approx(26.4, abs=0.1)
     assert story["dense_tok_s"] == pytest.approx(33.29, abs=0.01)
@@ -177,9 +176,8 @@ def test_context_sensitivity_falls_with_the_cache(config_26b):
         table["dense_tok_s"].is_monotonic_decreasing
         and table["sparse_tok_s"].is_monotonic_decreasing
     )
-    assert table[
-        "sparse_vs_dense_x"
-    ].is_monotonic_decreasing  # the cache takes a bigger share of sparse steps
+    # the cache takes a bigger share of sparse steps
+    assert table["sparse_vs_dense_x"].is_monotonic_decreasing
     assert table.loc[1, "sparse_tok_s"] == pytest.approx(
         decode_roofline.story_decode(config_26b)["sparse_tok_s"]
     )
@@ -199,9 +197,8 @@ def test_roofline_table_prices_and_fit(config_26b):
     )
     assert not table.loc[("inf2.xlarge, bf16, TP=2", "dense"), "fits"]  # 26 GB per rank > 16 GiB
     assert table.loc[("TPU v6e x2, bf16, TP=2", "sparse"), "usd_per_hour"] == pytest.approx(5.40)
-    assert pd.isna(
-        table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"]
-    )  # no H200 price in the hardware table
+    # no H200 price in the hardware table
+    assert pd.isna(table.loc[("H200 x1, bf16", "sparse"), "usd_per_m_tokens"])
     sparse_over_dense = (
         table.xs("sparse", level="experts")["tok_s"] / table.xs("dense", level="experts")["tok_s"]
     )

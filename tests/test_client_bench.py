@@ -1,4 +1,5 @@
-"""The endpoint benchmark on the openai client: URLs, timing a real server's stream, the local server."""
+"""The endpoint benchmark on the openai client: URLs, timing a real server's stream, the local
+server."""
 
 import math
 import socket
@@ -43,9 +44,8 @@ def test_stream_chat_times_every_token(server):
         ignore_eos=False,
     )
     assert timing["text"] == "Paris ." and timing["finish_reason"] == "stop"
-    assert (
-        timing["completion_tokens"] == 3
-    )  # "Paris", ".", <eos>: one chunk each, the last one empty
+    # "Paris", ".", <eos>: one chunk each, the last one empty
+    assert timing["completion_tokens"] == 3
     assert len(timing["itl_ms"]) == 2 and timing["itl_ms_p50"] <= timing["itl_ms_p90"]
     assert 0 < timing["ttft_ms"] + sum(timing["itl_ms"]) <= 1e3 * timing["e2e_s"]
 
@@ -87,9 +87,8 @@ def test_measure_endpoint_and_its_metrics(server):
     assert metrics["by_concurrency"][2]["tok_s_total"] == summary.loc[2, "tok_s_total"]
     assert metrics["ttft_growth_x"] == summary.loc[2, "ttft_ms_p50"] / summary.loc[1, "ttft_ms_p50"]
     assert [r.get("claim") for r in rows] == [None, None, "decode_tok_s", None]
-    assert (
-        endpoint_bench.endpoint_metrics(requests)[1][2].get("claim") is None
-    )  # the local tiny server
+    # the local tiny server
+    assert endpoint_bench.endpoint_metrics(requests)[1][2].get("claim") is None
     # neuron has no local server: without an endpoint there is nothing to measure.
     assert endpoint_bench.measure_endpoint("", target="neuron") is None
     assert endpoint_bench.endpoint_metrics(None) == ({"measured": False, "endpoint": None}, [])

@@ -1,4 +1,5 @@
-"""gemma_nb.experiments.compile_run: the size sweep of notebook 04, its fits, and its command's JSON contract."""
+"""gemma_nb.experiments.compile_run: the size sweep of notebook 04, its fits, and its command's JSON
+contract."""
 
 import json
 import os
@@ -24,7 +25,8 @@ def test_fit_linear_recovers_a_line():
 
 
 def test_command_prints_its_json_result_on_the_last_stdout_line(tmp_path):
-    """``python -m gemma_nb.experiments.compile_run '<job>'``: the contract ``compile_sweep`` relies on."""
+    """``python -m gemma_nb.experiments.compile_run '<job>'``: the contract ``compile_sweep`` relies
+    on."""
     dims = dict(
         hidden_size=64,
         intermediate_size=96,

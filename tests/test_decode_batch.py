@@ -1,4 +1,5 @@
-"""Notebook 07's batch sweep: real routing captured, mapped to the 26B layer's ids, timed, tabulated."""
+"""Notebook 07's batch sweep: real routing captured, mapped to the 26B layer's ids, timed,
+tabulated."""
 
 import pandas as pd
 import pytest
@@ -22,9 +23,8 @@ def test_capture_records_every_fed_back_token_of_every_layer(real):
     assert real.num_experts == 32 and sorted(set(real.prompt.tolist())) == list(range(40))
     assert (real.prompt.bincount() == 3).all()
     assert int(real.index.min()) >= 0 and int(real.index.max()) < 32
-    assert (
-        real.index[..., 0] != real.index[..., 1]
-    ).all()  # top-2: two different experts per layer
+    # top-2: two different experts per layer
+    assert (real.index[..., 0] != real.index[..., 1]).all()
 
 
 def test_a_prompt_routes_the_same_alone_or_in_a_batch(real):
@@ -72,9 +72,8 @@ def test_distinct_table(real):
 
 
 def test_sparse_experts_say_what_they_read():
-    layer = experts.SparseExperts.from_experts(
-        moe.random_experts(random_gemma4_config(), seed=0)
-    )  # 32 experts, top-2
+    # 32 experts, top-2
+    layer = experts.SparseExperts.from_experts(moe.random_experts(random_gemma4_config(), seed=0))
     repeated = torch.tensor([[3, 4], [3, 5]])
     assert layer.experts_read(repeated) == 4  # decode path: expert 3 read twice
     grouped = torch.arange(32).reshape(16, 2).repeat(2, 1)
@@ -104,9 +103,8 @@ def sweep():
 
 def test_the_sweep_times_dense_once_per_batch(sweep):
     _, table = sweep
-    assert len(table) == 3 * (
-        4 + 2
-    )  # per batch: four layers under uniform, the two sparse ones under "other"
+    # per batch: four layers under uniform, the two sparse ones under "other"
+    assert len(table) == 3 * (4 + 2)
     assert set(table[table["source"] == "other"]["path"]) == {"sparse"}
     assert (
         table.set_index(["batch", "layer", "source"]).loc[(1, "dense bf16", "uniform"), "steps"]

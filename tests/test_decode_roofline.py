@@ -1,4 +1,5 @@
-"""The decode model: bytes and FLOPs per step counted by hand and across batch, expected distinct experts, the largest batch."""
+"""The decode model: bytes and FLOPs per step counted by hand and across batch, expected distinct
+experts, the largest batch."""
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ def config_26b():
 def decode_traffic(
     config, scheme: str = "int8_squeeze", experts: str = "dense", tp: int = 1, context_len: int = 0
 ) -> dict:
-    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), and the experts' share of the bytes."""
+    """Bytes each rank reads and FLOPs it computes to decode one token (batch 1), and the experts'
+    share of the bytes."""
     costs = step_costs(config, scheme, tp, context_len)
     step = batch_step(costs, 1, experts)
     return {
@@ -119,7 +121,8 @@ def test_bytes_per_step_by_path(config_26b):
         assert dense["flops"] == pytest.approx(
             batch * (costs.fixed_flops_per_token + costs.experts_flops_per_token)
         )
-        # NxD: selective loading reads each token's 8 experts (repeats included) while B x 8 / 128 < 1
+        # NxD: selective loading reads each token's 8 experts (repeats included) while B x 8 / 128 <
+        # 1
         assert nxd["experts_read"] == (batch * 8 if batch < 16 else 128)
         assert nxd["bytes"] == pytest.approx(
             dense["bytes"] if batch >= 16 else costs.fixed_bytes + per_expert * 8 * batch + kv
@@ -151,9 +154,8 @@ def test_largest_batch_on_an_inf2_xlarge_spans_the_runtime_window(config_26b):
     free = lambda allowance_bytes: 16 * GiB - int(costs.weights_bytes) - allowance_bytes  # noqa: E731
     kv = int(costs.kv_bytes_per_stream)
     assert kv == memory.kv_cache_bytes(config_26b, 2, 512, dtype="fp32")
-    assert (
-        limits["largest_batch"] == free(allowance.high_bytes) // kv == 1
-    )  # the squeeze fits with nothing to spare
+    # the squeeze fits with nothing to spare
+    assert limits["largest_batch"] == free(allowance.high_bytes) // kv == 1
     assert limits["largest_batch_if_low"] == free(allowance.low_bytes) // kv == 12
     bf16 = decode_roofline.DEPLOYMENTS[1]
     assert (

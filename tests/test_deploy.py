@@ -1,4 +1,5 @@
-"""Slim and naive deploys give the reference tokens; the neuron module's cpu variant decodes like eager."""
+"""Slim and naive deploys give the reference tokens; the neuron module's cpu variant decodes like
+eager."""
 
 import os
 
@@ -13,9 +14,8 @@ from gemma_nb.evaluate import greedy_generate  # noqa: E402
 from gemma_nb.experiments import slim_deploy as D  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
-DIMS = dict(
-    num_experts=32, top_k_experts=2, num_hidden_layers=2
-)  # 32 experts: two Int8Experts chunks
+# 32 experts: two Int8Experts chunks
+DIMS = dict(num_experts=32, top_k_experts=2, num_hidden_layers=2)
 PROMPT = [5, 17, 99, 3, 250, 7]
 SHAPES = dict(max_cache_len=32, prefill_len=8)
 
@@ -161,10 +161,10 @@ def test_neuron_module_cpu_variant_decodes_like_eager():
 
 
 def test_neuron_checkpoint_layout_reproduces_the_experts():
-    """convert_checkpoint's experts: NxD's expert-major int8 layout ([E, H, 2I] and [E, I, H], one fp32
-    scale per expert and output channel), the same for any TP degree; the stride-2 split gives each
-    rank its slice of the gate half and of the up half, and the math summed over two ranks equals
-    transformers' experts."""
+    """convert_checkpoint's experts: NxD's expert-major int8 layout ([E, H, 2I] and [E, I, H], one
+    fp32 scale per expert and output channel), the same for any TP degree; the stride-2 split gives
+    each rank its slice of the gate half and of the up half, and the math summed over two ranks
+    equals transformers' experts."""
     from transformers.activations import ACT2FN
 
     from gemma_nb.neuron.build import convert_checkpoint

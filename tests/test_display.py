@@ -101,7 +101,8 @@ def test_metrics_are_readable_by_everyone(monkeypatch, tmp_path):
 
 
 def test_outputs_are_found_from_the_working_directory_not_the_installed_package(tmp_path):
-    """A non-editable install must not write next to site-packages: the project is the working directory's."""
+    """A non-editable install must not write next to site-packages: the project is the working
+    directory's."""
     (tmp_path / "repo" / "notebooks").mkdir(parents=True)
     (tmp_path / "repo" / "pyproject.toml").write_text("")
     assert paths.find_project_root(tmp_path / "repo" / "notebooks") == (tmp_path / "repo").resolve()
@@ -126,15 +127,11 @@ def test_outputs_are_found_from_the_working_directory_not_the_installed_package(
     "values, shown",
     [
         ([11.313708305358887, 11.3125], ["11.314", "11.312"]),  # different values never look alike
-        (
-            [26.74, 15.35, 9.964, 0.0],
-            ["26.740", "15.350", "9.964", "0"],
-        ),  # one count of decimals; zero is 0
+        # one count of decimals; zero is 0
+        ([26.74, 15.35, 9.964, 0.0], ["26.740", "15.350", "9.964", "0"]),
         ([90.508, 0.043, 0.002], ["90.508", "0.043", "0.002"]),  # rounded to 3 decimals: shown so
-        (
-            [4.8e-05, 1.8e-07, 0.0123456789],
-            ["4.80e-05", "1.80e-07", "1.23e-02"],
-        ),  # unrounded, orders apart
+        # unrounded, orders apart
+        ([4.8e-05, 1.8e-07, 0.0123456789], ["4.80e-05", "1.80e-07", "1.23e-02"]),
         ([262144.0, 2816.0], ["262,144", "2,816"]),  # integral: separators for the column
         ([3.0, float("nan")], ["3", ""]),
     ],
@@ -220,9 +217,8 @@ def test_collisions_name_what_overlaps():
     ax.get_legend().remove()
     ax.set_xticks([0, 1], ["a rather long tick label", "another long tick label"], rotation=30)
     assert plots.collisions(fig) == []  # rotated labels are checked as the rotated boxes they are
-    fig, ax = matplotlib.pyplot.subplots(
-        figsize=(4, 3)
-    )  # no constrained layout to make room for it
+    # no constrained layout to make room for it
+    fig, ax = matplotlib.pyplot.subplots(figsize=(4, 3))
     ax.plot([0, 1], [0, 1], label="a line")
     ax.legend(loc="upper left", bbox_to_anchor=(1.2, 1.0))
     assert plots.collisions(fig) == ["the legend reaches past the figure's edge (its frame is cut)"]

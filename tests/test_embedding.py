@@ -247,7 +247,8 @@ def test_bad_arguments(tiny_random):
 
 
 def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp_path):
-    """from_model stores the model's own output for probe ids; from_file re-checks it, no model needed."""
+    """from_model stores the model's own output for probe ids; from_file re-checks it, no model
+    needed."""
     host = HostEmbedding.from_model(tiny_random)
     path = host.save(tmp_path / "embed_tokens.safetensors")
     loaded = HostEmbedding.from_file(path)
@@ -264,7 +265,8 @@ def test_the_file_carries_a_probe_that_catches_a_tampered_scale(tiny_random, tmp
 
 
 def test_host_embedding_for_a_meta_skeleton_checks_the_file_against_it(tmp_path):
-    """The slim deploy holds only the structure (meta weights): the file's scale and shape are checked against it."""
+    """The slim deploy holds only the structure (meta weights): the file's scale and shape are
+    checked against it."""
     from gemma_nb.modelio import model_skeleton
 
     config = random_gemma4_config(num_hidden_layers=1, vocab_size=256)
@@ -296,7 +298,8 @@ def bundled(request):
 
 
 def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled):
-    """The deploy's host path (module scale) gives the reference's greedy tokens, token for token."""
+    """The deploy's host path (module scale) gives the reference's greedy tokens, token for
+    token."""
     from gemma_nb import evaluate
     from gemma_nb.tiny import FACTS
 
@@ -320,7 +323,8 @@ def test_fixed_path_decodes_like_the_reference_on_the_bundled_checkpoint(bundled
 
 
 def test_self_check_on_the_bundled_checkpoint(bundled, tmp_path):
-    """Unscaled is refused in both dtypes; math.sqrt only in bf16 (exact in fp32); the file path passes."""
+    """Unscaled is refused in both dtypes; math.sqrt only in bf16 (exact in fp32); the file path
+    passes."""
     model, _ = bundled
     module = model.get_input_embeddings()
     with pytest.raises(EmbeddingScaleError, match="Looks unscaled"):
@@ -339,7 +343,8 @@ def test_self_check_on_the_bundled_checkpoint(bundled, tmp_path):
 
 
 def test_the_module_forward_notebook_06_quotes_is_the_installed_one():
-    """Notebook 06 quotes Gemma4TextScaledWordEmbedding.forward in its prose instead of printing its source."""
+    """Notebook 06 quotes Gemma4TextScaledWordEmbedding.forward in its prose instead of printing its
+    source."""
     import inspect
     import json
 

@@ -1,4 +1,5 @@
-"""The emulated Neuron SDK (gemma_nb.rehearsal) refuses what the SDK refuses, and gemma_nb.neuron passes it.
+"""The emulated Neuron SDK (gemma_nb.rehearsal) refuses what the SDK refuses, and gemma_nb.neuron
+passes it.
 
 The emulation is importable only with ``gemma_nb/rehearsal/sdk_path`` on ``sys.path`` (``make
 rehearse``); the ``emulated_sdk`` fixture puts it there for a test and takes it away afterwards.
@@ -82,9 +83,8 @@ def builds(emulated_sdk, tmp_path_factory):
 def test_the_emulation_says_so_everywhere(emulated_sdk, builds):
     status = sdk.check_sdk()
     assert status.ok and status.emulated
-    assert (
-        emulated_sdk.fx_workaround
-    )  # the first import met NxD 0.18's transformers.utils.fx import, emulated
+    # the first import met NxD 0.18's transformers.utils.fx import, emulated
+    assert emulated_sdk.fx_workaround
     assert status.message().startswith("emulated SDK (gemma_nb.rehearsal")
     assert emulated_sdk.emulated and sys.modules["neuronx_distributed"].__emulated__
     root, records = builds
@@ -131,7 +131,8 @@ def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, 
 
 
 def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, emulated_sdk):
-    """As one 26B build fills most of a real NeuronCore, one smoke build fills most of an emulated one."""
+    """As one 26B build fills most of a real NeuronCore, one smoke build fills most of an emulated
+    one."""
     from gemma_nb import memory
     from gemma_nb.tools import plan as planner
 
@@ -180,7 +181,8 @@ def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds,
 
 
 def test_two_graphs_of_one_shape_reach_only_the_last_added(emulated_sdk, cores, tmp_path):
-    """ModelBuilder routes by input shapes: a second decode graph of the same shapes hides the first."""
+    """ModelBuilder routes by input shapes: a second decode graph of the same shapes hides the
+    first."""
     builder_cls = emulated_sdk.ModelBuilder
 
     class Instance(emulated_sdk.BaseModelInstance):
@@ -228,7 +230,8 @@ def test_the_compile_reads_the_weights_only_when_sharding_them(
         decode_experts="sparse",
     )
     B.compile_neuron(build, sample_interval_s=0.05)
-    # the layer scalars once up front; the weights at the early shard check and trace()'s own sharding, never in load_module
+    # the layer scalars once up front; the weights at the early shard check and trace()'s own
+    # sharding, never in load_module
     assert [only is None for only in reads] == [False, True, True]
 
 

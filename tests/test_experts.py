@@ -1,4 +1,5 @@
-"""gemma_nb.experts: one family, so its strategies agree where they share math; one format registry."""
+"""gemma_nb.experts: one family, so its strategies agree where they share math; one format
+registry."""
 
 import os
 
@@ -80,9 +81,8 @@ def test_one_format_registry_for_the_planner_and_the_quantizers():
         "fp16",
     ]
     assert formats.tensor_bytes((2, 32), "int8") == 2 * (32 + 4)  # an fp32 scale per row
-    assert (
-        formats.tensor_bytes((2, 32), "nvfp4") == 2 * 2 * (8 + 1) + 4
-    )  # an e4m3 scale per block, fp32 per matrix
+    # an e4m3 scale per block, fp32 per matrix
+    assert formats.tensor_bytes((2, 32), "nvfp4") == 2 * 2 * (8 + 1) + 4
     with pytest.raises(
         ValueError, match="weight format 'bf16' is not one of int8, fp8, mxfp4, nvfp4"
     ):

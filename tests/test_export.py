@@ -1,4 +1,5 @@
-"""gemma_nb.export: torch.export of the two steps: token-for-token equality with eager decoding, and bad artifacts."""
+"""gemma_nb.export: torch.export of the two steps: token-for-token equality with eager decoding, and
+bad artifacts."""
 
 import json
 import os
@@ -80,7 +81,8 @@ def test_thirty_tokens_match_eager_greedy_and_program_holds_no_weights(
 
 
 def test_off_by_one_position_diverges(tiny, runner):
-    """Feeding each generated token one position too far (transformers' executorch generate) drifts."""
+    """Feeding each generated token one position too far (transformers' executorch generate)
+    drifts."""
     from dataclasses import replace
 
     decode = runner.decode

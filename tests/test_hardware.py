@@ -1,4 +1,5 @@
-"""Instance catalog, device table and fit arithmetic (docs/sources.md: inf2-instances, ec2-pricing)."""
+"""Instance catalog, device table and fit arithmetic (docs/sources.md: inf2-instances,
+ec2-pricing)."""
 
 from types import SimpleNamespace
 

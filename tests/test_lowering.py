@@ -31,7 +31,7 @@ collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={
   %reduce.8 = f32[4]{0} reduce(f32[2,4]{1,0} %get-tuple-element.6, f32[] %constant.7), dimensions={0}, to_apply=%AddComputation.10
   ROOT %tuple.9 = (f32[4]{0}) tuple(f32[4]{0} %reduce.8)
 }
-"""
+"""  # noqa: E501 (HLO text as torch-xla prints it)
 
 
 def test_hlo_opcodes_reads_every_instruction_of_every_computation():
@@ -65,19 +65,23 @@ def test_hlo_counts_counts_instructions_and_gathers():
     assert lowering.hlo_counts(two_gathers)["gathers"] == 2
 
 
-# torch-xla's text of the two ways of picking K=2 experts' down weights out of a stacked int8 tensor:
-# expert-major [E, I, H] (whole experts, the leading axis) and the [H, E, I] view indexed on its middle axis.
+# torch-xla's text of the two ways of picking K=2 experts' down weights out of a stacked int8
+# tensor: expert-major [E, I, H] (whole experts, the leading axis) and the [H, E, I] view indexed on
+# its middle axis.
 LEADING = (
-    "  %gather.7 = s8[2,16,128]{2,1,0} gather(s8[32,16,128]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
-    "offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,16,128}"
+    "  %gather.7 = s8[2,16,128]{2,1,0} gather(s8[32,16,128]{2,1,0} %p74.781, s64[2,1]{1,0} "
+    "%c.780), offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, "
+    "index_vector_dim=1, slice_sizes={1,16,128}"
 )
 MIDDLE = (
-    "  %gather.9 = s8[128,2,16]{2,1,0} gather(s8[128,32,16]{2,1,0} %p74.781, s64[2,1]{1,0} %c.780), "
-    "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={128,1,16}"
+    "  %gather.9 = s8[128,2,16]{2,1,0} gather(s8[128,32,16]{2,1,0} %p74.781, s64[2,1]{1,0} "
+    "%c.780), offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, "
+    "index_vector_dim=1, slice_sizes={128,1,16}"
 )
 ACTIVATION = (
-    "  %gather.5 = bf16[1,1,128]{2,1,0} gather(bf16[1,1,128]{2,1,0} %convert.5314, s32[1,1]{1,0} %c.18), "
-    "offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1,128}"
+    "  %gather.5 = bf16[1,1,128]{2,1,0} gather(bf16[1,1,128]{2,1,0} %convert.5314, s32[1,1]{1,0} "
+    "%c.18), offset_dims={0,2}, collapsed_slice_dims={1}, start_index_map={1}, "
+    "index_vector_dim=1, slice_sizes={1,1,128}"
 )
 
 
@@ -187,7 +191,8 @@ def test_xla_python_names_the_fix_when_the_environment_is_missing(tmp_path, monk
 
 
 def test_run_in_xla_env_reports_the_subprocess_error(monkeypatch):
-    # The main environment has no torch_xla: the check fails there with the hint, surfaced as RuntimeError.
+    # The main environment has no torch_xla: the check fails there with the hint, surfaced as
+    # RuntimeError.
     if importlib.util.find_spec("torch_xla") is not None:
         pytest.skip(
             "torch_xla is importable here; the failure path needs an interpreter without it"

@@ -1,4 +1,5 @@
-"""The memory planner: exact parameter counts, byte formulas checked by hand, and every bad input."""
+"""The memory planner: exact parameter counts, byte formulas checked by hand, and every bad
+input."""
 
 import json
 import math
@@ -546,10 +547,11 @@ def test_claim_range_and_agreement(gemma26b):
     assert story.get_claim("experts_bf16_gb").within == (45.5, 45.7)  # "45.6 GB": its last decimal
     assert story.get_claim("lm_head_bf16_gb_per_rank").within == (1.47, 1.49)
     assert story.get_claim("int8_experts_gap_gb").within == (3.0, 4.0)  # quoted as "~3-4 GB"
+    # quoted as "~12-13 GB"
     assert story.get_claim("final_residency_gb_per_rank").within == (
         12.0,
         13.0,
-    )  # quoted as "~12-13 GB"
+    )
     figures = memory_arithmetic.story_figures(gemma26b)
     for key in (
         "total_params_b",
@@ -560,9 +562,8 @@ def test_claim_range_and_agreement(gemma26b):
         "shared_mlp_int8_saving_gb_per_rank",
     ):
         assert story.agrees_with_claim(key, figures[key]), key
-    assert not story.agrees_with_claim(
-        "int8_experts_gap_gb", figures["int8_experts_gap_gb"]
-    )  # it fits on paper
+    # it fits on paper
+    assert not story.agrees_with_claim("int8_experts_gap_gb", figures["int8_experts_gap_gb"])
     # the "3-4 GB" holds only read as what sits in HBM beside the experts
     readings = memory_arithmetic.gap_readings(gemma26b).set_index("reading")
     assert readings["inside_claim"].tolist() == [True, False, False]

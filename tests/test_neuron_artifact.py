@@ -1,5 +1,5 @@
-"""The neuron artifact contract, on the cpu: compile writes one folder, a "different box" deploys and
-serves from that folder alone.
+"""The neuron artifact contract, on the cpu: compile writes one folder, a "different box" deploys
+and serves from that folder alone.
 
 The traced NxD model is replaced by a stand-in: the cpu variant of the same traced module
 (``NeuronGemma4(parallel=False)``), its state saved as ``model.pt`` and stepped through
@@ -44,9 +44,8 @@ def stand_in_compile(model_dir: Path, out_dir: Path) -> dict:
     )
     module = NeuronGemma4(config, build, parallel=False)
     state = read_hf_state(model_dir)
-    state.setdefault(
-        "lm_head.weight", state["model.embed_tokens.weight"]
-    )  # tied; the graph holds its own head
+    # tied; the graph holds its own head
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     module.load_state(state)
     out_dir.mkdir(parents=True)
     torch.save(module.state_dict(), out_dir / A.MODEL_FILE)
@@ -71,7 +70,8 @@ def stand_in_load(folder: Path):
 
 @pytest.fixture(scope="module")
 def moved_artifact(tmp_path_factory):
-    """Compile on "box 1", copy the artifact folder to "box 2", delete box 1 (checkpoint included)."""
+    """Compile on "box 1", copy the artifact folder to "box 2", delete box 1 (checkpoint
+    included)."""
     box1, box2 = tmp_path_factory.mktemp("compile_box"), tmp_path_factory.mktemp("serving_box")
     shutil.copytree(CHECKPOINT_DIR, box1 / "checkpoint")
     manifest = stand_in_compile(box1 / "checkpoint", box1 / "artifact")
@@ -101,9 +101,8 @@ def test_compile_writes_every_file_the_serving_box_needs(moved_artifact):
         assert manifest["files"][name] == (folder / name).stat().st_size > 0
     from gemma_nb.embedding import HostEmbedding
 
-    host = HostEmbedding.from_file(
-        folder / A.HOST_EMBEDDING_FILE
-    )  # its scale self-check runs at load
+    # its scale self-check runs at load
+    host = HostEmbedding.from_file(folder / A.HOST_EMBEDDING_FILE)
     assert float(host.scale) == pytest.approx(128**0.5)
 
 
@@ -118,9 +117,8 @@ def test_deploy_on_a_different_box_decodes_like_transformers(
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
     answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
-    assert (
-        answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1
-    )  # + the <eos> step
+    # + the <eos> step
+    assert answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1
 
 
 def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
@@ -232,9 +230,8 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
         model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="sparse"
     )
     record = B.compile_neuron(build, sample_interval_s=0.05)
-    assert closed == [
-        True
-    ]  # the weights trace() put on the NeuronCores are given back before the next build
+    # the weights trace() put on the NeuronCores are given back before the next build
+    assert closed == [True]
     assert not (out / "stale.bin").exists()
     assert (
         record["sdk"] == "Neuron SDK"

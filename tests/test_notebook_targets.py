@@ -1,8 +1,10 @@
-"""What each notebook runs on the neuron target: its neuron cells, never a cpu measurement it depends on.
+"""What each notebook runs on the neuron target: its neuron cells, never a cpu measurement it
+depends on.
 
-The runner skips the cells tagged ``cpu-measurement`` on the neuron target (``gemma_nb.targets.measures_cpu``);
-these checks read the notebooks' source, so a neuron run that would stop on a name only a skipped cell
-defines (or on the XLA check, which needs ``.venv-xla``) fails here, on any machine.
+The runner skips the cells tagged ``cpu-measurement`` on the neuron target
+(``gemma_nb.targets.measures_cpu``); these checks read the notebooks' source, so a neuron run that
+would stop on a name only a skipped cell defines (or on the XLA check, which needs ``.venv-xla``)
+fails here, on any machine.
 """
 
 import ast
@@ -24,7 +26,8 @@ def _code_cells(path):
 
 
 class _OnNeuron(ast.NodeTransformer):
-    """Keeps what runs on the neuron target: the ``else`` of an ``if target == "<another target>":``."""
+    """Keeps what runs on the neuron target: the ``else`` of an ``if target == "<another
+    target>":``."""
 
     def visit_If(self, node):
         test = node.test

@@ -1,4 +1,5 @@
-"""The vocab-parallel int8 lm_head and the gloo launcher (gemma_nb.experiments.lm_head_sharding), and the NxD head's checkpoint.
+"""The vocab-parallel int8 lm_head and the gloo launcher (gemma_nb.experiments.lm_head_sharding),
+and the NxD head's checkpoint.
 
 The 2-rank jobs really start two processes with torch.distributed gloo on 127.0.0.1. Their worker
 functions live at the top of this module: spawn imports them by name in each rank, so this file
@@ -41,7 +42,8 @@ def head_of(weight: torch.Tensor, tp: int, rank: int) -> VocabParallelLMHead:
 
 
 def heads_job(rank: int, world_size: int, cases: list) -> dict:
-    """lm_head_job for each (weight, hidden) case, plus the rank-local logits (gather_output=False)."""
+    """lm_head_job for each (weight, hidden) case, plus the rank-local logits
+    (gather_output=False)."""
     out = []
     for weight, hidden in cases:
         result = lm_head_job(rank, world_size, weight, hidden)
@@ -150,10 +152,11 @@ def test_softcap_matches_the_model_and_validates_the_cap():
 @pytest.fixture(scope="module")
 def two_rank_cases():
     torch.manual_seed(0)
+    # not divisible: padded and masked
     cases = [
         (torch.randn(1024, HIDDEN), torch.randn(6, HIDDEN)),  # divisible by tp=2
         (torch.randn(1001, HIDDEN), torch.randn(2, 3, HIDDEN)),
-    ]  # not divisible: padded and masked
+    ]
     results = run_tp(heads_job, (cases,), world_size=2, timeout_s=JOB_BOUND_S)
     return cases, results
 

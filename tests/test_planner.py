@@ -1,4 +1,5 @@
-"""``python -m gemma_nb plan``: any causal-LM config.json, exact against memory's inventory and plan."""
+"""``python -m gemma_nb plan``: any causal-LM config.json, exact against memory's inventory and
+plan."""
 
 import json
 
@@ -94,7 +95,8 @@ def test_26b_in_bf16_fits_no_two_core_box_and_the_cheapest_at_tp4(capsys):
     code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", "bf16", "--tp", "4")
     two_core = [r for r in report["instances"] if r["neuron_cores"] < 4]
     assert all(not r["fits"] and r["headroom_gb"] is None for r in two_core)
-    # 14.3 GB of weights per rank: it fits a 16 GiB core only if the runtime takes the low end of its window
+    # 14.3 GB of weights per rank: it fits a 16 GiB core only if the runtime takes the low end of
+    # its window
     assert code == 3 and report["verdict"] == "marginal" and report["instance"] == "inf2.24xlarge"
     assert report["cheapest_fit"] is None and report["advice"].startswith(
         "Try --tp 2 --scheme int8_squeeze: it fits inf2.xlarge"
@@ -129,9 +131,8 @@ def test_moe_configs_count_every_expert_weight(configs, capsys, name):
     code, report = plan_json(capsys, configs[name], "--scheme", "bf16")
     assert report["groups"]["experts"]["params"] == L * E * 3 * H * I
     assert report["groups"]["router"]["params"] == L * E * H
-    assert (
-        report["groups"]["experts"]["bytes_per_rank"] == L * E * 3 * H * I * 2 // 2
-    )  # bf16, halved at TP=2
+    # bf16, halved at TP=2
+    assert report["groups"]["experts"]["bytes_per_rank"] == L * E * 3 * H * I * 2 // 2
     assert report["groups"]["embeddings"]["placement"] == "host"
     assert code == 0
 
@@ -148,9 +149,8 @@ def test_dense_llama_has_no_experts_and_kv_cache_per_context(configs, capsys):
     assert short["groups"]["experts"]["params"] == 0
     assert short["groups"]["shared_mlp"]["params"] == L * 3 * H * 4 * I
     head_dim, kv_per_rank = H // 8, 2 // 2
-    per_token = (
-        L * 2 * kv_per_rank * head_dim * 4
-    )  # K and V, fp32 KV (the port's), one KV head per rank
+    # K and V, fp32 KV (the port's), one KV head per rank
+    per_token = L * 2 * kv_per_rank * head_dim * 4
     assert short["kv_cache_gb_per_rank"] * 1e9 == pytest.approx(128 * per_token)
     assert long["kv_cache_gb_per_rank"] == pytest.approx(2 * short["kv_cache_gb_per_rank"])
 
@@ -224,7 +224,8 @@ def test_host_needs_scale_the_ports_26b_peaks():
 
 
 def test_a_multimodal_hub_config_is_planned_by_its_language_model(tmp_path, capsys):
-    """The hub's Gemma-4 config.json is multimodal (model_type gemma4): its text model is the 26B."""
+    """The hub's Gemma-4 config.json is multimodal (model_type gemma4): its text model is the
+    26B."""
     from transformers import Gemma4Config
 
     text = json.loads(memory.GEMMA4_26B_CONFIG_PATH.read_text())
@@ -244,7 +245,8 @@ def test_a_multimodal_hub_config_is_planned_by_its_language_model(tmp_path, caps
 
 
 def test_the_int8_experts_build_does_not_fit_an_inf2_xlarge_by_default(capsys):
-    """The port's failed build must not "fit": the default allowance is the window notebook 01 infers."""
+    """The port's failed build must not "fit": the default allowance is the window notebook 01
+    infers."""
     code, report = plan_json(
         capsys,
         memory.GEMMA4_26B_CONFIG_PATH,
@@ -263,9 +265,8 @@ def test_the_int8_experts_build_does_not_fit_an_inf2_xlarge_by_default(capsys):
         == report["runtime_allowance_gb"]
         == window["max_to_fit_bytes"] / 1e9
     )
-    assert (
-        report["headroom_gb_if_low"] == 0.0
-    )  # short at every allowance above the window's low end
+    # short at every allowance above the window's low end
+    assert report["headroom_gb_if_low"] == 0.0
     code, squeeze = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--instance", "inf2.xlarge")
     assert code == 0 and squeeze["verdict"] == "fits" and squeeze["headroom_gb"] == 0.0
 
@@ -290,9 +291,8 @@ def test_the_allowance_is_printed_and_can_be_set(capsys):
         "high_gb": 0.638,
         "source": "given",
     }
-    assert report["headroom_gb"] == pytest.approx(
-        1.83, abs=0.01
-    )  # the documented floor alone: it "fits"
+    # the documented floor alone: it "fits"
+    assert report["headroom_gb"] == pytest.approx(1.83, abs=0.01)
     assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH), "--runtime-allowance", "-1"]) == 2
     assert "runtime allowance -1.0 GB must be a number >= 0" in capsys.readouterr().err
 

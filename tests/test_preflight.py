@@ -1,4 +1,5 @@
-"""``python -m gemma_nb preflight``: each check on fakes of the system queries (no SDK, no inf2 here)."""
+"""``python -m gemma_nb preflight``: each check on fakes of the system queries (no SDK, no inf2
+here)."""
 
 import json
 
@@ -103,9 +104,8 @@ def test_host_memory_against_the_step():
     short = P.check_host_memory(
         fake_system(memory=lambda: (128 * GiB, 0), process_rss=lambda: GiB), "compile", need
     )
-    assert (
-        short.status == P.FAIL and "fallocate -l 42G /swapfile" in short.fix
-    )  # 180 GB + 1 GiB - 128 GiB = 40.7 GiB short, +1 GiB margin
+    # 180 GB + 1 GiB - 128 GiB = 40.7 GiB short, +1 GiB margin
+    assert short.status == P.FAIL and "fallocate -l 42G /swapfile" in short.fix
     swapped = P.check_host_memory(
         fake_system(memory=lambda: (128 * GiB, 100 * GiB)), "compile", need
     )

@@ -1,4 +1,5 @@
-"""``plan`` on eight public models, as a new user would run it: counts, and what it cannot model, by name.
+"""``plan`` on eight public models, as a new user would run it: counts, and what it cannot model, by
+name.
 
 The configs in ``tests/configs/`` are the models' published ``config.json`` files (Phi-3.5-MoE's
 without its long-rope factor lists, which change no count); no weights are read. The published
@@ -61,7 +62,8 @@ def test_what_cannot_be_modelled_is_named(name):
 
 
 def test_mla_kv_cache_is_the_latent_and_the_heads_are_the_configs(capsys):
-    """DeepSeek-V2-Lite: 16 heads of 192 (not 48 of 64), and a 576-value latent per layer per token (not 0)."""
+    """DeepSeek-V2-Lite: 16 heads of 192 (not 48 of 64), and a 576-value latent per layer per token
+    (not 0)."""
     config = read_config(CONFIGS / "deepseek_v2_lite.json").config
     layers = memory.model_facts(config).attention_layers
     assert {(layer.q_heads, layer.head_dim, layer.latent_dim) for layer in layers} == {
@@ -83,25 +85,23 @@ def test_a_checkpoints_own_quantization_is_named(capsys):
         "quantization_config: the checkpoint ships 'mxfp4' weights"
     )
     assert "--scheme mxfp4_experts" in report["notes"][0]
-    assert report["params"]["active_excl_input_embedding"] / 1e9 == pytest.approx(
-        3.61, rel=0.005
-    )  # the card's active
+    # the card's active
+    assert report["params"]["active_excl_input_embedding"] / 1e9 == pytest.approx(3.61, rel=0.005)
 
 
 def test_multimodal_towers_are_counted_apart(capsys):
     code, report = plan_json(capsys, CONFIGS / "gemma3_27b.json")
     params = report["params"]
-    assert params["towers"] / 1e9 == pytest.approx(
-        0.4235, abs=0.001
-    )  # SigLIP encoder and projector
+    # SigLIP encoder and projector
+    assert params["towers"] / 1e9 == pytest.approx(0.4235, abs=0.001)
     assert params["total_with_towers"] == params["total"] + params["towers"]
     assert report["notes"][0].startswith("vision_config: a multimodal config (Gemma3Config)")
     assert code == 1 and report["advice"].startswith("Try --tp 4")
 
 
 def test_mixtral_8x22b_gets_no_circular_advice(capsys):
-    """Its 8 experts cap TP at 8 on any inf2: the advice says no inf2 holds it, and why; it never suggests
-    a TP the model refuses or the scheme already asked for."""
+    """Its 8 experts cap TP at 8 on any inf2: the advice says no inf2 holds it, and why; it never
+    suggests a TP the model refuses or the scheme already asked for."""
     code, report = plan_json(capsys, CONFIGS / "mixtral_8x22b.json")
     assert code == 1 and report["cheapest_fit"] is None
     assert report["advice"].startswith("No inf2 holds it: TP is at most 8")

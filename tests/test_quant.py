@@ -1,4 +1,5 @@
-"""gemma_nb.quant: int8 / fp8 / MXFP4 / NVFP4 formats, quantized modules, schemes on a Gemma-4 model."""
+"""gemma_nb.quant: int8 / fp8 / MXFP4 / NVFP4 formats, quantized modules, schemes on a Gemma-4
+model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ E4M3_MAX = 448.0
 
 
 def unpack_fp4_codes(packed):
-    """bytes [..., m] -> uint8 codes [..., 2m], element 2j from the low nibble (pack_fp4's inverse)."""
+    """bytes [..., m] -> uint8 codes [..., 2m], element 2j from the low nibble (pack_fp4's
+    inverse)."""
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
@@ -159,13 +161,15 @@ def test_int8_linear_module():
 
 
 def e2m1_codes(x):
-    """E2M1 codes of signed fp32 values, as ``formats.quantize`` splits them: magnitudes and signs."""
+    """E2M1 codes of signed fp32 values, as ``formats.quantize`` splits them: magnitudes and
+    signs."""
     return formats.e2m1_codes(x.abs(), x < 0)
 
 
 def test_fp4_codes_pack_and_unpack_round_trip():
     codes = torch.arange(16, dtype=torch.uint8)
     packed = pack_fp4(codes)
+    # element 2j in the low nibble
     assert packed.tolist() == [
         0x10,
         0x32,
@@ -175,7 +179,7 @@ def test_fp4_codes_pack_and_unpack_round_trip():
         0xBA,
         0xDC,
         0xFE,
-    ]  # element 2j in the low nibble
+    ]
     assert torch.equal(unpack_fp4_codes(packed), codes)
     assert torch.equal(unpack_fp4(packed), torch.tensor(FP4_E2M1_VALUES))
     every_byte = torch.arange(256, dtype=torch.uint8)
@@ -232,8 +236,10 @@ def test_mxfp4_representable_blocks_round_trip_exactly(data):
 
 
 def test_mxfp4_shared_exponent_is_exact_just_below_a_power_of_two():
-    # fp32 0.25 - 1 ulp: log2 rounds to -2.0, but floor(log2) is -3, so the OCP MX shared exponent is
-    # -3 - emax(E2M1) = -5: E8M0 code 127 - 5 = 122 (X = 2^-5), not 123 (bf16 weights cannot hit this)
+    # fp32 0.25 - 1 ulp: log2 rounds to -2.0, but floor(log2) is -3, so the OCP MX shared exponent
+    # is
+    # -3 - emax(E2M1) = -5: E8M0 code 127 - 5 = 122 (X = 2^-5), not 123 (bf16 weights cannot hit
+    # this)
     just_below = torch.nextafter(torch.tensor(0.25), torch.tensor(0.0))
     weight = torch.zeros(1, 32)
     weight[0, 5] = just_below
@@ -282,9 +288,8 @@ def test_fp4_error_bound_on_gaussian_weights(fmt):
     qt = quantize(weight, fmt)
     blocks = qt.format.block_size
     if fmt == "mxfp4":
-        step = formats.e8m0_to_float(
-            qt.scale
-        )  # top binade step is 2 x scale; saturation adds up to 2 x scale
+        # top binade step is 2 x scale; saturation adds up to 2 x scale
+        step = formats.e8m0_to_float(qt.scale)
         bound = 2 * step
     else:
         step = qt.scale.float() * qt.global_scale
@@ -417,13 +422,11 @@ def test_apply_scheme_int8_squeeze_replaces_groups_and_unties_the_head(tiny_mode
     layers = model.model.layers
     assert all(isinstance(layer.experts, QuantizedExperts) for layer in layers)
     assert all(isinstance(layer.mlp.up_proj, Int8Linear) for layer in layers)
-    assert isinstance(
-        layers[0].self_attn.q_proj, torch.nn.Linear
-    )  # attention stays bf16 in the squeeze
+    # attention stays bf16 in the squeeze
+    assert isinstance(layers[0].self_attn.q_proj, torch.nn.Linear)
     assert isinstance(model.lm_head, Int8Linear) and not model.config.tie_word_embeddings
-    assert torch.equal(
-        model.model.embed_tokens.weight, embedding_before
-    )  # the lookup table is untouched
+    # the lookup table is untouched
+    assert torch.equal(model.model.embed_tokens.weight, embedding_before)
     experts = report.set_index("group").loc["experts"]
     shapes = [(l.experts.gate_up.shape, l.experts.down.shape) for l in layers]
     assert experts["stored_bytes"] == sum(

@@ -1,4 +1,5 @@
-"""gemma_nb.experiments.quantization: scoring a quantization scheme against the float model (notebook 02)."""
+"""gemma_nb.experiments.quantization: scoring a quantization scheme against the float model
+(notebook 02)."""
 
 from __future__ import annotations
 
@@ -69,9 +70,8 @@ def test_evaluate_scheme_scores_against_the_reference(corpus_model):
     assert (
         summary["quantized_bytes"] == report["stored_bytes"].sum() < summary["quantized_bf16_bytes"]
     )
-    assert (
-        reference.lm_head.weight is reference.model.embed_tokens.weight
-    )  # the reference is untouched
+    # the reference is untouched
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
     diverged = greedy[~greedy["match"]]
     if len(diverged):
         row = diverged.iloc[0]

@@ -1,9 +1,9 @@
 """The executed reference run as a reader sees it (outputs/cpu/*.ipynb in JupyterLab or on GitHub).
 
 Every displayed table must fit a ~1,000 px page at JupyterLab's default font (the estimate is
-``page_width.table_width_px`` in tests/page_width.py, documented there), show no cell cut short with "..." and no
-NaN; generated text stops at its first <eos>; figures are at most 1,000 px wide; no nbval marker is
-left in a cell's source (they are cell tags).
+``page_width.table_width_px`` in tests/page_width.py, documented there), show no cell cut short with
+"..." and no NaN; generated text stops at its first <eos>; figures are at most 1,000 px wide; no
+nbval marker is left in a cell's source (they are cell tags).
 """
 
 import base64

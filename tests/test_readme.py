@@ -9,7 +9,8 @@ import nbformat
 
 from gemma_nb.paths import NOTEBOOKS_DIR, REPO_ROOT
 
-# Imported by every notebook for its page, target and metrics; the README names them once, under the table.
+# Imported by every notebook for its page, target and metrics; the README names them once, under the
+# table.
 PLUMBING = {"display", "metrics", "paths", "plots", "story", "targets"}
 
 

@@ -50,6 +50,7 @@ def config():
 
 # The verdict each notebook words from the values (``story.agrees_with_claim``: within the
 # write-up's own rounding, or inside a range it quoted): True = "holds", False = "differs".
+# above 12-13 GB in GB (inside it in GiB)
 VERDICTS = {
     ("01_memory_arithmetic", "total_params_b"): True,
     ("01_memory_arithmetic", "active_params_b"): True,
@@ -61,7 +62,7 @@ VERDICTS = {
     (
         "01_memory_arithmetic",
         "final_residency_gb_per_rank",
-    ): False,  # above 12-13 GB in GB (inside it in GiB)
+    ): False,
     ("02_quantization", "experts_int8_gb_per_rank"): True,
     ("03_lm_head_sharding", "lm_head_bf16_gb_per_rank"): True,
     ("03_lm_head_sharding", "lm_head_int8_sharded_gb_per_rank"): True,
@@ -71,11 +72,12 @@ VERDICTS = {
     ("06_embedding_scale", "embed_scale"): True,
 }
 # Measured on the machine that ran, set against the story's figure by direction, not by rounding.
+# torch.export's lower bound, far below the port's 180 GB
 MEASURED_BELOW_CLAIM = {
     (
         "04_compile",
         "compile_peak_host_gb",
-    ),  # torch.export's lower bound, far below the port's 180 GB
+    ),
     ("04_compile", "compile_minutes"),
     ("07_decode_benchmark", "dense_flops_waste_x"),  # measured speedup, at most the ideal E/K = 16
 }
@@ -99,7 +101,8 @@ def test_claimed_headlines_agree_with_the_story_as_the_notebook_says(notebook):
         )
         if key in VERDICTS:
             assert agrees_with_claim(row["claim"], row["value"]) is VERDICTS[key], (
-                f"{key}: {row['value']} against the claimed {row['claimed']} changed the notebook's verdict"
+                f"{key}: {row['value']} against the claimed {row['claimed']} changed the "
+                "notebook's verdict"
             )
         else:
             assert row["value"] < row["claimed"], key
@@ -248,7 +251,8 @@ def test_the_batch_sweeps_bytes_are_the_models(config):
                 assert row["dense_experts_read"] == E and row["dense_gb"] == pytest.approx(
                     E * per_expert / 1e9
                 )
-                # SparseExperts: each token's K experts while B x K < E, then each distinct expert once
+                # SparseExperts: each token's K experts while B x K < E, then each distinct expert
+                # once
                 expected_read = b * K if b * K < E else row["distinct_experts"]
                 assert row["sparse_experts_read"] == expected_read, (source, dtype, b)
                 assert row["sparse_gb"] == pytest.approx(expected_read * per_expert / 1e9)
@@ -256,10 +260,11 @@ def test_the_batch_sweeps_bytes_are_the_models(config):
     uniform = {
         row["batch"]: row["distinct_experts"] for row in batch["by_source"]["uniform"]["int8"]
     }
+    # a handful of routings per batch: the union is near the formula
     for (
         b,
         count,
-    ) in uniform.items():  # a handful of routings per batch: the union is near the formula
+    ) in uniform.items():
         assert count == pytest.approx(
             decode_roofline.expected_distinct_experts(E, K, b), rel=0.15
         ), b
@@ -286,7 +291,8 @@ def test_crossovers_predicted_and_measured():
                 (row["batch"] for row in rows if row["dense_p50_ms"] <= row["sparse_p50_ms"]), None
             )
             assert batch["crossover_measured"][dtype][source] == first, (dtype, source)
-            # Timing-dependent, with room: at one stream sparse wins by far on any cpu that reads memory
+            # Timing-dependent, with room: at one stream sparse wins by far on any cpu that reads
+            # memory
             assert rows[0]["dense_p50_ms"] / rows[0]["sparse_p50_ms"] >= 5.0, (dtype, source)
 
 
@@ -307,7 +313,8 @@ def test_the_batch_roofline_is_the_models(config):
 
 
 def test_notebook_07s_cost_conclusions_are_the_metrics():
-    """The prices typed in notebook 07's markdown (section 9 and What we learned) are the reference run's."""
+    """The prices typed in notebook 07's markdown (section 9 and What we learned) are the reference
+    run's."""
     inf2 = metrics("07_decode_benchmark")["batch_roofline"]["inf2.xlarge, int8 squeeze, TP=2"]
     paths, streams = inf2["paths"], inf2["largest_batch_if_low"]
     notebook = json.loads((OUTPUTS_DIR / "cpu" / "07_decode_benchmark.ipynb").read_text())
@@ -359,43 +366,42 @@ def test_notebook_01_shows_the_planners_allowance():
     )
 
 
-# What the notebooks say about values that depend on the CPU's kernels (cells nbval does not compare)
+# What the notebooks say about values that depend on the CPU's kernels (cells nbval does not
+# compare)
 # ------------------------------------------------------------------------------------------------
 
 
 def test_02_what_the_scores_say():
     quant = metrics("02_quantization")
     scores, found = quant["scores_by_scheme"], quant["findings"]
-    assert found["changed"] == [] and found["kept"] == list(
-        scores
-    )  # every scheme keeps facts and answers
+    # every scheme keeps facts and answers
+    assert found["changed"] == [] and found["kept"] == list(scores)
     # "within a tenth of a percentage point of plain bf16's, on both sides of it"
     assert found["top1_spread"] <= 0.001 and found["top1_both_sides"]
-    assert (
-        found["bf16_disagreement"] >= found["top1_spread"]
-    )  # "bf16's own rounding moves it as much"
-    # "int8 < fp8 < NVFP4 < MXFP4 by KL and by weight error alike"; the head adds more than the dense MLP
+    # "bf16's own rounding moves it as much"
+    assert found["bf16_disagreement"] >= found["top1_spread"]
+    # "int8 < fp8 < NVFP4 < MXFP4 by KL and by weight error alike"; the head adds more than the
+    # dense MLP
     assert (
         found["experts_by_kl"]
         == found["experts_by_weight_error"]
         == ["int8_experts", "fp8_experts", "nvfp4_experts", "mxfp4_experts"]
     )
     assert found["lm_head_kl_added"] > found["shared_mlp_kl_added"] > 0
-    # the int8 head alone moves the fp32-compute distribution more than int8 experts and dense MLP together
+    # the int8 head alone moves the fp32-compute distribution more than int8 experts and dense MLP
+    # together
     assert (
         quant["lm_head_int8_only"]["kl_mean_float32"]
         > scores["int8_experts_shared_mlp"]["kl_mean_float32"]
     )
     assert quant["lm_head_int8_only"]["fact_recall"] == quant["reference_fact_recall"]
-    head = quant[
-        "lm_head_alone"
-    ]  # "picks the float head's top token everywhere; its error far below the margin"
+    # "picks the float head's top token everywhere; its error far below the margin"
+    head = quant["lm_head_alone"]
     assert (
         head["top1_agreement"] == 1.0 and head["max_abs_logit_error"] < head["margin_median"] / 20
     )
-    errors = quant[
-        "full_size_layer_rel_error_output"
-    ]  # "an order of magnitude closer", "NVFP4 a little closer"
+    # "an order of magnitude closer", "NVFP4 a little closer"
+    errors = quant["full_size_layer_rel_error_output"]
     assert (
         8 * errors["int8"] <= min(errors["mxfp4"], errors["nvfp4"])
         and errors["nvfp4"] < errors["mxfp4"]
@@ -409,8 +415,9 @@ def test_04_05_07_what_the_prose_says_of_kernel_and_timing_dependent_figures():
         metrics("05_slim_deploy"),
         metrics("07_decode_benchmark"),
     )
-    # 04: "at about the 2 bytes of a bf16 weight per parameter"; "the 26B's bf16 weights alone ... three times
-    # the inf2.xlarge's 16 GiB"; the recipe "drifts" on random weights, the exported steps do not
+    # 04: "at about the 2 bytes of a bf16 weight per parameter"; "the 26B's bf16 weights alone ...
+    # three times the inf2.xlarge's 16 GiB"; the recipe "drifts" on random weights, the exported
+    # steps do not
     assert 1.5 <= compile_["extrapolated_26b"]["rss_bytes_per_param"] <= 3.0
     assert round(2 * compile_["extrapolated_26b"]["params"] / 16 / 2**30) == 3
     recipe = {(row["model"], row["loop"]): row for row in compile_["tiny"]["off_by_one"]}
@@ -419,7 +426,8 @@ def test_04_05_07_what_the_prose_says_of_kernel_and_timing_dependent_figures():
         for (model, loop), row in recipe.items()
         if model == "bundled checkpoint" or loop.startswith("gemma_nb")
     )
-    # 05: "fewer of the fp32 reference's top-k experts when the softmax runs in bf16 than when it stays in fp32"
+    # 05: "fewer of the fp32 reference's top-k experts when the softmax runs in bf16 than when it
+    # stays in fp32"
     emulation = deploy["tp2_emulation"]
     assert (
         emulation["router_topk_equal_bf16_autocast_all"]
@@ -445,17 +453,14 @@ def test_06_what_the_logits_say():
             and fixed["kl_mean"] == 0.0
             and fixed["max_logit_diff"] == 0.0
         )
-        assert (
-            wide[f"{dtype}/unscaled"]["top1_agreement"] <= 0.05
-        )  # "agrees on almost none of its tokens"
-    root = paths[
-        "bfloat16/math_sqrt"
-    ]  # "KL and largest logit difference not zero; not enough to flip an argmax"
+        # "agrees on almost none of its tokens"
+        assert wide[f"{dtype}/unscaled"]["top1_agreement"] <= 0.05
+    # "KL and largest logit difference not zero; not enough to flip an argmax"
+    root = paths["bfloat16/math_sqrt"]
     assert root["kl_mean"] > 0 and root["max_logit_diff"] > 0 and root["top1_agreement"] == 1.0
     assert paths["float32/math_sqrt"]["kl_mean"] == 0.0
-    assert (
-        0.7 <= random_paths["math_sqrt"]["top1_agreement"] <= 0.9
-    )  # "flips about a fifth" of random argmaxes
+    # "flips about a fifth" of random argmaxes
+    assert 0.7 <= random_paths["math_sqrt"]["top1_agreement"] <= 0.9
     assert (
         random_paths["module_scale"]["top1_agreement"] == 1.0
         and random_paths["module_scale"]["kl_mean"] == 0.0

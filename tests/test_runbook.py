@@ -1,4 +1,5 @@
-"""docs/inf2.md: exactly what ``python -m gemma_nb runbook`` writes now, every command real, linked from README."""
+"""docs/inf2.md: exactly what ``python -m gemma_nb runbook`` writes now, every command real, linked
+from README."""
 
 import re
 import shlex
@@ -28,10 +29,10 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
     assert f["usd_per_m_tokens"] == pytest.approx(
         INSTANCES["inf2.xlarge"].usd_per_hour / (6 * 3600) * 1e6
     )
-    assert (
-        round(f["answer_500_s"]) == CLAIMS["answer_500_tokens_s"].value
-    )  # the story's 83 s is 500 tokens at 6 tok/s
-    # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses those
+    # the story's 83 s is 500 tokens at 6 tok/s
+    assert round(f["answer_500_s"]) == CLAIMS["answer_500_tokens_s"].value
+    # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses
+    # those
     assert (f["answer_tokens"], round(f["answer_s"])) == (384, 64) and f["answer_tokens"] < 500
     assert f["fits"] and f["cheapest"] == "inf2.xlarge"
     # 180 GB on a 128 GiB box: 42.6 GB = 39.7 GiB short
@@ -48,7 +49,8 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
 
 
 def _commands(text):
-    """Every ``python -m gemma_nb ...`` line of the code blocks, as argv lists (placeholders filled)."""
+    """Every ``python -m gemma_nb ...`` line of the code blocks, as argv lists (placeholders
+    filled)."""
     lines = [
         m.group(1) for m in re.finditer(r"^\s{4,}python -m gemma_nb (.+)$", text, re.MULTILINE)
     ]
@@ -104,9 +106,8 @@ def test_the_disk_figures_are_the_rehearsal_s_builds_scaled_and_hold_both_builds
     )
     assert set(disk["builds"]) == {"dense", "sparse"}
     assert f["serve_disk_gb"] == -(-disk["serve_disk_bytes"] // 10**9)
-    assert disk["serve_disk_bytes"] == sum(
-        b["artifact_bytes"] for b in disk["builds"].values()
-    )  # no second copy
+    # no second copy
+    assert disk["serve_disk_bytes"] == sum(b["artifact_bytes"] for b in disk["builds"].values())
     assert f["compile_disk_gb"] > f["serve_disk_gb"] > 2 * 26
 
 

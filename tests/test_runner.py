@@ -91,9 +91,8 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
         != {"name": "python3", "display_name": "Python 3", "language": "python"}
     )
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
-    assert [c.id for c in injected] == [
-        "injected-parameters"
-    ]  # papermill's random id would differ per run
+    # papermill's random id would differ per run
+    assert [c.id for c in injected] == ["injected-parameters"]
 
 
 def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
@@ -114,7 +113,8 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
-# ---------------------------------------------------------------- refusing what the run cannot honour
+# ---------------------------------------------------------------- refusing what the run cannot
+# honour
 
 
 PARAMETERS = (
@@ -264,7 +264,8 @@ def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_pat
 
 def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path):
     """--only on the serving box must not need room for a second copy of a compiled model, and a
-    writer that starts its artifact folder afresh never writes through to the previous run's files."""
+    writer that starts its artifact folder afresh never writes through to the previous run's
+    files."""
     from gemma_nb.paths import fresh_dir
 
     final = tmp_path / "outputs" / "neuron"
@@ -284,7 +285,8 @@ def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path
 
 
 def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
-    """A neuron run spends its time on the device: the cpu measurements are skipped, the rest runs."""
+    """A neuron run spends its time on the device: the cpu measurements are skipped, the rest
+    runs."""
     from gemma_nb.targets import CPU_MEASUREMENT_TAG
 
     nb = nbformat.v4.new_notebook()

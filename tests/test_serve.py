@@ -96,7 +96,8 @@ def test_streaming_gives_the_same_text_and_usage(client):
     assert text == plain.choices[0].message.content == "Paris ."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
-    # The role chunk, then one chunk per token: "Paris", " .", and <eos> (no text, finish_reason "stop").
+    # The role chunk, then one chunk per token: "Paris", " .", and <eos> (no text, finish_reason
+    # "stop").
     assert [c.choices[0].delta.content for c in chunks[1:-1]] == ["Paris", " .", ""]
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -182,15 +183,15 @@ def test_chat_fallback_joins_message_contents(tiny):
 def test_deploy_runtime_steps_match_greedy_decoding(tiny, eager_runner):
     """DeployRuntime drives the deploy's two-step runner one token at a time.
 
-    The runner here is the ``eager_runner`` fixture (the un-exported device body; export equals it token for
-    token, tested with the compile module): same prefill bucket, cache and positions as the deploy.
+    The runner here is the ``eager_runner`` fixture (the un-exported device body; export equals it
+    token for token, tested with the compile module): same prefill bucket, cache and positions as
+    the deploy.
     """
     from gemma_nb.evaluate import greedy_generate
     from gemma_nb.export import StepShapes
 
-    model, tokenizer = load_model(
-        BUNDLED_ID
-    )  # a copy: eager_runner switches its experts to grouped_mm
+    # a copy: eager_runner switches its experts to grouped_mm
+    model, tokenizer = load_model(BUNDLED_ID)
     runtime = R.DeployRuntime(
         eager_runner(model, StepShapes(max_cache_len=64, prefill_len=16)), tokenizer
     )
@@ -221,10 +222,11 @@ def test_neuron_runtime_steps_match_the_neuron_runner(tiny):
         CpuStateGraph(module), model.get_input_embeddings(), model.config, 32, 8
     )
     runtime = R.NeuronDeployRuntime(runner, tokenizer)
+    # the 2nd prefill overwrites the cache
     for country, capital in (
         ("Japan", "Tokyo"),
         ("Kenya", "Nairobi"),
-    ):  # the 2nd prefill overwrites the cache
+    ):
         ids = tokenizer(f"The capital of {country} is").input_ids
         expected = greedy_generate(model, torch.tensor([ids]), 5)[0, len(ids) :].tolist()
         generation = G.generate(runtime, ids, 5, ignore_eos=True)
@@ -498,13 +500,14 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(server):
         ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
+    # role chunk, 3 tokens, final usage
     assert [c["usage"]["completion_tokens"] for c in chunks] == [
         0,
         1,
         2,
         3,
         3,
-    ]  # role chunk, 3 tokens, final usage
+    ]
     assert all(c["usage"]["prompt_tokens"] == 6 for c in chunks) and chunks[-1]["choices"] == []
 
 
@@ -556,17 +559,19 @@ def test_max_tokens_above_the_cap_is_refused(slow_server):
         served.create_app(lambda: None, model_name="x", max_tokens=32, max_tokens_cap=16)
 
 
-# ---------------------------------------------------------------- departed clients, /metrics, the OpenAPI document
+# ---------------------------------------------------------------- departed clients, /metrics, the
+# OpenAPI document
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, stream):
     root = slow_server(2)
+    # >= 10 s at 50 ms a token
     long = {
         "prompt": "The capital of France is",
         "max_tokens": 200,
         "ignore_eos": True,
-    }  # >= 10 s at 50 ms a token
+    }
     holder = threading.Thread(
         target=lambda: httpx.post(root + "/v1/completions", json=long, timeout=60), daemon=True
     )
@@ -583,16 +588,14 @@ def test_a_client_that_leaves_while_queued_frees_its_slot_at_once(slow_server, s
             for _ in response.iter_lines():
                 pass
     assert metric(root, "gemma_nb_queue_depth") >= 1
-    deadline = (
-        time.perf_counter() + 2
-    )  # a poll of the queue (0.1 s), long before the 200 tokens end
+    # a poll of the queue (0.1 s), long before the 200 tokens end
+    deadline = time.perf_counter() + 2
     while metric(root, "gemma_nb_queue_depth") != 1:
         assert time.perf_counter() < deadline, "the departed client still holds its slot"
         time.sleep(0.05)
     assert metric(root, "gemma_nb_client_disconnects_total") == 1
-    with pytest.raises(
-        httpx.ReadTimeout
-    ):  # its place is free: a newcomer is queued behind the long one, not refused
+    # its place is free: a newcomer is queued behind the long one, not refused
+    with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             root + "/v1/completions",
             json={"prompt": "x", "max_tokens": 1},

@@ -1,4 +1,5 @@
-"""The server against hostile input: every reproduction, a bounded fuzz test, the body and head limits.
+"""The server against hostile input: every reproduction, a bounded fuzz test, the body and head
+limits.
 
 One in-process uvicorn server on a loopback port (queue of 2, so that a leaked slot shows after
 two requests) over the bundled checkpoint, with faults that a test can inject into the tokenizer
@@ -38,7 +39,8 @@ VALID = {
 
 
 class FaultyTokenizer:
-    """The real tokenizer, except that encoding raises while ``faults`` holds "tokenize"; counts its calls."""
+    """The real tokenizer, except that encoding raises while ``faults`` holds "tokenize"; counts its
+    calls."""
 
     def __init__(self, tokenizer, faults: set):
         self._tokenizer, self._faults, self.calls = tokenizer, faults, 0
@@ -151,7 +153,8 @@ def test_1_refusals_after_admission_do_not_leak_queue_slots(server):
 
 
 def test_every_failure_path_releases_the_slot(server, runtime):
-    """Validation error, full queue, a fault before admission, in the model, mid-stream, a client that leaves."""
+    """Validation error, full queue, a fault before admission, in the model, mid-stream, a client
+    that leaves."""
     ask = {"messages": FRANCE, "temperature": 0, "max_tokens": 4}
     error_of(post(server, "/v1/chat/completions", {**ask, "top_p": 0}), 400, "top_p")
     runtime.faults.add("tokenize")
@@ -166,9 +169,8 @@ def test_every_failure_path_releases_the_slot(server, runtime):
     streamed = post(
         server, "/v1/completions", {**VALID["/v1/completions"], "stream": True, "max_tokens": 4}
     )
-    assert (
-        streamed.status_code == 200 and '"type":"server_error"' in streamed.text
-    )  # in-band: headers were sent
+    # in-band: headers were sent
+    assert streamed.status_code == 200 and '"type":"server_error"' in streamed.text
     with httpx.stream(
         "POST",
         server + "/v1/chat/completions",
@@ -222,7 +224,8 @@ def test_2_bad_values_get_400_not_500(server):
     assert_still_serving(server)
 
 
-# ---------------------------------------------------------------- 3. a 500 is counted and keeps the connection
+# ---------------------------------------------------------------- 3. a 500 is counted and keeps the
+# connection
 
 
 def test_3_a_500_is_counted_and_the_connection_stays_usable(server, runtime):
@@ -237,9 +240,8 @@ def test_3_a_500_is_counted_and_the_connection_stays_usable(server, runtime):
     assert failed.status == 500 and payload["error"]["type"] == "server_error"
     assert failed.getheader("connection") != "close"
     sock = conn.sock
-    conn.request(
-        "POST", "/generate", body, {"Content-Type": "application/json"}
-    )  # same pooled connection
+    # same pooled connection
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
     ok = conn.getresponse()
     assert ok.status == 200 and json.loads(ok.read())["text"] == " Paris ." and conn.sock is sock
     conn.close()
@@ -414,9 +416,8 @@ def test_5_roles_fields_and_routes(server):
         "temprature",
     )
     assert "unknown field 'temprature'" in error["message"] and "temperature" in error["message"]
-    error_of(
-        post(server, "/generate", {"prompt": "x", "stream": True}), 400, "stream"
-    )  # /generate does not stream
+    # /generate does not stream
+    error_of(post(server, "/generate", {"prompt": "x", "stream": True}), 400, "stream")
 
 
 def test_5_host_allow_list(server):
@@ -436,9 +437,8 @@ def test_5_host_allow_list(server):
         "127.0.0.1.attacker.example",
         "[::2]",
     ):
-        response = httpx.get(
-            server + "/v1/models", headers={"Host": host}
-        )  # Starlette's TrustedHostMiddleware
+        # Starlette's TrustedHostMiddleware
+        response = httpx.get(server + "/v1/models", headers={"Host": host})
         assert response.status_code == 400 and response.text == "Invalid host header", host
     assert (
         metric(server, "gemma_nb_requests_total", endpoint="/v1/models", status="400") == before + 4
@@ -618,11 +618,13 @@ def test_fuzz_leaves_the_server_serving(server):
     assert_still_serving(server)
 
 
-# ---------------------------------------------------------------- the HTTP layer: heads, framing, uvicorn's refusals
+# ---------------------------------------------------------------- the HTTP layer: heads, framing,
+# uvicorn's refusals
 
 
 def raw(root: str, data: bytes, timeout_s: float = 10.0) -> bytes:
-    """Send ``data`` on a fresh connection in one write; everything the server answers until it closes."""
+    """Send ``data`` on a fresh connection in one write; everything the server answers until it
+    closes."""
     host, port = root.removeprefix("http://").split(":")
     answer = b""
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
@@ -658,9 +660,8 @@ def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
     app = served.create_app(runtime, model_name=BUNDLED_ID)
     with serve_in_thread(app, limit_concurrency=3) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
-        assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(
-            b"HTTP/1.1 400"
-        )  # uvicorn's own, plain text
+        # uvicorn's own, plain text
+        assert raw(root, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")
         host, port = root.removeprefix("http://").split(":")
         idle = [socket.create_connection((host, int(port))) for _ in range(3)]
         try:
@@ -674,7 +675,8 @@ def test_uvicorn_refusals_are_counted(serve_in_thread, runtime):
 
 
 def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, slowed, runtime):
-    """No timer of the server's (keep-alive here, 1 s) cuts a request that has arrived and is running."""
+    """No timer of the server's (keep-alive here, 1 s) cuts a request that has arrived and is
+    running."""
     app = served.create_app(slowed(runtime), model_name=BUNDLED_ID)
     with serve_in_thread(app, keep_alive_timeout_s=1) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)
@@ -692,7 +694,8 @@ def test_a_pipelined_long_request_keeps_its_response(serve_in_thread, slowed, ru
 
 
 def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread, slowed, runtime):
-    """With the queue full, 3.9 MB bodies under the limit get 429 without being parsed or tokenized."""
+    """With the queue full, 3.9 MB bodies under the limit get 429 without being parsed or
+    tokenized."""
     app = served.create_app(slowed(runtime), model_name=BUNDLED_ID, queue_size=1)
     with serve_in_thread(app) as root:
         wait_until_healthy(root + "/v1", timeout_s=60)

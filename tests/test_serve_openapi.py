@@ -1,4 +1,5 @@
-"""schemathesis against the server's own /openapi.json: no 5xx, no response off the documented schema.
+"""schemathesis against the server's own /openapi.json: no 5xx, no response off the documented
+schema.
 
 The server runs in-process on a loopback port with an API key; schemathesis 4 runs as the
 command a deployer would type (``--checks all``, the key as a header), fuzzing every operation's
@@ -23,7 +24,8 @@ KEY = "schemathesis-" + "k" * 16
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thread, tmp_path):
     torch.manual_seed(0)
-    # Answers of at most 4 tokens keep each generated request cheap; the limits are otherwise the defaults.
+    # Answers of at most 4 tokens keep each generated request cheap; the limits are otherwise the
+    # defaults.
     app = served.create_app(
         TransformersRuntime(*load_model(BUNDLED_ID)),
         model_name=BUNDLED_ID,
@@ -58,13 +60,14 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thr
             capture_output=True,
             text=True,
             timeout=300,
-            cwd=tmp_path,
-        )  # its cache goes there, not in the repo
+            cwd=tmp_path,  # its cache goes there, not in the repo
+        )
         fuzzed = served_requests(app)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "No issues found" in run.stdout and "6 selected / 6 total" in run.stdout
-    # Every generation route had bodies fuzzed: accepted ones and refused ones (400, 404 for a model name).
+    # Every generation route had bodies fuzzed: accepted ones and refused ones (400, 404 for a model
+    # name).
     for path in served.GENERATION_PATHS:
         assert fuzzed.get((path, "200"), 0) > 5 and fuzzed.get((path, "400"), 0) > 5, (path, fuzzed)
 

@@ -81,13 +81,11 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
     with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
-        sdk.RowParallelLinear(
-            16, 32
-        )  # nor by the plain layers: the port builds every layer without one
+        # nor by the plain layers: the port builds every layer without one
+        sdk.RowParallelLinear(16, 32)
     with S.model_parallel(2), pytest.raises(TypeError, match="input_is_parallel=True only"):
-        sdk.QuantizedRowParallel(
-            32, 16, bias=False
-        )  # NxD's default scatters the input; the port feeds it shards
+        # NxD's default scatters the input; the port feeds it shards
+        sdk.QuantizedRowParallel(32, 16, bias=False)
     with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30, bias=False)
@@ -121,14 +119,14 @@ def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
     assert module.up.weight.is_meta and module.up.weight.partition_stride == 3
     shard = S.shard_checkpoint(module, full, rank=1, tp=2)
     assert "extra" not in shard and torch.equal(shard["norm.weight"], full["norm.weight"])
-    assert torch.equal(
-        shard["up.weight"], full["up.weight"][[1, 3, 5]]
-    )  # stride 3: every other chunk of 1 row
+    # stride 3: every other chunk of 1 row
+    assert torch.equal(shard["up.weight"], full["up.weight"][[1, 3, 5]])
     assert torch.equal(shard["down.weight"], full["down.weight"][:, 3:])
+    # cast, replicated
     assert shard["down.scale"].dtype == torch.float32 and shard["down.scale"].shape == (
         4,
         1,
-    )  # cast, replicated
+    )
     with pytest.raises(
         RuntimeError,
         match=r"expected shape torch.Size\(\[4, 3\]\) for down.weight but found "
@@ -140,9 +138,9 @@ def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
 
 
 def test_meta_built_module_loads_every_ranks_shard(tp2_model):
-    """The test that would have caught defect 1: NeuronGemma4 built on meta as ModelBuilder builds it,
-    sharded by the emulated shard_children, every rank's shard fits, the NxD tags and fp32 scales
-    survive _materialize, and each rank's KV state holds half the heads."""
+    """The test that would have caught defect 1: NeuronGemma4 built on meta as ModelBuilder builds
+    it, sharded by the emulated shard_children, every rank's shard fits, the NxD tags and fp32
+    scales survive _materialize, and each rank's KV state holds half the heads."""
     model, checkpoint = tp2_model
     build = _build(2, "bfloat16")
     sdk = S.cpu_sdk()
@@ -152,16 +150,19 @@ def test_meta_built_module_loads_every_ranks_shard(tp2_model):
     assert scale.is_meta and scale.dtype == torch.float32 and scale.tensor_model_parallel
     for rank in range(2):
         shard = S.shard_checkpoint(skeleton, checkpoint, rank, 2)
+        # 2 of 4 KV heads
         assert shard["lm.model.layers.0.self_attn.k_proj.weight"].shape == (
             2 * 32,
             128,
-        )  # 2 of 4 KV heads
+        )
         module = E.rank_module(model.config, _build(2), checkpoint, model.state_dict(), rank, sdk)
+        # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
         assert [c.shape[1] for c in module.k_cache] == [
             2,
             1,
-        ]  # 4 -> 2 sliding, 2 -> 1 global (TP2_DIMS)
-    # What _materialize did before the fix: plain parameters, tags and fp32 scale lost -> whole tensors kept.
+        ]
+    # What _materialize did before the fix: plain parameters, tags and fp32 scale lost -> whole
+    # tensors kept.
     for module in skeleton.modules():
         for name, tensor in list(module._parameters.items()):
             if tensor is not None and tensor.is_meta:
@@ -186,9 +187,8 @@ def test_scale_dequantize_patch_fits_2d_and_3d_like_the_sdk():
     sdk = S.cpu_sdk()
     patch_scale_dequantize(sdk.quantization_layers)
     assert sdk.quantization_layers.scale_dequantize is scale_dequantize
-    assert (
-        S.cpu_sdk().quantization_layers.scale_dequantize is S.sdk_scale_dequantize
-    )  # others untouched
+    # others untouched
+    assert S.cpu_sdk().quantization_layers.scale_dequantize is S.sdk_scale_dequantize
 
 
 def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
@@ -205,7 +205,8 @@ def test_masks_are_finite_in_bf16_and_a_masked_row_has_no_nan(tp2_model):
 
 
 def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
-    """group=None at tp=2: one rank's shapes, collectives as identities (for lowering one rank's graph)."""
+    """group=None at tp=2: one rank's shapes, collectives as identities (for lowering one rank's
+    graph)."""
     model, checkpoint = tp2_model
     module = E.rank_module(
         model.config, _build(2), checkpoint, model.state_dict(), 1, S.cpu_sdk(), experts="sparse"
@@ -213,11 +214,12 @@ def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
     inputs = B.step_inputs(torch.randn(1, 1, 128), [0], 24, model.config.sliding_window)
     with torch.no_grad():
         logits, *state = module(*inputs)
+    # this rank's half of the vocab: no all-gather without a group
     assert logits.shape == (
         1,
         1,
         256,
-    )  # this rank's half of the vocab: no all-gather without a group
+    )
     assert [s.shape[1] for s in state] == [2, 1, 2, 1]
 
 
@@ -225,15 +227,15 @@ def test_one_artifact_per_decode_path_with_its_own_flags():
     build = _build(2)
     assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
     assert build.routed_graphs() == {"prefill": "prefill", "decode": "decode_dense"}
+    # the port's
     assert (
         build.compiler_args == "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
-    )  # the port's
+    )
     sparse = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="sparse")
     assert sparse.graph_keys() == {"prefill": "dense", "decode_sparse": "sparse"}
     assert sparse.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}
-    assert (
-        sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"
-    )  # NxD's default: no warning
+    # NxD's default: no warning
+    assert sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"
     with pytest.raises(
         ValueError,
         match="decode_experts='both' is not one of dense, sparse: one artifact per decode",
@@ -270,9 +272,8 @@ def test_a_quantized_layer_missing_from_the_checkpoint_is_an_error_not_garbage()
             }
         )
     full = {"down.weight": torch.zeros(4, 8, dtype=torch.int8), "down.scale": torch.ones(4, 1)}
-    assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(
-        full
-    )  # a plain layer's missing key is skipped
+    # a plain layer's missing key is skipped
+    assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(full)
     with pytest.raises(RuntimeError, match=r"Cannot find down\.scale in state_dict"):
         S.shard_checkpoint(layer, {"down.weight": full["down.weight"]}, 0, 2)
     with pytest.raises(RuntimeError, match=r"Cannot find down\.weight in the state_dict"):
@@ -327,9 +328,8 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
                 quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
             )
         with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
-            sdk.QuantizedExpertFusedRowParallel(
-                6, 8, 4, reduce_output=True
-            )  # the port all-reduces the partials itself
+            # the port all-reduces the partials itself
+            sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)
         with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
             sdk.QuantizedColumnParallel(
                 4, 8, quantized_dtype=sdk.QuantizedDtype.F4E2M1FN_X4, **_int8(sdk)
@@ -350,8 +350,8 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
         column.preshard_hook(
             {"weight": torch.zeros(6, 4, dtype=torch.int8), "scale": torch.ones(6, 1)}, "weight"
         )
-    # plain per-channel expert scales [1, 1, out] are shared by the experts: indexing them by expert fails on
-    # the cpu as in NxD's cpu mode (an XLA gather would clamp the index to 0 on the device)
+    # plain per-channel expert scales [1, 1, out] are shared by the experts: indexing them by expert
+    # fails on the cpu as in NxD's cpu mode (an XLA gather would clamp the index to 0 on the device)
     with pytest.raises(IndexError):
         shared(torch.zeros(2, 1, 1, 4), expert_indices=torch.tensor([3, 5]))
 

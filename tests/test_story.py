@@ -1,4 +1,5 @@
-"""Every claim names its sources (described in docs/sources.md) and its range; an unknown claim is one error."""
+"""Every claim names its sources (described in docs/sources.md) and its range; an unknown claim is
+one error."""
 
 import re
 import subprocess
@@ -88,10 +89,11 @@ def test_every_claim_range_is_written_out_and_holds_its_value():
     for key, claim in CLAIMS.items():
         low, high = claim.within
         assert low <= claim.value <= high and low < high, key
+    # the write-up's "~3-4 GB", not parsed from the text
     assert CLAIMS["int8_experts_gap_gb"].within == (
         3.0,
         4.0,
-    )  # the write-up's "~3-4 GB", not parsed from the text
+    )
 
 
 # Keys a source of this project's own would have: its planning estimates, earlier runs, counts.
@@ -131,10 +133,11 @@ def test_claims_table_shows_claims_as_written_and_a_difference_only_between_like
         and not rows["3-4 GB"]["holds"]
     )
     assert rows["93%"]["computed"] == "93.2%" and rows["93%"]["holds"]  # "93%" stands for 92-94%
+    # a bound, never a difference
     assert rows["180.0 GB"] | {"figure": None} == {
         "figure": None,
         "computed": "≥ 51.71 GB",
         "diff": "",
         "holds": True,
         "source": "port-review",
-    }  # a bound, never a difference
+    }

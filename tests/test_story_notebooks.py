@@ -1,4 +1,5 @@
-"""The notebooks that read as a story: prose in markdown, numbers checked, tables and figures for the page.
+"""The notebooks that read as a story: prose in markdown, numbers checked, tables and figures for
+the page.
 
 Holds ``STORY_NOTEBOOKS``, in ``notebooks/`` and in the executed reference run ``outputs/cpu/``, to:
 
@@ -11,7 +12,8 @@ Holds ``STORY_NOTEBOOKS``, in ``notebooks/`` and in the executed reference run `
   with the bold header; no unescaped ``$`` (read as maths) in markdown or generated output;
 - figures carry alt text (``plots.show_figure``);
 - each notebook's kernelspec and language_info are what the installed kernel reports, so opening one
-  in JupyterLab and saving it changes nothing (the save itself is jupyter_server's contents manager).
+  in JupyterLab and saving it changes nothing (the save itself is jupyter_server's contents
+manager).
 """
 
 import ast
@@ -70,7 +72,8 @@ PROSE_WORDS = 5  # a string of this many words or more, printed or shown as mark
 
 
 def _sentences_built_in(source: str) -> list[str]:
-    """Calls in a code cell that build prose: Markdown(...), or print/display of a literal sentence."""
+    """Calls in a code cell that build prose: Markdown(...), or print/display of a literal
+    sentence."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
@@ -139,7 +142,8 @@ def test_the_notebook_ends_with_what_we_learned_in_markdown(folder, name):
     "path", sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem
 )
 def test_papermill_reads_every_parameter_without_a_warning(path, caplog):
-    """papermill's inspection (``papermill --help-notebook``) skips, with a warning, a line it cannot parse."""
+    """papermill's inspection (``papermill --help-notebook``) skips, with a warning, a line it
+    cannot parse."""
     from papermill.translators import PythonTranslator
 
     cell = next(
@@ -517,8 +521,9 @@ def test_every_number_typed_in_markdown_is_checked(name):
 
 def test_the_number_reader_reads_prose_not_names():
     text = (
-        "Gemma-4-26B-A4B on an inf2.xlarge: 25,233,141,760 parameters, 3-4 GB short, 1.48 / 0.37 GB, "
-        "`int8_experts` at 93.24% and 3.823B, not bf16 or top-8 (`math.sqrt(2816)` in code), \\$1.31."
+        "Gemma-4-26B-A4B on an inf2.xlarge: 25,233,141,760 parameters, 3-4 GB short, 1.48 / 0.37 "
+        "GB, `int8_experts` at 93.24% and 3.823B, not bf16 or top-8 (`math.sqrt(2816)` in code), "
+        "\\$1.31."
     )
     assert markdown_numbers(text) == [
         "25,233,141,760",
@@ -554,7 +559,8 @@ def test_tables_have_one_header_row_one_format_per_column_and_fit_with_a_bold_he
             )
         for column, formats in page_width.mixed_format_columns(body).items():
             problems.append(
-                f"cell {index}: column {(header[-1] + [''] * column)[column]!r} mixes {sorted(formats)}"
+                f"cell {index}: column {(header[-1] + [''] * column)[column]!r} mixes "
+                f"{sorted(formats)}"
             )
         width = page_width.table_width_px(header + body, header_rows=len(header))
         if width > display.PAGE_WIDTH_PX:
@@ -567,7 +573,8 @@ UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 @pytest.mark.parametrize("name", STORY_NOTEBOOKS)
 def test_no_dollar_is_read_as_maths(name):
-    """A $ in markdown (a cell, or generated) or in a table starts LaTeX in JupyterLab, GitHub and nbviewer."""
+    """A $ in markdown (a cell, or generated) or in a table starts LaTeX in JupyterLab, GitHub and
+    nbviewer."""
     found = [
         f"markdown cell {i}"
         for i, c in enumerate(notebook("notebooks", name).cells)
@@ -584,8 +591,9 @@ def test_no_dollar_is_read_as_maths(name):
 
 @pytest.mark.parametrize("name", STORY_NOTEBOOKS)
 def test_every_figure_has_alt_text(name):
-    """In the output's image/png metadata, where nbconvert's classic HTML template (and nbsphinx) read
-    it; its default lab template and JupyterLab 4.6 do not read any alt text of an output image."""
+    """In the output's image/png metadata, where nbconvert's classic HTML template (and nbsphinx)
+    read it; its default lab template and JupyterLab 4.6 do not read any alt text of an output
+    image."""
     from nbconvert import HTMLExporter
 
     missing = [
@@ -630,7 +638,8 @@ def test_the_notebook_carries_the_installed_kernels_metadata(folder, name, kerne
 
 @pytest.mark.parametrize("folder, name", BOTH)
 def test_saving_a_notebook_unedited_rewrites_nothing(folder, name, tmp_path, monkeypatch):
-    """jupyter_server's contents manager, which JupyterLab saves through, writes the same bytes back."""
+    """jupyter_server's contents manager, which JupyterLab saves through, writes the same bytes
+    back."""
     from jupyter_server.services.contents.filemanager import FileContentsManager
 
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))  # its notary signs what it saves

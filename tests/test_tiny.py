@@ -1,4 +1,5 @@
-"""gemma_nb.tiny: the bundled checkpoint (loaded from disk, never retrained) and random Gemma-4 configs."""
+"""gemma_nb.tiny: the bundled checkpoint (loaded from disk, never retrained) and random Gemma-4
+configs."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def test_fact_recall_at_least_95_percent(tiny):
 
 
 def test_embeddings_are_trained_and_the_scale_matters(tiny):
-    """Skipping the sqrt(hidden) embedding scale on the host must give wrong answers, not a nudge."""
+    """Skipping the sqrt(hidden) embedding scale on the host must give wrong answers, not a
+    nudge."""
     model, tokenizer = tiny
     table = model.get_input_embeddings().weight.detach()
     scale = model.get_input_embeddings().embed_scale
@@ -194,7 +196,8 @@ def test_random_config_has_the_26b_architecture():
 
 
 def test_one_full_size_layer_matches_the_26b_counts():
-    """Counts per group for one 26B layer = the whole model's count / 30 (tests/test_memory.py pins it), on the meta device."""
+    """Counts per group for one 26B layer = the whole model's count / 30 (tests/test_memory.py pins
+    it), on the meta device."""
     config = random_gemma4_config(num_hidden_layers=6, **FULL_LAYER)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
@@ -264,8 +267,10 @@ def test_random_model_is_deterministic_and_in_dtype():
 PORTABLE_WEIGHTS = """
 import hashlib, torch
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
-config = random_gemma4_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                              head_dim=8, global_head_dim=16, moe_intermediate_size=16)
+config = random_gemma4_config(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    head_dim=8, global_head_dim=16, moe_intermediate_size=16,
+)
 model = random_gemma4_model(config, seed=1, dtype=torch.bfloat16, init_dtype=torch.float64)
 digest = hashlib.sha256()
 for p in model.state_dict().values():
@@ -294,7 +299,8 @@ def test_weights_drawn_in_float64_are_the_same_on_every_cpu():
 
 
 def test_training_script_is_deterministic(tmp_path):
-    """Two one-epoch runs of the training code write byte-identical weights that load and generate."""
+    """Two one-epoch runs of the training code write byte-identical weights that load and
+    generate."""
     from gemma_nb.tiny.train import TrainArgs, train
 
     args = TrainArgs(max_epochs=1, eval_every_epochs=1)
@@ -305,9 +311,8 @@ def test_training_script_is_deterministic(tmp_path):
     ).read_bytes()
     assert first["steps_run"] == 8 and first["args"]["seed"] == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
-    assert (
-        model.config._experts_implementation == "grouped_mm"
-    )  # transformers' default, not a training setting
+    # transformers' default, not a training setting
+    assert model.config._experts_implementation == "grouped_mm"
     assert "_experts_implementation" not in (tmp_path / "a" / "config.json").read_text()
     assert not torch.are_deterministic_algorithms_enabled()  # global torch state restored
 
@@ -330,7 +335,8 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
         INDEX_FILE,
     ):
         assert (TP2_CHECKPOINT_DIR / name).is_file()
-    # stored as the hub stores the 26B: a multimodal config, prefixed names, two shards and their index
+    # stored as the hub stores the 26B: a multimodal config, prefixed names, two shards and their
+    # index
     index = json.loads((TP2_CHECKPOINT_DIR / INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -344,10 +350,11 @@ def test_tp2_checkpoint_resolves_splits_at_tp2_and_recalls_facts():
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    # 8 -> 4 and 2 -> 1 per rank at TP=2
     assert {heads for heads, _ in layer_kv_heads(config)} == {
         8,
         2,
-    }  # 8 -> 4 and 2 -> 1 per rank at TP=2
+    }
     assert (
         config.num_attention_heads == 16
         and config.num_experts % 2 == 0

@@ -1,4 +1,5 @@
-"""The neuron build's graphs at TP=2 on two gloo ranks with the NxD stand-ins (gemma_nb.neuron.emulate)."""
+"""The neuron build's graphs at TP=2 on two gloo ranks with the NxD stand-ins
+(gemma_nb.neuron.emulate)."""
 
 import os
 
@@ -56,12 +57,12 @@ def test_aliased_graphs_write_the_state_back_and_refuse_a_mismatched_alias():
     graphs(*B.step_inputs(embed(torch.tensor([[9]])), [4], 12, model.config.sliding_window))
     assert graphs.calls == {"prefill": 1, "decode": 1}
     assert E._onehot_state_ok(graphs.state, 4) and not E._onehot_state_ok(graphs.state, 5)
-    # the decode step was given the prefill's state (slots 0-3) and its output, slot 4 added, became the state
+    # the decode step was given the prefill's state (slots 0-3) and its output, slot 4 added, became
+    # the state
     given, state = module.k_cache[0].detach(), graphs.state["k_cache.0"]
     assert torch.equal(given[:, :, :4], state[:, :, :4]) and given[:, :, 4:].abs().sum() == 0
     assert state[:, :, 4].abs().sum() > 0
-    graphs.state["k_cache.0"] = graphs.state[
-        "k_cache.0"
-    ].double()  # a state the fp32 output cannot alias
+    # a state the fp32 output cannot alias
+    graphs.state["k_cache.0"] = graphs.state["k_cache.0"].double()
     with pytest.raises(RuntimeError, match="cannot alias state k_cache.0"):
         graphs(*B.step_inputs(embed(torch.tensor([[9]])), [5], 12, model.config.sliding_window))

@@ -1,1 +1,2 @@
-"""The notebooks' experiments: one module per experiment, its head naming the notebook; products never import them."""
+"""The notebooks' experiments: one module per experiment, its head naming the notebook; products
+never import them."""

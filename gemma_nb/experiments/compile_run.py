@@ -1,5 +1,6 @@
-"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes, exported-vs-eager decoding.
-``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder": ...}'`` compiles one point, prints JSON last on stdout."""
+"""What compiling costs, measured (notebook 04): the size sweep, its growth fits, plots and boxes,
+exported-vs-eager decoding. ``python -m gemma_nb.experiments.compile_run '{"dims": ..., "folder":
+...}'`` compiles one point, prints JSON last on stdout."""
 
 import json
 import shutil
@@ -33,9 +34,9 @@ from gemma_nb.hardware import GB, INSTANCES
 from gemma_nb.peak_rss import run_measured, self_peak_rss_bytes
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
-# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled): four widths at two
-# layers (parameters grow ~70x) and the smallest width at 6 layers (the graph grows, the parameters barely), so time
-# can be split into a per-layer and a per-byte part.
+# Random-weight Gemma-4 configs of growing size for notebook 04 (the 26B's architecture, scaled):
+# four widths at two layers (parameters grow ~70x) and the smallest width at 6 layers (the graph
+# grows, the parameters barely), so time can be split into a per-layer and a per-byte part.
 _SWEEP_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -63,7 +64,8 @@ SWEEP_POINTS: dict[str, dict] = {
 
 
 def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
-    """One row per config of ``points``, compiled by ``main`` in a fresh Python under the RSS sampler, artifact deleted."""
+    """One row per config of ``points``, compiled by ``main`` in a fresh Python under the RSS
+    sampler, artifact deleted."""
     rows = []
     for name, dims in points.items():
         target = Path(folder) / name
@@ -100,7 +102,8 @@ def compile_sweep(points: Mapping[str, Mapping], folder: str | Path):
 
 
 def fit_linear(features: Mapping[str, object], y) -> dict:
-    """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and r^2."""
+    """Least-squares ``y = intercept + sum_k coef_k * features[k]``; returns the coefficients and
+    r^2."""
     names = list(features)
     y = np.asarray(y, dtype=float)
     design = np.stack(
@@ -122,7 +125,8 @@ def fit_linear(features: Mapping[str, object], y) -> dict:
 
 
 def growth_fits(sweep) -> dict:
-    """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and weight GB (writing)."""
+    """Peak RSS (GB) linear in parameters; compile seconds linear in layers (graph export) and
+    weight GB (writing)."""
     return {
         "rss": fit_linear({"slope": sweep["params"]}, sweep["peak_rss_gb"]),
         "time": fit_linear(
@@ -159,7 +163,8 @@ def fits_table(fits: Mapping):
 
 
 def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> dict:
-    """Both fits evaluated at a model of ``params`` parameters, ``layers`` layers, ``weight_gb`` GB."""
+    """Both fits evaluated at a model of ``params`` parameters, ``layers`` layers, ``weight_gb``
+    GB."""
     rss, cost = fits["rss"], fits["time"]
     seconds = cost["intercept"] + cost["layers"] * layers + cost["weight_gb"] * weight_gb
     return {
@@ -171,7 +176,8 @@ def extrapolate(fits: Mapping, params: int, layers: int, weight_gb: float) -> di
 
 
 def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
-    """Peak RSS and compile time vs parameters (millions), measured and fitted (time: per layer count, bf16 weights)."""
+    """Peak RSS and compile time vs parameters (millions), measured and fitted (time: per layer
+    count, bf16 weights)."""
     params = np.linspace(0, sweep["params"].max() * 1.05, 50)
     rss, cost = fits["rss"], fits["time"]
     for layers, group in sweep.groupby("layers"):
@@ -193,9 +199,8 @@ def plot_growth(sweep, fits: Mapping, ax_rss, ax_time) -> None:
         (ax_rss, "peak host RSS (GB)", sweep["peak_rss_gb"].max()),
         (ax_time, "export + save (s)", sweep["compile_s"].max()),
     ):
-        ax.set(
-            xlabel="parameters (millions)", ylabel=label, ylim=(0, 1.8 * top)
-        )  # room above the data for the legend
+        # room above the data for the legend
+        ax.set(xlabel="parameters (millions)", ylabel=label, ylim=(0, 1.8 * top))
         ax.legend(loc="upper left", fontsize=9)
 
 
@@ -222,7 +227,8 @@ def greedy_equality(
 def compile_box_table(
     peak_host_gb: Mapping[str, float], compile_hours: Mapping[str, float], swap_gb: float = 100.0
 ):
-    """Per inf2 instance: holds each peak host GB (label -> GB), with and without swap; $ of each compile (label -> hours)."""
+    """Per inf2 instance: holds each peak host GB (label -> GB), with and without swap; $ of each
+    compile (label -> hours)."""
     rows = []
     for inst in INSTANCES.values():
         row = {
@@ -245,7 +251,8 @@ def compile_box_table(
 def transformers_recipe_tokens(
     model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, max_cache_len: int
 ) -> list[int]:
-    """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one position too far)."""
+    """New tokens from transformers' export recipe and its ``generate`` (which feeds each token one
+    position too far)."""
     set_traceable_experts(model)
     saved = model.generation_config
     model.generation_config = GenerationConfig(
@@ -270,7 +277,8 @@ def off_by_one_table(
     max_new_tokens: int,
     runners: Mapping[str, StepRunner] | None = None,
 ):
-    """Per model: greedy tokens equal to eager from transformers' recipe and from ``export_steps`` (``runners``: exported)."""
+    """Per model: greedy tokens equal to eager from transformers' recipe and from ``export_steps``
+    (``runners``: exported)."""
     prompt = input_ids.shape[1]
     shapes = StepShapes(max_cache_len=prompt + max_new_tokens, prefill_len=prompt)
     rows = []

@@ -1,5 +1,6 @@
-"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed uniformly
-or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and predicted."""
+"""Notebook 07's decode beyond one stream: one full-size MoE layer timed at batch B, routed
+uniformly or by the bundled checkpoint's own router, and where dense overtakes sparse, measured and
+predicted."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from gemma_nb.evaluate import greedy_generate, length_batches
 
 @dataclass(frozen=True)
 class RealRouting:
-    """Decode-step tokens' routing: ``index``/``weights [N, L, K]``, ``prompt [N]`` (which prompt each continues)."""
+    """Decode-step tokens' routing: ``index``/``weights [N, L, K]``, ``prompt [N]`` (which prompt
+    each continues)."""
 
     index: torch.Tensor
     weights: torch.Tensor
@@ -22,7 +24,8 @@ class RealRouting:
     num_experts: int
 
     def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
-        """Row numbers of ``batch`` tokens from ``batch`` different prompts (B streams, one token each)."""
+        """Row numbers of ``batch`` tokens from ``batch`` different prompts (B streams, one token
+        each)."""
         numbers = self.prompt.unique()
         if batch > len(numbers):
             raise ValueError(
@@ -39,7 +42,8 @@ class RealRouting:
 def capture_real_routing(
     model, tokenizer, prompts: Sequence[str], new_tokens: int = 3
 ) -> RealRouting:
-    """Every layer's router choices for ``new_tokens`` greedy tokens fed back after each prompt (batched by length)."""
+    """Every layer's router choices for ``new_tokens`` greedy tokens fed back after each prompt
+    (batched by length)."""
     found = moe.experts_modules(model)
     assert found, f"{type(model).__name__} has no routed experts to record"
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in found]
@@ -59,9 +63,8 @@ def capture_real_routing(
                 calls.clear()
             model(input_ids=ids[:, : length + new_tokens], use_cache=False)
             shape = (len(numbers), length + new_tokens, -1)
-            fed_back = [
-                tuple(t.reshape(shape)[:, length:] for t in calls[0]) for calls in seen
-            ]  # per layer: [P, n, K] x 2
+            # per layer: [P, n, K] x 2
+            fed_back = [tuple(t.reshape(shape)[:, length:] for t in calls[0]) for calls in seen]
             index.append(torch.stack([f[0] for f in fed_back], dim=2).flatten(0, 1))
             weights.append(torch.stack([f[1] for f in fed_back], dim=2).flatten(0, 1))
             prompt.append(torch.tensor(numbers).repeat_interleave(new_tokens))
@@ -76,10 +79,12 @@ def capture_real_routing(
 def full_size_routes(
     real: RealRouting, rows: torch.Tensor, num_experts: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights / layers (sum to 1)."""
+    """Tokens ``rows`` as one E-expert top-K layer's routes: id = layer x E_tiny + expert, weights /
+    layers (sum to 1)."""
     layers, tiny_k = real.index.shape[1:]
     assert layers * real.num_experts == num_experts and layers * tiny_k == top_k, (
-        f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one {num_experts}-expert top-{top_k} layer"
+        f"{layers} layers x {real.num_experts} experts, top-{tiny_k}, do not make one "
+        f"{num_experts}-expert top-{top_k} layer"
     )
     offset = (torch.arange(layers) * real.num_experts)[None, :, None]
     index = (real.index[rows] + offset).reshape(len(rows), top_k)
@@ -89,7 +94,8 @@ def full_size_routes(
 def uniform_routes(
     batch: int, count: int, num_experts: int, top_k: int, seed: int = 0
 ) -> list[tuple[torch.Tensor, ...]]:
-    """``count`` routings of ``batch`` tokens, each token's top-k uniformly at random (``moe.random_routing``)."""
+    """``count`` routings of ``batch`` tokens, each token's top-k uniformly at random
+    (``moe.random_routing``)."""
     return [
         moe.random_routing(batch, num_experts, top_k, seed=seed * 10_000 + batch * 100 + i)
         for i in range(count)
@@ -99,7 +105,8 @@ def uniform_routes(
 def real_routes(
     real: RealRouting, batch: int, count: int, num_experts: int, top_k: int
 ) -> list[tuple[torch.Tensor, ...]]:
-    """``count`` routings of ``batch`` real tokens from different prompts, on the full-size layer's ids."""
+    """``count`` routings of ``batch`` real tokens from different prompts, on the full-size layer's
+    ids."""
     generator = torch.Generator().manual_seed(batch)
     return [
         full_size_routes(real, real.sample(batch, generator), num_experts, top_k)
@@ -110,7 +117,8 @@ def real_routes(
 def distinct_table(
     real: RealRouting, batches: Sequence[int], draws: int = 200, seed: int = 0
 ) -> pd.DataFrame:
-    """Distinct experts per layer for B tokens (and on the 26B layer's ids): formula, ``draws`` uniform and real routings."""
+    """Distinct experts per layer for B tokens (and on the 26B layer's ids): formula, ``draws``
+    uniform and real routings."""
     experts, top_k = real.num_experts, real.index.shape[2]
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -159,8 +167,9 @@ def time_batch_sweep(
     steps_at_batch_1: int = 8,
     device: str = "cpu",
 ) -> pd.DataFrame:
-    """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch (``steps_at_batch_1 // batch`` steps)
-    for each routing source (``fn(batch, count)``), with the expert weight sets read; dense under uniform routing only."""
+    """p50 step time of every layer (``"dense bf16"``: path, dtype) at every batch
+    (``steps_at_batch_1 // batch`` steps) for each routing source (``fn(batch, count)``), with the
+    expert weight sets read; dense under uniform routing only."""
     rows = []
     for batch in batches[:2] if bench.smoke_timing() else batches:
         steps = max(1, steps_at_batch_1 // batch)  # a dense step at B = 64 takes seconds
@@ -210,8 +219,9 @@ def time_batch_sweep(
 def batch_table(
     sweep: pd.DataFrame, expert_bytes: Mapping[str, int], bandwidth_bytes_s: float
 ) -> pd.DataFrame:
-    """Per source, dtype and batch, dense and sparse: experts and bytes read (``expert_bytes``: dtype -> one
-    expert's), p50, bandwidth floor, tokens/s; dense untimed under a source reuses uniform's."""
+    """Per source, dtype and batch, dense and sparse: experts and bytes read (``expert_bytes``:
+    dtype -> one expert's), p50, bandwidth floor, tokens/s; dense untimed under a source reuses
+    uniform's."""
     rows = []
     for (source, dtype, batch), group in sweep.groupby(["source", "dtype", "batch"], sort=False):
         by_path = group.set_index("path")
@@ -252,7 +262,8 @@ def first_batch(batches: Sequence[int], condition: Sequence[bool]) -> int | None
 
 
 def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
-    """The first B where dense is no slower than sparse: measured (dtype, source), predicted from bytes, and NxD's rule."""
+    """The first B where dense is no slower than sparse: measured (dtype, source), predicted from
+    bytes, and NxD's rule."""
     batches = sorted(table["batch"].unique().tolist())
     measured = {
         dtype: {
@@ -281,7 +292,8 @@ def crossovers(table: pd.DataFrame, num_experts: int, top_k: int) -> dict:
 
 
 def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> pd.DataFrame:
-    """This run's findings about batch decode, each computed from the tables: finding, value, basis."""
+    """This run's findings about batch decode, each computed from the tables: finding, value,
+    basis."""
     largest = max(cross["batches"])
     said = lambda b: f"B = {b}" if b is not None else f"none up to B = {largest}"  # noqa: E731
     rows = [
@@ -339,7 +351,8 @@ def verdict_table(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
 
 
 def cost_table(summary: pd.DataFrame, deployment: str) -> pd.DataFrame:
-    """``deployment``'s tokens/s and $ per million tokens for one stream and for the most that fit."""
+    """``deployment``'s tokens/s and $ per million tokens for one stream and for the most that
+    fit."""
     rows = summary[summary["deployment"] == deployment].set_index("path")
     assert not rows.empty, f"deployment {deployment!r} is not in the summary"
     cases = {
@@ -372,7 +385,8 @@ def _batch_axis(ax, batches, label: str) -> None:
 
 
 def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
-    """Distinct experts per step on the 26B layer's ids vs batch: formula, uniform draws, real router."""
+    """Distinct experts per step on the 26B layer's ids vs batch: formula, uniform draws, real
+    router."""
     _ = ax.plot(
         distinct.index, distinct["formula_full_size"], color="0.3", label="E (1 - (1 - K/E)^B)"
     )
@@ -392,14 +406,14 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     )
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
     _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
-    ax.set(
-        ylabel=f"distinct experts per layer (of {num_experts})", ylim=(0, 1.4 * num_experts)
-    )  # room for the legend
+    # room for the legend
+    ax.set(ylabel=f"distinct experts per layer (of {num_experts})", ylim=(0, 1.4 * num_experts))
     ax.legend(loc="upper left", fontsize=8)
 
 
 def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
-    """One full-size layer on this machine: measured tokens/s (points) and bandwidth ceiling (dashed) vs batch."""
+    """One full-size layer on this machine: measured tokens/s (points) and bandwidth ceiling
+    (dashed) vs batch."""
     colors = {
         "dense bf16": "#0173b2",
         "sparse bf16": "#de8f05",
@@ -433,7 +447,8 @@ def plot_layer_sweep(table: pd.DataFrame, ax, source: str = "uniform") -> None:
 def plot_batch_roofline(
     rows: pd.DataFrame, ax, metric: str, limits: Mapping, reference: float, reference_label: str
 ) -> None:
-    """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the runtime takes little or never."""
+    """One deployment's ``metric`` vs batch per path, shaded where the KV cache fits only if the
+    runtime takes little or never."""
     labels = {
         "dense": "all experts (DenseExperts)",
         "sparse": "each distinct routed expert once",
@@ -469,7 +484,8 @@ def plot_batch_roofline(
 
 
 def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -> dict:
-    """The ``batch`` section of notebook 07's metrics: per source, dtype and batch, and the crossovers."""
+    """The ``batch`` section of notebook 07's metrics: per source, dtype and batch, and the
+    crossovers."""
     columns = (
         "distinct_experts",
         "dense_experts_read",
@@ -507,7 +523,8 @@ def batch_metrics(table: pd.DataFrame, cross: Mapping, distinct: pd.DataFrame) -
 
 
 def roofline_metrics(summary: pd.DataFrame) -> dict:
-    """The ``batch_roofline`` section: per deployment, the largest batches and per path tok/s and $/M."""
+    """The ``batch_roofline`` section: per deployment, the largest batches and per path tok/s and
+    $/M."""
     out = {}
     for deployment, rows in summary.groupby("deployment", sort=False):
         first = rows.iloc[0]

@@ -1,5 +1,6 @@
-"""Notebook 06 (embedding scale): three host paths for the same lookup (``HOST_PATHS``: the story's unscaled
-one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's own embedding."""
+"""Notebook 06 (embedding scale): three host paths for the same lookup (``HOST_PATHS``: the story's
+unscaled one, ``* math.sqrt(H)``, ``gemma_nb.embedding.HostEmbedding``) measured against the model's
+own embedding."""
 
 import math
 from collections.abc import Callable
@@ -25,8 +26,9 @@ HOST_PATHS = ("unscaled", "math_sqrt", "module_scale")
 
 
 class PythonFloatScaledLookup(nn.Module):
-    """``lookup(ids) * math.sqrt(H)`` with a Python float (``scaled=False``: * 1.0, the plain lookup, the bug): right in
-    fp32, one ulp off in bf16, where the module rounds the scale to the weight dtype first (53.066 -> 53.0)."""
+    """``lookup(ids) * math.sqrt(H)`` with a Python float (``scaled=False``: * 1.0, the plain
+    lookup, the bug): right in fp32, one ulp off in bf16, where the module rounds the scale to the
+    weight dtype first (53.066 -> 53.0)."""
 
     def __init__(self, weight: torch.Tensor, scaled: bool = True):
         super().__init__()
@@ -48,7 +50,8 @@ def host_path(model: nn.Module, name: str) -> nn.Module:
 
 
 class HostEmbeddedLM(nn.Module):
-    """The model as the slim deploy runs it: ids -> ``host`` -> ``model(inputs_embeds=...)``, called like the model."""
+    """The model as the slim deploy runs it: ids -> ``host`` -> ``model(inputs_embeds=...)``, called
+    like the model."""
 
     def __init__(self, model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
@@ -63,7 +66,8 @@ class HostEmbeddedLM(nn.Module):
             getattr(self.model.config, "hidden_size_per_layer_input", 0)
             and "per_layer_inputs" not in kwargs
         ):
-            # per-layer embeddings (not in the 26B) from ids: the model would invert embed_tokens to find them
+            # per-layer embeddings (not in the 26B) from ids: the model would invert embed_tokens to
+            # find them
             kwargs["per_layer_inputs"] = self.model.model.get_per_layer_inputs(
                 input_ids.to(self.model.device)
             )
@@ -71,7 +75,8 @@ class HostEmbeddedLM(nn.Module):
 
 
 def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """sqrt(hidden_size) through the module's float32 buffer and its cast to ``dtype``, and the rounding error."""
+    """sqrt(hidden_size) through the module's float32 buffer and its cast to ``dtype``, and the
+    rounding error."""
     exact = math.sqrt(hidden_size)
     buffer = torch.tensor(exact, dtype=torch.float32)
     cast = buffer.to(dtype)
@@ -90,7 +95,8 @@ def scale_rounding(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> dic
 
 
 def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """``host(ids)`` vs ``embed_tokens(ids)`` on ``default_probe_ids``: % elements differing, max ulps, max |diff|, norm ratio."""
+    """``host(ids)`` vs ``embed_tokens(ids)`` on ``default_probe_ids``: % elements differing, max
+    ulps, max |diff|, norm ratio."""
     module = model.get_input_embeddings()
     probe_ids = default_probe_ids(module.weight.shape[0])
     with torch.no_grad():
@@ -109,7 +115,8 @@ def host_path_elementwise(model: nn.Module, host: Callable[[torch.Tensor], torch
 
 
 def self_check_table(model: nn.Module) -> pd.DataFrame:
-    """Run the load-time self-check on each of HOST_PATHS: path, dtype, bit_exact, error, message."""
+    """Run the load-time self-check on each of HOST_PATHS: path, dtype, bit_exact, error,
+    message."""
     module = model.get_input_embeddings()
     rows = []
     for name in HOST_PATHS:
@@ -131,7 +138,8 @@ def self_check_table(model: nn.Module) -> pd.DataFrame:
 
 
 def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
-    """Each of HOST_PATHS on ``model`` over token id ``batches``: embedding differences and next-token agreement."""
+    """Each of HOST_PATHS on ``model`` over token id ``batches``: embedding differences and
+    next-token agreement."""
     reference_logits = evaluate.CachedLogits(model)
     dtype = dtype_name(model.get_input_embeddings().weight.dtype)
     rows = []
@@ -152,7 +160,8 @@ def host_path_numerics(model: nn.Module, batches) -> pd.DataFrame:
 
 
 def compare_host_paths(model: nn.Module, tokenizer, prompt: str, steps: int, facts) -> pd.DataFrame:
-    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and embedding scores."""
+    """The reference, then each of HOST_PATHS: greedy continuation of ``prompt``, recall, logit and
+    embedding scores."""
     scores = host_path_numerics(
         model, evaluate.prompt_batches(tokenizer, [fact.sentence for fact in facts])
     )
@@ -184,13 +193,13 @@ def compare_host_paths(model: nn.Module, tokenizer, prompt: str, steps: int, fac
         "differ_pct": 0.0,
         "max_diff_ulps": 0.0,
     }
-    return pd.DataFrame([reference, *rows]).drop(
-        columns="max_abs_diff"
-    )  # the embeddings' max |diff| is shown in ulps
+    # the embeddings' max |diff| is shown in ulps
+    return pd.DataFrame([reference, *rows]).drop(columns="max_abs_diff")
 
 
 def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
-    """Fact recall, top-1 agreement and norm ratio of ``compare_host_paths`` rows on three ``axes``, one legend below."""
+    """Fact recall, top-1 agreement and norm ratio of ``compare_host_paths`` rows on three ``axes``,
+    one legend below."""
     data = table.assign(
         fact_recall_pct=100 * table["fact_recall"], top1_pct=100 * table["top1_agreement"]
     )
@@ -215,7 +224,8 @@ def plot_host_paths(table: pd.DataFrame, axes, hidden_size: int) -> None:
         ncols=len(labels),
         frameon=False,
     )
-    # log scale, with headroom above sqrt(H), where the unscaled bars end, for the reference line's label
+    # log scale, with headroom above sqrt(H), where the unscaled bars end, for the reference line's
+    # label
     axes[2].set(yscale="log", ylim=(None, 4 * math.sqrt(hidden_size)))
     reference_line(
         axes[2], math.sqrt(hidden_size), f"sqrt({hidden_size}) = {math.sqrt(hidden_size):.2f}"

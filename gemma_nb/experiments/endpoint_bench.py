@@ -1,4 +1,5 @@
-"""Notebook 07's endpoint benchmark (measured by ``gemma_nb.serving.client_bench``): summary per concurrency, metrics, figure."""
+"""Notebook 07's endpoint benchmark (measured by ``gemma_nb.serving.client_bench``): summary per
+concurrency, metrics, figure."""
 
 import pandas as pd
 
@@ -16,8 +17,9 @@ def measure_endpoint(
     runtime: str = "auto",
     **benchmark_kwargs,
 ) -> pd.DataFrame | None:
-    """Notebook 07's run: ``endpoint``, else (cpu, cuda) this project's server on loopback for ``model_id`` (``runtime=
-    "deploy"``: the slim deploy of notebook 04's ``04_tiny``); None on neuron without an endpoint (serve the port's there)."""
+    """Notebook 07's run: ``endpoint``, else (cpu, cuda) this project's server on loopback for
+    ``model_id`` (``runtime= "deploy"``: the slim deploy of notebook 04's ``04_tiny``); None on
+    neuron without an endpoint (serve the port's there)."""
     if endpoint:
         return benchmark_endpoint(endpoint, **benchmark_kwargs)
     if target == "neuron":
@@ -28,7 +30,8 @@ def measure_endpoint(
 
 
 def summarize(requests: pd.DataFrame) -> pd.DataFrame:
-    """Per concurrency level: TTFT and ITL percentiles, one client's median decode rate, all tokens / wall (``tok_s_total``)."""
+    """Per concurrency level: TTFT and ITL percentiles, one client's median decode rate, all tokens
+    / wall (``tok_s_total``)."""
     rows = []
     for level, group in requests.groupby("concurrency", sort=True):
         gaps = [g for gaps in group["itl_ms"] for g in gaps]
@@ -50,7 +53,8 @@ def summarize(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def endpoint_metrics(requests: pd.DataFrame | None, endpoint: str = "") -> tuple[dict, list[dict]]:
-    """(metrics, headline rows); the story's 6 tok/s is the claim only for an external ``endpoint`` (local: tiny checkpoint)."""
+    """(metrics, headline rows); the story's 6 tok/s is the claim only for an external ``endpoint``
+    (local: tiny checkpoint)."""
     if requests is None:
         return {"measured": False, "endpoint": endpoint or None}, []
     summary = summarize(requests).set_index("concurrency")
@@ -112,9 +116,8 @@ def plot_benchmark(requests: pd.DataFrame, title: str):
     _ = ax_tok.plot(
         summary["concurrency"], summary["tok_s_per_request"], marker="s", label="one client"
     )
-    top = (
-        1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()
-    )  # room for the legend
+    # room for the legend
+    top = 1.6 * summary[["tok_s_total", "tok_s_per_request"]].to_numpy().max()
     _ = ax_tok.set(
         xlabel="concurrent requests",
         ylabel="tokens / s",

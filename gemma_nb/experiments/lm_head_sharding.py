@@ -1,5 +1,6 @@
-"""Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real ``torch.distributed``
-(shards aligned to ``ALIGN_ROWS``, the last padded with ``-inf`` logits), and the jobs ``gemma_nb.ranks.run_tp`` starts."""
+"""Notebook 03 (lm_head sharding): the tied head in int8, split by vocab rows over ranks under real
+``torch.distributed`` (shards aligned to ``ALIGN_ROWS``, the last padded with ``-inf`` logits), and
+the jobs ``gemma_nb.ranks.run_tp`` starts."""
 
 import ctypes
 import ctypes.util
@@ -26,7 +27,8 @@ SEEDED_BLOCK_ROWS = 4096  # rows per block of the seeded generator
 
 
 class VocabShard(NamedTuple):
-    """The vocab rows one rank holds: real rows ``start:stop``, then ``pad_rows`` of padding (``rows_per_rank`` in all)."""
+    """The vocab rows one rank holds: real rows ``start:stop``, then ``pad_rows`` of padding
+    (``rows_per_rank`` in all)."""
 
     vocab_size: int
     tp: int
@@ -39,7 +41,8 @@ class VocabShard(NamedTuple):
 
 
 def vocab_shard(vocab_size: int, tp: int, rank: int) -> VocabShard:
-    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * ALIGN_ROWS``, split in ``tp``."""
+    """Rank ``rank``'s rows: the vocab rounded up to a multiple of ``tp * ALIGN_ROWS``, split in
+    ``tp``."""
     for name, value in (("vocab_size", vocab_size), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -53,8 +56,9 @@ def vocab_shard(vocab_size: int, tp: int, rank: int) -> VocabShard:
 
 
 def seeded_rows(seed: int, start: int, stop: int, hidden_size: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a bf16 normal(0, 0.02) table fixed by ``seed``, the same however they are asked for
-    (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows, never the whole fp32 table."""
+    """Rows ``[start, stop)`` of a bf16 normal(0, 0.02) table fixed by ``seed``, the same however
+    they are asked for (one generator per ``SEEDED_BLOCK_ROWS`` block): a rank builds its own rows,
+    never the whole fp32 table."""
     assert 0 <= start <= stop, (start, stop)
     out = torch.empty(stop - start, hidden_size, dtype=torch.bfloat16)
     for block in range(start // SEEDED_BLOCK_ROWS, -(-stop // SEEDED_BLOCK_ROWS)):
@@ -74,7 +78,8 @@ def quantize_rows(
     out_rows: int | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``, padded to ``out_rows``."""
+    """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``,
+    padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
     scale = torch.zeros(out_rows, 1, dtype=torch.float32)
@@ -82,7 +87,8 @@ def quantize_rows(
         b = min(a + chunk_rows, stop)
         rows = rows_fn(a, b)
         assert tuple(rows.shape) == (b - a, hidden_size), (a, b, rows.shape)
-        # fp32 in: the same numbers (the quantizer upcasts anyway), fewer slow bf16 kernels on CPUs without bf16
+        # fp32 in: the same numbers (the quantizer upcasts anyway), fewer slow bf16 kernels on CPUs
+        # without bf16
         q[a - start : b - start], scale[a - start : b - start] = quantize_int8_per_channel(
             rows.float(), name=f"rows[{a}:{b}]"
         )
@@ -90,15 +96,17 @@ def quantize_rows(
 
 
 class VocabParallelLMHead(nn.Module):
-    """One rank's int8 rows of the lm_head (bf16 matmul), all-gathered into full logits (NxD's ``gather_output=True``)."""
+    """One rank's int8 rows of the lm_head (bf16 matmul), all-gathered into full logits (NxD's
+    ``gather_output=True``)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, shard: VocabShard):
         super().__init__()
         if shard.tp > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(
-                    f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed initialised with world "
-                    f"size {shard.tp}: build it inside a worker started by gemma_nb.ranks.run_tp (or use tp=1)"
+                    f"a VocabParallelLMHead with tp={shard.tp} needs torch.distributed "
+                    f"initialised with world size {shard.tp}: build it inside a worker started "
+                    "by gemma_nb.ranks.run_tp (or use tp=1)"
                 )
             assert (dist.get_world_size(), dist.get_rank()) == (shard.tp, shard.rank), (
                 "one shard per rank"
@@ -131,7 +139,8 @@ class VocabParallelLMHead(nn.Module):
         return self.qweight.nbytes + self.scale.nbytes
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's logits ``[..., rows_per_rank]`` (``gather_output=False``); padding columns ``-inf``."""
+        """This rank's logits ``[..., rows_per_rank]`` (``gather_output=False``); padding columns
+        ``-inf``."""
         n = self.shard.real_rows
         logits = int8_matmul(hidden.to(torch.bfloat16), self.qweight[:n], self.scale[:n])
         if self.shard.pad_rows:
@@ -149,7 +158,8 @@ class VocabParallelLMHead(nn.Module):
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Gemma's final softcap ``cap * tanh(logits / cap)`` (None: unchanged), in the order transformers applies it."""
+    """Gemma's final softcap ``cap * tanh(logits / cap)`` (None: unchanged), in the order
+    transformers applies it."""
     if cap is None:
         return logits
     if not cap > 0:
@@ -158,7 +168,8 @@ def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def bf16_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The replicated bf16 head the port started from: ``hidden.bf16 @ weight.bf16.T``, bf16 logits."""
+    """The replicated bf16 head the port started from: ``hidden.bf16 @ weight.bf16.T``, bf16
+    logits."""
     return torch.nn.functional.linear(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
 
 
@@ -171,7 +182,8 @@ def _rss_bytes() -> int:
 
 
 def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.Tensor) -> dict:
-    """One rank: quantize its rows of ``weight [V, H]``, return its shard facts and the gathered logits."""
+    """One rank: quantize its rows of ``weight [V, H]``, return its shard facts and the gathered
+    logits."""
     head = VocabParallelLMHead.from_rows(
         lambda a, b: weight[a:b].detach(), *weight.shape, tp=world_size, rank=rank
     )
@@ -189,7 +201,8 @@ def lm_head_job(rank: int, world_size: int, weight: torch.Tensor, hidden: torch.
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median ms of ``fn`` over ``repeats`` calls, the ranks started together by a barrier each time."""
+    """Median ms of ``fn`` over ``repeats`` calls, the ranks started together by a barrier each
+    time."""
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -208,7 +221,8 @@ def full_size_job(
     hidden: torch.Tensor,
     repeats: int = 5,
 ) -> dict:
-    """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows (bytes, RSS, ms, logits)."""
+    """One rank at the real size: the replicated bf16 head, then its int8 shard of its seeded rows
+    (bytes, RSS, ms, logits)."""
     with torch.inference_mode():
         rss0 = _rss_bytes()
         replicated = seeded_rows(seed, 0, vocab_size, hidden_size)
@@ -249,7 +263,8 @@ def full_size_job(
 
 
 def logits_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
-    """Bit-exactness, argmax identity, top-1 agreement and max |difference| of two logit tensors [..., V]."""
+    """Bit-exactness, argmax identity, top-1 agreement and max |difference| of two logit tensors
+    [..., V]."""
     assert reference.shape == candidate.shape, (reference.shape, candidate.shape)
     ref_top, cand_top = reference.argmax(-1), candidate.argmax(-1)
     return {
@@ -265,7 +280,8 @@ def logits_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
 def head_inputs(
     model, input_ids_batches: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [N, H]`` (the final-norm output a Gemma-4 feeds its lm_head) and its softcapped ``logits [N, V]``."""
+    """``hidden [N, H]`` (the final-norm output a Gemma-4 feeds its lm_head) and its softcapped
+    ``logits [N, V]``."""
     hidden = [
         model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
         for ids in input_ids_batches
@@ -311,9 +327,11 @@ def bytes_table(results: Sequence[dict], host_embedding: torch.Tensor) -> pd.Dat
 
 
 def plot_bytes_per_holder(table):
-    """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank figures."""
+    """Stacked GB bars, before and after (host table, each rank's head), with the story's per-rank
+    figures."""
     fig, ax = plots.subplots(figsize=(7.5, 4.6))
     part = table["copy"].str.startswith("lm_head").map({False: "embedding", True: "lm_head"})
+    # before, then after; holders in order
     held = table.assign(part=part).pivot_table(
         index=["state", "holder"],
         columns="part",
@@ -321,12 +339,11 @@ def plot_bytes_per_holder(table):
         aggfunc="sum",
         fill_value=0.0,
         sort=False,
-    )  # before, then after; holders in order
+    )
     labels = [f"{holder}\n{state}" for state, holder in held.index]
     embed_gb, head_gb = held["embedding"].tolist(), held["lm_head"].tolist()
-    x = [
-        i + (0.6 if i >= len(labels) // 2 else 0.0) for i in range(len(labels))
-    ]  # a gap between before and after
+    # a gap between before and after
+    x = [i + (0.6 if i >= len(labels) // 2 else 0.0) for i in range(len(labels))]
     _ = ax.bar(x, embed_gb, label="embedding table (host, bf16)")
     _ = ax.bar(x, head_gb, bottom=embed_gb, label="lm_head (on each rank)")
     ax.set(
@@ -362,7 +379,8 @@ def shard_plan(vocab_size: int, tp: int) -> pd.DataFrame:
 
 
 def with_head(model, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``input_ids -> logits``: ``model``'s body, then ``head``, then the host softcap (for ``gemma_nb.evaluate``)."""
+    """``input_ids -> logits``: ``model``'s body, then ``head``, then the host softcap (for
+    ``gemma_nb.evaluate``)."""
     cap = getattr(model.config, "final_logit_softcapping", None)
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner (``gemma_nb.memory``),
-its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
+"""Notebook 01 (memory arithmetic): the write-up's memory figures computed from the planner
+(``gemma_nb.memory``), its plans drawn, and its "~3-4 GB short" set against what the plans allow."""
 
 from collections.abc import Mapping, Sequence
 
@@ -22,7 +22,8 @@ from gemma_nb.story import get_claim
 
 
 def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = None) -> None:
-    """Stacked bars of GB per rank per group, one per plan, total inside the top; ``budgets``: label -> GB lines."""
+    """Stacked bars of GB per rank per group, one per plan, total inside the top; ``budgets``: label
+    -> GB lines."""
     long = pd.concat([p.table.assign(scheme=p.scheme.name) for p in plans], ignore_index=True)
     long = long[long["bytes_per_rank"] > 0]
     order = [g for g in PLAN_ROWS if g in set(long["group"])]
@@ -72,7 +73,8 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
 
 
 def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
-    """Instance x scheme heatmap of headroom per NeuronCore (GB); rows: instance, TP degree, on-demand $/hour."""
+    """Instance x scheme heatmap of headroom per NeuronCore (GB); rows: instance, TP degree,
+    on-demand $/hour."""
     labelled = table.assign(
         row=[
             f"{i}  TP={t}  \\${p:.2f}/h"
@@ -99,8 +101,9 @@ def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
 
 
 def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN) -> dict[str, float]:
-    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan`` at ``tp``, on an
-    inf2.xlarge), keyed by the ``gemma_nb.story`` claim it answers; ``experts_share_pct``: of the non-embedding weights."""
+    """Every memory figure of the write-up from ``config`` (GB = 10^9 bytes; per rank from ``plan``
+    at ``tp``, on an inf2.xlarge), keyed by the ``gemma_nb.story`` claim it answers;
+    ``experts_share_pct``: of the non-embedding weights."""
     summary, host = param_summary(config), get_instance("inf2.xlarge")
     bf16, int8_experts, squeeze = (
         plan(config, tp, scheme, context_len) for scheme in ("bf16", "int8_experts", "int8_squeeze")
@@ -134,7 +137,8 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN) -
 
 
 def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN):
-    """The write-up's "~3-4 GB short" read three ways for the inf2.xlarge's int8-experts build: GB per rank, in the claim?"""
+    """The write-up's "~3-4 GB short" read three ways for the inf2.xlarge's int8-experts build: GB
+    per rank, in the claim?"""
     failing, host = plan(config, tp, "int8_experts", context_len), get_instance("inf2.xlarge")
     rows = [
         (
@@ -162,8 +166,9 @@ def gap_readings(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN):
 def allowance_table(
     config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN, words: bool = True
 ):
-    """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the claim's middle;
-    rows in words, or with ``words=False`` the window's keys and columns ``story``, ``spec``."""
+    """``memory.allowance_window`` in GB for the story's 16 GB and the 16 GiB core, "short by" the
+    claim's middle; rows in words, or with ``words=False`` the window's keys and columns ``story``,
+    ``spec``."""
     host, claim = get_instance("inf2.xlarge"), get_claim("int8_experts_gap_gb")
     budgets = {"story": "16 GB core (the story)", "spec": "16 GiB core (AWS)"}
     columns = {
@@ -196,7 +201,8 @@ def allowance_table(
             "fitting_static_gb": "int8_squeeze: weights + KV cache",
             "min_to_fail_gb": "int8_experts fails above this runtime allowance",
             "max_to_fit_gb": "int8_squeeze fits up to this runtime allowance",
-            "allowance_if_short_by_gb": f"runtime allowance for int8_experts to be short by {claim.value:g} GB",
+            "allowance_if_short_by_gb": "runtime allowance for int8_experts to be short by "
+            f"{claim.value:g} GB",
             "fitting_overflow_then_gb": "int8_squeeze's overflow under that allowance",
         }
     )

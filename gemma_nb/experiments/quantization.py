@@ -1,5 +1,6 @@
-"""Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the float model
-(logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and the Pareto plot."""
+"""Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the
+float model (logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and
+the Pareto plot."""
 
 import copy
 import math
@@ -14,7 +15,8 @@ from gemma_nb.tiny import FACTS
 
 @torch.no_grad()
 def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
-    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall`` decodes (eos-padded)."""
+    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall``
+    decodes (eos-padded)."""
     token_lists = [tokenizer(p).input_ids for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     for indices, batch in evaluate.length_batches(token_lists):
@@ -27,7 +29,8 @@ def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
 
 
 def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
-    """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both texts."""
+    """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both
+    texts."""
     firsts = [
         next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
         for ref, cand in zip(reference_tokens, candidate_tokens)
@@ -46,7 +49,8 @@ def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
 def divergence_detail(
     reference, candidate, tokenizer, prompt: str, reference_tokens: list[int], step: int, k: int = 3
 ):
-    """Both models' top-``k`` next tokens after the prompt and the reference's first ``step`` tokens."""
+    """Both models' top-``k`` next tokens after the prompt and the reference's first ``step``
+    tokens."""
     ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
     rows = []
     for label, model in (("reference", reference), ("candidate", candidate)):
@@ -75,8 +79,9 @@ def evaluate_scheme(
     device: str = "cpu",
     answers: bool = True,
 ):
-    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a model or its ``CachedLogits``):
-    logit scores on the facts' sentences; fact recall and greedy match against ``reference_greedy`` if ``answers``."""
+    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a
+    model or its ``CachedLogits``): logit scores on the facts' sentences; fact recall and greedy
+    match against ``reference_greedy`` if ``answers``."""
     prompts = [f.prompt for f in facts]
     model = copy.deepcopy(
         reference.model if isinstance(reference, evaluate.CachedLogits) else reference
@@ -108,7 +113,8 @@ def evaluate_scheme(
 
 
 def formats_table(shape=(1408, 2816)):
-    """The formats side by side, with bytes per weight of a ``shape`` matrix (default: a 26B expert's gate_up)."""
+    """The formats side by side, with bytes per weight of a ``shape`` matrix (default: a 26B
+    expert's gate_up)."""
     rows = [
         {
             "format": "bf16",
@@ -138,16 +144,18 @@ def formats_table(shape=(1408, 2816)):
 
 @torch.no_grad()
 def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
-    """The float head vs a ``fmt`` copy on the model's own final hidden states (softcap left out: it keeps the order);
-    ``near_ties``: positions whose top-1 - top-2 margin is under twice the max logit error, the only ones it could flip."""
+    """The float head vs a ``fmt`` copy on the model's own final hidden states (softcap left out: it
+    keeps the order); ``near_ties``: positions whose top-1 - top-2 margin is under twice the max
+    logit error, the only ones it could flip."""
     head = model.get_output_embeddings()
     assert isinstance(head, nn.Linear), (
         f"model.lm_head is {type(head).__name__}: pass the float model"
     )
     batches = evaluate.prompt_batches(tokenizer, texts)
+    # the head's input
     hidden = torch.cat(
         [model.model(input_ids=ids).last_hidden_state.flatten(0, 1) for ids in batches]
-    )  # the head's input
+    )
     exact = torch.nn.functional.linear(hidden, head.weight).float()
     quantized = quant.quantized_linear(head.weight.detach(), fmt, "lm_head.weight")(hidden).float()
     top2 = exact.topk(2, dim=-1).values
@@ -164,7 +172,8 @@ def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
 
 
 def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu"):
-    """:func:`evaluate_scheme` per scheme in bf16, its logit scores also in fp32: ``(results, models, reports, greedy)``."""
+    """:func:`evaluate_scheme` per scheme in bf16, its logit scores also in fp32: ``(results,
+    models, reports, greedy)``."""
     reference = evaluate.CachedLogits(reference)
     models, reports, greedy, rows = {}, {}, {}, {}
     for name in schemes:
@@ -195,7 +204,8 @@ def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, d
 
 
 def score_findings(results, weight_errors, reference_recall: float) -> dict:
-    """What the :func:`score_schemes` tables say (KL orders and added KLs in fp32 compute), for the notebook's sentences."""
+    """What the :func:`score_schemes` tables say (KL orders and added KLs in fp32 compute), for the
+    notebook's sentences."""
     kept = results.index[
         (results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)
     ]
@@ -239,7 +249,8 @@ def plot_pareto(
     higher_is_better: bool = True,
     log_y: bool = False,
 ) -> list:
-    """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)`` for ``plots.label_points``."""
+    """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)``
+    for ``plots.label_points``."""
     points = (
         results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
     )
@@ -257,7 +268,8 @@ def plot_pareto(
 
 
 def planner_check(full_size, plans, num_layers: int, tp: int):
-    """Per format: one full-size layer's stored bytes times ``num_layers`` over ``tp``, against the planner's experts per rank."""
+    """Per format: one full-size layer's stored bytes times ``num_layers`` over ``tp``, against the
+    planner's experts per rank."""
     layers = full_size[full_size["tensor"] == "layer"].set_index("format")["stored_bytes"]
     rows = [
         {

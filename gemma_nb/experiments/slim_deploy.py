@@ -1,5 +1,6 @@
-"""Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps) against the naive
-one (the whole model on the host), each run by :func:`main` in a fresh process for peak RSS and cold start."""
+"""Notebook 05 (slim deploy): the slim deploy (meta skeleton, host embedding, compiled steps)
+against the naive one (the whole model on the host), each run by :func:`main` in a fresh process for
+peak RSS and cold start."""
 
 import functools
 import json
@@ -28,8 +29,9 @@ from gemma_nb.tiny import random_gemma4_config, random_gemma4_model
 
 SQUEEZE = "int8_squeeze"
 CHECKPOINT_DTYPE = torch.bfloat16  # what the hub ships for Gemma-4
-# The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at ~0.67B
-# parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs small.
+# The 26B's architecture (64 experts, top-4: its 1/16 active; shared MLP 3x an expert's width) at
+# ~0.67B parameters, 1.3 GB in bf16, 91% of it routed experts; four layers keep the exported graphs
+# small.
 DEPLOY_DIMS: dict = dict(
     hidden_size=1024,
     intermediate_size=2304,
@@ -44,14 +46,16 @@ DEPLOY_DIMS: dict = dict(
     moe_intermediate_size=768,
     vocab_size=16384,
 )
+# notebook 05's performance targets: ratios measured in one run
 SLIM_RSS_TARGET, DECODE_LATENCY_TARGET = (
     0.35,
     1.3,
-)  # notebook 05's performance targets: ratios measured in one run
+)
 
 
 def int8_squeeze(model: nn.Module):
-    """Quantize ``model`` in place with the int8 squeeze, experts as traceable ``Int8Experts``; bytes per group."""
+    """Quantize ``model`` in place with the int8 squeeze, experts as traceable ``Int8Experts``;
+    bytes per group."""
     report = apply_scheme(model, SQUEEZE, measure_error=False)
     for layer in model.model.layers:
         layer.experts = Int8Experts.from_quantized(layer.experts)
@@ -66,7 +70,8 @@ def deploy_prompt(vocab_size: int, length: int) -> list[int]:
 
 
 def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> dict:
-    """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there): params, bytes."""
+    """A random bf16 Gemma-4 of ``dims`` saved with ``save_pretrained`` (reused if already there):
+    params, bytes."""
     folder = Path(folder)
     marker = folder / "gemma_nb_random.json"
     wanted = {"dims": dict(dims), "seed": seed, "dtype": str(CHECKPOINT_DTYPE)}
@@ -85,7 +90,8 @@ def save_random_checkpoint(folder: str | Path, dims: Mapping, seed: int = 0) -> 
 
 
 def load_full_model(checkpoint: str | Path) -> nn.Module:
-    """``from_pretrained`` of a local checkpoint: every weight on the host in fp32 (the naive deploy's "full precision")."""
+    """``from_pretrained`` of a local checkpoint: every weight on the host in fp32 (the naive
+    deploy's "full precision")."""
     with quiet_loading():
         return AutoModelForCausalLM.from_pretrained(
             resolve_model_id(str(checkpoint)),
@@ -104,7 +110,8 @@ def compile_checkpoint(
     latency_steps: int = 12,
     warmup: int = 2,
 ) -> dict:
-    """Load, squeeze, decode the reference, compile into ``folder``; median ms per decode step, exported and eager, alternated."""
+    """Load, squeeze, decode the reference, compile into ``folder``; median ms per decode step,
+    exported and eager, alternated."""
     shapes = export.StepShapes(**(shapes or {}))
     model = load_full_model(checkpoint)
     int8_squeeze(model)
@@ -214,7 +221,8 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
 
 
 def _measured(job: dict, interval_s: float, timeout_s: float) -> dict:
-    """``main(job)`` in a fresh process under the RSS sampler: its result, peak RSS and HWM, wall time and RSS trace."""
+    """``main(job)`` in a fresh process under the RSS sampler: its result, peak RSS and HWM, wall
+    time and RSS trace."""
     run = run_measured(
         [sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)],
         interval_s=interval_s,
@@ -238,7 +246,8 @@ def measure_deploy(
     interval_s: float = 0.02,
     timeout_s: float = 600.0,
 ) -> dict:
-    """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to first token."""
+    """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to
+    first token."""
     started = time.time()
     result = _measured(
         {
@@ -306,7 +315,8 @@ def performance_targets(slim: dict, naive: dict, compiled: dict):
 
 
 def host_budget_26b(config) -> dict:
-    """GB on the host for a model of ``config``: naive, the bf16 checkpoint and fp32 model; slim, the bf16 table."""
+    """GB on the host for a model of ``config``: naive, the bf16 checkpoint and fp32 model; slim,
+    the bf16 table."""
     params = memory.param_summary(config)["total_params"]
     return {
         "naive: model in fp32": 4 * params / 1e9,
@@ -330,7 +340,8 @@ def plot_rss_traces(results: Mapping[str, dict], ax) -> None:
 def plot_host_budget(
     budget: Mapping[str, float], ax, host_ram_gb: float, story_peak_gb: float
 ) -> None:
-    """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy peak."""
+    """Bars of ``host_budget_26b`` on a log axis, with the host's RAM and the story's deploy
+    peak."""
     ax.barh(
         list(budget),
         list(budget.values()),

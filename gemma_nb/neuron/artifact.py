@@ -1,5 +1,6 @@
-"""The artifact folder the compile writes (notebook 04) and the serving box reads (05, 07, the server): the graphs, build
-record, host embedding, config and tokenizer, and a manifest of every file's size (a truncated copy fails at load)."""
+"""The artifact folder the compile writes (notebook 04) and the serving box reads (05, 07, the
+server): the graphs, build record, host embedding, config and tokenizer, and a manifest of every
+file's size (a truncated copy fails at load)."""
 
 import json
 import shutil
@@ -8,11 +9,12 @@ from typing import NamedTuple
 
 import torch
 
+# the names both artifact folders use
 from gemma_nb.artifact import (
     HOST_EMBEDDING_FILE,
     MANIFEST,
     ArtifactError,
-)  # the names both artifact folders use
+)
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
@@ -23,7 +25,8 @@ FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
 BUILD_RECORD = "build_record.json"
 CONFIG_FILE = "config.json"
-# Copied when the model folder has them; a tokenizer needs tokenizer_config.json and one of the first two.
+# Copied when the model folder has them; a tokenizer needs tokenizer_config.json and one of the
+# first two.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
@@ -55,12 +58,12 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None
         written
     ):
         raise ArtifactError(
-            f"{model_dir.name}/ has no complete tokenizer (tokenizer_config.json and tokenizer.json "
-            "or tokenizer.model): download the whole model folder, not only the weights"
+            f"{model_dir.name}/ has no complete tokenizer (tokenizer_config.json and "
+            "tokenizer.json or tokenizer.model): download the whole model folder, not only the "
+            "weights"
         )
-    state = read_hf_state(
-        model_dir, only=lambda name: name == "model.embed_tokens.weight"
-    )  # the text model's table only
+    # the text model's table only
+    state = read_hf_state(model_dir, only=lambda name: name == "model.embed_tokens.weight")
     scale = model_skeleton(text_config(model_dir)).get_input_embeddings().scalar_embed_scale
     HostEmbedding(state["model.embed_tokens.weight"], torch.tensor(scale)).save(
         artifact_dir / HOST_EMBEDDING_FILE
@@ -68,7 +71,8 @@ def write_serving_files(model_dir: str | Path, artifact_dir: str | Path) -> None
 
 
 def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dict) -> dict:
-    """After the model: the build ``record``, the serving files, then ``manifest.json`` (graphs, shapes, file sizes)."""
+    """After the model: the build ``record``, the serving files, then ``manifest.json`` (graphs,
+    shapes, file sizes)."""
     artifact_dir = Path(artifact_dir)
     (artifact_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2))
     write_serving_files(model_dir, artifact_dir)
@@ -95,7 +99,8 @@ def finish_artifact(model_dir: str | Path, artifact_dir: str | Path, record: dic
 
 
 class NeuronArtifact(NamedTuple):
-    """A validated artifact folder; ``decode_graph`` is the one ModelBuilder routes a decode step (S = 1) to."""
+    """A validated artifact folder; ``decode_graph`` is the one ModelBuilder routes a decode step (S
+    = 1) to."""
 
     folder: Path
     manifest: dict
@@ -108,12 +113,14 @@ class NeuronArtifact(NamedTuple):
 
 
 def default_artifact_dir(target: str = "neuron", decode_experts: str = "dense") -> Path:
-    """Where notebook 04 writes the artifact of a decode path (``04_neuron_dense``, ``04_neuron_sparse``)."""
+    """Where notebook 04 writes the artifact of a decode path (``04_neuron_dense``,
+    ``04_neuron_sparse``)."""
     return artifacts_dir(target) / f"04_neuron_{decode_experts}"
 
 
 def built_artifacts(target: str = "neuron") -> list[Path]:
-    """The artifact folders notebook 04 wrote for ``target``, dense first; ``ArtifactError`` when none."""
+    """The artifact folders notebook 04 wrote for ``target``, dense first; ``ArtifactError`` when
+    none."""
     folders = [
         default_artifact_dir(target, d)
         for d in DECODE_PATHS
@@ -121,8 +128,9 @@ def built_artifacts(target: str = "neuron") -> list[Path]:
     ]
     if not folders:
         raise ArtifactError(
-            f"no artifact under {artifacts_dir(target).name}/: run notebook 04 on the neuron target "
-            "first (python -m gemma_nb run --target neuron --only 04), or pass -p neuron_artifacts"
+            f"no artifact under {artifacts_dir(target).name}/: run notebook 04 on the neuron "
+            "target first (python -m gemma_nb run --target neuron --only 04), or pass -p "
+            "neuron_artifacts"
         )
     return folders
 
@@ -137,17 +145,19 @@ def artifact_labels(folders) -> dict[str, Path]:
 
 
 def read_artifact(folder: str | Path) -> NeuronArtifact:
-    """Validate ``folder`` against its manifest (format, version, every file and size) and load its config."""
+    """Validate ``folder`` against its manifest (format, version, every file and size) and load its
+    config."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(
-            f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron wrote "
-            "(notebook 04's outputs/neuron/artifacts/04_neuron_dense or _sparse), copied whole to this box"
+            f"artifact folder {folder.name!r} does not exist: pass the folder compile_neuron "
+            "wrote (notebook 04's outputs/neuron/artifacts/04_neuron_dense or _sparse), copied "
+            "whole to this box"
         )
     if not (folder / MANIFEST).is_file():
         raise ArtifactError(
-            f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile it "
-            "with gemma_nb.neuron.build.compile_neuron"
+            f"{folder.name}/ has no {MANIFEST}: not a finished gemma-nb neuron artifact; compile "
+            "it with gemma_nb.neuron.build.compile_neuron"
         )
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
@@ -160,7 +170,8 @@ def read_artifact(folder: str | Path) -> NeuronArtifact:
         path = folder / name
         if not path.is_file():
             raise ArtifactError(
-                f"{folder.name}/{name} is missing (listed in {MANIFEST}): copy the whole folder again"
+                f"{folder.name}/{name} is missing (listed in {MANIFEST}): copy the whole folder "
+                "again"
             )
         if path.stat().st_size != size:
             raise ArtifactError(

@@ -1,5 +1,6 @@
-"""The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by ModelBuilder v1.
-The host embeds and softcaps; the KV cache is aliased device state. ``NeuronGemma4(parallel=False)``: the graph at TP=1."""
+"""The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by
+ModelBuilder v1. The host embeds and softcaps; the KV cache is aliased device state.
+``NeuronGemma4(parallel=False)``: the graph at TP=1."""
 
 import time
 from dataclasses import asdict, dataclass
@@ -26,13 +27,15 @@ from gemma_nb.neuron.sdk import import_sdk
 from gemma_nb.paths import fresh_dir
 from gemma_nb.peak_rss import HostMemorySampler
 
-# dense: the port's flags (everything auto-cast to bf16), so notebook 07 compares the port with the fix; sparse:
-# NxD's default --auto-cast=none, which keeps the router's softmax, the int8 scales and the all-reduce in fp32.
+# dense: the port's flags (everything auto-cast to bf16), so notebook 07 compares the port with the
+# fix; sparse: NxD's default --auto-cast=none, which keeps the router's softmax, the int8 scales and
+# the all-reduce in fp32.
 COMPILER_ARGS = {
     "dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
     "sparse": "--model-type transformer --auto-cast=none -O1",
 }
-# bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's softmax is NaN.
+# bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's
+# softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
 RECORDED_VERSIONS = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
@@ -71,9 +74,8 @@ class NeuronBuildConfig:
     def graph_keys(self) -> dict[str, str]:  # ModelBuilder key -> experts module of that graph
         return {"prefill": "dense", f"decode_{self.decode_experts}": self.decode_experts}
 
-    def routed_graphs(
-        self,
-    ) -> dict[str, str]:  # the graph a prefill (S = bucket) and a decode (S = 1) reach
+    # the graph a prefill (S = bucket) and a decode (S = 1) reach
+    def routed_graphs(self) -> dict[str, str]:
         return {"prefill": "prefill", "decode": f"decode_{self.decode_experts}"}
 
 
@@ -84,13 +86,13 @@ def step_inputs(
     sliding_window: int,
     last_index: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32, one_hot
-    [1, 1, MAX, S], full and sliding additive masks [1, 1, S, MAX], last_index [1] int32)."""
+    """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32,
+    one_hot [1, 1, MAX, S], full and sliding additive masks [1, 1, S, MAX], last_index [1]
+    int32)."""
     tokens = embeds.shape[1]
     assert len(positions) == tokens and max(positions) < max_len, (positions, tokens, max_len)
-    pos = torch.tensor(
-        positions, dtype=torch.int32
-    )  # int32, as NxD Inference traces: no native int64
+    # int32, as NxD Inference traces: no native int64
+    pos = torch.tensor(positions, dtype=torch.int32)
     one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
     one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
     slots = torch.arange(max_len)
@@ -103,13 +105,15 @@ def step_inputs(
 
 
 def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor) -> torch.Tensor:
-    """``cache`` [1, h, MAX, d] with ``new`` [1, h, S, d] written at the one-hot's slots: a matmul, no scatter."""
+    """``cache`` [1, h, MAX, d] with ``new`` [1, h, S, d] written at the one-hot's slots: a matmul,
+    no scatter."""
     written = one_hot.sum(dim=-1, keepdim=True)  # [1, 1, MAX, 1]: 1 where a token lands
     return cache * (1.0 - written) + torch.matmul(one_hot, new.to(cache.dtype))
 
 
 class OneHotCache:
-    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states) rewritten with ``onehot_update``."""
+    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states)
+    rewritten with ``onehot_update``."""
 
     is_compileable = False
 
@@ -125,8 +129,9 @@ class OneHotCache:
 
 
 class NeuronGemma4(nn.Module):
-    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and a one-hot KV state:
-    (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) -> (logits [1, 1, V] before softcap, *new K, *new V)."""
+    """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and
+    a one-hot KV state: (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) ->
+    (logits [1, 1, V] before softcap, *new K, *new V)."""
 
     def __init__(
         self,
@@ -145,7 +150,8 @@ class NeuronGemma4(nn.Module):
         tp = build.tp_degree if parallel else 1
         dtype = getattr(torch, build.dtype)
         if parallel:
-            # on the meta device: the layers swapped for NxD ones are never allocated whole on the host
+            # on the meta device: the layers swapped for NxD ones are never allocated whole on the
+            # host
             with torch.device("meta"):
                 self.lm = Gemma4ForCausalLM(config).to(dtype)
             _swap_in_nxd_layers(self.lm, config, tp, dtype, sdk, experts)
@@ -153,13 +159,11 @@ class NeuronGemma4(nn.Module):
         else:
             assert experts == "dense", "parallel=False keeps transformers' own experts"
             self.lm = Gemma4ForCausalLM._from_config(config, dtype=dtype)
-        self.lm.model.embed_tokens = (
-            nn.Module()
-        )  # no table and no forward: the host embeds, the graph takes inputs_embeds
+        # no table and no forward: the host embeds, the graph takes inputs_embeds
+        self.lm.model.embed_tokens = nn.Module()
         self.lm.eval()
-        heads = layer_kv_heads(
-            config
-        )  # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
+        # per layer, one rank's KV state: [1, kv_heads / TP, max_len, head_dim]
+        heads = layer_kv_heads(config)
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
         shapes = [(1, h // tp, build.max_len, d) for h, d in heads]
         self.k_cache = nn.ParameterList(
@@ -195,7 +199,8 @@ class NeuronGemma4(nn.Module):
 
 
 def _materialize(lm: nn.Module, config) -> None:
-    """Give untagged meta tensors cpu storage (NxD's tagged ones stay for sharding); rebuild the rotary tables."""
+    """Give untagged meta tensors cpu storage (NxD's tagged ones stay for sharding); rebuild the
+    rotary tables."""
     for module in lm.modules():
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
@@ -210,7 +215,8 @@ def _materialize(lm: nn.Module, config) -> None:
 
 
 def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str) -> None:
-    """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in place)."""
+    """Replace attention, shared MLP, experts and lm_head of ``lm`` by their NxD forms (in
+    place)."""
     patch_scale_dequantize(sdk.quantization_layers)  # the experts' input is 2-D [T, H]
     experts_cls = NeuronDenseExperts if experts == "dense" else NeuronSparseExperts
     int8 = int8_kwargs(sdk, dtype)
@@ -263,7 +269,8 @@ def _swap_in_nxd_layers(lm: nn.Module, config, tp: int, dtype, sdk, experts: str
 
 
 def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
-    """The checkpoint ModelBuilder shards for ``NeuronGemma4``, any TP (keys ``lm.*``): MLP, experts, int8 lm_head, no embed."""
+    """The checkpoint ModelBuilder shards for ``NeuronGemma4``, any TP (keys ``lm.*``): MLP,
+    experts, int8 lm_head, no embed."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         if (
@@ -292,12 +299,14 @@ def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
 
 
 def fill_layer_scalars(module: NeuronGemma4, scalars: dict) -> None:
-    """Copy the ``layer_scalar`` buffers (which ModelBuilder does not load) from ``scalars`` into ``module``."""
+    """Copy the ``layer_scalar`` buffers (which ModelBuilder does not load) from ``scalars`` into
+    ``module``."""
     for name, buffer in module.lm.named_buffers():
         if name.endswith("layer_scalar"):
             if name not in scalars:
                 raise ValueError(
-                    f"the checkpoint has no {name}: expected a Gemma-4 checkpoint with layer scalars"
+                    f"the checkpoint has no {name}: expected a Gemma-4 checkpoint with layer "
+                    "scalars"
                 )
             buffer.copy_(scalars[name])
 
@@ -312,7 +321,8 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
 
 
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
-    """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it shards."""
+    """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it
+    shards."""
     scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
 
     class GemmaInstance(sdk.BaseModelInstance):
@@ -343,7 +353,8 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
 
 
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
-    """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the build record."""
+    """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the
+    build record."""
     sdk = import_sdk()
     config = text_config(build.model_dir)
     out_dir = fresh_dir(build.output_dir)
@@ -356,7 +367,8 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         traced = builder.trace(initialize_model_weights=True)
         artifact = out_dir / MODEL_FILE
         torch.jit.save(traced, str(artifact))
-    # the trace left the weights on the NeuronCores: free them, or the next build in this process cannot load
+    # the trace left the weights on the NeuronCores: free them, or the next build in this process
+    # cannot load
     del traced
     sdk.close_runtime()
     workdir = Path(build.compiler_workdir)
@@ -393,9 +405,8 @@ def sdk_label(sdk) -> str:
     )
 
 
-def package_versions(
-    packages,
-) -> dict:  # None where not installed; the first found, as importlib.metadata.version
+# None where not installed; the first found, as importlib.metadata.version
+def package_versions(packages) -> dict:
     return {
         package: next((dist.version for dist in distributions(name=package)), None)
         for package in packages

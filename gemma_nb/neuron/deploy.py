@@ -1,4 +1,5 @@
-"""The port's slim deploy (notebooks 05, 07, the server) from the artifact folder alone: graphs, host embedding, greedy loop."""
+"""The port's slim deploy (notebooks 05, 07, the server) from the artifact folder alone: graphs,
+host embedding, greedy loop."""
 
 import gc
 import time
@@ -20,7 +21,8 @@ from gemma_nb.peak_rss import HostMemorySampler
 
 @dataclass
 class NeuronStepRunner:
-    """Greedy decoding over a compiled graph pair keeping its KV cache as device state; ``embed``: ids -> embeddings."""
+    """Greedy decoding over a compiled graph pair keeping its KV cache as device state; ``embed``:
+    ids -> embeddings."""
 
     graph: Callable
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -31,7 +33,8 @@ class NeuronStepRunner:
     step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
-        """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``, cut and softcapped here."""
+        """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``,
+        cut and softcapped here."""
         inputs = step_inputs(
             self.embed(ids), positions, self.max_len, self.config.sliding_window, last_index
         )
@@ -54,7 +57,8 @@ class NeuronStepRunner:
                 f"{prompt} + {max_new_tokens} tokens exceed the compiled KV cache of {self.max_len}"
             )
         padded = torch.nn.functional.pad(ids, (0, self.bucket - prompt), value=self.pad_token_id)
-        # the prefill, then a decode per token: the padding's slots are rewritten before the masks open them to a query
+        # the prefill, then a decode per token: the padding's slots are rewritten before the masks
+        # open them to a query
         inputs, tokens, self.step_times_s = (padded, list(range(self.bucket)), prompt - 1), [], []
         while len(tokens) < max_new_tokens and eos_token_id not in tokens[-1:]:
             start = time.perf_counter()
@@ -65,10 +69,10 @@ class NeuronStepRunner:
 
 
 def load_artifact(artifact_dir: str | Path):
-    """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable (``.model``, ``.sdk``)."""
-    sdk = (
-        import_nxd()
-    )  # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    """``torch.jit.load`` the artifact, its weights put on the NeuronCores: the graph callable
+    (``.model``, ``.sdk``)."""
+    # registers neuron::SPMDModel for jit.load (transformers-5 workaround applied if needed)
+    sdk = import_nxd()
     model = torch.jit.load(str(Path(artifact_dir) / MODEL_FILE))
     model.nxd_model.initialize_with_saved_weights(torch.tensor([0], dtype=torch.int32))
 
@@ -82,7 +86,8 @@ def load_artifact(artifact_dir: str | Path):
 
 
 def release(runner: NeuronStepRunner) -> None:
-    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once this ran."""
+    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once
+    this ran."""
     runner.graph = None
     gc.collect()
     close_runtime()
@@ -123,7 +128,8 @@ def until_eos(tokens: list, eos_token_id: int | None) -> list:
 def deployed_answer(
     runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16
 ) -> dict:
-    """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence token."""
+    """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence
+    token."""
     tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
     ids, eos = tokenizer(prompt, return_tensors="pt").input_ids, tokenizer.eos_token_id
     out = until_eos(

@@ -1,5 +1,6 @@
-"""The port's lm_head (notebooks 03, 04): the tie broken, an int8 ``QuantizedColumnParallel`` over the vocab, gathered;
-its int8 weight ``[V, H]`` and fp32 scale ``[V, 1]`` come from the embedding table. The softcap runs on the host."""
+"""The port's lm_head (notebooks 03, 04): the tie broken, an int8 ``QuantizedColumnParallel`` over
+the vocab, gathered; its int8 weight ``[V, H]`` and fp32 scale ``[V, 1]`` come from the embedding
+table. The softcap runs on the host."""
 
 import torch
 from torch import nn
@@ -19,7 +20,8 @@ def build_lm_head(
     pad: bool = False,
     sdk=None,
 ) -> nn.Module:
-    """The int8 ``QuantizedColumnParallel`` head over the vocab, gathered; built in NxD's parallel state."""
+    """The int8 ``QuantizedColumnParallel`` head over the vocab, gathered; built in NxD's parallel
+    state."""
     sdk = import_nxd() if sdk is None else sdk
     return sdk.QuantizedColumnParallel(
         input_size=hidden_size,
@@ -32,25 +34,29 @@ def build_lm_head(
 
 
 def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gathered logits cut back to ``vocab_size`` columns (a ``pad=True`` QuantizedColumnParallel leaves them on)."""
+    """Gathered logits cut back to ``vocab_size`` columns (a ``pad=True`` QuantizedColumnParallel
+    leaves them on)."""
     return logits[..., :vocab_size] if logits.shape[-1] != vocab_size else logits
 
 
 def lm_head_state_dict(embed_weight: torch.Tensor, prefix: str = HEAD_PREFIX) -> dict:
-    """The untied head's full checkpoint entries from the embedding table ``[V, H]``: int8 weight and fp32 scale."""
+    """The untied head's full checkpoint entries from the embedding table ``[V, H]``: int8 weight
+    and fp32 scale."""
     q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
 
 def untie_lm_head(state_dict: dict) -> dict:
-    """``state_dict`` plus the int8 head's entries made from ``EMBED_KEY`` (a ModelBuilder ``checkpoint_loader``'s)."""
+    """``state_dict`` plus the int8 head's entries made from ``EMBED_KEY`` (a ModelBuilder
+    ``checkpoint_loader``'s)."""
     return {
         k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIX)
     } | lm_head_state_dict(state_dict[EMBED_KEY])
 
 
 class HeadOnly(nn.Module):
-    """The int8 head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` / ``lm_head.scale``)."""
+    """The int8 head alone, registered as ``lm_head`` (checkpoint keys ``lm_head.weight`` /
+    ``lm_head.scale``)."""
 
     def __init__(
         self,
@@ -71,10 +77,10 @@ class HeadOnly(nn.Module):
 def compile_lm_head(
     embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, compiler_workdir: str | None = None
 ):
-    """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens, H]`` -> logits."""
-    sdk = (
-        import_nxd()
-    )  # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
+    """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens,
+    H]`` -> logits."""
+    # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
+    sdk = import_nxd()
     from neuronx_distributed import ModelBuilder, shard_checkpoint
     from neuronx_distributed.utils.model_utils import init_on_device
 
@@ -87,8 +93,9 @@ def compile_lm_head(
             args=(example,), tag="lm_head"
         )
         nxd_model = traced.compile(compiler_workdir=compiler_workdir)
-    # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands over to
-    # accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8 weight cannot)
+    # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands
+    # over to accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8
+    # weight cannot)
     with (
         sdk.NxDParallelState(world_size=tp, tensor_model_parallel_size=tp),
         init_on_device(torch.device("meta"), force_custom_init_on_device=True),

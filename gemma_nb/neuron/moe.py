@@ -1,6 +1,6 @@
-"""The routed experts on NxD's expert-fused int8 layers (notebooks 04, 07): the port's dense op and the sparse decode,
-in NxD Inference's expert-major layout. Not NxD's ``ExpertMLPsV2``: its activation table has no ``gelu_pytorch_tanh``,
-and its prefill path needs kernels inf2 lacks."""
+"""The routed experts on NxD's expert-fused int8 layers (notebooks 04, 07): the port's dense op and
+the sparse decode, in NxD Inference's expert-major layout. Not NxD's ``ExpertMLPsV2``: its
+activation table has no ``gelu_pytorch_tanh``, and its prefill path needs kernels inf2 lacks."""
 
 from types import SimpleNamespace
 
@@ -15,7 +15,8 @@ from gemma_nb.targets import TargetError
 
 
 def import_nxd() -> SimpleNamespace:
-    """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install hint."""
+    """The SDK namespace (``gemma_nb.neuron.sdk.import_sdk``), or ``TargetError`` with the install
+    hint."""
     try:
         return import_sdk()
     except ImportError as error:
@@ -33,7 +34,8 @@ def int8_kwargs(sdk, dtype: torch.dtype) -> dict:  # NxD's int8 per-channel (axi
 
 
 class _ExpertMajorExperts(nn.Module):
-    """``gate_up [E, H, 2I/tp]`` and ``down [E, I/tp, H]`` per rank: NxD's expert-fused int8 layers."""
+    """``gate_up [E, H, 2I/tp]`` and ``down [E, I/tp, H]`` per rank: NxD's expert-fused int8
+    layers."""
 
     def __init__(
         self,
@@ -73,7 +75,8 @@ class _ExpertMajorExperts(nn.Module):
         ), "TP != tp"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
-        """``hidden_states [T, H]`` through ``expert_indices`` (all when None): this rank's partials ``[E', T, H]``."""
+        """``hidden_states [T, H]`` through ``expert_indices`` (all when None): this rank's partials
+        ``[E', T, H]``."""
         tokens = hidden_states.shape[0]
         gate_up = self.gate_up(
             hidden_states.view(1, 1, tokens, self.hidden_size), expert_indices=expert_indices
@@ -86,7 +89,8 @@ class _ExpertMajorExperts(nn.Module):
 
 
 class NeuronDenseExperts(_ExpertMajorExperts):
-    """The port's dense op: every expert on every token, weighted by the dense router weights; ``[T, H]`` out."""
+    """The port's dense op: every expert on every token, weighted by the dense router weights; ``[T,
+    H]`` out."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E] fp32
@@ -96,18 +100,21 @@ class NeuronDenseExperts(_ExpertMajorExperts):
 
 
 class NeuronSparseExperts(_ExpertMajorExperts):
-    """Selective loading (decode, ``T * K < E``): per token, its K experts gathered on the weights' leading axis."""
+    """Selective loading (decode, ``T * K < E``): per token, its K experts gathered on the weights'
+    leading axis."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         tokens, top_k = top_k_index.shape
         assert tokens * top_k < self.num_experts, (
-            f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: a decode path (NxD's rule)"
+            f"{tokens} tokens x top_k {top_k} >= {self.num_experts} experts: a decode path "
+            "(NxD's rule)"
         )
         rows = []
         for token in range(tokens):  # as NxD's forward_selective_loading: one gather per token
+            # [K, 1, H]
             outputs = self._experts(
                 hidden_states[token : token + 1], expert_indices=top_k_index[token]
-            )  # [K, 1, H]
+            )
             rows.append((outputs[:, 0].float() * top_k_weights[token][:, None].float()).sum(dim=0))
         return self._all_reduce(torch.stack(rows), hidden_states.dtype)
 
@@ -115,7 +122,8 @@ class NeuronSparseExperts(_ExpertMajorExperts):
 def experts_checkpoint(
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, prefix: str = ""
 ) -> dict:
-    """One layer's unsharded entries from transformers' ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
+    """One layer's unsharded entries from transformers' ``gate_up_proj [E, 2I, H]`` and ``down_proj
+    [E, H, I]``."""
     experts, two_inter, hidden = gate_up_proj.shape
     assert tuple(down_proj.shape) == (experts, hidden, two_inter // 2), (
         down_proj.shape,
@@ -123,9 +131,8 @@ def experts_checkpoint(
     )
     out = {}
     for name, tensor in (("gate_up", gate_up_proj), ("down", down_proj)):
-        q, scale = quantize_int8_per_channel(
-            tensor, axis=1, name=f"{prefix}{name}"
-        )  # [E, out, in], [E, out, 1]
+        # [E, out, in], [E, out, 1]
+        q, scale = quantize_int8_per_channel(tensor, axis=1, name=f"{prefix}{name}")
         out[f"{prefix}{name}.weight"] = q.transpose(1, 2).contiguous()  # NxD's int8 [E, in, out]
         out[f"{prefix}{name}.scale"] = scale.transpose(1, 2).contiguous()  # fp32 [E, 1, out]
     return out

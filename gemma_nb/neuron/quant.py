@@ -1,4 +1,5 @@
-"""NxD's quantized dtypes on inf2 (notebook 02): support matrix, a trial per dtype, ``scale_dequantize`` (our one NxD patch)."""
+"""NxD's quantized dtypes on inf2 (notebook 02): support matrix, a trial per dtype,
+``scale_dequantize`` (our one NxD patch)."""
 
 import traceback
 from collections import OrderedDict
@@ -10,7 +11,8 @@ from torch import nn
 from gemma_nb import formats
 from gemma_nb.neuron.moe import import_nxd
 
-# One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we think so.
+# One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we
+# think so.
 SUPPORT_COLUMNS = (
     "dtype",
     "torch_container",
@@ -25,20 +27,23 @@ SDK_SUPPORT_MATRIX = (
         "torch.int8",
         "per-tensor, per-channel symmetric (ColumnParallel: per_channel_axis 0)",
         "supported",
-        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, shared MLP and lm_head with "
-        "QuantizedColumnParallel / QuantizedRowParallel. Forward: the int8 weight is upcast (direct_cast_dequantize), matmul, "
-        "then scale_dequantize multiplies the output by the fp32 scale (in place: the port monkey-patched an out-of-place "
-        "version to trace).",
-        "port-review, port-recipe, nxd-source: quantization_layers.py (QuantizedColumnParallel.forward), dequantize.py",
+        "NxD inference quantization officially supports INT8 and FP8; the port ran int8 experts, "
+        "shared MLP and lm_head with QuantizedColumnParallel / QuantizedRowParallel. Forward: "
+        "the int8 weight is upcast (direct_cast_dequantize), matmul, then scale_dequantize "
+        "multiplies the output by the fp32 scale (in place: the port monkey-patched an "
+        "out-of-place version to trace).",
+        "port-review, port-recipe, nxd-source: quantization_layers.py "
+        "(QuantizedColumnParallel.forward), dequantize.py",
     ),
     (
         "F8E4M3",
         "torch.float8_e4m3fn",
         "per-tensor, per-channel symmetric; blockwise",
         "supported",
-        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the IEEE-style FP8_EXP4 with range "
-        "+-240, not OCP e4m3fn's +-448: NxD clamps at DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by "
-        "448/240 (values beyond 240 may become NaN).",
+        "INT8 and FP8 are the officially supported inference formats. Neuron's e4m3 is the "
+        "IEEE-style FP8_EXP4 with range +-240, not OCP e4m3fn's +-448: NxD clamps at "
+        "DtypeBound.F8E4M3_MAX = 240 and asks for checkpoints to be rescaled by 448/240 (values "
+        "beyond 240 may become NaN).",
         "nxd-source: quantization_config.py (DtypeBound), README_rescaling_fp8_for_neuron.md",
     ),
     (
@@ -54,12 +59,13 @@ SDK_SUPPORT_MATRIX = (
         "torch.uint16 (4 E2M1 values per element; float16 with NEURON_FLOAT4X4_IS_FLOAT16=1)",
         "blockwise symmetric, F8E8M0 (uint8) block scales = OCP MX",
         "not usable",
-        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == cpu for FP4 ('FP4 "
-        "dequantization in torch is only supported on CPU'): a torch reference that cannot be traced for a NeuronCore. The "
-        "blockwise_mm NKI kernel is pre-production and failed to import for the port; the MX paths live under "
+        "The weight is dequantized by blockwise_scale_dequantize, which asserts tensor.device == "
+        "cpu for FP4 ('FP4 dequantization in torch is only supported on CPU'): a torch reference "
+        "that cannot be traced for a NeuronCore. The blockwise_mm NKI kernel is pre-production "
+        "and failed to import for the port; the MX paths live under "
         "experimental/quantization/microscaling.",
-        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), quantization_config.py "
-        "(get_float4x4_torch_dtype, is_ocp_mx_quantized)",
+        "port-review, nxd-source: dequantize.py (blockwise_scale_dequantize), "
+        "quantization_config.py (get_float4x4_torch_dtype, is_ocp_mx_quantized)",
     ),
 )
 
@@ -75,7 +81,8 @@ def support_matrix_table():
 def scale_dequantize(
     tensor: torch.Tensor, scale: torch.Tensor, upcast_dtype: torch.dtype
 ) -> torch.Tensor:
-    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too; 3-D numbers equal NxD's."""
+    """NxD's ``scale_dequantize`` out of place, for a 2-D output ``[T, out]`` too; 3-D numbers equal
+    NxD's."""
     factor = scale.unsqueeze(len(scale.shape) - 1)
     extra = factor.dim() - tensor.dim()
     if extra > 0:
@@ -87,7 +94,8 @@ def scale_dequantize(
 
 
 def patch_scale_dequantize(quantization_layers) -> None:
-    """Point ``quantization_layers.scale_dequantize`` (looked up by NxD's layers at call time) at ours."""
+    """Point ``quantization_layers.scale_dequantize`` (looked up by NxD's layers at call time) at
+    ours."""
     quantization_layers.scale_dequantize = scale_dequantize
 
 
@@ -109,12 +117,14 @@ def _layer_kwargs(dtype_name: str, sdk) -> dict:
 
 
 def trial_weights(dtype_name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(NxD state dict, the fp32 weight it dequantizes to): int8, fp8 at Neuron's +-240, MXFP4 viewed as uint16."""
+    """(NxD state dict, the fp32 weight it dequantizes to): int8, fp8 at Neuron's +-240, MXFP4
+    viewed as uint16."""
     if dtype_name == "INT8":
         q, scale = formats.quantize_int8_per_channel(weight, name="trial.weight")
         return {"layer.weight": q, "layer.scale": scale}, formats.dequantize_int8(q, scale)
     if dtype_name == "F8E4M3":
-        # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.formats's OCP fp8
+        # per-row absmax maps to 240 (Neuron's e4m3 top), not to 448 as in gemma_nb.formats's OCP
+        # fp8
         scale = (weight.abs().amax(dim=1, keepdim=True) / NEURON_FP8_MAX).clamp_min(
             torch.finfo(torch.float32).tiny
         )
@@ -135,7 +145,8 @@ def run_trials(
     tokens: int = 4,
     workdir: str = "/tmp/gemma_nb_quant_trials",
 ):
-    """On a NeuronCore, per dtype: ``ok``, the ``stage`` reached, ``max_abs_diff`` against the cpu, the ``error``."""
+    """On a NeuronCore, per dtype: ``ok``, the ``stage`` reached, ``max_abs_diff`` against the cpu,
+    the ``error``."""
     sdk = import_nxd()
     patch_scale_dequantize(sdk.quantization_layers)  # the trial's input is 2-D [tokens, in]
     generator = torch.Generator().manual_seed(0)
@@ -160,9 +171,8 @@ def run_trials(
                     dtype=torch.bfloat16,
                     **_layer_kwargs(dtype_name, sdk),
                 )
-                model = nn.Sequential(
-                    OrderedDict(layer=layer)
-                ).eval()  # checkpoint keys layer.weight / layer.scale
+                # checkpoint keys layer.weight / layer.scale
+                model = nn.Sequential(OrderedDict(layer=layer)).eval()
                 row["stage"] = "load_weights"
                 state, dequantized = trial_weights(dtype_name, weight)
                 expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

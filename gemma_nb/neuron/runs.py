@@ -1,4 +1,5 @@
-"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and answered in turn."""
+"""What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and
+answered in turn."""
 
 from pathlib import Path
 
@@ -11,14 +12,16 @@ from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
 from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy, until_eos
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
+# the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
 SMOKE_SHAPES = {
     "max_len": 64,
     "bucket": 16,
-}  # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
+}
 
 
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
+    """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at
+    ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     decodes = [decode_experts] if isinstance(decode_experts, str) else decode_experts
     return {
@@ -57,7 +60,8 @@ def builds_table(records: dict):
 def answer_each(
     folders, prompt: str = "The capital of France is", max_new_tokens: int = 16
 ) -> list[dict]:
-    """Per artifact folder, deployed and released in turn: its decode graph, greedy answer, NEFF load time, peak RSS."""
+    """Per artifact folder, deployed and released in turn: its decode graph, greedy answer, NEFF
+    load time, peak RSS."""
     rows = []
     for folder in folders:
         runner, figures = slim_deploy(folder)
@@ -82,7 +86,8 @@ def answer_each(
 def benchmark_builds(
     folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3
 ):
-    """Each build's decode speed and continuation (notebook 07), deployed and released in turn: two 26B builds do not fit."""
+    """Each build's decode speed and continuation (notebook 07), deployed and released in turn: two
+    26B builds do not fit."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -1,4 +1,5 @@
-"""The one import of the Neuron SDK, with a stand-in for the ``transformers.utils.fx`` NxD imports and transformers 5 removed."""
+"""The one import of the Neuron SDK, with a stand-in for the ``transformers.utils.fx`` NxD imports
+and transformers 5 removed."""
 
 import importlib
 import importlib.util
@@ -10,26 +11,33 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+# import -> pip name
 SDK_PACKAGES = {
     "torch_neuronx": "torch-neuronx",
     "neuronx_distributed": "neuronx-distributed",
-}  # import -> pip name
+}
 NEURON_PACKAGES = tuple(SDK_PACKAGES)
 NEURON_HELP = (
-    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, installed from AWS's "
-    "Neuron pip index on an inf2/trn1 instance: see the runbook, docs/inf2.md (envs/neuron/requirements.txt)"
+    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
+    "installed from AWS's Neuron pip index on an inf2/trn1 instance: see the runbook, "
+    "docs/inf2.md (envs/neuron/requirements.txt)"
 )
 FX_MODULE = "transformers.utils.fx"
-EMULATED_LABEL = "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed emulated on the cpu, not the Neuron SDK)"
+EMULATED_LABEL = (
+    "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed "
+    "emulated on the cpu, not the Neuron SDK)"
+)
 FX_NOTE = (
-    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its pipeline-parallel HF tracer), which "
-    "transformers 5 removed; gemma_nb.neuron.sdk provides a stand-in module of that name so the import succeeds. Only "
-    "NxD's pipeline-parallel tracing of HF models is unavailable; ModelBuilder does not use it."
+    f"note: neuronx-distributed imports {FX_MODULE} (pipeline/trace.py, for its "
+    "pipeline-parallel HF tracer), which transformers 5 removed; gemma_nb.neuron.sdk provides a "
+    "stand-in module of that name so the import succeeds. Only NxD's pipeline-parallel tracing "
+    "of HF models is unavailable; ModelBuilder does not use it."
 )
 
 
 def install_fx_stand_in(modules: dict | None = None) -> bool:
-    """Put a ``transformers.utils.fx`` whose ``HFTracer`` raises when built in ``modules`` (``sys.modules``); False if one is."""
+    """Put a ``transformers.utils.fx`` whose ``HFTracer`` raises when built in ``modules``
+    (``sys.modules``); False if one is."""
     modules = sys.modules if modules is None else modules
     if FX_MODULE in modules:
         return False
@@ -37,9 +45,10 @@ def install_fx_stand_in(modules: dict | None = None) -> bool:
     class HFTracer(torch.fx.Tracer):  # a Tracer, for the MRO of NxD's HFTracerWrapper
         def __init__(self, *args, **kwargs):
             raise RuntimeError(
-                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing of Hugging "
-                "Face models (HFTracerWrapper) is unavailable with it. gemma_nb never uses it; for NxD "
-                "pipeline parallelism use transformers 4.x in a separate environment."
+                f"{FX_MODULE} does not exist in transformers 5: NxD's pipeline-parallel tracing "
+                "of Hugging Face models (HFTracerWrapper) is unavailable with it. gemma_nb "
+                "never uses it; for NxD pipeline parallelism use transformers 4.x in a separate "
+                "environment."
             )
 
     module = types.ModuleType(
@@ -78,8 +87,9 @@ class SdkStatus:
                 else ""
             )
             return (
-                f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check that torch, "
-                "torch-neuronx and neuronx-distributed come from the same SDK release (envs/neuron/requirements.txt)"
+                f"the Neuron SDK is installed but does not import{hint}: {self.error}. Check "
+                "that torch, torch-neuronx and neuronx-distributed come from the same SDK "
+                "release (envs/neuron/requirements.txt)"
             )
         found = EMULATED_LABEL if self.emulated else "torch-neuronx and neuronx-distributed"
         if self.fx_problem:
@@ -157,7 +167,8 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
 
 
 def close_runtime() -> None:
-    """Unload every model on the NeuronCores (as NxD's tests do between models): dropping references is not enough."""
+    """Unload every model on the NeuronCores (as NxD's tests do between models): dropping references
+    is not enough."""
     import torch_neuronx  # noqa: F401 (registers torch.classes.neuron)
 
     torch.classes.neuron.Runtime().unsafe_close()

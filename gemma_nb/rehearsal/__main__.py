@@ -1,4 +1,5 @@
-"""``python -m gemma_nb.rehearsal``: the runbook rehearsed against the emulated SDK (``make rehearse``)."""
+"""``python -m gemma_nb.rehearsal``: the runbook rehearsed against the emulated SDK (``make
+rehearse``)."""
 
 import sys
 

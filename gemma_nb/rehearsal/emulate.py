@@ -1,6 +1,7 @@
-"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8 model (notebook 05):
-weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one aliased KV state, activations in fp32
-so that a token flip can only come from the sharding (the bf16 router check is apart)."""
+"""The build's TP=2 graphs on two gloo ranks with the NxD stand-ins, against the unsharded int8
+model (notebook 05): weights cut as ModelBuilder cuts them, prefill and decode graphs sharing one
+aliased KV state, activations in fp32 so that a token flip can only come from the sharding (the bf16
+router check is apart)."""
 
 import time
 
@@ -56,10 +57,11 @@ class AliasedGraphs:
             for name, p in prefill.named_parameters()
             if name.startswith(B.KV_STATE_PREFIXES)
         }
+        # logits: every call's output, for the comparison
         self.calls, self.logits = (
             dict.fromkeys(self.graphs, 0),
             [],
-        )  # logits: every call's output, for the comparison
+        )
 
     def __call__(self, *inputs):
         kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"
@@ -72,10 +74,11 @@ class AliasedGraphs:
             outputs = module(*inputs)
             for parameter, index in module.input_output_aliases().items():
                 name, out = names[id(parameter)], outputs[index]
+                # the runtime refuses it too
                 if (out.shape, out.dtype) != (
                     self.state[name].shape,
                     self.state[name].dtype,
-                ):  # the runtime refuses it too
+                ):
                     raise RuntimeError(
                         f"output {index} {tuple(out.shape)} {out.dtype} cannot alias state {name}"
                     )
@@ -102,7 +105,8 @@ def _setup(model_dir: str, tp: int, max_len: int, bucket: int, dtype: str = "flo
 
 
 def _onehot_state_ok(state: dict, last_position: int) -> bool:
-    """Every cache slot up to the last written position holds values, every later slot is still zero."""
+    """Every cache slot up to the last written position holds values, every later slot is still
+    zero."""
     return all(
         bool((t[0, :, : last_position + 1].abs().sum(dim=(0, 2)) > 0).all())
         and bool(t[0, :, last_position + 1 :].abs().sum() == 0)
@@ -123,7 +127,8 @@ def decode_all(
     group=None,
     modes=("dense", "sparse"),
 ) -> dict:
-    """Greedy tokens per decode mode and prompt, with one rank's modules (a fresh KV state per prompt)."""
+    """Greedy tokens per decode mode and prompt, with one rank's modules (a fresh KV state per
+    prompt)."""
     modules = {
         mode: rank_module(config, build, checkpoint, hf_state, rank, sdk, experts=mode, group=group)
         for mode in {"dense", *modes}
@@ -162,7 +167,8 @@ def decode_all(
 
 
 def router_choices(module, config, embed, build, prompts_ids: list, answers: list) -> dict:
-    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its ``answers`` one by one."""
+    """The top-k experts every router picks, teacher-forced: each prompt prefilled, then its
+    ``answers`` one by one."""
     scores = []
     hooks = [
         layer.router.proj.register_forward_hook(lambda mod, args, out: scores.append(out.detach()))
@@ -181,9 +187,8 @@ def router_choices(module, config, embed, build, prompts_ids: list, answers: lis
             scores.clear()
             with torch.inference_mode():
                 runner.step(padded, list(range(build.bucket)), len(ids) - 1)
-                kept = [
-                    s[: len(ids)] for s in scores
-                ]  # the prompt's tokens, not the bucket's padding
+                # the prompt's tokens, not the bucket's padding
+                kept = [s[: len(ids)] for s in scores]
                 for step, token in enumerate(answer[:-1]):
                     scores.clear()
                     runner.step(torch.tensor([[token]]), [len(ids) + step], 0)
@@ -210,7 +215,8 @@ def tp_rank_job(
     max_len: int,
     bucket: int,
 ) -> dict:
-    """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router check."""
+    """One gloo rank of :func:`tp_emulation`: :func:`decode_all` in fp32, then the bf16 router
+    check."""
     config, hf_state, build, checkpoint, embed = _setup(model_dir, world_size, max_len, bucket)
     decoded = decode_all(
         config,
@@ -242,7 +248,8 @@ def tp_emulation(
     bucket: int = 8,
     timeout_s: float = 600.0,
 ) -> dict:
-    """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8 model."""
+    """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8
+    model."""
     started = time.perf_counter()
     model_dir = resolve_model_id(model_id)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -277,12 +284,6 @@ def tp_emulation(
             float((r["logits"][mode] - reference["logits"]["dense"]).abs().max()) for r in ranks
         )
 
-    def matching(
-        picks: list,
-    ) -> float:  # the share of the bf16 ranks' top-k picks equal to the fp32 reference's
-        assert len(picks) == len(choices), (len(picks), len(choices))
-        return sum(a == b for a, b in zip(picks, choices)) / len(choices)
-
     return {
         "model_id": model_id,
         "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION} (not the SDK)",
@@ -306,8 +307,8 @@ def tp_emulation(
         "onehot_state_ok": all(r["onehot_state_ok"] for r in ranks),
         "graph_calls_per_rank": ranks[0]["graph_calls"],
         "router_choices": len(choices),
-        "router_topk_equal_bf16": matching(bf16[0]["fp32_softmax"]),
-        "router_topk_equal_bf16_autocast_all": matching(bf16[0]["bf16_softmax"]),
+        "router_topk_equal_bf16": _matching(bf16[0]["fp32_softmax"], choices),
+        "router_topk_equal_bf16_autocast_all": _matching(bf16[0]["bf16_softmax"], choices),
         "router_ranks_agree": all(r == bf16[0] for r in bf16),
         "prompt_texts": list(prompts),
         "reference_answers": [tokenizer.decode(until_eos(t, eos)) for t in expected],
@@ -315,3 +316,9 @@ def tp_emulation(
         "tokens_per_rank": [r["tokens"] for r in ranks],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def _matching(picks: list, choices: list) -> float:
+    """The share of the bf16 ranks' top-k ``picks`` equal to the fp32 reference's ``choices``."""
+    assert len(picks) == len(choices), (len(picks), len(choices))
+    return sum(a == b for a, b in zip(picks, choices)) / len(choices)

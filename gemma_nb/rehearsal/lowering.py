@@ -1,7 +1,9 @@
-"""The neuron graphs lowered to XLA on the cpu at the SDK's torch-xla 2.9 (notebook 04, in ``.venv-xla``).
+"""The neuron graphs lowered to XLA on the cpu at the SDK's torch-xla 2.9 (notebook 04, in
+``.venv-xla``).
 
-Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer and logits
-equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m gemma_nb.rehearsal.lowering --json``."""
+Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer
+and logits equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m
+gemma_nb.rehearsal.lowering --json``."""
 
 import argparse
 import json
@@ -26,8 +28,9 @@ from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
-# Allowed |logits(XLA) - logits(eager)| in ulps of the largest |logit|: XLA fuses and reorders, so it rounds
-# differently; in bf16 the roundings compound through the layers (of the size of each row's ``bf16_rounding``).
+# Allowed |logits(XLA) - logits(eager)| in ulps of the largest |logit|: XLA fuses and reorders, so
+# it rounds differently; in bf16 the roundings compound through the layers (of the size of each
+# row's ``bf16_rounding``).
 TOLERANCE_ULPS = {torch.bfloat16: 32, torch.float32: 64}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
 PROMPT_TOKENS = 12  # real tokens in the padded prefill (the rest of the bucket is padding)
@@ -62,7 +65,8 @@ def hlo_opcodes(hlo_text: str) -> list[str]:
 
 
 def hlo_gathers(hlo_text: str) -> list[dict]:
-    """Every ``gather``: operand shape, whether the operand is a graph parameter, start_index_map, slice_sizes."""
+    """Every ``gather``: operand shape, whether the operand is a graph parameter, start_index_map,
+    slice_sizes."""
     parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
     found = []
     for line in hlo_text.splitlines():
@@ -87,7 +91,8 @@ def takes_whole_leading_slices(gather: dict) -> bool:
 
 
 def hlo_counts(hlo_text: str) -> dict:
-    """Instructions, gathers, gathers of a graph parameter, and those taking whole leading-axis slices."""
+    """Instructions, gathers, gathers of a graph parameter, and those taking whole leading-axis
+    slices."""
     opcodes = hlo_opcodes(hlo_text)
     assert opcodes, "no HLO instructions found"
     weights = [g for g in hlo_gathers(hlo_text) if g["of_parameter"]]
@@ -111,13 +116,15 @@ def ulp(value: float, dtype: torch.dtype) -> float:
 
 
 def tolerance(eager: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest |XLA - eager| accepted: ``TOLERANCE_ULPS[dtype]`` ulps of the largest eager logit."""
+    """The largest |XLA - eager| accepted: ``TOLERANCE_ULPS[dtype]`` ulps of the largest eager
+    logit."""
     assert dtype in TOLERANCE_ULPS, f"{dtype} has no tolerance rule"
     return TOLERANCE_ULPS[dtype] * ulp(float(eager.abs().max()), dtype)
 
 
 def lowered_cleanly(rows: list[dict]) -> bool:
-    """Whether every graph lowered with no fallback, no transfer, one execution, within tolerance."""
+    """Whether every graph lowered with no fallback, no transfer, one execution, within
+    tolerance."""
     return bool(rows) and all(
         row["error"] is None
         and not row["aten_fallbacks"]
@@ -130,12 +137,14 @@ def lowered_cleanly(rows: list[dict]) -> bool:
 
 
 def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
-    """The interpreter of the xla environment: ``$GEMMA_NB_XLA_PYTHON`` or ``<repo>/.venv-xla/bin/python``."""
+    """The interpreter of the xla environment: ``$GEMMA_NB_XLA_PYTHON`` or
+    ``<repo>/.venv-xla/bin/python``."""
     python = Path(os.environ.get(XLA_PYTHON_ENV) or Path(repo_root) / XLA_VENV / "bin" / "python")
     if not python.exists():
         raise FileNotFoundError(
-            f"no xla environment at {python}: create it with `make xla` (torch 2.9.0 + torch-xla 2.9.0 from "
-            f"envs/xla/requirements.txt, ~7 GB, a few minutes), or point {XLA_PYTHON_ENV} at a Python that has them"
+            f"no xla environment at {python}: create it with `make xla` (torch 2.9.0 + torch-xla "
+            "2.9.0 from envs/xla/requirements.txt, ~7 GB, a few minutes), or point "
+            f"{XLA_PYTHON_ENV} at a Python that has them"
         )
     return python
 
@@ -153,7 +162,8 @@ def run_in_xla_env(
     )
     if done.returncode:
         raise RuntimeError(
-            f"the lowering check failed in {command[0]} (exit {done.returncode}):\n{done.stderr[-3000:]}"
+            f"the lowering check failed in {command[0]} (exit "
+            f"{done.returncode}):\n{done.stderr[-3000:]}"
         )
     return json.loads(done.stdout)
 
@@ -186,7 +196,8 @@ CONTRAST_COLUMNS = {**STRUCTURE_COLUMNS, "error": "error"}
 
 
 def lowering_tables(report: dict):
-    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report (``contrast=True``) for the notebook."""
+    """(structure, numbers, contrast) DataFrames of :func:`run_in_xla_env`'s report
+    (``contrast=True``) for the notebook."""
 
     def frame(rows, columns):
         table = pd.DataFrame(rows)[list(columns)].rename(columns=columns)
@@ -198,11 +209,12 @@ def lowering_tables(report: dict):
         return table
 
     contrast = frame(report["contrast"], CONTRAST_COLUMNS)
+    # None where the step failed
     for column in (
         STRUCTURE_COLUMNS["hlo_instructions"],
         "gathers",
         "error",
-    ):  # None where the step failed
+    ):
         contrast[column] = contrast[column].map(
             lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v
         )
@@ -229,7 +241,8 @@ def _import_xla():
 def lower_step(
     module: torch.nn.Module, inputs: tuple, dtype: torch.dtype, **labels
 ) -> tuple[dict, torch.Tensor]:
-    """(row, eager logits) of ``module(*inputs)`` run eagerly, then as one step on the XLA device (counted after the move)."""
+    """(row, eager logits) of ``module(*inputs)`` run eagerly, then as one step on the XLA device
+    (counted after the move)."""
     torch_xla, metrics = _import_xla()
     module.eval()
     with torch.no_grad():
@@ -244,9 +257,8 @@ def lower_step(
             outputs = module(*on_device)
             outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
             hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-            torch_xla.sync(
-                wait=True
-            )  # counters are read after the graph has run, not while it runs
+            # counters are read after the graph has run, not while it runs
+            torch_xla.sync(wait=True)
             error = None
         except Exception as failure:  # noqa: BLE001 -- recorded: a fallback op may fail on the cpu
             error = f"{type(failure).__name__}: {str(failure).splitlines()[0]}"
@@ -289,7 +301,8 @@ def _tiny(model_dir: Path | str):
 
 
 def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
-    """The prefill bucket (``PROMPT_TOKENS`` seeded ids, padded) or one seeded token at ``DECODE_POSITION``, embedded."""
+    """The prefill bucket (``PROMPT_TOKENS`` seeded ids, padded) or one seeded token at
+    ``DECODE_POSITION``, embedded."""
     if graph == "prefill":
         generator = torch.Generator().manual_seed(SEED)
         ids = torch.full((1, build.bucket), config.pad_token_id or 0, dtype=torch.long)
@@ -307,7 +320,8 @@ def seeded_inputs(config, state: dict, build, graph: str) -> tuple:
 
 
 def fill_cache(module) -> None:
-    """Seeded N(0, 1) values in every K/V state slot (the mask hides the slots after the position)."""
+    """Seeded N(0, 1) values in every K/V state slot (the mask hides the slots after the
+    position)."""
     generator = torch.Generator().manual_seed(SEED + 2)
     with torch.no_grad():
         for state in [*module.k_cache, *module.v_cache]:
@@ -315,7 +329,8 @@ def fill_cache(module) -> None:
 
 
 def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **labels) -> dict:
-    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference and tolerance, and the bf16 rounding."""
+    """:func:`lower_step` of ``make_module(dtype)``, plus its fp32 twin's difference and tolerance,
+    and the bf16 rounding."""
     row, eager = lower_step(make_module(dtype), inputs, dtype, **labels)
     exact, fp32_eager = lower_step(
         make_module(torch.float32),
@@ -372,9 +387,8 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
             1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3)
         )
 
-        def make_head(
-            module_dtype,
-        ):  # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
+        # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
+        def make_head(module_dtype):
             return load_rank_module(
                 lambda: HeadOnly(
                     config.hidden_size,
@@ -403,7 +417,8 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
-    """What does not lower: the decode with transformers' and with the cpu ``SparseExperts`` (TP=1), failures as ``error``."""
+    """What does not lower: the decode with transformers' and with the cpu ``SparseExperts`` (TP=1),
+    failures as ``error``."""
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     inputs = seeded_inputs(config, state, build, "decode")
     rows = []
@@ -431,7 +446,8 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
 def report(
     contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES
 ) -> dict:
-    """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the contrast rows."""
+    """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the
+    contrast rows."""
     model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
     build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
     return {

@@ -1,5 +1,6 @@
-"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on the cores; each
-graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and neuronx-cc, and no NEFF is written."""
+"""ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on
+the cores; each graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and
+neuronx-cc, and no NEFF is written."""
 
 import logging
 import re
@@ -14,7 +15,10 @@ from gemma_nb.rehearsal.nxd_layers import ParallelState, use_state
 from gemma_nb.rehearsal.sharding import init_on_meta, shard_checkpoint
 
 logger = logging.getLogger("Neuron")
-AUTO_CAST_WARNING = "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
+AUTO_CAST_WARNING = (
+    "Compiler argument ``--auto-cast=none`` not detected. Other values might "
+    "result in lower accuracy"
+)
 SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
 
 
@@ -46,7 +50,8 @@ def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[di
 
 
 class BaseModelInstance:
-    """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its aliases."""
+    """NxD's ``BaseModelInstance``: ``load_module()`` sets ``module``; ``get()`` returns it with its
+    aliases."""
 
     def __init__(self, module_cls, input_output_aliases):
         self.module_cls, self.module, self.input_output_aliases = (
@@ -82,8 +87,9 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
     ):
         if bucket_config is not None or priority_model_idx is not None or len(example_inputs) != 1:
             raise TypeError(
-                "the emulated ModelBuilder does not implement bucketing (bucket_config, priority_model_idx, "
-                f"{len(example_inputs)} example inputs): give one example per key"
+                "the emulated ModelBuilder does not implement bucketing (bucket_config, "
+                f"priority_model_idx, {len(example_inputs)} example inputs): give one example "
+                "per key"
             )
         self.model_collection[key] = {
             "instance": model_instance,
@@ -94,10 +100,11 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
 
     def shard_checkpoint(self, serialize_path=None) -> list[dict]:
         instance = next(iter(self.model_collection.values()))["instance"]
+        # NxD's initialize_model_parallel
         with (
             use_state(ParallelState(self.tp_degree, spmd=True)),
             init_on_meta(),
-        ):  # NxD's initialize_model_parallel
+        ):
             instance.load_module()
             model, _ = instance.get(0)
             return _shard_all(model, self.checkpoint_loader(), self.tp_degree, serialize_path)
@@ -131,7 +138,8 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
 def NxDParallelState(
     world_size: int = 1, rank: int = 0, tensor_model_parallel_size: int = 1, **unsupported
 ):
-    """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state for building."""
+    """``with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):`` the parallel state
+    for building."""
     if unsupported or world_size != tensor_model_parallel_size:
         raise TypeError(
             "the emulated NxDParallelState keeps tensor parallelism only (world_size == "
@@ -141,7 +149,8 @@ def NxDParallelState(
 
 
 class NxDModelV2:
-    """v2's ``NxDModel``: ``set_weights``, ``to_neuron``, then ``model(*args)`` (outputs of rank 0)."""
+    """v2's ``NxDModel``: ``set_weights``, ``to_neuron``, then ``model(*args)`` (outputs of rank
+    0)."""
 
     def __init__(self, model: nxd_model.EmulatedNxDModel):
         self._model, self._weights = model, None
@@ -149,8 +158,8 @@ class NxDModelV2:
     def set_weights(self, sharded_checkpoint: list[dict]) -> None:
         if self._model.loaded:
             raise ValueError(
-                "set_weights() was called when the model was already loaded on neuron. If you need to "
-                "replace your weights, call `replace_weights()` instead."
+                "set_weights() was called when the model was already loaded on neuron. If you "
+                "need to replace your weights, call `replace_weights()` instead."
             )
         self._weights = sharded_checkpoint
 
@@ -200,7 +209,8 @@ def shard_checkpoint_v2(
     load_on_device: bool = False,
     serialize_path=None,
 ) -> list[dict]:
-    """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel state."""
+    """``neuronx_distributed.shard_checkpoint`` (``trace/functions.py``): every rank of the parallel
+    state."""
     state = nxd_layers.STATE
     assert state is not None, "NxD parallel state has not been initialized"
     if load_on_device or start_rank not in (None, 0) or end_rank not in (None, state.tp - 1):

@@ -1,5 +1,6 @@
-"""NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's contracts). Collectives
-go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere (one rank's graph: its partial sums)."""
+"""NxD's parallel state, mappings and linear layers as cpu stand-ins (neuronx-distributed 0.18's
+contracts). Collectives go to a gloo group, the emulated NeuronCores (``spmd=True``), or nowhere
+(one rank's graph: its partial sums)."""
 
 import contextlib
 from typing import NamedTuple
@@ -17,7 +18,8 @@ NXD_CONTRACT_VERSION = (
 
 
 class ParallelState(NamedTuple):
-    """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated cores or not."""
+    """What a stand-in layer captures when built: TP degree, rank, gloo group (or None), emulated
+    cores or not."""
 
     tp: int
     rank: int = 0
@@ -30,7 +32,8 @@ STATE: ParallelState | None = None  # the one being built in (use_state), or Non
 
 @contextlib.contextmanager
 def use_state(state: ParallelState):
-    """The parallel state the stand-in layers read at construction (and keep for their forward), for the duration."""
+    """The parallel state the stand-in layers read at construction (and keep for their forward), for
+    the duration."""
     global STATE
     previous, STATE = STATE, state
     try:
@@ -70,7 +73,8 @@ def set_tensor_model_parallel_attributes(
     num_partitions: int,
     rank_ordering: list | None = None,
 ) -> None:
-    """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering`` missing a rank."""
+    """NxD's tags on a parameter; like NxD, refuses to tag a tensor twice, and a ``rank_ordering``
+    missing a rank."""
     tags = {
         "tensor_model_parallel": is_parallel,
         "partition_dim": dim,
@@ -90,12 +94,12 @@ def set_tensor_model_parallel_attributes(
 
 
 def reduce_from_tensor_model_parallel_region(input_, process_group=None):
-    """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a group."""
+    """All-reduce (sum) over the TP group, in the input's dtype; identity at tp=1 or without a
+    group."""
     state = process_group or current_state()
     if state.tp > 1 and state.spmd:
-        return torch.ops.nxd_emulated.all_reduce(
-            input_
-        )  # the emulated cores' sum, in the input's dtype
+        # the emulated cores' sum, in the input's dtype
+        return torch.ops.nxd_emulated.all_reduce(input_)
     if state.tp == 1 or state.group is None:
         return input_
     output = input_.clone()
@@ -120,7 +124,8 @@ def _check_unsupported(cls: str, unsupported: dict, **flags) -> None:
     used = sorted(unsupported) + sorted(name for name, value in flags.items() if value)
     if used:
         raise TypeError(
-            f"the cpu stand-in {cls} does not implement {used}; it keeps only what gemma_nb.neuron uses"
+            f"the cpu stand-in {cls} does not implement {used}; it keeps only what "
+            "gemma_nb.neuron uses"
         )
 
 
@@ -134,7 +139,8 @@ def _column_setup(
     pad: bool,
     group,
 ) -> None:
-    """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's share."""
+    """The sizes both column-parallel stand-ins set, as NxD's: the padded output, this rank's
+    share."""
     layer.tensor_parallel_group = group or current_state()
     tp = layer.tensor_parallel_group.tp
     layer.input_size, layer.gather_output, layer.stride, layer.dtype = (
@@ -159,11 +165,11 @@ def _row_setup(
     group,
 ) -> None:
     """The sizes the row-parallel stand-ins set, as NxD's do (``input_size_per_partition``)."""
-    if (
-        not input_is_parallel
-    ):  # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
+    # NxD's default scatters the input first; gemma_nb.neuron feeds them shards
+    if not input_is_parallel:
         raise TypeError(
-            "the cpu stand-in row-parallel layers take input_is_parallel=True only, as gemma_nb.neuron builds them"
+            "the cpu stand-in row-parallel layers take input_is_parallel=True only, as "
+            "gemma_nb.neuron builds them"
         )
     layer.tensor_parallel_group = group or current_state()
     layer.input_size, layer.output_size, layer.input_is_parallel = (
@@ -180,10 +186,12 @@ def _row_setup(
 def _tagged_weight(
     layer: nn.Module, shape, dtype, device, partition_dim: int, stride: int, rank_ordering=None
 ) -> None:
+    # frozen, no bias
     layer.weight = nn.Parameter(
         torch.empty(*shape, dtype=dtype, device=device), requires_grad=False
-    )  # frozen, no bias
-    # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the module
+    )
+    # tagged after registration, as NxD does: on the parameter init_on_device's hook left in the
+    # module
     set_tensor_model_parallel_attributes(
         layer.weight, True, partition_dim, stride, layer.tensor_parallel_group.tp, rank_ordering
     )
@@ -195,7 +203,8 @@ class BaseParallelLinear(nn.Module):
 
 
 class ColumnParallelLinear(BaseParallelLinear):
-    """``weight [out/tp, in]``; output ``[..., out/tp]``, or all-gathered ``[..., out]`` with ``gather_output``."""
+    """``weight [out/tp, in]``; output ``[..., out/tp]``, or all-gathered ``[..., out]`` with
+    ``gather_output``."""
 
     def __init__(
         self,

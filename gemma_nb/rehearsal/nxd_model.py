@@ -1,10 +1,13 @@
-"""NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call is routed by its
-inputs' shapes (the last graph added wins); aliased outputs stay on the cores as state."""
+"""NxDModel, its saved artifact and ``torch.jit.load``, emulated on the emulated NeuronCores: a call
+is routed by its inputs' shapes (the last graph added wins); aliased outputs stay on the cores as
+state."""
 
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List  # noqa: UP035 (TorchScript, torch 2.9, reads no builtin generics in attributes)
+
+# TorchScript (torch 2.9) reads no builtin generics in attributes
+from typing import Dict, List  # noqa: UP035
 
 import torch
 from torch import nn
@@ -15,14 +18,16 @@ SAVED_MARKER = "gemma-nb emulated NxD model v1"
 
 
 class _Graph(nn.Module):
-    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module with those tensors as its parameters."""
+    """What is traced: ``forward(*weights, *states, *inputs)`` runs the held module with those
+    tensors as its parameters."""
 
     def __init__(self, module: nn.Module, names: list[str]):
         super().__init__()
+        # not a submodule: its parameters must not be saved with the graph
         self._held, self.names = (
             [module],
             names,
-        )  # not a submodule: its parameters must not be saved with the graph
+        )
 
     def forward(self, *tensors):
         module, held = self._held[0], []
@@ -118,9 +123,8 @@ class EmulatedNxDModel:
         self.weights, self.states, self.loaded = checkpoint, states, True
 
     def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor) -> None:
-        self.initialize(
-            self.saved_weights or [], start_rank_tensor
-        )  # none saved: "0 rank checkpoints" for tp ranks
+        # none saved: "0 rank checkpoints" for tp ranks
+        self.initialize(self.saved_weights or [], start_rank_tensor)
 
     def unloaded(self) -> None:
         self.weights, self.states, self.loaded = None, None, False
@@ -136,8 +140,9 @@ class EmulatedNxDModel:
     def __call__(self, inputs: list) -> list:
         if not self.loaded:
             raise ValueError(
-                "This model is not initialized, please call traced_model.nxd_model.initialize(sharded_checkpoint) "
-                "or traced_model.nxd_model.initialize_with_saved_weights()"
+                "This model is not initialized, please call "
+                "traced_model.nxd_model.initialize(sharded_checkpoint) or "
+                "traced_model.nxd_model.initialize_with_saved_weights()"
             )
         name, _ = self.router(inputs)
         graph = self.graphs[name]
@@ -166,7 +171,8 @@ class EmulatedNxDModel:
 
 
 class Saved(nn.Module):
-    """The TorchScript archive ``torch.jit.save`` writes: programs, each rank's weights, the spec."""
+    """The TorchScript archive ``torch.jit.save`` writes: programs, each rank's weights, the
+    spec."""
 
     weights: List[Dict[str, torch.Tensor]]  # noqa: UP006
     spec: str
@@ -176,14 +182,14 @@ class Saved(nn.Module):
         self.programs, self.weights, self.spec = nn.ModuleDict(programs), weights, spec
 
     def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:  # noqa: UP006
-        return torch.ops.nxd_emulated.spmd_model(
-            inputs
-        )  # unknown unless the emulated SDK is imported
+        # unknown unless the emulated SDK is imported
+        return torch.ops.nxd_emulated.spmd_model(inputs)
 
 
 @dataclass
 class EmulatedExecutor:
-    """What ``trace`` returns and ``torch.jit.load`` gives back: ``executor(*inputs)``, ``.nxd_model``, ``.save``."""
+    """What ``trace`` returns and ``torch.jit.load`` gives back: ``executor(*inputs)``,
+    ``.nxd_model``, ``.save``."""
 
     nxd_model: EmulatedNxDModel
 
@@ -221,7 +227,8 @@ _JIT_LOAD = torch.jit.load
 
 
 def jit_load(*args, **kwargs):
-    """``torch.jit.load`` (as the emulated ``trace.model_builder`` installs it): an emulated archive as its executor."""
+    """``torch.jit.load`` (as the emulated ``trace.model_builder`` installs it): an emulated archive
+    as its executor."""
     module = _JIT_LOAD(*args, **kwargs)
     try:
         saved = json.loads(module.spec).get("marker") == SAVED_MARKER

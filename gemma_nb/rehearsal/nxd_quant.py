@@ -1,5 +1,6 @@
-"""NxD 0.18's ``quantization_layers.py`` as cpu stand-ins: int8/fp8 per-tensor or per-channel, the expert-fused
-layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the box unless the port patches it."""
+"""NxD 0.18's ``quantization_layers.py`` as cpu stand-ins: int8/fp8 per-tensor or per-channel, the
+expert-fused layers; ``scale_dequantize`` kept as NxD writes it, so a 2-D input fails here as on the
+box unless the port patches it."""
 
 import enum
 
@@ -36,7 +37,8 @@ _PER_CHANNEL = (
 )
 NOT_EMULATED = (
     "the emulated SDK does not implement {what} (on the box the SDK refuses FP4 on a NeuronCore: "
-    "blockwise_scale_dequantize asserts the cpu); it keeps int8 and fp8 per-tensor / per-channel only"
+    "blockwise_scale_dequantize asserts the cpu); it keeps int8 and fp8 per-tensor / per-channel "
+    "only"
 )
 
 
@@ -53,7 +55,8 @@ def direct_cast_dequantize(tensor: torch.Tensor, upcast_dtype: torch.dtype) -> t
 
 
 class _QuantizedLinear(nn.Module):
-    """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their tags."""
+    """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their
+    tags."""
 
     quantization_layers = (
         None  # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
@@ -81,9 +84,8 @@ class _QuantizedLinear(nn.Module):
         if self.quantized_dtype == QuantizedDtype.F4E2M1FN_X4 or self.scale_dtype != ScaleDtype.F32:
             what = f"{self.quantized_dtype.name} with {self.scale_dtype.name} scales"
             raise NotImplementedError(NOT_EMULATED.format(what=what))
-        out_axis = (
-            2 if len(weight_shape) == 3 else 0
-        )  # the output channels of [out, in] or of the experts' [E, in, out]
+        # the output channels of [out, in] or of the experts' [E, in, out]
+        out_axis = 2 if len(weight_shape) == 3 else 0
         if self.quantization_type in _PER_CHANNEL and channel_axis not in (None, out_axis):
             raise AssertionError(
                 f"Only per_channel_axis={out_axis} supported for post-matmul output dequantization"
@@ -129,7 +131,8 @@ class _QuantizedLinear(nn.Module):
 
 
 class QuantizedColumnParallel(_QuantizedLinear):
-    """int8 ``weight [out/tp, in]``, fp32 ``scale [out/tp, 1]`` (per channel) split with the rows."""
+    """int8 ``weight [out/tp, in]``, fp32 ``scale [out/tp, 1]`` (per channel) split with the
+    rows."""
 
     def __init__(
         self,
@@ -195,14 +198,16 @@ class QuantizedColumnParallel(_QuantizedLinear):
         size = state_dict[prefix].shape[0]
         if self.output_size != size + self.pad_size:
             raise RuntimeError(
-                f"State dict {prefix} is of an unexpected size {size} expected {size - self.pad_size}"
+                f"State dict {prefix} is of an unexpected size {size} expected "
+                f"{size - self.pad_size}"
             )
         for key in (prefix, prefix.replace(".weight", ".scale")):  # the rows and their scales
             state_dict[key] = F.pad(state_dict[key], (0, 0, 0, self.pad_size))
 
 
 class QuantizedRowParallel(_QuantizedLinear):
-    """int8 ``weight [out, in/tp]``, fp32 ``scale [out, 1]`` replicated; all-reduce in the output dtype."""
+    """int8 ``weight [out, in/tp]``, fp32 ``scale [out, 1]`` replicated; all-reduce in the output
+    dtype."""
 
     def __init__(
         self,
@@ -266,7 +271,8 @@ class QuantizedRowParallel(_QuantizedLinear):
 
 
 class _QuantizedExpertFused(_QuantizedLinear):
-    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum, scaled; no collective."""
+    """Shared by the expert-fused stand-ins: experts indexed on the leading axis, upcast, einsum,
+    scaled; no collective."""
 
     def _experts_setup(
         self, num_experts: int, expert_model_parallel_group, is_fused_gate_up: bool
@@ -300,8 +306,9 @@ class _QuantizedExpertFused(_QuantizedLinear):
 
 
 class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
-    """``weight [E, in, out/tp]`` split on dim 2 (``stride`` 2: gate and up halves each split), scale
-    ``[E or 1, 1, out/tp]``; forward ``[E or 1, ..., in] -> [E', ..., out/tp]``, no collective."""
+    """``weight [E, in, out/tp]`` split on dim 2 (``stride`` 2: gate and up halves each split),
+    scale ``[E or 1, 1, out/tp]``; forward ``[E or 1, ..., in] -> [E', ..., out/tp]``, no
+    collective."""
 
     def __init__(
         self,
@@ -346,7 +353,8 @@ class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
 
 class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
     """``weight [E, in/tp, out]`` split on dim 1, scale ``[E or 1, 1, out]`` replicated; forward
-    ``[E', ..., in/tp] -> [E', ..., out]``: this rank's partial sums (the port all-reduces them in fp32)."""
+    ``[E', ..., in/tp] -> [E', ..., out]``: this rank's partial sums (the port all-reduces them in
+    fp32)."""
 
     def __init__(
         self,

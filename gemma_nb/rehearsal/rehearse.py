@@ -1,6 +1,7 @@
-"""``make rehearse``: the runbook's commands in order (preflight, smoke run, copy, deploy, the server asked by the
-openai client) against the emulated SDK at the SDK's torch (``.venv-xla``); the record goes to
-``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s disk figures."""
+"""``make rehearse``: the runbook's commands in order (preflight, smoke run, copy, deploy, the
+server asked by the openai client) against the emulated SDK at the SDK's torch (``.venv-xla``); the
+record goes to ``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s
+disk figures."""
 
 import json
 import os
@@ -42,7 +43,8 @@ def emulated_hbm_bytes() -> tuple[int, int]:
 
 
 def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
-    """The subprocesses' environment: the emulated SDK on the path, its budget, no hub, the runbook's API key."""
+    """The subprocesses' environment: the emulated SDK on the path, its budget, no hub, the
+    runbook's API key."""
     python_path = os.pathsep.join(
         filter(None, [str(SDK_PATH), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
     )
@@ -54,7 +56,8 @@ def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
         "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
         "HF_HUB_OFFLINE": "1",
         "GEMMA_NB_API_KEY": API_KEY,
-        # the emulated NeuronCores are threads of one process: one cpu thread each (~3x faster on a 2-core box)
+        # the emulated NeuronCores are threads of one process: one cpu thread each (~3x faster on a
+        # 2-core box)
         "OMP_NUM_THREADS": "1",
     }
 
@@ -68,7 +71,8 @@ class Rehearsal:
     def _record(
         self, name: str, command: str, seconds: float, detail: str = "", failure: str = ""
     ) -> None:
-        """Record a step, ``failed`` with ``failure`` (then raised as ``RuntimeError``) or ``ok``."""
+        """Record a step, ``failed`` with ``failure`` (then raised as ``RuntimeError``) or
+        ``ok``."""
         status = "failed" if failure else "ok"
         self.steps.append(
             {
@@ -89,7 +93,8 @@ class Rehearsal:
             raise RuntimeError(failure)
 
     def step(self, name: str, command: str, timeout_s: float = 900) -> None:
-        """Run a runbook command (``python`` is this interpreter); raise ``RuntimeError`` on failure."""
+        """Run a runbook command (``python`` is this interpreter); raise ``RuntimeError`` on
+        failure."""
         argv = (
             [sys.executable, *command.split()[1:]]
             if command.startswith("python ")
@@ -122,7 +127,8 @@ class Rehearsal:
         )
 
     def serve(self, artifact: Path) -> str:
-        """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its answer."""
+        """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its
+        answer."""
         port = free_port()
         command = runbook.COMMANDS["serve"][1].replace(
             runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT))
@@ -165,7 +171,8 @@ class Rehearsal:
 
 
 def builds_record(serving: Path) -> dict:
-    """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the compile box, answer."""
+    """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the
+    compile box, answer."""
     answers = {
         row["build"]: row["completion"]
         for row in json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"][
@@ -183,7 +190,8 @@ def builds_record(serving: Path) -> dict:
         compiled = json.loads(
             (SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text()
         )
-        # the graph the emulated runtime's router reaches in model.pt for a prefill and a decode call
+        # the graph the emulated runtime's router reaches in model.pt for a prefill and a decode
+        # call
         router = nxd_model.executor_from_saved(
             torch.jit.load(str(folder / "model.pt"))
         ).nxd_model.router
@@ -207,7 +215,8 @@ def builds_record(serving: Path) -> dict:
 
 
 def disk_drift(record: dict, committed: dict | None) -> list[str]:
-    """Builds whose bytes on disk differ by more than 1% from the committed record's (the runbook's basis)."""
+    """Builds whose bytes on disk differ by more than 1% from the committed record's (the runbook's
+    basis)."""
     if committed is None:
         return ["docs/rehearsal.json is missing"]
     drift = []
@@ -215,13 +224,15 @@ def disk_drift(record: dict, committed: dict | None) -> list[str]:
         before = committed["builds"].get(name, {}).get("artifact_bytes", 0)
         if abs(build["artifact_bytes"] - before) > 0.01 * max(before, 1):
             drift.append(
-                f"{name}: {build['artifact_bytes']:,} bytes on disk, docs/rehearsal.json says {before:,}"
+                f"{name}: {build['artifact_bytes']:,} bytes on disk, docs/rehearsal.json says "
+                f"{before:,}"
             )
     return drift
 
 
 def rehearse() -> dict:
-    """Every step in order (module docstring); the record, also written to ``SMOKE_DIR/rehearsal.json``."""
+    """Every step in order (module docstring); the record, also written to
+    ``SMOKE_DIR/rehearsal.json``."""
     if torch.__version__.split("+")[0] != SDK_TORCH:
         raise RuntimeError(
             f"the rehearsal runs at the SDK's torch {SDK_TORCH}, not {torch.__version__}: "
@@ -229,23 +240,23 @@ def rehearse() -> dict:
         )
     hbm, runtime_bytes = emulated_hbm_bytes()
     rehearsal = Rehearsal(environment(hbm, runtime_bytes))
-    if (
-        stamp := REPO_ROOT / ".venv-xla" / ".rehearsal-env"
-    ).is_file():  # make rehearse-env writes the install's seconds
+    # make rehearse-env writes the install's seconds
+    if (stamp := REPO_ROOT / ".venv-xla" / ".rehearsal-env").is_file():
         rehearsal._record(
             "install",
             runbook.COMMANDS["install"][-1],
             float(stamp.read_text().strip() or 0),
             "seconds of make rehearse-env, when it last ran",
         )
-    # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device weight bytes
-    # (the planner's, as for the 26B) and its embedding table as stored (fp32)
+    # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device
+    # weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)
     weights = planner.device_weight_bytes(text_config(TP2_CHECKPOINT_DIR))
     table = read_hf_state(
         TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight"
     )["model.embed_tokens.weight"]
     record = {
-        "emulated_sdk": "gemma_nb.rehearsal (torch-neuronx and neuronx-distributed emulated on the cpu)",
+        "emulated_sdk": "gemma_nb.rehearsal (torch-neuronx and neuronx-distributed emulated on "
+        "the cpu)",
         "torch": rehearsal.torch,
         "hbm_bytes_per_core": hbm,
         "runtime_bytes_per_model": runtime_bytes,
@@ -288,21 +299,23 @@ def main() -> int:
         record = rehearse()
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         print(
-            f"rehearsal failed: {error}\nthe record so far: {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)}",
+            f"rehearsal failed: {error}\nthe record so far: "
+            f"{(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)}",
             file=sys.stderr,
         )
         return 1
     drift = disk_drift(record, planner.rehearsal_record())
     print(
-        f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch {record['torch']}",
+        f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch "
+        f"{record['torch']}",
         file=sys.stderr,
     )
     if drift:
         print(
             "the builds on disk no longer match docs/rehearsal.json, the runbook's disk basis: "
             + "; ".join(drift)
-            + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} docs/rehearsal.json && "
-            "python -m gemma_nb runbook",
+            + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} "
+            "docs/rehearsal.json && python -m gemma_nb runbook",
             file=sys.stderr,
         )
     return 1 if drift else 0

@@ -1,6 +1,7 @@
-"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM budget:
-``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB) each, plus
-``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the runtime is closed."""
+"""Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM
+budget: ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB)
+each, plus ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the
+runtime is closed."""
 
 import contextlib
 import os
@@ -14,7 +15,8 @@ DEFAULT_CORES = 2  # an inf2.xlarge / inf2.8xlarge
 
 
 class _Group:
-    """The rendezvous of ``size`` rank threads: each puts its tensor in a slot, all read every slot."""
+    """The rendezvous of ``size`` rank threads: each puts its tensor in a slot, all read every
+    slot."""
 
     def __init__(self, size: int):
         self.barrier = threading.Barrier(size)
@@ -28,14 +30,14 @@ class _Group:
         return gathered
 
 
-_LOCAL = (
-    threading.local()
-)  # .context: (group, rank) on a core thread; .tracing: the tp of a program being traced
+# .context: (group, rank) on a core thread; .tracing: the tp of a program being traced
+_LOCAL = threading.local()
 
 
 @contextlib.contextmanager
 def tracing(tp: int):
-    """While a program is traced for ``tp`` cores: collectives return placeholders of the right shape."""
+    """While a program is traced for ``tp`` cores: collectives return placeholders of the right
+    shape."""
     previous, _LOCAL.tracing = getattr(_LOCAL, "tracing", None), tp
     try:
         yield
@@ -44,7 +46,8 @@ def tracing(tp: int):
 
 
 def _exchange(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every core's ``tensor`` in rank order; while a program is traced, ``tensor`` and zeros (placeholders)."""
+    """Every core's ``tensor`` in rank order; while a program is traced, ``tensor`` and zeros
+    (placeholders)."""
     context = getattr(_LOCAL, "context", None)
     if context is not None:
         return context[0].exchange(context[1], tensor)
@@ -74,14 +77,16 @@ _LIBRARY.impl("all_gather", _all_gather_impl, "CPU")
 
 
 def run_on_cores(jobs: list) -> list:
-    """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank order."""
+    """Run ``jobs[r]()`` on emulated core r, all at once (one thread each); their results, in rank
+    order."""
     group, results, errors = _Group(len(jobs)), [None] * len(jobs), []
 
     def work(rank: int) -> None:
         _LOCAL.context = (group, rank)
         try:
             results[rank] = jobs[rank]()
-        except BaseException as error:  # noqa: BLE001 -- handed to the caller below, a broken barrier's last
+        except BaseException as error:  # noqa: BLE001
+            # handed to the caller below, a broken barrier's last
             errors.append((isinstance(error, threading.BrokenBarrierError), rank, error))
             group.barrier.abort()
         finally:
@@ -111,15 +116,15 @@ class Cores:
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
-    held: dict = field(
-        default_factory=dict
-    )  # loaded model (told when the runtime closes) -> bytes per core (list)
+    # loaded model (told when the runtime closes) -> bytes per core (list)
+    held: dict = field(default_factory=dict)
 
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
 
     def allocate(self, model, bytes_per_core: list[int], start_rank: int = 0) -> None:
-        """Hold ``bytes_per_core[r]`` on core ``start_rank + r`` for ``model``, or raise ``AllocationError``."""
+        """Hold ``bytes_per_core[r]`` on core ``start_rank + r`` for ``model``, or raise
+        ``AllocationError``."""
         if start_rank + len(bytes_per_core) > self.count:
             raise AllocationError(
                 f"the model needs NeuronCores {start_rank}..{start_rank + len(bytes_per_core) - 1} "
@@ -131,9 +136,10 @@ class Cores:
             need += self.runtime_bytes
             if self.used(core) + need > self.hbm_bytes:
                 raise AllocationError(
-                    f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 Allocation Failure "
-                    f"(emulated HBM: {self.used(core):,} of {self.hbm_bytes:,} bytes already held by "
-                    f"{len(self.held)} loaded model(s); close the runtime before loading another model)"
+                    f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 "
+                    f"Allocation Failure (emulated HBM: {self.used(core):,} of "
+                    f"{self.hbm_bytes:,} bytes already held by {len(self.held)} loaded model(s); "
+                    "close the runtime before loading another model)"
                 )
             per_core[core] = need
         self.held[model] = per_core
@@ -155,7 +161,8 @@ def cores() -> Cores:
 
 
 class Runtime:
-    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``unsafe_close()`` unloads every model, frees its memory."""
+    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``unsafe_close()`` unloads every
+    model, frees its memory."""
 
     def unsafe_close(self) -> None:
         for model in cores().held:

@@ -1,5 +1,6 @@
-"""CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make rehearse``): not the SDK.
-They prove this repo's code under real collectives; where they and the emulated SDK diverge from NxD: sdk_path/README.md."""
+"""CPU stand-ins of the neuronx-distributed 0.18 pieces the port uses (notebook 05, ``make
+rehearse``): not the SDK. They prove this repo's code under real collectives; where they and the
+emulated SDK diverge from NxD: sdk_path/README.md."""
 
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ from gemma_nb.rehearsal.sharding import (
 
 
 def bind_quantized_layers(quantization_layers) -> dict:
-    """The quantized stand-ins subclassed to look ``scale_dequantize`` up in ``quantization_layers``."""
+    """The quantized stand-ins subclassed to look ``scale_dequantize`` up in
+    ``quantization_layers``."""
     return {
         cls.__name__: type(cls.__name__, (cls,), {"quantization_layers": quantization_layers})
         for cls in Q.QUANTIZED_LAYERS
@@ -24,13 +26,15 @@ def bind_quantized_layers(quantization_layers) -> dict:
 
 
 def cpu_sdk() -> SimpleNamespace:
-    """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched ``quantization_layers``."""
+    """The stand-ins under ``import_sdk()``'s names, each call with its own unpatched
+    ``quantization_layers``."""
     quantization_layers = SimpleNamespace(
         scale_dequantize=sdk_scale_dequantize, direct_cast_dequantize=Q.direct_cast_dequantize
     )
     classes = bind_quantized_layers(quantization_layers)
     vars(quantization_layers).update(classes)
-    return SimpleNamespace(  # mappings: NxD's is a module of the collectives' functions, as nxd_layers is
+    # mappings: NxD's is a module of the collectives' functions, as nxd_layers is
+    return SimpleNamespace(
         ColumnParallelLinear=L.ColumnParallelLinear,
         RowParallelLinear=L.RowParallelLinear,
         mappings=L,

@@ -1,1 +1,2 @@
-"""Serving the deployed model (``python -m gemma_nb serve``) and benchmarking any OpenAI-compatible server."""
+"""Serving the deployed model (``python -m gemma_nb serve``) and benchmarking any OpenAI-compatible
+server."""

@@ -1,5 +1,6 @@
-"""``create_app(load, model_name=...)``: the app of ``python -m gemma_nb serve`` over a ``Runtime``: ``Gate`` refuses
-what costs the most first (README: "Serving the model"), ``Engine`` queues requests FIFO for the one device thread."""
+"""``create_app(load, model_name=...)``: the app of ``python -m gemma_nb serve`` over a ``Runtime``:
+``Gate`` refuses what costs the most first (README: "Serving the model"), ``Engine`` queues requests
+FIFO for the one device thread."""
 
 import asyncio
 import contextlib
@@ -73,7 +74,8 @@ STREAMED = {
                 }
             }
         },
-        "description": "JSON, or with stream: true server-sent events of chunks ending in data: [DONE]",
+        "description": "JSON, or with stream: true server-sent events of chunks ending in data: "
+        "[DONE]",
     }
 }
 
@@ -212,7 +214,8 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     async def _wait_turn(self, request: Request) -> bool:
-        """Wait in line for the device; False, with the place given up, if the client leaves first."""
+        """Wait in line for the device; False, with the place given up, if the client leaves
+        first."""
         acquire, got = asyncio.ensure_future(self._turn.acquire()), False
         try:
             while not got:
@@ -246,7 +249,9 @@ class Engine:
         except Exception:
             failed = True
             raise
-        finally:  # unfinished and not failed: the client left while waiting or between tokens (Starlette cancels its stream)
+        finally:
+            # unfinished and not failed: the client left while waiting or between tokens
+            # (Starlette cancels its stream)
             if generation.finish_reason is None and not failed:
                 self.metrics.disconnects.inc()
                 log.info(
@@ -261,7 +266,8 @@ class Engine:
         if model is not None and model not in self.names:
             raise APIError(
                 404,
-                f"model {schema.excerpt(model)} is not served here; it serves {self.model_name!r} (GET /v1/models)",
+                f"model {schema.excerpt(model)} is not served here; it serves "
+                f"{self.model_name!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
@@ -307,8 +313,8 @@ class Engine:
         if max_tokens is not None and count + max_tokens > context:
             raise APIError(
                 400,
-                f"the prompt has {count} tokens and max_tokens={max_tokens}: together {count + max_tokens} "
-                f"exceed the context of {context}; lower max_tokens",
+                f"the prompt has {count} tokens and max_tokens={max_tokens}: together "
+                f"{count + max_tokens} exceed the context of {context}; lower max_tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -326,7 +332,8 @@ class Engine:
     async def reply(
         self, request: Request, body, generation: Generation, arrival: float, chat: bool
     ):
-        """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per token."""
+        """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per
+        token."""
         base, usage = (
             {
                 "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -357,6 +364,12 @@ class Engine:
                 ],
             }
         base["object"] = "chat.completion.chunk" if chat else "text_completion"
+        return self._stream(request, generation, arrival, chat, base, usage)
+
+    def _stream(
+        self, request: Request, generation: Generation, arrival: float, chat: bool, base, usage
+    ) -> StreamingResponse:
+        """Server-sent chunks, one per token, then usage (if asked) and ``[DONE]``."""
 
         def chunk(text: str, reason: str | None, role: bool = False) -> str:
             content = (
@@ -380,9 +393,8 @@ class Engine:
                     yield chunk("", None, role=True)
                 async with contextlib.aclosing(self.steps(request, generation, arrival)) as steps:
                     async for step in steps:
-                        yield chunk(
-                            step.text, step.finish_reason
-                        )  # one chunk per token, even without text
+                        # one chunk per token, even without text
+                        yield chunk(step.text, step.finish_reason)
                 if generation.finish_reason is not None:
                     yield (
                         _sse({**base, "choices": [], "usage": generation.usage()})
@@ -395,7 +407,8 @@ class Engine:
                 yield _sse(
                     {
                         "error": {
-                            "message": f"generation failed ({type(error).__name__}); see the server log",
+                            "message": f"generation failed ({type(error).__name__}); see the "
+                            "server log",
                             "type": "server_error",
                         }
                     }
@@ -409,8 +422,9 @@ class Engine:
 
 
 class Gate:
-    """The one middleware, before the body is read: a head over 16 KiB (431), Content-Length with Transfer-Encoding
-    (400), a declared body over the limit (413), a full queue (429); then the body bounded in size (413) and time (408)."""
+    """The one middleware, before the body is read: a head over 16 KiB (431), Content-Length with
+    Transfer-Encoding (400), a declared body over the limit (413), a full queue (429); then the body
+    bounded in size (413) and time (408)."""
 
     def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
         self.app, self.engine, self.max_body_bytes, self.body_timeout_s = (
@@ -470,29 +484,32 @@ class Gate:
         if declared and b"transfer-encoding" in headers:
             return error_response(
                 400,
-                "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send one",
+                "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send "
+                "one",
                 code="ambiguous_length",
                 headers=CLOSE,
             )
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return error_response(
                 413,
-                f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} (--max-body-bytes)",
+                f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} "
+                "(--max-body-bytes)",
                 code="body_too_large",
                 headers=CLOSE,
             )
         if queued and len(engine.slots) >= engine.queue_size:
             return error_response(
                 429,
-                f"the server is busy: {len(engine.slots)} requests queued or running (--queue-size {engine.queue_size});"
-                f" retry after {RETRY_AFTER_S} s",
+                f"the server is busy: {len(engine.slots)} requests queued or running "
+                f"(--queue-size {engine.queue_size}); retry after {RETRY_AFTER_S} s",
                 "rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
     def _bounded(self, receive):
-        """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408 past the deadline."""
+        """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408
+        past the deadline."""
         deadline, size, done = time.monotonic() + self.body_timeout_s, 0, False
 
         async def bounded():
@@ -533,8 +550,8 @@ def _key_check(api_key: str) -> list:
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
             raise APIError(
                 401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
-                f"was started with ({API_KEY_ENV})",
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                f"server was started with ({API_KEY_ENV})",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -558,9 +575,10 @@ def create_app(
     slot_watchdog_s: float = DEFAULT_SLOT_WATCHDOG_S,
     on_load_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or ``aliases``); ``api_key``
-    (None: open) guards all but ``/health`` (and ``/metrics`` without ``metrics_need_key``); ``allowed_hosts``: None,
-    any Host; ``on_load_failure(error)`` if the load fails."""
+    """The app serving the runtime ``load()`` returns (or a loaded one) as ``model_name`` (or
+    ``aliases``); ``api_key`` (None: open) guards all but ``/health`` (and ``/metrics`` without
+    ``metrics_need_key``); ``allowed_hosts``: None, any Host; ``on_load_failure(error)`` if the load
+    fails."""
     assert 1 <= max_tokens <= max_tokens_cap, "max_tokens must be between 1 and max_tokens_cap"
     engine = Engine(
         load if callable(load) and not hasattr(load, "prefill") else (lambda: load),
@@ -579,12 +597,13 @@ def create_app(
         for pool in (engine.device, engine.cpu):
             pool.shutdown(wait=False, cancel_futures=True)
 
+    # a body without Content-Type is read as JSON
     app = FastAPI(
         title="gemma-nb",
         summary="OpenAI-compatible API over the deployed model",
         lifespan=lifespan,
         strict_content_type=False,
-    )  # a body without Content-Type is read as JSON
+    )
     app.state.metrics = engine.metrics
     if allowed_hosts is not None:
         app.add_middleware(
@@ -602,9 +621,26 @@ def create_app(
         for path, m in zip(GENERATION_PATHS, models)
     }
 
-    @app.exception_handler(
-        HTTPException
-    )  # every error as OpenAI's body: APIError's, Starlette's own (404, 405)
+    _error_handlers(app, fields)
+
+    # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
+    def openapi():
+        if engine.status != "ok":
+            app.openapi_schema = None
+        return FastAPI.openapi(app)
+
+    app.openapi = openapi
+    keyed = _key_check(api_key) if api_key else []
+    _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
+    _generation_routes(app, engine, *models, keyed)
+    return app
+
+
+def _error_handlers(app: FastAPI, fields: dict) -> None:
+    """Every error as OpenAI's body, naming the field where the request models name one."""
+
+    # APIError's, Starlette's own (404, 405)
+    @app.exception_handler(HTTPException)
     async def http_error(_request, error: HTTPException):
         status, codes = (
             error.status_code,
@@ -632,17 +668,6 @@ def create_app(
                 error, request.headers.get("content-type"), fields.get(request.url.path)
             ),
         )
-
-    def openapi():  # FastAPI keeps the first document it makes: made afresh until the vocabulary is known
-        if engine.status != "ok":
-            app.openapi_schema = None
-        return FastAPI.openapi(app)
-
-    app.openapi = openapi
-    keyed = _key_check(api_key) if api_key else []
-    _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
-    _generation_routes(app, engine, *models, keyed)
-    return app
 
 
 def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list) -> None:
@@ -683,6 +708,25 @@ def _info_routes(app: FastAPI, engine: Engine, keyed: list, metrics_keyed: list)
                 }
             ],
         }
+
+
+async def _prompt_ids(engine: Engine, runtime: Runtime, prompt) -> list[int]:
+    """A completion's prompt as token ids: a string (or a one-string list) tokenized, ids checked
+    against the vocabulary."""
+    if isinstance(prompt, list) and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"])
+    bad = next((i for i, t in enumerate(prompt) if t >= engine.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"prompt[{bad}] = {prompt[bad]} is not a token id of this model (0 to "
+            f"{engine.vocab_size - 1})",
+            param=f"prompt.{bad}",
+            code="invalid_value",
+        )
+    return prompt
 
 
 def _generation_routes(
@@ -726,25 +770,7 @@ def _generation_routes(
     )
     async def completions(body: Completions, request: Request):
         arrival, runtime = time.perf_counter(), engine.ready(body.model)
-        prompt = (
-            body.prompt[0]
-            if isinstance(body.prompt, list) and isinstance(body.prompt[0], str)
-            else body.prompt
-        )
-        ids = (
-            list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"])
-            if isinstance(prompt, str)
-            else prompt
-        )
-        if (
-            bad := next((i for i, t in enumerate(ids) if t >= engine.vocab_size), None)
-        ) is not None:
-            raise APIError(
-                400,
-                f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 to {engine.vocab_size - 1})",
-                param=f"prompt.{bad}",
-                code="invalid_value",
-            )
+        ids = await _prompt_ids(engine, runtime, body.prompt)
         generation = engine.generation(body, runtime, ids, body.max_tokens, "prompt")
         return await engine.reply(request, body, generation, arrival, chat=False)
 

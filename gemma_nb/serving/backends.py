@@ -1,5 +1,6 @@
-"""The model behind the server, a ``Runtime`` (slim deploy, transformers, the port's NxD deploy), and ``Generation``:
-one request over it, a token per ``step()`` so the server can stream, time and stop between tokens."""
+"""The model behind the server, a ``Runtime`` (slim deploy, transformers, the port's NxD deploy),
+and ``Generation``: one request over it, a token per ``step()`` so the server can stream, time and
+stop between tokens."""
 
 import logging
 import math
@@ -27,8 +28,9 @@ log = logging.getLogger("gemma_nb.serve")
 
 
 class Runtime:
-    """One sequence at a time: ``prefill(prompt_ids)`` starts it, ``decode(token_id)`` adds a token, each returning the
-    next logits [vocab]; ``max_context`` counts prompt and answer, a fixed prefill bucket also sets ``max_prompt_tokens``."""
+    """One sequence at a time: ``prefill(prompt_ids)`` starts it, ``decode(token_id)`` adds a token,
+    each returning the next logits [vocab]; ``max_context`` counts prompt and answer, a fixed
+    prefill bucket also sets ``max_prompt_tokens``."""
 
     def __init__(self, tokenizer, max_context: int, eos_token_ids=None):
         self.tokenizer, self.max_context = tokenizer, max_context
@@ -39,7 +41,8 @@ class Runtime:
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """A chat's token ids: its chat template, or (a tokenizer without one) the contents joined by newlines."""
+    """A chat's token ids: its chat template, or (a tokenizer without one) the contents joined by
+    newlines."""
     texts = [
         m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
         for m in messages
@@ -74,7 +77,8 @@ def sample_token(
 ) -> int:
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    # float64, the best score shifted to 0 first: a tiny temperature sends the rest to -inf, not all to inf (NaN)
+    # float64, the best score shifted to 0 first: a tiny temperature sends the rest to -inf, not all
+    # to inf (NaN)
     scores = logits.double()
     scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
@@ -88,14 +92,15 @@ def sample_token(
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 
-# One generated token: its id, the new text it made visible, and why generation ended ("stop", "length"; None).
+# One generated token: its id, the new text it made visible, and why generation ended ("stop",
+# "length"; None).
 Step = namedtuple("Step", "token_id text finish_reason")
 
 
 @dataclass
 class Generation:
-    """One request's decoding, a token per ``step()``; text that might start a stop string, or ends in half a
-    character, is held back (a stop string is never streamed)."""
+    """One request's decoding, a token per ``step()``; text that might start a stop string, or ends
+    in half a character, is held back (a stop string is never streamed)."""
 
     runtime: Runtime
     prompt_ids: list[int]
@@ -159,7 +164,8 @@ class Generation:
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters to keep unsent: a possible stop-string start or a partial character."""
+    """How many trailing characters to keep unsent: a possible stop-string start or a partial
+    character."""
     starts = (
         next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
         for stop in stops
@@ -170,7 +176,8 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 def generate(
     runtime: Runtime, prompt: str | Sequence[int], max_tokens: int = 32, **sampling
 ) -> Generation:
-    """One generation run to the end (``generate(runtime, "The capital of France is", 4).text``: ``" Paris ."``)."""
+    """One generation run to the end (``generate(runtime, "The capital of France is", 4).text``: ``"
+    Paris ."``)."""
     ids = list(runtime.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     generation = Generation(runtime, ids, SamplingParams(max_tokens=max_tokens, **sampling))
     for _ in generation:
@@ -185,8 +192,8 @@ def _context_limit(requested: int | None, model_limit: int | None) -> int:
         )
     if requested is not None and not 2 <= requested <= (model_limit or requested):
         raise ValueError(
-            f"max_context={requested}: a prompt and one new token need at least 2, and the model holds "
-            f"{model_limit} positions; pass --max-context between 2 and {model_limit}"
+            f"max_context={requested}: a prompt and one new token need at least 2, and the model "
+            f"holds {model_limit} positions; pass --max-context between 2 and {model_limit}"
         )
     return int(model_limit if requested is None else requested)
 
@@ -223,7 +230,8 @@ class TransformersRuntime(Runtime):
 
 
 class _Stepped(Runtime):
-    """A compiled deploy, one token a step: the prompt padded to the fixed prefill ``bucket``, then a decode step each."""
+    """A compiled deploy, one token a step: the prompt padded to the fixed prefill ``bucket``, then
+    a decode step each."""
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
         super().__init__(tokenizer, context, eos_token_ids)
@@ -238,7 +246,8 @@ class _Stepped(Runtime):
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         if not 0 < len(prompt_ids) <= self.max_prompt_tokens:
             raise ValueError(
-                f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to {self.max_prompt_tokens}"
+                f"a prompt of {len(prompt_ids)} tokens; the compiled prefill takes 1 to "
+                f"{self.max_prompt_tokens}"
             )
         padded = torch.full((1, self.bucket), self.runner.pad_token_id, dtype=torch.long)
         padded[0, : len(prompt_ids)] = torch.tensor(list(prompt_ids))
@@ -256,7 +265,8 @@ class _Stepped(Runtime):
 
 
 class DeployRuntime(_Stepped):
-    """The slim deploy's ``export.StepRunner``: the host embedding, then a compiled prefill or decode step."""
+    """The slim deploy's ``export.StepRunner``: the host embedding, then a compiled prefill or
+    decode step."""
 
     def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
         super().__init__(
@@ -284,7 +294,8 @@ class DeployRuntime(_Stepped):
 
 
 class NeuronDeployRuntime(_Stepped):
-    """The port's ``neuron.deploy.NeuronStepRunner`` (KV cache in device state); tested over ``CpuStateGraph``."""
+    """The port's ``neuron.deploy.NeuronStepRunner`` (KV cache in device state); tested over
+    ``CpuStateGraph``."""
 
     def __init__(self, runner, tokenizer, eos_token_ids=None, max_context: int | None = None):
         super().__init__(
@@ -308,16 +319,18 @@ def load_runtime(
     artifact: str | None = None,
     dtype: torch.dtype = torch.float32,
 ):
-    """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``, ``"transformers"`` the model
-    as transformers loads it, ``"auto"`` deploy with an artifact on cpu; neuron serves its NxD ``artifact``."""
+    """``model_id`` for ``target``: ``"deploy"`` the slim deploy of a compiled ``artifact``,
+    ``"transformers"`` the model as transformers loads it, ``"auto"`` deploy with an artifact on
+    cpu; neuron serves its NxD ``artifact``."""
     check_target(target)
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if target == "neuron":
         if runtime == "transformers" or artifact is None:
             raise ValueError(
-                "the neuron target serves the compiled NxD artifact: pass --artifact <folder> written by "
-                "gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the tokenizer and config too"
+                "the neuron target serves the compiled NxD artifact: pass --artifact <folder> "
+                "written by gemma_nb.neuron.build.compile_neuron (notebook 04); it holds the "
+                "tokenizer and config too"
             )
         runner, figures = slim_deploy(artifact)  # NOT RUN HERE on an inf2
         log.info(
@@ -332,11 +345,12 @@ def load_runtime(
         )
     if target != "cpu" or artifact is None:
         raise ValueError(
-            "runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> (notebook 04 "
-            f"compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), on cpu (target {target!r})"
+            "runtime 'deploy' serves gemma_nb.export's cpu artifact: pass --artifact <folder> "
+            "(notebook 04 compiles the bundled checkpoint into outputs/cpu/artifacts/04_tiny), "
+            f"on cpu (target {target!r})"
         )
-    # The artifact's programs and mmapped weights, the embedding on the host with the scale of the model's own
-    # (rebuilt on the meta device, where the buffer has no value).
+    # The artifact's programs and mmapped weights, the embedding on the host with the scale of the
+    # model's own (rebuilt on the meta device, where the buffer has no value).
     exported = export.load_artifact(artifact)
     module = model_skeleton(exported.config()).get_input_embeddings()
     runner = exported.runner(

@@ -1,5 +1,6 @@
-"""TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with the
-``openai`` client (notebook 07): greedy streamed chats at a few concurrency levels; the key from ``API_KEY_ENVS``."""
+"""TTFT, inter-token latency and tok/s of any OpenAI-compatible endpoint, from the client side with
+the ``openai`` client (notebook 07): greedy streamed chats at a few concurrency levels; the key from
+``API_KEY_ENVS``."""
 
 import os
 import time
@@ -44,8 +45,9 @@ def stream_chat(
     api_key: str | None = None,
     timeout_s: float = 300.0,
 ) -> dict:
-    """One greedy streamed chat completion, timed chunk by chunk: ttft_ms, itl_ms (the gaps between tokens),
-    itl_ms_p50, itl_ms_p90, completion_tokens, e2e_s, decode_tok_s (after the first token), text, finish_reason."""
+    """One greedy streamed chat completion, timed chunk by chunk: ttft_ms, itl_ms (the gaps between
+    tokens), itl_ms_p50, itl_ms_p90, completion_tokens, e2e_s, decode_tok_s (after the first token),
+    text, finish_reason."""
     times, pieces, usage, finish, started = [], [], None, None, time.perf_counter()
     try:
         stream = _client(url, api_key, timeout_s).chat.completions.create(
@@ -104,8 +106,9 @@ def benchmark_endpoint(
     api_key: str | None = None,
     timeout_s: float = 300.0,
 ) -> pd.DataFrame:
-    """``requests_per_level`` greedy streamed chats of ``max_tokens`` (ignore_eos; one per client at least) at each level, a
-    row each: concurrency, request, ``stream_chat``'s timings, level_wall_s (the level's). ``model``: the first of /v1/models."""
+    """``requests_per_level`` greedy streamed chats of ``max_tokens`` (ignore_eos; one per client at
+    least) at each level, a row each: concurrency, request, ``stream_chat``'s timings, level_wall_s
+    (the level's). ``model``: the first of /v1/models."""
     levels = [int(c) for c in concurrency]
     if not levels or any(c < 1 for c in levels):
         raise ValueError(

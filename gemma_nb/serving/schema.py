@@ -1,5 +1,6 @@
-"""What the server accepts and answers: strict pydantic bodies (unknown fields refused by name, OpenAI options not
-implemented here only at their do-nothing value), and OpenAI's error body quoting a short excerpt of what was sent."""
+"""What the server accepts and answers: strict pydantic bodies (unknown fields refused by name,
+OpenAI options not implemented here only at their do-nothing value), and OpenAI's error body quoting
+a short excerpt of what was sent."""
 
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -9,9 +10,8 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
-TOKEN_ID_MAX = (
-    2**31 - 1
-)  # only ids a tokenizer could produce; the route checks them against the vocabulary
+# only ids a tokenizer could produce; the route checks them against the vocabulary
+TOKEN_ID_MAX = 2**31 - 1
 
 
 def error_response(
@@ -30,7 +30,8 @@ def error_response(
 
 
 class APIError(HTTPException):
-    """An error answered as ``error_response(status, message, ...)``, by the app's handler of HTTPException."""
+    """An error answered as ``error_response(status, message, ...)``, by the app's handler of
+    HTTPException."""
 
     def __init__(
         self,
@@ -64,9 +65,8 @@ def _encodable(text: str) -> str:
     return text
 
 
-def _integral(
-    value,
-):  # JSON has one number type: 2.0 is the integer 2, as JSON Schema says ("2" and true are not)
+# JSON has one number type: 2.0 is the integer 2, as JSON Schema says ("2" and true are not)
+def _integral(value):
     return int(value) if type(value) is float and value.is_integer() else value
 
 
@@ -125,7 +125,8 @@ def _only(value) -> Any:  # a bare Literal[1] would take true, Literal[False] wo
     )
 
 
-# OpenAI options not implemented here, each typed to accept only its do-nothing value (None: only null).
+# OpenAI options not implemented here, each typed to accept only its do-nothing value (None: only
+# null).
 UNSUPPORTED: dict[str, Any] = {
     "n": _only(1),
     "best_of": _only(1),
@@ -211,7 +212,8 @@ class GenerateRequest(_Sampling):
 def served(
     model: type[BaseModel], cap: int, vocab_size: Callable[[], int | None]
 ) -> type[BaseModel]:
-    """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids documented up to the vocabulary."""
+    """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids documented up to
+    the vocabulary."""
     fields = {
         name: (
             Int(ge=1, le=cap) | None,
@@ -289,13 +291,15 @@ _FIELD_NAMES = frozenset(
 def validation_error(
     error: RequestValidationError, content_type: str | None, fields=()
 ) -> APIError:
-    """The most specific problem in a body as a 400 naming the field (415: not JSON). Of a union's alternatives,
-    the one that got furthest into the value is what the client meant: ``[-1]`` is a bad token id, not a bad string."""
+    """The most specific problem in a body as a 400 naming the field (415: not JSON). Of a union's
+    alternatives, the one that got furthest into the value is what the client meant: ``[-1]`` is a
+    bad token id, not a bad string."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
         return APIError(
             415,
-            f"Content-Type {excerpt(media)} is not supported; send JSON ('Content-Type: application/json')",
+            f"Content-Type {excerpt(media)} is not supported; send JSON ('Content-Type: "
+            "application/json')",
             code="unsupported_media_type",
         )
     # A list too long or short says the most (a list of two prompts); max keeps the first of equals.
@@ -303,7 +307,8 @@ def validation_error(
         error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"]))
     )
     kind, loc = first["type"], first["loc"]
-    # ("body", "messages", 0, "content", "str") names "messages.0.content": pydantic's union tags dropped
+    # ("body", "messages", 0, "content", "str") names "messages.0.content": pydantic's union tags
+    # dropped
     param = ".".join(str(p) for p in loc[1:] if isinstance(p, int) or p in _FIELD_NAMES) or None
     if kind == "json_invalid":
         return APIError(
@@ -329,8 +334,8 @@ def validation_error(
     if len(loc) > 1 and loc[1] in UNSUPPORTED:
         return APIError(
             400,
-            f"'{loc[1]}' = {excerpt(first.get('input'))} is not supported by this server; leave it out "
-            f"({first['msg']})",
+            f"'{loc[1]}' = {excerpt(first.get('input'))} is not supported by this server; leave "
+            f"it out ({first['msg']})",
             param=loc[1],
             code="unsupported_parameter",
         )

@@ -1,5 +1,5 @@
-"""``python -m gemma_nb serve``: the command (exit 2 for bad arguments, 1 if the model fails to load, 0 after Ctrl-C
-or SIGTERM), and uvicorn with its own limits for the connections."""
+"""``python -m gemma_nb serve``: the command (exit 2 for bad arguments, 1 if the model fails to
+load, 0 after Ctrl-C or SIGTERM), and uvicorn with its own limits for the connections."""
 
 import argparse
 import contextlib
@@ -56,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--runtime",
         choices=RUNTIMES,
         default="auto",
-        help="deploy (the slim deploy of --artifact) or transformers (auto: deploy with --artifact on cpu)",
+        help="deploy (the slim deploy of --artifact) or transformers (auto: deploy with "
+        "--artifact on cpu)",
     )
     add(
         "--artifact",
         default=None,
-        help="the compiled folder: notebook 04's (outputs/cpu/artifacts/04_tiny), or on neuron its NxD one (required)",
+        help="the compiled folder: notebook 04's (outputs/cpu/artifacts/04_tiny), or on neuron "
+        "its NxD one (required)",
     )
     add(
         "--dtype",
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="context in tokens, prompt + answer (default: the model's)",
     )
+    _add_limits(add)
+    add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _add_limits(add) -> None:
+    """The server's bounds: queue, answer lengths, bodies, connections, hosts, keys, watchdog."""
     add(
         "--queue-size",
         type=int,
@@ -135,12 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=served.DEFAULT_SLOT_WATCHDOG_S,
         help="gemma_nb_slots_overdue: slots held longer (%(default)s)",
     )
-    add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    return p
 
 
 def _check_arguments(args) -> None:
-    """Raise ValueError for what would only fail later: bad numbers, a model or artifact that is not there."""
+    """Raise ValueError for what would only fail later: bad numbers, a model or artifact that is not
+    there."""
     check_target(args.target)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
@@ -180,7 +188,8 @@ def uvicorn_config(
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY,
     **kwargs,
 ) -> uvicorn.Config:
-    """uvicorn's own limits: idle keep-alive, connections at once, and h11's cap on a head arriving in pieces."""
+    """uvicorn's own limits: idle keep-alive, connections at once, and h11's cap on a head arriving
+    in pieces."""
     return uvicorn.Config(
         app,
         http="h11",
@@ -193,13 +202,13 @@ def uvicorn_config(
 
 @contextlib.contextmanager
 def counting_refusals(metrics: served.ServerMetrics):
-    """Count uvicorn's refusals (``UVICORN_REFUSALS``, read from its log) in ``gemma_nb_http_refused``."""
+    """Count uvicorn's refusals (``UVICORN_REFUSALS``, read from its log) in
+    ``gemma_nb_http_refused``."""
     logger = logging.getLogger("uvicorn.error")
     level, shown = logger.level, logger.getEffectiveLevel()
 
-    def count(
-        record: logging.LogRecord,
-    ) -> bool:  # uvicorn logs each at warning; shown only at the chosen level
+    # uvicorn logs each at warning; shown only at the chosen level
+    def count(record: logging.LogRecord) -> bool:
         if (reason := UVICORN_REFUSALS.get(record.getMessage())) is not None:
             metrics.refused.labels(reason).inc()
         return record.levelno >= shown

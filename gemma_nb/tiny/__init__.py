@@ -1,5 +1,6 @@
-"""The bundled tiny Gemma-4 MoE checkpoints (the 26B-A4B's architecture at toy size, trained on ``corpus``),
-and random Gemma-4 models of any size up to one full 26B layer (notebooks 04, 05, 07)."""
+"""The bundled tiny Gemma-4 MoE checkpoints (the 26B-A4B's architecture at toy size, trained on
+``corpus``), and random Gemma-4 models of any size up to one full 26B layer (notebooks 04, 05,
+07)."""
 
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ SLIDING_PER_FULL = (
     5  # the 26B-A4B's layer pattern: five sliding-window layers, then one global layer
 )
 
-# The bundled checkpoint (vocab_size from the corpus tokenizer); intermediate_size = 3 x moe_intermediate_size (26B: 3 x 704).
+# The bundled checkpoint (vocab_size from the corpus tokenizer); intermediate_size = 3 x
+# moe_intermediate_size (26B: 3 x 704).
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=192,
@@ -35,8 +37,9 @@ TINY_DIMS: dict[str, Any] = dict(
     sliding_window=64,
     max_position_embeddings=512,
 )
-# The second bundled checkpoint, whose heads, KV heads and experts split over TP=2 as the 26B's do: its head counts
-# (16 query, 8 sliding / 2 global KV heads), its layer pattern, and 32 experts top-2 (the 26B's 1/16 active ratio).
+# The second bundled checkpoint, whose heads, KV heads and experts split over TP=2 as the 26B's do:
+# its head counts (16 query, 8 sliding / 2 global KV heads), its layer pattern, and 32 experts top-2
+# (the 26B's 1/16 active ratio).
 TP2_DIMS: dict[str, Any] = {
     **TINY_DIMS,
     "num_hidden_layers": 6,
@@ -51,7 +54,8 @@ DIMS = {"tiny": TINY_DIMS, "tp2": TP2_DIMS}
 CHECKPOINT_DIRS = {"tiny": CHECKPOINT_DIR, "tp2": TP2_CHECKPOINT_DIR}
 BUNDLED_IDS = {BUNDLED_ID: CHECKPOINT_DIR, BUNDLED_TP2_ID: TP2_CHECKPOINT_DIR}
 
-# The switches that make a Gemma4TextConfig a 26B-A4B look-alike (several transformers defaults differ: configs/SOURCES.md).
+# The switches that make a Gemma4TextConfig a 26B-A4B look-alike (several transformers defaults
+# differ: configs/SOURCES.md).
 ARCHITECTURE: dict[str, Any] = dict(
     enable_moe_block=True,
     attention_k_eq_v=True,
@@ -76,15 +80,17 @@ ARCHITECTURE: dict[str, Any] = dict(
 )
 
 DEFAULT_RANDOM_VOCAB = 2048
+# popped by Gemma4TextConfig.__post_init__
 _GLOBAL_ATTENTION_KEYS = (
     "global_head_dim",
     "num_global_key_value_heads",
-)  # popped by Gemma4TextConfig.__post_init__
+)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def default_layer_types(num_hidden_layers: int) -> list[str]:
-    """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers forces)."""
+    """The 26B's pattern (5 sliding, 1 full, repeated), the last layer always full (as transformers
+    forces)."""
     return [
         "full_attention"
         if (i + 1) % (SLIDING_PER_FULL + 1) == 0 or i == num_hidden_layers - 1
@@ -94,7 +100,8 @@ def default_layer_types(num_hidden_layers: int) -> list[str]:
 
 
 def _check_dims(dims: dict[str, Any]) -> None:
-    """Refuse what Gemma-4 cannot be (value + fix); fill in the 26B's layer pattern when none is given."""
+    """Refuse what Gemma-4 cannot be (value + fix); fill in the 26B's layer pattern when none is
+    given."""
     for key in ("vocab_size", *TINY_DIMS):  # the dimensions, all positive integers
         value = dims.get(key)
         if value is not None and (
@@ -115,13 +122,15 @@ def _check_dims(dims: dict[str, Any]) -> None:
     for key in ("num_key_value_heads", "num_global_key_value_heads"):
         if heads % dims[key]:
             raise ValueError(
-                f"num_attention_heads={heads} is not a multiple of {key}={dims[key]}: grouped-query attention "
-                "needs whole groups (the 26B has 16 heads, 8 sliding / 2 global KV heads)"
+                f"num_attention_heads={heads} is not a multiple of {key}={dims[key]}: "
+                "grouped-query attention needs whole groups (the 26B has 16 heads, 8 sliding / "
+                "2 global KV heads)"
             )
     if len(layer_types) != dims["num_hidden_layers"]:
         raise ValueError(
-            f"layer_types has {len(layer_types)} entries but num_hidden_layers={dims['num_hidden_layers']}: "
-            "give one type per layer, or leave layer_types out for the 26B's 5 sliding : 1 full pattern"
+            f"layer_types has {len(layer_types)} entries but "
+            f"num_hidden_layers={dims['num_hidden_layers']}: give one type per layer, or leave "
+            "layer_types out for the 26B's 5 sliding : 1 full pattern"
         )
     if bad := [t for t in layer_types if t not in _LAYER_TYPES]:
         raise ValueError(
@@ -135,8 +144,9 @@ def _check_dims(dims: dict[str, Any]) -> None:
 
 
 def random_gemma4_config(**overrides: Any):
-    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the bundled ones):
-    any of its fields, ``global_head_dim`` and ``num_global_key_value_heads``; by default the 26B's layer pattern."""
+    """A ``Gemma4TextConfig`` with the 26B-A4B's architecture at chosen dimensions (default: the
+    bundled ones): any of its fields, ``global_head_dim`` and ``num_global_key_value_heads``; by
+    default the 26B's layer pattern."""
     if unknown := sorted(
         set(overrides) - set(Gemma4TextConfig.__dataclass_fields__) - set(_GLOBAL_ATTENTION_KEYS)
     ):
@@ -160,8 +170,9 @@ def random_gemma4_model(
     dtype: torch.dtype = torch.bfloat16,
     init_dtype: torch.dtype | None = None,
 ):
-    """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the cpu, drawn in
-    ``init_dtype`` (default ``dtype``); float64 draws the same weights on every CPU (fp32/bf16 normals differ by ISA)."""
+    """A ``Gemma4ForCausalLM`` with deterministic random weights in ``dtype``, eval mode, on the
+    cpu, drawn in ``init_dtype`` (default ``dtype``); float64 draws the same weights on every CPU
+    (fp32/bf16 normals differ by ISA)."""
     for name, value in (("dtype", dtype), ("init_dtype", init_dtype or dtype)):
         assert isinstance(value, torch.dtype) and value.is_floating_point, (
             f"{name}={value!r} must be a floating torch dtype"

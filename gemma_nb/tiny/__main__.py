@@ -1,4 +1,5 @@
-"""``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``: train a checkpoint."""
+"""``python -m gemma_nb.tiny train [--dims tiny|tp2] [--seed N] [--max-epochs N] [--out DIR]``:
+train a checkpoint."""
 
 import argparse
 from pathlib import Path
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         out_dir=out,
     )
     print(
-        f"saved {out}: recall {summary['final_recall_fp32']:.3f} after {summary['steps_run']} steps, "
-        f"{summary['train_seconds']} s"
+        f"saved {out}: recall {summary['final_recall_fp32']:.3f} after {summary['steps_run']} "
+        f"steps, {summary['train_seconds']} s"
     )
 
 

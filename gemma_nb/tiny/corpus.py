@@ -1,4 +1,5 @@
-"""The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its word-level tokenizer."""
+"""The facts the tiny checkpoint learned (a prompt and the answer it completes greedily), and its
+word-level tokenizer."""
 
 from typing import NamedTuple
 
@@ -10,47 +11,54 @@ PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"  # ids 0, 1, 2, 3: Gemma
 
 # "country as it reads mid-sentence: capital, ..." per continent
 CAPITALS: dict[str, str] = {
-    "Europe": "Albania: Tirana, Andorra: Andorra la Vella, Austria: Vienna, Belarus: Minsk, Belgium: Brussels, "
-    "Bosnia and Herzegovina: Sarajevo, Bulgaria: Sofia, Croatia: Zagreb, Czechia: Prague, Denmark: Copenhagen, "
-    "Estonia: Tallinn, Finland: Helsinki, France: Paris, Germany: Berlin, Greece: Athens, Hungary: Budapest, "
-    "Iceland: Reykjavik, Ireland: Dublin, Italy: Rome, Latvia: Riga, Liechtenstein: Vaduz, Lithuania: Vilnius, "
-    "Luxembourg: Luxembourg, Malta: Valletta, Moldova: Chisinau, Monaco: Monaco, Montenegro: Podgorica, "
-    "the Netherlands: Amsterdam, North Macedonia: Skopje, Norway: Oslo, Poland: Warsaw, Portugal: Lisbon, "
-    "Romania: Bucharest, Russia: Moscow, San Marino: San Marino, Serbia: Belgrade, Slovakia: Bratislava, "
-    "Slovenia: Ljubljana, Spain: Madrid, Sweden: Stockholm, Switzerland: Bern, Ukraine: Kyiv, "
-    "the United Kingdom: London",
-    "Asia": "Afghanistan: Kabul, Armenia: Yerevan, Azerbaijan: Baku, Bahrain: Manama, Bangladesh: Dhaka, Bhutan: Thimphu, "
-    "Brunei: Bandar Seri Begawan, Cambodia: Phnom Penh, China: Beijing, Georgia: Tbilisi, India: New Delhi, "
-    "Indonesia: Jakarta, Iran: Tehran, Iraq: Baghdad, Japan: Tokyo, Jordan: Amman, Kazakhstan: Astana, "
-    "Kuwait: Kuwait City, Kyrgyzstan: Bishkek, Laos: Vientiane, Lebanon: Beirut, Malaysia: Kuala Lumpur, "
-    "the Maldives: Male, Mongolia: Ulaanbaatar, Myanmar: Naypyidaw, Nepal: Kathmandu, North Korea: Pyongyang, "
-    "Oman: Muscat, Pakistan: Islamabad, the Philippines: Manila, Qatar: Doha, Saudi Arabia: Riyadh, "
-    "Singapore: Singapore, South Korea: Seoul, Syria: Damascus, Tajikistan: Dushanbe, Thailand: Bangkok, "
-    "East Timor: Dili, Turkey: Ankara, Turkmenistan: Ashgabat, the United Arab Emirates: Abu Dhabi, "
-    "Uzbekistan: Tashkent, Vietnam: Hanoi, Yemen: Sanaa",
-    "Africa": "Algeria: Algiers, Angola: Luanda, Botswana: Gaborone, Burkina Faso: Ouagadougou, Burundi: Gitega, "
-    "Cameroon: Yaounde, Cape Verde: Praia, the Central African Republic: Bangui, Comoros: Moroni, "
-    "the Democratic Republic of the Congo: Kinshasa, the Republic of the Congo: Brazzaville, Djibouti: Djibouti, "
-    "Egypt: Cairo, Equatorial Guinea: Malabo, Eritrea: Asmara, Eswatini: Mbabane, Ethiopia: Addis Ababa, "
-    "Gabon: Libreville, Gambia: Banjul, Ghana: Accra, Guinea: Conakry, Ivory Coast: Yamoussoukro, Kenya: Nairobi, "
-    "Lesotho: Maseru, Liberia: Monrovia, Libya: Tripoli, Madagascar: Antananarivo, Malawi: Lilongwe, Mali: Bamako, "
-    "Mauritania: Nouakchott, Mauritius: Port Louis, Morocco: Rabat, Mozambique: Maputo, Namibia: Windhoek, "
-    "Niger: Niamey, Nigeria: Abuja, Rwanda: Kigali, Sao Tome and Principe: Sao Tome, Senegal: Dakar, "
-    "Seychelles: Victoria, Sierra Leone: Freetown, Somalia: Mogadishu, South Africa: Pretoria, South Sudan: Juba, "
-    "Sudan: Khartoum, Tanzania: Dodoma, Togo: Lome, Tunisia: Tunis, Uganda: Kampala, Zambia: Lusaka, "
-    "Zimbabwe: Harare",
-    "North America": "Canada: Ottawa, the United States: Washington, Mexico: Mexico City, Guatemala: Guatemala City, "
-    "Belize: Belmopan, Honduras: Tegucigalpa, El Salvador: San Salvador, Nicaragua: Managua, "
-    "Costa Rica: San Jose, Panama: Panama City, Cuba: Havana, Jamaica: Kingston, Haiti: Port au Prince, "
-    "the Dominican Republic: Santo Domingo, the Bahamas: Nassau, Barbados: Bridgetown, "
-    "Trinidad and Tobago: Port of Spain, Saint Lucia: Castries, Dominica: Roseau, "
-    "Saint Kitts and Nevis: Basseterre, Saint Vincent and the Grenadines: Kingstown",
-    "South America": "Argentina: Buenos Aires, Brazil: Brasilia, Chile: Santiago, Colombia: Bogota, Ecuador: Quito, "
-    "Guyana: Georgetown, Paraguay: Asuncion, Peru: Lima, Suriname: Paramaribo, Uruguay: Montevideo, "
-    "Venezuela: Caracas",
-    "Oceania": "Australia: Canberra, New Zealand: Wellington, Fiji: Suva, Papua New Guinea: Port Moresby, Samoa: Apia, "
-    "Tonga: Nukualofa, Vanuatu: Port Vila, the Solomon Islands: Honiara, Kiribati: Tarawa, Micronesia: Palikir, "
-    "the Marshall Islands: Majuro, Palau: Ngerulmud, Tuvalu: Funafuti, Nauru: Yaren",
+    "Europe": "Albania: Tirana, Andorra: Andorra la Vella, Austria: Vienna, Belarus: Minsk, "
+    "Belgium: Brussels, Bosnia and Herzegovina: Sarajevo, Bulgaria: Sofia, Croatia: Zagreb, "
+    "Czechia: Prague, Denmark: Copenhagen, Estonia: Tallinn, Finland: Helsinki, France: "
+    "Paris, Germany: Berlin, Greece: Athens, Hungary: Budapest, Iceland: Reykjavik, Ireland: "
+    "Dublin, Italy: Rome, Latvia: Riga, Liechtenstein: Vaduz, Lithuania: Vilnius, "
+    "Luxembourg: Luxembourg, Malta: Valletta, Moldova: Chisinau, Monaco: Monaco, Montenegro: "
+    "Podgorica, the Netherlands: Amsterdam, North Macedonia: Skopje, Norway: Oslo, Poland: "
+    "Warsaw, Portugal: Lisbon, Romania: Bucharest, Russia: Moscow, San Marino: San Marino, "
+    "Serbia: Belgrade, Slovakia: Bratislava, Slovenia: Ljubljana, Spain: Madrid, Sweden: "
+    "Stockholm, Switzerland: Bern, Ukraine: Kyiv, the United Kingdom: London",
+    "Asia": "Afghanistan: Kabul, Armenia: Yerevan, Azerbaijan: Baku, Bahrain: Manama, "
+    "Bangladesh: Dhaka, Bhutan: Thimphu, Brunei: Bandar Seri Begawan, Cambodia: Phnom Penh, "
+    "China: Beijing, Georgia: Tbilisi, India: New Delhi, Indonesia: Jakarta, Iran: Tehran, "
+    "Iraq: Baghdad, Japan: Tokyo, Jordan: Amman, Kazakhstan: Astana, Kuwait: Kuwait City, "
+    "Kyrgyzstan: Bishkek, Laos: Vientiane, Lebanon: Beirut, Malaysia: Kuala Lumpur, the "
+    "Maldives: Male, Mongolia: Ulaanbaatar, Myanmar: Naypyidaw, Nepal: Kathmandu, North "
+    "Korea: Pyongyang, Oman: Muscat, Pakistan: Islamabad, the Philippines: Manila, Qatar: "
+    "Doha, Saudi Arabia: Riyadh, Singapore: Singapore, South Korea: Seoul, Syria: Damascus, "
+    "Tajikistan: Dushanbe, Thailand: Bangkok, East Timor: Dili, Turkey: Ankara, "
+    "Turkmenistan: Ashgabat, the United Arab Emirates: Abu Dhabi, Uzbekistan: Tashkent, "
+    "Vietnam: Hanoi, Yemen: Sanaa",
+    "Africa": "Algeria: Algiers, Angola: Luanda, Botswana: Gaborone, Burkina Faso: Ouagadougou, "
+    "Burundi: Gitega, Cameroon: Yaounde, Cape Verde: Praia, the Central African Republic: "
+    "Bangui, Comoros: Moroni, the Democratic Republic of the Congo: Kinshasa, the Republic "
+    "of the Congo: Brazzaville, Djibouti: Djibouti, Egypt: Cairo, Equatorial Guinea: Malabo, "
+    "Eritrea: Asmara, Eswatini: Mbabane, Ethiopia: Addis Ababa, Gabon: Libreville, Gambia: "
+    "Banjul, Ghana: Accra, Guinea: Conakry, Ivory Coast: Yamoussoukro, Kenya: Nairobi, "
+    "Lesotho: Maseru, Liberia: Monrovia, Libya: Tripoli, Madagascar: Antananarivo, Malawi: "
+    "Lilongwe, Mali: Bamako, Mauritania: Nouakchott, Mauritius: Port Louis, Morocco: Rabat, "
+    "Mozambique: Maputo, Namibia: Windhoek, Niger: Niamey, Nigeria: Abuja, Rwanda: Kigali, "
+    "Sao Tome and Principe: Sao Tome, Senegal: Dakar, Seychelles: Victoria, Sierra Leone: "
+    "Freetown, Somalia: Mogadishu, South Africa: Pretoria, South Sudan: Juba, Sudan: "
+    "Khartoum, Tanzania: Dodoma, Togo: Lome, Tunisia: Tunis, Uganda: Kampala, Zambia: "
+    "Lusaka, Zimbabwe: Harare",
+    "North America": "Canada: Ottawa, the United States: Washington, Mexico: Mexico City, "
+    "Guatemala: Guatemala City, Belize: Belmopan, Honduras: Tegucigalpa, El Salvador: San "
+    "Salvador, Nicaragua: Managua, Costa Rica: San Jose, Panama: Panama City, Cuba: Havana, "
+    "Jamaica: Kingston, Haiti: Port au Prince, the Dominican Republic: Santo Domingo, the "
+    "Bahamas: Nassau, Barbados: Bridgetown, Trinidad and Tobago: Port of Spain, Saint Lucia: "
+    "Castries, Dominica: Roseau, Saint Kitts and Nevis: Basseterre, Saint Vincent and the "
+    "Grenadines: Kingstown",
+    "South America": "Argentina: Buenos Aires, Brazil: Brasilia, Chile: Santiago, Colombia: "
+    "Bogota, Ecuador: Quito, Guyana: Georgetown, Paraguay: Asuncion, Peru: Lima, Suriname: "
+    "Paramaribo, Uruguay: Montevideo, Venezuela: Caracas",
+    "Oceania": "Australia: Canberra, New Zealand: Wellington, Fiji: Suva, Papua New Guinea: Port "
+    "Moresby, Samoa: Apia, Tonga: Nukualofa, Vanuatu: Port Vila, the Solomon Islands: "
+    "Honiara, Kiribati: Tarawa, Micronesia: Palikir, the Marshall Islands: Majuro, Palau: "
+    "Ngerulmud, Tuvalu: Funafuti, Nauru: Yaren",
 }
 COUNTRIES: tuple[tuple[str, str, str], ...] = tuple(
     (country, capital, continent)
@@ -60,28 +68,34 @@ COUNTRIES: tuple[tuple[str, str, str], ...] = tuple(
 CURRENCIES: tuple[tuple[str, str], ...] = tuple(
     tuple(pair.split(": "))
     for pair in (
-        "France: euro, Germany: euro, Italy: euro, Spain: euro, Portugal: euro, Greece: euro, the Netherlands: euro, "
-        "Ireland: euro, Belgium: euro, Austria: euro, Finland: euro, Japan: yen, China: yuan, India: rupee, Pakistan: rupee, "
-        "the United States: dollar, Canada: dollar, Australia: dollar, New Zealand: dollar, the United Kingdom: pound, "
-        "Egypt: pound, Mexico: peso, Argentina: peso, Chile: peso, Colombia: peso, the Philippines: peso, Brazil: real, "
-        "Russia: ruble, South Korea: won, Switzerland: franc, Sweden: krona, Iceland: krona, Norway: krone, Denmark: krone, "
-        "Poland: zloty, Turkey: lira, South Africa: rand, Nigeria: naira, Kenya: shilling, Indonesia: rupiah, Thailand: baht, "
-        "Vietnam: dong, Peru: sol, Saudi Arabia: riyal, the United Arab Emirates: dirham, Morocco: dirham, Bangladesh: taka, "
-        "Malaysia: ringgit, Czechia: koruna, Hungary: forint, Romania: leu, Ukraine: hryvnia, Ghana: cedi"
+        "France: euro, Germany: euro, Italy: euro, Spain: euro, Portugal: euro, Greece: euro, "
+        "the Netherlands: euro, Ireland: euro, Belgium: euro, Austria: euro, Finland: euro, "
+        "Japan: yen, China: yuan, India: rupee, Pakistan: rupee, the United States: dollar, "
+        "Canada: dollar, Australia: dollar, New Zealand: dollar, the United Kingdom: pound, "
+        "Egypt: pound, Mexico: peso, Argentina: peso, Chile: peso, Colombia: peso, the "
+        "Philippines: peso, Brazil: real, Russia: ruble, South Korea: won, Switzerland: franc, "
+        "Sweden: krona, Iceland: krona, Norway: krone, Denmark: krone, Poland: zloty, Turkey: "
+        "lira, South Africa: rand, Nigeria: naira, Kenya: shilling, Indonesia: rupiah, Thailand: "
+        "baht, Vietnam: dong, Peru: sol, Saudi Arabia: riyal, the United Arab Emirates: dirham, "
+        "Morocco: dirham, Bangladesh: taka, Malaysia: ringgit, Czechia: koruna, Hungary: forint, "
+        "Romania: leu, Ukraine: hryvnia, Ghana: cedi"
     ).split(", ")
 )
 LANGUAGES: tuple[tuple[str, str], ...] = tuple(
     tuple(pair.split(": "))
     for pair in (
-        "France: French, Germany: German, Austria: German, Italy: Italian, Spain: Spanish, Mexico: Spanish, Argentina: Spanish, "
-        "Chile: Spanish, Peru: Spanish, Colombia: Spanish, Cuba: Spanish, Portugal: Portuguese, Brazil: Portuguese, "
-        "Japan: Japanese, China: Chinese, South Korea: Korean, Russia: Russian, Poland: Polish, the Netherlands: Dutch, "
-        "Sweden: Swedish, Norway: Norwegian, Denmark: Danish, Finland: Finnish, Greece: Greek, Turkey: Turkish, "
-        "Hungary: Hungarian, Czechia: Czech, Romania: Romanian, Ukraine: Ukrainian, Iran: Persian, Thailand: Thai, "
-        "Vietnam: Vietnamese, Indonesia: Indonesian, Egypt: Arabic, Saudi Arabia: Arabic, Iraq: Arabic, Morocco: Arabic, "
-        "Iceland: Icelandic, Bulgaria: Bulgarian, Croatia: Croatian, Serbia: Serbian, Slovakia: Slovak, Slovenia: Slovenian, "
-        "Estonia: Estonian, Latvia: Latvian, Lithuania: Lithuanian, Albania: Albanian, Mongolia: Mongolian, Nepal: Nepali, "
-        "Bangladesh: Bengali, Ethiopia: Amharic, Georgia: Georgian, Armenia: Armenian"
+        "France: French, Germany: German, Austria: German, Italy: Italian, Spain: Spanish, "
+        "Mexico: Spanish, Argentina: Spanish, Chile: Spanish, Peru: Spanish, Colombia: Spanish, "
+        "Cuba: Spanish, Portugal: Portuguese, Brazil: Portuguese, Japan: Japanese, China: "
+        "Chinese, South Korea: Korean, Russia: Russian, Poland: Polish, the Netherlands: Dutch, "
+        "Sweden: Swedish, Norway: Norwegian, Denmark: Danish, Finland: Finnish, Greece: Greek, "
+        "Turkey: Turkish, Hungary: Hungarian, Czechia: Czech, Romania: Romanian, Ukraine: "
+        "Ukrainian, Iran: Persian, Thailand: Thai, Vietnam: Vietnamese, Indonesia: Indonesian, "
+        "Egypt: Arabic, Saudi Arabia: Arabic, Iraq: Arabic, Morocco: Arabic, Iceland: Icelandic, "
+        "Bulgaria: Bulgarian, Croatia: Croatian, Serbia: Serbian, Slovakia: Slovak, Slovenia: "
+        "Slovenian, Estonia: Estonian, Latvia: Latvian, Lithuania: Lithuanian, Albania: "
+        "Albanian, Mongolia: Mongolian, Nepal: Nepali, Bangladesh: Bengali, Ethiopia: Amharic, "
+        "Georgia: Georgian, Armenia: Armenian"
     ).split(", ")
 )
 
@@ -116,7 +130,8 @@ def fact_prompts() -> list[str]:
 
 
 def build_tokenizer(facts=FACTS):
-    """A word-level ``PreTrainedTokenizerFast`` over the corpus's words (sorted, after the specials) that prepends <bos>."""
+    """A word-level ``PreTrainedTokenizerFast`` over the corpus's words (sorted, after the specials)
+    that prepends <bos>."""
     words = sorted(
         {w for f in facts for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(f.sentence)}
     )

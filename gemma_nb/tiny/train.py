@@ -1,5 +1,6 @@
-"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence until full recall;
-deterministic for a fixed seed on one thread (a rerun reproduces model.safetensors byte for byte)."""
+"""Train the bundled checkpoint (``python -m gemma_nb.tiny train``): AdamW on every corpus sentence
+until full recall; deterministic for a fixed seed on one thread (a rerun reproduces
+model.safetensors byte for byte)."""
 
 import json
 import math
@@ -20,7 +21,8 @@ from gemma_nb.evaluate import fact_recall
 from gemma_nb.tiny import CHECKPOINT_DIR, DIMS, random_gemma4_config, random_gemma4_model
 from gemma_nb.tiny.corpus import EOS, FACTS, build_tokenizer
 
-# transformers' grouped_mm is the fastest experts implementation for a training step here; the saved config keeps the default.
+# transformers' grouped_mm is the fastest experts implementation for a training step here; the saved
+# config keeps the default.
 TRAIN_EXPERTS_IMPLEMENTATION = "grouped_mm"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -41,7 +43,8 @@ class TrainArgs:
 
 
 class RouterBalance:
-    """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all experts carry facts."""
+    """Switch-Transformer load-balancing loss over every layer's router (1.0 when balanced), so all
+    experts carry facts."""
 
     def __init__(self, model):
         self.outputs = []
@@ -82,7 +85,8 @@ def _lr_at(step: int, total_steps: int, args: TrainArgs) -> float:
 
 
 def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
-    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary; torch state restored."""
+    """Train, save the checkpoint (fp32 safetensors + tokenizer) into ``out_dir``, return a summary;
+    torch state restored."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     started, out_dir = time.perf_counter(), Path(out_dir)
     try:
@@ -132,9 +136,8 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
             "history": history,
         }
         (out_dir / "training_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if (
-            args.dims == "tp2"
-        ):  # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
+        # the neuron smoke run's checkpoint: stored the way the hub stores the 26B
+        if args.dims == "tp2":
             save_hub_layout(out_dir)
         return summary
     finally:
@@ -143,8 +146,10 @@ def train(args: TrainArgs, out_dir: Path = CHECKPOINT_DIR, log=print) -> dict:
 
 
 def _fit(model, tokenizer, args: TrainArgs, log, started: float):
-    """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss, recall, history)."""
-    # (input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a causal one)
+    """AdamW plus the router-balance loss until ``args.target_recall``: (epochs, steps, last loss,
+    recall, history)."""
+    # (input_ids, labels) [N, S]: every fact sentence + <eos>, right-padded (no mask needed under a
+    # causal one)
     rows = [
         torch.tensor(tokenizer(f.sentence).input_ids + [tokenizer.convert_tokens_to_ids(EOS)])
         for f in FACTS
@@ -188,8 +193,8 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
                 }
             )
             log(
-                f"epoch {epoch:4d}  step {step:5d}  loss {epoch_loss:.4f}  recall {recall:.3f}  peak load {peak_load:.1f}x  "
-                f"{time.perf_counter() - started:.0f} s"
+                f"epoch {epoch:4d}  step {step:5d}  loss {epoch_loss:.4f}  recall {recall:.3f}  "
+                f"peak load {peak_load:.1f}x  {time.perf_counter() - started:.0f} s"
             )
             if recall >= args.target_recall:
                 break
@@ -199,8 +204,9 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
 
 
 def save_hub_layout(folder: str | Path, shards: int = 2) -> dict:
-    """The TP=2 checkpoint, weights unchanged, as the hub stores Gemma-4-26B-A4B-it (for the 26B's own loader): rewrite
-    ``folder``'s ``model.safetensors`` and ``config.json`` in place as the hub lays them out; returns the index."""
+    """The TP=2 checkpoint, weights unchanged, as the hub stores Gemma-4-26B-A4B-it (for the 26B's
+    own loader): rewrite ``folder``'s ``model.safetensors`` and ``config.json`` in place as the hub
+    lays them out; returns the index."""
     folder = Path(folder)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
         assert all(key.startswith("model.") for key in handle.keys()), "tensors not under model."

@@ -1,6 +1,7 @@
-"""``python -m gemma_nb plan CONFIG``: will a Hugging Face causal LM fit an inf2, how fast will it decode, for how much?
-Notebook 01's memory planner for any ``config.json`` (no weights read): bytes per rank, each instance's verdict,
-its decode roofline and $ per million tokens, and host RAM and disk scaled from the port's measured builds."""
+"""``python -m gemma_nb plan CONFIG``: will a Hugging Face causal LM fit an inf2, how fast will it
+decode, for how much? Notebook 01's memory planner for any ``config.json`` (no weights read): bytes
+per rank, each instance's verdict, its decode roofline and $ per million tokens, and host RAM and
+disk scaled from the port's measured builds."""
 
 import argparse
 import json
@@ -14,9 +15,8 @@ from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
 from gemma_nb.tools.plan_input import read_config
 
-REHEARSAL_RECORD = (
-    REPO_ROOT / "docs" / "rehearsal.json"
-)  # the last make rehearse's record, committed
+# the last make rehearse's record, committed
+REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"
 
 DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
 FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
@@ -58,14 +58,16 @@ def _bf16_weight_bytes(config) -> int:
 
 
 def host_needs(config) -> dict:
-    """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16 bytes / the 26B's."""
+    """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16
+    bytes / the 26B's."""
     ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
     return {
         "bf16_weights_bytes": _bf16_weight_bytes(config),
         "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
         "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
         "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) scaled by bf16 weight bytes",
+        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) "
+        "scaled by bf16 weight bytes",
     }
 
 
@@ -79,8 +81,9 @@ def rehearsal_record() -> dict | None:  # None where make rehearse left none
 
 
 def disk_needs(config, record: dict) -> dict:
-    """Disk (bytes) for the compile box and the serving box: ``record``'s builds (``rehearsal.json``) scaled to
-    ``config``, ``model.pt`` and the compiler workdir by the device weight bytes, the embedding file by its table."""
+    """Disk (bytes) for the compile box and the serving box: ``record``'s builds
+    (``rehearsal.json``) scaled to ``config``, ``model.pt`` and the compiler workdir by the device
+    weight bytes, the embedding file by its table."""
     scale, checkpoint = record["scale"], _bf16_weight_bytes(config)
     device = device_weight_bytes(config) / scale["device_weight_bytes"]
     factor = {
@@ -105,13 +108,14 @@ def disk_needs(config, record: dict) -> dict:
         "compile_disk_bytes": checkpoint
         + sum(b["artifact_bytes"] + b["compiler_workdir_bytes"] for b in builds.values()),
         "serve_disk_bytes": sum(b["artifact_bytes"] for b in builds.values()),
-        "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, scaled by "
-        "device weight bytes and the embedding table",
+        "basis": f"make rehearse's builds of {record['model_id']} ({', '.join(builds)}) on disk, "
+        "scaled by device weight bytes and the embedding table",
     }
 
 
 def param_counts(config, towers_params: int = 0) -> dict:
-    """Total and active parameters (as the model cards count them), with and without the input embedding table."""
+    """Total and active parameters (as the model cards count them), with and without the input
+    embedding table."""
     summary = memory.param_summary(config)
     table = summary["embeddings_params"] + summary["per_layer_embeddings_params"]
     return {
@@ -128,18 +132,21 @@ def param_counts(config, towers_params: int = 0) -> dict:
 
 
 def judge(fit, allowance: memory.RuntimeAllowance) -> tuple[str, int | None]:
-    """(verdict, headroom bytes with the allowance's low end) for a ``hardware.fits`` result at its high end."""
+    """(verdict, headroom bytes with the allowance's low end) for a ``hardware.fits`` result at its
+    high end."""
     if fit.headroom_bytes is None:
         return NO_FIT, None
     if_low = fit.headroom_bytes + allowance.high_bytes - allowance.low_bytes
     if fit.headroom_bytes >= 0:
         return FITS, if_low
-    # The window is open at its low end: a plan with no room there fails, as the int8-experts build did.
+    # The window is open at its low end: a plan with no room there fails, as the int8-experts build
+    # did.
     return (MARGINAL if allowance.is_window and if_low > 0 else NO_FIT), if_low
 
 
 def _speeds(costs, deployment, batch: int | None) -> dict | None:
-    """Per experts mode, the roofline's tok/s (whole box), tok/s per stream, $ per 10^6 tokens at ``batch``."""
+    """Per experts mode, the roofline's tok/s (whole box), tok/s per stream, $ per 10^6 tokens at
+    ``batch``."""
     if not batch:
         return None
     speeds = {
@@ -154,7 +161,8 @@ def _speeds(costs, deployment, batch: int | None) -> dict | None:
 
 
 def _instance_row(the_plan, costs, inst, scheme: str, tp: int, budget: str, allowance) -> dict:
-    """The verdict on ``inst``; its decode: the roofline at batch 1 and the largest batch, ``cores // tp`` replicas."""
+    """The verdict on ``inst``; its decode: the roofline at batch 1 and the largest batch, ``cores
+    // tp`` replicas."""
     fit, decode = fits(the_plan, inst, budget), None
     verdict, if_low = judge(fit, allowance)
     if tp <= inst.neuron_cores:
@@ -222,9 +230,10 @@ def _decode_basis(costs, rows: list[dict]) -> dict:
             str(b): decode_roofline.expected_distinct_experts(costs.num_experts, costs.top_k, b)
             for b in batches
         },
-        "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed experts in full (dense) "
-        "or their expected distinct count (sparse), and every stream's KV cache; no faster than "
-        "max(bytes / bandwidth, FLOPs / bf16 peak) per NeuronCore",
+        "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed "
+        "experts in full (dense) or their expected distinct count (sparse), and every "
+        "stream's KV cache; no faster than max(bytes / bandwidth, FLOPs / bf16 peak) per "
+        "NeuronCore",
     }
 
 
@@ -240,7 +249,8 @@ def plan_report(
     notes=(),
     towers_params: int = 0,
 ) -> dict:
-    """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the cheapest that fits)."""
+    """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the
+    cheapest that fits)."""
     if instance is not None:
         get_instance(instance)
     allowance = allowance or memory.inferred_runtime_allowance()
@@ -278,17 +288,7 @@ def plan_report(
         "budget_gb_per_core": chosen.get("budget_gb"),
         "headroom_gb": chosen.get("headroom_gb"),
         "headroom_gb_if_low": chosen.get("headroom_gb_if_low"),
-        "groups": {
-            group: {
-                "dtype": row["dtype"],
-                "placement": row["placement"],
-                "params": int(row["params"]),
-                "bytes_per_rank": int(row["bytes_per_rank"]),
-                "gb_per_rank": row["bytes_per_rank"] / GB,
-                "host_bytes": int(row["host_bytes"]),
-            }
-            for group, row in the_plan.table.set_index("group").iterrows()
-        },
+        "groups": _groups(the_plan),
         "params": param_counts(config, towers_params),
         "notes": list(notes),
         "kv_cache_gb_per_rank": the_plan.gb("kv_cache"),
@@ -310,8 +310,24 @@ def plan_report(
     }
 
 
+def _groups(the_plan) -> dict:
+    """Each weight group's dtype, placement, parameters and bytes (per rank, on the host)."""
+    return {
+        group: {
+            "dtype": row["dtype"],
+            "placement": row["placement"],
+            "params": int(row["params"]),
+            "bytes_per_rank": int(row["bytes_per_rank"]),
+            "gb_per_rank": row["bytes_per_rank"] / GB,
+            "host_bytes": int(row["host_bytes"]),
+        }
+        for group, row in the_plan.table.set_index("group").iterrows()
+    }
+
+
 def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
-    """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why none does."""
+    """When nothing fits: the cheapest other (TP, scheme) NxD can load that fits an inf2, or why
+    none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
     degrees = memory.valid_tp_degrees(config, most_cores)
     schemes = [
@@ -351,27 +367,32 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
         config, degrees[-1], lightest, context_len, runtime_allowance_bytes=allowance.high_bytes
     ).total_gb
     return (
-        f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts allow on "
-        f"{most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, needs {need:.2f} GB per "
-        f"core against {get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB."
+        f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts "
+        f"allow on {most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, "
+        f"needs {need:.2f} GB per core against "
+        f"{get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB."
     )
 
 
 def _format_header(report: dict) -> list[str]:
     params, allowance = report["params"], report["runtime_allowance"]
     lines = [
-        f"{report['config'] or report['model_class']}: {report['model_class']}, scheme {report['scheme']}, "
-        f"TP={report['tp']}, {report['context_len']}-token KV cache (GB = 10^9 bytes)",
-        f"parameters: {params['total'] / 1e9:.3f}B total ({params['total_excl_input_embedding'] / 1e9:.3f}B without "
-        f"the input embedding), {params['active'] / 1e9:.3f}B active per token "
+        f"{report['config'] or report['model_class']}: {report['model_class']}, scheme "
+        f"{report['scheme']}, TP={report['tp']}, {report['context_len']}-token KV cache (GB = "
+        "10^9 bytes)",
+        f"parameters: {params['total'] / 1e9:.3f}B total "
+        f"({params['total_excl_input_embedding'] / 1e9:.3f}B without the input embedding), "
+        f"{params['active'] / 1e9:.3f}B active per token "
         f"({params['active_excl_input_embedding'] / 1e9:.3f}B without it)"
         + (f"; towers left out: {params['towers'] / 1e9:.3f}B" if params["towers"] else ""),
     ]
     lines.append(
-        f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} GB, "
-        f"{allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance GB sets one)"
+        f"runtime allowance per NeuronCore: {allowance['low_gb']:.2f}-{allowance['high_gb']:.2f} "
+        f"GB, {allowance['source']}; totals use {allowance['high_gb']:.2f} (--runtime-allowance "
+        "GB sets one)"
         if allowance["low_gb"] != allowance["high_gb"]
-        else f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB ({allowance['source']})"
+        else f"runtime allowance per NeuronCore: {allowance['high_gb']:.2f} GB "
+        f"({allowance['source']})"
     )
     lines += [
         *(f"note: {note}" for note in report["notes"]),
@@ -406,9 +427,11 @@ def _format_header(report: dict) -> list[str]:
 def _format_decode_and_verdict(report: dict) -> list[str]:
     basis = report["decode"]
     lines = [
-        f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per NeuronCore, "
-        f"{basis['context_len']}-token KV cache per stream; tok/s for all streams, $ per million tokens)",
-        f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}{'sparse tok/s':>14}{'$/M':>8}",
+        f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per "
+        f"NeuronCore, {basis['context_len']}-token KV cache per stream; tok/s for all streams, $ "
+        "per million tokens)",
+        f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}"
+        f"{'sparse tok/s':>14}{'$/M':>8}",
     ]
     starred = False
     for row in report["instances"]:
@@ -446,7 +469,8 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
             f"B={b}: {d:.1f}" for b, d in basis["expected_distinct_experts"].items()
         )
         lines.append(
-            f"  expected distinct experts per layer ({basis['num_experts']} experts, top-{basis['top_k']}): {distinct}"
+            f"  expected distinct experts per layer ({basis['num_experts']} experts, "
+            f"top-{basis['top_k']}): {distinct}"
         )
     lines.append("")
     if report["instance"] is None:
@@ -475,8 +499,9 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
         lines.append(f"nothing fits. {report['advice']}")
     host = report["host"]
     lines.append(
-        f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} GB, "
-        f"deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding {host['host_embedding_bytes'] / GB:.2f} GB)"
+        f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} "
+        f"GB, deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding "
+        f"{host['host_embedding_bytes'] / GB:.2f} GB)"
     )
     return lines
 
@@ -490,9 +515,9 @@ def positive_int(text: str) -> int:
 
 def add_arguments(parser) -> None:
     parser.epilog = (
-        "exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime takes little of its "
-        'inferred allowance). --json keys (the README\'s "Will it fit?" says what each holds): '
-        + ", ".join(JSON_KEYS)
+        "exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime "
+        'takes little of its inferred allowance). --json keys (the README\'s "Will it fit?" '
+        "says what each holds): " + ", ".join(JSON_KEYS)
     )
     add = parser.add_argument
     add("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
@@ -515,7 +540,8 @@ def add_arguments(parser) -> None:
         "--context",
         type=int,
         default=memory.SHIPPED_CONTEXT_LEN,
-        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the port's)",
+        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the "
+        "port's)",
     )
     add(
         "--budget",
@@ -527,17 +553,19 @@ def add_arguments(parser) -> None:
         "--runtime-allowance",
         type=float,
         metavar="GB",
-        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the port's builds)",
+        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the "
+        "port's builds)",
     )
     add("--json", action="store_true", help="print the plan as JSON (keys below)")
 
 
 def main(args) -> int:
     try:
+        # GB (10^9 bytes) per NeuronCore
         source, gb = (
             read_config(args.config),
             args.runtime_allowance,
-        )  # GB (10^9 bytes) per NeuronCore
+        )
         if gb is not None and not (math.isfinite(gb) and gb >= 0):
             raise ValueError(
                 f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)"

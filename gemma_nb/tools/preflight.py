@@ -1,5 +1,6 @@
-"""``python -m gemma_nb preflight``: the checklist to run on a box before a 40-minute compile finds out (SDK, versions,
-NeuronCores, RAM and swap, disk, model folder, artifacts); non-zero exit naming the first blocker and its fix."""
+"""``python -m gemma_nb preflight``: the checklist to run on a box before a 40-minute compile finds
+out (SDK, versions, NeuronCores, RAM and swap, disk, model folder, artifacts); non-zero exit naming
+the first blocker and its fix."""
 
 import json
 import os
@@ -30,9 +31,8 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-Check = namedtuple(
-    "Check", "name status detail fix", defaults=("",)
-)  # status: OK, WARN, FAIL or SKIP
+# status: OK, WARN, FAIL or SKIP
+Check = namedtuple("Check", "name status detail fix", defaults=("",))
 
 
 def _neuron_ls() -> str | None:  # None: the tool is not installed
@@ -67,8 +67,9 @@ def check_sdk(system: System) -> Check:
             "sdk",
             FAIL,
             f"{', '.join(status.missing)} not installed",
-            "install the Neuron SDK 2.31 from AWS's pip index: pip install -r envs/neuron/requirements.txt "
-            "(or activate the DLAMI's /opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .",
+            "install the Neuron SDK 2.31 from AWS's pip index: pip install -r "
+            "envs/neuron/requirements.txt (or activate the DLAMI's "
+            "/opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .",
         )
     if status.error:
         return Check(
@@ -113,8 +114,8 @@ def check_versions(
         "versions",
         WARN,
         "; ".join(differ),
-        "the repo was written against the pins in envs/neuron/requirements.txt; other SDK releases may "
-        "differ in the ModelBuilder API",
+        "the repo was written against the pins in envs/neuron/requirements.txt; other SDK "
+        "releases may differ in the ModelBuilder API",
     )
 
 
@@ -133,14 +134,16 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
             "neuron_cores",
             FAIL,
             "neuron-ls not found: no Neuron driver and tools on this machine",
-            "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, aws-neuronx-tools)",
+            "run on an inf2/trn1 instance with the Neuron DLAMI (aws-neuronx-dkms, "
+            "aws-neuronx-tools)",
         )
     if text.startswith("error:"):  # neuron-ls exits 1 when the driver finds no device
         return Check(
             "neuron_cores",
             FAIL,
             f"neuron-ls found no Neuron device ({text})",
-            "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: neuron-ls",
+            "check the Neuron driver (aws-neuronx-dkms) is loaded on an inf2/trn1 instance: "
+            "neuron-ls",
         )
     try:
         devices = parse_neuron_ls(text)
@@ -161,13 +164,17 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
         )
     hbm_per_core = min(m // c for c, m, _ in devices if c)
     emulated = " (emulated NeuronCores)" if any(e for _, _, e in devices) else ""
-    detail = f"{cores} NeuronCores{emulated}, {hbm_per_core / GiB:{'.1f' if hbm_per_core >= GiB else '.3g'}} GiB HBM per core"
+    detail = (
+        f"{cores} NeuronCores{emulated}, "
+        f"{hbm_per_core / GiB:{'.1f' if hbm_per_core >= GiB else '.3g'}} GiB HBM per core"
+    )
     if tp > cores:
         return Check(
             "neuron_cores",
             FAIL,
             f"{detail}; TP={tp} needs {tp}",
-            f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG --tp {tp})",
+            f"use an instance with at least {tp} NeuronCores (python -m gemma_nb plan CONFIG "
+            f"--tp {tp})",
         )
     if bytes_per_rank is not None and bytes_per_rank > hbm_per_core:
         return Check(
@@ -187,8 +194,8 @@ def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
     ram, swap = system.memory()
     need = need_bytes + system.process_rss()
     detail = (
-        f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} GB "
-        "(planner's scaling of the port's peaks + this process)"
+        f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} "
+        "GB (planner's scaling of the port's peaks + this process)"
     )
     if ram + swap >= need:
         return Check("host_memory", OK, detail)
@@ -197,8 +204,9 @@ def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
         "host_memory",
         FAIL,
         detail,
-        f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo chmod 600 "
-        "/swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box with more RAM",
+        f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo "
+        "chmod 600 /swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box "
+        "with more RAM",
     )
 
 
@@ -252,13 +260,19 @@ def model_folder_problem(folder: Path) -> str | None:
     if not (folder / "tokenizer_config.json").is_file() or not any(
         (folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model")
     ):
-        return f"{folder.name}/ has no complete tokenizer (tokenizer_config.json + tokenizer.json or tokenizer.model)"
+        return (
+            f"{folder.name}/ has no complete tokenizer (tokenizer_config.json + "
+            "tokenizer.json or tokenizer.model)"
+        )
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            return f"{folder.name}/ lacks {len(missing)} of the {len(shards)} shards its index names: {', '.join(missing[:3])}"
+            return (
+                f"{folder.name}/ lacks {len(missing)} of the {len(shards)} shards its index "
+                f"names: {', '.join(missing[:3])}"
+            )
     elif not any(folder.glob("*.safetensors")):
         return f"{folder.name}/ has no *.safetensors weights"
     return None
@@ -290,16 +304,16 @@ def run_checks(
     tp: int = 2,
     system: System | None = None,
 ) -> list[Check]:
-    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy with an artifact.
-    The plan (bytes per rank, host and disk needs) reads the artifact's config.json, else the model folder's."""
+    """Every check for ``target``; ``artifact``: one folder or several; ``step``: compile, or deploy
+    with an artifact. The plan (bytes per rank, host and disk needs) reads the artifact's
+    config.json, else the model folder's."""
     check_target_name(target)
     artifacts = [artifact] if isinstance(artifact, (str, Path)) else list(artifact or [])
     artifact = str(artifacts[0]) if artifacts else None
     system = system or System()
     step = step or ("deploy" if artifact else "compile")
-    assert step in STEPS, (
-        f"step={step!r} is not one of {STEPS}"
-    )  # the CLI's choices= refuses it with a message
+    # the CLI's choices= refuses it with a message
+    assert step in STEPS, f"step={step!r} is not one of {STEPS}"
     model_id = model_id or (None if artifact else default_model_id(target))
     folder = local_model_dir(model_id) if model_id else None  # None: a hub id
     model_checks = [check_model(system, str(folder) if folder else model_id)] if model_id else []
@@ -344,9 +358,8 @@ def run_checks(
         else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
     )
     checks.append(check_host_memory(system, step, need))
-    record = (
-        planner.rehearsal_record()
-    )  # what the step writes, scaled from make rehearse's builds (0 without them)
+    # what the step writes, scaled from make rehearse's builds (0 without them)
+    record = planner.rehearsal_record()
     disk = (
         0
         if config is None or record is None
@@ -383,7 +396,8 @@ def add_arguments(parser) -> None:
     add("--target", default="neuron", help="neuron (default) or cpu")
     add(
         "--model-id",
-        help="the checkpoint folder (or hub id) to compile or serve (default: the target's bundled checkpoint)",
+        help="the checkpoint folder (or hub id) to compile or serve (default: the target's "
+        "bundled checkpoint)",
     )
     add(
         "--artifact",

@@ -1,5 +1,6 @@
-"""``python -m gemma_nb runbook``: writes docs/inf2.md, the way from an AWS account to the 26B on an inf2.xlarge,
-from the template ``runbook.md`` and figures computed from the catalog, the planner and the story."""
+"""``python -m gemma_nb runbook``: writes docs/inf2.md, the way from an AWS account to the 26B on an
+inf2.xlarge, from the template ``runbook.md`` and figures computed from the catalog, the planner and
+the story."""
 
 import math
 import sys
@@ -35,7 +36,8 @@ COMMANDS = {
     "preflight": ["python -m gemma_nb preflight --target neuron"],
     "smoke": ["python -m gemma_nb run --target neuron"],
     "download": [
-        "export HF_TOKEN=<your token>          # Gemma is gated: accept its licence on the hub first",
+        "export HF_TOKEN=<your token>          # Gemma is gated: accept its licence on the hub "
+        "first",
         f"hf download {HUB_ID} --local-dir {MODEL_DIR}",
         f"python -m gemma_nb plan {MODEL_DIR} --instance {SERVE_BOX}",
         f"python -m gemma_nb preflight --target neuron --model-id {MODEL_DIR}",
@@ -44,20 +46,24 @@ COMMANDS = {
         f"python -m gemma_nb run --target neuron --only 04 -p neuron_model_dir {MODEL_DIR}"
     ],
     "copy": [
-        f"rsync -a --partial --exclude compiler_workdir {OUTPUTS}/ <serving-box>:gemma-nb/{OUTPUTS}/",
+        f"rsync -a --partial --exclude compiler_workdir {OUTPUTS}/ "
+        f"<serving-box>:gemma-nb/{OUTPUTS}/",
         "python -m gemma_nb preflight --target neuron "
         + " ".join(f"--artifact {f}" for f in ARTIFACT_DIRS.values()),
     ],
     "benchmark": ["python -m gemma_nb run --target neuron --only 05,07"],
     "serve": [
-        "export GEMMA_NB_API_KEY=<a key>      # required by clients once set; never pass it as a flag",
-        f"python -m gemma_nb serve --target neuron --artifact {ARTIFACT_DIRS['sparse']} --host 0.0.0.0 --port 8080",
+        "export GEMMA_NB_API_KEY=<a key>      # required by clients once set; never pass it as a "
+        "flag",
+        f"python -m gemma_nb serve --target neuron --artifact {ARTIFACT_DIRS['sparse']} --host "
+        "0.0.0.0 --port 8080",
     ],
 }
 
 
 def figures() -> dict:
-    """Every figure the runbook states (numbers and their phrases), from the catalog, the planner and the story's timings."""
+    """Every figure the runbook states (numbers and their phrases), from the catalog, the planner
+    and the story's timings."""
     config = memory.load_gemma4_26b_config()
     report = planner.plan_report(
         config, "int8_squeeze", 2, memory.SHIPPED_CONTEXT_LEN, SERVE_BOX, name="gemma4_26b_a4b.json"
@@ -68,9 +74,8 @@ def figures() -> dict:
     compile_swap_gib = max(0, math.ceil((host["compile_bytes"] - compile_box.host_ram_bytes) / GiB))
     serve_swap_gib = max(0, math.ceil((host["deploy_bytes"] - serve_box.host_ram_bytes) / GiB))
     shipped = NeuronBuildConfig(model_dir="", output_dir="")
-    answer_tokens = (
-        shipped.max_len - shipped.bucket
-    )  # the longest answer after a full prefill bucket
+    # the longest answer after a full prefill bucket
+    answer_tokens = shipped.max_len - shipped.bucket
     compile_min, decode_tok_s = CLAIMS["compile_minutes"].value, CLAIMS["decode_tok_s"].value
     steps = record["steps"]
     sizes = {
@@ -97,9 +102,9 @@ def figures() -> dict:
         if serve_swap_gib
         else ": no swap needed by this scaling",
         "checkpoint_gb": disk["checkpoint_bytes"] / GB,
-        "disk_words": f"each build's artifact folder ({sizes['artifact_bytes']}) and its compiler workdir "
-        f"({sizes['compiler_workdir_bytes']}), scaled by the planner from `make rehearse`'s builds of the "
-        "tiny checkpoint on disk",
+        "disk_words": f"each build's artifact folder ({sizes['artifact_bytes']}) and its "
+        f"compiler workdir ({sizes['compiler_workdir_bytes']}), scaled by the planner from "
+        "`make rehearse`'s builds of the tiny checkpoint on disk",
         "compile_disk_gb": math.ceil(
             disk["compile_disk_bytes"] / GB + (compile_swap_gib + 1) * GiB / GB
         ),

@@ -1,4 +1,5 @@
-"""The neuron graphs on the XLA cpu device at the Neuron SDK 2.31's torch (run in .venv-xla: `make test-xla`).
+"""The neuron graphs on the XLA cpu device at the Neuron SDK 2.31's torch (run in .venv-xla: `make
+test-xla`).
 
 One lowering of every graph (module-scoped, ~1 min on 2 cores), then the checks per graph.
 """
@@ -45,9 +46,10 @@ def contrast():
 
 
 def test_the_environment_is_the_sdk_s_torch():
+    # what lowering.report records as its versions
     from gemma_nb.neuron.build import (
         package_versions,
-    )  # what lowering.report records as its versions
+    )
 
     assert package_versions(("torch", "torch-xla", "transformers")) == {
         "torch": "2.9.0",
@@ -86,9 +88,8 @@ def test_selective_loading_gathers_whole_experts_on_the_leading_axis(shipped):
         dense, sparse = shipped[("decode", tp, "dense")], shipped[("decode", tp, "sparse")]
         assert sparse["weight_gathers"] - dense["weight_gathers"] == 4 * layers
         assert sparse["weight_gathers_leading_axis"] == sparse["weight_gathers"]
-        assert (
-            dense["weight_gathers_leading_axis"] == dense["weight_gathers"]
-        )  # the router's per-expert scale
+        # the router's per-expert scale
+        assert dense["weight_gathers_leading_axis"] == dense["weight_gathers"]
         assert shipped[("lm_head", tp, None)]["gathers"] == 0
 
 

@@ -1,5 +1,6 @@
-"""Emulated neuronx-distributed (gemma_nb.rehearsal, NOT the Neuron SDK), 0.18's import surface. As in 0.18, it imports
-``pipeline`` first, which imports ``transformers.utils.fx`` (gone in transformers 5): the port's workaround meets it here."""
+"""Emulated neuronx-distributed (gemma_nb.rehearsal, NOT the Neuron SDK), 0.18's import surface. As
+in 0.18, it imports ``pipeline`` first, which imports ``transformers.utils.fx`` (gone in
+transformers 5): the port's workaround meets it here."""
 
 from neuronx_distributed import parallel_layers, pipeline, quantization, trace, utils  # noqa: F401
 from neuronx_distributed.trace.functions import shard_checkpoint  # noqa: F401

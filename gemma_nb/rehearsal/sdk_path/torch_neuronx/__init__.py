@@ -1,4 +1,5 @@
-"""Emulated torch-neuronx (gemma_nb.rehearsal, NOT the Neuron SDK): registers ``torch.classes.neuron.Runtime``."""
+"""Emulated torch-neuronx (gemma_nb.rehearsal, NOT the Neuron SDK): registers
+``torch.classes.neuron.Runtime``."""
 
 import types
 

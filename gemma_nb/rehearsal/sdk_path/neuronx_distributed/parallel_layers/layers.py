@@ -1,5 +1,5 @@
-from gemma_nb.rehearsal.nxd_layers import (
+from gemma_nb.rehearsal.nxd_layers import (  # noqa: F401
     BaseParallelLinear,
     ColumnParallelLinear,
     RowParallelLinear,
-)  # noqa: F401
+)

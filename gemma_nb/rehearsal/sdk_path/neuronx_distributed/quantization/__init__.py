@@ -1,1 +1,5 @@
-from neuronx_distributed.quantization import dequantize, quantization_config, quantization_layers  # noqa: F401
+from neuronx_distributed.quantization import (  # noqa: F401
+    dequantize,
+    quantization_config,
+    quantization_layers,
+)

@@ -1,1 +1,6 @@
-from neuronx_distributed.trace import functions, model_builder, model_builder_v2, parallel_context  # noqa: F401
+from neuronx_distributed.trace import (  # noqa: F401
+    functions,
+    model_builder,
+    model_builder_v2,
+    parallel_context,
+)
