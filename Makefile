@@ -45,12 +45,13 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, nbval re-executes the reference run, the rehearsal.
+## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, nbval re-executes the reference run, the rehearsal.
 test: envs
 	@$(MAKE) --no-print-directory lint test-unit test-xla test-notebooks rehearse
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gemma_nb tests
+	$(VENV)/bin/ruff format --check gemma_nb tests notebooks
+	$(VENV)/bin/ruff check gemma_nb tests notebooks
 
 # tests/xla is collected only where torch_xla imports (tests/conftest.py), i.e. in .venv-xla.
 # Two workers, each test file on one of them (its module fixtures are built once).

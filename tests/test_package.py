@@ -12,12 +12,12 @@ import gemma_nb
 
 PACKAGE = Path(gemma_nb.__file__).parent
 REPO = PACKAGE.parent
-MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_HEAD_LINES = 11_000, 500, 50, 15
+# Counted on the code as `ruff format` writes it (100 columns; test_the_code_is_formatted).
+MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_HEAD_LINES = 17_360, 800, 80, 15
 LAZY_OK = ("torch_neuronx", "neuronx_distributed", "torch_xla")  # the optional SDKs
 PRODUCTS = ("gemma_nb.serving", "gemma_nb.tools", "gemma_nb.neuron", "gemma_nb.rehearsal")
-EMULATED_SDK = (
-    PACKAGE / "rehearsal" / "sdk_path"
-)  # importable as torch_neuronx / neuronx_distributed
+# importable as torch_neuronx / neuronx_distributed
+EMULATED_SDK = PACKAGE / "rehearsal" / "sdk_path"
 
 
 def sources() -> list[Path]:
@@ -58,6 +58,18 @@ def graph() -> dict[str, set[str]]:
     }
 
 
+def test_the_code_is_formatted():
+    """Physical lines are formatted lines only if nothing is packed past the formatter."""
+    ruff = Path(sys.executable).with_name("ruff")
+    done = subprocess.run(
+        [ruff, "format", "--check", "gemma_nb", "tests", "notebooks"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_the_package_is_anchor_sized():
     total = sum(len(p.read_text().splitlines()) for p in sources())
     assert total <= MAX_TOTAL_LINES, f"gemma_nb has {total} lines; the limit is {MAX_TOTAL_LINES}"
@@ -65,7 +77,7 @@ def test_the_package_is_anchor_sized():
 
 def test_the_server_stays_small():
     lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / "serving").rglob("*.py"))
-    assert lines <= 1_200, f"gemma_nb/serving has {lines} lines; the limit is 1,200"
+    assert lines <= 2_000, f"gemma_nb/serving has {lines} lines; the limit is 2,000"
 
 
 def test_no_module_over_the_limit():
@@ -79,7 +91,8 @@ def test_no_module_over_the_limit():
 
 def test_no_function_over_the_limit():
     long = [
-        f"{p.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        f"{p.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} "
+        "lines)"
         for p in sources()
         for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -168,7 +181,12 @@ def test_every_module_imports_in_a_fresh_interpreter():
         [sys.executable, "-c", script, *reversed(names)],
         capture_output=True,
         text=True,
-        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+        },
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
