@@ -219,7 +219,7 @@ def write_report(staging: Path, summary: dict) -> Path:
             if key != name:
                 lines += [f"Also written: `metrics/{key}.json`", ""]
             if rows:
-                lines += [*REPORT_TABLE, *map(_report_row, rows), ""]
+                lines += [REPORT_TABLE, *map(_report_row, rows), ""]
         for fig in (f for f in figures if f.stem.startswith(prefix)):
             lines += [f"![{fig.stem}](figures/{fig.name})", ""]
     (path := staging / "REPORT.md").write_text("\n".join(lines))
