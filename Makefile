@@ -93,7 +93,7 @@ rehearse: $(REHEARSE_STAMP)
 
 ## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
 ## Notebooks run here write to outputs/interactive/, never over the reference run.
-lab: $(STAMP)
+lab: $(STAMP) git-filter
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 clean-venv:
