@@ -70,6 +70,7 @@ VERDICTS = {
     ("03_lm_head_sharding", "host_embedding_gb"): True,
     ("05_slim_deploy", "host_embedding_gb"): True,
     ("06_embedding_scale", "embed_scale"): True,
+    ("07_decode_benchmark", "dense_flops_waste_x"): True,  # 128 / 8, computed from the config
 }
 # Measured on the machine that ran, set against the story's figure by direction, not by rounding.
 # torch.export's lower bound, far below the port's 180 GB
@@ -79,7 +80,6 @@ MEASURED_BELOW_CLAIM = {
         "compile_peak_host_gb",
     ),
     ("04_compile", "compile_minutes"),
-    ("07_decode_benchmark", "dense_flops_waste_x"),  # measured speedup, at most the ideal E/K = 16
 }
 
 
@@ -145,14 +145,27 @@ def test_int8_squeeze_keeps_the_greedy_answers():
 
 
 def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
+    """Notebook 07's (2): more than 12x in both dtypes; the int8 step misses 1.5x its bandwidth
+    floor, the bf16 one lands near it (1.08x to 1.74x over the reference runs so far); the gap is
+    the matmuls' reach of the bandwidth, the int8 one's least, not per-call overhead."""
     decode = metrics("07_decode_benchmark")
-    # The 12x target holds for int8, the port's expert dtype. In bf16 the ratio is a property of the
-    # box: 14.8x when this 2-core machine read ~31 GB/s, 11.6x at ~9 GB/s (the sparse step's small
-    # matmuls reach less of the bandwidth than the dense one's). Notebook 07 prints that verdict and
-    # its cause; here bf16 only has to stay far from dense-like speed.
-    assert decode["int8_sparse_vs_dense_x"] >= 12.0
-    assert decode["bf16_sparse_vs_dense_x"] >= 10.0
+    assert decode["int8_sparse_vs_dense_x"] >= 12.0 and decode["bf16_sparse_vs_dense_x"] >= 12.0
     assert decode["bundled_same_tokens"] is True
+    assert decode["int8_sparse_x_floor"] > 1.5 and 1.0 <= decode["bf16_sparse_x_floor"] <= 2.0
+    assert decode["sparse int8_kernel_gb_s"] < decode["sparse bf16_kernel_gb_s"]
+    for dtype in ("bf16", "int8"):
+        assert decode[f"sparse {dtype}_overhead_ms"] < 0.2 * decode[f"sparse {dtype}_p50_ms"]
+    # (8): dense never catches sparse up to the largest batch, in any dtype or routing
+    crossovers = decode["batch"]["crossover_measured"]
+    assert all(first is None for by_source in crossovers.values() for first in by_source.values())
+
+
+def test_one_generation_at_a_time_queues_clients():
+    """Notebook 07's (7): from 1 to 4 clients the first token's wait grows several times over, and
+    the tokens/s of all clients together does not grow (within the noise of a shared machine)."""
+    endpoint = metrics("07_endpoint_benchmark")
+    assert endpoint["ttft_growth_x"] >= 2.5
+    assert endpoint["tok_s_total_growth_x"] <= 1.35
 
 
 def test_decode_roofline_counts_the_kv_cache(config):
@@ -168,6 +181,12 @@ def test_slim_deploy_needs_at_most_035_of_the_naive_host_memory():
     deploy = metrics("05_slim_deploy")
     ratio = deploy["slim"]["peak_rss_bytes"] / deploy["naive"]["peak_rss_bytes"]
     assert ratio <= 0.35
+    step = deploy["compile"]["exported_decode_ms"] / deploy["compile"]["eager_decode_ms"]
+    assert [(row["value"], row["met"]) for row in deploy["targets"]] == [
+        (pytest.approx(ratio), True),
+        (pytest.approx(step), True),
+    ]
+    assert step <= 1.3
     assert deploy["tokens_match"] == {"slim": True, "naive": True}
     assert deploy["bundled_slim_deploy_matches_reference"] is True
 
@@ -327,7 +346,7 @@ def test_notebook_07s_cost_conclusions_are_the_metrics():
         text for text in prose if text.startswith("One inf2.xlarge with the int8 squeeze")
     )
     learned = next(text for text in prose if text.startswith("## What we learned"))
-    money = lambda value: f"${value:.2f}"  # noqa: E731
+    money = lambda value: f"USD {value:.2f}"  # noqa: E731
     for text in (section_9, learned):
         assert f"{money(paths['sparse']['usd_per_m_b1'])} per million tokens" in text
         assert f"{money(paths['dense']['usd_per_m_b1'])} with DenseExperts" in text
