@@ -115,3 +115,13 @@ def test_readme_links_the_runbook_and_says_smoke_run_first():
     readme = (REPO_ROOT / "README.md").read_text()
     assert "](docs/inf2.md)" in readme
     assert "python -m gemma_nb run --target neuron" in readme and "first" in readme
+
+
+def test_the_26b_quality_step_states_notebook_02s_estimates():
+    quality = runbook.figures()["quality"]  # the committed reference run's metrics
+    text = runbook.render()
+    peak_gb, (low, high) = quality["predicted_26b_eval_host_peak_gb"], quality["eval_26b_hours"]
+    assert f"~{peak_gb:.0f} GB, within the inf2.8xlarge's 128 GiB" in text
+    assert peak_gb * 1e9 < INSTANCES["inf2.8xlarge"].host_ram_bytes
+    assert f"| {low:.1f} to {high:.1f} h (estimated) |" in text
+    assert f"-p eval_text {runbook.WIKITEXT}" in text and "run --target cpu --only 02" in text
