@@ -242,9 +242,13 @@ QUOTED = {
         "most headroom of 16 GiB": lambda m: max(
             16 * GiB / GB - gb for gb in m["gb_per_rank_by_scheme"].values()
         ),
-        "fact prompts": lambda m: m["fact_prompts"],
-        "squeeze prompts matching": lambda m: (
-            m["fact_prompts"] - m["int8_squeeze_greedy_mismatches"]
+        "MXFP4 saving over int8 experts, GB": lambda m: (
+            m["experts_gb_per_rank_by_scheme"]["int8_experts"]
+            - m["experts_gb_per_rank_by_scheme"]["mxfp4_experts"]
+        ),
+        "NVFP4 saving over int8 experts, GB": lambda m: (
+            m["experts_gb_per_rank_by_scheme"]["int8_experts"]
+            - m["experts_gb_per_rank_by_scheme"]["nvfp4_experts"]
         ),
         "26B vocabulary": lambda m: m["vocab_size_26b"],
         "checkpoint vocabulary": lambda m: m["checkpoint_vocab_size"],
@@ -420,6 +424,7 @@ CONSTANTS = {
         "16": "NVFP4's block",
         "1408": "2 x 704, the fused gate_up width",
         "0.02": "the random layer's N(0, 0.02)",
+        "50": "peak_rss's 50 ms sampling",
         "0.19": "neuronx-distributed 0.19",
         "2.31": "Neuron SDK 2.31",
     },

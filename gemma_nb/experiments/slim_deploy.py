@@ -54,7 +54,7 @@ DECODE_LATENCY_TARGET = 1.3
 def int8_squeeze(model: nn.Module):
     """Quantize ``model`` in place with the int8 squeeze, experts as traceable ``Int8Experts``;
     bytes per group."""
-    report = apply_scheme(model, SQUEEZE, measure_error=False)
+    report = apply_scheme(model, SQUEEZE)
     for layer in model.model.layers:
         layer.experts = Int8Experts.from_quantized(layer.experts)
     return report[["group", "format", "params", "stored_bytes"]]
