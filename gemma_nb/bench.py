@@ -14,9 +14,7 @@ import seaborn as sns
 import torch
 from transformers import DynamicCache, Gemma4ForCausalLM
 
-from gemma_nb.experts import int8_linear
 from gemma_nb.hardware import GB
-from gemma_nb.memory import tensor_bytes
 
 EXPERT_MODES = ("dense", "sparse")
 TIMING_ENV = "GEMMA_NB_TIMING"
@@ -296,24 +294,6 @@ def floor_ms(nbytes: float, bandwidth_bytes_s: float) -> float:
     return 1000.0 * nbytes / bandwidth_bytes_s
 
 
-def moe_layer_bytes(
-    num_experts: int,
-    hidden: int,
-    intermediate: int,
-    top_k: int,
-    experts: str = "dense",
-    dtype: str = "bf16",
-) -> int:
-    """Weight bytes one token reads in one MoE layer in ``dtype`` (a ``memory`` format): all E
-    experts (dense) or its top-k."""
-    assert experts in EXPERT_MODES, f"experts={experts!r} is not one of {', '.join(EXPERT_MODES)}"
-    assert 1 <= top_k <= num_experts, (top_k, num_experts)
-    per_expert = tensor_bytes((2 * intermediate, hidden), dtype) + tensor_bytes(
-        (hidden, intermediate), dtype
-    )
-    return per_expert * (num_experts if experts == "dense" else top_k)
-
-
 def layer_steps(
     modules: Mapping[str, Callable],
     hidden_states: torch.Tensor,
@@ -339,26 +319,15 @@ def sparse_breakdown_steps(
 ) -> dict[str, Callable[[int], Any]]:
     """A sparse step as candidates: ``<prefix>:kernel`` (the 2 K matmuls alone),
     ``<prefix>:overhead`` (the layer at tiny width: dispatch, routing, combine), with ``gather``
-    ``<prefix>:gather_copy`` (what ``selection="gather"`` adds)."""
+    ``<prefix>:gather_copy`` (what the ``gather`` kernel adds)."""
     ids = [route[0][0].tolist() for route in routes]
     x = hidden_states[:1].contiguous()
     inter = torch.zeros(1, module.intermediate_dim, dtype=x.dtype, device=x.device)
 
     def kernel(i):
         for e in ids[i % len(ids)]:
-            if module.int8:
-                int8_linear(
-                    x,
-                    module.gate_up_proj[e],
-                    module.gate_up_kernel_scale[e],
-                    module.gate_up_scale[e],
-                )
-                int8_linear(
-                    inter, module.down_proj[e], module.down_kernel_scale[e], module.down_scale[e]
-                )
-            else:
-                torch.nn.functional.linear(x, module.gate_up_proj[e])
-                torch.nn.functional.linear(inter, module.down_proj[e])
+            module.linear(x, "gate_up", e)
+            module.linear(inter, "down", e)
 
     steps = {
         f"{prefix}:kernel": kernel,

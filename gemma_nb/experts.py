@@ -1,9 +1,12 @@
-"""Gemma-4's routed experts: dense or sparse, bf16, int8 or any quantized format (notebooks 02, 05,
-07). Each is a drop-in for transformers' ``Gemma4TextExperts``: ``forward(hidden_states [T, H],
-top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` on ``gate_up_proj [E, 2I, H]`` and ``down_proj
-[E, H, I]``."""
+"""Gemma-4's routed experts (notebooks 02, 05, 07): a class per weight format, a kernel per routing
+strategy. A format (``FloatExperts``, ``Int8Experts``, ``QuantizedExperts``) stores ``gate_up
+[E, 2I, H]`` and ``down [E, H, I]`` and does three matmuls on chosen experts (``linear``,
+``batched``, ``gathered``); a ``KERNELS`` entry routes tokens through those alone, so every kernel
+runs on every format. Each module is a drop-in for transformers' ``Gemma4TextExperts``:
+``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``."""
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -11,26 +14,16 @@ from torch import nn
 
 from gemma_nb.formats import (
     QuantizedTensor,
-    int8_matmul,
     quantize,
     register_quantized,
     registered_quantized,
     scale_rows,
 )
+from gemma_nb.int8_kernel import int8_linear, is_tracing
 
-# Tokens per chunk in DenseExperts: bounds the [E, T, H] temporary to ~46 MB at full size.
-DENSE_TOKEN_CHUNK = 32
-# Experts upcast at once by the vectorised int8 dense path (a float copy of all of them would be 4x
-# the layer).
+# Experts a dense step computes at once: bounds its [e, T, H] fp32 temporary, and an int8 upcast's
+# float copy, to a fraction of the layer.
 EXPERT_CHUNK = 16
-# torch._weight_int8pack_mm's AVX-512 kernel reads K 16 at a time, aligned, no tail (else wrong
-# numbers or a crash).
-INT8PACK_K_MULTIPLE = 16
-INT8PACK_ALIGN_BYTES = 32
-
-
-def _is_tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def check_routing(
@@ -46,7 +39,7 @@ def check_routing(
         f"{tuple(top_k_weights.shape)}: want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]"
     )
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
-    if not _is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
+    if not is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
         assert 0 <= int(top_k_index.min()) and int(top_k_index.max()) < num_experts, (
             f"expert ids outside [0, {num_experts})"
         )
@@ -63,32 +56,6 @@ def dense_router_weights(
     return dense.scatter(1, top_k_index.long(), top_k_weights.float())
 
 
-def int8pack_usable(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether ``torch._weight_int8pack_mm(x, q, scales)`` is safe and fast: cpu bf16 ``x [M, K]``,
-    contiguous, 32-byte aligned, K % 16 == 0 (fp32 and fp16 take a scalar loop on x86, so they fall
-    back too)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and x.dim() == 2
-        and x.shape[1] % INT8PACK_K_MULTIPLE == 0
-        and x.is_contiguous()
-        and q.is_contiguous()
-        and x.storage_offset() * x.element_size() % INT8PACK_ALIGN_BYTES == 0
-        and (_is_tracing() or x.data_ptr() % INT8PACK_ALIGN_BYTES == 0)
-    )
-
-
-def int8_linear(
-    x: torch.Tensor, q: torch.Tensor, kernel_scale: torch.Tensor | None, scale: torch.Tensor
-) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale [N, 1]).T`` in ``x.dtype``: fused on the cpu where usable,
-    given ``kernel_scale [N]``."""
-    if kernel_scale is not None and int8pack_usable(x, q):
-        return torch._weight_int8pack_mm(x, q, kernel_scale)
-    return int8_matmul(x, q, scale)
-
-
 def gated(gate_up: torch.Tensor, act_fn: Callable, dim: int = -1) -> torch.Tensor:
     """``act_fn(gate) * up`` for ``gate_up`` holding gate then up along ``dim`` (transformers'
     order)."""
@@ -101,409 +68,309 @@ def as_parameter(tensor: torch.Tensor) -> nn.Parameter:
 
 
 class RoutedExperts(nn.Module):
-    """The experts' weights and one expert's MLP; each subclass is one strategy over them.
-    ``weights``: ``"float"`` (shared), ``"int8"`` (fp32 scales ``[E, out, 1]``, made here or given
-    as ``scales=``) or ``"quantized"``. ``int8_kernel``: ``"fused"`` (torch._weight_int8pack_mm on
-    the cpu) or ``"upcast"`` (each weight copied to the activation dtype)."""
+    """One weight format's experts, routed by ``kernel`` (a ``KERNELS`` name). A format implements
+    ``weight``; the matmuls below are written once on it."""
+
+    # what ``grouped`` sums the experts' outputs in (None: the activations' dtype)
+    accumulate_dtype: torch.dtype | None = torch.float32
+
+    def __init__(self, gate_up_shape, down_shape, act_fn: Callable, kernel: str, compute_dtype):
+        super().__init__()
+        assert kernel in KERNELS, f"kernel {kernel!r} is not one of {', '.join(KERNELS)}"
+        self.num_experts, two_inter, self.hidden_dim = gate_up_shape
+        self.intermediate_dim = two_inter // 2
+        assert tuple(down_shape) == (self.num_experts, self.hidden_dim, self.intermediate_dim), (
+            f"down_proj {tuple(down_shape)} does not fit gate_up_proj {tuple(gate_up_shape)}"
+        )
+        # compute_dtype None: the activations' own
+        self.act_fn, self.kernel, self.compute_dtype = act_fn, kernel, compute_dtype
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
+        x = hidden_states.to(self.compute_dtype or hidden_states.dtype)
+        out = KERNELS[self.kernel].forward(self, x, top_k_index, top_k_weights)
+        return out.to(hidden_states.dtype)
+
+    def weight(self, name: str, experts, dtype: torch.dtype):
+        """``name``'s (gate_up or down) weights of ``experts`` (an id, a slice or an id tensor) as
+        ``dtype``, and the fp32 scale per output row ``[..., out, 1]`` due after the matmul (or
+        None)."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, name: str, experts) -> torch.Tensor:
+        """``x [M, in]`` against the rows of ``experts`` (an id or a slice of n): ``[M, n out]``."""
+        w, scale = self.weight(name, experts, x.dtype)
+        out = F.linear(x, w.reshape(-1, w.shape[-1]))
+        return out if scale is None else scale_rows(out, scale.reshape(-1), x.dtype)
+
+    def batched(self, h: torch.Tensor, name: str, experts: slice) -> torch.Tensor:
+        """``h [n, T, in]``, one row block per expert of ``experts``: ``[n, T, out]``, fp32 where
+        scaled."""
+        w, scale = self.weight(name, experts, h.dtype)
+        out = torch.bmm(h, w.transpose(1, 2))
+        return out if scale is None else out.float() * scale.transpose(1, 2)
+
+    def gathered(self, x, name: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x [T, 1 or K, in, 1]`` against a copy of experts ``index [T, K]``: ``[T, K, out, 1]``
+        in ``dtype``."""
+        w, scale = self.weight(name, index, x.dtype)
+        out = torch.matmul(w, x)
+        return out.to(dtype) if scale is None else scale_rows(out, scale, dtype)
+
+    def expert_mlp(self, x: torch.Tensor, expert: int | torch.SymInt) -> torch.Tensor:
+        """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's
+        weights."""
+        return self.linear(gated(self.linear(x, "gate_up", expert), self.act_fn), "down", expert)
+
+    def experts_read(self, top_k_index: torch.Tensor) -> int:
+        """Expert weight sets a forward over ``top_k_index`` reads."""
+        return KERNELS[self.kernel].experts_read(top_k_index, self.num_experts)
+
+    # Stored bytes of all experts' weights, scales included: the state dict's.
+    weight_bytes = property(
+        lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values())
+    )
+
+    def read_bytes(self, top_k_index: torch.Tensor) -> int:
+        """Weight bytes (scales included) a forward over ``top_k_index`` reads."""
+        return self.experts_read(top_k_index) * self.weight_bytes // self.num_experts
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
+            f"intermediate={self.intermediate_dim}, weights={self.fmt}, kernel={self.kernel}"
+        )
+
+
+class FloatExperts(RoutedExperts):
+    """Float weights (bf16, fp32, ...), shared with the module they come from."""
+
+    def __init__(self, gate_up_proj, down_proj, act_fn: Callable, kernel: str = "sparse"):
+        assert gate_up_proj.dtype.is_floating_point, (
+            f"{gate_up_proj.dtype} weights: use Int8Experts or QuantizedExperts"
+        )
+        super().__init__(gate_up_proj.shape, down_proj.shape, act_fn, kernel, gate_up_proj.dtype)
+        self.gate_up_proj, self.down_proj = as_parameter(gate_up_proj), as_parameter(down_proj)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, kernel: str = "sparse") -> "FloatExperts":
+        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, kernel)
+
+    def sharing(self, **options) -> "FloatExperts":
+        return type(self)(self.gate_up_proj, self.down_proj, self.act_fn, **options)
+
+    fmt = property(lambda self: str(self.gate_up_proj.dtype).removeprefix("torch."))
+
+    def weight(self, name, experts, dtype):
+        return getattr(self, f"{name}_proj")[experts].to(dtype), None
+
+
+class Int8Experts(RoutedExperts):
+    """int8 weights with an fp32 scale per output row ``[E, out, 1]`` (the port's format, NxD's
+    numerics). ``matmul="fused"``: one cpu kernel reads the int8 weights (``int8_kernel``);
+    ``"upcast"``: each weight copied to the activations' dtype first, as NxD's layers do."""
 
     def __init__(
         self,
         gate_up_proj,
         down_proj,
         act_fn: Callable,
-        int8: bool = False,
-        compute_dtype: torch.dtype | None = None,
-        int8_kernel: str = "fused",
-        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor],
+        kernel: str = "sparse",
+        matmul: str = "fused",
+        compute_dtype: torch.dtype | None = torch.bfloat16,
     ):
-        super().__init__()
-        assert int8_kernel in ("fused", "upcast"), (
-            f"int8_kernel {int8_kernel!r} is not one of fused, upcast"
-        )
-        self.fused = int8_kernel == "fused"
-        self.num_experts, two_inter, self.hidden_dim = gate_up_proj.shape
-        self.intermediate_dim = two_inter // 2
-        assert tuple(down_proj.shape) == (
-            self.num_experts,
-            self.hidden_dim,
-            self.intermediate_dim,
-        ), (
-            f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj "
-            f"{tuple(gate_up_proj.shape)}"
-        )
-        self.act_fn, self.int8, self.compute_dtype = act_fn, bool(int8), compute_dtype
-        if isinstance(gate_up_proj, QuantizedTensor):
-            self.weights, self._quantized_meta = "quantized", {}
-            register_quantized(self, "gate_up", gate_up_proj)
-            register_quantized(self, "down", down_proj)
-        elif self.int8:
-            self.weights = "int8"
-            self._init_int8(gate_up_proj, down_proj, scales, compute_dtype)
-        else:
-            self.weights = "float"
-            assert gate_up_proj.dtype.is_floating_point, (
-                f"{gate_up_proj.dtype} weights need int8=True and scales="
-            )
-            self.gate_up_proj, self.down_proj = as_parameter(gate_up_proj), as_parameter(down_proj)
-
-    def _init_int8(self, gate_up_proj, down_proj, scales, compute_dtype) -> None:
-        if scales is None:
-            assert gate_up_proj.dtype.is_floating_point, (
-                "int8 weights need scales=(gate_up_scale, down_scale)"
-            )
-            dtype = compute_dtype or gate_up_proj.dtype
-            pair = [
-                quantize(w.detach(), "int8", name=n)
-                for w, n in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj"))
-            ]
-            weights, scales = [q.data for q in pair], [q.scale for q in pair]
-        else:
-            dtype, weights = compute_dtype or torch.bfloat16, (gate_up_proj, down_proj)
-            assert gate_up_proj.dtype == down_proj.dtype == torch.int8
-            assert all(s.shape == (*q.shape[:2], 1) for q, s in zip(weights, scales))
-        for prefix, q, s in zip(("gate_up", "down"), weights, scales):
+        assert matmul in ("fused", "upcast"), f"matmul {matmul!r} is not one of fused, upcast"
+        assert gate_up_proj.dtype == down_proj.dtype == torch.int8
+        super().__init__(gate_up_proj.shape, down_proj.shape, act_fn, kernel, compute_dtype)
+        for prefix, q, s in zip(("gate_up", "down"), (gate_up_proj, down_proj), scales):
+            assert s.shape == (*q.shape[:2], 1), f"{prefix} scale {tuple(s.shape)}"
             self.register_buffer(f"{prefix}_proj", q)
             self.register_buffer(f"{prefix}_scale", s.float())
-            # the fused cpu kernel wants 1-D scales in the activation dtype: derived, not saved
-            if self.fused:
-                self.register_buffer(
-                    f"{prefix}_kernel_scale", s[..., 0].to(dtype), persistent=False
-                )
-        self.compute_dtype = dtype
+        self.matmul = matmul
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, int8: bool = False, **options):
-        """Built on another experts module's float tensors (shared when float, quantized when
-        ``int8``)."""
-        assert getattr(experts, "weights", "float") == "float", (
-            f"{type(experts).__name__} already holds quantized weights"
-        )
-        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, int8=int8, **options)
-
-    @classmethod
-    def sharing(cls, other: "RoutedExperts", **options):
-        """A ``cls`` on exactly ``other``'s weights (float, int8 or quantized): no copy, no
-        re-quantization."""
-        if other.weights == "quantized":
-            return cls(other.gate_up, other.down, other.act_fn, **options)
-        if other.int8:
-            options = {
-                "int8": True,
-                "scales": (other.gate_up_scale, other.down_scale),
-                "compute_dtype": other.compute_dtype,
-                **options,
-            }
-        return cls(other.gate_up_proj, other.down_proj, other.act_fn, **options)
-
-    # QuantizedTensor, as are down's
-    gate_up = property(lambda self: registered_quantized(self, "gate_up"))
-    down = property(lambda self: registered_quantized(self, "down"))
-
-    fmt = property(
-        lambda self: (
-            self.gate_up.fmt
-            if self.weights == "quantized"
-            else "int8"
-            if self.int8
-            else str(self.gate_up_proj.dtype).removeprefix("torch.")
-        )
-    )
-
-    # Stored bytes of all experts' weights, scales included: the state dict's (derived kernel scales
-    # are not saved).
-    weight_bytes = property(
-        lambda self: sum(t.numel() * t.element_size() for t in self.state_dict().values())
-    )
-
-    def float_weights(self, dtype: torch.dtype, expert=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up, down) of one ``expert`` or of all stacked; quantized ones dequantized to
-        ``dtype``."""
-        quantized = self.weights == "quantized"
-        pair = (self.gate_up, self.down) if quantized else (self.gate_up_proj, self.down_proj)
-        pair = pair if expert is None else tuple(w[expert] for w in pair)
-        return tuple(w.dequantize(dtype) for w in pair) if quantized else pair
-
-    def expert_mlp(self, x: torch.Tensor, expert: int | torch.SymInt) -> torch.Tensor:
-        """One expert on ``x [M, H]``: ``down(act(gate) * up)``, reading only that expert's
-        weights."""
-        if not self.int8:
-            gate_up, down = self.float_weights(x.dtype, expert)
-            return F.linear(gated(F.linear(x, gate_up), self.act_fn), down)
-        gate_up_ks, down_ks = (
-            (self.gate_up_kernel_scale[expert], self.down_kernel_scale[expert])
-            if self.fused
-            else (None, None)
-        )
-        gate_up = int8_linear(x, self.gate_up_proj[expert], gate_up_ks, self.gate_up_scale[expert])
-        return int8_linear(
-            gated(gate_up, self.act_fn), self.down_proj[expert], down_ks, self.down_scale[expert]
-        )
-
-    def _gather_upcast(self, x, top_k_index, top_k_weights):
-        """The routed int8 experts gathered, upcast and batched (static shapes); ``[T, H]`` fp32,
-        summed in fp32."""
-        dtype = x.dtype
-        # [T, K, 2I, 1]
-        hidden = torch.matmul(self.gate_up_proj[top_k_index].to(dtype), x[:, None, :, None])
-        # [T, K, I, 1]
-        hidden = gated(
-            scale_rows(hidden, self.gate_up_scale[top_k_index], dtype), self.act_fn, dim=2
-        )
-        out = scale_rows(
-            torch.matmul(self.down_proj[top_k_index].to(dtype), hidden),
-            self.down_scale[top_k_index],
-            torch.float32,
-        )
-        return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
-
-    def _dense_upcast(self, x, router_weights):
-        """Every int8 expert on every token, ``EXPERT_CHUNK`` upcast at a time, weighted by
-        ``router_weights [T, E]``."""
-        dtype, tokens, two_inter = x.dtype, x.shape[0], 2 * self.intermediate_dim
-        out = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32, device=x.device)
-        for first in range(0, self.num_experts, EXPERT_CHUNK):
-            chunk = slice(first, min(first + EXPERT_CHUNK, self.num_experts))
-            experts = chunk.stop - chunk.start
-            hidden = x @ self.gate_up_proj[chunk].reshape(experts * two_inter, -1).to(dtype).T
-            hidden = scale_rows(hidden, self.gate_up_scale[chunk].reshape(1, -1), dtype)
-            # [e, T, I]
-            hidden = gated(hidden.reshape(tokens, experts, two_inter), self.act_fn).transpose(0, 1)
-            partial = torch.bmm(hidden, self.down_proj[chunk].to(dtype).transpose(1, 2)).float()
-            partial = partial * self.down_scale[chunk].transpose(1, 2)  # [e, T, H]
-            out += (partial * router_weights[:, chunk].T[:, :, None]).sum(0)
-        return out
-
-    def _inputs(self, hidden_states, top_k_index, top_k_weights):
-        check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
-        dtype = (
-            None
-            if self.weights == "quantized"
-            else self.compute_dtype
-            if self.int8
-            else self.gate_up_proj.dtype
-        )
-        return hidden_states if dtype in (None, hidden_states.dtype) else hidden_states.to(dtype)
-
-    def extra_repr(self) -> str:
-        weights = "int8 per-channel + fp32 scales" if self.weights == "int8" else self.fmt
-        return (
-            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
-            f"intermediate={self.intermediate_dim}, weights={weights}"
-        )
-
-
-class DenseExperts(RoutedExperts):
-    """All E experts for every token, weighted by dense ``[T, E]`` router weights (the port's op):
-    static shapes."""
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        x = self._inputs(hidden_states, top_k_index, top_k_weights)
-        weights = dense_router_weights(top_k_index, top_k_weights, self.num_experts)  # [T, E]
-        chunks = [
-            self._chunk(x[s : s + DENSE_TOKEN_CHUNK], weights[s : s + DENSE_TOKEN_CHUNK])
-            for s in range(0, x.shape[0], DENSE_TOKEN_CHUNK)
+    def from_experts(cls, experts: nn.Module, kernel: str = "sparse", **options) -> "Int8Experts":
+        """``experts``' float weights quantized (``formats.quantize``), computed in their dtype."""
+        pair = [
+            quantize(getattr(experts, n).detach(), "int8", n) for n in ("gate_up_proj", "down_proj")
         ]
-        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).to(hidden_states.dtype)
-
-    def _chunk(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.int8 and not self.fused:
-            return self._dense_upcast(x, weights)
-        tokens, experts, inter = x.shape[0], self.num_experts, self.intermediate_dim
-        if self.int8:
-            gate_up = int8_linear(
-                x,
-                self.gate_up_proj.view(experts * 2 * inter, self.hidden_dim),
-                self.gate_up_kernel_scale.view(-1),
-                self.gate_up_scale.view(-1, 1),
-            )
-        else:
-            gate_up_proj, down_proj = self.float_weights(x.dtype)
-            gate_up = F.linear(x, gate_up_proj.reshape(experts * 2 * inter, self.hidden_dim))
-        # [E, T, I]
-        hidden = (
-            gated(gate_up.view(tokens, experts, 2 * inter), self.act_fn)
-            .transpose(0, 1)
-            .contiguous()
-        )
-        if self.int8:
-            # [E, T, H]
-            per_expert = torch.stack(
-                [
-                    int8_linear(
-                        hidden[e], self.down_proj[e], self.down_kernel_scale[e], self.down_scale[e]
-                    )
-                    for e in range(experts)
-                ]
-            )
-        else:
-            per_expert = torch.bmm(hidden, down_proj.transpose(1, 2))  # [E, T, H]
-        return (per_expert.float() * weights.t()[:, :, None]).sum(dim=0)
-
-
-class SparseExperts(RoutedExperts):
-    """Only the routed experts' weights (``K / E`` of DenseExperts' traffic). Decode (``T * K <
-    E``): a static loop over (token, expert) pairs, ``selection="view"`` reading each in place,
-    ``"gather"`` copying the K first. Else grouped (eager)."""
-
-    def __init__(self, gate_up_proj, down_proj, act_fn, selection: str = "view", **options):
-        super().__init__(gate_up_proj, down_proj, act_fn, **options)
-        assert selection in ("view", "gather"), (
-            f"selection {selection!r} is not one of view, gather"
-        )
-        assert selection != "gather" or self.weights != "quantized", (
-            f"selection 'gather' needs float or int8 weights, not {self.fmt}"
-        )
-        self.selection = selection
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        x = self._inputs(hidden_states, top_k_index, top_k_weights)
-        if top_k_index.numel() >= self.num_experts:
-            out = self.grouped(x, top_k_index, top_k_weights)
-        elif self.selection == "gather":
-            out = self._decode_gather(x, top_k_index, top_k_weights)
-        else:
-            out = self._decode(
-                x,
-                top_k_weights,
-                lambda token, t, k: self.expert_mlp(token, self._expert_id(top_k_index, t, k)),
-            )
-        return out.to(hidden_states.dtype)
-
-    def experts_read(self, top_k_index: torch.Tensor) -> int:
-        """Expert weight sets a forward reads: T x K on the decode path, each distinct expert once
-        when grouped."""
-        tokens, top_k = top_k_index.shape
-        return (
-            tokens * top_k
-            if tokens * top_k < self.num_experts
-            else int(top_k_index.unique().numel())
-        )
-
-    def _expert_id(self, top_k_index: torch.Tensor, t: int, k: int):
-        expert = top_k_index[t, k].item()
-        torch._check(expert >= 0)
-        torch._check(expert < self.num_experts)
-        return expert
-
-    @staticmethod
-    def _decode(x, top_k_weights, mlp):
-        """Each token's K expert outputs ``mlp(token [1, H], t, k)``, weighted and summed in fp32:
-        ``[T, H]``."""
-        rows = []
-        for t in range(x.shape[0]):
-            token = x[t : t + 1]
-            outputs = torch.cat([mlp(token, t, k) for k in range(top_k_weights.shape[1])])  # [K, H]
-            rows.append(top_k_weights[t : t + 1].float() @ outputs.float())  # [1, H]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-    def _decode_gather(self, x, top_k_index, top_k_weights):
-        if self.int8 and not self.fused:
-            return self._gather_upcast(x, top_k_index, top_k_weights)
-        # [T, K, 2I, H]: a copy of the K experts' weights
-        gate_up_w = self.gate_up_proj[top_k_index]
-        down_w = self.down_proj[top_k_index]  # [T, K, H, I]
-        if self.int8:
-            gate_up_s, gate_up_ks = (
-                self.gate_up_scale[top_k_index],
-                self.gate_up_kernel_scale[top_k_index],
-            )
-            down_s, down_ks = self.down_scale[top_k_index], self.down_kernel_scale[top_k_index]
-            return self._decode(
-                x,
-                top_k_weights,
-                lambda token, t, k: int8_linear(
-                    gated(
-                        int8_linear(token, gate_up_w[t, k], gate_up_ks[t, k], gate_up_s[t, k]),
-                        self.act_fn,
-                    ),
-                    down_w[t, k],
-                    down_ks[t, k],
-                    down_s[t, k],
-                ),
-            )
-        # [T, K, I]
-        hidden = gated(torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1), self.act_fn)
-        outputs = torch.matmul(down_w, hidden[..., None]).squeeze(-1)  # [T, K, H]
-        return (outputs.float() * top_k_weights.float()[..., None]).sum(dim=1)
-
-    def grouped(self, x, top_k_index, top_k_weights, accumulate_dtype: torch.dtype = torch.float32):
-        """Each routed expert once on its tokens; ``accumulate_dtype=None``: summed in ``x.dtype``,
-        transformers' eager loop."""
-        tokens, top_k = top_k_index.shape
-        flat_experts = top_k_index.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)
-        token_of, weight_of = order // top_k, top_k_weights.reshape(-1)[order]
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        out = torch.zeros(
-            tokens, self.hidden_dim, dtype=accumulate_dtype or x.dtype, device=x.device
-        )
-        for expert, (rows, weight) in enumerate(
-            zip(token_of.split(counts), weight_of.split(counts))
-        ):
-            if len(rows) == 0:
-                continue
-            y, weight = self.expert_mlp(x[rows], expert), weight[:, None]
-            if accumulate_dtype is not None:
-                y, weight = y.to(accumulate_dtype), weight.to(accumulate_dtype)
-            out.index_add_(0, rows, (y * weight).to(out.dtype))
-        return out
-
-
-class QuantizedExperts(SparseExperts):
-    """Experts on ``QuantizedTensor`` weights, run as transformers' eager loop (each expert
-    dequantized just before use)."""
+        options.setdefault("compute_dtype", experts.gate_up_proj.dtype)
+        scales = (pair[0].scale, pair[1].scale)
+        return cls(pair[0].data, pair[1].data, experts.act_fn, scales, kernel, **options)
 
     @classmethod
-    def from_experts(
-        cls, experts: nn.Module, fmt: str, name: str = "experts"
-    ) -> "QuantizedExperts":
-        """``experts``' float weights quantized to ``fmt`` (one of
-        ``gemma_nb.formats.QUANTIZED_FORMATS``)."""
+    def from_quantized(cls, experts: "QuantizedExperts") -> "Int8Experts":
+        """The slim deploy's experts on int8 ``QuantizedExperts``' tensors (no copy): static shapes
+        (``gather``), the upcast NxD compiles, in the activations' dtype."""
+        assert experts.fmt == "int8", (
+            f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
+        )
+        scales = (experts.gate_up_scale, experts.down_scale)
+        return cls(
+            experts.gate_up_data,
+            experts.down_data,
+            experts.act_fn,
+            scales,
+            "gather",
+            "upcast",
+            None,
+        )
+
+    def sharing(self, **options) -> "Int8Experts":
+        scales = (self.gate_up_scale, self.down_scale)
+        options = {"kernel": self.kernel, "matmul": self.matmul, **options}
+        options.setdefault("compute_dtype", self.compute_dtype)
+        return type(self)(self.gate_up_proj, self.down_proj, self.act_fn, scales, **options)
+
+    fmt = "int8"
+
+    def weight(self, name, experts, dtype):
+        q, scale = getattr(self, f"{name}_proj")[experts], getattr(self, f"{name}_scale")[experts]
+        return q.to(dtype), scale
+
+    def linear(self, x, name, experts):
+        if self.matmul == "upcast":
+            return super().linear(x, name, experts)
+        q, scale = getattr(self, f"{name}_proj")[experts], getattr(self, f"{name}_scale")[experts]
+        return int8_linear(x, q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1))
+
+    def batched(self, h, name, experts):
+        if self.matmul == "upcast":
+            return super().batched(h, name, experts)
+        ids = range(self.num_experts)[experts]
+        return torch.stack([self.linear(h[i].contiguous(), name, e) for i, e in enumerate(ids)])
+
+
+class QuantizedExperts(RoutedExperts):
+    """Weights in a ``formats.QUANTIZED_FORMATS`` format (``QuantizedTensor``), each dequantized to
+    the activations' dtype just before use; by default transformers' eager loop (``grouped``,
+    summed in the activations' dtype)."""
+
+    def __init__(self, gate_up: QuantizedTensor, down: QuantizedTensor, act_fn, kernel="grouped"):
+        super().__init__(gate_up.shape, down.shape, act_fn, kernel, None)
+        self._quantized_meta = {}
+        register_quantized(self, "gate_up", gate_up)
+        register_quantized(self, "down", down)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, fmt: str, name: str = "experts"):
+        """``experts``' float weights quantized to ``fmt``, a ``formats.QUANTIZED_FORMATS`` name."""
         gate_up, down = (
             quantize(getattr(experts, w), fmt, name=f"{name}.{w}")
             for w in ("gate_up_proj", "down_proj")
         )
         return cls(gate_up, down, experts.act_fn)
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        x = self._inputs(hidden_states, top_k_index, top_k_weights)
-        return self.grouped(x, top_k_index, top_k_weights, accumulate_dtype=None)
+    def sharing(self, **options) -> "QuantizedExperts":
+        return type(self)(self.gate_up, self.down, self.act_fn, **options)
+
+    # QuantizedTensor, as are down's
+    gate_up = property(lambda self: registered_quantized(self, "gate_up"))
+    down = property(lambda self: registered_quantized(self, "down"))
+    fmt = property(lambda self: self.gate_up.fmt)
+    accumulate_dtype = None
+
+    def weight(self, name, experts, dtype):
+        return getattr(self, name)[experts].dequantize(dtype), None
 
 
-class Int8Experts(RoutedExperts):
-    """int8 experts the slim deploy exports (notebook 05): gathered for one token, dense otherwise
-    (no per-expert loop)."""
-
-    @classmethod
-    def from_quantized(cls, experts: RoutedExperts) -> "Int8Experts":
-        """Built on int8 ``QuantizedExperts`` (as ``apply_scheme`` makes): its tensors, not a
-        copy."""
-        assert experts.fmt == "int8", (
-            f"experts quantized to {experts.fmt!r}; Int8Experts takes int8"
-        )
-        return cls(
-            experts.gate_up_data,
-            experts.down_data,
-            experts.act_fn,
-            int8=True,
-            int8_kernel="upcast",
-            scales=(experts.gate_up_scale, experts.down_scale),
-        )
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        check_routing(hidden_states, top_k_index, top_k_weights, self.num_experts, self.hidden_dim)
-        if hidden_states.shape[0] == 1:
-            out = self._gather_upcast(hidden_states, top_k_index, top_k_weights)
-        else:
-            out = self._dense_upcast(
-                hidden_states, dense_router_weights(top_k_index, top_k_weights, self.num_experts)
-            )
-        return out.to(hidden_states.dtype)
+def dense(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor:
+    """All E experts on every token, weighted by dense ``[T, E]`` router weights (the port's op):
+    static shapes, ``EXPERT_CHUNK`` experts at a time. ``[T, H]`` fp32."""
+    router = dense_router_weights(top_k_index, top_k_weights, experts.num_experts)
+    tokens, two_inter = x.shape[0], 2 * experts.intermediate_dim
+    out = torch.zeros(tokens, experts.hidden_dim, dtype=torch.float32, device=x.device)
+    for first in range(0, experts.num_experts, EXPERT_CHUNK):
+        chunk = slice(first, min(first + EXPERT_CHUNK, experts.num_experts))
+        gate_up = experts.linear(x, "gate_up", chunk).reshape(tokens, -1, two_inter)
+        hidden = gated(gate_up, experts.act_fn).transpose(0, 1)  # [e, T, I]
+        partial = experts.batched(hidden, "down", chunk).float()  # [e, T, H]
+        out += (partial * router[:, chunk].T[:, :, None]).sum(0)
+    return out
 
 
-# The expert kernels ``moe.swap_experts`` and the benchmarks offer, each also as ``<name>_int8``.
-KERNELS: dict[str, type[RoutedExperts]] = {"dense": DenseExperts, "sparse": SparseExperts}
+def sparse(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor:
+    """Only the routed experts' weights, read in place. Decode (T x K < E): a static loop over
+    (token, expert) pairs, exportable; more tokens: ``grouped``."""
+    if top_k_index.numel() >= experts.num_experts:
+        return grouped(experts, x, top_k_index, top_k_weights)
+    rows = []
+    for t in range(x.shape[0]):
+        token = x[t : t + 1]
+        ids = [
+            _expert_id(top_k_index, t, k, experts.num_experts) for k in range(top_k_index.shape[1])
+        ]
+        outputs = torch.cat([experts.expert_mlp(token, e) for e in ids])  # [K, H]
+        rows.append(top_k_weights[t : t + 1].float() @ outputs.float())  # [1, H]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def _expert_id(top_k_index: torch.Tensor, t: int, k: int, num_experts: int):
+    expert = top_k_index[t, k].item()
+    torch._check(expert >= 0)
+    torch._check(expert < num_experts)
+    return expert
+
+
+def gather(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor:
+    """One token's K experts' weights copied first, then batched matmuls (NxD's selective loading,
+    gpt-fast's decode); more tokens: ``dense``. Static shapes, no host sync."""
+    if x.shape[0] > 1:
+        return dense(experts, x, top_k_index, top_k_weights)
+    hidden = experts.gathered(x[:, None, :, None], "gate_up", top_k_index, x.dtype)  # [T, K, 2I, 1]
+    out = experts.gathered(gated(hidden, experts.act_fn, dim=2), "down", top_k_index, torch.float32)
+    return (top_k_weights[..., None].float() * out[..., 0]).sum(1)
+
+
+def grouped(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor:
+    """Each routed expert once on its tokens, summed in ``experts.accumulate_dtype`` (None:
+    ``x.dtype``, transformers' eager loop)."""
+    accumulate_dtype = experts.accumulate_dtype
+    tokens, top_k = top_k_index.shape
+    flat_experts = top_k_index.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)
+    token_of, weight_of = order // top_k, top_k_weights.reshape(-1)[order]
+    counts = torch.bincount(flat_experts, minlength=experts.num_experts).tolist()
+    out = torch.zeros(
+        tokens, experts.hidden_dim, dtype=accumulate_dtype or x.dtype, device=x.device
+    )
+    for expert, (rows, weight) in enumerate(zip(token_of.split(counts), weight_of.split(counts))):
+        if len(rows) == 0:
+            continue
+        y, weight = experts.expert_mlp(x[rows], expert), weight[:, None]
+        if accumulate_dtype is not None:
+            y, weight = y.to(accumulate_dtype), weight.to(accumulate_dtype)
+        out.index_add_(0, rows, (y * weight).to(out.dtype))
+    return out
+
+
+def _routed_read(top_k_index: torch.Tensor, num_experts: int) -> int:
+    """T x K expert reads while T x K < E (a repeated expert read again), else each distinct one."""
+    tokens, top_k = top_k_index.shape
+    if tokens * top_k < num_experts:
+        return tokens * top_k
+    return int(top_k_index.unique().numel())
+
+
+class Kernel(NamedTuple):
+    """A routing strategy: ``forward(experts, x, top_k_index, top_k_weights) -> [T, H]``, and the
+    expert weight sets it reads for a routing (``experts_read(top_k_index, E)``)."""
+
+    forward: Callable
+    experts_read: Callable[[torch.Tensor, int], int]
+
+
+# Every kernel runs on every format; ``moe.swap_experts`` offers each (``<name>_int8`` too) and
+# notebook 07 times each, in bf16 and int8.
+KERNELS: dict[str, Kernel] = {
+    "dense": Kernel(dense, lambda top_k_index, num_experts: num_experts),
+    "sparse": Kernel(sparse, _routed_read),
+    "gather": Kernel(
+        gather,
+        lambda index, num_experts: index.shape[1] if index.shape[0] == 1 else num_experts,
+    ),
+    "grouped": Kernel(grouped, lambda index, num_experts: int(index.unique().numel())),
+}

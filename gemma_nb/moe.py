@@ -9,16 +9,16 @@ import torch
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from gemma_nb.experts import KERNELS, as_parameter
+from gemma_nb.experts import KERNELS, FloatExperts, Int8Experts, as_parameter
 from gemma_nb.targets import torch_threads
 
 IMPLEMENTATIONS = ("transformers", *KERNELS, *(f"{name}_int8" for name in KERNELS))
 
 
-def default_selection(device: str | torch.device) -> str:
-    """``"gather"`` on cuda (each ``.item()`` of the view path would be a host sync), else
-    ``"view"``."""
-    return "gather" if torch.device(device).type == "cuda" else "view"
+def default_sparse_kernel(device: str | torch.device) -> str:
+    """The kernel that reads only the routed experts: ``"gather"`` on cuda (each ``.item()`` of
+    ``"sparse"`` would be a host sync), else ``"sparse"``."""
+    return "gather" if torch.device(device).type == "cuda" else "sparse"
 
 
 def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -38,17 +38,18 @@ def make_experts(
 ) -> nn.Module:
     """A new experts module of kind ``impl`` (``IMPLEMENTATIONS``) on ``source``'s float weights,
     shared. ``transformers`` needs the model's text config (``experts_implementation=`` its kernel);
-    ``options`` go to the class (``selection=``)."""
+    ``options`` go to ``Int8Experts`` (``matmul=``)."""
     assert impl in IMPLEMENTATIONS, (
         f"experts implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}"
     )
-    assert getattr(source, "weights", "float") == "float", (
+    assert source.gate_up_proj.dtype.is_floating_point, (
         f"the experts are already {type(source).__name__} with int8 weights: reload the model"
     )
     if impl != "transformers":
-        return KERNELS[impl.removesuffix("_int8")].from_experts(
-            source, int8=impl.endswith("_int8"), **options
-        )
+        kernel = impl.removesuffix("_int8")
+        if impl.endswith("_int8"):
+            return Int8Experts.from_experts(source, kernel, **options)
+        return FloatExperts.from_experts(source, kernel, **options)
     assert config is not None and not options, (
         f"impl 'transformers' needs the model's text config and takes no {set(options)}"
     )

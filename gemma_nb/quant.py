@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gemma_nb import formats, memory
-from gemma_nb.experts import QuantizedExperts, SparseExperts
+from gemma_nb.experts import FloatExperts, QuantizedExperts
 from gemma_nb.formats import QuantizedTensor, quantization_error, quantize
 from gemma_nb.moe import random_routing
 from gemma_nb.targets import torch_threads
@@ -191,11 +191,9 @@ def full_size_experts_check(
         ).to(dtype)
         index, weights = random_routing(tokens, experts.gate_up_proj.shape[0], top_k, seed=seed)
         # transformers' eager loop on the float weights: what QuantizedExperts computes, unquantized
-        reference = (
-            SparseExperts.from_experts(experts)
-            .grouped(hidden, index, weights.to(dtype), accumulate_dtype=None)
-            .float()
-        )
+        reference_experts = FloatExperts.from_experts(experts, "grouped")
+        reference_experts.accumulate_dtype = None
+        reference = reference_experts(hidden, index, weights.to(dtype)).float()
         rows, seconds = [], {}
         for fmt in formats:
             start = time.perf_counter()

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gemma_nb import bench, decode_roofline
+from gemma_nb import bench, decode_roofline, experts
 from gemma_nb.hardware import DEVICES, GB, INSTANCES
 from gemma_nb.targets import torch_threads
 from gemma_nb.tiny import random_gemma4_config
@@ -117,16 +117,19 @@ def test_bandwidth_probe_and_floor():
         bench.time_steps({"a": lambda i: None}, steps=0)
 
 
-def test_moe_layer_bytes_full_size_by_hand():
+def test_full_size_layer_bytes_by_hand():
+    with torch.device("meta"):
+        gate_up = torch.empty(128, 2 * 704, 2816, dtype=torch.bfloat16)
+        down = torch.empty(128, 2816, 704, dtype=torch.bfloat16)
+        scales = (torch.empty(128, 2 * 704, 1), torch.empty(128, 2816, 1))
+        dense, sparse = (experts.FloatExperts(gate_up, down, None, k) for k in ("dense", "sparse"))
+        int8 = experts.Int8Experts(gate_up.to(torch.int8), down.to(torch.int8), None, scales)
+    one_token = torch.arange(8)[None]
     per_expert_bf16 = (2 * 704 * 2816 + 2816 * 704) * 2
-    # 1.52 GB
-    assert bench.moe_layer_bytes(128, 2816, 704, 8, "dense", "bf16") == 128 * per_expert_bf16
-    # 95.2 MB
-    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16
+    assert dense.read_bytes(one_token) == 128 * per_expert_bf16  # 1.52 GB
+    assert sparse.read_bytes(one_token) == 8 * per_expert_bf16  # 95.2 MB
     int8_expert = 3 * 704 * 2816 + 4 * (2 * 704 + 2816)  # int8 weights + one fp32 scale per row
-    assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "int8") == 8 * int8_expert
-    with pytest.raises(AssertionError, match="experts='all' is not one of dense, sparse"):
-        bench.moe_layer_bytes(128, 2816, 704, 8, "all")
+    assert int8.read_bytes(one_token) == 8 * int8_expert
 
 
 @pytest.fixture(scope="module")

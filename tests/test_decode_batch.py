@@ -5,9 +5,10 @@ import pandas as pd
 import pytest
 import torch
 
-from gemma_nb import bench, experts, moe
+from gemma_nb import experts, moe
 from gemma_nb.decode_roofline import expected_distinct_experts
 from gemma_nb.experiments import decode_batch
+from gemma_nb.memory import tensor_bytes
 from gemma_nb.modelio import load_model
 from gemma_nb.tiny import BUNDLED_ID, fact_prompts, random_gemma4_config
 
@@ -73,7 +74,7 @@ def test_distinct_table(real):
 
 def test_sparse_experts_say_what_they_read():
     # 32 experts, top-2
-    layer = experts.SparseExperts.from_experts(moe.random_experts(random_gemma4_config(), seed=0))
+    layer = experts.FloatExperts.from_experts(moe.random_experts(random_gemma4_config(), seed=0))
     repeated = torch.tensor([[3, 4], [3, 5]])
     assert layer.experts_read(repeated) == 4  # decode path: expert 3 read twice
     grouped = torch.arange(32).reshape(16, 2).repeat(2, 1)
@@ -86,11 +87,11 @@ def sweep():
         hidden_size=64, moe_intermediate_size=16, num_experts=16, top_k_experts=4
     )
     source = moe.random_experts(config, seed=0)
-    sparse_int8 = experts.SparseExperts.from_experts(source, int8=True)
+    sparse_int8 = experts.Int8Experts.from_experts(source)
     layers = {
-        "dense bf16": experts.DenseExperts.from_experts(source),
-        "sparse bf16": experts.SparseExperts.from_experts(source),
-        "dense int8": experts.DenseExperts.sharing(sparse_int8),
+        "dense bf16": experts.FloatExperts.from_experts(source, "dense"),
+        "sparse bf16": experts.FloatExperts.from_experts(source),
+        "dense int8": sparse_int8.sharing(kernel="dense"),
         "sparse int8": sparse_int8,
     }
     routes = {
@@ -120,7 +121,7 @@ def test_the_sweep_times_dense_once_per_batch(sweep):
 def test_batch_table_bytes_floors_and_the_reused_dense_timing(sweep):
     config, timed = sweep
     per_expert = {
-        d: bench.moe_layer_bytes(16, 64, 16, 4, "sparse", d) // 4 for d in ("bf16", "int8")
+        d: tensor_bytes((32, 64), d) + tensor_bytes((64, 16), d) for d in ("bf16", "int8")
     }
     table = decode_batch.batch_table(timed, per_expert, 1e10)
     row = table[

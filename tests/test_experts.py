@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gemma_nb import experts as E  # noqa: E402
-from gemma_nb import formats, moe, quant  # noqa: E402
+from gemma_nb import formats, int8_kernel, moe, quant  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,10 +33,9 @@ def test_int8_experts_are_the_sparse_gather_and_dense_upcast_strategies_bit_for_
     quantized = E.QuantizedExperts.from_experts(float_experts, "int8")
     deploy = E.Int8Experts.from_quantized(quantized)
     assert deploy.gate_up_proj.data_ptr() == quantized.gate_up_data.data_ptr()  # shared, not copied
-    sparse = E.SparseExperts.sharing(
-        deploy, int8_kernel="upcast", selection="gather", compute_dtype=torch.float32
-    )
-    dense = E.DenseExperts.sharing(sparse)
+    sparse = E.Int8Experts.from_experts(float_experts, "gather", matmul="upcast")
+    assert torch.equal(sparse.gate_up_proj, deploy.gate_up_proj)  # the same quantizer
+    dense = sparse.sharing(kernel="dense")
     x = torch.randn(3, 64)
     index, weights = moe.random_routing(3, 16, 4, seed=2)
     assert torch.equal(deploy(x[:1], index[:1], weights[:1]), sparse(x[:1], index[:1], weights[:1]))
@@ -44,23 +43,37 @@ def test_int8_experts_are_the_sparse_gather_and_dense_upcast_strategies_bit_for_
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "mxfp4", "nvfp4"])
-def test_every_strategy_runs_on_every_quantized_format(layer, fmt):
+def test_every_kernel_runs_on_every_quantized_format(layer, fmt):
     config, float_experts = layer
     quantized = E.QuantizedExperts.from_experts(float_experts, fmt)
     x = torch.randn(5, 64)
     index, weights = moe.random_routing(5, 16, 4, seed=3)
-    want = quantized(x, index, weights)
-    for cls in (E.DenseExperts, E.SparseExperts):
-        got = cls.sharing(quantized)(x, index, weights)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
+    for tokens in (1, 5):  # one token: each kernel's decode path; five: 20 routes >= 16 experts
+        want = quantized(x[:tokens], index[:tokens], weights[:tokens])
+        for kernel in E.KERNELS:
+            got = quantized.sharing(kernel=kernel)(x[:tokens], index[:tokens], weights[:tokens])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums, other order
     assert quantized.weight_bytes == sum(
         formats.tensor_bytes(shape, fmt)
         for shape in (quantized.gate_up.shape, quantized.down.shape)
     )
-    with pytest.raises(
-        AssertionError, match=f"selection 'gather' needs float or int8 weights, not {fmt}"
-    ):
-        E.SparseExperts.sharing(quantized, selection="gather")
+
+
+def test_each_kernel_says_the_bytes_it_reads(layer):
+    config, float_experts = layer
+    bf16 = moe.random_experts(config, seed=7)
+    one_token = torch.tensor([[3, 5, 3, 9]])
+    per_expert = {
+        "bf16": bf16.gate_up_proj[0].nbytes + bf16.down_proj[0].nbytes,
+        "int8": formats.tensor_bytes((64, 64), "int8") + formats.tensor_bytes((64, 32), "int8"),
+    }
+    reads = {"dense": 16, "sparse": 4, "gather": 4, "grouped": 3}  # grouped: expert 3 once
+    for kernel, experts_read in reads.items():
+        for fmt, module in (
+            ("bf16", E.FloatExperts.from_experts(bf16, kernel)),
+            ("int8", E.Int8Experts.from_experts(bf16, kernel)),
+        ):
+            assert module.read_bytes(one_token) == experts_read * per_expert[fmt], (kernel, fmt)
 
 
 def test_dense_router_weights_put_the_top_k_weights_in_place():
@@ -96,3 +109,18 @@ def test_apply_scheme_quantizes_the_same_weights_the_same_way():
     assert torch.equal(
         first.model.layers[0].experts.gate_up.data, second.model.layers[0].experts.gate_up.data
     )
+
+
+@pytest.mark.parametrize("rows", [13, 1408])  # 13: a tail of one row after three blocks of 4
+def test_the_cpu_int8_kernel_is_the_upcast_matmul_rounded_once(rows):
+    generator = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (rows, 2816), dtype=torch.int8, generator=generator)
+    scale = torch.rand(rows, 1, generator=generator) / 127
+    x = torch.randn(1, 2816, generator=generator).to(torch.bfloat16)
+    exact = x.double() @ (q.double() * scale.double()).T
+    got = int8_kernel.int8_linear(x, q, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows)
+    # the GEMV rounds the fp32 sum to bf16 once; torch's kernel (ATen without AVX2, or no C
+    # compiler) rounds the scale and, on its default path, partial sums to bf16 too
+    bound = {"gemma_nb AVX2 GEMV": 2.0**-8, "torch._weight_int8pack_mm": 2.0**-6}
+    assert ((got.double() - exact).abs() <= bound[int8_kernel.kernel_name()] * exact.abs()).all()

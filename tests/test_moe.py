@@ -1,4 +1,4 @@
-"""DenseExperts / SparseExperts: same tokens as transformers, bf16 agreement, export, bad input."""
+"""The expert kernels: same tokens as transformers, bf16 agreement, export, bad input."""
 
 import os
 
@@ -11,6 +11,7 @@ from gemma_nb import experts as E
 from gemma_nb import moe
 from gemma_nb.evaluate import greedy_generate
 from gemma_nb.formats import dequantize_int8
+from gemma_nb.int8_kernel import int8pack_usable
 from gemma_nb.tiny import BUNDLED_ID, random_gemma4_config
 
 NEW_TOKENS = 16
@@ -38,10 +39,10 @@ def experts_kind(model) -> str:
     """Which implementation the model's experts use now (transformers, dense, sparse_int8, ...)."""
     kinds = set()
     for _, _, module in moe.experts_modules(model):
-        name = next(
-            (name for name, cls in E.KERNELS.items() if isinstance(module, cls)), "transformers"
-        )
-        kinds.add(f"{name}_int8" if name != "transformers" and module.int8 else name)
+        if not isinstance(module, E.RoutedExperts):
+            kinds.add("transformers")
+        else:
+            kinds.add(f"{module.kernel}_int8" if module.fmt == "int8" else module.kernel)
     return ",".join(sorted(kinds))
 
 
@@ -54,11 +55,11 @@ def test_dense_and_sparse_match_transformers_greedy_tokens_on_bundled_checkpoint
     moe.swap_experts(model, "transformers")
     reference = _generate(model, prompts)
     try:
-        for impl, options in (("dense", {}), ("sparse", {}), ("sparse", {"selection": "gather"})):
-            moe.swap_experts(model, impl, **options)
+        for impl in E.KERNELS:
+            moe.swap_experts(model, impl)
             assert experts_kind(model) == impl
             for got, want in zip(_generate(model, prompts), reference):
-                assert torch.equal(got, want), f"{impl} {options} diverged from transformers"
+                assert torch.equal(got, want), f"{impl} diverged from transformers"
     finally:
         moe.swap_experts(model, "transformers")
     assert experts_kind(model) == "transformers"
@@ -68,7 +69,7 @@ def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bun
     model, prompts = bundled
     layers = moe.experts_modules(model)
     originals = [(module.gate_up_proj, module.down_proj) for _, _, module in layers]
-    int8_modules = [E.SparseExperts.from_experts(module, int8=True) for _, _, module in layers]
+    int8_modules = [E.Int8Experts.from_experts(module) for _, _, module in layers]
     try:
         # Reference: transformers' experts on q * scale (what int8 weights mean), fp32 activations.
         for (_, _, module), quantized in zip(layers, int8_modules):
@@ -79,11 +80,11 @@ def test_int8_dense_and_sparse_match_transformers_on_the_dequantized_weights(bun
                 dequantize_int8(quantized.down_proj, quantized.down_scale)
             )
         reference = _generate(model, prompts)
-        for kind in (E.SparseExperts, E.DenseExperts):
+        for kernel in ("sparse", "dense"):
             for (parent, name, _), quantized in zip(layers, int8_modules):
-                setattr(parent, name, kind.sharing(quantized, compute_dtype=torch.float32))
+                setattr(parent, name, quantized.sharing(kernel=kernel, compute_dtype=torch.float32))
             for got, want in zip(_generate(model, prompts), reference):
-                assert torch.equal(got, want), f"{kind.__name__} int8 diverged"
+                assert torch.equal(got, want), f"{kernel} int8 diverged"
     finally:
         for (parent, name, module), (gate_up, down) in zip(layers, originals):
             module.gate_up_proj, module.down_proj = gate_up, down
@@ -139,9 +140,9 @@ def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer,
     bf16_eps = 2.0**-8
     outputs = {}
     for name, module in (
-        ("dense", E.DenseExperts.from_experts(experts)),
-        ("sparse", E.SparseExperts.from_experts(experts)),
-        ("gather", E.SparseExperts.from_experts(experts, selection="gather")),
+        ("dense", E.FloatExperts.from_experts(experts, "dense")),
+        ("sparse", E.FloatExperts.from_experts(experts, "sparse")),
+        ("gather", E.FloatExperts.from_experts(experts, "gather")),
     ):
         out = module(x, index, weights)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
@@ -153,16 +154,17 @@ def test_bf16_dense_and_sparse_agree_within_bf16_rounding_at_mid_size(mid_layer,
 
 def test_int8_fused_kernel_matches_the_upcast_reference(mid_layer):
     config, experts = mid_layer
-    fused = E.SparseExperts.from_experts(experts, int8=True)
-    upcast = E.SparseExperts.sharing(fused, int8_kernel="upcast")
-    dense = E.DenseExperts.sharing(fused)
+    fused = E.Int8Experts.from_experts(experts)
+    upcast = fused.sharing(matmul="upcast")
+    dense = fused.sharing(kernel="dense")
     x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
-    assert E.int8pack_usable(x, fused.gate_up_proj[0])
+    assert int8pack_usable(x, fused.gate_up_proj[0])
     index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=5)
     want = upcast(x, index, weights).float()
     scale = want.abs().max().item()
     for got in (fused(x, index, weights), dense(x, index, weights)):
-        # The fused kernel rounds the fp32 scales to bf16 (as gpt-fast stores them): ~1 ulp per row.
+        # The fused kernels round each output to bf16 once, and torch's also rounds the fp32
+        # scales to bf16 (as gpt-fast stores them): ~1 ulp per row.
         assert (got.float() - want).abs().max().item() <= 4 * 2.0**-8 * scale
     assert fused.weight_bytes == config.num_experts * 3 * 1024 * 256 + 4 * config.num_experts * (
         512 + 1024
@@ -170,8 +172,8 @@ def test_int8_fused_kernel_matches_the_upcast_reference(mid_layer):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("selection", ["view", "gather"])
-def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
+@pytest.mark.parametrize("kernel", ["sparse", "gather"])
+def test_sparse_decode_path_exports_with_static_shapes(int8, kernel):
     config = random_gemma4_config(
         num_hidden_layers=1,
         hidden_size=256,
@@ -180,13 +182,15 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
         top_k_experts=4,
     )
     experts = moe.random_experts(config, seed=2)
-    module = E.SparseExperts.from_experts(experts, int8=int8, selection=selection)
+    module = (E.Int8Experts if int8 else E.FloatExperts).from_experts(experts, kernel)
     x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
     index, weights = moe.random_routing(1, config.num_experts, config.top_k_experts, seed=0)
     program = torch.export.export(module, (x, index, weights))
     targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
-    assert ("aten.index.Tensor" in targets) == (selection == "gather")
-    assert ("aten._weight_int8pack_mm.default" in targets) == int8
+    assert ("aten.index.Tensor" in targets) == (kernel == "gather")
+    # the cpu's int8 kernel, where gather upcasts the K experts it copied
+    fused = {"aten._weight_int8pack_mm.default", "gemma_nb.int8_gemv.default"} & targets
+    assert bool(fused) == (int8 and kernel == "sparse")
     other_index, other_weights = moe.random_routing(
         1, config.num_experts, config.top_k_experts, seed=9
     )
@@ -197,7 +201,7 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, selection):
 
 def test_bad_inputs_name_the_problem(mid_layer):
     config, experts = mid_layer
-    module = E.SparseExperts.from_experts(experts)
+    module = E.FloatExperts.from_experts(experts)
     x = torch.randn(2, config.hidden_size, dtype=torch.bfloat16)
     index, weights = moe.random_routing(2, config.num_experts, 8)
     too_many = torch.arange(65).repeat(2, 1)
@@ -212,25 +216,25 @@ def test_bad_inputs_name_the_problem(mid_layer):
     with pytest.raises(AssertionError, match=r"expert ids outside \[0, 64\)"):
         module(x, torch.full_like(index, 64), weights)
     with pytest.raises(AssertionError, match="down_proj"):
-        E.DenseExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
+        E.FloatExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
     with pytest.raises(AssertionError, match="'bogus' is not one of transformers, dense"):
         moe.make_experts(experts, "bogus")
-    with pytest.raises(AssertionError, match="selection 'copy'"):
-        E.SparseExperts.from_experts(experts, selection="copy")
+    with pytest.raises(AssertionError, match="kernel 'copy'"):
+        E.FloatExperts.from_experts(experts, "copy")
     with pytest.raises(AssertionError, match="top_k=9 must be between 1 and num_experts=8"):
         moe.random_routing(1, 8, 9)
 
 
 def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
     q = torch.zeros(8, 40, dtype=torch.int8)
-    assert not E.int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
-    assert not E.int8pack_usable(
+    assert not int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
+    assert not int8pack_usable(
         torch.zeros(1, 48, dtype=torch.float32), torch.zeros(8, 48, dtype=torch.int8)
     )
-    assert not E.int8pack_usable(
+    assert not int8pack_usable(
         torch.zeros(1, 49, dtype=torch.bfloat16)[:, 1:], torch.zeros(8, 48, dtype=torch.int8)
     )
-    assert E.int8pack_usable(
+    assert int8pack_usable(
         torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.int8)
     )
 
@@ -277,7 +281,7 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     assert shapes["dense"]["down.weight"] == ((16, 16, 64), torch.int8)
     assert shapes["dense"]["down.scale"] == ((16, 1, 64), torch.float32)  # replicated on every rank
     assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
-    reference = E.SparseExperts.from_experts(experts)(x, index, weights)
+    reference = E.FloatExperts.from_experts(experts)(x, index, weights)
     assert (outputs["sparse"] - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
     with (
         standins.model_parallel(3),

@@ -453,6 +453,7 @@ CONSTANTS = {
     "07_decode_benchmark": {
         "1.5": "the bandwidth-floor target",
         "12": "the sparse-vs-dense target",
+        "0.65": "the int8-vs-bf16 target",
         "820": "Inferentia2's 820 GiB/s",
         "118": "NxD Inference's ~117.5 tok/s, rounded",
         "8080": "the port's server port",

@@ -191,9 +191,7 @@ def time_batch_sweep(
                 )[key]
                 timed = chosen[warmup:]
                 read[key] = (
-                    sum(module.experts_read(index) for index, _ in timed) / len(timed)
-                    if hasattr(module, "experts_read")
-                    else float(module.num_experts),
+                    sum(module.experts_read(index) for index, _ in timed) / len(timed),
                     sum(index.unique().numel() for index, _ in timed) / steps,
                 )
         timings = bench.time_steps(candidates, steps=steps, repeats=1, warmup=warmup, device=device)
