@@ -429,7 +429,10 @@ def plot_tok_s(
                 linewidth=2,
                 label="bandwidth ceiling" if pos == 0 else None,
             )
-    ax.set_xticks(list(positions), names, rotation=20, ha="right")
-    ax.set(yscale="log", ylabel=ylabel)
+    ax.set_xticks(list(positions), names, rotation=30, ha="right")
+    # a decade of headroom above the tallest bar or ceiling keeps the legend off the bars
+    ax.set(
+        yscale="log", ylabel=ylabel, ylim=(None, 10 * max(*measured.values(), *ceilings.values()))
+    )
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(loc="upper left", fontsize=9)
