@@ -156,16 +156,17 @@ def test_02_scores_every_scheme_and_the_head_alone_and_fits_the_26b_evaluation()
 
 
 def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
-    """Notebook 07's (2): more than 12x in both dtypes; the int8 step misses 1.5x its bandwidth
-    floor, the bf16 one lands near it (1.08x to 1.74x over the reference runs so far); the gap is
-    the matmuls' reach of the bandwidth, the int8 one's least, not per-call overhead."""
+    """Notebook 07's (2): more than 12x in both dtypes; the int8 step well under 0.65x the bf16
+    one, its matmuls reaching more of the bandwidth; both steps near their 1.5x floor target, int8
+    closer; the rest is the matmuls' reach plus the tiny-width layer's overhead."""
     decode = metrics("07_decode_benchmark")
     assert decode["int8_sparse_vs_dense_x"] >= 12.0 and decode["bf16_sparse_vs_dense_x"] >= 12.0
     assert decode["bundled_same_tokens"] is True
-    assert decode["int8_sparse_x_floor"] > 1.5 and 1.0 <= decode["bf16_sparse_x_floor"] <= 2.0
-    assert decode["sparse int8_kernel_gb_s"] < decode["sparse bf16_kernel_gb_s"]
+    assert decode["int8_vs_bf16_sparse_x"] <= 0.65
+    assert 1.0 <= decode["int8_sparse_x_floor"] < decode["bf16_sparse_x_floor"] <= 2.0
+    assert decode["sparse int8_kernel_gb_s"] > decode["sparse bf16_kernel_gb_s"]
     for dtype in ("bf16", "int8"):
-        assert decode[f"sparse {dtype}_overhead_ms"] < 0.2 * decode[f"sparse {dtype}_p50_ms"]
+        assert decode[f"sparse {dtype}_overhead_ms"] < 0.25 * decode[f"sparse {dtype}_p50_ms"]
     # (8): dense never catches sparse up to the largest batch, in any dtype or routing
     crossovers = decode["batch"]["crossover_measured"]
     assert all(first is None for by_source in crossovers.values() for first in by_source.values())
