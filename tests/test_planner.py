@@ -434,3 +434,75 @@ def test_tp_zero_is_refused_by_the_parser(capsys):
     )
     with pytest.raises(ValueError, match="tp=0 must be an integer >= 1"):
         memory.tp_problem(memory.load_gemma4_26b_config(), 0)
+
+
+# Verdicts that promise no more than the box gives
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_experts", "nvfp4_experts"])
+def test_fp4_is_not_loadable_whatever_its_bytes(capsys, scheme):
+    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", scheme)
+    fp4 = scheme.split("_")[0]
+    assert code == 1 and report["verdict"] == "not loadable" and not report["fits"]
+    assert report["instance"] is None and report["cheapest_fit"] is None
+    assert {row["verdict"] for row in report["instances"]} == {"not loadable"}
+    assert all(f"not {fp4} (notebook 02)" in row["reason"] for row in report["instances"])
+    assert all(row["headroom_gb"] > 0 for row in report["instances"])  # the bytes would fit
+    assert report["advice"].startswith("Try --scheme int8_squeeze: it fits inf2.xlarge")
+    code = cli(
+        [
+            "plan",
+            str(memory.GEMMA4_26B_CONFIG_PATH),
+            "--scheme",
+            scheme,
+            "--instance",
+            "inf2.xlarge",
+        ]
+    )
+    loads = "NxD loads bf16, fp32, int8, fp8 weights on inf2"
+    assert (
+        code == 1 and f"NOT loadable on inf2.xlarge: {loads}, not {fp4}" in capsys.readouterr().out
+    )
+
+
+def test_the_roofline_is_labelled_an_upper_bound_beside_the_measured_speed(capsys):
+    from gemma_nb.story import CLAIMS
+
+    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    assert report["decode"]["basis"].startswith("upper bounds, from a bandwidth roofline")
+    assert report["decode"]["measured_tok_s"] == CLAIMS["decode_tok_s"].value == 6.0
+    xlarge = next(row for row in report["instances"] if row["instance"] == "inf2.xlarge")
+    assert xlarge["decode"]["batch_1"]["dense"]["tok_s"] > 5 * report["decode"]["measured_tok_s"]
+    assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH)]) == 0
+    text = capsys.readouterr().out
+    assert "upper bounds on tok/s (all streams), lower bounds on $ per million tokens" in text
+    assert "measured, for scale: 6 tok/s, the port's 26B with dense experts on inf2.xlarge" in text
+
+
+def test_a_refusal_says_when_it_is_the_port_s_sharding_not_the_hardware(tmp_path, capsys):
+    """Mixtral-8x22B: 8 experts cap a whole-expert sharding at TP=8, where a core is short; the
+    weights are well under inf2.48xlarge's HBM."""
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parent / "configs"
+    code, report = plan_json(capsys, configs / "mixtral_8x22b.json")
+    assert code == 1 and report["instance"] is None
+    assert "TP is at most 8" in report["advice"]
+    assert "That is the limit of this port's sharding, not of the hardware" in report["advice"]
+    assert (
+        "so a port that splits each expert across ranks could fit it at TP=24" in report["advice"]
+    )
+    llama_405b = {
+        "model_type": "llama",
+        "hidden_size": 16384,
+        "num_hidden_layers": 126,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "intermediate_size": 53248,
+        "vocab_size": 128256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(llama_405b))
+    code, report = plan_json(capsys, tmp_path)  # dense, 405 GB in int8: more than any inf2 holds
+    assert code == 1 and report["advice"].startswith("No inf2 holds it: TP is at most 16")
+    assert "sharding, not of the hardware" not in report["advice"]
