@@ -1,5 +1,5 @@
-"""Where things live: the repo (the folder holding the package, whatever the working directory), and
-a target's output folders: under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored
+"""Where things live: the repo (the checkout holding the package, whatever the working directory),
+and a target's output folders: under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored
 ``outputs/interactive/<target>/``, never the reference run."""
 
 import os
@@ -8,7 +8,15 @@ from pathlib import Path
 
 from gemma_nb.targets import check_target_name
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+
+def find_project_root(package: Path = Path(__file__).resolve().parent) -> Path:
+    """The checkout holding ``package`` (pyproject.toml beside it), from any working directory; for
+    an install without one (a wheel), the working directory: never site-packages."""
+    checkout = package.parent
+    return checkout if (checkout / "pyproject.toml").is_file() else Path.cwd().resolve()
+
+
+REPO_ROOT = find_project_root()
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 OUTPUT_DIR_ENV = "GEMMA_NB_OUTPUT_DIR"
