@@ -195,9 +195,6 @@ class Engine:
     async def on_cpu(self, fn: Callable, *args):  # tokenizing stays off the event loop
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
-    def stop(self) -> None:
-        self.stopping = True
-
     def check_characters(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that no tokenization fits into a prompt."""
         if chars > self.max_prompt_chars:
@@ -600,7 +597,7 @@ def create_app(
         lifespan=lifespan,
         strict_content_type=False,
     )
-    app.state.metrics, app.state.stop = engine.metrics, engine.stop
+    app.state.metrics, app.state.engine = engine.metrics, engine
     key_check = _key_check(api_key) if api_key else None
     if allowed_hosts is not None:
         app.add_middleware(

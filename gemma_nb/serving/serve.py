@@ -48,15 +48,11 @@ def _check_arguments(args) -> None:
 
 
 class StoppingServer(uvicorn.Server):
-    """uvicorn's server that tells the app first on SIGINT or SIGTERM (``stop``: it ends streams
-    and queued requests at once), then exits 0 where uvicorn would raise the signal again."""
-
-    def __init__(self, config: uvicorn.Config, stop):
-        super().__init__(config)
-        self.stop = stop
+    """uvicorn's server that tells the app's engine first on SIGINT or SIGTERM (it ends streams and
+    queued requests at once), then exits 0 where uvicorn would raise the signal again."""
 
     def handle_exit(self, sig, frame) -> None:
-        self.stop()
+        self.config.app.state.engine.stopping = True
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
 
@@ -168,8 +164,7 @@ def main(args) -> int:
             log_level=args.log_level,
             access_log=args.log_level == "debug",
             timeout_graceful_shutdown=5,
-        ),
-        app.state.stop,
+        )
     )
     server.should_exit = bool(failure)  # failed before the server object existed
     with counting_refusals(app.state.metrics):
