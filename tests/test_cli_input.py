@@ -144,10 +144,8 @@ def test_run_refuses_an_output_dir_under_a_file(tmp_path, capsys):
 
 
 def test_run_refuses_bad_input_with_2_and_a_target_parameter(capsys):
-    assert outcome(capsys, ["run", "--target", "tpu"]) == (
-        2,
-        "error: target 'tpu' is not one of cpu, neuron, cuda\n",
-    )
+    code, err = outcome(capsys, ["run", "--target", "tpu"])
+    assert code == 2 and "'tpu'" in err and "cpu, neuron, cuda" in err
     code, err = outcome(capsys, ["run", "-p", "target", "cuda"])
     assert code == 2 and "-p target is not a notebook parameter: use --target" in err
 
@@ -159,7 +157,7 @@ def test_ctrl_c_in_run_prints_a_clean_line(monkeypatch, capsys):
     monkeypatch.setattr(runner, "run", interrupted)
     assert cli(["run"]) == 130
     err = capsys.readouterr().err
-    assert err == "interrupted (Ctrl-C); the previous outputs were left as they were\n"
+    assert err.startswith("interrupted (Ctrl-C)") and err.count("\n") == 1  # one line, no traceback
 
 
 def test_a_signal_between_the_renames_waits_until_the_new_outputs_are_in(tmp_path, monkeypatch):
