@@ -80,6 +80,8 @@ def write_config(tmp_path, **changes) -> str:
         ({"num_experts": 4.5}, ["num_experts is 4.5", "fix the config"]),
         ({"layer_types": 7}, ["transformers refuses this gemma4_text config"]),
         ({"model_type": ["gemma4_text"]}, ["model_type", "add one (e.g. 'gemma4_text'"]),
+        # a typo's million layers: refused before the planner builds them (minutes, ~100 GB)
+        ({"num_hidden_layers": 10**6}, ["num_hidden_layers is 1000000", "from 1 to 4096"]),
     ],
 )
 def test_configs_with_wrong_types_or_signs_are_refused(tmp_path, capsys, changes, names):

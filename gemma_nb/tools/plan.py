@@ -58,12 +58,10 @@ def unloadable(scheme: str) -> str | None:
     """Why NxD cannot load ``scheme`` on an inf2 (None: it can)."""
     sch = memory.get_scheme(scheme)
     formats = sorted({sch.dtype(g) for g in memory.GROUPS} - set(NXD_FORMATS))
-    return (
-        f"NxD loads {', '.join(NXD_FORMATS)} weights on inf2, not {', '.join(formats)} "
-        "(notebook 02)"
-        if formats
-        else None
-    )
+    if not formats:
+        return None
+    loadable = ", ".join(NXD_FORMATS)
+    return f"NxD loads {loadable} weights on inf2, not {', '.join(formats)} (notebook 02)"
 
 
 def _bf16_weight_bytes(config) -> int:

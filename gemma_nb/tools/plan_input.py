@@ -16,6 +16,7 @@ RawConfig = namedtuple("RawConfig", "name raw")
 COUNT_FIELD = re.compile(r"^(num_|n_|top_k)|(_size|_dim|_heads|_layers|_experts|_per_tok)$")
 NONZERO_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 MAX_COUNT = 2**31 - 1
+MAX_LAYERS = 4096  # the planner builds every layer (on torch's meta device: ~0.1 MB of RAM each)
 MAX_CONFIG_BYTES = 1 << 24  # 16 MiB: a config.json is a few KB; a weights file is not one
 
 
@@ -57,17 +58,18 @@ def read_raw_config(path: str | Path) -> RawConfig:
     for where, section in (("", raw), ("text_config.", raw.get("text_config"))):
         for key, value in (section if isinstance(section, dict) else {}).items():
             if COUNT_FIELD.search(key):
-                _check_count(f"{file.name}: {where}{key}", value, key in NONZERO_FIELDS)
+                most = MAX_LAYERS if key == "num_hidden_layers" else MAX_COUNT
+                _check_count(f"{file.name}: {where}{key}", value, key in NONZERO_FIELDS, most)
     return RawConfig(path.name, raw)
 
 
-def _check_count(name: str, value, nonzero: bool) -> None:
+def _check_count(name: str, value, nonzero: bool, most: int) -> None:
     least = int(nonzero)
     values = value if isinstance(value, list) else [value]
-    if value is not None and not all(type(v) is int and least <= v <= MAX_COUNT for v in values):
+    if value is not None and not all(type(v) is int and least <= v <= most for v in values):
         raise ConfigError(
             f"{name} is {value!r:.60}: a size or count is a JSON integer from {least} to "
-            f'{MAX_COUNT} (e.g. 4096, not "4096" or -4096); fix the config'
+            f'{most} (e.g. 4096, not "4096" or -4096); fix the config'
         )
 
 
