@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -43,13 +44,17 @@ def load_config(config_dict: Mapping[str, Any]):
     names."""
     raw = dict(config_dict)
     model_type = raw.pop("model_type", None)
-    if model_type is None:
+    if not isinstance(model_type, str):
         raise ValueError(
-            "config has no 'model_type' key; add one (e.g. 'gemma4_text', 'mixtral', 'llama')"
+            f"config has no 'model_type' key naming a transformers model type (it holds "
+            f"{model_type!r:.40}); add one (e.g. 'gemma4_text', 'mixtral', 'llama')"
         )
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"model_type {model_type!r} is not known to this transformers version")
-    return CONFIG_MAPPING[model_type].from_dict(raw)
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except (TypeError, ValueError, ArithmeticError, StrictDataclassError) as error:
+        raise ValueError(f"transformers refuses this {model_type} config: {error}") from None
 
 
 def check_gemma4_pitfalls(raw: Mapping[str, Any]) -> None:
@@ -325,8 +330,14 @@ def model_facts(config) -> ModelFacts:
     )
     if key in _FACTS_CACHE:
         return _FACTS_CACHE[key]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, TypeError, ValueError, ArithmeticError, IndexError, KeyError) as error:
+        raise ValueError(
+            f"transformers cannot build {type(config).__name__} from this config "
+            f"({type(error).__name__}: {error}); check its sizes"
+        ) from None
     input_emb, output_emb = model.get_input_embeddings(), model.get_output_embeddings()
     input_ids, output_ids = (
         {id(p) for p in emb.parameters()} if emb is not None else set()
@@ -345,6 +356,11 @@ def model_facts(config) -> ModelFacts:
     top_k = (
         getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None) or 0
     )
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(
+            f"the config routes each token to {top_k} of {experts} experts: set "
+            f"num_experts_per_tok (or top_k_experts) between 1 and {experts}"
+        )
     facts = ModelFacts(
         type(model).__name__,
         tuple(records),
@@ -435,9 +451,9 @@ def param_summary(config) -> dict:
     }
 
 
-def tp_problem(config, tp: int) -> str | None:
+def tp_problem(config, tp: int, whole_experts: bool = True) -> str | None:
     """Why ``tp`` cannot shard ``config`` (None if it can): heads, KV heads (or tp % KV heads),
-    experts must divide."""
+    experts (kept whole on a rank, as the port does) must divide."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(
             f"tp={tp!r} must be an integer >= 1 (the tensor-parallel degree: ranks = NeuronCores)"
@@ -453,7 +469,7 @@ def tp_problem(config, tp: int) -> str | None:
                 f"num_key_value_heads={layer.kv_heads}{kind}, so KV heads can be neither sharded "
                 "nor replicated evenly"
             )
-    if facts.num_experts and facts.num_experts % tp:
+    if whole_experts and facts.num_experts and facts.num_experts % tp:
         return f"tp={tp} does not divide num_experts={facts.num_experts}"
     return None
 

@@ -1,6 +1,6 @@
-"""Where things live: the repo (found from the working directory), and a target's output folders:
-under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``,
-never the reference run."""
+"""Where things live: the repo (the checkout holding the package, whatever the working directory),
+and a target's output folders: under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored
+``outputs/interactive/<target>/``, never the reference run."""
 
 import os
 import shutil
@@ -9,14 +9,11 @@ from pathlib import Path
 from gemma_nb.targets import check_target_name
 
 
-def find_project_root(start: Path | str | None = None) -> Path:
-    """The nearest folder at or above ``start`` (default: cwd) holding pyproject.toml or .git, else
-    ``start``."""
-    start = (Path.cwd() if start is None else Path(start)).resolve()
-    for folder in (start, *start.parents):
-        if any((folder / marker).exists() for marker in ("pyproject.toml", ".git")):
-            return folder
-    return start
+def find_project_root(package: Path = Path(__file__).resolve().parent) -> Path:
+    """The checkout holding ``package`` (pyproject.toml beside it), from any working directory; for
+    an install without one (a wheel), the working directory: never site-packages."""
+    checkout = package.parent
+    return checkout if (checkout / "pyproject.toml").is_file() else Path.cwd().resolve()
 
 
 REPO_ROOT = find_project_root()

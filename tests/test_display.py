@@ -2,9 +2,6 @@
 
 import os
 import stat
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import page_width
@@ -101,27 +98,16 @@ def test_metrics_are_readable_by_everyone(monkeypatch, tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
 
 
-def test_outputs_are_found_from_the_working_directory_not_the_installed_package(tmp_path):
-    """A non-editable install must not write next to site-packages: the project is the working
-    directory's."""
-    (tmp_path / "repo" / "notebooks").mkdir(parents=True)
+def test_the_project_is_the_package_s_checkout_else_the_working_directory_s(tmp_path, monkeypatch):
+    """A checkout's package finds its checkout from any folder; an install without one (a wheel)
+    must not write next to site-packages: its project is the working directory's."""
+    (tmp_path / "repo").mkdir()
     (tmp_path / "repo" / "pyproject.toml").write_text("")
-    assert paths.find_project_root(tmp_path / "repo" / "notebooks") == (tmp_path / "repo").resolve()
     (tmp_path / "plain").mkdir()
-    assert paths.find_project_root(tmp_path / "plain") == (tmp_path / "plain").resolve()
-    env = {k: v for k, v in os.environ.items() if k != paths.OUTPUT_DIR_ENV}
-    done = subprocess.run(
-        [sys.executable, "-c", "from gemma_nb import paths; print(paths.output_dir('cpu'))"],
-        cwd=tmp_path / "repo" / "notebooks",
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert (
-        Path(done.stdout.strip())
-        == (tmp_path / "repo" / "outputs" / "interactive" / "cpu").resolve()
-    )
+    monkeypatch.chdir(tmp_path / "plain")
+    assert paths.find_project_root(tmp_path / "repo" / "gemma_nb") == tmp_path / "repo"
+    wheel = tmp_path / "site-packages" / "gemma_nb"
+    assert paths.find_project_root(wheel) == (tmp_path / "plain").resolve()
 
 
 @pytest.mark.parametrize(

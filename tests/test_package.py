@@ -136,6 +136,21 @@ def test_only_the_optional_sdks_are_imported_inside_functions():
     )
 
 
+def test_only_the_command_line_and_the_sdk_probe_import_modules_by_name():
+    """The one exception to imports at the top: ``gemma_nb.cli`` imports a command's module when
+    that command runs (``--help`` loads no torch: tests/test_cli_input.py), and ``neuron.sdk``
+    probes the optional SDKs."""
+    by_name = {
+        module_name(p)
+        for p in sources()
+        if EMULATED_SDK not in p.parents
+        for node in ast.walk(ast.parse(p.read_text()))
+        if (isinstance(node, ast.Attribute) and node.attr == "import_module")
+        or (isinstance(node, ast.Name) and node.id == "__import__")
+    }
+    assert by_name == {"gemma_nb.cli", "gemma_nb.neuron.sdk"}
+
+
 def test_imports_have_no_cycle():
     edges, state = graph(), {}
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gemma_nb.__main__ import main as cli
+from gemma_nb.cli import main as cli
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron.sdk import SdkStatus
 from gemma_nb.tiny import CHECKPOINT_DIR

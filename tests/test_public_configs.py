@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from gemma_nb import memory
-from gemma_nb.__main__ import main as cli
+from gemma_nb.cli import main as cli
 from gemma_nb.tools import plan as planner
-from gemma_nb.tools.plan_input import read_config
+from gemma_nb.tools.plan import read_config
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Billions of parameters, as published (towers included where the model has them).

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from gemma_nb.__main__ import build_parser
+from gemma_nb.cli import build_parser
 from gemma_nb.hardware import INSTANCES
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
@@ -57,18 +57,17 @@ def _commands(text):
     return [shlex.split(re.sub(r"<[^>]+>", "x", line.split("#")[0])) for line in lines]
 
 
-def test_every_command_in_the_runbook_exists():
-    from gemma_nb.serving.serve import build_parser as serve_parser
+def test_every_command_in_the_runbook_exists(monkeypatch):
+    from gemma_nb.tools import plan_input
 
+    # plan reads its config as it parses; the runbook's folders are on the box, not here
+    monkeypatch.setattr(plan_input, "read_raw_config", lambda path: path)
     commands = _commands(runbook.render())
     assert {c[0] for c in commands} == {"preflight", "run", "plan", "serve"}
     parser = build_parser()
     for argv in commands:
-        if argv[0] == "serve":
-            serve_parser().parse_args(argv[1:])
-        else:
-            args, rest = parser.parse_known_args(argv)
-            assert not rest, f"unknown arguments {rest} in: python -m gemma_nb {' '.join(argv)}"
+        args, rest = parser.parse_known_args(argv)
+        assert not rest, f"unknown arguments {rest} in: python -m gemma_nb {' '.join(argv)}"
 
 
 def test_runbook_notebook_parameters_exist():

@@ -64,7 +64,7 @@ def test_select_by_number_and_unknown_selector(notebooks):
     assert [p.stem for p in runner.select_notebooks(found, "2")] == ["02_second"]
     assert [p.stem for p in runner.select_notebooks(found, "02,01")] == ["01_first", "02_second"]
     with pytest.raises(
-        runner.RunError, match="'07' matches no notebook; available: 01_first, 02_second"
+        ValueError, match="'07' matches no notebook; available: 01_first, 02_second"
     ):
         runner.select_notebooks(found, "07")
 
@@ -142,7 +142,7 @@ def test_unknown_parameter_names_the_closest_known_one(parameterised, tmp_path):
         "artifact_dir",
     ]
     with pytest.raises(
-        runner.RunError,
+        ValueError,
         match=r"-p contxt_len: no selected notebook has a parameter 'contxt_len' "
         r"\(did you mean 'context_len'\?\); they take: artifact_dir, context_len, model_id",
     ):
@@ -156,12 +156,12 @@ def test_unknown_parameter_names_the_closest_known_one(parameterised, tmp_path):
 
 
 def test_cli_refuses_a_typo_and_an_empty_only(capsys):
-    from gemma_nb.__main__ import main
+    from gemma_nb.cli import main
 
-    assert main(["run", "--only", "01", "-p", "contxt_len", "5"]) == 1
+    assert main(["run", "--only", "01", "-p", "contxt_len", "5"]) == 2
     assert "did you mean 'context_len'?" in capsys.readouterr().err
     for only in (",", "", " , "):
-        assert main(["run", "--only", only]) == 1
+        assert main(["run", "--only", only]) == 2
         assert "names no notebook" in capsys.readouterr().err
 
 

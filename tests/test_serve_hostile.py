@@ -9,7 +9,10 @@ or the model; the body-limit test runs ``python -m gemma_nb serve`` itself and w
 import contextlib
 import http.client
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +24,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gemma_nb.endpoint import local_server, wait_until_healthy
+from gemma_nb.cli import main as cli
+from gemma_nb.endpoint import free_port, local_server, wait_until_healthy
 from gemma_nb.modelio import load_model
 from gemma_nb.serving import app as served
-from gemma_nb.serving import serve
 from gemma_nb.serving.backends import TransformersRuntime
 from gemma_nb.tiny import BUNDLED_ID
 
@@ -276,8 +279,9 @@ def _server_process(port: int) -> psutil.Process:
 
 
 def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
-    """The issue's check on a real ``python -m gemma_nb serve``: 10 and 50 MB bodies, then RSS."""
-    with local_server(runtime="transformers", extra_args=("--queue-size", "2")) as base_url:
+    """The issue's check on a real ``python -m gemma_nb serve``: 10 and 50 MB bodies, then RSS;
+    under the limit, three 3.9 MB prompts and 1.9 million token ids are refused untokenized."""
+    with local_server(runtime="transformers", extra_args=("--queue-size", "4")) as base_url:
         root = base_url.removesuffix("/v1")
         process = _server_process(int(root.rsplit(":", 1)[1]))
         httpx.get(root + "/health")
@@ -318,28 +322,47 @@ def test_4_large_bodies_get_413_at_once_and_leave_no_memory_behind():
             error_of(response, 413)
             figures.append(("10 MB chunked", time.perf_counter() - started))
             rss_after_mb = process.memory_info().rss / 1e6
-            # Under the limit, a 2.1 MB prompt is tokenized (seconds of CPU) off the event loop.
-            started = time.perf_counter()
-            response = httpx.post(
-                base_url + "/completions", json={"prompt": "France " * 300_000}, timeout=60
-            )
-            assert error_of(response, 400, "prompt")["code"] == "context_length_exceeded"
-            tokenize_s = time.perf_counter() - started
+            # Under the limit: bounded against the context before they are tokenized or checked.
+            prompts = [
+                ("/completions", {"prompt": "France " * 557_000}, "prompt"),
+                (
+                    "/chat/completions",
+                    {"messages": [{"role": "user", "content": "Paris " * 650_000}]},
+                    "messages",
+                ),
+                ("/generate", {"prompt": "Lyon " * 780_000}, "prompt"),
+                ("/completions", {"prompt": [1] * 1_900_000}, "prompt"),
+            ]
+
+            def refused(case) -> float:
+                path, body, param = case
+                content = json.dumps(body, separators=(",", ":")).encode()
+                assert 3_800_000 < len(content) < served.DEFAULT_MAX_BODY_BYTES
+                started = time.perf_counter()
+                url = root + path if path == "/generate" else base_url + path
+                response = httpx.post(url, content=content, timeout=60)
+                assert error_of(response, 400, param)["code"] == "context_length_exceeded"
+                return time.perf_counter() - started
+
+            with ThreadPoolExecutor(4) as pool:
+                bounded_s = list(pool.map(refused, prompts))
         finally:
             stop.set()
             poller.join(timeout=10)
-        rss_tokenized_mb = process.memory_info().rss / 1e6
+        rss_bounded_mb = process.memory_info().rss / 1e6
         for name, seconds in figures:
             print(f"{name}: 413 in {seconds:.3f} s")
-        print(f"2.1 MB prompt tokenized and refused (context) in {tokenize_s:.2f} s")
+        print(f"3.9 MB prompts and token ids refused (context) in {max(bounded_s):.2f} s at most")
         print(f"/health during all that: {len(health_ms)} polls, slowest {max(health_ms):.1f} ms")
         print(
             f"server RSS: {rss_before_mb:.0f} MB before, {rss_after_mb:.0f} MB after the 413s, "
-            f"{rss_tokenized_mb:.0f} MB after tokenizing 2.1 MB (not asserted)"
+            f"{rss_bounded_mb:.0f} MB after the four 3.9 MB prompts"
         )
         assert all(seconds < 1.0 for _, seconds in figures), figures
+        assert max(bounded_s) < 5.0, bounded_s
         assert health_ms and max(health_ms) < 1000
         assert rss_after_mb - rss_before_mb < 100
+        assert rss_bounded_mb - rss_before_mb < 150
         reply = httpx.post(
             base_url + "/completions",
             json={"prompt": "The capital of France is", "temperature": 0, "max_tokens": 4},
@@ -496,15 +519,16 @@ def test_5_slot_watchdog_counts_overdue_slots(serve_in_thread, slowed, runtime):
 
 
 def test_5_startup_fails_fast(tmp_path, capsys):
-    assert serve.main(["--model-id", "/nonexistent", "--runtime", "transformers"]) == 2
+    assert cli(["serve", "--model-id", "/nonexistent", "--runtime", "transformers"]) == 2
     assert "--model-id /nonexistent: no such folder" in capsys.readouterr().err
-    assert serve.main(["--artifact", str(tmp_path / "missing")]) == 2
+    assert cli(["serve", "--artifact", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
     # A folder that exists but holds no model: the server starts, the load fails, the process ends.
     started = time.perf_counter()
     assert (
-        serve.main(
+        cli(
             [
+                "serve",
                 "--model-id",
                 str(tmp_path),
                 "--runtime",
@@ -713,3 +737,96 @@ def test_admission_comes_before_the_body_is_parsed_or_tokenized(serve_in_thread,
         ] == "queue_full"
         assert runtime.tokenizer.calls == calls  # nothing was tokenized
         holder.join(timeout=30)
+
+
+# ---------------------------------------------------------------- the key before a queue place,
+# bounds before tokenizing, short errors, OpenAI's nulls
+
+
+def test_keyless_clients_trickling_bodies_hold_no_queue_place(serve_in_thread, runtime):
+    """4 clients without the key send `{` and trickle, at --queue-size 2: each gets 401 before its
+    body, so the authorized request is served."""
+    key = "k" * 24
+    app = served.create_app(
+        runtime, model_name=BUNDLED_ID, queue_size=2, api_key=key, body_timeout_s=10
+    )
+    with serve_in_thread(app) as root:
+        wait_until_healthy(root + "/v1", timeout_s=60)
+        host, port = root.removeprefix("http://").split(":")
+        trickling = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+        try:
+            for sock in trickling:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+                )
+            for sock in trickling:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+            authorized = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+            reply = post(root, "/v1/completions", VALID["/v1/completions"], headers=authorized)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == " Paris ."
+        finally:
+            for sock in trickling:
+                sock.close()
+
+
+def test_a_megabyte_unknown_field_gets_a_short_error(server):
+    name = "x" * 1_000_000
+    response = post(server, "/v1/completions", {**VALID["/v1/completions"], name: 1})
+    assert len(response.content) < 1_000
+    error = error_of(response, 400)
+    assert error["code"] == "unknown_parameter" and error["message"].startswith("unknown field 'xx")
+    assert error["param"] == "x" * 40 + "..."
+
+
+def test_null_sampling_fields_are_their_defaults(server):
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "stream", "ignore_eos"))
+    for path, body in VALID.items():
+        response = post(server, path, {**body, **{k: None for k in nulls if k != "stream"}})
+        assert response.status_code == 200, response.text
+    chat = post(server, "/v1/chat/completions", {**VALID["/v1/chat/completions"], **nulls})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    generated = post(server, "/generate", {**VALID["/generate"], "temperature": None})
+    assert generated.json()["text"] == " Paris ."  # /generate's default: greedy
+
+
+# ---------------------------------------------------------------- a clean stop
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_streams_with_an_error_event_and_queued_requests_with_a_503(stop):
+    port = free_port()
+    command = [sys.executable, "-m", "gemma_nb", "serve", "--runtime", "transformers"]
+    command += ["--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    root, answers = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_until_healthy(root + "/v1", 120, process)
+        long = {"prompt": "The capital of France is", "max_tokens": 500, "ignore_eos": True}
+
+        def stream():
+            with httpx.stream(
+                "POST", root + "/v1/completions", json={**long, "stream": True}, timeout=60
+            ) as response:
+                answers["stream"] = [line for line in response.iter_lines() if line]
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        while metric(root, "gemma_nb_generated_tokens_total") < 1:
+            time.sleep(0.02)
+        queued = threading.Thread(
+            target=lambda: answers.update(queued=post(root, "/generate", long))
+        )
+        queued.start()
+        while metric(root, "gemma_nb_queue_depth") < 2:
+            time.sleep(0.02)
+        process.send_signal(stop)
+        streaming.join(timeout=30)
+        queued.join(timeout=30)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    last = json.loads(answers["stream"][-1].removeprefix("data: "))
+    assert last["error"]["code"] == "shutting_down" and "data: [DONE]" not in answers["stream"]
+    assert error_of(answers["queued"], 503)["code"] == "shutting_down"

@@ -26,7 +26,17 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 
+from gemma_nb.cli import (
+    API_KEY_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS_CAP,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_SLOT_WATCHDOG_S,
+)
 from gemma_nb.serving import schema
 from gemma_nb.serving.backends import (
     Generation,
@@ -35,19 +45,23 @@ from gemma_nb.serving.backends import (
     Step,
     chat_prompt_ids,
     generate,
+    message_texts,
 )
 from gemma_nb.serving.schema import APIError, error_response
 
-API_KEY_ENV = "GEMMA_NB_API_KEY"
-DEFAULT_QUEUE_SIZE, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS_CAP = 8, 256, 1024
-DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: a 128k-token prompt as text is well under 1 MB
-DEFAULT_BODY_TIMEOUT_S, DEFAULT_SLOT_WATCHDOG_S = 30.0, 900.0
 MAX_HEAD_BYTES = 16 * 1024
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 ENDPOINTS = (*GENERATION_PATHS, "/v1/models", "/health", "/metrics")
 RETRY_AFTER_S, CPU_WORKERS, WAIT_POLL_S = 1, 2, 0.1
 CLOSE = {"Connection": "close"}
+STARLETTE_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "body_too_large",
+}
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ERRORS = {
     status: {"model": schema.ErrorBody, "description": why}
     for status, why in (
@@ -58,7 +72,7 @@ ERRORS = {
         (413, "body too large"),
         (415, "body not JSON"),
         (429, "queue full; see Retry-After"),
-        (503, "model loading, or it failed to load"),
+        (503, "model loading, or it failed to load, or the server is stopping"),
     )
 }
 STREAMED = {
@@ -83,80 +97,48 @@ log = logging.getLogger("gemma_nb.serve")
 
 
 class ServerMetrics:
+    """The server's Prometheus metrics, ``gemma_nb_*``, in a registry of its own."""
+
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "gemma_nb_requests",
-            "HTTP responses by endpoint and status",
-            ["endpoint", "status"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"gemma_nb_{name}", doc, labels, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"gemma_nb_{name}", doc, registry=r)
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(f"gemma_nb_{name}_seconds", doc, buckets=SECONDS, registry=r)
+
+        self.requests = counter(
+            "requests", "HTTP responses by endpoint and status", "endpoint", "status"
         )
-        self.refused = Counter(
-            "gemma_nb_http_refused",
+        self.refused = counter(
+            "http_refused",
             "refused by uvicorn: malformed (400), over --limit-concurrency (503)",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.prompt_tokens = Counter(
-            "gemma_nb_prompt_tokens", "prompt tokens prefilled", registry=r
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
+        self.generated_tokens = counter("generated_tokens", "tokens generated (sampled)")
+        self.disconnects = counter(
+            "client_disconnects", "requests given up because the client left"
         )
-        self.generated_tokens = Counter(
-            "gemma_nb_generated_tokens", "tokens generated (sampled)", registry=r
+        self.ttft = seconds("time_to_first_token", "request arrival to first token")
+        self.itl = seconds("time_per_output_token", "time between consecutive tokens")
+        self.queue_depth = gauge(
+            "queue_depth", "requests admitted and not finished (the generating one included)"
         )
-        self.disconnects = Counter(
-            "gemma_nb_client_disconnects", "requests given up because the client left", registry=r
+        self.queue_capacity = gauge(
+            "queue_capacity", "most requests admitted at once (--queue-size)"
         )
-        seconds = (
-            0.001,
-            0.0025,
-            0.005,
-            0.01,
-            0.025,
-            0.05,
-            0.1,
-            0.25,
-            0.5,
-            1,
-            2.5,
-            5,
-            10,
-            30,
-            60,
-            120,
+        self.slots_overdue = gauge(
+            "slots_overdue", "queue slots held longer than --slot-watchdog-s: a hung request"
         )
-        self.ttft = Histogram(
-            "gemma_nb_time_to_first_token_seconds",
-            "request arrival to first token",
-            buckets=seconds,
-            registry=r,
+        self.oldest_slot = gauge(
+            "oldest_slot_seconds", "age of the oldest held queue slot (0 if none)"
         )
-        self.itl = Histogram(
-            "gemma_nb_time_per_output_token_seconds",
-            "time between consecutive tokens",
-            buckets=seconds,
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "gemma_nb_queue_depth",
-            "requests admitted and not finished (the generating one included)",
-            registry=r,
-        )
-        self.queue_capacity = Gauge(
-            "gemma_nb_queue_capacity", "most requests admitted at once (--queue-size)", registry=r
-        )
-        self.slots_overdue = Gauge(
-            "gemma_nb_slots_overdue",
-            "queue slots held longer than --slot-watchdog-s: a hung request",
-            registry=r,
-        )
-        self.oldest_slot = Gauge(
-            "gemma_nb_oldest_slot_seconds",
-            "age of the oldest held queue slot (0 if none)",
-            registry=r,
-        )
-        self.ready = Gauge(
-            "gemma_nb_model_ready", "1 once the model is loaded and warmed up", registry=r
-        )
+        self.ready = gauge("model_ready", "1 once the model is loaded and warmed up")
 
 
 class Engine:
@@ -171,20 +153,15 @@ class Engine:
         on_load_failure: Callable[[str], None] | None,
     ):
         assert queue_size >= 1, "queue_size counts the generating request"
-        self._load, self.metrics, self.queue_size = load, (metrics := ServerMetrics()), queue_size
-        self.model_name, self.names, self.max_tokens, self.created = (
-            model_name,
-            {model_name, *aliases},
-            max_tokens,
-            int(time.time()),
-        )
-        self._on_load_failure, self.runtime, self.vocab_size, self.status, self.error = (
-            on_load_failure,
-            None,
-            None,
-            "loading",
-            None,
-        )
+        self._load, self._on_load_failure = load, on_load_failure
+        self.metrics = metrics = ServerMetrics()
+        self.queue_size, self.max_tokens = queue_size, max_tokens
+        self.model_name, self.names = model_name, {model_name, *aliases}
+        self.created = int(time.time())
+        self.status = "loading"
+        self.runtime = self.vocab_size = self.error = None
+        self.max_prompt_tokens = self.max_prompt_chars = None  # known once the model is
+        self.stopping = False  # SIGINT or SIGTERM: end what runs, answer what waits
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemma-nb-device")
         self.cpu = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="gemma-nb-cpu")
         self._turn, self.slots = asyncio.Lock(), {}  # slots: admitted request -> since when
@@ -200,6 +177,11 @@ class Engine:
             runtime = self._load()
             ids = list(runtime.tokenizer("warm up")["input_ids"])
             self.vocab_size = int(runtime.prefill(ids).numel())  # the ids a prompt may hold
+            longest = getattr(runtime, "max_prompt_tokens", None) or runtime.max_context
+            self.max_prompt_tokens = min(runtime.max_context - 1, longest)
+            # no token spells more characters than the longest piece of the vocabulary
+            piece = max(map(len, runtime.tokenizer.get_vocab()))
+            self.max_prompt_chars = self.max_prompt_tokens * piece
             generate(runtime, ids, max_tokens=2, ignore_eos=True)
             self.runtime, self.status = runtime, "ok"
             self.metrics.ready.set(1)
@@ -213,6 +195,17 @@ class Engine:
     async def on_cpu(self, fn: Callable, *args):  # tokenizing stays off the event loop
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
+    def check_characters(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that no tokenization fits into a prompt."""
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt has {chars:,} characters; {self.max_prompt_tokens} tokens of this "
+                f"model spell at most {self.max_prompt_chars:,}: shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     async def _wait_turn(self, request: Request) -> bool:
         """Wait in line for the device; False, with the place given up, if the client leaves
         first."""
@@ -220,7 +213,7 @@ class Engine:
         try:
             while not got:
                 got = bool((await asyncio.wait([acquire], timeout=WAIT_POLL_S))[0])
-                if not got and await request.is_disconnected():
+                if not got and (self.stopping or await request.is_disconnected()):
                     return False
             return True
         finally:
@@ -235,7 +228,12 @@ class Engine:
         try:
             turn = await self._wait_turn(request)
             self.metrics.prompt_tokens.inc(len(generation.prompt_ids) if turn else 0)
-            while turn and generation.finish_reason is None and not await request.is_disconnected():
+            while (
+                turn
+                and generation.finish_reason is None
+                and not self.stopping
+                and not await request.is_disconnected()
+            ):
                 step = await asyncio.get_running_loop().run_in_executor(
                     self.device, generation.step
                 )
@@ -246,8 +244,10 @@ class Engine:
                 previous = now
                 self.metrics.generated_tokens.inc()
                 yield step
-        except Exception:
-            failed = True
+            if generation.finish_reason is None:  # the server stops, or the client left
+                raise shutting_down() if self.stopping else ClientDisconnect()
+        except Exception as error:
+            failed = not isinstance(error, ClientDisconnect)
             raise
         finally:
             # unfinished and not failed: the client left while waiting or between tokens
@@ -286,11 +286,7 @@ class Engine:
     def generation(
         self, body, runtime: Runtime, ids: list[int], max_tokens: int | None, param: str, **options
     ) -> Generation:
-        context, count, longest = (
-            runtime.max_context,
-            len(ids),
-            getattr(runtime, "max_prompt_tokens", None),
-        )
+        context, count = runtime.max_context, len(ids)
         if count == 0:
             raise APIError(
                 400,
@@ -298,15 +294,11 @@ class Engine:
                 param=param,
                 code="empty_prompt",
             )
-        if count >= context or (longest is not None and count > longest):
-            where = (
-                f"the context holds {context}"
-                if count >= context
-                else f"the deployed prefill takes at most {longest}"
-            )
+        if count > self.max_prompt_tokens:  # the context, or the deployed prefill, holds no more
             raise APIError(
                 400,
-                f"the prompt has {count} tokens; {where}: shorten it",
+                f"the prompt has {count} tokens; at most {self.max_prompt_tokens} fit (the context "
+                f"holds {context}): shorten it",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -334,14 +326,12 @@ class Engine:
     ):
         """OpenAI's answer: one JSON object, or with ``stream`` server-sent chunks, one per
         token."""
-        base, usage = (
-            {
-                "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "created": int(time.time()),
-                "model": self.model_name,
-            },
-            body.stream_options or schema.StreamOptions(),
-        )
+        usage = body.stream_options or schema.StreamOptions()
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         if not body.stream:
             async for _ in self.steps(request, generation, arrival):  # run out, it closes itself
                 pass
@@ -395,24 +385,17 @@ class Engine:
                     async for step in steps:
                         # one chunk per token, even without text
                         yield chunk(step.text, step.finish_reason)
-                if generation.finish_reason is not None:
-                    yield (
-                        _sse({**base, "choices": [], "usage": generation.usage()})
-                        if usage.include_usage
-                        else ""
-                    )
-                    yield "data: [DONE]\n\n"
+                if usage.include_usage:
+                    yield _sse({**base, "choices": [], "usage": generation.usage()})
+                yield "data: [DONE]\n\n"
+            except ClientDisconnect:
+                return  # nobody to tell
             except Exception as error:  # the stream has started: report in-band, then end it
-                log.exception("generation failed")
-                yield _sse(
-                    {
-                        "error": {
-                            "message": f"generation failed ({type(error).__name__}); see the "
-                            "server log",
-                            "type": "server_error",
-                        }
-                    }
-                )
+                if not isinstance(error, APIError):  # an APIError here: the server stops
+                    log.exception("generation failed")
+                    message = f"generation failed ({type(error).__name__}); see the server log"
+                    error = APIError(500, message, "server_error")
+                yield f"data: {error.response().body.decode()}\n\n"
 
         return StreamingResponse(
             events(),
@@ -423,16 +406,13 @@ class Engine:
 
 class Gate:
     """The one middleware, before the body is read: a head over 16 KiB (431), Content-Length with
-    Transfer-Encoding (400), a declared body over the limit (413), a full queue (429); then the body
-    bounded in size (413) and time (408)."""
+    Transfer-Encoding (400), a declared body over the limit (413), no API key (401, before a queue
+    place: keyless clients hold none), a full queue (429); then the body bounded in size (413) and
+    time (408)."""
 
-    def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float):
-        self.app, self.engine, self.max_body_bytes, self.body_timeout_s = (
-            app,
-            engine,
-            max_body_bytes,
-            body_timeout_s,
-        )
+    def __init__(self, app, engine: Engine, max_body_bytes: int, body_timeout_s: float, key_check):
+        self.app, self.engine, self.key_check = app, engine, key_check
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -447,7 +427,7 @@ class Gate:
             await send(message)
 
         queued = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
-        if (refusal := self._refusal(scope, queued)) is not None:
+        if (refusal := await self._refusal(scope, queued)) is not None:
             return await refusal(scope, receive, counted)
         slot, slots = object(), self.engine.slots
         if queued:
@@ -466,7 +446,7 @@ class Gate:
         finally:
             slots.pop(slot, None)
 
-    def _refusal(self, scope, queued: bool) -> Response | None:
+    async def _refusal(self, scope, queued: bool) -> Response | None:
         headers = dict(scope["headers"])
         head = (
             len(scope["raw_path"])
@@ -497,6 +477,12 @@ class Gate:
                 code="body_too_large",
                 headers=CLOSE,
             )
+        if queued and self.key_check is not None:
+            require_key, bearer = self.key_check
+            try:
+                await require_key(await bearer(Request(scope)))
+            except APIError as error:
+                return error.response()
         if queued and len(engine.slots) >= engine.queue_size:
             return error_response(
                 429,
@@ -534,17 +520,24 @@ class Gate:
         return bounded
 
 
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down (SIGINT or SIGTERM); send the request again once it is back",
+        "service_unavailable",
+        code="shutting_down",
+    )
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _key_check(api_key: str) -> list:
-    bearer, key = (
-        HTTPBearer(
-            auto_error=False, description=f"the key the server was started with ({API_KEY_ENV})"
-        ),
-        api_key.encode(),
-    )
+def _key_check(api_key: str):
+    """FastAPI's ``HTTPBearer`` and the check of what it reads: a route dependency (documented in
+    /openapi.json), which ``Gate`` also runs before a generation request takes a queue place."""
+    key, described = api_key.encode(), f"the key the server was started with ({API_KEY_ENV})"
+    bearer = HTTPBearer(auto_error=False, description=described)
 
     async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key):
@@ -556,7 +549,7 @@ def _key_check(api_key: str) -> list:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    return [Depends(require_key)]
+    return require_key, bearer
 
 
 def create_app(
@@ -604,16 +597,21 @@ def create_app(
         lifespan=lifespan,
         strict_content_type=False,
     )
-    app.state.metrics = engine.metrics
+    app.state.metrics, app.state.engine = engine.metrics, engine
+    key_check = _key_check(api_key) if api_key else None
     if allowed_hosts is not None:
         app.add_middleware(
             TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False
         )
     app.add_middleware(
-        Gate, engine=engine, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+        Gate,
+        engine=engine,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        key_check=key_check,
     )
     models = [
-        schema.served(m, max_tokens_cap, lambda: engine.vocab_size)
+        schema.served(m, max_tokens_cap, engine)
         for m in (schema.ChatRequest, schema.CompletionRequest, schema.GenerateRequest)
     ]
     fields = {
@@ -630,7 +628,7 @@ def create_app(
         return FastAPI.openapi(app)
 
     app.openapi = openapi
-    keyed = _key_check(api_key) if api_key else []
+    keyed = [Depends(key_check[0])] if key_check else []
     _info_routes(app, engine, keyed, keyed if metrics_need_key else [])
     _generation_routes(app, engine, *models, keyed)
     return app
@@ -642,23 +640,19 @@ def _error_handlers(app: FastAPI, fields: dict) -> None:
     # APIError's, Starlette's own (404, 405)
     @app.exception_handler(HTTPException)
     async def http_error(_request, error: HTTPException):
-        status, codes = (
-            error.status_code,
-            {
-                404: "not_found",
-                405: "method_not_allowed",
-                408: "request_timeout",
-                413: "body_too_large",
-            },
-        )
+        status = error.status_code
         return error_response(
             status,
             str(error.detail),
             getattr(error, "type", "not_found_error" if status == 404 else "invalid_request_error"),
             getattr(error, "param", None),
-            getattr(error, "code", codes.get(status)),
+            getattr(error, "code", STARLETTE_CODES.get(status)),
             headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})},
         )
+
+    @app.exception_handler(ClientDisconnect)  # nobody to answer; counted as nginx logs it
+    async def client_left(_request, _error):
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)  # the request models' errors, naming the field
     async def invalid(request: Request, error: RequestValidationError):
@@ -716,8 +710,12 @@ async def _prompt_ids(engine: Engine, runtime: Runtime, prompt) -> list[int]:
     if isinstance(prompt, list) and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        engine.check_characters(len(prompt), "prompt")
         return list((await engine.on_cpu(runtime.tokenizer, prompt))["input_ids"])
-    bad = next((i for i, t in enumerate(prompt) if t >= engine.vocab_size), None)
+    # as long as the context at most (the request model checked): still, not on the event loop
+    bad = await engine.on_cpu(
+        lambda: next((i for i, t in enumerate(prompt) if t >= engine.vocab_size), None)
+    )
     if bad is not None:
         raise APIError(
             400,
@@ -748,6 +746,7 @@ def _generation_routes(
             }
             for m in body.messages
         ]
+        engine.check_characters(sum(map(len, message_texts(messages))), "messages")
         try:
             ids = await engine.on_cpu(chat_prompt_ids, runtime.tokenizer, messages)
         except ValueError as error:
@@ -777,6 +776,7 @@ def _generation_routes(
     @app.post("/generate", response_model=schema.Generated, responses=ERRORS, dependencies=keyed)
     async def generate(body: Generate, request: Request):
         runtime = engine.ready(body.model)
+        engine.check_characters(len(body.prompt), "prompt")
         ids = list((await engine.on_cpu(runtime.tokenizer, body.prompt))["input_ids"])
         generation = engine.generation(body, runtime, ids, body.max_tokens, "prompt")
         started = time.perf_counter()

@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, DynamicCache, GenerationConfig
 
 from gemma_nb import export
+from gemma_nb.cli import RUNTIMES
 from gemma_nb.embedding import HostEmbedding
 from gemma_nb.modelio import hf_token, load_model, model_skeleton, resolve_model_id
 from gemma_nb.neuron.deploy import slim_deploy
@@ -23,7 +24,6 @@ from gemma_nb.tiny import BUNDLED_ID
 
 # Prompt tokens decoded together with the answer so a word keeps its leading space (" Paris").
 DETOKENIZE_CONTEXT_TOKENS = 4
-RUNTIMES = ("auto", "deploy", "transformers")
 log = logging.getLogger("gemma_nb.serve")
 
 
@@ -40,13 +40,18 @@ class Runtime:
         )
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """A chat's token ids: its chat template, or (a tokenizer without one) the contents joined by
-    newlines."""
-    texts = [
+def message_texts(messages: Sequence[dict]) -> list[str]:
+    """Each message's text: its content, or its text parts joined."""
+    return [
         m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
         for m in messages
     ]
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """A chat's token ids: its chat template, or (a tokenizer without one) the contents joined by
+    newlines."""
+    texts = message_texts(messages)
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer("\n".join(t for t in texts if t))["input_ids"])
     try:
@@ -235,12 +240,8 @@ class _Stepped(Runtime):
 
     def __init__(self, runner, tokenizer, context: int, bucket: int, eos_token_ids=None):
         super().__init__(tokenizer, context, eos_token_ids)
-        self.runner, self.bucket, self.max_prompt_tokens, self._position = (
-            runner,
-            bucket,
-            min(bucket, context - 1),
-            None,
-        )
+        self.runner, self.bucket, self._position = runner, bucket, None
+        self.max_prompt_tokens = min(bucket, context - 1)
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:

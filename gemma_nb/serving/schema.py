@@ -2,12 +2,12 @@
 OpenAI options not implemented here only at their do-nothing value), and OpenAI's error body quoting
 a short excerpt of what was sent."""
 
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
 # only ids a tokenizer could produce; the route checks them against the vocabulary
@@ -45,6 +45,11 @@ class APIError(HTTPException):
         super().__init__(status, message, headers)
         self.type, self.param, self.code = type_, param, code
 
+    def response(self) -> JSONResponse:
+        return error_response(
+            self.status_code, self.detail, self.type, self.param, self.code, self.headers
+        )
+
 
 def excerpt(value: Any, limit: int = 40) -> str:
     """``repr(value)`` cut to ``limit`` characters: errors never echo a whole request back."""
@@ -78,6 +83,12 @@ def _boolean(value):  # 0 is not false
 
 def Int(**limits) -> Any:  # noqa: N802 (a type): an integer within ``limits`` (``ge``, ``le``), documented as such
     return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+def Nullable(kind: type, default, **limits) -> Any:  # noqa: N802 (a type): null is the default, as in OpenAI's API
+    return Annotated[
+        kind | None, Field(**limits), AfterValidator(lambda v: default if v is None else v)
+    ]
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
@@ -168,20 +179,22 @@ _Unsupported = create_model(
 class _Sampling(_Strict):
     model: Text | None = None
     max_tokens: Int(ge=1) | None = Field(None, description="default: the server's --max-tokens")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Int(ge=-1, le=TOKEN_ID_MAX) = Field(0, description="vLLM's; 0 or -1: no top-k")
+    temperature: Nullable(float, 1.0, ge=0, le=2, allow_inf_nan=False) = Field(
+        1.0, description="0 is greedy"
+    )
+    top_p: Nullable(float, 1.0, gt=0, le=1, allow_inf_nan=False) = 1.0
+    top_k: Nullable(Int(ge=-1, le=TOKEN_ID_MAX), 0) = Field(0, description="vLLM's; 0 or -1: none")
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
     seed: Int() | None = Field(
         None, description="any integer; its value modulo 2**64 seeds the sampler"
     )
-    ignore_eos: bool = Field(
+    ignore_eos: Nullable(bool, False) = Field(
         False, description="vLLM's: generate past the end-of-sequence token, up to max_tokens"
     )
 
 
 class _OpenAIRequest(_Sampling, _Unsupported):
-    stream: bool = False
+    stream: Nullable(bool, False) = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="accepted, not used")
 
@@ -193,8 +206,10 @@ class ChatRequest(_OpenAIRequest):
     )
 
 
-def _prompt(**token_id) -> Any:  # text, token ids, or one text in a list
-    token_ids = Annotated[list[Int(ge=0, le=TOKEN_ID_MAX, **token_id)], Field(min_length=1)]
+def _prompt(*checks, **token_id) -> Any:  # text, token ids, or one text in a list
+    token_ids = Annotated[
+        list[Int(ge=0, le=TOKEN_ID_MAX, **token_id)], Field(min_length=1), *checks
+    ]
     return NonEmpty | token_ids | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
 
 
@@ -204,16 +219,14 @@ class CompletionRequest(_OpenAIRequest):
 
 class GenerateRequest(_Sampling):
     prompt: NonEmpty
-    temperature: float = Field(
-        0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 (the default) is greedy"
+    temperature: Nullable(float, 0.0, ge=0, le=2, allow_inf_nan=False) = Field(
+        0.0, description="0 (the default) is greedy"
     )
 
 
-def served(
-    model: type[BaseModel], cap: int, vocab_size: Callable[[], int | None]
-) -> type[BaseModel]:
-    """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids documented up to
-    the vocabulary."""
+def served(model: type[BaseModel], cap: int, engine) -> type[BaseModel]:
+    """``model`` as one server takes it: ``max_tokens`` up to ``cap``, token ids up to
+    ``engine.max_prompt_tokens`` of them, documented up to ``engine.vocab_size``."""
     fields = {
         name: (
             Int(ge=1, le=cap) | None,
@@ -225,10 +238,20 @@ def served(
     if model is CompletionRequest:
 
         def bound(json_schema: dict) -> None:
-            if vocab_size():
-                json_schema["maximum"] = vocab_size() - 1
+            if engine.vocab_size:
+                json_schema["maximum"] = engine.vocab_size - 1
 
-        fields["prompt"] = (_prompt(json_schema_extra=bound), ...)
+        def short_enough(ids):  # before each id is read: a long list costs the server nothing
+            most = engine.max_prompt_tokens
+            if isinstance(ids, list) and most is not None and len(ids) > most:
+                raise PydanticCustomError(
+                    "context_length_exceeded",
+                    "{count} token ids; a prompt holds at most {most}: shorten it",
+                    {"count": len(ids), "most": most},
+                )
+            return ids
+
+        fields["prompt"] = (_prompt(BeforeValidator(short_enough), json_schema_extra=bound), ...)
     return create_model(model.__name__, __base__=model, **fields)
 
 
@@ -273,6 +296,8 @@ Generated = create_model(
 ModelCard = create_model("ModelCard", id=str, object=Literal["model"], created=int, owned_by=str)
 ModelList = create_model("ModelList", object=Literal["list"], data=list[ModelCard])
 Health = create_model("Health", status=Literal["ok", "loading", "error"], error=(str | None, None))
+# Errors that say the most (a list of two prompts, too many token ids), whatever else failed.
+SAYS_MOST = ("too_long", "too_short", "context_length_exceeded")
 _FIELD_NAMES = frozenset(
     name
     for model in (
@@ -302,10 +327,8 @@ def validation_error(
             "application/json')",
             code="unsupported_media_type",
         )
-    # A list too long or short says the most (a list of two prompts); max keeps the first of equals.
-    first = max(
-        error.errors(), key=lambda p: (p["type"] in ("too_long", "too_short"), len(p["loc"]))
-    )
+    # max keeps the first of equals
+    first = max(error.errors(), key=lambda p: (p["type"] in SAYS_MOST, len(p["loc"])))
     kind, loc = first["type"], first["loc"]
     # ("body", "messages", 0, "content", "str") names "messages.0.content": pydantic's union tags
     # dropped
@@ -323,13 +346,16 @@ def validation_error(
             param=param,
             code="missing_parameter",
         )
-    if kind == "extra_forbidden":
-        param = ".".join(str(p) for p in loc[1:])
+    if kind == "extra_forbidden":  # the name only as an excerpt: it may be a megabyte long
+        name = ".".join(str(p) for p in loc[1:])
         known = (
             f"; this endpoint takes {', '.join(sorted(fields))}" if fields and len(loc) == 2 else ""
         )
         return APIError(
-            400, f"unknown field '{param}'{known}", param=param, code="unknown_parameter"
+            400,
+            f"unknown field {excerpt(name)}{known}",
+            param=name if len(name) <= 40 else name[:40] + "...",
+            code="unknown_parameter",
         )
     if len(loc) > 1 and loc[1] in UNSUPPORTED:
         return APIError(
@@ -344,5 +370,5 @@ def validation_error(
         400,
         f"{param or 'body'}: {message} (got {excerpt(first.get('input'))})",
         param=param,
-        code="invalid_value",
+        code=kind if kind == "context_length_exceeded" else "invalid_value",
     )

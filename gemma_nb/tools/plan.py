@@ -3,54 +3,65 @@ decode, for how much? Notebook 01's memory planner for any ``config.json`` (no w
 per rank, each instance's verdict, its decode roofline and $ per million tokens, and host RAM and
 disk scaled from the port's measured builds."""
 
-import argparse
 import json
-import math
 import sys
-from pathlib import Path
+
+import torch
+from transformers import AutoModel
 
 from gemma_nb import decode_roofline, memory
+from gemma_nb.cli import DEFAULT_SCHEME, DEFAULT_TP
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
-from gemma_nb.tools.plan_input import read_config
+from gemma_nb.tools.plan_input import PlanInput, mla_notes, quantization_notes, read_raw_config
 
 # the last make rehearse's record, committed
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"
-
-DEFAULT_TP, DEFAULT_SCHEME, NEURON_DEVICE = 2, "int8_squeeze", "neuroncore_v2"
-FITS, MARGINAL, NO_FIT = "fits", "marginal", "does not fit"
-EXIT_CODES = {FITS: 0, NO_FIT: 1, MARGINAL: 3}  # 2: bad input
-# The keys --json prints, in order; the README's "Will it fit?" says what each holds.
-JSON_KEYS = (
-    "config",
-    "model_class",
-    "scheme",
-    "tp",
-    "context_len",
-    "budget",
-    "instance",
-    "fits",
-    "verdict",
-    "total_bytes_per_rank",
-    "total_gb_per_rank",
-    "budget_gb_per_core",
-    "headroom_gb",
-    "headroom_gb_if_low",
-    "groups",
-    "params",
-    "notes",
-    "kv_cache_gb_per_rank",
-    "runtime_allowance_gb",
-    "runtime_allowance",
-    "host",
-    "decode",
-    "instances",
-    "cheapest_fit",
-    "advice",
-)
+NEURON_DEVICE = "neuroncore_v2"
+FITS, MARGINAL, NO_FIT, NOT_LOADABLE = "fits", "marginal", "does not fit", "not loadable"
+EXIT_CODES = {FITS: 0, NO_FIT: 1, NOT_LOADABLE: 1, MARGINAL: 3}  # 2: bad input
 # Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
 NXD_FORMATS = ("bf16", "fp32", "int8", "fp8")
+
+
+def read_config(source) -> PlanInput:
+    """The planner's view of a config (a path, or ``read_raw_config``'s result): a multimodal
+    one's text model, its towers counted apart; ValueError saying what to pass."""
+    raw = (source if hasattr(source, "raw") else read_raw_config(source)).raw
+    full = memory.load_config(raw)
+    text = full.get_text_config()
+    memory.check_causal_lm_config(text)
+    notes = [*mla_notes(text), *quantization_notes(raw)]
+    if text is full:
+        return PlanInput(text, 0, tuple(notes))
+    with torch.device("meta"):  # the towers: vision, audio, projectors
+        towers = sum(p.numel() for p in AutoModel.from_config(full).parameters()) - sum(
+            p.numel() for p in AutoModel.from_config(text).parameters()
+        )
+    if towers:
+        names = ", ".join(
+            key
+            for key, value in full.to_dict().items()
+            if key.endswith("_config") and key != "text_config" and isinstance(value, dict)
+        )
+        notes.append(
+            f"{names or 'its non-text modules'}: a multimodal config ({type(full).__name__}). "
+            f"The plan is its language model ({type(text).__name__}) alone, as a text-only "
+            f"deploy loads it; the towers and projector, {towers / 1e9:.3f}B parameters, are "
+            "left out of every byte below and counted in params.towers."
+        )
+    return PlanInput(text, towers, tuple(notes))
+
+
+def unloadable(scheme: str) -> str | None:
+    """Why NxD cannot load ``scheme`` on an inf2 (None: it can)."""
+    sch = memory.get_scheme(scheme)
+    formats = sorted({sch.dtype(g) for g in memory.GROUPS} - set(NXD_FORMATS))
+    if not formats:
+        return None
+    loadable = ", ".join(NXD_FORMATS)
+    return f"NxD loads {loadable} weights on inf2, not {', '.join(formats)} (notebook 02)"
 
 
 def _bf16_weight_bytes(config) -> int:
@@ -230,9 +241,11 @@ def _decode_basis(costs, rows: list[dict]) -> dict:
             str(b): decode_roofline.expected_distinct_experts(costs.num_experts, costs.top_k, b)
             for b in batches
         },
-        "basis": "bandwidth roofline: a step reads the non-expert weights once, the routed "
-        "experts in full (dense) or their expected distinct count (sparse), and every "
-        "stream's KV cache; no faster than max(bytes / bandwidth, FLOPs / bf16 peak) per "
+        "measured_tok_s": CLAIMS["decode_tok_s"].value,
+        "measured": "the port's 26B with dense experts on inf2.xlarge, batch 1 (its write-up)",
+        "basis": "upper bounds, from a bandwidth roofline: a step reads the non-expert weights "
+        "once, the routed experts in full (dense) or their expected distinct count (sparse), and "
+        "every stream's KV cache; no faster than max(bytes / bandwidth, FLOPs / bf16 peak) per "
         "NeuronCore",
     }
 
@@ -249,8 +262,8 @@ def plan_report(
     notes=(),
     towers_params: int = 0,
 ) -> dict:
-    """The plan as a dict with the keys in ``JSON_KEYS``, judged on ``instance`` (default: the
-    cheapest that fits)."""
+    """The plan as a dict with the keys the README lists (``--json``), judged on ``instance``
+    (default: the cheapest that fits)."""
     if instance is not None:
         get_instance(instance)
     allowance = allowance or memory.inferred_runtime_allowance()
@@ -262,6 +275,9 @@ def plan_report(
         _instance_row(the_plan, costs, inst, scheme, tp, budget, allowance)
         for inst in INSTANCES.values()
     ]
+    if why_not := unloadable(scheme):  # whatever the bytes, the box cannot run it
+        for row in rows:
+            row.update(fits=False, verdict=NOT_LOADABLE, reason=why_not)
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["usd_per_hour"])
     marginal = min(
         (row for row in rows if row["verdict"] == MARGINAL),
@@ -282,7 +298,7 @@ def plan_report(
         "budget": budget,
         "instance": chosen.get("instance"),
         "fits": bool(chosen.get("fits")),
-        "verdict": chosen.get("verdict", NO_FIT),
+        "verdict": chosen.get("verdict", NOT_LOADABLE if why_not else NO_FIT),
         "total_bytes_per_rank": the_plan.total_bytes,
         "total_gb_per_rank": the_plan.total_gb,
         "budget_gb_per_core": chosen.get("budget_gb"),
@@ -312,17 +328,8 @@ def plan_report(
 
 def _groups(the_plan) -> dict:
     """Each weight group's dtype, placement, parameters and bytes (per rank, on the host)."""
-    return {
-        group: {
-            "dtype": row["dtype"],
-            "placement": row["placement"],
-            "params": int(row["params"]),
-            "bytes_per_rank": int(row["bytes_per_rank"]),
-            "gb_per_rank": row["bytes_per_rank"] / GB,
-            "host_bytes": int(row["host_bytes"]),
-        }
-        for group, row in the_plan.table.set_index("group").iterrows()
-    }
+    columns = ["dtype", "placement", "params", "bytes_per_rank", "gb_per_rank", "host_bytes"]
+    return the_plan.table.set_index("group")[columns].to_dict("index")
 
 
 def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowance) -> str:
@@ -330,24 +337,14 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     none does."""
     most_cores = max(inst.neuron_cores for inst in INSTANCES.values())
     degrees = memory.valid_tp_degrees(config, most_cores)
-    schemes = [
-        name
-        for name, sch in memory.SCHEMES.items()
-        if all(sch.dtype(group) in NXD_FORMATS for group in memory.GROUPS)
-    ]
+    schemes = [name for name in memory.SCHEMES if unloadable(name) is None]
     options = []
     for degree, name in ((d, n) for d in degrees for n in schemes if (d, n) != (tp, scheme)):
         the_plan = memory.plan(
             config, degree, name, context_len, runtime_allowance_bytes=allowance.high_bytes
         )
-        flags = " ".join(
-            f
-            for f in (
-                f"--tp {degree}" if degree != tp else "",
-                f"--scheme {name}" if name != scheme else "",
-            )
-            if f
-        )
+        changed = (("--tp", degree, tp), ("--scheme", name, scheme))
+        flags = " ".join(f"{flag} {new}" for flag, new, old in changed if new != old)
         options += [
             (inst.usd_per_hour, name != scheme, degree, flags, inst.name)
             for inst in INSTANCES.values()
@@ -366,11 +363,28 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     need = memory.plan(
         config, degrees[-1], lightest, context_len, runtime_allowance_bytes=allowance.high_bytes
     ).total_gb
+    biggest = max(INSTANCES.values(), key=lambda inst: inst.neuron_cores)
+    room = biggest.neuron_cores * (biggest.budget_bytes(budget) - allowance.high_bytes)
+    whole = memory.plan(config, 1, lightest, context_len, runtime_allowance_bytes=0).total_bytes
+    split = [
+        d
+        for d in range(degrees[-1] + 1, most_cores + 1)
+        if memory.tp_problem(config, d, whole_experts=False) is None
+    ]
     return (
         f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts "
         f"allow on {most_cores} NeuronCores), where the lightest scheme NxD loads, {lightest}, "
         f"needs {need:.2f} GB per core against "
         f"{get_instance('inf2.xlarge').budget_bytes(budget) / GB:.2f} GB."
+        + (
+            " That is the limit of this port's sharding, not of the hardware: it keeps each "
+            f"expert whole on one rank, so TP must divide num_experts; {biggest.name}'s "
+            f"{biggest.neuron_cores} NeuronCores hold {room / GB:.0f} GB besides the runtime and "
+            f"the whole model in {lightest} is {whole / GB:.0f} GB, so a port that splits each "
+            f"expert across ranks could fit it at TP={split[-1]}."
+            if split and whole <= room
+            else ""
+        )
     )
 
 
@@ -424,20 +438,21 @@ def _format_header(report: dict) -> list[str]:
     return [*lines, ""]
 
 
-def _format_decode_and_verdict(report: dict) -> list[str]:
+def _format_decode(report: dict) -> list[str]:
     basis = report["decode"]
     lines = [
         f"  decode, bandwidth roofline per box ({basis['bandwidth_gb_s_per_core']:.0f} GB/s per "
-        f"NeuronCore, {basis['context_len']}-token KV cache per stream; tok/s for all streams, $ "
-        "per million tokens)",
+        f"NeuronCore, {basis['context_len']}-token KV cache per stream): upper bounds on tok/s "
+        "(all streams), lower bounds on $ per million tokens",
+        f"  measured, for scale: {basis['measured_tok_s']:g} tok/s, {basis['measured']}",
         f"  {'instance':<15}{'streams':>9}{'dense tok/s':>13}{'$/M':>8}"
         f"{'sparse tok/s':>14}{'$/M':>8}",
     ]
     starred = False
     for row in report["instances"]:
         decode = row["decode"]
-        if decode is None or row["verdict"] == NO_FIT:
-            lines.append(f"  {row['instance']:<15}{'-':>9}  does not fit: {row['reason']}")
+        if decode is None or row["verdict"] in (NO_FIT, NOT_LOADABLE):
+            lines.append(f"  {row['instance']:<15}{'-':>9}  {row['verdict']}: {row['reason']}")
             continue
         shown = set()
         for key, mark in (
@@ -472,13 +487,19 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
             f"  expected distinct experts per layer ({basis['num_experts']} experts, "
             f"top-{basis['top_k']}): {distinct}"
         )
-    lines.append("")
+    return [*lines, ""]
+
+
+def _format_verdict(report: dict) -> list[str]:
+    lines = []
     if report["instance"] is None:
-        lines.append(f"does not fit any instance at TP={report['tp']}. {report['advice']}")
+        verdict = "not loadable on" if report["verdict"] == NOT_LOADABLE else "does not fit"
+        lines.append(f"{verdict} any instance at TP={report['tp']}. {report['advice']}")
     else:
         row = next(r for r in report["instances"] if r["instance"] == report["instance"])
-        words = {FITS: "fits", MARGINAL: "MARGINAL on", NO_FIT: "does NOT fit"}[row["verdict"]]
-        if row["headroom_gb"] is None:
+        words = {FITS: "fits", MARGINAL: "MARGINAL on", NO_FIT: "does NOT fit"}
+        words = words.get(row["verdict"], "NOT loadable on")
+        if row["headroom_gb"] is None or row["verdict"] == NOT_LOADABLE:
             lines.append(f"{words} {row['instance']}: {row['reason']}")
         else:
             lines.append(
@@ -506,81 +527,20 @@ def _format_decode_and_verdict(report: dict) -> list[str]:
     return lines
 
 
-def positive_int(text: str) -> int:
-    value = int(text) if text.strip().isdecimal() else 0
-    if value < 1 or str(value) != text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
-def add_arguments(parser) -> None:
-    parser.epilog = (
-        "exit status: 0 fits, 1 does not fit, 2 bad input, 3 marginal (fits only if the runtime "
-        'takes little of its inferred allowance). --json keys (the README\'s "Will it fit?" '
-        "says what each holds): " + ", ".join(JSON_KEYS)
-    )
-    add = parser.add_argument
-    add("config", help="a Hugging Face config.json, or a model folder holding one (no weights)")
-    add(
-        "--instance",
-        help=f"judge this instance: {', '.join(INSTANCES)} (default: the cheapest that fits)",
-    )
-    add(
-        "--scheme",
-        default=DEFAULT_SCHEME,
-        help=f"one of {', '.join(memory.SCHEMES)} (default {DEFAULT_SCHEME})",
-    )
-    add(
-        "--tp",
-        type=positive_int,
-        default=DEFAULT_TP,
-        help=f"tensor-parallel degree, ranks = NeuronCores (default {DEFAULT_TP})",
-    )
-    add(
-        "--context",
-        type=int,
-        default=memory.SHIPPED_CONTEXT_LEN,
-        help=f"KV-cache length in tokens per stream (default {memory.SHIPPED_CONTEXT_LEN}, the "
-        "port's)",
-    )
-    add(
-        "--budget",
-        default="spec",
-        choices=("spec", "story"),
-        help="HBM per core: spec = 16 GiB (AWS), story = 16 GB (write-up)",
-    )
-    add(
-        "--runtime-allowance",
-        type=float,
-        metavar="GB",
-        help="Neuron runtime HBM per core, GB (default: the window notebook 01 infers from the "
-        "port's builds)",
-    )
-    add("--json", action="store_true", help="print the plan as JSON (keys below)")
-
-
 def main(args) -> int:
+    """``args`` as ``cli`` parsed them (the config already read and its counts checked)."""
+    gb = args.runtime_allowance  # GB (10^9 bytes) per NeuronCore
+    allowance = None if gb is None else memory.RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
     try:
-        # GB (10^9 bytes) per NeuronCore
-        source, gb = (
-            read_config(args.config),
-            args.runtime_allowance,
-        )
-        if gb is not None and not (math.isfinite(gb) and gb >= 0):
-            raise ValueError(
-                f"runtime allowance {gb!r} GB must be a number >= 0 (GB per NeuronCore, e.g. 3.2)"
-            )
-        allowance = (
-            None if gb is None else memory.RuntimeAllowance(int(gb * GB), int(gb * GB), "given")
-        )
+        source = read_config(args.config)
         report = plan_report(
             source.config,
             args.scheme,
             args.tp,
-            args.context,
+            memory.SHIPPED_CONTEXT_LEN if args.context is None else args.context,
             args.instance,
             args.budget,
-            name=Path(args.config).name,
+            name=args.config.name,
             allowance=allowance,
             notes=source.notes,
             towers_params=source.towers_params,
@@ -591,6 +551,6 @@ def main(args) -> int:
     print(
         json.dumps(report, indent=2)
         if args.json
-        else "\n".join([*_format_header(report), *_format_decode_and_verdict(report)])
+        else "\n".join([*_format_header(report), *_format_decode(report), *_format_verdict(report)])
     )
     return EXIT_CODES[report["verdict"]]

@@ -1,69 +1,79 @@
-"""What ``python -m gemma_nb plan`` reads from a ``config.json`` (``read_config``): the text config
-it counts, the multimodal towers it leaves out, and a note per field whose effect the byte plan does
-not follow exactly."""
+"""What ``python -m gemma_nb plan`` reads from a ``config.json``, checked without torch
+(``read_raw_config``), and a note per field whose effect the byte plan does not follow exactly."""
 
+import argparse
 import json
+import re
 from collections import namedtuple
 from pathlib import Path
-
-import torch
-from transformers import AutoModel
-
-from gemma_nb import memory
 
 # A config as the planner sees it: the text model's config, the towers' parameters left out, the
 # notes.
 PlanInput = namedtuple("PlanInput", "config towers_params notes")
+# A config.json as read: its name as given, and its JSON object.
+RawConfig = namedtuple("RawConfig", "name raw")
+# Fields that hold sizes and counts: integers (or lists of them, per layer), never text.
+COUNT_FIELD = re.compile(r"^(num_|n_|top_k)|(_size|_dim|_heads|_layers|_experts|_per_tok)$")
+NONZERO_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_COUNT = 2**31 - 1
+MAX_LAYERS = 4096  # the planner builds every layer (on torch's meta device: ~0.1 MB of RAM each)
+MAX_CONFIG_BYTES = 1 << 24  # 16 MiB: a config.json is a few KB; a weights file is not one
 
 
-def read_config(path: str | Path) -> PlanInput:
-    """The planner's view of the config at ``path`` (a file, or a folder's config.json): a
-    multimodal one's text model, its towers counted apart; ValueError saying what to pass."""
+class ConfigError(ValueError, argparse.ArgumentTypeError):
+    """A config.json the planner cannot read; as an argparse type's error, argparse shows it."""
+
+
+def read_raw_config(path: str | Path) -> RawConfig:
+    """The JSON object at ``path`` (a file, or a folder's config.json) with its counts checked;
+    ValueError naming the file, the field and what to pass."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(
+        raise ConfigError(
             f"no config file at {str(path)!r}: pass a config.json or a model folder holding one "
             "(no weights needed; e.g. gemma_nb/configs/gemma4_26b_a4b.json)"
         )
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{file.name} is {file.stat().st_size:,} bytes, not a config.json (a few KB): pass "
+            "the model folder or its config.json"
+        )
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{file.name} is not UTF-8 text (byte {error.start}): pass a Hugging Face config.json"
+        ) from None
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ConfigError(
             f"{file.name} is not JSON ({error}): pass a Hugging Face config.json"
         ) from None
     if not isinstance(raw, dict):
-        raise ValueError(
+        raise ConfigError(
             f"{file.name} holds a JSON {type(raw).__name__}, not an object: pass a Hugging Face "
             "config.json, an object with a model_type key (e.g. "
             "gemma_nb/configs/gemma4_26b_a4b.json)"
         )
-    full = memory.load_config(raw)
-    text = full.get_text_config()
-    memory.check_causal_lm_config(text)
-    notes = [*_mla_notes(text), *_quantization_notes(raw)]
-    if text is full:
-        return PlanInput(text, 0, tuple(notes))
-    with torch.device("meta"):  # the towers: vision, audio, projectors
-        towers = sum(p.numel() for p in AutoModel.from_config(full).parameters()) - sum(
-            p.numel() for p in AutoModel.from_config(text).parameters()
-        )
-    if towers:
-        names = ", ".join(
-            key
-            for key, value in full.to_dict().items()
-            if key.endswith("_config") and key != "text_config" and isinstance(value, dict)
-        )
-        notes.append(
-            f"{names or 'its non-text modules'}: a multimodal config ({type(full).__name__}). "
-            f"The plan is its language model ({type(text).__name__}) alone, as a text-only "
-            f"deploy loads it; the towers and projector, {towers / 1e9:.3f}B parameters, are "
-            "left out of every byte below and counted in params.towers."
-        )
-    return PlanInput(text, towers, tuple(notes))
+    for where, section in (("", raw), ("text_config.", raw.get("text_config"))):
+        for key, value in (section if isinstance(section, dict) else {}).items():
+            if COUNT_FIELD.search(key):
+                most = MAX_LAYERS if key == "num_hidden_layers" else MAX_COUNT
+                _check_count(f"{file.name}: {where}{key}", value, key in NONZERO_FIELDS, most)
+    return RawConfig(path.name, raw)
 
 
-def _mla_notes(config) -> list[str]:
+def _check_count(name: str, value, nonzero: bool, most: int) -> None:
+    least = int(nonzero)
+    values = value if isinstance(value, list) else [value]
+    if value is not None and not all(type(v) is int and least <= v <= most for v in values):
+        raise ConfigError(
+            f"{name} is {value!r:.60}: a size or count is a JSON integer from {least} to "
+            f'{most} (e.g. 4096, not "4096" or -4096); fix the config'
+        )
+
+
+def mla_notes(config) -> list[str]:
     rank = getattr(config, "kv_lora_rank", None)
     if not rank:
         return []
@@ -78,7 +88,7 @@ def _mla_notes(config) -> list[str]:
     ]
 
 
-def _quantization_notes(raw: dict) -> list[str]:
+def quantization_notes(raw: dict) -> list[str]:
     found = [
         (where, section["quantization_config"])
         for where, section in (("", raw), ("text_config.", raw.get("text_config")))

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import torch
 
 from gemma_nb import memory
+from gemma_nb.cli import STEPS
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
 from gemma_nb.neuron.artifact import ArtifactError, read_artifact
@@ -23,10 +25,8 @@ from gemma_nb.neuron.build import package_versions
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 from gemma_nb.tools import plan as planner
-from gemma_nb.tools.plan_input import read_config
 
 REQUIREMENTS = REPO_ROOT / "envs" / "neuron" / "requirements.txt"
-STEPS = ("compile", "deploy")
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -58,6 +58,7 @@ class System:
     process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss
     disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    cuda_available: Callable[[], bool] = torch.cuda.is_available
 
 
 def check_sdk(system: System) -> Check:
@@ -67,9 +68,9 @@ def check_sdk(system: System) -> Check:
             "sdk",
             FAIL,
             f"{', '.join(status.missing)} not installed",
-            "install the Neuron SDK 2.31 from AWS's pip index: pip install -r "
-            "envs/neuron/requirements.txt (or activate the DLAMI's "
-            "/opt/aws_neuronx_venv_pytorch_2_9), then pip install -e .",
+            "activate the SDK 2.31 DLAMI's /opt/aws_neuronx_venv_pytorch_2_9 (elsewhere: pip "
+            "install -r envs/neuron/requirements.txt), then sh envs/neuron/install.sh, as the "
+            "runbook's install step says (docs/inf2.md)",
         )
     if status.error:
         return Check(
@@ -266,7 +267,12 @@ def model_folder_problem(folder: Path) -> str | None:
         )
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(
+                {str(name) for name in json.loads(index.read_bytes())["weight_map"].values()}
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return f"{folder.name}/{index.name} holds no weight_map of shard file names"
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             return (
@@ -325,7 +331,7 @@ def run_checks(
         ),
         None,
     )
-    config = None if source is None else read_config(source).config
+    config = None if source is None else planner.read_config(source).config
     problem = None if config is None else memory.tp_problem(config, tp)
     if problem:
         model_checks.append(
@@ -351,6 +357,9 @@ def run_checks(
             else Check("versions", SKIP, "SDK not importable"),
             check_neuron_cores(system, tp, bytes_per_rank),
         ]
+    if target == "cuda" and not system.cuda_available():
+        fix = "run on a GPU machine with a CUDA build of torch (README, 'Targets')"
+        checks.append(Check("gpu", FAIL, "torch sees no CUDA GPU on this machine", fix))
     checks += model_checks
     need = (
         0
@@ -389,27 +398,6 @@ def format_checks(checks: list[Check], target: str) -> str:
         else "ready: no blocker found"
     )
     return "\n".join(lines)
-
-
-def add_arguments(parser) -> None:
-    add = parser.add_argument
-    add("--target", default="neuron", help="neuron (default) or cpu")
-    add(
-        "--model-id",
-        help="the checkpoint folder (or hub id) to compile or serve (default: the target's "
-        "bundled checkpoint)",
-    )
-    add(
-        "--artifact",
-        action="append",
-        help="a compiled artifact folder to check (implies --step deploy); repeat it per build",
-    )
-    add(
-        "--step",
-        choices=STEPS,
-        help="which host budget to check (default: compile without --artifact, deploy with it)",
-    )
-    add("--tp", type=planner.positive_int, default=2, help="tensor-parallel degree (default 2)")
 
 
 def main(args) -> int:

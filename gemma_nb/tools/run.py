@@ -31,8 +31,8 @@ KERNEL_NAME = "python3"
 
 
 class RunError(RuntimeError):
-    """A notebook failed (the message names the notebook, the cell and the error), or the run was
-    refused."""
+    """A notebook failed: the message names the notebook, the cell and the error. (Bad input is a
+    ValueError.)"""
 
 
 class Terminated(KeyboardInterrupt):
@@ -55,7 +55,7 @@ def select_notebooks(notebooks: list[Path], only: str | None) -> list[Path]:
         return notebooks
     wanted = [s.strip() for s in only.split(",") if s.strip()]
     if not wanted:
-        raise RunError(
+        raise ValueError(
             f"--only {only!r} names no notebook; give numbers such as 01,03, or leave --only out "
             "to run all"
         )
@@ -67,7 +67,7 @@ def select_notebooks(notebooks: list[Path], only: str | None) -> list[Path]:
             if nb.stem == selector or nb.stem.split("_", 1)[0] == selector.zfill(2)
         ]
         if not matches:
-            raise RunError(
+            raise ValueError(
                 f"--only {selector!r} matches no notebook; available: "
                 f"{', '.join(nb.stem for nb in notebooks)}"
             )
@@ -97,7 +97,7 @@ def check_parameters(parameters: dict, notebooks: list[Path]) -> None:
         hint = "".join(
             f" (did you mean {close!r}?)" for close in difflib.get_close_matches(name, known, n=1)
         )
-        raise RunError(
+        raise ValueError(
             f"-p {name}: no selected notebook has a parameter {name!r}{hint}; they take: "
             f"{', '.join(known) or 'none'}"
         )
@@ -240,6 +240,11 @@ def run(
     parameters = resolve_path_parameters(parameters or {})
     check_parameters(parameters, selected)
     final = (Path(output_dir) if output_dir else OUTPUTS_DIR / target).resolve()
+    if file := next((p for p in (final, *final.parents) if p.exists() and not p.is_dir()), None):
+        raise ValueError(
+            f"--output-dir {output_dir}: {display_path(file)} is a file, not a folder; pass a "
+            "folder (it need not exist yet)"
+        )
     staging, failed = _staging_for(final, keep_previous=bool(only))
     # cpu pins, x86-64 only
     kernels = dict(REFERENCE_KERNELS) if platform.machine().lower() in ("x86_64", "amd64") else {}
@@ -260,12 +265,19 @@ def run(
         summary = {"target": target, "kernels": kernels, "notebooks": notebooks}
         write_json_atomic(staging / "summary.json", summary)  # every metrics/*.json in one file
         write_report(staging, summary)
-        # swap in: final aside, staging in, the old copy gone
+        # swap in: final aside, staging in, the old copy gone; no Ctrl-C or SIGTERM between the
+        # renames (they wait for the unblock), and a failed rename puts the old copy back
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        staging.rename(final)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            if final.exists():
+                final.rename(old)
+            staging.rename(final)
+        finally:
+            if old.exists() and not final.exists():
+                old.rename(final)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         # interrupted (Ctrl-C, SIGTERM) before the swap: keep the old outputs intact
@@ -289,10 +301,8 @@ def _staging_for(final: Path, keep_previous: bool) -> tuple[Path, Path]:
                 f"removed {display_path(folder)}, left behind by a run that was killed",
                 file=sys.stderr,
             )
-    staging, failed = (
-        final.with_name(f".{final.name}.tmp-{os.getpid()}"),
-        final.with_name(f".{final.name}.failed"),
-    )
+    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    failed = final.with_name(f".{final.name}.failed")
     shutil.rmtree(staging, ignore_errors=True)
 
     def link_or_copy(source, target):
@@ -354,3 +364,46 @@ def _execute_step(
     result = NotebookResult(notebook.stem, time.perf_counter() - start)
     print(f"    done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
     return result
+
+
+def parse_parameter(pair: list[str]) -> tuple[str, object]:
+    """``-p NAME VALUE``: a Python literal, else the text itself (a model id)."""
+    name, raw = pair
+    if name in ("target", "hf_token", "HF_TOKEN"):
+        raise ValueError(
+            f"-p {name} is not a notebook parameter: use --target, and HF_TOKEN from the "
+            "environment"
+        )
+    try:
+        return name, ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return name, raw
+
+
+def main(args) -> int:
+    """Exit 0 when every notebook ran, 1 when one failed, 2 for bad input, 130 or 143 when
+    stopped."""
+    try:
+        results = run(
+            target=args.target,
+            only=args.only,
+            output_dir=args.output_dir,
+            parameters=dict(parse_parameter(pair) for pair in args.parameter),
+            progress=not args.no_progress,
+        )
+    except (ValueError, RunError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1  # bad input, or a notebook that failed
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (Terminated)
+        print(
+            f"interrupted ({str(interrupt) or 'Ctrl-C'}); the previous outputs were left as they "
+            "were",
+            file=sys.stderr,
+        )
+        return 143 if isinstance(interrupt, Terminated) else 130
+    print(
+        f"{len(results)} notebook(s) for target {args.target} in "
+        f"{sum(r.seconds for r in results):.0f} s",
+        file=sys.stderr,
+    )
+    return 0

@@ -166,14 +166,6 @@ def render() -> str:
     )
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="exit 1 if docs/inf2.md differs from what it would write",
-    )
-
-
 def main(args) -> int:
     text = render()
     if args.check:
