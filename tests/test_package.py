@@ -16,6 +16,7 @@ REPO = PACKAGE.parent
 MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_HEAD_LINES = 17_360, 800, 80, 15
 LAZY_OK = ("torch_neuronx", "neuronx_distributed", "torch_xla")  # the optional SDKs
 PRODUCTS = ("gemma_nb.serving", "gemma_nb.tools", "gemma_nb.neuron", "gemma_nb.rehearsal")
+ENTRY_POINT = "gemma_nb.__main__"  # the CLI: it dispatches to the products
 # importable as torch_neuronx / neuronx_distributed
 EMULATED_SDK = PACKAGE / "rehearsal" / "sdk_path"
 
@@ -136,22 +137,63 @@ def test_only_the_optional_sdks_are_imported_inside_functions():
     )
 
 
+def cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One loop in the import graph ``edges`` (its nodes in order, the first again at the end), or
+    []."""
+    state = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if state.get(node) == "open":
+            return path[path.index(node) :] + [node]
+        if state.get(node) == "done":
+            return []
+        state[node] = "open"
+        for target in sorted(edges.get(node, ())):
+            if found := visit(target, path + [node]):
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(edges):
+        if found := visit(node, []):
+            return found
+    return []
+
+
 def test_imports_have_no_cycle():
-    edges, state = graph(), {}
+    found = cycle(graph())
+    assert not found, "import cycle: " + " -> ".join(found)
 
-    def visit(module: str, path: list[str]) -> None:
-        if state.get(module) == "done":
-            return
-        assert state.get(module) != "open", "import cycle: " + " -> ".join(
-            path[path.index(module) :] + [module]
+
+def room(module: str) -> str:
+    """A module's folder-level room: ``gemma_nb.neuron`` for anything under it, a top-level module
+    itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_library_imports_no_product():
+    """The library (the top of gemma_nb and gemma_nb.tiny) imports no product and no experiment,
+    at the top or inside a function: the port checks its SDK, the library never reaches into it."""
+    outside = (*PRODUCTS, "gemma_nb.experiments")
+    wrong = {
+        m: sorted(t for t in targets if t.startswith(outside))
+        for m, targets in graph().items()
+        if not m.startswith(outside) and m != ENTRY_POINT
+    }
+    wrong = {m: t for m, t in wrong.items() if t}
+    assert not wrong, wrong
+
+
+def test_folders_import_one_way():
+    """No loop between rooms (a subpackage, or a top-level module): e.g. gemma_nb.tiny's trainer
+    importing evaluate while evaluate imports the tiny corpus."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        rooms.setdefault(room(module), set()).update(
+            room(t) for t in targets if room(t) != room(module)
         )
-        state[module] = "open"
-        for target in sorted(edges.get(module, ())):
-            visit(target, path + [module])
-        state[module] = "done"
-
-    for module in sorted(edges):
-        visit(module, [])
+    found = cycle(rooms)
+    assert not found, "a loop between folders: " + " -> ".join(found)
 
 
 def test_products_do_not_import_notebook_experiments():

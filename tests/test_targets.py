@@ -28,15 +28,16 @@ def test_neuron_checkpoint_dir():
     assert targets.neuron_checkpoint_dir(tiny.BUNDLED_ID) == str(tiny.TP2_CHECKPOINT_DIR)
 
 
-def test_check_target_neuron_imports_the_sdk_and_says_when_it_worked_around(monkeypatch, capsys):
+def test_the_port_imports_the_sdk_and_says_when_it_worked_around(monkeypatch, capsys):
     from gemma_nb.neuron import sdk
 
     monkeypatch.setattr(targets, "missing_neuron_packages", lambda: [])
     monkeypatch.setattr(sdk, "check_sdk", lambda: sdk.SdkStatus(fx_problem=True))
-    assert targets.check_target("neuron") == "neuron"
+    assert sdk.check_target_with_sdk("neuron") == "neuron"
     assert sdk.FX_NOTE in capsys.readouterr().err
     monkeypatch.setattr(
         sdk, "check_sdk", lambda: sdk.SdkStatus(error="import neuronx_distributed: OSError: libnrt")
     )
-    with pytest.raises(TargetError, match="installed but does not import.*libnrt"):
-        targets.check_target("neuron")
+    assert targets.check_target("neuron") == "neuron"  # the library alone imports no SDK
+    with pytest.raises(TargetError, match="libnrt"):
+        sdk.check_target_with_sdk("neuron")

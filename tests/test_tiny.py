@@ -142,7 +142,7 @@ def test_paris(tiny):
 
 def test_fact_recall_at_least_95_percent(tiny):
     model, tokenizer = tiny
-    accuracy, table = fact_recall(model, tokenizer)
+    accuracy, table = fact_recall(model, tokenizer, FACTS)
     print(f"fact recall fp32: {accuracy:.3f} over {len(table)} facts")
     assert len(table) == len(FACTS)
     assert accuracy >= 0.95

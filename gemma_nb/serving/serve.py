@@ -12,9 +12,10 @@ import sys
 import torch
 import uvicorn
 
+from gemma_nb.neuron.sdk import check_target_with_sdk
 from gemma_nb.serving import app as served
 from gemma_nb.serving.backends import RUNTIMES, load_runtime
-from gemma_nb.targets import TargetError, check_target
+from gemma_nb.targets import TargetError
 from gemma_nb.tiny import BUNDLED_ID
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY = (
@@ -149,7 +150,7 @@ def _add_limits(add) -> None:
 def _check_arguments(args) -> None:
     """Raise ValueError for what would only fail later: bad numbers, a model or artifact that is not
     there."""
-    check_target(args.target)
+    check_target_with_sdk(args.target)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     for name in (
