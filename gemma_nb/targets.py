@@ -52,15 +52,11 @@ def check_target_name(target: str) -> str:
     return target
 
 
-def missing_neuron_packages() -> list[str]:
-    return [name for name in SDK_PACKAGES if importlib.util.find_spec(name) is None]
-
-
 def check_target(target: str) -> str:
     """Fail at once, with what is missing and how to get it, if ``target`` cannot run here; whether
     an installed SDK imports is the port's check (``gemma_nb.neuron.sdk.check_target_with_sdk``)."""
     if check_target_name(target) == "neuron":
-        if missing := missing_neuron_packages():
+        if missing := [name for name in SDK_PACKAGES if importlib.util.find_spec(name) is None]:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
     elif target == "cuda" and not torch.cuda.is_available():
         build = (

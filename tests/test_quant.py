@@ -521,7 +521,8 @@ def test_a_sharded_head_quantizes_its_rows_per_rank_and_computes_the_same_logits
 
 def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
     from gemma_nb.neuron import quant as neuron_quant
-    from gemma_nb.targets import TargetError, missing_neuron_packages
+    from gemma_nb.neuron.sdk import check_sdk
+    from gemma_nb.targets import TargetError
 
     table = neuron_quant.support_matrix_table()
     assert table["dtype"].tolist() == ["INT8", "F8E4M3", "F8E5M2", "F4E2M1FN_X4"]
@@ -530,7 +531,7 @@ def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
         status["INT8"] == status["F8E4M3"] == "supported" and status["F4E2M1FN_X4"] == "not usable"
     )
     assert table["sources"].str.len().gt(0).all()
-    if missing_neuron_packages():
+    if check_sdk().missing:
         with pytest.raises(TargetError, match="Neuron SDK"):
             neuron_quant.run_trials()
 
