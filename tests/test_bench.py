@@ -51,8 +51,6 @@ def test_time_steps_interleaves_and_summarises():
     assert summary.loc["fast", "p50_ms"] <= summary.loc["fast", "p90_ms"]
     assert summary.loc["slow", "tok_s"] < 1000 / 3
     assert 1.5 < timings.ratio("slow", "fast") < 4.0
-    with pytest.raises(AssertionError, match="candidate 'medium' was not timed"):
-        timings.ratio("medium", "fast")
 
 
 def test_time_generation_reports_first_token_and_equal_tokens():
@@ -79,9 +77,6 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
     with pytest.raises(ValueError, match="new_tokens=1 must be an integer >= 2"):
         bench.time_generation({"a": model}, prompt, new_tokens=1)
-    with pytest.raises(AssertionError, match="count=0"):
-        with torch_threads(0):
-            pass
 
 
 def test_time_runners_uses_only_generate():
@@ -111,8 +106,6 @@ def test_bandwidth_probe_and_floor():
     assert bench.floor_ms(24e9, 24e9) == 1000.0
     with pytest.raises(ValueError, match="nbytes=1000 must be an integer >= 1 MiB"):
         bench.measure_bandwidth(nbytes=1000)
-    with pytest.raises(AssertionError, match="bandwidth_bytes_s=0"):
-        bench.floor_ms(1, 0)
     with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
         bench.time_steps({"a": lambda i: None}, steps=0)
 
@@ -125,8 +118,6 @@ def test_moe_layer_bytes_full_size_by_hand():
     assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "bf16") == 8 * per_expert_bf16
     int8_expert = 3 * 704 * 2816 + 4 * (2 * 704 + 2816)  # int8 weights + one fp32 scale per row
     assert bench.moe_layer_bytes(128, 2816, 704, 8, "sparse", "int8") == 8 * int8_expert
-    with pytest.raises(AssertionError, match="experts='all' is not one of dense, sparse"):
-        bench.moe_layer_bytes(128, 2816, 704, 8, "all")
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +172,6 @@ def test_context_sensitivity_falls_with_the_cache(config_26b):
     assert table.loc[1, "sparse_tok_s"] == pytest.approx(
         decode_roofline.story_decode(config_26b)["sparse_tok_s"]
     )
-    with pytest.raises(AssertionError, match=r"context_lens \[0, -1\] must be whole numbers"):
-        decode_roofline.context_sensitivity(config_26b, [0, -1])
-    with pytest.raises(AssertionError, match="context_lens is empty"):
-        decode_roofline.context_sensitivity(config_26b, [])
 
 
 def test_roofline_table_prices_and_fit(config_26b):

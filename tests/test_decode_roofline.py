@@ -213,10 +213,6 @@ def test_batch_roofline_rows_and_fit_flags(config_26b):
         sparse["tok_s"].is_monotonic_increasing
         and sparse["tok_s_per_stream"].is_monotonic_decreasing
     )
-    with pytest.raises(
-        AssertionError, match="decode path 'grouped' is not one of dense, sparse, nxd_rule"
-    ):
-        decode_roofline.batch_step(step_costs(config_26b, "int8_squeeze", 2, 512), 2, "grouped")
 
 
 def test_non_neuron_devices_get_no_runtime_allowance(config_26b):

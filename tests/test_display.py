@@ -82,11 +82,6 @@ def test_html_table_parts_reads_what_the_estimate_needs():
     ]
 
 
-def test_subplots_refuses_a_figure_wider_than_the_page():
-    with pytest.raises(AssertionError, match=r"figsize width 17 in is wider than the page"):
-        plots.subplots(1, 2, figsize=(17, 5))
-
-
 def test_interactive_outputs_go_to_a_scratch_folder(monkeypatch, tmp_path):
     monkeypatch.delenv(paths.OUTPUT_DIR_ENV, raising=False)
     monkeypatch.setattr(paths, "INTERACTIVE_DIR", tmp_path / "interactive")

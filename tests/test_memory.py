@@ -262,10 +262,6 @@ def test_tensor_bytes_bad_input():
         ValueError, match="dtype 'int4' is not one of fp32, bf16, fp16, fp8, int8, mxfp4, nvfp4"
     ):
         tensor_bytes((2, 2), "int4")
-    with pytest.raises(AssertionError, match=r"int8 stores matrices.*shape \(7,\)"):
-        tensor_bytes(7, "int8")
-    with pytest.raises(AssertionError, match="negative"):
-        tensor_bytes((-1, 4), "bf16")
 
 
 # ----------------------------------------------------------------------------- plans, by hand
@@ -487,22 +483,10 @@ def test_scheme_and_context_errors(tiny_mixtral):
         plan(tiny_mixtral, scheme="int4_everything")
     with pytest.raises(ValueError, match="dtype 'int3' is not one of"):
         Scheme("x", dtypes={"experts": "int3"})
-    with pytest.raises(AssertionError, match="group 'mlp' is not one of experts"):
-        Scheme("x", dtypes={"mlp": "int8"})
-    with pytest.raises(AssertionError, match=r"cannot shard \['router'\]"):
-        Scheme("x", sharded={"router", "experts"})
-    with pytest.raises(
-        AssertionError, match="KV cache dtype 'int8' must be one of fp32, bf16, fp16"
-    ):
-        Scheme("x", kv_dtype="int8")
-    with pytest.raises(AssertionError, match="runtime_allowance_bytes=-1 must be >= 0"):
-        Scheme("x", runtime_allowance_bytes=-1)
     with pytest.raises(ValueError, match=r"context_len=-1 must be an integer >= 0"):
         plan(tiny_mixtral, context_len=-1)
     with pytest.raises(ValueError, match=r"batch=0 must be an integer >= 1"):
         plan(tiny_mixtral, batch=0)
-    with pytest.raises(AssertionError, match="group 'kv' is not one of"):
-        plan(tiny_mixtral).bytes("kv")
 
 
 def test_load_config_errors():

@@ -182,8 +182,6 @@ def test_scale_dequantize_patch_fits_2d_and_3d_like_the_sdk():
     with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
         S.sdk_scale_dequantize(out_2d.clone(), scale.T, torch.bfloat16)
     assert torch.equal(scale_dequantize(out_2d, scale.T, torch.bfloat16), sdk_3d[0])
-    with pytest.raises(AssertionError, match="does not broadcast"):
-        scale_dequantize(out_2d, torch.rand(2, 3, 6), torch.float32)
     sdk = S.cpu_sdk()
     patch_scale_dequantize(sdk.quantization_layers)
     assert sdk.quantization_layers.scale_dequantize is scale_dequantize
@@ -317,16 +315,6 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
         shared = sdk.QuantizedExpertFusedRowParallel(
             6, 8, 4, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
         )
-        with pytest.raises(AssertionError, match="Only per_channel_axis=0 supported"):
-            sdk.QuantizedColumnParallel(4, 8, quantization_per_channel_axis=1, **_int8(sdk))
-        with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
-            sdk.QuantizedExpertFusedRowParallel(
-                6,
-                8,
-                4,
-                quantization_per_channel_axis=0,
-                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
-            )
         with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
             # the port all-reduces the partials itself
             sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)
