@@ -22,7 +22,7 @@ def test_smoke_timing_runs_every_loop_once(monkeypatch):
     assert calls == [0, 0] and len(timings.steps) == 2
     assert bench.measure_bandwidth(2**20, repeats=5)["nbytes"] == 2**20
     monkeypatch.setenv(bench.TIMING_ENV, "quick")
-    with pytest.raises(ValueError, match="GEMMA_NB_TIMING='quick' is not one of full, smoke"):
+    with pytest.raises(ValueError, match="GEMMA_NB_TIMING='quick'.*full, smoke"):
         bench.time_steps({"a": calls.append}, steps=1, repeats=1)
 
 
@@ -75,7 +75,7 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     from gemma_nb.evaluate import greedy_generate
 
     assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
-    with pytest.raises(ValueError, match="new_tokens=1 must be an integer >= 2"):
+    with pytest.raises(ValueError, match="new_tokens=1.*>= 2"):
         bench.time_generation({"a": model}, prompt, new_tokens=1)
 
 
@@ -104,9 +104,9 @@ def test_bandwidth_probe_and_floor():
     assert result["read_gb_s"] > 0 and result["copy_gb_s"] > 0
     assert result["read_gb_s"] >= result["read_gb_s_median"]
     assert bench.floor_ms(24e9, 24e9) == 1000.0
-    with pytest.raises(ValueError, match="nbytes=1000 must be an integer >= 1 MiB"):
+    with pytest.raises(ValueError, match="nbytes=1000.*>= 1 MiB"):
         bench.measure_bandwidth(nbytes=1000)
-    with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="steps=0.*>= 1"):
         bench.time_steps({"a": lambda i: None}, steps=0)
 
 

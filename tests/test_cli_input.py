@@ -9,10 +9,7 @@ from gemma_nb.serving import serve
 def test_preflight_refuses_tp_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["preflight", "--target", "cpu", "--tp", "0"])
-    assert (
-        exit_info.value.code == 2
-        and "argument --tp: '0' is not an integer >= 1" in capsys.readouterr().err
-    )
+    assert exit_info.value.code == 2 and "argument --tp: '0'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -49,9 +49,7 @@ def test_sampled_streams_come_from_different_prompts(real):
     generator = torch.Generator().manual_seed(0)
     rows = real.sample(16, generator)
     assert len(set(real.prompt[rows].tolist())) == 16
-    with pytest.raises(
-        ValueError, match="batch 41 needs 41 different prompts; the routing holds 40"
-    ):
+    with pytest.raises(ValueError, match="batch 41.*holds 40"):
         real.sample(41, generator)
 
 

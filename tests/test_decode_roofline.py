@@ -80,7 +80,7 @@ def test_expected_distinct_experts_for_the_26b_layer():
     values = [round(expected_distinct_experts(128, 8, b), 1) for b in BATCHES]
     assert values == [8.0, 15.5, 29.1, 51.6, 82.4, 111.8, 125.9]
     assert expected_distinct_experts(32, 2, 1) == 2.0 and expected_distinct_experts(0, 0, 5) == 0.0
-    with pytest.raises(ValueError, match="batch=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="batch=0.*>= 1"):
         expected_distinct_experts(128, 8, 0)
 
 

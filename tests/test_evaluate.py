@@ -178,9 +178,7 @@ def test_text_batches_cut_a_stream_into_bos_led_sequences():
     batches = text_batches(tokenizer, text, chunk_tokens=5, max_tokens=12)
     assert [b.tolist() for b in batches] == [[[2, *words[:4]]], [[2, *words[4:8]]]]
     assert len(text_batches(tokenizer, text, chunk_tokens=5, max_tokens=100)) == 3  # whole ones
-    with pytest.raises(
-        ValueError, match="the text has 14 tokens, fewer than one sequence of chunk_tokens=20"
-    ):
+    with pytest.raises(ValueError, match="14 tokens.*chunk_tokens=20"):
         text_batches(tokenizer, text, chunk_tokens=20, max_tokens=100)
 
 

@@ -51,7 +51,5 @@ def test_devices_and_measured_cpu():
 
 
 def test_bad_input():
-    with pytest.raises(
-        ValueError, match="instance 'inf2.small' is not in the catalog; known: inf2.xlarge"
-    ):
+    with pytest.raises(ValueError, match="'inf2.small'.*known: inf2.xlarge"):
         get_instance("inf2.small")

@@ -187,5 +187,5 @@ def test_run_in_xla_env_reports_the_subprocess_error(monkeypatch):
             "torch_xla is importable here; the failure path needs an interpreter without it"
         )
     monkeypatch.setenv(lowering.XLA_PYTHON_ENV, sys.executable)
-    with pytest.raises(RuntimeError, match="cannot import torch_xla"):
+    with pytest.raises(RuntimeError, match="torch_xla"):
         lowering.run_in_xla_env(timeout_s=120)

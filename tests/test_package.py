@@ -232,3 +232,53 @@ def test_every_module_imports_in_a_fresh_interpreter():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+PHRASE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+){2,}")  # three words in a row: a sentence, not a value
+
+
+def checked_strings(node: ast.AST, in_assert: bool = False):
+    """The strings a test checks its results against: ``match=`` patterns, and the literals in its
+    asserts' conditions outside a call's arguments (those are inputs, such as a prompt)."""
+    if isinstance(node, ast.keyword) and node.arg == "match":
+        yield from (
+            n.value
+            for n in ast.walk(node.value)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        )
+        return
+    if in_assert and isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    for child in ast.iter_child_nodes(node):
+        if isinstance(node, ast.Assert) and child is node.msg:
+            continue
+        inputs = in_assert and isinstance(node, ast.Call) and child is not node.func
+        yield from checked_strings(
+            child, (in_assert or isinstance(node, ast.Assert)) and not inputs
+        )
+
+
+def expects_assertion_error(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call)
+        and getattr(n.func, "attr", None) == "raises"
+        and n.args
+        and getattr(n.args[0], "id", None) == "AssertionError"
+        for n in ast.walk(node)
+    )
+
+
+def test_tests_pin_values_not_sentences():
+    """A message check names the value and the fix; an internal assert is no contract (the suite
+    passes under python -O)."""
+    tests = [
+        (f"{path.name}::{node.name}", node)
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("test_")
+    ]
+    pinning = [name for name, node in tests if any(map(PHRASE.search, checked_strings(node)))]
+    assert len(pinning) <= len(tests) // 10, f"{len(pinning)} of {len(tests)} tests pin a phrase"
+    expecting = [name for name, node in tests if expects_assertion_error(node)]
+    assert not expecting, f"tests expecting AssertionError: {expecting}"

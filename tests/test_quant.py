@@ -356,7 +356,7 @@ def test_quantize_leaves_an_fp32_input_untouched():
 
 
 def test_unknown_format_and_bad_inputs():
-    with pytest.raises(ValueError, match="'int4' is not one of int8, fp8, mxfp4, nvfp4"):
+    with pytest.raises(ValueError, match="'int4'.*int8, fp8, mxfp4, nvfp4"):
         quantize(torch.randn(2, 32), "int4")
 
 
@@ -456,9 +456,9 @@ def test_scheme_names_come_from_the_memory_planner():
     }
     for name in memory.SCHEMES:
         quant.resolve_scheme(name)
-    with pytest.raises(ValueError, match="scheme 'int4_everything' is not one of"):
+    with pytest.raises(ValueError, match="'int4_everything'"):
         quant.resolve_scheme("int4_everything")
-    with pytest.raises(ValueError, match="'fp6' is not one of"):
+    with pytest.raises(ValueError, match="'fp6'"):
         quant.resolve_scheme({"experts": "fp6"})
 
 

@@ -235,11 +235,9 @@ def test_random_config_validates():
         random_gemma4_config(num_experts=8, top_k_experts=9)
     with pytest.raises(ValueError, match="num_hidden_layers=0"):
         random_gemma4_config(num_hidden_layers=0)
-    with pytest.raises(
-        ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"
-    ):
+    with pytest.raises(ValueError, match="num_attention_heads=6.*num_key_value_heads=4"):
         random_gemma4_config(num_attention_heads=6, num_key_value_heads=4)
-    with pytest.raises(ValueError, match="layer_types has 2 entries but num_hidden_layers=4"):
+    with pytest.raises(ValueError, match="layer_types.*num_hidden_layers=4"):
         random_gemma4_config(layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="last layer"):
         random_gemma4_config(
