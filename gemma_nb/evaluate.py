@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
-from gemma_nb.tiny import FACTS
-
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 Model = torch.nn.Module | LogitsFn
 
@@ -101,10 +99,10 @@ def length_batches(token_lists: Sequence[list[int]]) -> list[tuple[list[int], to
 
 
 @torch.inference_mode()
-def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFrame]:
-    """(accuracy, one row per fact) of greedy recall on ``facts`` (``prompt``, ``answer``; default
-    the corpus), token by token."""
-    facts = list(FACTS if facts is None else facts)
+def fact_recall(model: Model, tokenizer, facts) -> tuple[float, pd.DataFrame]:
+    """(accuracy, one row per fact) of greedy recall on ``facts`` (``prompt``, ``answer``; e.g. the
+    tiny corpus's ``FACTS``), token by token."""
+    facts = list(facts)
     assert facts, "facts is empty"
     prompts = [tokenizer(f.prompt).input_ids for f in facts]
     answers = [tokenizer(f.answer, add_special_tokens=False).input_ids for f in facts]
@@ -148,11 +146,9 @@ class CachedLogits:
         return self.cache[key]
 
 
-def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.Tensor]:
-    """``texts`` (default: every corpus sentence) tokenized and batched by length, no padding."""
-    token_lists = [
-        tokenizer(t).input_ids for t in ([f.sentence for f in FACTS] if texts is None else texts)
-    ]
+def prompt_batches(tokenizer, texts: Iterable[str]) -> list[torch.Tensor]:
+    """``texts`` tokenized and batched by length, no padding."""
+    token_lists = [tokenizer(t).input_ids for t in texts]
     return [batch for _, batch in length_batches(token_lists)]
 
 

@@ -2,16 +2,24 @@
 behind one check."""
 
 import importlib.util
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from gemma_nb import tiny
-from gemma_nb.neuron import sdk as neuron_sdk
-from gemma_nb.neuron.sdk import FX_NOTE, NEURON_HELP, NEURON_PACKAGES
 from gemma_nb.tiny import BUNDLED_ID, BUNDLED_IDS
+
+# import -> pip name of the Neuron SDK's packages the neuron target needs
+SDK_PACKAGES = {
+    "torch_neuronx": "torch-neuronx",
+    "neuronx_distributed": "neuronx-distributed",
+}
+NEURON_HELP = (
+    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
+    "installed from AWS's Neuron pip index on an inf2/trn1 instance: see the runbook, "
+    "docs/inf2.md (envs/neuron/requirements.txt)"
+)
 
 # Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target
 # (measures_cpu).
@@ -44,22 +52,12 @@ def check_target_name(target: str) -> str:
     return target
 
 
-def missing_neuron_packages() -> list[str]:
-    return [name for name in NEURON_PACKAGES if importlib.util.find_spec(name) is None]
-
-
 def check_target(target: str) -> str:
-    """Fail at once, with what is missing and how to get it, if ``target`` cannot run here."""
+    """Fail at once, with what is missing and how to get it, if ``target`` cannot run here; whether
+    an installed SDK imports is the port's check (``gemma_nb.neuron.sdk.check_target_with_sdk``)."""
     if check_target_name(target) == "neuron":
-        if missing := missing_neuron_packages():
+        if missing := [name for name in SDK_PACKAGES if importlib.util.find_spec(name) is None]:
             raise TargetError(f"cannot import {', '.join(missing)}: {NEURON_HELP}")
-        # In every process that runs the target: where the transformers.utils.fx stand-in goes in,
-        # before NxD imports.
-        status = neuron_sdk.check_sdk()
-        if not status.ok:
-            raise TargetError(status.message())
-        if status.fx_problem:
-            print(FX_NOTE, file=sys.stderr)
     elif target == "cuda" and not torch.cuda.is_available():
         build = (
             "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"

@@ -22,7 +22,7 @@ def test_smoke_timing_runs_every_loop_once(monkeypatch):
     assert calls == [0, 0] and len(timings.steps) == 2
     assert bench.measure_bandwidth(2**20, repeats=5)["nbytes"] == 2**20
     monkeypatch.setenv(bench.TIMING_ENV, "quick")
-    with pytest.raises(ValueError, match="GEMMA_NB_TIMING='quick' is not one of full, smoke"):
+    with pytest.raises(ValueError, match="GEMMA_NB_TIMING='quick'.*full, smoke"):
         bench.time_steps({"a": calls.append}, steps=1, repeats=1)
 
 
@@ -51,8 +51,6 @@ def test_time_steps_interleaves_and_summarises():
     assert summary.loc["fast", "p50_ms"] <= summary.loc["fast", "p90_ms"]
     assert summary.loc["slow", "tok_s"] < 1000 / 3
     assert 1.5 < timings.ratio("slow", "fast") < 4.0
-    with pytest.raises(AssertionError, match="candidate 'medium' was not timed"):
-        timings.ratio("medium", "fast")
 
 
 def test_time_generation_reports_first_token_and_equal_tokens():
@@ -77,11 +75,8 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     from gemma_nb.evaluate import greedy_generate
 
     assert torch.equal(timings.tokens["a"], greedy_generate(model, prompt, 5))
-    with pytest.raises(ValueError, match="new_tokens=1 must be an integer >= 2"):
+    with pytest.raises(ValueError, match="new_tokens=1.*>= 2"):
         bench.time_generation({"a": model}, prompt, new_tokens=1)
-    with pytest.raises(AssertionError, match="count=0"):
-        with torch_threads(0):
-            pass
 
 
 def test_time_runners_uses_only_generate():
@@ -109,11 +104,9 @@ def test_bandwidth_probe_and_floor():
     assert result["read_gb_s"] > 0 and result["copy_gb_s"] > 0
     assert result["read_gb_s"] >= result["read_gb_s_median"]
     assert bench.floor_ms(24e9, 24e9) == 1000.0
-    with pytest.raises(ValueError, match="nbytes=1000 must be an integer >= 1 MiB"):
+    with pytest.raises(ValueError, match="nbytes=1000.*>= 1 MiB"):
         bench.measure_bandwidth(nbytes=1000)
-    with pytest.raises(AssertionError, match="bandwidth_bytes_s=0"):
-        bench.floor_ms(1, 0)
-    with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="steps=0.*>= 1"):
         bench.time_steps({"a": lambda i: None}, steps=0)
 
 
@@ -184,10 +177,6 @@ def test_context_sensitivity_falls_with_the_cache(config_26b):
     assert table.loc[1, "sparse_tok_s"] == pytest.approx(
         decode_roofline.story_decode(config_26b)["sparse_tok_s"]
     )
-    with pytest.raises(AssertionError, match=r"context_lens \[0, -1\] must be whole numbers"):
-        decode_roofline.context_sensitivity(config_26b, [0, -1])
-    with pytest.raises(AssertionError, match="context_lens is empty"):
-        decode_roofline.context_sensitivity(config_26b, [])
 
 
 def test_roofline_table_prices_and_fit(config_26b):

@@ -23,7 +23,7 @@ def test_base_url():
     # A bare host means the usual /v1 API, as the port's container serves it on :8080.
     assert endpoint.base_url("http://localhost:8080") == "http://localhost:8080/v1"
     assert endpoint.base_url("https://example.com/proxy/v1/") == "https://example.com/proxy/v1"
-    with pytest.raises(ValueError, match="'localhost:8080' is not an http\\(s\\) URL"):
+    with pytest.raises(ValueError, match="'localhost:8080'.*http\\(s\\)"):
         endpoint.base_url("localhost:8080")
 
 
@@ -95,12 +95,12 @@ def test_measure_endpoint_and_its_metrics(server):
 
 
 def test_benchmark_rejects_bad_levels(server):
-    with pytest.raises(ValueError, match=r"concurrency=\[0\]; expected positive integers"):
+    with pytest.raises(ValueError, match=r"concurrency=\[0\].*positive"):
         client_bench.benchmark_endpoint(server, concurrency=[0])
 
 
 def test_errors_are_reported(server):
-    with pytest.raises(EndpointError, match="answered 404: .*is not served here"):
+    with pytest.raises(EndpointError, match="404: .*served"):
         client_bench.stream_chat(server, [{"role": "user", "content": "hi"}], model="no-such-model")
     with pytest.raises(EndpointError, match="failed: Connection error"):
         client_bench.stream_chat(

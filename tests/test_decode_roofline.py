@@ -80,7 +80,7 @@ def test_expected_distinct_experts_for_the_26b_layer():
     values = [round(expected_distinct_experts(128, 8, b), 1) for b in BATCHES]
     assert values == [8.0, 15.5, 29.1, 51.6, 82.4, 111.8, 125.9]
     assert expected_distinct_experts(32, 2, 1) == 2.0 and expected_distinct_experts(0, 0, 5) == 0.0
-    with pytest.raises(ValueError, match="batch=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="batch=0.*>= 1"):
         expected_distinct_experts(128, 8, 0)
 
 
@@ -213,10 +213,6 @@ def test_batch_roofline_rows_and_fit_flags(config_26b):
         sparse["tok_s"].is_monotonic_increasing
         and sparse["tok_s_per_stream"].is_monotonic_decreasing
     )
-    with pytest.raises(
-        AssertionError, match="decode path 'grouped' is not one of dense, sparse, nxd_rule"
-    ):
-        decode_roofline.batch_step(step_costs(config_26b, "int8_squeeze", 2, 512), 2, "grouped")
 
 
 def test_non_neuron_devices_get_no_runtime_allowance(config_26b):

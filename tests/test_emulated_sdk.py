@@ -119,7 +119,7 @@ def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, 
     runner = ND.NeuronStepRunner(graph, lambda ids: ids, None, MAX_LEN, BUCKET)
     ND.release(runner)
     assert cores.used(0) == 0 and not graph.model.nxd_model.loaded
-    with pytest.raises(ValueError, match="This model is not initialized"):
+    with pytest.raises(ValueError, match="not initialized"):
         graph(
             *B.example_inputs(
                 B.text_config(TP2_CHECKPOINT_DIR),
@@ -161,7 +161,7 @@ def test_the_emulation_is_not_importable_outside_the_rehearsal():
         text=True,
         env={**os.environ, "PYTHONPATH": ""},
     )
-    assert done.returncode == 1 and "No module named 'neuronx_distributed'" in done.stderr
+    assert done.returncode == 1 and "named 'neuronx_distributed'" in done.stderr
 
 
 def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds, cores):
@@ -172,11 +172,9 @@ def test_the_runtime_routes_by_shape_and_refuses_other_dtypes_and_shapes(builds,
     inputs = B.example_inputs(config, build, 1)
     assert graph.model.nxd_model.router(inputs) == ("decode_sparse", 0)
     int64 = tuple(t.long() if t.dtype == torch.int32 else t for t in inputs)
-    with pytest.raises(
-        RuntimeError, match=r"traced with input dtypes .*'int32'.* called with .*'int64'"
-    ):
+    with pytest.raises(RuntimeError, match=r"'int32'.*'int64'"):
         graph(*int64)
-    with pytest.raises(ValueError, match=r"Input shape .* not found in input_shape_map"):
+    with pytest.raises(ValueError, match=r"input_shape_map"):
         graph(*B.example_inputs(config, build, 3))
 
 
@@ -263,9 +261,7 @@ def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(
         max_len=MAX_LEN,
         bucket=BUCKET,
     )
-    with pytest.raises(
-        RuntimeError, match=r"Cannot find lm\.model\.layers\.2\.experts\.down\.scale in state_dict"
-    ):
+    with pytest.raises(RuntimeError, match=r"lm\.model\.layers\.2\.experts\.down\.scale"):
         B.compile_neuron(build, sample_interval_s=0.05)
 
 
@@ -288,4 +284,4 @@ def test_quantization_trials_record_what_the_emulation_runs_and_refuses(emulated
     trials = quant.run_trials(in_features=64, out_features=32, tokens=2).set_index("dtype")
     assert bool(trials.loc["INT8", "ok"]) and trials.loc["INT8", "max_abs_diff"] < 1e-2
     assert trials.loc["F4E2M1FN_X4", "stage"] == "build"
-    assert "the emulated SDK does not implement" in trials.loc["F4E2M1FN_X4", "error"]
+    assert "emulated SDK" in trials.loc["F4E2M1FN_X4", "error"]

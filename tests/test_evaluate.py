@@ -68,8 +68,6 @@ def test_greedy_generate_stops_at_eos(model, prompt):
 def test_greedy_generate_rejects_bad_input(model, prompt):
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         greedy_generate(model, prompt, -1)
-    with pytest.raises(AssertionError, match="expected token ids"):
-        greedy_generate(model, torch.zeros(1, 2, 3, dtype=torch.long), 1)
 
 
 def test_compare_logits_identical_is_exact(model, prompt):
@@ -86,13 +84,6 @@ def test_compare_logits_sees_a_perturbation(model, prompt):
     assert result["kl_mean"] > 0
     assert 0.5 <= result["max_abs_diff"] < 5
     assert result["positions"] == 5
-
-
-def test_compare_logits_rejects_wrong_shapes(model, prompt):
-    with pytest.raises(AssertionError, match=r"logits \[B, S, V\]"):
-        compare_logits(model, lambda ids: torch.zeros(3), prompt)
-    with pytest.raises(AssertionError, match="tokenizer="):
-        compare_logits(model, model, ["a sentence"])
 
 
 def test_greedy_match_finds_first_divergent_step(model, prompt):
@@ -114,11 +105,6 @@ def test_greedy_match_finds_first_divergent_step(model, prompt):
     assert result["first_divergent_step"] == 3
     assert result["candidate_tokens"][3] == 0
     assert result["reference_tokens"][:3] == result["candidate_tokens"][:3]
-
-
-def test_greedy_match_wants_one_sequence(model):
-    with pytest.raises(AssertionError, match="batch size 2"):
-        greedy_match(model, model, torch.tensor([[2, 3], [2, 4]]), steps=2)
 
 
 def test_fact_recall_on_the_bundled_checkpoint():
@@ -149,8 +135,6 @@ def test_fact_recall_counts_wrong_answers():
     accuracy, table = fact_recall(tiny, tokenizer, facts)
     assert accuracy == 0.5
     assert table["correct"].tolist() == [True, False]
-    with pytest.raises(AssertionError, match="facts is empty"):
-        fact_recall(tiny, tokenizer, [])
 
 
 def test_teacher_forced_scores_are_llama_cpps_kl_statistics(model, prompt):
@@ -194,9 +178,7 @@ def test_text_batches_cut_a_stream_into_bos_led_sequences():
     batches = text_batches(tokenizer, text, chunk_tokens=5, max_tokens=12)
     assert [b.tolist() for b in batches] == [[[2, *words[:4]]], [[2, *words[4:8]]]]
     assert len(text_batches(tokenizer, text, chunk_tokens=5, max_tokens=100)) == 3  # whole ones
-    with pytest.raises(
-        ValueError, match="the text has 14 tokens, fewer than one sequence of chunk_tokens=20"
-    ):
+    with pytest.raises(ValueError, match="14 tokens.*chunk_tokens=20"):
         text_batches(tokenizer, text, chunk_tokens=20, max_tokens=100)
 
 

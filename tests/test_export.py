@@ -96,7 +96,7 @@ def test_off_by_one_position_diverges(tiny, runner):
 
 
 def test_limits_of_the_static_shapes(runner):
-    with pytest.raises(ValueError, match="prefill bucket of 16"):
+    with pytest.raises(ValueError, match="bucket of 16"):
         runner.generate(torch.arange(3, 20)[None], 4)
     with pytest.raises(ValueError, match="max_cache_len=48"):
         runner.generate(PROMPT, 60)
@@ -128,7 +128,7 @@ def test_missing_file(copy, name):
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(ArtifactError, match="artifact folder nowhere/ not found"):
+    with pytest.raises(ArtifactError, match="nowhere/"):
         export.load_artifact(tmp_path / "nowhere")
 
 
@@ -144,20 +144,18 @@ def test_truncated_weights(copy):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(
         ArtifactError,
-        match="tp0_weights.safetensors is truncated: .* bytes on disk, its header describes",
+        match="tp0_weights.safetensors is truncated",
     ):
         export.check_artifact(copy)
     path.write_bytes(data[:5])
-    with pytest.raises(ArtifactError, match="too short to be a safetensors file"):
+    with pytest.raises(ArtifactError, match="too short"):
         export.check_artifact(copy)
 
 
 def test_truncated_program(copy):
     path = copy / "prefill.pt2"
     path.write_bytes(path.read_bytes()[:4000])
-    with pytest.raises(
-        ArtifactError, match="prefill.pt2 could not be read as a torch.export program"
-    ):
+    with pytest.raises(ArtifactError, match="prefill.pt2.*torch.export"):
         export.check_artifact(copy)
 
 
@@ -193,9 +191,7 @@ def test_weights_from_another_config(copy):
         copy / "tp0_weights.safetensors",
         artifact.config_fingerprint(other.config),
     )
-    with pytest.raises(
-        ArtifactError, match="tp0_weights.safetensors was saved for config .* different models"
-    ):
+    with pytest.raises(ArtifactError, match="tp0_weights.safetensors.*config"):
         export.check_artifact(copy)
 
 
@@ -213,11 +209,11 @@ def test_program_from_another_config(copy):
                 meta["config_sha"] = "0123456789abcdef"
                 data = json.dumps(meta).encode()
             target.writestr(name, data)
-    with pytest.raises(ArtifactError, match="decode.pt2 was compiled for config 0123456789abcdef"):
+    with pytest.raises(ArtifactError, match="decode.pt2.*0123456789abcdef"):
         export.check_artifact(copy)
 
 
 def test_corrupt_manifest(copy):
     (copy / "manifest.json").write_text("{not json")
-    with pytest.raises(ArtifactError, match="manifest.json is not valid JSON"):
+    with pytest.raises(ArtifactError, match="manifest.json.*JSON"):
         export.check_artifact(copy)

@@ -51,11 +51,5 @@ def test_devices_and_measured_cpu():
 
 
 def test_bad_input():
-    with pytest.raises(
-        ValueError, match="instance 'inf2.small' is not in the catalog; known: inf2.xlarge"
-    ):
+    with pytest.raises(ValueError, match="'inf2.small'.*known: inf2.xlarge"):
         get_instance("inf2.small")
-    with pytest.raises(AssertionError, match="budget 'marketing' is not one of spec, story"):
-        get_instance("inf2.xlarge").budget_bytes("marketing")
-    with pytest.raises(AssertionError, match="bandwidth_bytes_s=0 must be a positive"):
-        hardware.measured_cpu(0)

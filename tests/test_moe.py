@@ -105,8 +105,6 @@ def test_swap_shares_the_weight_tensors_and_reverts():
     moe.swap_experts(model, "sparse_int8")
     layer = moe.experts_modules(model)[0][2]
     assert layer.gate_up_proj.dtype == torch.int8 and layer.gate_up_scale.shape == (32, 128, 1)
-    with pytest.raises(AssertionError, match="reload the model"):
-        moe.swap_experts(model, "dense")
 
 
 # A mid-size layer: large enough that bf16 rounding accumulates over real matmul lengths.
@@ -199,32 +197,6 @@ def test_sparse_decode_path_exports_with_static_shapes(int8, kernel):
     )
 
 
-def test_bad_inputs_name_the_problem(mid_layer):
-    config, experts = mid_layer
-    module = E.FloatExperts.from_experts(experts)
-    x = torch.randn(2, config.hidden_size, dtype=torch.bfloat16)
-    index, weights = moe.random_routing(2, config.num_experts, 8)
-    too_many = torch.arange(65).repeat(2, 1)
-    with pytest.raises(AssertionError, match=r"top_k=65 not in \[1, 64\]"):
-        module(x, too_many, torch.ones(2, 65))
-    with pytest.raises(AssertionError, match=r"hidden_states \(2, 512\)"):
-        module(x[:, :512], index, weights)
-    with pytest.raises(AssertionError, match=r"hidden_states \(2, \d+\) .* want \[1, "):
-        module(x, index[:1], weights[:1])
-    with pytest.raises(AssertionError, match=r"top_k_weights \(2, 4\): want .* and \[2, 8\]"):
-        module(x, index, weights[:, :4])
-    with pytest.raises(AssertionError, match=r"expert ids outside \[0, 64\)"):
-        module(x, torch.full_like(index, 64), weights)
-    with pytest.raises(AssertionError, match="down_proj"):
-        E.FloatExperts(experts.gate_up_proj, experts.down_proj[:, :, :10], experts.act_fn)
-    with pytest.raises(AssertionError, match="'bogus' is not one of transformers, dense"):
-        moe.make_experts(experts, "bogus")
-    with pytest.raises(AssertionError, match="kernel 'copy'"):
-        E.FloatExperts.from_experts(experts, "copy")
-    with pytest.raises(AssertionError, match="top_k=9 must be between 1 and num_experts=8"):
-        moe.random_routing(1, 8, 9)
-
-
 def test_int8pack_guard_refuses_shapes_the_cpu_kernel_cannot_handle():
     q = torch.zeros(8, 40, dtype=torch.int8)
     assert not int8pack_usable(torch.zeros(1, 40, dtype=torch.bfloat16), q)  # 40 % 16 != 0
@@ -283,11 +255,6 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     assert torch.allclose(outputs["dense"], outputs["sparse"], atol=1e-5, rtol=1e-5)
     reference = E.FloatExperts.from_experts(experts)(x, index, weights)
     assert (outputs["sparse"] - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
-    with (
-        standins.model_parallel(3),
-        pytest.raises(AssertionError, match="moe_intermediate_size=32 is not divisible by tp=3"),
-    ):
-        neuron_moe.NeuronDenseExperts(16, 64, 32, 3, sdk=sdk)
 
 
 def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
@@ -302,8 +269,6 @@ def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
         sparse = neuron_moe.NeuronSparseExperts(16, 64, 32, 1, sdk=sdk, dtype=torch.float32)
     index, weights = moe.random_routing(4, 16, 4, seed=1)
     assert dense(torch.randn(4, 64), index, weights).shape == (4, 64)
-    with pytest.raises(AssertionError, match="4 tokens x top_k 4 >= 16 experts"):
-        sparse(torch.randn(4, 64), index, weights)
     assert sparse(torch.randn(3, 64), index[:3], weights[:3]).shape == (3, 64)
 
 

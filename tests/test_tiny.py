@@ -142,7 +142,7 @@ def test_paris(tiny):
 
 def test_fact_recall_at_least_95_percent(tiny):
     model, tokenizer = tiny
-    accuracy, table = fact_recall(model, tokenizer)
+    accuracy, table = fact_recall(model, tokenizer, FACTS)
     print(f"fact recall fp32: {accuracy:.3f} over {len(table)} facts")
     assert len(table) == len(FACTS)
     assert accuracy >= 0.95
@@ -235,11 +235,9 @@ def test_random_config_validates():
         random_gemma4_config(num_experts=8, top_k_experts=9)
     with pytest.raises(ValueError, match="num_hidden_layers=0"):
         random_gemma4_config(num_hidden_layers=0)
-    with pytest.raises(
-        ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"
-    ):
+    with pytest.raises(ValueError, match="num_attention_heads=6.*num_key_value_heads=4"):
         random_gemma4_config(num_attention_heads=6, num_key_value_heads=4)
-    with pytest.raises(ValueError, match="layer_types has 2 entries but num_hidden_layers=4"):
+    with pytest.raises(ValueError, match="layer_types.*num_hidden_layers=4"):
         random_gemma4_config(layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="last layer"):
         random_gemma4_config(
@@ -271,12 +269,6 @@ def test_random_model_is_deterministic_and_in_dtype():
     assert not torch.equal(
         a.model.layers[0].experts.gate_up_proj, c.model.layers[0].experts.gate_up_proj
     )
-    with pytest.raises(AssertionError, match="floating torch dtype"):
-        random_gemma4_model(config, dtype=torch.int8)
-    with pytest.raises(
-        AssertionError, match="init_dtype=torch.int8 must be a floating torch dtype"
-    ):
-        random_gemma4_model(config, init_dtype=torch.int8)
 
 
 PORTABLE_WEIGHTS = """

@@ -11,17 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-# import -> pip name
-SDK_PACKAGES = {
-    "torch_neuronx": "torch-neuronx",
-    "neuronx_distributed": "neuronx-distributed",
-}
-NEURON_PACKAGES = tuple(SDK_PACKAGES)
-NEURON_HELP = (
-    "the neuron target needs torch-neuronx and neuronx-distributed from the Neuron SDK 2.31, "
-    "installed from AWS's Neuron pip index on an inf2/trn1 instance: see the runbook, "
-    "docs/inf2.md (envs/neuron/requirements.txt)"
-)
+from gemma_nb.targets import NEURON_HELP, SDK_PACKAGES, TargetError, check_target
+
 FX_MODULE = "transformers.utils.fx"
 EMULATED_LABEL = (
     "emulated SDK (gemma_nb.rehearsal: torch-neuronx and neuronx-distributed "
@@ -122,6 +113,18 @@ def check_sdk(
                 status.fx_problem = True
                 install_fx_stand_in(modules)
     return status
+
+
+def check_target_with_sdk(target: str) -> str:
+    """``check_target``, and on neuron the SDK imported in this process (the transformers.utils.fx
+    stand-in put in before NxD imports, with a note): ``TargetError`` naming what fails."""
+    if check_target(target) == "neuron":
+        status = check_sdk()
+        if not status.ok:
+            raise TargetError(status.message())
+        if status.fx_problem:
+            print(FX_NOTE, file=sys.stderr)
+    return target
 
 
 def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:

@@ -12,9 +12,10 @@ import torch
 import uvicorn
 
 from gemma_nb.cli import DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY
+from gemma_nb.neuron.sdk import check_target_with_sdk
 from gemma_nb.serving import app as served
 from gemma_nb.serving.backends import load_runtime
-from gemma_nb.targets import TargetError, check_target
+from gemma_nb.targets import TargetError
 from gemma_nb.tiny import BUNDLED_ID
 
 # uvicorn answers these itself (plain text; the app never sees them) and has no hook but its log.
@@ -28,7 +29,7 @@ log = logging.getLogger("gemma_nb.serve")
 
 def _check_arguments(args) -> None:
     """Raise ValueError for what would only fail later (argparse checked each number alone)."""
-    check_target(args.target)
+    check_target_with_sdk(args.target)
     if args.max_tokens > args.max_tokens_cap:
         raise ValueError(
             f"--max-tokens {args.max_tokens} is over --max-tokens-cap {args.max_tokens_cap}"

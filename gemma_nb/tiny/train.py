@@ -182,7 +182,7 @@ def _fit(model, tokenizer, args: TrainArgs, log, started: float):
             epoch_loss += loss.item() / batches_per_epoch
         if epoch % args.eval_every_epochs == 0 or epoch == args.max_epochs:
             model.eval()
-            recall, _ = fact_recall(model, tokenizer)
+            recall, _ = fact_recall(model, tokenizer, FACTS)
             balance.outputs.clear()
             history.append(
                 {

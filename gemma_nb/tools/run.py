@@ -23,9 +23,10 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from gemma_nb.metrics import target_cells, write_json_atomic
+from gemma_nb.neuron.sdk import check_target_with_sdk
 from gemma_nb.paths import ARTIFACTS, NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
 from gemma_nb.story import get_claim
-from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, check_target, measures_cpu
+from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, measures_cpu
 
 KERNEL_NAME = "python3"
 
@@ -235,7 +236,7 @@ def run(
     notebooks_dir: Path = NOTEBOOKS_DIR,
 ) -> list[NotebookResult]:
     """Execute the notebooks for ``target``; on success the outputs replace ``output_dir``."""
-    check_target(target)
+    check_target_with_sdk(target)
     selected = select_notebooks(discover_notebooks(Path(notebooks_dir)), only)
     parameters = resolve_path_parameters(parameters or {})
     check_parameters(parameters, selected)
