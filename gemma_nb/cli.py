@@ -6,7 +6,7 @@ import argparse
 import importlib
 import math
 
-from gemma_nb.tools import plan_input
+from gemma_nb import plan_input
 
 DEFAULT_TP, DEFAULT_SCHEME = 2, "int8_squeeze"  # plan's and preflight's: the port's build
 STEPS = ("compile", "deploy")  # preflight's host budgets

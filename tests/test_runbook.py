@@ -58,7 +58,7 @@ def _commands(text):
 
 
 def test_every_command_in_the_runbook_exists(monkeypatch):
-    from gemma_nb.tools import plan_input
+    from gemma_nb import plan_input
 
     # plan reads its config as it parses; the runbook's folders are on the box, not here
     monkeypatch.setattr(plan_input, "read_raw_config", lambda path: path)

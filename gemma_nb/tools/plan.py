@@ -13,8 +13,8 @@ from gemma_nb import decode_roofline, memory
 from gemma_nb.cli import DEFAULT_SCHEME, DEFAULT_TP
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
 from gemma_nb.paths import REPO_ROOT
+from gemma_nb.plan_input import PlanInput, mla_notes, quantization_notes, read_raw_config
 from gemma_nb.story import CLAIMS
-from gemma_nb.tools.plan_input import PlanInput, mla_notes, quantization_notes, read_raw_config
 
 # the last make rehearse's record, committed
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"
