@@ -284,11 +284,8 @@ class _QuantizedExpertFused(_QuantizedLinear):
             raise NotImplementedError(
                 "the emulated SDK keeps expert parallelism off (EP=1), as gemma_nb.neuron builds"
             )
-        self.num_experts, self._n_local_experts, self.is_fused_gate_up = (
-            num_experts,
-            num_experts,
-            is_fused_gate_up,
-        )
+        self.num_experts = self._n_local_experts = num_experts
+        self.is_fused_gate_up = is_fused_gate_up
 
     def forward(self, input_, expert_indices=None):
         weight, scale = self.weight, self.scale
