@@ -66,9 +66,7 @@ class NeuronBuildConfig:
             )
         self.compiler_workdir = self.compiler_workdir or str(self.scratch_dir() / "nxd")
         assert 1 <= self.tp_degree and self.bucket <= self.max_len, (
-            self.tp_degree,
-            self.bucket,
-            self.max_len,
+            f"tp_degree={self.tp_degree}, bucket={self.bucket}, max_len={self.max_len}"
         )
 
     # what only the compile box keeps: NxD's workdir, the int8 checkpoint (rsync leaves it behind)

@@ -123,7 +123,7 @@ class Rehearsal:
     every command run."""
 
     def __init__(self, port: int):
-        self.torch, self.port, self.steps = torch.__version__, port, []
+        self.torch, self.port, self.steps, self.server = torch.__version__, port, [], None
         self.boxes = box_environments()
         self.shells = {"compile": {"env": {**os.environ, **self.boxes["compile"]}, "cwd": "."}}
 
@@ -191,10 +191,11 @@ class Rehearsal:
             returncode = process.wait(timeout=timeout_s)
         self.finish(self.steps[-1], logs, returncode, sampler.wall_s, sampler.peak_rss_bytes)
 
-    def serve(self, step: int, command: str) -> tuple:
+    def serve(self, step: int, command: str) -> str:
         """Start the server in the background; its answer to ``PROMPT`` by the openai client."""
         started = time.perf_counter()
         process, logs = self.start(self.entry(step, command))
+        self.server = (process, self.steps[-1], logs, started)
         url = f"http://127.0.0.1:{self.port}/v1"
         wait_until_healthy(url, timeout_s=300, process=process, log_path=Path(f"{logs}.log"))
         client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=120)
@@ -205,7 +206,15 @@ class Rehearsal:
             messages=[{"role": "user", "content": PROMPT}],
         )
         self.steps[-1]["answer"] = reply.choices[0].message.content
-        return process, self.steps[-1], logs, started
+        return self.steps[-1]["answer"]
+
+    def stop_server(self) -> None:
+        """The server stopped as Ctrl-C stops it, and how it ended recorded."""
+        if self.server is not None:
+            process, entry, logs, started = self.server
+            os.killpg(process.pid, signal.SIGTERM)
+            stopped = process.wait(timeout=60) in (0, -signal.SIGTERM)
+            self.finish(entry, logs, 0 if stopped else 1, time.perf_counter() - started, 0)
 
 
 def builds_record(serving: Path, compiled: Path) -> dict:
@@ -274,12 +283,11 @@ def rehearse() -> dict:
         },
         "steps": rehearsal.steps,
     }
-    started, server = time.perf_counter(), None
+    started = time.perf_counter()
     try:
         for step, command in runbook_commands(runbook.RUNBOOK_PATH.read_text()):
             if " gemma_nb serve " in command:
-                server = rehearsal.serve(step, command)
-                record["serve"] = {"answer": server[1]["answer"]}
+                record["serve"] = {"answer": rehearsal.serve(step, command)}
             else:
                 rehearsal.run(step, command)
         serving = REPO_ROOT / BOXES["serving"] / "outputs" / "neuron"
@@ -287,11 +295,7 @@ def rehearse() -> dict:
             serving, REPO_ROOT / BOXES["compile"] / "neuron" / "artifacts"
         )
     finally:
-        if server is not None:  # stopped as Ctrl-C stops it
-            process, entry, logs, at = server
-            os.killpg(process.pid, signal.SIGTERM)
-            stopped = process.wait(timeout=60) in (0, -signal.SIGTERM)
-            rehearsal.finish(entry, logs, 0 if stopped else 1, time.perf_counter() - at, 0)
+        rehearsal.stop_server()
         record["seconds"] = round(time.perf_counter() - started, 1)
         (REHEARSAL_DIR / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
