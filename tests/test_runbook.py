@@ -34,7 +34,7 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
     # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses
     # those
     assert (f["answer_tokens"], round(f["answer_s"])) == (384, 64) and f["answer_tokens"] < 500
-    assert f["fits"] and f["cheapest"] == "inf2.xlarge"
+    assert f["cheapest"] == "inf2.xlarge"  # the cheapest whose verdict is "fits"
     # the port's swap on the port's boxes: 100 GiB beside 128 GiB, 40 GiB beside 16 GiB
     assert (f["compile_need_gib"], f["compile_swap_gib"]) == (228, 100)
     assert (f["serve_need_gib"], f["serve_swap_gib"]) == (56, 40)

@@ -96,7 +96,6 @@ def figures() -> dict:
         "headroom_gb_if_low": report["headroom_gb_if_low"],
         "allowance_low_gb": report["runtime_allowance"]["low_gb"],
         "allowance_high_gb": report["runtime_allowance"]["high_gb"],
-        "fits": report["fits"],
         "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
         "compile_need_gib": host["compile_bytes"] / GiB,
         "serve_need_gib": host["deploy_bytes"] / GiB,
