@@ -17,13 +17,23 @@ XLA_STAMP := $(XLA_VENV)/.installed
 # No pip cache: the wheels would stay on disk beside what they unpack to (the xla one is ~8 GB).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
+.PHONY: install git-filter xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
 
-install: $(STAMP)
+install: $(STAMP) git-filter
+
+## Saved outputs stay out of notebooks/ (.gitattributes names the filter for notebooks/*.ipynb only,
+## never the reference run in outputs/): git strips them as it reads a notebook in, with the
+## nbstripout of the checkout's own .venv, so one shared git config serves every worktree. Where a
+## checkout has no .venv yet, git warns and reads the notebook as it is; tests/test_readers_view.py
+## still refuses outputs in notebooks/.
+git-filter:
+	@git rev-parse --git-dir >/dev/null 2>&1 || exit 0; \
+	git config filter.nbstripout.clean '$(PY) -m nbstripout --keep-id' && \
+	git config filter.nbstripout.smudge cat
 
 ## Both environments (the xla one with the rehearsal's packages), installed side by side: pip spends
 ## most of its time unpacking wheels.
-envs:
+envs: git-filter
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(REHEARSE_STAMP)
 
 ## The xla environment: pinned torch 2.9.0 / torch-xla 2.9.0 / transformers, the package without its
@@ -83,7 +93,7 @@ rehearse: $(REHEARSE_STAMP)
 
 ## JupyterLab on notebooks/ with the package importable (as root, e.g. in a container: --allow-root).
 ## Notebooks run here write to outputs/interactive/, never over the reference run.
-lab: $(STAMP)
+lab: $(STAMP) git-filter
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 clean-venv:

@@ -431,42 +431,34 @@ def hypotheses_table(story: Mapping[str, float]) -> pd.DataFrame:
     return table
 
 
-def plot_usd_per_m(table: pd.DataFrame, ax, reference_usd: float, reference_label: str) -> None:
-    """Horizontal bars: predicted $ per million tokens per deployment, dense vs sparse experts."""
-    _deployment_bars(
-        table.dropna(subset=["usd_per_m_tokens"]),
-        ax,
-        "usd_per_m_tokens",
-        reference_usd,
-        reference_label,
-        xlabel="$ per million tokens (one stream, batch 1, at the bandwidth roofline)",
-        fmt="$%.2f",
+# Notebook 07's deployment bars per column: axis label, bar label format, log scale (0.3 tok/s is
+# not "0").
+DEPLOYMENT_AXES = {
+    "tok_s": (
+        "tokens/s, batch 1, bandwidth roofline (log scale)",
+        lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}",
+        True,
+    ),
+    "usd_per_m_tokens": (
+        "$ per million tokens (one stream, batch 1, at the bandwidth roofline)",
+        "$%.2f",
+        False,
+    ),
+}
+
+
+def plot_deployments(table: pd.DataFrame, ax, x: str, reference: float, label: str) -> None:
+    """Horizontal bars of ``x`` (a key of ``DEPLOYMENT_AXES``) per deployment with a value, dense
+    vs sparse experts, and a dashed line at the story's figure, named in the legend outside."""
+    xlabel, fmt, log = DEPLOYMENT_AXES[x]
+    sns.barplot(
+        data=table.dropna(subset=[x]),
+        y="deployment",
+        x=x,
+        hue="experts",
+        ax=ax,
+        palette="colorblind",
     )
-
-
-def plot_roofline_tok_s(
-    table: pd.DataFrame, ax, reference_tok_s: float, reference_label: str
-) -> None:
-    """Horizontal bars: predicted tokens/s per deployment, dense vs sparse experts (log scale)."""
-    # 0.3 tok/s is not "0"
-    _deployment_bars(
-        table,
-        ax,
-        "tok_s",
-        reference_tok_s,
-        reference_label,
-        log=True,
-        xlabel="tokens/s, batch 1, bandwidth roofline (log scale)",
-        fmt=lambda tok_s: f"{tok_s:.2g}" if tok_s < 10 else f"{tok_s:.0f}",
-    )
-
-
-def _deployment_bars(
-    table, ax, x: str, reference: float, label: str, xlabel: str, fmt, log: bool = False
-) -> None:
-    """Bars of ``x`` per deployment and a dashed line at the story's figure, named in the legend
-    outside the axes."""
-    sns.barplot(data=table, y="deployment", x=x, hue="experts", ax=ax, palette="colorblind")
     for container in ax.containers:
         ax.bar_label(container, fmt=fmt, fontsize=9, padding=2)
     ax.set(xscale="log" if log else "linear", xlabel=xlabel, ylabel="")

@@ -11,6 +11,7 @@ import pandas as pd
 from IPython import get_ipython
 
 from gemma_nb import plots
+from gemma_nb.metrics import target_cells
 from gemma_nb.story import get_claim, with_unit
 
 PAGE_WIDTH_PX = 1000
@@ -21,21 +22,18 @@ EOS = "<eos>"
 MAX_ROWS = 120
 SIGNIFICANT_DIGITS = 4
 MAX_DECIMALS = 8
-ROUNDED_DECIMALS = (
-    6  # values written exactly with at most this many decimals were rounded: shown so
-)
-SCIENTIFIC_BELOW = (
-    1e-4  # other columns holding a smaller non-zero magnitude are shown in scientific notation,
-)
-SCIENTIFIC_SPAN = (
-    1e4  # and so are those whose largest magnitude is this many times their smallest (below 1)
-)
+# Values written exactly with at most this many decimals were rounded: shown so. Other columns are
+# shown in scientific notation if they hold a smaller non-zero magnitude than SCIENTIFIC_BELOW, or
+# their largest magnitude is SCIENTIFIC_SPAN times their smallest (below 1).
+ROUNDED_DECIMALS = 6
+SCIENTIFIC_BELOW = 1e-4
+SCIENTIFIC_SPAN = 1e4
 
 
 def cut_at_eos(text: str, eos: str = EOS) -> str:
-    """``text`` up to and including its first ``eos``: "Paris.<eos><eos>..." -> "Paris.<eos>"."""
-    index = text.find(eos)
-    return text if index < 0 else text[: index + len(eos)]
+    """``text`` before its first ``eos``, as a reader reads an answer: "Paris . <eos>..." ->
+    "Paris ."."""
+    return text.split(eos, 1)[0].rstrip() if eos in text else text
 
 
 def format_float(value: float) -> str:
@@ -63,12 +61,7 @@ def format_cell(value: Any) -> str:
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}" if abs(int(value)) >= 10_000 else str(int(value))
     # a bool that went through str() or JSON
-    if isinstance(value, str) and value in (
-        "True",
-        "true",
-        "False",
-        "false",
-    ):
+    if isinstance(value, str) and value in ("True", "true", "False", "false"):
         return "yes" if value.lower() == "true" else "no"
     with contextlib.suppress(TypeError, ValueError):  # pd.isna of an array is no truth value
         if pd.isna(value):
@@ -207,7 +200,7 @@ def setup_page() -> None:
 
 def headline_table(rows: Iterable[dict]):
     """A notebook's headline rows (``metrics.headline``): figure, value with unit, the claim as its
-    source wrote it (or blank)."""
+    source wrote it (or blank), and where a row has a target, the target and whether it was met."""
 
     def value(row) -> str:
         return with_unit(
@@ -215,16 +208,18 @@ def headline_table(rows: Iterable[dict]):
             row.get("unit", ""),
         )
 
-    return pd.DataFrame(
+    table = pd.DataFrame(
         [
             {
                 "figure": row["name"],
                 "value": value(row),
+                **dict(zip(("target", "met"), target_cells(row))),
                 "claimed": get_claim(row["claim"]).written() if "claim" in row else "",
             }
             for row in rows
         ]
     )
+    return table if table["target"].any() else table.drop(columns=["target", "met"])
 
 
 def scientific(values, digits: int = 2):

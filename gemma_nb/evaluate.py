@@ -2,6 +2,7 @@
 token match. A model is a causal LM (decoded with its KV cache) or a callable ``input_ids [B, S] ->
 logits [B, S, V]`` (re-run each step)."""
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd
@@ -129,24 +130,6 @@ def fact_recall(model: Model, tokenizer, facts=None) -> tuple[float, pd.DataFram
     return float(table["correct"].mean()), table
 
 
-def recall_from_tokens(
-    tokenizer, facts, generated: Sequence[Sequence[int]]
-) -> tuple[float, list[bool]]:
-    """:func:`fact_recall`'s verdict from tokens already decoded after each fact's prompt (one list
-    per fact)."""
-    facts = list(facts)
-    assert len(facts) == len(generated), f"{len(generated)} token lists for {len(facts)} facts"
-    correct = []
-    for fact, tokens in zip(facts, generated):
-        answer = tokenizer(fact.answer, add_special_tokens=False).input_ids
-        assert len(tokens) >= len(answer), (
-            f"{len(tokens)} tokens after {fact.prompt!r}: decode at least as many steps as the "
-            "longest answer"
-        )
-        correct.append(list(tokens[: len(answer)]) == answer)
-    return sum(correct) / len(correct), correct
-
-
 class CachedLogits:
     """``model(input_ids).logits`` computed once per distinct batch: a reference scored against
     several candidates."""
@@ -173,6 +156,52 @@ def prompt_batches(tokenizer, texts: Iterable[str] | None = None) -> list[torch.
     return [batch for _, batch in length_batches(token_lists)]
 
 
+def text_batches(tokenizer, text: str, chunk_tokens: int, max_tokens: int) -> list[torch.Tensor]:
+    """``text`` tokenized as one stream and cut into sequences ``[1, chunk_tokens]``, each opening
+    with <bos> (llama.cpp's perplexity chunks), at most ``max_tokens`` tokens in all."""
+    ids, step = tokenizer(text, add_special_tokens=False).input_ids, chunk_tokens - 1
+    starts = range(0, len(ids) - step + 1, step)[: max_tokens // chunk_tokens]
+    if not starts:
+        raise ValueError(
+            f"the text has {len(ids)} tokens, fewer than one sequence of chunk_tokens="
+            f"{chunk_tokens}: pass a longer text or a smaller chunk_tokens"
+        )
+    return [torch.tensor([[tokenizer.bos_token_id, *ids[i : i + step]]]) for i in starts]
+
+
+@torch.inference_mode()
+def next_token_logprobs(model: Model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced log-probabilities ``[B, S - 1, V]`` (fp32, cpu) of the tokens after each
+    position of ``input_ids [B, S]`` but the last."""
+    logits = as_logits_fn(model)(input_ids.to(_device_of(model)))[:, :-1]
+    return logits.float().log_softmax(-1).cpu()
+
+
+def position_scores(reference_logp, candidate_logp, targets=None) -> dict[str, torch.Tensor]:
+    """Per position of log-probabilities ``[..., V]``: ``kld`` KL(reference || candidate) in nats,
+    ``top1`` (same argmax) and, with ``targets``, the candidate's ``nll`` of them."""
+    scores = {
+        "kld": (reference_logp.exp() * (reference_logp - candidate_logp)).sum(-1).flatten(),
+        "top1": (reference_logp.argmax(-1) == candidate_logp.argmax(-1)).flatten(),
+    }
+    if targets is not None:
+        scores["nll"] = -candidate_logp.gather(-1, targets[..., None]).flatten()
+    return scores
+
+
+def shift_summary(per_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """:func:`position_scores` of all batches as llama.cpp's ``--kl-divergence`` reports them:
+    ``kld_mean``, ``kld_p99`` (nats), ``top1_agreement``, the candidate's ``perplexity``."""
+    scores = {key: torch.cat([batch[key] for batch in per_batch]) for key in per_batch[0]}
+    kld = scores["kld"].double()
+    return {
+        "kld_mean": float(kld.mean()),
+        "kld_p99": float(torch.quantile(kld, 0.99)),
+        "top1_agreement": float(scores["top1"].double().mean()),
+        "perplexity": math.exp(float(scores["nll"].double().mean())),
+    }
+
+
 @torch.inference_mode()
 def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokenizer=None) -> dict:
     """``candidate``'s next-token logits against ``reference``'s at every position of
@@ -195,9 +224,9 @@ def compare_logits(reference: Model, candidate: Model, input_ids_batches, tokeni
         assert ref.shape == cand.shape, (
             f"reference logits {tuple(ref.shape)}, candidate {tuple(cand.shape)}"
         )
-        ref_logp, cand_logp = ref.log_softmax(-1), cand.log_softmax(-1)
-        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        kl_sum += float((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).sum())
+        scores = position_scores(ref.log_softmax(-1), cand.log_softmax(-1))
+        agree += int(scores["top1"].sum())
+        kl_sum += float(scores["kld"].sum())
         max_abs = max(max_abs, float((ref - cand).abs().max()))
         positions += ids.numel()
     return {

@@ -10,13 +10,35 @@ from pathlib import Path
 from typing import Any
 
 from gemma_nb.paths import output_subdir
-from gemma_nb.story import get_claim
+from gemma_nb.story import get_claim, with_unit
 
 
-def headline(name: str, value: float | int | str, unit: str = "", claim: str | None = None) -> dict:
-    """One key figure. ``claim`` is a key of ``gemma_nb.story.CLAIMS`` this value answers."""
+def headline(
+    name: str,
+    value: float | int | str,
+    unit: str = "",
+    claim: str | None = None,
+    at_least: float | None = None,
+    at_most: float | None = None,
+) -> dict:
+    """One key figure. ``claim`` is a key of ``gemma_nb.story.CLAIMS`` this value answers;
+    ``at_least`` or ``at_most`` a target it is held to (``met``: whether it holds)."""
     answers = {} if claim is None else {"claim": claim, "claimed": get_claim(claim).value}
+    if at_least is not None:
+        answers.update(at_least=at_least, met=bool(value >= at_least))
+    if at_most is not None:
+        answers.update(at_most=at_most, met=bool(value <= at_most))
     return {"name": name, "value": value, "unit": unit, **answers}
+
+
+def target_cells(row: Mapping[str, Any]) -> tuple[str, str]:
+    """A headline row's target as a reader reads it ("at least 12x") and "met" or "missed"; blanks
+    for a row without one."""
+    for bound in ("at_least", "at_most"):
+        if bound in row:
+            target = with_unit(f"{bound.replace('_', ' ')} {row[bound]:g}", row["unit"])
+            return target, "met" if row["met"] else "missed"
+    return "", ""
 
 
 def _jsonable(value: Any) -> Any:

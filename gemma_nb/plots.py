@@ -1,5 +1,6 @@
 """One way to draw and save every figure: seaborn theme, PNG + SVG, byte-identical on a re-run."""
 
+import functools
 import itertools
 import math
 from pathlib import Path
@@ -178,18 +179,14 @@ def _points_inside(box, ax) -> int:
 def collisions(fig) -> list[str]:
     """What overlaps in ``fig`` once drawn, as short sentences: two texts (labels, titles,
     annotations, ticks); a text in the axes crossed by a line or covering a scatter point; a legend
-    over a text, line, bar or point of its axes, or past the edge."""
+    over a text, line, bar or point of its axes, or past the edge, or with an entry unlabelled."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = _texts(fig, renderer)
     found = [
-        f"texts {_label(first)} and {_label(second)} overlap"
-        for (first, first_box, first_shape), (
-            second,
-            second_box,
-            second_shape,
-        ) in itertools.combinations(texts, 2)
-        if first_box.overlaps(second_box) and _shapes_overlap(first_shape, second_shape)
+        f"texts {_label(text)} and {_label(other)} overlap"
+        for (text, box, shape), (other, other_box, other_shape) in itertools.combinations(texts, 2)
+        if box.overlaps(other_box) and _shapes_overlap(shape, other_shape)
     ]
     for text, box, _ in texts:
         ax = text.axes
@@ -199,13 +196,13 @@ def collisions(fig) -> list[str]:
         if points := _points_inside(box, ax):
             found.append(f"text {_label(text)} covers {points} point(s)")
     for legend in _legends(fig):
+        found += [
+            f"legend entry {index + 1} has no label (pass labels to legend())"
+            for index, text in enumerate(legend.get_texts())
+            if not text.get_text().strip()
+        ]
         box = legend.get_window_extent(renderer)
-        if not (
-            fig.bbox.x0 <= box.x0
-            and box.x1 <= fig.bbox.x1
-            and fig.bbox.y0 <= box.y0
-            and box.y1 <= fig.bbox.y1
-        ):
+        if not (fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)):
             found.append("the legend reaches past the figure's edge (its frame is cut)")
         found += [
             f"the legend covers text {_label(text)}"
@@ -227,8 +224,8 @@ def collisions(fig) -> list[str]:
 
 
 def show_figure(fig, target: str, name: str, alt: str) -> dict[str, Path]:
-    """Instead of ``plt.show()``: refuse ``fig`` if labels collide, else save it as
-    ``figures/<name>.png`` and ``.svg`` (``name`` starts with the notebook number:
+    """Instead of ``plt.show()``: refuse ``fig`` if labels collide or a legend entry has none, else
+    save it as ``figures/<name>.png`` and ``.svg`` (``name`` starts with the notebook number:
     ``01_bytes_per_rank``), display it with ``alt`` text and close it. A smoke run
     (``GEMMA_NB_TIMING=smoke``, nbval's) draws timings no one reads and that move with the cpu:
     collisions pass there."""
@@ -262,26 +259,14 @@ def label_points(ax, points, fontsize: float = 8) -> None:
     frame = ax.get_window_extent(renderer)
     legend = ax.get_legend()
     blocked = [legend.get_window_extent(renderer)] if legend is not None else []
+    annotate = functools.partial(ax.annotate, textcoords="offset points", fontsize=fontsize)
     for x, y, label in points:
         tried = []
         for dx, dy, ha, va in LABEL_OFFSETS:
-            text = ax.annotate(
-                label,
-                (x, y),
-                xytext=(dx, dy),
-                textcoords="offset points",
-                ha=ha,
-                va=va,
-                fontsize=fontsize,
-            )
+            text = annotate(label, (x, y), xytext=(dx, dy), ha=ha, va=va)
             box = text.get_window_extent(renderer)
             text.remove()
-            inside = (
-                frame.x0 <= box.x0
-                and box.x1 <= frame.x1
-                and frame.y0 <= box.y0
-                and box.y1 <= frame.y1
-            )
+            inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
             conflicts = (
                 (not inside)
                 + sum(box.overlaps(other) for other in blocked)
@@ -291,13 +276,5 @@ def label_points(ax, points, fontsize: float = 8) -> None:
             if tried[-1][0] == 0:
                 break
         dx, dy, ha, va = min(tried, key=lambda t: t[0])[1]
-        text = ax.annotate(
-            label,
-            (x, y),
-            xytext=(dx, dy),
-            textcoords="offset points",
-            ha=ha,
-            va=va,
-            fontsize=fontsize,
-        )
+        text = annotate(label, (x, y), xytext=(dx, dy), ha=ha, va=va)
         blocked.append(text.get_window_extent(renderer))

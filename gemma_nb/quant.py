@@ -1,7 +1,6 @@
 """Quantized linears and the planner's schemes applied to a loaded Gemma-4 model, measured (notebook
 02)."""
 
-import math
 import time
 from collections.abc import Mapping
 
@@ -11,11 +10,9 @@ from torch import nn
 
 from gemma_nb import formats, memory
 from gemma_nb.experts import QuantizedExperts, SparseExperts
-from gemma_nb.formats import QUANTIZED_FORMATS, QuantizedTensor, quantization_error, quantize
-from gemma_nb.moe import random_experts, random_routing
+from gemma_nb.formats import QuantizedTensor, quantization_error, quantize
+from gemma_nb.moe import random_routing
 from gemma_nb.targets import torch_threads
-
-FORMATS = QUANTIZED_FORMATS
 
 
 class Int8Linear(nn.Module):
@@ -80,13 +77,27 @@ def quantized_linear(weight: torch.Tensor, fmt: str, name: str = "weight") -> nn
     )
 
 
+class VocabShardedLinear(nn.Module):
+    """A head's rows quantized in ``shards``, one per rank, their outputs concatenated (NxD's
+    ``ColumnParallel`` with ``gather_output=True``), in one process."""
+
+    def __init__(self, shards: list[nn.Module]):
+        super().__init__()
+        self.shards = nn.ModuleList(shards)
+
+    nbytes = property(lambda self: sum(shard.nbytes for shard in self.shards))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([shard(x) for shard in self.shards], dim=-1)
+
+
 GROUPS = ("experts", "shared_mlp", "attention", "lm_head")
 # The linears each layer's shared_mlp and attention groups hold: (submodule, attributes).
 _LINEARS = {
     "shared_mlp": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
 }
-_COLUMNS = ["group", "format", "params", "bf16_bytes", "stored_bytes", "rel_error", "max_abs_error"]
+_COLUMNS = ["group", "format", "params", "bf16_bytes", "stored_bytes"]
 
 
 def resolve_scheme(scheme) -> dict[str, str]:
@@ -103,16 +114,18 @@ def resolve_scheme(scheme) -> dict[str, str]:
     return resolved
 
 
-def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
-    """Every module of ``group`` replaced by its quantized twin; yields ((weight, quantized) pairs,
-    stored bytes) each."""
+def _quantize_group(model: nn.Module, layers, group: str, fmt: str, head_tp: int):
+    """Every module of ``group`` replaced by its quantized twin; yields (parameters, stored bytes)
+    each."""
     if group == "lm_head":
         head = model.get_output_embeddings()
         assert isinstance(head, nn.Linear), f"lm_head is {type(head).__name__}, already replaced"
-        # a new quantized table; the tied float table stays with embed_tokens
-        model.lm_head = quantized_linear(head.weight.detach(), fmt, "lm_head.weight")
+        parts = head.weight.detach().split(-(-head.weight.shape[0] // head_tp))
+        shards = [quantized_linear(part, fmt, "lm_head.weight") for part in parts]
+        # a new quantized table, one shard per rank; the tied float table stays with embed_tokens
+        model.lm_head = shards[0] if head_tp == 1 else VocabShardedLinear(shards)
         model.config.tie_word_embeddings = False
-        yield ((head.weight.detach(), model.lm_head.quantized),), model.lm_head.nbytes
+        yield head.weight.numel(), model.lm_head.nbytes
         return
     for layer_name, layer in layers:
         if group == "experts":
@@ -123,10 +136,7 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
             layer.experts = new = QuantizedExperts.from_experts(
                 experts, fmt, name=f"{layer_name}.experts"
             )
-            yield (
-                ((experts.gate_up_proj, new.gate_up), (experts.down_proj, new.down)),
-                new.weight_bytes,
-            )
+            yield experts.gate_up_proj.numel() + experts.down_proj.numel(), new.weight_bytes
             continue
         sub, attrs = _LINEARS[group]
         parent = getattr(layer, sub)
@@ -139,16 +149,16 @@ def _quantize_group(model: nn.Module, layers, group: str, fmt: str):
                     attr,
                     new := quantized_linear(linear.weight.detach(), fmt, f"{name}.weight"),
                 )
-                yield ((linear.weight, new.quantized),), new.nbytes
+                yield linear.weight.numel(), new.nbytes
 
 
 @torch.no_grad()
-def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_error: bool = True):
+def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], tp: int = 1):
     """Quantize a loaded Gemma-4 model in place, group by group; one report row per group.
     ``lm_head`` gets its own quantized copy (the tie is broken; ``embed_tokens`` keeps the float
-    table). ``rel_error`` (Frobenius, whole group) and ``max_abs_error`` are NaN with
-    ``measure_error=False``."""
+    table), split over ``tp`` ranks where the scheme shards it."""
     groups = resolve_scheme(scheme)
+    sharded = not isinstance(scheme, Mapping) and memory.get_scheme(scheme).lm_head_sharded
     layers = [
         (n, m) for n, m in model.named_modules() if type(m).__name__ == "Gemma4TextDecoderLayer"
     ]
@@ -156,25 +166,9 @@ def apply_scheme(model: nn.Module, scheme: str | Mapping[str, str], measure_erro
     rows = []
     for group, fmt in groups.items():
         params = stored = 0
-        errors = []  # (quantization_error, sum of the weight's squares) per tensor
-        for pairs, nbytes in _quantize_group(model, layers, group, fmt):
-            stored, params = stored + nbytes, params + sum(weight.numel() for weight, _ in pairs)
-            errors += [
-                (quantization_error(w, q), float(w.float().square().sum()))
-                for w, q in pairs
-                if measure_error
-            ]
-        rel_error = max_abs_error = float("nan")
-        if measure_error:
-            diff_sq, ref_sq = (
-                sum(e["rel_error"] ** 2 * sq for e, sq in errors),
-                sum(sq for _, sq in errors),
-            )
-            rel_error = math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0
-            max_abs_error = max((e["max_abs_error"] for e, _ in errors), default=0.0)
-        rows.append(
-            dict(zip(_COLUMNS, (group, fmt, params, 2 * params, stored, rel_error, max_abs_error)))
-        )
+        for count, nbytes in _quantize_group(model, layers, group, fmt, tp if sharded else 1):
+            params, stored = params + count, stored + nbytes
+        rows.append(dict(zip(_COLUMNS, (group, fmt, params, 2 * params, stored))))
     return pd.DataFrame(rows, columns=_COLUMNS)
 
 
@@ -187,8 +181,9 @@ def full_size_experts_check(
     seed: int = 0,
 ):
     """One layer's experts quantized to each format: (table of stored vs planner bytes and errors,
-    seconds per format). A row per (format, tensor) plus a ``layer`` row: the output's relative
-    error on ``tokens`` routed tokens."""
+    seconds per format to quantize and to dequantize the layer, the latter timed on the routed
+    forward, each expert it reaches dequantized). A row per (format, tensor) plus a ``layer`` row:
+    the output's relative error on ``tokens`` routed tokens."""
     with torch_threads(1):
         dtype = experts.gate_up_proj.dtype
         hidden = torch.randn(
@@ -205,7 +200,7 @@ def full_size_experts_check(
         for fmt in formats:
             start = time.perf_counter()
             quantized = QuantizedExperts.from_experts(experts, fmt, name="experts")
-            seconds[fmt] = time.perf_counter() - start
+            seconds[fmt] = {"quantize_s": time.perf_counter() - start}
             for tensor_name, tensor in (
                 ("gate_up_proj", quantized.gate_up),
                 ("down_proj", quantized.down),
@@ -222,7 +217,10 @@ def full_size_experts_check(
                         )["rel_error"],
                     }
                 )
+            start = time.perf_counter()
             output = quantized(hidden, index, weights.to(dtype)).float()
+            reached = index.unique().numel() / experts.gate_up_proj.shape[0]
+            seconds[fmt]["dequantize_s"] = (time.perf_counter() - start) / reached
             rows.append(
                 {
                     "format": fmt,
@@ -239,8 +237,4 @@ def full_size_experts_check(
             del quantized
         table = pd.DataFrame(rows)
         table.insert(5, "equal", table["stored_bytes"] == table["planner_bytes"])
-        return table, seconds
-
-
-def random_experts_fast(config, seed: int = 0) -> nn.Module:
-    return random_experts(config, seed, per_expert=True)
+        return table, pd.DataFrame(seconds).T.rename_axis("format")

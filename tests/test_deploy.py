@@ -112,12 +112,14 @@ def test_slim_deploy_names_a_missing_file(compiled, tmp_path):
         D.run_deploy("fat", artifact, PROMPT, 1)
 
 
-def test_performance_targets_table():
-    table = D.performance_targets(
+def test_performance_targets_are_headline_rows_with_their_verdicts():
+    rows = D.performance_targets(
         {"peak_rss_bytes": 1.0}, {"peak_rss_bytes": 4.0}, {"exported_over_eager": 1.5}
     )
-    assert table["measured"].tolist() == [0.25, 1.5]
-    assert table["met"].tolist() == [True, False]
+    assert [(row["value"], row["at_most"], row["met"]) for row in rows] == [
+        (0.25, 0.35, True),
+        (1.5, 1.3, False),
+    ]
 
 
 # ---- the neuron recipe's traced module, on the cpu --------------------------------------------

@@ -15,10 +15,11 @@ from gemma_nb import display, paths, plots
 from gemma_nb.metrics import save_metrics
 
 
-def test_cut_at_eos_keeps_the_first_marker_only():
-    assert display.cut_at_eos("Paris.<eos><eos><eos>") == "Paris.<eos>"
-    assert display.cut_at_eos("no marker") == "no marker"
-    assert display.cut_at_eos("<eos>tail") == "<eos>"
+def test_cut_at_eos_keeps_the_answer_before_the_first_marker():
+    assert display.cut_at_eos("Paris . <eos><eos><eos>") == "Paris ."
+    assert display.cut_at_eos("no marker ") == "no marker "
+    assert display.cut_at_eos("<eos>tail") == ""
+    assert display.format_cell("Tirana . <eos> <eos>") == "Tirana ."
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ def test_tidy_shows_words_and_blanks():
     shown = display.tidy(frame)
     assert shown["ok"].tolist() == ["yes", "no"]
     assert shown["said"].tolist() == ["yes", "no"]
-    assert shown["claim"].tolist() == ["", "x<eos>"]
+    assert shown["claim"].tolist() == ["", "x"]
     assert shown["v"].tolist() == ["", "1.5"]
     assert shown["n"].tolist() == ["262,144", "7"]
 
@@ -199,6 +200,24 @@ def test_scientific_and_headline_table():
     ]
 
 
+def test_headline_rows_with_a_target_show_it_and_whether_it_was_met():
+    from gemma_nb.metrics import headline
+
+    rows = [
+        headline("sparse vs dense", 13.7, "x", at_least=12.0),
+        headline("step / floor", 2.54, "x", at_most=1.5),
+        headline("bit-exact", True),
+    ]
+    table = display.headline_table(rows)
+    assert table.drop(columns="claimed").to_dict(orient="records") == [
+        {"figure": "sparse vs dense", "value": "13.7x", "target": "at least 12x", "met": "met"},
+        {"figure": "step / floor", "value": "2.54x", "target": "at most 1.5x", "met": "missed"},
+        {"figure": "bit-exact", "value": "yes", "target": "", "met": ""},
+    ]
+    assert table["claimed"].eq("").all()
+    assert [row["met"] for row in rows[:2]] == [True, False] and "met" not in rows[2]
+
+
 def test_collisions_name_what_overlaps():
     import matplotlib
     import matplotlib.pyplot
@@ -222,6 +241,12 @@ def test_collisions_name_what_overlaps():
     ax.plot([0, 1], [0, 1], label="a line")
     ax.legend(loc="upper left", bbox_to_anchor=(1.2, 1.0))
     assert plots.collisions(fig) == ["the legend reaches past the figure's edge (its frame is cut)"]
+    # handles passed without their labels: swatches a reader cannot tell apart
+    fig, ax = plots.subplots(figsize=(6, 3))
+    bars = [ax.bar([i], [1.0], label=name)[0] for i, name in enumerate(("experts", "lm_head"))]
+    ax.legend(handles=[*bars, matplotlib.lines.Line2D([], [])], loc="upper left")
+    ax.set_ylim(0, 4)
+    assert plots.collisions(fig) == ["legend entry 3 has no label (pass labels to legend())"]
     matplotlib.pyplot.close("all")
 
 

@@ -153,25 +153,51 @@ def test_fact_recall_counts_wrong_answers():
         fact_recall(tiny, tokenizer, [])
 
 
-def test_recall_from_greedy_tokens_is_fact_recall():
-    """Notebook 02 decodes each model once and reads the recall off its greedy tokens."""
-    from gemma_nb.evaluate import recall_from_tokens
-    from gemma_nb.experiments.quantization import greedy_tokens
-    from gemma_nb.modelio import load_model
-    from gemma_nb.tiny import FACTS
-    from gemma_nb.tiny.corpus import Fact
+def test_teacher_forced_scores_are_llama_cpps_kl_statistics(model, prompt):
+    from gemma_nb.evaluate import next_token_logprobs, position_scores, shift_summary
 
-    tiny, tokenizer = load_model()
-    facts = [f for f in FACTS if f.subject in {"France", "Japan"}]
-    facts.append(Fact("capital", "France", "The capital of France is", "Berlin ."))
-    tokens = greedy_tokens(tiny, tokenizer, [f.prompt for f in facts], 4)
-    recall, correct = recall_from_tokens(tokenizer, facts, tokens)
-    expected, table = fact_recall(tiny, tokenizer, facts)
-    assert recall == expected and correct == table["correct"].tolist() and correct[-1] is False
-    with pytest.raises(AssertionError, match="decode at least as many steps as the longest answer"):
-        recall_from_tokens(tokenizer, facts[:1], [tokens[0][:1]])
-    with pytest.raises(AssertionError, match="1 token lists for 2 facts"):
-        recall_from_tokens(tokenizer, facts[:2], tokens[:1])
+    ids = torch.cat([prompt, prompt.flip(-1)])
+    reference = next_token_logprobs(model, ids)
+    assert reference.shape == (2, 4, 96) and reference.dtype == torch.float32
+    torch.testing.assert_close(
+        reference, model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
+    )
+    same = shift_summary([position_scores(reference, reference, ids[:, 1:])])
+    nll = -reference.gather(-1, ids[:, 1:, None])
+    assert (same["kld_mean"], same["kld_p99"], same["top1_agreement"]) == (0.0, 0.0, 1.0)
+    assert same["perplexity"] == pytest.approx(float(nll.double().mean().exp()))
+    noisy = reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(0))
+    candidate = noisy.log_softmax(-1)
+    scores = position_scores(reference, candidate, ids[:, 1:])
+    kld = (reference.exp() * (reference - candidate)).sum(-1).flatten()
+    torch.testing.assert_close(scores["kld"], kld)
+    # two batches summarise as one: the mean over all positions, the 99th percentile of them
+    halves = [
+        position_scores(reference[i : i + 1], candidate[i : i + 1], ids[i : i + 1, 1:])
+        for i in (0, 1)
+    ]
+    summary = shift_summary(halves)
+    assert summary["kld_mean"] == pytest.approx(float(kld.double().mean()))
+    assert summary["kld_p99"] == pytest.approx(float(torch.quantile(kld.double(), 0.99)))
+    assert summary["top1_agreement"] == float(
+        (reference.argmax(-1) == candidate.argmax(-1)).double().mean()
+    )
+
+
+def test_text_batches_cut_a_stream_into_bos_led_sequences():
+    from gemma_nb.evaluate import text_batches
+    from gemma_nb.tiny.corpus import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    text = "The capital of France is Paris . The capital of Italy is Rome ."
+    words = tokenizer(text, add_special_tokens=False).input_ids  # 14 words
+    batches = text_batches(tokenizer, text, chunk_tokens=5, max_tokens=12)
+    assert [b.tolist() for b in batches] == [[[2, *words[:4]]], [[2, *words[4:8]]]]
+    assert len(text_batches(tokenizer, text, chunk_tokens=5, max_tokens=100)) == 3  # whole ones
+    with pytest.raises(
+        ValueError, match="the text has 14 tokens, fewer than one sequence of chunk_tokens=20"
+    ):
+        text_batches(tokenizer, text, chunk_tokens=20, max_tokens=100)
 
 
 def test_cached_logits_run_the_reference_once(model, prompt):

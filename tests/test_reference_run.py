@@ -3,8 +3,8 @@
 Reads what the committed run in ``outputs/cpu/metrics/`` recorded and asserts the conclusions the
 notebooks draw from it, so a regenerated run that quietly changes a conclusion fails here: every
 headline that carries a claim has the notebook's verdict on it, the full-size byte figures are the
-planner's, the int8 squeeze keeps the greedy answers, sparse beats dense by >= 12x, the slim deploy
-stays under 0.35 of the naive one's host RSS, and the decode roofline counts the KV cache.
+planner's, notebook 02 scores every scheme by KL divergence, sparse beats dense by >= 12x, the slim
+deploy stays under 0.35 of the naive one's host RSS, and the decode roofline counts the KV cache.
 
 Values that depend on the CPU's kernels by nature (a bf16 KL that is rounding noise, the top-1
 agreement of a model on random weights) are shown in cells nbval does not compare; what the
@@ -70,6 +70,7 @@ VERDICTS = {
     ("03_lm_head_sharding", "host_embedding_gb"): True,
     ("05_slim_deploy", "host_embedding_gb"): True,
     ("06_embedding_scale", "embed_scale"): True,
+    ("07_decode_benchmark", "dense_flops_waste_x"): True,  # 128 / 8, computed from the config
 }
 # Measured on the machine that ran, set against the story's figure by direction, not by rounding.
 # torch.export's lower bound, far below the port's 180 GB
@@ -79,7 +80,6 @@ MEASURED_BELOW_CLAIM = {
         "compile_peak_host_gb",
     ),
     ("04_compile", "compile_minutes"),
-    ("07_decode_benchmark", "dense_flops_waste_x"),  # measured speedup, at most the ideal E/K = 16
 }
 
 
@@ -135,24 +135,48 @@ def test_full_size_byte_figures_are_the_planners(config):
     assert head["full_size_bit_exact"] is True
 
 
-def test_int8_squeeze_keeps_the_greedy_answers():
+def test_02_scores_every_scheme_and_the_head_alone_and_fits_the_26b_evaluation():
     quant = metrics("02_quantization")
-    assert quant["int8_squeeze_greedy_mismatches"] == 0
-    assert quant["scores_by_scheme"]["int8_squeeze"]["greedy_match"] == 1.0
-    assert (
-        quant["scores_by_scheme"]["int8_squeeze"]["fact_recall"] == quant["reference_fact_recall"]
-    )
+    heads = {"int8_lm_head", "int8_lm_head_sharded"}
+    for compute, refs in (("bf16", ("bf16", "fp32")), ("fp32", ("fp32",))):
+        scores = quant[f"scores_{compute}_compute"]
+        assert set(scores) == set(memory.SCHEMES) | heads
+        assert all(
+            {f"{s}_vs_{ref}" for s in ("kld_mean", "kld_p99", "top1_agreement") for ref in refs}
+            | {"perplexity"}
+            == set(row)
+            for row in scores.values()
+        )
+        assert set(quant["lm_head_alone"][compute]) == heads
+    assert quant["positions"] == 952 and quant["eval_text"] == "held-out"
+    host = quant["host_memory_gb"]["total"]["model_26b_gb"]
+    assert host == quant["predicted_26b_eval_host_peak_gb"] < 128 * 2**30 / 1e9
+    assert quant["predicted_26b_eval_host_fits_128gib"] is True
+    assert quant["eval_26b_hours"][0] < quant["eval_26b_hours"][1]
 
 
 def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
+    """Notebook 07's (2): more than 12x in both dtypes; the int8 step misses 1.5x its bandwidth
+    floor, the bf16 one lands near it (1.08x to 1.74x over the reference runs so far); the gap is
+    the matmuls' reach of the bandwidth, the int8 one's least, not per-call overhead."""
     decode = metrics("07_decode_benchmark")
-    # The 12x target holds for int8, the port's expert dtype. In bf16 the ratio is a property of the
-    # box: 14.8x when this 2-core machine read ~31 GB/s, 11.6x at ~9 GB/s (the sparse step's small
-    # matmuls reach less of the bandwidth than the dense one's). Notebook 07 prints that verdict and
-    # its cause; here bf16 only has to stay far from dense-like speed.
-    assert decode["int8_sparse_vs_dense_x"] >= 12.0
-    assert decode["bf16_sparse_vs_dense_x"] >= 10.0
+    assert decode["int8_sparse_vs_dense_x"] >= 12.0 and decode["bf16_sparse_vs_dense_x"] >= 12.0
     assert decode["bundled_same_tokens"] is True
+    assert decode["int8_sparse_x_floor"] > 1.5 and 1.0 <= decode["bf16_sparse_x_floor"] <= 2.0
+    assert decode["sparse int8_kernel_gb_s"] < decode["sparse bf16_kernel_gb_s"]
+    for dtype in ("bf16", "int8"):
+        assert decode[f"sparse {dtype}_overhead_ms"] < 0.2 * decode[f"sparse {dtype}_p50_ms"]
+    # (8): dense never catches sparse up to the largest batch, in any dtype or routing
+    crossovers = decode["batch"]["crossover_measured"]
+    assert all(first is None for by_source in crossovers.values() for first in by_source.values())
+
+
+def test_one_generation_at_a_time_queues_clients():
+    """Notebook 07's (7): from 1 to 4 clients the first token's wait grows several times over, and
+    the tokens/s of all clients together does not grow (within the noise of a shared machine)."""
+    endpoint = metrics("07_endpoint_benchmark")
+    assert endpoint["ttft_growth_x"] >= 2.5
+    assert endpoint["tok_s_total_growth_x"] <= 1.35
 
 
 def test_decode_roofline_counts_the_kv_cache(config):
@@ -168,6 +192,12 @@ def test_slim_deploy_needs_at_most_035_of_the_naive_host_memory():
     deploy = metrics("05_slim_deploy")
     ratio = deploy["slim"]["peak_rss_bytes"] / deploy["naive"]["peak_rss_bytes"]
     assert ratio <= 0.35
+    step = deploy["compile"]["exported_decode_ms"] / deploy["compile"]["eager_decode_ms"]
+    assert [(row["value"], row["met"]) for row in deploy["targets"]] == [
+        (pytest.approx(ratio), True),
+        (pytest.approx(step), True),
+    ]
+    assert step <= 1.3
     assert deploy["tokens_match"] == {"slim": True, "naive": True}
     assert deploy["bundled_slim_deploy_matches_reference"] is True
 
@@ -327,7 +357,7 @@ def test_notebook_07s_cost_conclusions_are_the_metrics():
         text for text in prose if text.startswith("One inf2.xlarge with the int8 squeeze")
     )
     learned = next(text for text in prose if text.startswith("## What we learned"))
-    money = lambda value: f"${value:.2f}"  # noqa: E731
+    money = lambda value: f"USD {value:.2f}"  # noqa: E731
     for text in (section_9, learned):
         assert f"{money(paths['sparse']['usd_per_m_b1'])} per million tokens" in text
         assert f"{money(paths['dense']['usd_per_m_b1'])} with DenseExperts" in text
@@ -373,39 +403,42 @@ def test_notebook_01_shows_the_planners_allowance():
 
 def test_02_what_the_scores_say():
     quant = metrics("02_quantization")
-    scores, found = quant["scores_by_scheme"], quant["findings"]
-    # every scheme keeps facts and answers
-    assert found["changed"] == [] and found["kept"] == list(scores)
-    # "within a tenth of a percentage point of plain bf16's, on both sides of it"
-    assert found["top1_spread"] <= 0.001 and found["top1_both_sides"]
-    # "bf16's own rounding moves it as much"
-    assert found["bf16_disagreement"] >= found["top1_spread"]
-    # "int8 < fp8 < NVFP4 < MXFP4 by KL and by weight error alike"; the head adds more than the
-    # dense MLP
-    assert (
-        found["experts_by_kl"]
-        == found["experts_by_weight_error"]
-        == ["int8_experts", "fp8_experts", "nvfp4_experts", "mxfp4_experts"]
+    bf16, fp32 = quant["scores_bf16_compute"], quant["scores_fp32_compute"]
+    rounding = bf16["bf16"]["kld_mean_vs_fp32"]  # bf16's own distance from fp32
+    fp32_kld = {name: row["kld_mean_vs_fp32"] for name, row in fp32.items()}
+    int8 = [name for name in memory.SCHEMES if name.startswith("int8")] + ["int8_lm_head"]
+    fp4 = ["mxfp4_experts", "nvfp4_experts"]
+    # fp32 compute: every int8 placement, then fp8, then the fp4 formats; int8 "far below" bf16's
+    # rounding, fp8 "over an order of magnitude" more than the int8 experts and still below it, fp4
+    # "several times" above it, MXFP4's p99 "far more" than NVFP4's
+    assert max(fp32_kld[n] for n in int8) < fp32_kld["fp8_experts"] < min(fp32_kld[n] for n in fp4)
+    assert max(fp32_kld[n] for n in int8) < rounding / 10
+    assert 10 * fp32_kld["int8_experts"] < fp32_kld["fp8_experts"] < rounding
+    assert min(fp32_kld[n] for n in fp4) > 2 * rounding
+    assert fp32["mxfp4_experts"]["kld_p99_vs_fp32"] > 5 * fp32["nvfp4_experts"]["kld_p99_vs_fp32"]
+    # "the fp4 formats move the perplexity the most"
+    moved = {n: abs(row["perplexity"] - fp32["bf16"]["perplexity"]) for n, row in fp32.items()}
+    assert set(sorted(moved, key=moved.get)[-2:]) == set(fp4)
+    # the lm_head: "several times" the int8 experts' KL in fp32 compute; sharding changes nothing
+    assert fp32_kld["int8_lm_head"] > 3 * fp32_kld["int8_experts"]
+    for scores in (bf16, fp32):
+        assert scores["int8_lm_head_sharded"] == pytest.approx(scores["int8_lm_head"], rel=1e-4)
+    # bf16 compute: the schemes quantizing layers inside the model sit around bf16's rounding, on
+    # both sides of it; the head alone moves the distribution least, well below it
+    inside = {
+        name: row["kld_mean_vs_bf16"] / rounding
+        for name, row in bf16.items()
+        if name not in ("bf16", "int8_lm_head", "int8_lm_head_sharded")
+    }
+    assert min(inside.values()) < 1 < max(inside.values()) and all(
+        0.05 < ratio < 20 for ratio in inside.values()
     )
-    assert found["lm_head_kl_added"] > found["shared_mlp_kl_added"] > 0
-    # the int8 head alone moves the fp32-compute distribution more than int8 experts and dense MLP
-    # together
-    assert (
-        quant["lm_head_int8_only"]["kl_mean_float32"]
-        > scores["int8_experts_shared_mlp"]["kl_mean_float32"]
-    )
-    assert quant["lm_head_int8_only"]["fact_recall"] == quant["reference_fact_recall"]
-    # "picks the float head's top token everywhere; its error far below the margin"
-    head = quant["lm_head_alone"]
-    assert (
-        head["top1_agreement"] == 1.0 and head["max_abs_logit_error"] < head["margin_median"] / 20
-    )
-    # "an order of magnitude closer", "NVFP4 a little closer"
+    assert bf16["int8_lm_head"]["kld_mean_vs_bf16"] < min(inside.values()) * rounding < rounding
+    # the full-size layer: int8 closer to bf16 than fp8, "an order of magnitude" closer than fp4,
+    # NVFP4 "a little closer" than MXFP4
     errors = quant["full_size_layer_rel_error_output"]
-    assert (
-        8 * errors["int8"] <= min(errors["mxfp4"], errors["nvfp4"])
-        and errors["nvfp4"] < errors["mxfp4"]
-    )
+    assert errors["int8"] < errors["fp8"] and errors["nvfp4"] < errors["mxfp4"]
+    assert 8 * errors["int8"] <= min(errors["mxfp4"], errors["nvfp4"])
     assert all(row["equal"] for row in quant["planner_check"])
 
 

@@ -1,6 +1,7 @@
 """docs/inf2.md: exactly what ``python -m gemma_nb runbook`` writes now, every command real, linked
 from README."""
 
+import json
 import re
 import shlex
 
@@ -42,9 +43,9 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
     assert f["deploy_load_gb"] * 1e9 > INSTANCES["inf2.xlarge"].host_ram_bytes
     text = runbook.render()
     for stated in (
-        f"${f['compile_usd']:.2f}",
-        f"${f['cold_start_usd']:.2f}",
-        f"${f['usd_per_m_tokens']:.2f} per M tokens",
+        f"USD {f['compile_usd']:.2f}",
+        f"USD {f['cold_start_usd']:.2f}",
+        f"USD {f['usd_per_m_tokens']:.2f} per M tokens",
         f"{f['per_rank_gb']:.2f} GB per NeuronCore",
         f"headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB",
     ):
@@ -147,3 +148,13 @@ def test_readme_links_the_runbook_and_says_smoke_run_first():
     readme = (REPO_ROOT / "README.md").read_text()
     assert "](docs/inf2.md)" in readme
     assert "python -m gemma_nb run --target neuron" in readme and "first" in readme
+
+
+def test_the_26b_quality_step_states_notebook_02s_estimates():
+    quality = json.loads(runbook.QUALITY_METRICS.read_text())["metrics"]  # the reference run's
+    text = runbook.render()
+    peak_gb, (low, high) = quality["predicted_26b_eval_host_peak_gb"], quality["eval_26b_hours"]
+    assert f"~{peak_gb:.0f} GB, within the inf2.8xlarge's 128 GiB" in text
+    assert peak_gb * 1e9 < INSTANCES["inf2.8xlarge"].host_ram_bytes
+    assert f"| {low:.1f} to {high:.1f} h (estimated) |" in text
+    assert f"-p eval_text {runbook.WIKITEXT}" in text and "run --target cpu --only 02" in text

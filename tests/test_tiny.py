@@ -69,6 +69,21 @@ def test_corpus_has_150_plus_capitals_and_paris():
     assert len(prompts) == len(set(prompts)) == len(FACTS)  # one answer per prompt
 
 
+def test_the_held_out_split_is_true_new_text_in_the_corpus_words():
+    from gemma_nb.tiny.corpus import COUNTRIES, FACTS, HELD_OUT, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    trained = {fact.sentence for fact in FACTS}
+    continent = {capital: continent for _, capital, continent in COUNTRIES}
+    assert len(HELD_OUT) == sum(capital != country for country, capital, _ in COUNTRIES) == 179
+    assert HELD_OUT[0].sentence == "Tirana is in Europe ."
+    for fact in HELD_OUT:
+        assert fact.sentence not in trained and fact.answer == f"{continent[fact.subject]} ."
+        assert tokenizer.unk_token_id not in tokenizer(fact.sentence).input_ids
+    # the checkpoints trained on FACTS only: not one prompt of the split opens a trained sentence
+    assert not {fact.prompt for fact in HELD_OUT} & {fact.prompt for fact in FACTS}
+
+
 def test_tokenizer_covers_the_corpus_and_adds_bos():
     tokenizer = build_tokenizer()
     for fact in FACTS:

@@ -353,21 +353,14 @@ def plot_bytes_per_holder(table):
         ylabel="bytes held (GB)",
         title="Tied table: replicated bf16 head vs int8 head sharded over 2 ranks",
     )
-    for (key, what), style in zip(
-        (
-            ("lm_head_bf16_gb_per_rank", "bf16 head"),
-            ("lm_head_int8_sharded_gb_per_rank", "int8 sharded head"),
-        ),
-        ("--", ":"),
-    ):
+    heads = {
+        "lm_head_bf16_gb_per_rank": ("bf16 head", "--"),
+        "lm_head_int8_sharded_gb_per_rank": ("int8 sharded head", ":"),
+    }
+    for key, (what, style) in heads.items():
         value = CLAIMS[key].value
-        _ = ax.axhline(
-            value,
-            color="0.25",
-            linestyle=style,
-            linewidth=1.2,
-            label=f"story: {what} {value:g} GB/rank",
-        )
+        label = f"story: {what} {value:g} GB/rank"
+        _ = ax.axhline(value, color="0.25", linestyle=style, linewidth=1.2, label=label)
     _ = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False, fontsize=9)
     return fig
 

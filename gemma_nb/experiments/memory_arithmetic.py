@@ -63,8 +63,10 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
         for (label, value), style in zip((budgets or {}).items(), ("--", ":", "-."))
     ]
     # seaborn's legend (the groups) replaced by one outside the axes that adds the budget lines
+    groups = ax.get_legend()
     ax.legend(
-        handles=[*ax.get_legend().legend_handles, *lines],
+        handles=[*groups.legend_handles, *lines],
+        labels=[*(text.get_text() for text in groups.get_texts()), *(budgets or {})],
         loc="upper left",
         bbox_to_anchor=(1.01, 1.0),
         frameon=False,
@@ -74,10 +76,10 @@ def plot_plans(plans: Sequence[Plan], ax, budgets: Mapping[str, float] | None = 
 
 def plot_fit_heatmap(table, ax, value: str = "headroom_gb") -> None:
     """Instance x scheme heatmap of headroom per NeuronCore (GB); rows: instance, TP degree,
-    on-demand $/hour."""
+    on-demand USD/hour."""
     labelled = table.assign(
         row=[
-            f"{i}  TP={t}  \\${p:.2f}/h"
+            f"{i}  TP={t}  USD {p:.2f}/h"
             for i, t, p in zip(table["instance"], table["tp"], table["usd_per_hour"])
         ]
     )

@@ -1,270 +1,245 @@
-"""Notebook 02 (quantization): what a ``gemma_nb.quant`` scheme costs in answers, scored against the
-float model (logit agreement, KL, fact recall, greedy tokens), and the formats, the head alone and
-the Pareto plot."""
+"""Notebook 02 (quantization): each scheme scored by the KL divergence of its next-token
+distribution from the unquantized model's, top-1 agreement and perplexity, teacher-forced on
+held-out text; the evaluation's host peak and time scaled to the 26B; formats and Pareto plot."""
 
-import copy
 import math
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
-from torch import nn
+import torch.nn.functional as F
 
-from gemma_nb import evaluate, memory, quant
-from gemma_nb.tiny import FACTS
+from gemma_nb import evaluate, formats, memory, plots, quant
+from gemma_nb.bench import check_counts, time_steps
+from gemma_nb.hardware import GB, GiB
+from gemma_nb.modelio import load_model, resolve_model_id
+from gemma_nb.neuron.checkpoint import text_config
+from gemma_nb.peak_rss import HostMemorySampler
+from gemma_nb.targets import torch_threads
+from gemma_nb.tiny.corpus import HELD_OUT
 
+HELD_OUT_TEXT = "held-out"  # eval_text naming the bundled corpus's held-out split
+# The head's share of the error, on its own: the int8 lm_head (rest bf16), replicated and sharded.
+_INT8_HEAD = memory.Scheme("int8_lm_head", "int8 lm_head, rest bf16", {"lm_head": "int8"})
+HEAD_ALONE = (_INT8_HEAD, replace(_INT8_HEAD, name="int8_lm_head_sharded", lm_head_sharded=True))
+REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-@torch.no_grad()
-def greedy_tokens(model, tokenizer, prompts, steps: int) -> list[list[int]]:
-    """``steps`` greedy new tokens per prompt, batched by prompt length as ``evaluate.fact_recall``
-    decodes (eos-padded)."""
-    token_lists = [tokenizer(p).input_ids for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    for indices, batch in evaluate.length_batches(token_lists):
-        generated = evaluate.greedy_generate(
-            model, batch, steps, eos_token_id=tokenizer.eos_token_id
-        )[:, batch.shape[1] :]
-        for i, row in zip(indices, generated.tolist()):
-            out[i] = row + [tokenizer.eos_token_id] * (steps - len(row))
-    return out
-
-
-def greedy_table(prompts, reference_tokens, candidate_tokens, tokenizer):
-    """Per prompt: ``match`` (all tokens equal), ``first_divergent_step`` (or None) and both
-    texts."""
-    firsts = [
-        next((i for i, (r, c) in enumerate(zip(ref, cand)) if r != c), None)
-        for ref, cand in zip(reference_tokens, candidate_tokens)
-    ]
-    rows = [
-        (prompt, first is None, first, tokenizer.decode(ref), tokenizer.decode(cand))
-        for prompt, ref, cand, first in zip(prompts, reference_tokens, candidate_tokens, firsts)
-    ]
-    table = pd.DataFrame(
-        rows, columns=["prompt", "match", "first_divergent_step", "reference", "candidate"]
-    )
-    return table.astype({"first_divergent_step": "Int64"})
+# Bytes per logit of the sequence scored: bf16 and fp32 logits, log-softmax, 3 temporaries.
+TRANSIENT_BYTES_PER_LOGIT = 2 + 4 * 5
 
 
-@torch.no_grad()
-def divergence_detail(
-    reference, candidate, tokenizer, prompt: str, reference_tokens: list[int], step: int, k: int = 3
-):
-    """Both models' top-``k`` next tokens after the prompt and the reference's first ``step``
-    tokens."""
-    ids = torch.tensor([tokenizer(prompt).input_ids + reference_tokens[:step]])
-    rows = []
-    for label, model in (("reference", reference), ("candidate", candidate)):
-        values, indices = model(input_ids=ids).logits[0, -1].float().topk(k)
-        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
-            rows.append(
-                {
-                    "model": label,
-                    "rank": rank + 1,
-                    "token": tokenizer.decode([index]),
-                    "logit": value,
-                    "gap_to_top": values[0].item() - value,
-                }
-            )
-    return pd.DataFrame(rows)
-
-
-def evaluate_scheme(
-    reference,
-    tokenizer,
-    scheme,
-    dtype: torch.dtype = torch.bfloat16,
-    facts=FACTS,
-    reference_greedy: list[list[int]] | None = None,
-    steps: int = 4,
-    device: str = "cpu",
-    answers: bool = True,
-):
-    """``(model, summary, report, greedy)`` of ``scheme`` on a ``dtype`` copy of ``reference`` (a
-    model or its ``CachedLogits``): logit scores on the facts' sentences; fact recall and greedy
-    match against ``reference_greedy`` if ``answers``."""
-    prompts = [f.prompt for f in facts]
-    model = copy.deepcopy(
-        reference.model if isinstance(reference, evaluate.CachedLogits) else reference
-    ).to(dtype)
-    report = quant.apply_scheme(model, scheme)
-    model = model.to(device).eval()
-    logits = evaluate.compare_logits(
-        reference, model, [f.sentence for f in facts], tokenizer=tokenizer
-    )
-    summary = {
-        "top1_agreement": logits["top1_agreement"],
-        "kl_mean": logits["kl_mean"],
-        "max_abs_diff": logits["max_abs_diff"],
-        "fact_recall": None,
-        "greedy_match": None,
-        "quantized_bytes": int(report["stored_bytes"].sum()),
-        "quantized_bf16_bytes": int(report["bf16_bytes"].sum()),
-    }
-    greedy = None
-    if answers:
-        longest_answer = max(
-            len(tokenizer(f.answer, add_special_tokens=False).input_ids) for f in facts
+def eval_batches(tokenizer, eval_text: str, eval_tokens: int, chunk_tokens: int):
+    """Token batches ``[B, S]`` of the held-out text: the corpus's held-out split, by length, or a
+    text file's first ``eval_tokens`` tokens in sequences of ``chunk_tokens``."""
+    check_counts(eval_tokens=eval_tokens, chunk_tokens=chunk_tokens)
+    if not 2 <= chunk_tokens <= eval_tokens:
+        raise ValueError(
+            f"chunk_tokens={chunk_tokens} must be >= 2 and <= eval_tokens={eval_tokens}"
         )
-        tokens = greedy_tokens(model, tokenizer, prompts, max(steps, longest_answer))
-        greedy = greedy_table(prompts, reference_greedy, [t[:steps] for t in tokens], tokenizer)
-        summary["fact_recall"] = evaluate.recall_from_tokens(tokenizer, facts, tokens)[0]
-        summary["greedy_match"] = float(greedy["match"].mean())
-    return model, summary, report, greedy
+    if eval_text == HELD_OUT_TEXT:
+        return evaluate.prompt_batches(tokenizer, [fact.sentence for fact in HELD_OUT])
+    path = Path(str(eval_text)).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"eval_text {eval_text!r} is not a file: pass {HELD_OUT_TEXT!r} (the bundled corpus's "
+            "held-out split) or a UTF-8 text file, such as wikitext-2's test split "
+            "wikitext-2-raw/wiki.test.raw (docs/inf2.md downloads it)"
+        )
+    return evaluate.text_batches(
+        tokenizer, path.read_text(encoding="utf-8"), chunk_tokens, eval_tokens
+    )
+
+
+class Evaluation(NamedTuple):
+    """What :func:`evaluate_held_out` measured: scores per compute dtype, positions, and so on."""
+
+    scores: dict
+    positions: int
+    config: object
+    host: dict
+    seconds: float
+
+
+def evaluate_held_out(model_id, schemes: dict, batches_fn, tp: int, device: str = "cpu"):
+    """Each scheme applied in place to ``model_id`` loaded afresh in bf16 (its safetensors
+    memory-mapped), scored on ``batches_fn(tokenizer)`` against the bf16 model and, where the
+    checkpoint stores fp32, the fp32 one; then in fp32 compute too. Host RSS sampled throughout."""
+    config = text_config(resolve_model_id(model_id))
+    computes = list(REFERENCE_DTYPES.items())[: 1 + (config.dtype == torch.float32)]
+    references, scores = {}, {}
+    with HostMemorySampler() as sampler:
+        for name, dtype in computes:
+            model, tokenizer = load_model(model_id, dtype=dtype, device=device)
+            batches = batches_fn(tokenizer)
+            references[name] = [evaluate.next_token_logprobs(model, ids) for ids in batches]
+            del model
+        for name, dtype in computes:
+            refs = references if name == "bf16" else {name: references[name]}
+            scores[name] = score_schemes(model_id, dtype, refs, batches, schemes, tp, device)
+    host = {
+        "baseline_bytes": sampler.samples[0].rss_bytes,
+        "peak_bytes": sampler.peak_rss_bytes,
+        "longest_sequence": max(ids.shape[1] for ids in batches) - 1,
+    }
+    positions = sum(ids[:, 1:].numel() for ids in batches)
+    return Evaluation(scores, positions, config, host, sampler.wall_s)
+
+
+@torch.no_grad()
+def score_schemes(model_id, dtype, references: dict, batches, schemes: dict, tp: int, device):
+    """Per scheme, on ``model_id`` loaded in ``dtype`` and quantized in place: KL mean and p99 and
+    top-1 agreement against each reference's log-probabilities (one tensor per batch), and
+    perplexity."""
+    rows = {}
+    for name, scheme in schemes.items():
+        model = load_model(model_id, dtype=dtype, device=device)[0]
+        quant.apply_scheme(model, scheme, tp=tp)
+        scores = {ref: [] for ref in references}
+        for i, ids in enumerate(batches):
+            logp = evaluate.next_token_logprobs(model, ids)
+            for ref, ref_logps in references.items():
+                scores[ref].append(evaluate.position_scores(ref_logps[i], logp, ids[:, 1:]))
+        del model
+        rows[name] = {}
+        for ref, per_batch in scores.items():
+            summary = evaluate.shift_summary(per_batch)
+            rows[name]["perplexity"] = summary.pop("perplexity")
+            rows[name] |= {f"{key}_vs_{ref}": value for key, value in summary.items()}
+    return pd.DataFrame(rows).T.rename_axis("scheme")
+
+
+def host_needs(config, schemes: dict, positions: int, sequence: int) -> dict:
+    """Host bytes of the evaluation of a ``config`` model checkpointed in ``config.dtype``, from the
+    planner: the checkpoint mmapped, its bf16 copy (none from a bf16 one), the largest quantized
+    copy a scheme adds, the references' log-probabilities, one ``sequence``'s transient logits."""
+    params = memory.param_summary(config)["total_params"]
+    stored = config.dtype or torch.bfloat16  # a config without one: the 26B's, bf16 on the hub
+
+    def quantized_bytes(scheme) -> int:  # the groups it quantizes, whole
+        return sum(memory.plan(config, 1, scheme).bytes(g) for g in quant.resolve_scheme(scheme))
+
+    references = 1 + (stored == torch.float32)
+    return {
+        "checkpoint_mmapped": params * stored.itemsize,
+        "bf16_copy": 0 if stored == torch.bfloat16 else 2 * params,
+        "quantized_copy": max(quantized_bytes(scheme) for scheme in schemes.values()),
+        "reference_logprobs": 4 * references * positions * config.vocab_size,
+        "sequence_logits": TRANSIENT_BYTES_PER_LOGIT * sequence * config.vocab_size,
+    }
+
+
+def host_peak_table(evaluation: Evaluation, config_26b, schemes, eval_tokens, chunk_tokens):
+    """The evaluation's host bytes by component, here (modelled, then measured) and for the 26B in
+    bf16 on ``eval_tokens`` of text in ``chunk_tokens`` sequences: the planner's components plus
+    what the measurement holds beyond its own (never scaled), plus the baseline."""
+    host = evaluation.host
+    here = host_needs(evaluation.config, schemes, evaluation.positions, host["longest_sequence"])
+    sequences = eval_tokens // chunk_tokens
+    big = host_needs(config_26b, schemes, sequences * (chunk_tokens - 1), chunk_tokens - 1)
+    measured = host["peak_bytes"] - host["baseline_bytes"]
+    rest = max(0, measured - sum(here.values()))
+    table = pd.DataFrame({"bundled_gb": here, "model_26b_gb": big}) / GB
+    table.loc["beyond_the_components"] = (rest / GB, rest / GB)
+    table.loc["process_baseline"] = (host["baseline_bytes"] / GB,) * 2
+    table.loc["total"] = table.sum()
+    table.loc["measured_peak", "bundled_gb"] = host["peak_bytes"] / GB
+    return table.rename_axis("host_memory")
+
+
+def time_estimate(config, schemes, seconds, flops_per_s, eval_tokens, chunk_tokens, instance):
+    """Hours and USD on ``instance`` of the evaluation of a ``config`` model: the forward FLOPs of a
+    reference pass and a pass per scheme at ``flops_per_s`` (one thread here), each scheme's
+    quantization and its dequantization per sequence at the full-size layer's ``seconds`` per
+    format, scaled by parameters; at one thread, and with all but the quantizer (one thread)
+    spread over the instance's vCPUs, a lower bound."""
+    summary = memory.param_summary(config)
+    layer_params = summary["experts_params"] / config.num_hidden_layers
+    head_params = config.vocab_size * config.hidden_size
+    sequences = eval_tokens // chunk_tokens
+    per_token = 2 * (summary["active_params_excl_embeddings"] + head_params)
+    forward = (1 + len(schemes)) * sequences * chunk_tokens * per_token / flops_per_s
+    quantize = dequantize = 0.0
+    for scheme in schemes.values():
+        for group, fmt in quant.resolve_scheme(scheme).items():
+            params = head_params if group == "lm_head" else summary[f"{group}_params"]
+            quantize += params / layer_params * seconds.loc[fmt, "quantize_s"]
+            dequantize += params / layer_params * seconds.loc[fmt, "dequantize_s"] * sequences
+    spread = quantize + (forward + dequantize) / instance.vcpus
+    hours = (
+        pd.Series(
+            {"one thread": forward + quantize + dequantize, f"{instance.vcpus} vCPUs": spread}
+        )
+        / 3600
+    )
+    return pd.DataFrame({"hours": hours, "usd": hours * instance.usd_per_hour}).rename_axis("cpus")
+
+
+def bf16_matmul_flops_per_s(config, tokens: int) -> float:
+    """FLOP/s of one thread on a bf16 matmul of a sequence, ``[tokens, hidden]`` by an expert's
+    ``gate_up``: the median of three steps."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (2 * config.moe_intermediate_size, config.hidden_size)
+    x, weight = (
+        torch.randn(*s, generator=generator).bfloat16() for s in ((tokens, shape[1]), shape)
+    )
+    with torch_threads(1):
+        steps = time_steps({"matmul": lambda _: F.linear(x, weight)}, 3, repeats=1)
+    return 2 * tokens * weight.numel() / (steps.p50_ms("matmul") / 1000)
 
 
 def formats_table(shape=(1408, 2816)):
-    """The formats side by side, with bytes per weight of a ``shape`` matrix (default: a 26B
-    expert's gate_up)."""
+    """bf16 and the quantized formats side by side (``formats.FORMATS``' fields), with bytes per
+    weight of a ``shape`` matrix (default: a 26B expert's gate_up)."""
     rows = [
-        {
-            "format": "bf16",
-            "element_bits": 16,
-            "block": None,
-            "scale": "none",
-            "per_tensor_scale": False,
-            "bytes_per_weight": memory.tensor_bytes(shape, "bf16") / math.prod(shape),
-            "description": "bfloat16",
-        }
+        f._asdict() | {"bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape)}
+        for f in (formats.FORMATS["bf16"], *formats.QUANTIZED_FORMATS.values())
     ]
-    for f in quant.FORMATS.values():
-        per = "row" if f.block_size is None else f"{f.block_size} inputs"
-        rows.append(
-            {
-                "format": f.name,
-                "element_bits": f.element_bits,
-                "block": f.block_size,
-                "scale": f"{str(f.scale_dtype).replace('torch.', '')} per {per}",
-                "per_tensor_scale": f.per_tensor_scale,
-                "bytes_per_weight": memory.tensor_bytes(shape, f.name) / math.prod(shape),
-                "description": f.description,
-            }
+    table = pd.DataFrame(rows).rename(columns={"name": "format", "block_size": "block"})
+    scale = table["scale_dtype"].map(str).str.removeprefix("torch.").replace("None", "none")
+    table = table.assign(scale_dtype=scale, description=table.pop("description"))
+    return table.astype({"block": "Int64"})
+
+
+# Each compute dtype's panel: the KL column it plots, the y label and the title.
+PANELS = {
+    "bf16": ("kld_mean_vs_bf16", "KL from the bf16 model (nats)", "as the port runs it: bf16"),
+    "fp32": ("kld_mean_vs_fp32", "KL from the fp32 model (nats)", "the quantization alone: fp32"),
+}
+
+
+def pareto_figure(scores: dict, gb_per_rank, tp: int):
+    """A panel per compute dtype of ``scores``: each scheme's mean KL against the 26B's GB per rank
+    (log y), the 16 GiB line and the Pareto front of the schemes within it; one legend below, so no
+    label can land on a point whatever the values."""
+    fig, axes = plots.subplots(1, len(scores), figsize=(10, 5.4), squeeze=False)
+    budget = 16 * GiB / GB
+    names = list(next(iter(scores.values())).index)
+    colors = plots.sns.color_palette("colorblind", len(names))
+    rounding = scores["bf16"].get("kld_mean_vs_fp32", {}).get("bf16")  # bf16 against fp32
+    for ax, (compute, table) in zip(axes[0], scores.items()):
+        column, ylabel, title = PANELS[compute]
+        points = pd.DataFrame({"x": gb_per_rank.reindex(names), "y": table[column].astype(float)})
+        points = points[points["y"] > 0]  # the reference itself has no place on a log axis
+        fits = points[points["x"] <= budget].sort_values(["x", "y"])
+        front = fits[fits["y"] == fits["y"].cummin()]
+        _ = ax.plot(
+            front["x"], front["y"], color="0.6", zorder=1, label="Pareto front of what fits"
         )
-    return pd.DataFrame(rows).astype({"block": "Int64"})
-
-
-@torch.no_grad()
-def lm_head_isolation(model, tokenizer, fmt: str = "int8", texts=None) -> dict:
-    """The float head vs a ``fmt`` copy on the model's own final hidden states (softcap left out: it
-    keeps the order); ``near_ties``: positions whose top-1 - top-2 margin is under twice the max
-    logit error, the only ones it could flip."""
-    head = model.get_output_embeddings()
-    assert isinstance(head, nn.Linear), (
-        f"model.lm_head is {type(head).__name__}: pass the float model"
-    )
-    batches = evaluate.prompt_batches(tokenizer, texts)
-    # the head's input
-    hidden = torch.cat(
-        [model.model(input_ids=ids).last_hidden_state.flatten(0, 1) for ids in batches]
-    )
-    exact = torch.nn.functional.linear(hidden, head.weight).float()
-    quantized = quant.quantized_linear(head.weight.detach(), fmt, "lm_head.weight")(hidden).float()
-    top2 = exact.topk(2, dim=-1).values
-    margin = top2[:, 0] - top2[:, 1]
-    max_error = float((quantized - exact).abs().max())
-    return {
-        "positions": int(hidden.shape[0]),
-        "top1_agreement": float((exact.argmax(-1) == quantized.argmax(-1)).float().mean()),
-        "max_abs_logit_error": max_error,
-        "margin_min": float(margin.min()),
-        "margin_median": float(margin.median()),
-        "near_ties": int((margin < 2 * max_error).sum()),
-    }
-
-
-def score_schemes(reference, tokenizer, schemes, reference_greedy, steps: int, device: str = "cpu"):
-    """:func:`evaluate_scheme` per scheme in bf16, its logit scores also in fp32: ``(results,
-    models, reports, greedy)``."""
-    reference = evaluate.CachedLogits(reference)
-    models, reports, greedy, rows = {}, {}, {}, {}
-    for name in schemes:
-        key = str(name)
-        models[key], summary, reports[key], greedy[key] = evaluate_scheme(
-            reference,
-            tokenizer,
-            name,
-            dtype=torch.bfloat16,
-            reference_greedy=reference_greedy,
-            steps=steps,
-            device=device,
-        )
-        fp32 = evaluate_scheme(
-            reference,
-            tokenizer,
-            name,
-            dtype=torch.float32,
-            steps=steps,
-            device=device,
-            answers=False,
-        )[1]
-        rows[key] = {
-            **summary,
-            **{f"{score}_float32": fp32[score] for score in ("top1_agreement", "kl_mean")},
-        }
-    return pd.DataFrame(rows).T.rename_axis("scheme"), models, reports, greedy
-
-
-def score_findings(results, weight_errors, reference_recall: float) -> dict:
-    """What the :func:`score_schemes` tables say (KL orders and added KLs in fp32 compute), for the
-    notebook's sentences."""
-    kept = results.index[
-        (results["fact_recall"] == reference_recall) & (results["greedy_match"] == 1.0)
-    ]
-    quantized = results.drop(index="bf16")
-    top1_delta = quantized["top1_agreement"] - results.loc["bf16", "top1_agreement"]
-    experts_only = [s for s in quantized.index if set(quant.resolve_scheme(s)) == {"experts"}]
-    expert_errors = weight_errors[weight_errors["group"] == "experts"].set_index("scheme")[
-        "rel_error"
-    ]
-    experts_by_kl = list(quantized.loc[experts_only, "kl_mean_float32"].sort_values().index)
-    experts_by_error = list(expert_errors.loc[experts_only].sort_values().index)
-    kl = results["kl_mean_float32"]
-    has = set(results.index).issuperset
-    return {
-        "kept": list(kept),
-        "changed": [s for s in results.index if s not in kept],
-        "bf16_disagreement": 1.0 - float(results.loc["bf16", "top1_agreement"]),
-        "top1_spread": float(top1_delta.abs().max()),
-        "top1_both_sides": bool((top1_delta > 0).any() and (top1_delta < 0).any()),
-        "kl_order": list(quantized["kl_mean_float32"].sort_values().index),
-        "experts_by_kl": experts_by_kl,
-        "experts_by_weight_error": experts_by_error,
-        "follows_weight_error": experts_by_kl == experts_by_error,
-        "shared_mlp_kl_added": float(kl["int8_experts_shared_mlp"] - kl["int8_experts"])
-        if has({"int8_experts", "int8_experts_shared_mlp"})
-        else None,
-        "lm_head_kl_added": float(kl["int8_squeeze"] - kl["int8_experts_shared_mlp"])
-        if has({"int8_experts_shared_mlp", "int8_squeeze"})
-        else None,
-    }
-
-
-def plot_pareto(
-    results,
-    x: str,
-    y: str,
-    ax,
-    reference_x: tuple[float, str],
-    legend: str,
-    labels: tuple[str, str, str],
-    higher_is_better: bool = True,
-    log_y: bool = False,
-) -> list:
-    """Schemes as points of cost ``x`` vs ``y`` with their Pareto front; returns ``(x, y, scheme)``
-    for ``plots.label_points``."""
-    points = (
-        results[[x, y]].astype(float).sort_values([x, y], ascending=[True, not higher_is_better])
-    )
-    best = points[y].cummax() if higher_is_better else points[y].cummin()
-    front = points[points[y] == best]
-    _ = ax.plot(front[x], front[y], color="0.6", zorder=1, label="Pareto front")
-    _ = ax.scatter(points[x], points[y], zorder=2)
-    _ = ax.axvline(
-        reference_x[0], color="0.25", linestyle="--", linewidth=1.2, label=reference_x[1]
-    )
-    ax.margins(x=0.2, y=0.12)
-    ax.set(yscale="log" if log_y else "linear", xlabel=labels[0], ylabel=labels[1], title=labels[2])
-    _ = ax.legend(loc=legend, fontsize=8)
-    return [(row[x], row[y], name) for name, row in points.iterrows()]
+        for i, name in enumerate(names):
+            if name in points.index:
+                x, y = points.loc[name]
+                _ = ax.scatter(x, y, color=colors[i], marker="osD^vP*Xhp"[i % 10], label=name)
+        _ = ax.axvline(budget, color="0.25", linestyle="--", linewidth=1.2, label="16 GiB per core")
+        if rounding is not None:
+            _ = ax.axhline(rounding, color="0.25", linestyle=":", label="bf16 model against fp32")
+        ax.margins(x=0.15, y=0.15)
+        xlabel = f"26B bytes per rank at TP={tp} (GB, planner)"
+        ax.set(yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    _ = fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
+    return fig
 
 
 def planner_check(full_size, plans, num_layers: int, tp: int):

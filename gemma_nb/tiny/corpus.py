@@ -125,6 +125,16 @@ FACTS: tuple[Fact, ...] = (
 )
 
 
+# The held-out split. The bundled checkpoints trained on every sentence of FACTS (train.py), so
+# FACTS holds nothing out; these true sentences in its words and forms were never trained on: each
+# capital lies in its country's continent ("Paris is in Europe .").
+HELD_OUT: tuple[Fact, ...] = tuple(
+    Fact("continent", capital, f"{capital} is in", f"{continent} .")
+    for country, capital, continent in COUNTRIES
+    if capital != country
+)
+
+
 def fact_prompts() -> list[str]:
     return [f.prompt for f in FACTS]
 

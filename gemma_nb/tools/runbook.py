@@ -2,13 +2,14 @@
 inf2.xlarge, from the template ``runbook.md`` and figures computed from the catalog, the planner and
 the story."""
 
+import json
 import math
 from pathlib import Path
 
 from gemma_nb import memory
 from gemma_nb.hardware import GB, INSTANCES, GiB
 from gemma_nb.neuron.build import NeuronBuildConfig
-from gemma_nb.paths import REPO_ROOT
+from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
 from gemma_nb.story import CLAIMS
 from gemma_nb.tools import plan as planner
 
@@ -22,6 +23,9 @@ ARTIFACT_DIRS = {
     "sparse": f"{OUTPUTS}/artifacts/04_neuron_sparse",
 }
 HUB_ID = "google/gemma-4-26B-A4B-it"
+WIKITEXT = "/data/wikitext-2-raw/wiki.test.raw"  # llama.cpp's copy of wikitext-2, on the hub
+# notebook 02's reference run: its scaled estimates of the 26B evaluation
+QUALITY_METRICS = OUTPUTS_DIR / "cpu" / "metrics" / "02_quantization.json"
 DLAMI = "Deep Learning AMI Neuron PyTorch 2.9 (Ubuntu 24.04)"
 
 # The commands the runbook gives, by step; make rehearse runs them.
@@ -40,6 +44,12 @@ COMMANDS = {
         f"hf download {HUB_ID} --local-dir {MODEL_DIR}",
         f"python -m gemma_nb plan {MODEL_DIR} --instance {SERVE_BOX}",
         f"python -m gemma_nb preflight --target neuron --model-id {MODEL_DIR}",
+    ],
+    "quality": [
+        "hf download ggml-org/ci wikitext-2-raw-v1.zip --repo-type dataset --local-dir /data",
+        "python -m zipfile -e /data/wikitext-2-raw-v1.zip /data",
+        "python -m gemma_nb run --target cpu --only 02 --output-dir outputs/quality-26b -p threads "
+        f"{INSTANCES[COMPILE_BOX].vcpus} -p model_id {MODEL_DIR} -p eval_text {WIKITEXT}",
     ],
     "compile": [
         f"python -m gemma_nb run --target neuron --only 04 -p neuron_model_dir {MODEL_DIR}"
@@ -154,6 +164,7 @@ def render() -> str:
     return TEMPLATE.read_text().format(
         **figures(),
         **blocks,
+        quality=json.loads(QUALITY_METRICS.read_text())["metrics"],
         COMPILE_BOX=COMPILE_BOX,
         SERVE_BOX=SERVE_BOX,
         DLAMI=DLAMI,
