@@ -114,7 +114,7 @@ def test_deploy_on_a_different_box_decodes_like_transformers(
     ids, expected, _ = reference_ids
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
     runner, figures = ND.slim_deploy(folder)
-    assert figures["graphs"] == ["prefill", "decode_dense"]
+    assert figures["decode_graph"] == "decode_dense"
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
     assert greedy_answer(runner, folder, max_new_tokens=8) == "Paris ."
@@ -261,7 +261,7 @@ def test_each_build_is_deployed_and_compiled_in_a_process_of_its_own(
         return MeasuredRun(json.loads(json.dumps(result)), 123, 456, 0.1, [])
 
     monkeypatch.setattr(runs, "in_own_process", in_own_process)
-    table = runs.benchmark_builds([folder, folder], PROMPT, new_tokens=3, repeats=1)
+    table = runs.deploy_each([folder, folder], PROMPT, new_tokens=3, repeats=1)
     assert [module for module, _ in processes] == ["gemma_nb.neuron.runs"] * 2
     assert (
         list(table.index) == ["dense", "dense_2"]

@@ -95,8 +95,6 @@ def slim_deploy(artifact_dir: str | Path) -> tuple[NeuronStepRunner, dict]:
     figures = {
         "neff_load_s": neff_load_s,
         "embedding_load_s": embedding_load_s,
-        "embedding_bytes": embedding_path.stat().st_size,
-        "graphs": artifact.graphs,
         "decode_graph": artifact.decode_graph,
         "sdk": getattr(graph, "sdk", artifact.record.get("sdk", "Neuron SDK")),
     }

@@ -83,8 +83,9 @@ def deploy_and_decode(folder, ids: list[int], new_tokens: int, repeats: int) -> 
 
 
 def deploy_each(folders, prompt: str, new_tokens: int, repeats: int) -> pd.DataFrame:
-    """``deploy_and_decode`` per build, each in its own process, in turn: a row per decode path with
-    the continuation (cut at the first end-of-sequence) and the process's peak host RSS."""
+    """``deploy_and_decode`` per build, each in its own process, in turn (notebooks 05, 07): a row
+    per decode path with the continuation (cut at the first end-of-sequence) and the process's peak
+    host RSS."""
     builds = artifact_labels(folders)
     tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
     ids, rows = tokenizer(prompt).input_ids, {}
@@ -107,13 +108,6 @@ def answer_each(
     table = deploy_each(folders, prompt, max_new_tokens, repeats=1)
     columns = ["build", "decode_graph", "completion", "new_tokens", "neff_load_s"]
     return table[columns + ["peak_host_rss_bytes", "sdk"]].to_dict(orient="records")
-
-
-def benchmark_builds(
-    folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3
-) -> pd.DataFrame:
-    """Each build's decode speed and continuation (notebook 07)."""
-    return deploy_each(folders, prompt, new_tokens, repeats)
 
 
 if __name__ == "__main__":

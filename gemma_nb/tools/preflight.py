@@ -354,14 +354,8 @@ def run_checks(
         ]
     checks += model_checks
     # a deploy loads one build at a time: the largest model.pt
-    model_pt = max(
-        (
-            (Path(a) / MODEL_FILE).stat().st_size
-            for a in artifacts
-            if (Path(a) / MODEL_FILE).is_file()
-        ),
-        default=None,
-    )
+    model_pts = [Path(artifact) / MODEL_FILE for artifact in artifacts]
+    model_pt = max((path.stat().st_size for path in model_pts if path.is_file()), default=None)
     need = 0 if config is None else planner.host_needs(config, model_pt)[f"{step}_bytes"]
     checks.append(check_host_memory(system, step, need))
     # what the step writes, scaled from make rehearse's builds (0 without them)
