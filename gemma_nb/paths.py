@@ -1,6 +1,7 @@
 """Where things live: the repo (the checkout holding the package, whatever the working directory),
-and a target's output folders: under ``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored
-``outputs/interactive/<target>/``, never the reference run."""
+its outputs (``outputs/``, or ``GEMMA_NB_OUTPUTS``), and a target's output folders: under
+``GEMMA_NB_OUTPUT_DIR`` (the runner), else the git-ignored ``outputs/interactive/<target>/``, never
+the reference run."""
 
 import os
 import shutil
@@ -18,7 +19,7 @@ def find_project_root(package: Path = Path(__file__).resolve().parent) -> Path:
 
 REPO_ROOT = find_project_root()
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-OUTPUTS_DIR = REPO_ROOT / "outputs"
+OUTPUTS_DIR = Path(os.environ.get("GEMMA_NB_OUTPUTS") or REPO_ROOT / "outputs").absolute()
 OUTPUT_DIR_ENV = "GEMMA_NB_OUTPUT_DIR"
 INTERACTIVE_DIR = OUTPUTS_DIR / "interactive"
 ARTIFACTS = "artifacts"

@@ -108,6 +108,12 @@ CLAIMS: dict[str, Claim] = {
         40.0, "min", "compile wall time on inf2.8xlarge + 100 GB swap", "port-review", (39.9, 40.1)
     ),
     "neff_gb": Claim(26.7, "GB", "compiled NEFF size", "port-review", (26.6, 26.8)),
+    "compile_swap_gb": Claim(
+        100.0, "GB", "swap beside the compile box's RAM", "port-review", (99.9, 100.1)
+    ),
+    "deploy_swap_gb": Claim(
+        40.0, "GB", "swapfile on the serving box for the load peak", "port-card", (39.9, 40.1)
+    ),
     "host_embedding_gb": Claim(
         1.48, "GB", "embed_tokens.pt loaded on the host", "port-review", (1.47, 1.49)
     ),

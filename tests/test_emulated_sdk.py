@@ -7,13 +7,17 @@ rehearse``); the ``emulated_sdk`` fixture puts it there for a test and takes it 
 
 import importlib
 import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from artifact_answer import greedy_answer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,8 +25,8 @@ from gemma_nb.neuron import build as B  # noqa: E402
 from gemma_nb.neuron import deploy as ND  # noqa: E402
 from gemma_nb.neuron import sdk  # noqa: E402
 from gemma_nb.neuron.runs import SMOKE_SHAPES  # noqa: E402
-from gemma_nb.rehearsal import nxd_model, spmd  # noqa: E402
-from gemma_nb.rehearsal.rehearse import SDK_PATH, emulated_hbm_bytes  # noqa: E402
+from gemma_nb.rehearsal import host, nxd_model, spmd  # noqa: E402
+from gemma_nb.rehearsal.rehearse import SDK_PATH, box_environments  # noqa: E402
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,19 +59,20 @@ def emulated_sdk():
 
 @pytest.fixture()
 def cores(emulated_sdk):
-    """Fresh emulated cores of 16 GiB each, closed after the test."""
+    """Fresh emulated cores of 16 GiB each, as a fresh process has."""
     spmd._CORES = spmd.Cores()
     yield spmd._CORES
-    spmd.Runtime().unsafe_close()
+    spmd._CORES = None
 
 
 @pytest.fixture(scope="module")
 def builds(emulated_sdk, tmp_path_factory):
-    """Both builds of the bundled TP=2 checkpoint compiled with the emulated SDK, in one process."""
-    spmd._CORES = spmd.Cores()
+    """Both builds of the bundled TP=2 checkpoint compiled with the emulated SDK, each on the fresh
+    NeuronCores of a process of its own."""
     root = tmp_path_factory.mktemp("compile_box")
     records = {}
     for decode in ("dense", "sparse"):
+        spmd._CORES = spmd.Cores()
         build = B.NeuronBuildConfig(
             model_dir=str(TP2_CHECKPOINT_DIR),
             output_dir=str(root / decode),
@@ -76,7 +81,7 @@ def builds(emulated_sdk, tmp_path_factory):
             decode_experts=decode,
         )
         records[decode] = B.compile_neuron(build, sample_interval_s=0.05)
-    assert not spmd.cores().held  # compile_neuron gave the NeuronCores back after each build
+    spmd._CORES = None
     return root, records
 
 
@@ -102,32 +107,23 @@ def test_each_build_decodes_the_fact_after_a_copy_to_another_box(builds, cores, 
         copy = tmp_path / decode
         shutil.copytree(root / decode, copy, ignore=shutil.ignore_patterns("compiler_workdir"))
         runner, figures = ND.slim_deploy(copy)
-        answer = ND.deployed_answer(runner, copy, "The capital of France is", max_new_tokens=6)
-        assert answer["completion"] == "Paris ." and figures["decode_graph"] == f"decode_{decode}"
+        assert greedy_answer(runner, copy, max_new_tokens=6) == "Paris ."
+        assert figures["decode_graph"] == f"decode_{decode}"
         assert runner.graph.model.nxd_model.calls == {"prefill": 1, f"decode_{decode}": 2}
         assert figures["sdk"].startswith("emulated SDK")
-        ND.release(runner)
+        spmd._CORES = spmd.Cores()  # the next deploy's own process
 
 
-def test_a_second_model_does_not_fit_until_the_runtime_is_closed(builds, cores, emulated_sdk):
+def test_a_second_model_does_not_fit_in_one_process(builds, cores, emulated_sdk):
     root, _ = builds
     graph = ND.load_artifact(root / "dense")
     held = cores.used(0)
     cores.hbm_bytes = int(1.5 * held)  # the 26B's case: one build fits a core, two do not
     with pytest.raises(spmd.AllocationError, match=r"NeuronCore 0: status=4 Allocation Failure"):
         ND.load_artifact(root / "sparse")
-    runner = ND.NeuronStepRunner(graph, lambda ids: ids, None, MAX_LEN, BUCKET)
-    ND.release(runner)
-    assert cores.used(0) == 0 and not graph.model.nxd_model.loaded
-    with pytest.raises(ValueError, match="not initialized"):
-        graph(
-            *B.example_inputs(
-                B.text_config(TP2_CHECKPOINT_DIR),
-                B.NeuronBuildConfig("m", "o", max_len=MAX_LEN, bucket=BUCKET),
-                1,
-            )
-        )
-    assert ND.load_artifact(root / "sparse").model.nxd_model.loaded
+    del graph  # dropping the references gives nothing back: only the process's exit does
+    with pytest.raises(spmd.AllocationError, match="load each model in its own process"):
+        ND.load_artifact(root / "sparse")
 
 
 def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, emulated_sdk):
@@ -137,7 +133,9 @@ def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, em
     from gemma_nb.tools import plan as planner
 
     root, _ = builds
-    hbm, runtime = emulated_hbm_bytes()
+    box = box_environments()["serving"]
+    hbm = int(box["GEMMA_NB_EMULATED_HBM_BYTES"])
+    runtime = int(box["GEMMA_NB_EMULATED_RUNTIME_BYTES"])
     spmd._CORES = spmd.Cores(hbm_bytes=hbm, runtime_bytes=runtime)
     try:
         ND.load_artifact(root / "dense")
@@ -149,7 +147,7 @@ def test_the_rehearsal_s_hbm_budget_holds_one_smoke_build_and_not_two(builds, em
         with pytest.raises(spmd.AllocationError, match="status=4 Allocation Failure"):
             ND.load_artifact(root / "sparse")
     finally:
-        spmd.Runtime().unsafe_close()
+        spmd._CORES = None
 
 
 def test_the_emulation_is_not_importable_outside_the_rehearsal():
@@ -212,7 +210,17 @@ def test_two_graphs_of_one_shape_reach_only_the_last_added(emulated_sdk, cores, 
     assert list(executor.nxd_model.shape_map.values()) == [("decode_sparse", 0)]
 
 
-def test_the_compile_reads_the_weights_only_when_sharding_them(
+def _build(tmp_path, **fields) -> B.NeuronBuildConfig:
+    return B.NeuronBuildConfig(
+        model_dir=str(TP2_CHECKPOINT_DIR),
+        output_dir=str(tmp_path / "a"),
+        max_len=MAX_LEN,
+        bucket=BUCKET,
+        **fields,
+    )
+
+
+def test_the_checkpoint_is_converted_once_and_mapped_after(
     emulated_sdk, cores, tmp_path, monkeypatch
 ):
     reads = []
@@ -220,28 +228,107 @@ def test_the_compile_reads_the_weights_only_when_sharding_them(
     monkeypatch.setattr(
         B, "read_hf_state", lambda model_dir, only=None: reads.append(only) or real(model_dir, only)
     )
-    build = B.NeuronBuildConfig(
-        model_dir=str(TP2_CHECKPOINT_DIR),
-        output_dir=str(tmp_path / "a"),
-        max_len=MAX_LEN,
-        bucket=BUCKET,
-        decode_experts="sparse",
+    build = _build(tmp_path, decode_experts="sparse")
+    record = B.compile_neuron(build, sample_interval_s=0.05)
+    # the layer scalars, then the whole checkpoint once, at the early shard check; trace()'s own
+    # sharding maps the int8 file that pass wrote
+    assert [only is None for only in reads] == [False, True]
+    converted = build.scratch_dir() / B.CONVERTED_FILE
+    assert converted.is_file() and record["compiler_workdir_bytes"] > converted.stat().st_size
+    saved = B.checkpoint_loader(build, B.text_config(TP2_CHECKPOINT_DIR))()
+    assert saved["lm.model.layers.0.experts.gate_up.weight"].dtype == torch.int8
+    assert host.anonymous_bytes(saved.values()) == 0  # memory-mapped, not copied
+
+
+def test_a_renamed_weight_stops_the_build_before_the_compile(
+    emulated_sdk, cores, tmp_path, monkeypatch
+):
+    real = B.convert_checkpoint
+
+    def renamed(*args, **kwargs):
+        state = real(*args, **kwargs)
+        state["lm.model.final_norm.weight"] = state.pop("lm.model.norm.weight")
+        return state
+
+    monkeypatch.setattr(B, "convert_checkpoint", renamed)
+    build = _build(tmp_path)
+    with pytest.raises(ValueError, match=r"rank-0 shard has no 'lm\.model\.norm\.weight'.*hub"):
+        B.compile_neuron(build, sample_interval_s=0.05)
+    assert not Path(build.compiler_workdir).exists() and not spmd.cores().traced
+
+
+def test_an_unknown_compiler_flag_fails_the_compile(emulated_sdk, cores, tmp_path):
+    from gemma_nb.rehearsal.nxd_builder import check_compiler_args
+
+    # neuron-cc's (Inferentia 1) --fast-math is no neuronx-cc option
+    build = _build(tmp_path, compiler_args="--model-type transformer --fast-math none -O1")
+    with pytest.raises(RuntimeError, match="unrecognized arguments: --fast-math"):
+        B.compile_neuron(build, sample_interval_s=0.05)
+    with pytest.raises(RuntimeError, match="unrecognized arguments: --auto-cast bf16$"):
+        check_compiler_args("--auto-cast bf16")  # a value the option does not take
+    with pytest.raises(RuntimeError, match="unrecognized arguments: x$"):
+        check_compiler_args("--auto-cast=allx")
+    check_compiler_args(B.COMPILER_ARGS + " --auto-cast-type bf16 --verbose=35")
+
+
+def test_kv_aliases_in_bf16_fail_the_compile(emulated_sdk, cores, tmp_path, monkeypatch):
+    real = B.onehot_update
+    monkeypatch.setattr(B, "onehot_update", lambda *args: real(*args).to(torch.bfloat16))
+    with pytest.raises(
+        RuntimeError,
+        match=r"output 1 is \[\[1, 4, 64, 16\], 'bfloat16'\].*'k_cache\.0', is .*'float32'",
+    ):
+        B.compile_neuron(_build(tmp_path), sample_interval_s=0.05)
+
+
+def test_two_builds_in_one_process_fail(emulated_sdk, cores, tmp_path):
+    B.compile_neuron(_build(tmp_path), sample_interval_s=0.05)
+    with pytest.raises(RuntimeError, match="trace already ran in this process.*its own process"):
+        B.compile_neuron(_build(tmp_path / "b"), sample_interval_s=0.05)
+
+
+def _deploy_in_a_process(artifact, budget_bytes: int):
+    """``slim_deploy(artifact)`` in a fresh process whose box has ``budget_bytes`` of RAM + swap."""
+    import subprocess
+
+    box = json.loads(box_environments()["serving"][host.ENV]) | {"budget_bytes": budget_bytes}
+    code = f"from gemma_nb.neuron.deploy import slim_deploy; slim_deploy({str(artifact)!r})"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(SDK_PATH), os.environ.get("PYTHONPATH", "")]),
+            host.ENV: json.dumps(box),
+            "OMP_NUM_THREADS": "1",
+        },
     )
-    B.compile_neuron(build, sample_interval_s=0.05)
-    # the layer scalars once up front; the weights at the early shard check and trace()'s own
-    # sharding, never in load_module
-    assert [only is None for only in reads] == [False, True, True]
+
+
+def test_a_serving_box_without_swap_is_oom_killed_at_jit_load(builds):
+    from gemma_nb.hardware import INSTANCES
+
+    root, _ = builds
+    no_swap = _deploy_in_a_process(root / "sparse", INSTANCES["inf2.xlarge"].host_ram_bytes)
+    assert no_swap.returncode == -9, no_swap.stderr[-2000:]
+    assert re.search(
+        r"Out of memory: Killed process \d+ .*torch\.jit\.load of model\.pt", no_swap.stderr
+    )
+    recipe = json.loads(box_environments()["serving"][host.ENV])["budget_bytes"]
+    assert _deploy_in_a_process(root / "sparse", recipe).returncode == 0
 
 
 def test_compiler_flags_warn_for_the_port_s_auto_cast_only(emulated_sdk, caplog):
     from gemma_nb.rehearsal.nxd_builder import AUTO_CAST_WARNING, append_default_compiler_flags
 
     with caplog.at_level(logging.WARNING, logger="Neuron"):
-        sparse = append_default_compiler_flags(B.COMPILER_ARGS["sparse"])
+        both = append_default_compiler_flags(B.COMPILER_ARGS)
         assert AUTO_CAST_WARNING not in caplog.text
-        append_default_compiler_flags(B.COMPILER_ARGS["dense"])
+        append_default_compiler_flags("--model-type transformer --auto-cast all -O1")  # the port's
         assert AUTO_CAST_WARNING in caplog.text
-    assert sparse == "--model-type transformer --auto-cast=none -O1 --verbose=35"
+    assert both == "--model-type transformer --auto-cast=none -O1 --verbose=35"
 
 
 def test_a_checkpoint_without_an_int8_scale_fails_the_shard_check(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from artifact_answer import greedy_answer
 from cpu_state_graph import CpuStateGraph
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,12 +114,10 @@ def test_deploy_on_a_different_box_decodes_like_transformers(
     ids, expected, _ = reference_ids
     monkeypatch.setattr(ND, "load_artifact", stand_in_load)
     runner, figures = ND.slim_deploy(folder)
-    assert figures["graphs"] == ["prefill", "decode_dense"]
+    assert figures["decode_graph"] == "decode_dense"
     assert (runner.max_len, runner.bucket) == (MAX_LEN, BUCKET)
     assert torch.equal(runner.generate(ids, 6), expected)
-    answer = ND.deployed_answer(runner, folder, PROMPT, max_new_tokens=8)
-    # + the <eos> step
-    assert answer["completion"] == "Paris ." and len(answer["step_ms"]) == answer["new_tokens"] + 1
+    assert greedy_answer(runner, folder, max_new_tokens=8) == "Paris ."
 
 
 def test_artifacts_are_named_by_their_decode_graphs(moved_artifact):
@@ -190,13 +189,15 @@ class FakeModelBuilder:
     (no NEFF here), ``shard_checkpoint`` runs the real checkpoint conversion."""
 
     def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir):
-        self.loader, self.keys = checkpoint_loader, []
+        self.loader, self.keys, self.instances = checkpoint_loader, [], []
 
     def add(self, key, instance, example_inputs, compiler_args):
         self.keys.append(key)
+        self.instances.append(instance)
 
     def shard_checkpoint(self):
-        assert self.loader()  # the converted int8 checkpoint of the model folder
+        self.instances[0].module = torch.nn.Module()  # sharded against: no parameter to miss
+        return [self.loader()]  # the converted int8 checkpoint of the model folder
 
     def trace(self, initialize_model_weights):
         return torch.jit.script(torch.nn.Identity())
@@ -214,12 +215,7 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
         def __init__(self, module_cls, input_output_aliases):
             pass
 
-    closed = []
-    fake = SimpleNamespace(
-        ModelBuilder=FakeModelBuilder,
-        BaseModelInstance=FakeInstance,
-        close_runtime=lambda: closed.append(True),
-    )
+    fake = SimpleNamespace(ModelBuilder=FakeModelBuilder, BaseModelInstance=FakeInstance)
     monkeypatch.setattr(B, "import_sdk", lambda: fake)
     out = tmp_path / "artifact"
     out.mkdir()
@@ -228,13 +224,10 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
         model_dir=str(TP2_CHECKPOINT_DIR), output_dir=str(out), decode_experts="sparse"
     )
     record = B.compile_neuron(build, sample_interval_s=0.05)
-    # the weights trace() put on the NeuronCores are given back before the next build
-    assert closed == [True]
     assert not (out / "stale.bin").exists()
-    assert (
-        record["sdk"] == "Neuron SDK"
-        and record["build"]["compiler_args"] == B.COMPILER_ARGS["sparse"]
-    )
+    assert record["sdk"] == "Neuron SDK" and record["build"]["compiler_args"] == B.COMPILER_ARGS
+    # converted once, int8, where rsync leaves it behind
+    assert (out / "compiler_workdir" / B.CONVERTED_FILE).is_file()
     artifact = A.read_artifact(out)
     assert artifact.graphs == ["prefill", "decode_sparse"]
     assert artifact.decode_graph == "decode_sparse"
@@ -247,25 +240,39 @@ def test_compile_neuron_writes_the_whole_folder(tmp_path, monkeypatch):
         assert (out / name).is_file()
 
 
-def test_benchmark_deploys_one_artifact_at_a_time(moved_artifact, reference_ids, monkeypatch):
-    from gemma_nb.neuron.runs import benchmark_builds
+def test_each_build_is_deployed_and_compiled_in_a_process_of_its_own(
+    moved_artifact, reference_ids, monkeypatch
+):
+    from gemma_nb.neuron import runs
+    from gemma_nb.peak_rss import MeasuredRun
 
     folder, _ = moved_artifact
     ids, expected, _ = reference_ids
-    live = []
+    monkeypatch.setattr(ND, "load_artifact", stand_in_load)
+    processes = []
 
-    def load(path):
-        assert not live, "a second artifact was loaded before the runtime was closed"
-        live.append(stand_in_load(path))
-        return live[-1]
+    def in_own_process(module, *args):  # the child's work, here, with what the parent measures
+        processes.append((module, args))
+        if module == "gemma_nb.neuron.build":
+            return MeasuredRun({"build": json.loads(args[0])}, 1, 1, 0.1, [])
+        result = runs.deploy_and_decode(args[0], json.loads(args[1]), *map(int, args[2:]))
+        return MeasuredRun(json.loads(json.dumps(result)), 123, 456, 0.1, [])
 
-    monkeypatch.setattr(ND, "load_artifact", load)
-    monkeypatch.setattr(ND, "close_runtime", live.clear)
-    table = benchmark_builds([folder, folder], PROMPT, new_tokens=3, repeats=1)
-    assert list(table.index) == ["dense", "dense_2"] and not live
+    monkeypatch.setattr(runs, "in_own_process", in_own_process)
+    table = runs.deploy_each([folder, folder], PROMPT, new_tokens=3, repeats=1)
+    assert [module for module, _ in processes] == ["gemma_nb.neuron.runs"] * 2
+    assert (
+        list(table.index) == ["dense", "dense_2"]
+        and list(table["peak_host_rss_bytes"]) == [123] * 2
+    )
     assert table.loc["dense_2", "tokens"] == expected[0, : ids.shape[1] + 3].tolist()
-    assert (table["neff_load_s"] > 0).all()
     assert table["completion"].tolist() == ["Paris .", "Paris ."]  # cut at the first <eos>
+    answers = runs.answer_each([folder], PROMPT, max_new_tokens=8)
+    assert answers[0]["completion"] == "Paris ." and answers[0]["build"] == folder.name
+    processes.clear()
+    records = runs.compile_builds(folder, "neuron", ["dense", "sparse"])
+    assert [module for module, _ in processes] == ["gemma_nb.neuron.build"] * 2
+    assert [r["build"]["decode_experts"] for r in records.values()] == ["dense", "sparse"]
 
 
 # --------------------------------------------------------------------------------------------

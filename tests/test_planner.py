@@ -228,13 +228,22 @@ def test_not_a_causal_lm_or_no_config(tmp_path, capsys):
     assert "broken.json" in refused(capsys, tmp_path / "broken.json")
 
 
-def test_host_needs_scale_the_ports_26b_peaks():
+def test_host_needs_are_the_port_s_boxes_and_swapfiles_scaled():
+    from gemma_nb.hardware import GiB
     from gemma_nb.story import CLAIMS
 
     needs = planner.host_needs(memory.load_gemma4_26b_config())
-    assert needs["compile_bytes"] == int(CLAIMS["compile_peak_host_gb"].value * 1e9)
-    assert needs["deploy_bytes"] == int(CLAIMS["deploy_peak_rss_gb"].value * 1e9)
+    assert needs["compile_peak_bytes"] == int(CLAIMS["compile_peak_host_gb"].value * 1e9)
+    assert needs["compile_bytes"] == (128 + 100) * GiB  # inf2.8xlarge + the port's swap
+    assert needs["deploy_bytes"] == (16 + 40) * GiB  # inf2.xlarge + the port's swapfile
+    # what loading needs stays under it: model.pt (the device weights) beside the 11 GB peak
+    assert needs["model_pt_bytes"] == planner.device_weight_bytes(memory.load_gemma4_26b_config())
+    assert (
+        needs["deploy_load_bytes"] == needs["model_pt_bytes"] + 11 * 10**9 < needs["deploy_bytes"]
+    )
     assert needs["host_embedding_bytes"] == 2 * 262144 * 2816
+    half = planner.host_needs(memory.load_gemma4_26b_config(), model_pt_bytes=70 * 10**9)
+    assert half["deploy_bytes"] == 81 * 10**9  # a bigger model.pt than the recipe holds
 
 
 def test_a_multimodal_hub_config_is_planned_by_its_language_model(tmp_path, capsys):

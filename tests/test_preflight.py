@@ -2,6 +2,8 @@
 here)."""
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -9,6 +11,7 @@ from gemma_nb.cli import main as cli
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron.sdk import SdkStatus
 from gemma_nb.tiny import CHECKPOINT_DIR
+from gemma_nb.tools import plan as planner
 from gemma_nb.tools import preflight as P
 
 INF2_XLARGE_LS = json.dumps(
@@ -22,7 +25,6 @@ def fake_system(**overrides):
         package_version=lambda name: None,
         neuron_ls=lambda: INF2_XLARGE_LS,
         memory=lambda: (16 * GiB, 0),
-        process_rss=lambda: 0,
         disk_free=lambda path: 500 * GB,
         env={},
     )
@@ -97,16 +99,34 @@ def test_neuron_cores_and_hbm_per_core():
 
 
 def test_host_memory_against_the_step():
-    need = int(180e9)
-    short = P.check_host_memory(
-        fake_system(memory=lambda: (128 * GiB, 0), process_rss=lambda: GiB), "compile", need
-    )
-    # 180 GB + 1 GiB - 128 GiB = 40.7 GiB short, +1 GiB margin
-    assert short.status == P.FAIL and "fallocate -l 42G /swapfile" in short.fix
+    need = 228 * GiB  # the compile box's recipe: 128 GiB + 100 GiB of swap
+    # the RAM the box reads, below its nominal 128 GiB, and no swap: the whole difference to add
+    short = P.check_host_memory(fake_system(memory=lambda: (124 * GiB, 0)), "compile", need)
+    assert short.status == P.FAIL and "fallocate -l 104G /swapfile " in short.fix
+    assert "124.0 GiB RAM + 0.0 GiB swap; the compile needs 228.0 GiB" in short.detail
+    # a swapfile made before: a second one for the rest
+    some = P.check_host_memory(fake_system(memory=lambda: (124 * GiB, 41 * GiB)), "compile", need)
+    assert some.status == P.FAIL and "fallocate -l 63G /swapfile2 " in some.fix
     swapped = P.check_host_memory(
-        fake_system(memory=lambda: (128 * GiB, 100 * GiB)), "compile", need
+        fake_system(memory=lambda: (124 * GiB, 104 * GiB)), "compile", need
     )
     assert swapped.status == P.OK
+
+
+def test_the_deploy_needs_the_artifact_s_model_pt_beside_the_load_peak(tmp_path):
+    """On the serving box, preflight reads model.pt's size from the artifact: a model.pt bigger
+    than the recipe's headroom raises the need."""
+    folder = tmp_path / "artifact"
+    folder.mkdir()
+    shutil.copy(CHECKPOINT_DIR / "config.json", folder / "config.json")
+    for size in (1, 10**9):
+        (folder / "model.pt").write_bytes(b"")
+        os.truncate(folder / "model.pt", size)
+        checks = P.run_checks("cpu", artifact=str(folder), system=fake_system())
+        memory = next(c for c in checks if c.name == "host_memory")
+        host = planner.host_needs(planner.read_config(folder).config, size)
+        assert f"needs {host['deploy_bytes'] / GiB:.1f} GiB" in memory.detail
+    assert host["deploy_bytes"] == host["deploy_load_bytes"] > 10**9  # model.pt + the peak
 
 
 def test_disk_of_a_folder_not_made_yet(tmp_path):
@@ -151,7 +171,9 @@ def test_the_disk_checked_is_the_runbook_s_figure_for_the_step(tmp_path):
         )
         assert disk.detail.endswith(f"needs ~{needs[key] / GB:.1f} GB")
     figures = runbook.figures()
-    assert figures["serve_disk_gb"] == -(-needs["serve_disk_bytes"] // GB)
+    # the EBS volume: what the step writes, which preflight checks, and the swapfile
+    swap = figures["serve_swap_gib"] * GiB
+    assert figures["serve_disk_gb"] == -(-(needs["serve_disk_bytes"] + swap) // GB)
     assert (
         "500 GB"
         not in P.check_disk(
@@ -206,7 +228,7 @@ def test_neuron_checklist_on_an_inf2_xlarge_blocks_the_26b_compile_on_ram(tmp_pa
         "disk",
     ]
     blocker = P.first_blocker(checks)
-    assert blocker.name == "host_memory" and "~180.0 GB" in blocker.detail
+    assert blocker.name == "host_memory" and "228.0 GiB" in blocker.detail
     text = P.format_checks(checks, "neuron")
     assert text.splitlines()[-1].startswith("BLOCKED by host_memory")
 

@@ -1,13 +1,14 @@
 """docs/inf2.md: exactly what ``python -m gemma_nb runbook`` writes now, every command real, linked
 from README."""
 
+import json
 import re
 import shlex
 
 import pytest
 
 from gemma_nb.cli import build_parser
-from gemma_nb.hardware import INSTANCES
+from gemma_nb.hardware import INSTANCES, GiB
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.story import CLAIMS
 from gemma_nb.tools import runbook
@@ -34,9 +35,12 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
     # a 512-slot cache after a full 128-token prefill holds 384 new tokens, not 500: the row uses
     # those
     assert (f["answer_tokens"], round(f["answer_s"])) == (384, 64) and f["answer_tokens"] < 500
-    assert f["fits"] and f["cheapest"] == "inf2.xlarge"
-    # 180 GB on a 128 GiB box: 42.6 GB = 39.7 GiB short
-    assert f["compile_swap_gib"] == 40 and f["serve_swap_gib"] == 0
+    assert f["cheapest"] == "inf2.xlarge"  # the cheapest whose verdict is "fits"
+    # the port's swap on the port's boxes: 100 GiB beside 128 GiB, 40 GiB beside 16 GiB
+    assert (f["compile_need_gib"], f["compile_swap_gib"]) == (228, 100)
+    assert (f["serve_need_gib"], f["serve_swap_gib"]) == (56, 40)
+    # torch.jit.load holds model.pt beside the port's RSS peak: more than the serving box's RAM
+    assert f["deploy_load_gb"] * 1e9 > INSTANCES["inf2.xlarge"].host_ram_bytes
     text = runbook.render()
     for stated in (
         f"USD {f['compile_usd']:.2f}",
@@ -46,6 +50,34 @@ def test_the_figures_are_recomputed_from_catalog_and_story():
         f"headroom {f['headroom_gb']:+.2f} to {f['headroom_gb_if_low']:+.2f} GB",
     ):
         assert stated in text
+
+
+def test_runbook_plan_and_preflight_hold_a_box_to_the_same_ram_and_swap():
+    from gemma_nb.memory import load_gemma4_26b_config
+    from gemma_nb.tools import plan as planner
+    from gemma_nb.tools import preflight as P
+
+    f, text = runbook.figures(), runbook.render()
+    host = planner.plan_report(
+        load_gemma4_26b_config(), "int8_squeeze", 2, 512, "inf2.xlarge", name="26b"
+    )["host"]
+    for step, box, need_gib in (
+        ("compile", "inf2.8xlarge", f["compile_need_gib"]),
+        ("deploy", "inf2.xlarge", f["serve_need_gib"]),
+    ):
+        need = host[f"{step}_bytes"]
+        assert need == need_gib * GiB  # plan's figure is the runbook's
+        # the swap command the runbook gives, sized from the RAM the box reads
+        assert (
+            f"fallocate -l $(( {need_gib:g} - $(free -g | awk '/^Mem:/ {{print $2}}') ))G" in text
+        )
+        ram = INSTANCES[box].host_ram_bytes - 3 * GiB  # a box reads less than its nominal
+        swap_gib = need_gib - INSTANCES[box].host_ram_gib + 3  # the formula's size on this box
+        for swap, status in ((swap_gib, P.OK), (swap_gib - 1, P.FAIL)):
+            check = P.check_host_memory(P.System(memory=lambda s=swap: (ram, s * GiB)), step, need)
+            assert check.status == status, check
+        short = P.check_host_memory(P.System(memory=lambda: (ram, 0)), step, need)
+        assert short.status == P.FAIL and f"fallocate -l {swap_gib:g}G /swapfile " in short.fix
 
 
 def _commands(text):
@@ -104,7 +136,8 @@ def test_the_disk_figures_are_the_rehearsal_s_builds_scaled_and_hold_both_builds
         planner.disk_needs(load_gemma4_26b_config(), planner.rehearsal_record()),
     )
     assert set(disk["builds"]) == {"dense", "sparse"}
-    assert f["serve_disk_gb"] == -(-disk["serve_disk_bytes"] // 10**9)
+    swapfile = f["serve_swap_gib"] * GiB  # the serving box's swapfile on the same volume
+    assert f["serve_disk_gb"] == -(-(disk["serve_disk_bytes"] + swapfile) // 10**9)
     # no second copy
     assert disk["serve_disk_bytes"] == sum(b["artifact_bytes"] for b in disk["builds"].values())
     assert f["compile_disk_gb"] > f["serve_disk_gb"] > 2 * 26
@@ -117,7 +150,7 @@ def test_readme_links_the_runbook_and_says_smoke_run_first():
 
 
 def test_the_26b_quality_step_states_notebook_02s_estimates():
-    quality = runbook.figures()["quality"]  # the committed reference run's metrics
+    quality = json.loads(runbook.QUALITY_METRICS.read_text())["metrics"]  # the reference run's
     text = runbook.render()
     peak_gb, (low, high) = quality["predicted_26b_eval_host_peak_gb"], quality["eval_26b_hours"]
     assert f"~{peak_gb:.0f} GB, within the inf2.8xlarge's 128 GiB" in text

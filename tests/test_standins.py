@@ -2,6 +2,7 @@
 ModelBuilder's checkpoint path with them."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,19 +221,23 @@ def test_single_rank_graph_without_a_group_has_its_shard_shapes(tp2_model):
     assert [s.shape[1] for s in state] == [2, 1, 2, 1]
 
 
-def test_one_artifact_per_decode_path_with_its_own_flags():
+def test_one_artifact_per_decode_path_both_with_the_same_flags():
     build = _build(2)
     assert build.graph_keys() == {"prefill": "dense", "decode_dense": "dense"}
     assert build.routed_graphs() == {"prefill": "prefill", "decode": "decode_dense"}
-    # the port's
-    assert (
-        build.compiler_args == "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1"
-    )
     sparse = B.NeuronBuildConfig(model_dir="m", output_dir="o", decode_experts="sparse")
     assert sparse.graph_keys() == {"prefill": "dense", "decode_sparse": "sparse"}
     assert sparse.routed_graphs() == {"prefill": "prefill", "decode": "decode_sparse"}
-    # NxD's default: no warning
-    assert sparse.compiler_args == "--model-type transformer --auto-cast=none -O1"
+    # NxD's default (no warning) for both: the dense/sparse ratio is the experts' alone
+    assert (
+        build.compiler_args
+        == sparse.compiler_args
+        == "--model-type transformer --auto-cast=none -O1"
+    )
+    # what only the compile box keeps, under the one folder rsync leaves behind
+    assert (
+        Path(sparse.compiler_workdir).parent == sparse.scratch_dir() == Path("o/compiler_workdir")
+    )
     with pytest.raises(
         ValueError,
         match="decode_experts='both'.*dense, sparse",

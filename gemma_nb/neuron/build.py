@@ -1,13 +1,17 @@
 """The port's compile (notebook 04): transformers' Gemma-4 with NxD's int8 TP layers, traced by
 ModelBuilder v1. The host embeds and softcaps; the KV cache is aliased device state.
-``NeuronGemma4(parallel=False)``: the graph at TP=1."""
+``NeuronGemma4(parallel=False)``: the graph at TP=1. ``python -m gemma_nb.neuron.build BUILD_JSON``
+compiles one build in its own process (``runs.compile_builds``) and prints its record."""
 
+import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import distributions
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Gemma4ForCausalLM
 
@@ -27,17 +31,16 @@ from gemma_nb.neuron.sdk import import_sdk
 from gemma_nb.paths import fresh_dir
 from gemma_nb.peak_rss import HostMemorySampler
 
-# dense: the port's flags (everything auto-cast to bf16), so notebook 07 compares the port with the
-# fix; sparse: NxD's default --auto-cast=none, which keeps the router's softmax, the int8 scales and
-# the all-reduce in fp32.
-COMPILER_ARGS = {
-    "dense": "--model-type transformer --auto-cast all --auto-cast-type bf16 -O1",
-    "sparse": "--model-type transformer --auto-cast=none -O1",
-}
+# Both builds: NxD's default --auto-cast=none (the router's softmax, the int8 scales and the
+# all-reduce stay fp32), so notebook 07's dense/sparse ratio is the experts' alone. The port
+# compiled its dense build with --auto-cast all --auto-cast-type bf16; notebook 05 measures what
+# that does to the router.
+COMPILER_ARGS = "--model-type transformer --auto-cast=none -O1"
 # bf16's most negative finite value: fp32's min rounds to -inf in bf16, and a fully masked row's
 # softmax is NaN.
 MASK_MIN = torch.finfo(torch.bfloat16).min
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
+CONVERTED_FILE = "checkpoint_int8.safetensors"  # in NeuronBuildConfig.scratch_dir()
 RECORDED_VERSIONS = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
 
 
@@ -50,8 +53,8 @@ class NeuronBuildConfig:
     tp_degree: int = 2
     max_len: int = 512  # static KV cache length
     bucket: int = 128  # prefill bucket
-    compiler_args: str = ""  # default: COMPILER_ARGS[decode_experts]
-    compiler_workdir: str = ""  # default: <output_dir>/compiler_workdir
+    compiler_args: str = COMPILER_ARGS
+    compiler_workdir: str = ""  # default: <output_dir>/compiler_workdir/nxd
     dtype: str = "bfloat16"
     decode_experts: str = "dense"  # the decode graph beside the dense prefill
 
@@ -61,15 +64,14 @@ class NeuronBuildConfig:
                 f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
                 "one artifact per decode path (compile twice for both)"
             )
-        self.compiler_workdir = self.compiler_workdir or str(
-            Path(self.output_dir) / "compiler_workdir"
-        )
-        self.compiler_args = self.compiler_args or COMPILER_ARGS[self.decode_experts]
+        self.compiler_workdir = self.compiler_workdir or str(self.scratch_dir() / "nxd")
         assert 1 <= self.tp_degree and self.bucket <= self.max_len, (
-            self.tp_degree,
-            self.bucket,
-            self.max_len,
+            f"tp_degree={self.tp_degree}, bucket={self.bucket}, max_len={self.max_len}"
         )
+
+    # what only the compile box keeps: NxD's workdir, the int8 checkpoint (rsync leaves it behind)
+    def scratch_dir(self) -> Path:
+        return Path(self.output_dir) / "compiler_workdir"
 
     def graph_keys(self) -> dict[str, str]:  # ModelBuilder key -> experts module of that graph
         return {"prefill": "dense", f"decode_{self.decode_experts}": self.decode_experts}
@@ -320,9 +322,26 @@ def example_inputs(config, build: NeuronBuildConfig, tokens: int) -> tuple[torch
     )
 
 
+def checkpoint_loader(build: NeuronBuildConfig, config):
+    """ModelBuilder's loader: the first pass converts the checkpoint (``convert_checkpoint``) and
+    writes it, int8, to the build's scratch folder; every later pass maps that file instead of
+    reading and quantizing the whole checkpoint again."""
+    path = build.scratch_dir() / CONVERTED_FILE
+
+    def load() -> dict:
+        if path.is_file():
+            return load_file(str(path))  # memory-mapped: file pages, not the process's own
+        state = convert_checkpoint(read_hf_state(build.model_dir), config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
+        return state
+
+    return load
+
+
 def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk):
-    """A ModelBuilder, one instance per graph (key -> experts); weights are read only when it
-    shards."""
+    """A ModelBuilder, one instance per graph (key -> experts), and the first instance (the module
+    ModelBuilder shards against); weights are read only when it shards."""
     scalars = read_hf_state(build.model_dir, only=lambda name: name.endswith("layer_scalar"))
 
     class GemmaInstance(sdk.BaseModelInstance):
@@ -339,39 +358,54 @@ def model_builder(build: NeuronBuildConfig, config, graphs: dict[str, str], sdk)
         router=None,
         tp_degree=build.tp_degree,
         compiler_workdir=build.compiler_workdir,
-        checkpoint_loader=lambda: convert_checkpoint(read_hf_state(build.model_dir), config),
+        checkpoint_loader=checkpoint_loader(build, config),
     )
-    for key, experts in graphs.items():
+    instances = {key: GemmaInstance(experts) for key, experts in graphs.items()}
+    for key, instance in instances.items():
         tokens = build.bucket if key == "prefill" else 1
         builder.add(
             key,
-            GemmaInstance(experts),
+            instance,
             [example_inputs(config, build, tokens)],
             compiler_args=build.compiler_args,
         )
-    return builder
+    return builder, next(iter(instances.values()))
+
+
+def check_shards(module: nn.Module, shards: list[dict]) -> None:
+    """Every parameter ``module`` declares (its KV state aside), by its own name, in every rank's
+    shard: ModelBuilder drops a key the module does not name and skips a missing unquantized
+    weight, which would surface only after the compile."""
+    names = [n for n, _ in module.named_parameters() if not n.startswith(KV_STATE_PREFIXES)]
+    missing = [(rank, n) for rank, shard in enumerate(shards) for n in names if n not in shard]
+    if missing:
+        raise ValueError(
+            f"the rank-{missing[0][0]} shard has no {missing[0][1]!r} ({len(missing)} of the "
+            f"{len(names) * len(shards)} parameters missing): the checkpoint lacks it or names it "
+            "otherwise. Compile a Gemma-4 checkpoint folder as the hub ships it (transformers' "
+            "model.language_model.* names), which convert_checkpoint maps to the module's"
+        )
 
 
 def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> dict:
-    """Shard-check, trace, compile and save the graphs into a fresh artifact folder; return the
-    build record."""
+    """Convert, shard-check, trace, compile and save the graphs into a fresh artifact folder; return
+    the build record. One build per process: ``runs.compile_builds``."""
     sdk = import_sdk()
     config = text_config(build.model_dir)
     out_dir = fresh_dir(build.output_dir)
     graphs = build.graph_keys()
-    builder = model_builder(build, config, graphs, sdk)
+    builder, first = model_builder(build, config, graphs, sdk)
     started = time.perf_counter()
-    builder.shard_checkpoint()  # a checkpoint that does not fit fails now, not after neuronx-cc
+    # a checkpoint that does not fit the module fails now, not after neuronx-cc
+    shards = builder.shard_checkpoint()  # sets first.module: the module it sharded against
+    check_shards(first.module, shards)
+    del shards
     shard_check_s = time.perf_counter() - started
     with HostMemorySampler(interval_s=sample_interval_s) as sampler:
         traced = builder.trace(initialize_model_weights=True)
         artifact = out_dir / MODEL_FILE
         torch.jit.save(traced, str(artifact))
-    # the trace left the weights on the NeuronCores: free them, or the next build in this process
-    # cannot load
-    del traced
-    sdk.close_runtime()
-    workdir = Path(build.compiler_workdir)
+    workdir, scratch = Path(build.compiler_workdir), build.scratch_dir()
     neffs = {
         str(p.relative_to(workdir)): p.stat().st_size
         for p in sorted(workdir.rglob("*.neff"))
@@ -388,7 +422,7 @@ def compile_neuron(build: NeuronBuildConfig, sample_interval_s: float = 1.0) -> 
         "peak_host_hwm_bytes": sampler.peak_hwm_bytes,
         "neff_files": neffs,
         "neff_bytes": sum(neffs.values()),
-        "compiler_workdir_bytes": sum(p.stat().st_size for p in workdir.rglob("*") if p.is_file()),
+        "compiler_workdir_bytes": sum(p.stat().st_size for p in scratch.rglob("*") if p.is_file()),
         "artifact": MODEL_FILE,
         "artifact_bytes": artifact.stat().st_size,
         "versions": package_versions(RECORDED_VERSIONS),
@@ -411,3 +445,7 @@ def package_versions(packages) -> dict:
         package: next((dist.version for dist in distributions(name=package)), None)
         for package in packages
     }
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_neuron(NeuronBuildConfig(**json.loads(sys.argv[1])))))

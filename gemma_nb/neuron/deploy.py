@@ -1,22 +1,18 @@
 """The port's slim deploy (notebooks 05, 07, the server) from the artifact folder alone: graphs,
 host embedding, greedy loop."""
 
-import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
 from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import sdk_label, step_inputs
 from gemma_nb.neuron.moe import import_nxd
-from gemma_nb.neuron.sdk import close_runtime
-from gemma_nb.peak_rss import HostMemorySampler
 
 
 @dataclass
@@ -30,7 +26,6 @@ class NeuronStepRunner:
     max_len: int
     bucket: int
     pad_token_id: int = 0
-    step_times_s: list[float] = field(default_factory=list, init=False, repr=False)
 
     def step(self, ids: torch.Tensor, positions: list[int], last_index: int) -> torch.Tensor:
         """One graph call for ``ids`` [1, S] at ``positions``: fp32 logits [1, V] of ``last_index``,
@@ -59,11 +54,9 @@ class NeuronStepRunner:
         padded = torch.nn.functional.pad(ids, (0, self.bucket - prompt), value=self.pad_token_id)
         # the prefill, then a decode per token: the padding's slots are rewritten before the masks
         # open them to a query
-        inputs, tokens, self.step_times_s = (padded, list(range(self.bucket)), prompt - 1), [], []
+        inputs, tokens = (padded, list(range(self.bucket)), prompt - 1), []
         while len(tokens) < max_new_tokens and eos_token_id not in tokens[-1:]:
-            start = time.perf_counter()
             tokens.append(int(self.step(*inputs).argmax(-1)))
-            self.step_times_s.append(time.perf_counter() - start)
             inputs = (torch.tensor([[tokens[-1]]]), [prompt + len(tokens) - 1], 0)
         return torch.cat([ids, torch.tensor([tokens], dtype=torch.long)], dim=1)
 
@@ -85,36 +78,23 @@ def load_artifact(artifact_dir: str | Path):
     return graph
 
 
-def release(runner: NeuronStepRunner) -> None:
-    """Unload a deployed model: a 26B build fills most of 2 x 16 GiB, so the next loads only once
-    this ran."""
-    runner.graph = None
-    gc.collect()
-    close_runtime()
-
-
-def slim_deploy(
-    artifact_dir: str | Path, sample_interval_s: float = 0.5
-) -> tuple[NeuronStepRunner, dict]:
-    """(runner, figures) of a validated artifact, ``load_artifact`` timed and sampled."""
+def slim_deploy(artifact_dir: str | Path) -> tuple[NeuronStepRunner, dict]:
+    """(runner, figures) of a validated artifact, ``load_artifact`` timed (its process's host peak
+    is measured by whoever started it: ``runs.deploy_each``)."""
     artifact = read_artifact(artifact_dir)
     config, embedding_path = artifact.config, artifact.folder / HOST_EMBEDDING_FILE
-    with HostMemorySampler(interval_s=sample_interval_s) as sampler:
-        start = time.perf_counter()
-        host = host_embedding_for(model_skeleton(config), embedding_path)
-        embedding_load_s = time.perf_counter() - start
-        start = time.perf_counter()
-        graph = load_artifact(artifact.folder)
-        neff_load_s = time.perf_counter() - start
-        runner = NeuronStepRunner(
-            graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0
-        )
+    start = time.perf_counter()
+    host = host_embedding_for(model_skeleton(config), embedding_path)
+    embedding_load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    graph = load_artifact(artifact.folder)
+    neff_load_s = time.perf_counter() - start
+    runner = NeuronStepRunner(
+        graph, host, config, artifact.max_len, artifact.bucket, config.pad_token_id or 0
+    )
     figures = {
         "neff_load_s": neff_load_s,
         "embedding_load_s": embedding_load_s,
-        "peak_host_rss_bytes": sampler.peak_rss_bytes,
-        "embedding_bytes": embedding_path.stat().st_size,
-        "graphs": artifact.graphs,
         "decode_graph": artifact.decode_graph,
         "sdk": getattr(graph, "sdk", artifact.record.get("sdk", "Neuron SDK")),
     }
@@ -123,21 +103,3 @@ def slim_deploy(
 
 def until_eos(tokens: list, eos_token_id: int | None) -> list:
     return tokens[: tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
-
-
-def deployed_answer(
-    runner: NeuronStepRunner, artifact_dir: str | Path, prompt: str, max_new_tokens: int = 16
-) -> dict:
-    """Greedy answer to ``prompt`` with the artifact's tokenizer, cut at the first end-of-sequence
-    token."""
-    tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir), trust_remote_code=False)
-    ids, eos = tokenizer(prompt, return_tensors="pt").input_ids, tokenizer.eos_token_id
-    out = until_eos(
-        runner.generate(ids, max_new_tokens, eos_token_id=eos)[0, ids.shape[1] :].tolist(), eos
-    )
-    return {
-        "prompt": prompt,
-        "completion": tokenizer.decode(out).strip(),
-        "new_tokens": len(out),
-        "step_ms": [1000 * s for s in runner.step_times_s],
-    }

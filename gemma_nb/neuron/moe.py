@@ -68,11 +68,8 @@ class _ExpertMajorExperts(nn.Module):
         self.down = sdk.QuantizedExpertFusedRowParallel(
             num_experts, intermediate_size, hidden_size, reduce_output=False, **int8
         )
-        assert tuple(self.gate_up.weight.shape) == (
-            num_experts,
-            hidden_size,
-            2 * intermediate_size // tp,
-        ), "TP != tp"
+        rank_shape = (num_experts, hidden_size, 2 * intermediate_size // tp)
+        assert tuple(self.gate_up.weight.shape) == rank_shape, f"the SDK's TP is not tp={tp}"
 
     def _experts(self, hidden_states: torch.Tensor, expert_indices=None) -> torch.Tensor:
         """``hidden_states [T, H]`` through ``expert_indices`` (all when None): this rank's partials
@@ -126,8 +123,7 @@ def experts_checkpoint(
     [E, H, I]``."""
     experts, two_inter, hidden = gate_up_proj.shape
     assert tuple(down_proj.shape) == (experts, hidden, two_inter // 2), (
-        down_proj.shape,
-        gate_up_proj.shape,
+        f"down_proj {tuple(down_proj.shape)} does not fit gate_up_proj {tuple(gate_up_proj.shape)}"
     )
     out = {}
     for name, tensor in (("gate_up", gate_up_proj), ("down", down_proj)):

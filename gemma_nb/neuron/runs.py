@@ -1,6 +1,12 @@
 """What notebooks 04, 05 and 07 run on the neuron target: every build compiled, deployed and
-answered in turn."""
+answered in turn, each in its own process. NxD traces in another process to release the Neuron
+runtime (``trace/model_builder.py``), and a deploy's host memory (``torch.jit.load`` holds the whole
+``model.pt``) and NeuronCores come back whole only when its process exits: two 26B builds never
+share one."""
 
+import json
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -8,8 +14,9 @@ from transformers import AutoTokenizer
 
 from gemma_nb.bench import time_runners
 from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
-from gemma_nb.neuron.build import NeuronBuildConfig, compile_neuron
-from gemma_nb.neuron.deploy import deployed_answer, release, slim_deploy, until_eos
+from gemma_nb.neuron.build import NeuronBuildConfig
+from gemma_nb.neuron.deploy import slim_deploy, until_eos
+from gemma_nb.peak_rss import MeasuredRun, run_measured
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR
 
 # the bundled TP=2 checkpoint's smoke run: KV slots, prefill bucket
@@ -17,23 +24,32 @@ SMOKE_SHAPES = {
     "max_len": 64,
     "bucket": 16,
 }
+PROCESS_TIMEOUT_S = 4 * 3600  # a 26B compile took the port 40 minutes
+
+
+def in_own_process(module: str, *args) -> MeasuredRun:
+    """``python -m module *args`` in a fresh process: its JSON result (last stdout line), peaks."""
+    argv = [sys.executable, "-m", module, *map(str, args)]
+    return run_measured(argv, interval_s=1.0, timeout_s=PROCESS_TIMEOUT_S)
 
 
 def compile_builds(model_dir: str | Path, target: str, decode_experts) -> dict:
-    """``compile_neuron``'s records, once per decode path in order (the bundled TP=2 checkpoint at
-    ``SMOKE_SHAPES``)."""
+    """``compile_neuron``'s records, once per decode path in order, each in its own process (the
+    bundled TP=2 checkpoint at ``SMOKE_SHAPES``)."""
     shapes = dict(SMOKE_SHAPES) if Path(model_dir).resolve() == TP2_CHECKPOINT_DIR.resolve() else {}
     decodes = [decode_experts] if isinstance(decode_experts, str) else decode_experts
-    return {
-        decode: compile_neuron(
-            NeuronBuildConfig(
-                str(model_dir),
-                str(default_artifact_dir(target, decode)),
-                decode_experts=decode,
-                **shapes,
-            )
+    builds = {
+        decode: NeuronBuildConfig(
+            str(model_dir),
+            str(default_artifact_dir(target, decode)),
+            decode_experts=decode,
+            **shapes,
         )
         for decode in decodes
+    }
+    return {
+        decode: in_own_process("gemma_nb.neuron.build", json.dumps(asdict(build))).result
+        for decode, build in builds.items()
     }
 
 
@@ -57,54 +73,43 @@ def builds_table(records: dict):
     ).set_index("decode_experts")
 
 
+def deploy_and_decode(folder, ids: list[int], new_tokens: int, repeats: int) -> dict:
+    """One build deployed in this process, its greedy decode of ``ids`` timed (``time_runners``)."""
+    runner, figures = slim_deploy(folder)
+    timed = time_runners({"build": runner}, [ids], new_tokens=new_tokens, repeats=repeats).iloc[0]
+    return {key: figures[key] for key in ("decode_graph", "neff_load_s", "sdk")} | {
+        key: timed[key] for key in ("ttft_s", "decode_tok_s", "tokens")
+    }
+
+
+def deploy_each(folders, prompt: str, new_tokens: int, repeats: int) -> pd.DataFrame:
+    """``deploy_and_decode`` per build, each in its own process, in turn (notebooks 05, 07): a row
+    per decode path with the continuation (cut at the first end-of-sequence) and the process's peak
+    host RSS."""
+    builds = artifact_labels(folders)
+    tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
+    ids, rows = tokenizer(prompt).input_ids, {}
+    for name, folder in builds.items():
+        run = in_own_process("gemma_nb.neuron.runs", folder, json.dumps(ids), new_tokens, repeats)
+        new = until_eos(run.result["tokens"][len(ids) :], tokenizer.eos_token_id)
+        rows[name] = run.result | {
+            "build": folder.name,
+            "completion": tokenizer.decode(new).strip(),
+            "new_tokens": len(new),
+            "peak_host_rss_bytes": run.peak_rss_bytes,
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
 def answer_each(
     folders, prompt: str = "The capital of France is", max_new_tokens: int = 16
 ) -> list[dict]:
-    """Per artifact folder, deployed and released in turn: its decode graph, greedy answer, NEFF
-    load time, peak RSS."""
-    rows = []
-    for folder in folders:
-        runner, figures = slim_deploy(folder)
-        try:
-            answer = deployed_answer(runner, folder, prompt, max_new_tokens)
-        finally:
-            release(runner)
-        rows.append(
-            {
-                "build": Path(folder).name,
-                "decode_graph": figures["decode_graph"],
-                "completion": answer["completion"],
-                "new_tokens": answer["new_tokens"],
-                "neff_load_s": figures["neff_load_s"],
-                "peak_host_rss_bytes": figures["peak_host_rss_bytes"],
-                "sdk": figures["sdk"],
-            }
-        )
-    return rows
+    """Per build (notebook 05): its decode graph, greedy answer, NEFF load time, peak RSS, SDK."""
+    table = deploy_each(folders, prompt, max_new_tokens, repeats=1)
+    columns = ["build", "decode_graph", "completion", "new_tokens", "neff_load_s"]
+    return table[columns + ["peak_host_rss_bytes", "sdk"]].to_dict(orient="records")
 
 
-def benchmark_builds(
-    folders, prompt: str = "The capital of France is", new_tokens: int = 32, repeats: int = 3
-):
-    """Each build's decode speed and continuation (notebook 07), deployed and released in turn: two
-    26B builds do not fit."""
-    builds = artifact_labels(folders)
-    tokenizer = AutoTokenizer.from_pretrained(str(next(iter(builds.values()))))
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    tables = []
-    for name, folder in builds.items():
-        runner, figures = slim_deploy(folder)
-        try:
-            table = time_runners({name: runner}, ids, new_tokens=new_tokens, repeats=repeats)
-        finally:
-            release(runner)
-        tables.append(
-            table.assign(neff_load_s=figures["neff_load_s"], decode_graph=figures["decode_graph"])
-        )
-    table, eos = pd.concat(tables), tokenizer.eos_token_id
-    return table.assign(
-        completion=[
-            tokenizer.decode(until_eos(list(t)[ids.shape[1] :], eos)).strip()
-            for t in table["tokens"]
-        ]
-    )
+if __name__ == "__main__":
+    folder, ids, new_tokens, repeats = sys.argv[1:]
+    print(json.dumps(deploy_and_decode(folder, json.loads(ids), int(new_tokens), int(repeats))))

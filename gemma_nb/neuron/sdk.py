@@ -165,13 +165,4 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
         ModelBuilderV2=model_builder_v2.ModelBuilder,
         fx_workaround=status.fx_problem,
         emulated=status.emulated,
-        close_runtime=close_runtime,
     )
-
-
-def close_runtime() -> None:
-    """Unload every model on the NeuronCores (as NxD's tests do between models): dropping references
-    is not enough."""
-    import torch_neuronx  # noqa: F401 (registers torch.classes.neuron)
-
-    torch.classes.neuron.Runtime().unsafe_close()

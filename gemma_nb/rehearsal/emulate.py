@@ -14,6 +14,7 @@ from gemma_nb.modelio import model_skeleton, resolve_model_id
 from gemma_nb.neuron import build as B
 from gemma_nb.neuron.deploy import NeuronStepRunner, until_eos
 from gemma_nb.ranks import run_tp
+from gemma_nb.rehearsal.nxd_model import check_alias
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_TP2_ID
 
@@ -57,11 +58,8 @@ class AliasedGraphs:
             for name, p in prefill.named_parameters()
             if name.startswith(B.KV_STATE_PREFIXES)
         }
-        # logits: every call's output, for the comparison
-        self.calls, self.logits = (
-            dict.fromkeys(self.graphs, 0),
-            [],
-        )
+        self.calls = dict.fromkeys(self.graphs, 0)
+        self.logits = []  # every call's output, for the comparison
 
     def __call__(self, *inputs):
         kind = "prefill" if inputs[0].shape[1] == self.bucket else "decode"
@@ -74,14 +72,7 @@ class AliasedGraphs:
             outputs = module(*inputs)
             for parameter, index in module.input_output_aliases().items():
                 name, out = names[id(parameter)], outputs[index]
-                # the runtime refuses it too
-                if (out.shape, out.dtype) != (
-                    self.state[name].shape,
-                    self.state[name].dtype,
-                ):
-                    raise RuntimeError(
-                        f"output {index} {tuple(out.shape)} {out.dtype} cannot alias state {name}"
-                    )
+                check_alias(index, out, name, self.state[name])  # XLA's rule
                 self.state[name] = out.detach().clone()
         self.calls[kind] += 1
         self.logits.append(outputs[0][0, -1].detach().clone())

@@ -1,6 +1,6 @@
 """ModelBuilder v1 and v2 emulated (NxD 0.18's ``trace/model_builder*.py``): shard, trace, load on
 the cores; each graph is traced with ``torch.jit.trace`` (``nxd_model``) instead of HLO and
-neuronx-cc, and no NEFF is written."""
+neuronx-cc, and no NEFF is written. What the host holds goes to the box's ledger (``host``)."""
 
 import logging
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gemma_nb.rehearsal import nxd_layers, nxd_model
+from gemma_nb.rehearsal import host, nxd_layers, nxd_model, spmd
 from gemma_nb.rehearsal.nxd_layers import ParallelState, use_state
 from gemma_nb.rehearsal.sharding import init_on_meta, shard_checkpoint
 
@@ -20,6 +20,13 @@ AUTO_CAST_WARNING = (
     "result in lower accuracy"
 )
 SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
+# neuronx-cc compile's options and values as the repo cites them (docs/sources.md, neuronx-cc-cli)
+NEURONX_CC_OPTIONS = re.compile(
+    r"--model-type[= ](generic|transformer|unet-inference)|--auto-cast[= ](none|matmult|all)"
+    r"|--auto-cast-type[= ](bf16|fp16|tf32|fp8_e4m3)|(-O|--optlevel[= ])[123]"
+    r"|--logical-nc-config[= ][12]|--(logfile|verbose)[= ]\S+|--enable-(saturate-infinity"
+    r"|mixed-precision-accumulation|fast-context-switch|fast-loading-neuron-binaries)"
+)
 
 
 def append_default_compiler_flags(compiler_args: str | None = "") -> str:
@@ -37,8 +44,22 @@ def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     return compiler_args
 
 
+def check_compiler_args(compiler_args: str) -> None:
+    """neuronx-cc's refusal of an option or value it does not take (its argument parser's)."""
+    unknown = " ".join(NEURONX_CC_OPTIONS.sub(" ", f" {compiler_args} ").split())
+    if unknown:
+        raise RuntimeError(f"neuronx-cc: error: unrecognized arguments: {unknown}")
+
+
 def _shard_all(model, checkpoint: dict, tp: int, serialize_path=None) -> list[dict]:
     shards = [shard_checkpoint(model, checkpoint, rank, tp) for rank in range(tp)]
+    # the loader's tensors a file does not back, and the shards (NxD's own copies): at once
+    shard_bytes = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    ledger = host.ledger()
+    ledger.hold(
+        "the checkpoint and its shards",
+        (host.anonymous_bytes(checkpoint.values()) + shard_bytes) * ledger.scale,
+    )
     if serialize_path is not None:
         Path(serialize_path).mkdir(parents=True, exist_ok=True)
         for rank, shard in enumerate(shards):
@@ -54,11 +75,8 @@ class BaseModelInstance:
     aliases."""
 
     def __init__(self, module_cls, input_output_aliases):
-        self.module_cls, self.module, self.input_output_aliases = (
-            module_cls,
-            None,
-            [input_output_aliases],
-        )
+        self.module_cls, self.module = module_cls, None
+        self.input_output_aliases = [input_output_aliases]
 
     def load_module(self):
         self.module = self.module_cls()
@@ -112,6 +130,13 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
     def trace(self, initialize_model_weights: bool = True, dry_run: bool = False):
         if dry_run:
             raise TypeError("the emulated ModelBuilder does not implement dry_run")
+        if spmd.cores().traced:
+            raise RuntimeError(
+                "ModelBuilder.trace already ran in this process: NxD traces in another process to "
+                "release the Neuron runtime (trace/model_builder.py); start each build in its own "
+                "process"
+            )
+        spmd.cores().traced = True
         workdir = Path(self.compiler_workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         graphs, shape_map = {}, {}
@@ -121,9 +146,12 @@ class ModelBuilder:  # v1 (trace/model_builder.py)
                 instance.load_module()
                 module, aliases = instance.get(0)
                 example = tuple(entry["example_inputs"][0])  # one bucket per key (add refuses more)
+                check_compiler_args(entry["compiler_args"])
                 graphs[key] = nxd_model.trace_graph(module, example, aliases, self.tp_degree)
                 shape_map[nxd_model.shape_key(example)] = (key, 0)
                 instance.module = None
+        ledger = host.ledger()
+        ledger.hold("neuronx-cc (the port's compile peak)", ledger.compile_bytes)
         model = nxd_model.EmulatedNxDModel(graphs, shape_map, self.tp_degree)
         if initialize_model_weights:
             self.shard_checkpoint(self.compiler_workdir)

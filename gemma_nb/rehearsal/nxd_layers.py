@@ -143,12 +143,8 @@ def _column_setup(
     share."""
     layer.tensor_parallel_group = group or current_state()
     tp = layer.tensor_parallel_group.tp
-    layer.input_size, layer.gather_output, layer.stride, layer.dtype = (
-        input_size,
-        gather_output,
-        stride,
-        dtype,
-    )
+    layer.input_size, layer.gather_output = input_size, gather_output
+    layer.stride, layer.dtype = stride, dtype
     layer.pad, layer.pad_size = pad, (-output_size) % tp if pad else 0
     layer.output_size = output_size + layer.pad_size
     layer.output_size_per_partition = _divide(layer.output_size, tp, "output_size")
@@ -172,11 +168,8 @@ def _row_setup(
             "gemma_nb.neuron builds them"
         )
     layer.tensor_parallel_group = group or current_state()
-    layer.input_size, layer.output_size, layer.input_is_parallel = (
-        input_size,
-        output_size,
-        input_is_parallel,
-    )
+    layer.input_size, layer.output_size = input_size, output_size
+    layer.input_is_parallel = input_is_parallel
     layer.reduce_output, layer.stride, layer.dtype = reduce_output, stride, dtype
     layer.input_size_per_partition = _divide(
         input_size, layer.tensor_parallel_group.tp, "input_size"

@@ -3,6 +3,7 @@ is routed by its inputs' shapes (the last graph added wins); aliased outputs sta
 state."""
 
 import json
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from typing import Dict, List  # noqa: UP035
 import torch
 from torch import nn
 
-from gemma_nb.rehearsal import spmd
+from gemma_nb.rehearsal import host, spmd
 
 SAVED_MARKER = "gemma-nb emulated NxD model v1"
 
@@ -23,11 +24,8 @@ class _Graph(nn.Module):
 
     def __init__(self, module: nn.Module, names: list[str]):
         super().__init__()
-        # not a submodule: its parameters must not be saved with the graph
-        self._held, self.names = (
-            [module],
-            names,
-        )
+        self._held = [module]  # not a submodule: its parameters must not be saved with the graph
+        self.names = names
 
     def forward(self, *tensors):
         module, held = self._held[0], []
@@ -48,6 +46,15 @@ def _meta(tensor: torch.Tensor) -> list:
     return [list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
 
 
+def check_alias(index: int, output: torch.Tensor, name: str, state: torch.Tensor) -> None:
+    """XLA aliases an output only to an input of its shape and dtype."""
+    if _meta(output) != _meta(state):
+        raise RuntimeError(
+            f"output {index} is {_meta(output)}, the input it aliases, {name!r}, is "
+            f"{_meta(state)}: an aliased output must have its input's shape and dtype"
+        )
+
+
 def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int) -> dict:
     """``module`` traced for the emulated cores: ``{"program": ScriptModule, "spec": {...}}``."""
     parameters = dict(module.named_parameters())
@@ -62,6 +69,8 @@ def trace_graph(module: nn.Module, example_inputs: tuple, aliases: dict, tp: int
             graph, (*tensors, *example_inputs), strict=False, check_trace=False
         )
         outputs = graph(*tensors, *example_inputs)
+    for state, index in aliases.items():
+        check_alias(index, outputs[index], names[id(state)], state)
     spec = {
         "weights": {n: _meta(parameters[n]) for n in weight_names},
         "states": {n: _meta(parameters[n]) for n in state_names},
@@ -125,9 +134,6 @@ class EmulatedNxDModel:
     def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor) -> None:
         # none saved: "0 rank checkpoints" for tp ranks
         self.initialize(self.saved_weights or [], start_rank_tensor)
-
-    def unloaded(self) -> None:
-        self.weights, self.states, self.loaded = None, None, False
 
     def router(self, inputs) -> tuple[str, int]:
         key = shape_key(inputs)
@@ -226,15 +232,19 @@ def executor_from_saved(module) -> EmulatedExecutor:
 _JIT_LOAD = torch.jit.load
 
 
-def jit_load(*args, **kwargs):
+def jit_load(path, *args, **kwargs):
     """``torch.jit.load`` (as the emulated ``trace.model_builder`` installs it): an emulated archive
-    as its executor."""
-    module = _JIT_LOAD(*args, **kwargs)
+    as its executor, its whole file held on the host (weights included) until the process exits."""
+    module = _JIT_LOAD(path, *args, **kwargs)
     try:
         saved = json.loads(module.spec).get("marker") == SAVED_MARKER
     except (AttributeError, RuntimeError, ValueError):
         saved = False
-    return executor_from_saved(module) if saved else module
+    if not saved:
+        return module
+    ledger = host.ledger()
+    ledger.hold("torch.jit.load of model.pt", os.path.getsize(path) * ledger.scale, until_exit=True)
+    return executor_from_saved(module)
 
 
 def _marker_op(inputs):

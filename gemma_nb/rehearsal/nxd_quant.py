@@ -58,23 +58,29 @@ class _QuantizedLinear(nn.Module):
     """Shared by the quantized stand-ins: the frozen quantized ``weight``, fp32 ``scale``, their
     tags."""
 
-    quantization_layers = (
-        None  # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
-    )
+    # a namespace holding scale_dequantize: set per cpu_sdk() / emulated module
+    quantization_layers = None
 
     def _setup(
         self,
         weight_shape,
         partition_dim: int,
-        quantization_type,
-        quantized_dtype,
-        channel_axis: int | None,
-        stride: int,
-        device,
         dtype,
-        scale_dtype,
-        rank_ordering,
+        stride: int,
+        quantization_type="per_tensor_symmetric",
+        quantized_dtype=QuantizedDtype.INT8,
+        device=None,
+        quantization_per_channel_axis: int | None = None,
+        scale_dtype=torch.float32,
+        rank_ordering=None,
+        keep_master_weight: bool = False,
+        block_axis=None,
+        block_size=None,
+        **unsupported,
     ) -> None:
+        """The quantization arguments every quantized layer takes, keyword only (NxD's names and
+        defaults): a stand-in accepts no positional call the SDK would read otherwise."""
+        L._check_unsupported(type(self).__name__, unsupported)
         self.quantization_type = QuantizationType(quantization_type)
         self.quantized_dtype = QuantizedDtype(quantized_dtype)
         self.scale_dtype = ScaleDtype(scale_dtype)
@@ -86,7 +92,8 @@ class _QuantizedLinear(nn.Module):
             raise NotImplementedError(NOT_EMULATED.format(what=what))
         # the output channels of [out, in] or of the experts' [E, in, out]
         out_axis = 2 if len(weight_shape) == 3 else 0
-        if self.quantization_type in _PER_CHANNEL and channel_axis not in (None, out_axis):
+        channel_axis_ok = quantization_per_channel_axis in (None, out_axis)
+        if self.quantization_type in _PER_CHANNEL and not channel_axis_ok:
             raise AssertionError(
                 f"Only per_channel_axis={out_axis} supported for post-matmul output dequantization"
             )
@@ -139,27 +146,19 @@ class QuantizedColumnParallel(_QuantizedLinear):
         input_size: int,
         output_size: int,
         bias: bool = True,
-        quantization_type="per_tensor_symmetric",
+        *,
         gather_output: bool = True,
         dtype: torch.dtype = torch.float32,
-        quantized_dtype=QuantizedDtype.INT8,
-        device=None,
         stride: int = 1,
-        quantization_per_channel_axis: int | None = None,
-        scale_dtype=torch.float32,
         tensor_model_parallel_group=None,
         pad: bool = False,
         sequence_parallel_enabled: bool = False,
-        keep_master_weight: bool = False,
-        rank_ordering=None,
-        block_axis=None,
-        block_size=None,
-        **unsupported,
+        **quantization,
     ):
         super().__init__()
         L._check_unsupported(
             "QuantizedColumnParallel",
-            unsupported,
+            {},
             bias=bias,
             sequence_parallel_enabled=sequence_parallel_enabled,
         )
@@ -173,18 +172,8 @@ class QuantizedColumnParallel(_QuantizedLinear):
             pad,
             tensor_model_parallel_group,
         )
-        self._setup(
-            (self.output_size_per_partition, input_size),
-            0,
-            quantization_type,
-            quantized_dtype,
-            quantization_per_channel_axis,
-            stride,
-            device,
-            dtype,
-            scale_dtype,
-            rank_ordering,
-        )
+        shape = (self.output_size_per_partition, input_size)
+        self._setup(shape, 0, dtype, stride, **quantization)
 
     def forward(self, input_):
         output = self._matmul(input_)
@@ -214,28 +203,20 @@ class QuantizedRowParallel(_QuantizedLinear):
         input_size: int,
         output_size: int,
         bias: bool = True,
-        quantization_type="per_tensor_symmetric",
+        *,
         input_is_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
-        quantized_dtype=QuantizedDtype.INT8,
-        device=None,
         stride: int = 1,
-        quantization_per_channel_axis: int | None = None,
         reduce_output: bool = True,
-        scale_dtype=torch.float32,
         tensor_model_parallel_group=None,
         pad: bool = False,
         sequence_parallel_enabled: bool = False,
-        keep_master_weight: bool = False,
-        rank_ordering=None,
-        block_axis=None,
-        block_size=None,
-        **unsupported,
+        **quantization,
     ):
         super().__init__()
         L._check_unsupported(
             "QuantizedRowParallel",
-            unsupported,
+            {},
             bias=bias,
             pad=pad,
             sequence_parallel_enabled=sequence_parallel_enabled,
@@ -250,18 +231,8 @@ class QuantizedRowParallel(_QuantizedLinear):
             stride,
             tensor_model_parallel_group,
         )
-        self._setup(
-            (output_size, self.input_size_per_partition),
-            1,
-            quantization_type,
-            quantized_dtype,
-            quantization_per_channel_axis,
-            stride,
-            device,
-            dtype,
-            scale_dtype,
-            rank_ordering,
-        )
+        shape = (output_size, self.input_size_per_partition)
+        self._setup(shape, 1, dtype, stride, **quantization)
 
     def forward(self, input_):
         output = self._matmul(input_)
@@ -284,11 +255,8 @@ class _QuantizedExpertFused(_QuantizedLinear):
             raise NotImplementedError(
                 "the emulated SDK keeps expert parallelism off (EP=1), as gemma_nb.neuron builds"
             )
-        self.num_experts, self._n_local_experts, self.is_fused_gate_up = (
-            num_experts,
-            num_experts,
-            is_fused_gate_up,
-        )
+        self.num_experts = self._n_local_experts = num_experts
+        self.is_fused_gate_up = is_fused_gate_up
 
     def forward(self, input_, expert_indices=None):
         weight, scale = self.weight, self.scale
@@ -316,39 +284,23 @@ class QuantizedExpertFusedColumnParallel(_QuantizedExpertFused):
         input_size: int,
         output_size: int,
         bias: bool = False,
-        quantization_type="per_tensor_symmetric",
+        *,
         dtype: torch.dtype = torch.float32,
-        quantized_dtype=QuantizedDtype.INT8,
-        device=None,
         stride: int = 1,
-        keep_master_weight: bool = False,
-        quantization_per_channel_axis: int | None = None,
         tensor_model_parallel_group=None,
-        scale_dtype=torch.float32,
         expert_model_parallel_group=None,
         is_prefill: bool = True,
-        rank_ordering=None,
         is_fused_gate_up: bool = False,
-        **unsupported,
+        **quantization,
     ):
         super().__init__()
-        L._check_unsupported("QuantizedExpertFusedColumnParallel", unsupported, bias=bias)
+        L._check_unsupported("QuantizedExpertFusedColumnParallel", {}, bias=bias)
         self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
         L._column_setup(
             self, input_size, output_size, False, dtype, stride, False, tensor_model_parallel_group
         )
-        self._setup(
-            (num_experts, input_size, self.output_size_per_partition),
-            2,
-            quantization_type,
-            quantized_dtype,
-            quantization_per_channel_axis,
-            stride,
-            device,
-            dtype,
-            scale_dtype,
-            rank_ordering,
-        )
+        shape = (num_experts, input_size, self.output_size_per_partition)
+        self._setup(shape, 2, dtype, stride, **quantization)
 
 
 class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
@@ -363,41 +315,25 @@ class QuantizedExpertFusedRowParallel(_QuantizedExpertFused):
         output_size: int,
         reduce_output: bool = False,
         bias: bool = False,
-        quantization_type="per_tensor_symmetric",
-        quantized_dtype=QuantizedDtype.INT8,
+        *,
         dtype: torch.dtype = torch.float32,
-        device=None,
         stride: int = 1,
-        keep_master_weight: bool = False,
-        quantization_per_channel_axis: int | None = None,
         tensor_model_parallel_group=None,
-        scale_dtype=torch.float32,
         expert_model_parallel_group=None,
         is_prefill: bool = True,
-        rank_ordering=None,
         is_fused_gate_up: bool = False,
-        **unsupported,
+        **quantization,
     ):
         super().__init__()
         L._check_unsupported(
-            "QuantizedExpertFusedRowParallel", unsupported, bias=bias, reduce_output=reduce_output
+            "QuantizedExpertFusedRowParallel", {}, bias=bias, reduce_output=reduce_output
         )
         self._experts_setup(num_experts, expert_model_parallel_group, is_fused_gate_up)
         L._row_setup(
             self, input_size, output_size, True, False, dtype, stride, tensor_model_parallel_group
         )
-        self._setup(
-            (num_experts, self.input_size_per_partition, output_size),
-            1,
-            quantization_type,
-            quantized_dtype,
-            quantization_per_channel_axis,
-            stride,
-            device,
-            dtype,
-            scale_dtype,
-            rank_ordering,
-        )
+        shape = (num_experts, self.input_size_per_partition, output_size)
+        self._setup(shape, 1, dtype, stride, **quantization)
 
 
 QUANTIZED_LAYERS = (

@@ -1,11 +1,14 @@
-"""``make rehearse``: the runbook's commands in order (preflight, smoke run, copy, deploy, the
-server asked by the openai client) against the emulated SDK at the SDK's torch (``.venv-xla``); the
-record goes to ``outputs/neuron-rehearsal/rehearsal.json`` and must match ``docs/rehearsal.json``'s
-disk figures."""
+"""``make rehearse``: every command of the runbook's steps 2-9 (``docs/inf2.md``; not the
+optional 5a), in order and as written but for the declared ``substitutions``, on this cpu at the
+SDK's torch (``.venv-xla``) against the emulated SDK: each box a shell kept from command to command,
+with its RAM + swap at the 26B's scale. The record (``outputs/neuron-rehearsal/rehearsal.json``)
+must match ``docs/rehearsal.json``'s disk figures."""
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,200 +19,222 @@ import torch
 
 from gemma_nb import memory
 from gemma_nb.endpoint import wait_until_healthy
-from gemma_nb.hardware import GiB
+from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
-from gemma_nb.neuron.build import NeuronBuildConfig, example_inputs
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
-from gemma_nb.paths import OUTPUTS_DIR, REPO_ROOT
+from gemma_nb.paths import REPO_ROOT
+from gemma_nb.peak_rss import HostMemorySampler
 from gemma_nb.ranks import free_port
-from gemma_nb.rehearsal import nxd_model
+from gemma_nb.rehearsal import host
 from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 from gemma_nb.tools import plan as planner
 from gemma_nb.tools import runbook
 
 SDK_PATH = Path(__file__).resolve().parent / "sdk_path"
-SMOKE_DIR = OUTPUTS_DIR / "neuron-rehearsal"
-SERVING_DIR = OUTPUTS_DIR / "neuron-rehearsal-serving"
+REHEARSAL_DIR = REPO_ROOT / "outputs" / "neuron-rehearsal"
+# each box's folder, relative to the repository: its outputs (GEMMA_NB_OUTPUTS), the serving box's
+# shell too
+BOXES = {
+    "compile": "outputs/neuron-rehearsal/compile-box",
+    "serving": "outputs/neuron-rehearsal/serving-box",
+}
+MODEL_COPY = "outputs/neuron-rehearsal/data/gemma-4-26b-a4b-it"
 RECORD = "rehearsal.json"
 PROMPT, API_KEY = "The capital of France is", "rehearsal-key"
 SDK_TORCH = "2.9.0"
 
 
-def emulated_hbm_bytes() -> tuple[int, int]:
-    """(HBM per emulated NeuronCore, the runtime's allowance per loaded model) for the smoke run."""
-    tiny = memory.plan(text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
-    plan_26b = memory.plan(memory.load_gemma4_26b_config(), 2, planner.DEFAULT_SCHEME).total_bytes
-    return int(tiny.total_bytes * 16 * GiB / plan_26b), tiny.bytes("runtime_allowance")
+def runbook_commands(text: str) -> list[tuple[int, str]]:
+    """(step, command) for every line of the code blocks of steps 2-9, in order; not the optional
+    5a, notebook 02 on the cpu target, whose code path the reference run executes."""
+    commands, step = [], 0
+    for line in text.splitlines():
+        if heading := re.match(r"## (\d+)(a?)\. ", line):
+            step = 0 if heading.group(2) else int(heading.group(1))
+        elif 2 <= step <= 9 and re.match(r" {4}\S", line):
+            commands.append((step, line.strip()))
+    return commands
 
 
-def environment(hbm_bytes: int, runtime_bytes: int) -> dict:
-    """The subprocesses' environment: the emulated SDK on the path, its budget, no hub, the
-    runbook's API key."""
-    python_path = os.pathsep.join(
-        filter(None, [str(SDK_PATH), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+def substitutions(port: int) -> list[tuple[str, str]]:
+    """What the rehearsal changes in a runbook command (from -> to); where two match at one place,
+    the first."""
+    sdk = "$PWD/gemma_nb/rehearsal/sdk_path"
+    return [
+        ("/opt/aws_neuronx_venv_pytorch_2_9", ".venv-xla"),
+        ("git clone <this repository> gemma-nb && cd gemma-nb", "cd ."),
+        (
+            "pip install -r envs/neuron/requirements.txt",
+            f"export PYTHONPATH={sdk}:$PYTHONPATH PATH={sdk}/bin:$PATH",
+        ),
+        ("<your token>", "rehearsal-token"),
+        (
+            f"hf download {runbook.HUB_ID} --local-dir {runbook.MODEL_DIR}",
+            f"mkdir -p {Path(MODEL_COPY).parent} && cp -r "
+            f"{TP2_CHECKPOINT_DIR.relative_to(REPO_ROOT)} {MODEL_COPY}",
+        ),
+        (runbook.MODEL_DIR, MODEL_COPY),
+        (
+            f" {runbook.OUTPUTS}/ <serving-box>:gemma-nb/",
+            f" {BOXES['compile']}/neuron/ {BOXES['serving']}/",
+        ),
+        ("<a key>", API_KEY),
+        ("<the server's key>", API_KEY),
+        ("--host 0.0.0.0 --port 8080", f"--host 127.0.0.1 --port {port}"),
+        ("<serving-box>:8080", f"127.0.0.1:{port}"),
+    ]
+
+
+def box_of(step: int, command: str) -> str:
+    """Steps 2-6 and the copy run on the compile box; the copy's preflight and steps 8-9 on the
+    serving box."""
+    return "serving" if step >= 8 or "--artifact" in command else "compile"
+
+
+def box_environments() -> dict:
+    """Per box, what the rehearsal sets in its shell's environment: its outputs folder, the emulated
+    NeuronCores and its host memory at the 26B's scale (the runbook's recipe), no hub, no timing."""
+    # an HBM budget the smoke build fills as the 26B's fills a core (16 GiB), and the allowance
+    plan = memory.plan(text_config(TP2_CHECKPOINT_DIR), 2, planner.DEFAULT_SCHEME)
+    plan_26b = memory.plan(memory.load_gemma4_26b_config(), 2, planner.DEFAULT_SCHEME)
+    hbm = int(plan.total_bytes * 16 * GiB / plan_26b.total_bytes)
+    host_26b = planner.host_needs(memory.load_gemma4_26b_config())
+    tiny = planner.device_weight_bytes(text_config(TP2_CHECKPOINT_DIR))
+    ledger = dict(
+        scale=host_26b["model_pt_bytes"] / tiny, compile_bytes=host_26b["compile_peak_bytes"]
     )
+    budgets = {"compile": host_26b["compile_bytes"], "serving": host_26b["deploy_bytes"]}
     return {
-        **os.environ,
-        "PYTHONPATH": python_path,
-        "PATH": os.pathsep.join([str(SDK_PATH / "bin"), os.environ.get("PATH", "")]),
-        "GEMMA_NB_EMULATED_HBM_BYTES": str(hbm_bytes),
-        "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(runtime_bytes),
-        "HF_HUB_OFFLINE": "1",
-        "GEMMA_NB_API_KEY": API_KEY,
-        # the emulated NeuronCores are threads of one process: one cpu thread each (~3x faster on a
-        # 2-core box)
-        "OMP_NUM_THREADS": "1",
+        box: {
+            "GEMMA_NB_OUTPUTS": "outputs" if box == "serving" else BOXES[box],
+            "GEMMA_NB_EMULATED_HBM_BYTES": str(hbm),
+            "GEMMA_NB_EMULATED_RUNTIME_BYTES": str(plan.bytes("runtime_allowance")),
+            host.ENV: json.dumps({"budget_bytes": budget, **ledger}),
+            "HF_HUB_OFFLINE": "1",
+            # the emulated NeuronCores are threads: one cpu thread each (~3x faster on 2 cores)
+            "OMP_NUM_THREADS": "1",
+            "GEMMA_NB_TIMING": "smoke",  # timing loops run once: a rehearsal times nothing
+        }
+        for box, budget in budgets.items()
     }
 
 
 class Rehearsal:
-    """The steps run so far and their record; :meth:`step` runs one command."""
+    """Each box's shell (environment and folder, kept from command to command) and the record of
+    every command run."""
 
-    def __init__(self, env: dict):
-        self.env, self.torch, self.steps = env, torch.__version__, []
+    def __init__(self, port: int):
+        self.torch, self.port, self.steps, self.server = torch.__version__, port, [], None
+        self.boxes = box_environments()
+        self.shells = {"compile": {"env": {**os.environ, **self.boxes["compile"]}, "cwd": "."}}
 
-    def _record(
-        self, name: str, command: str, seconds: float, detail: str = "", failure: str = ""
-    ) -> None:
-        """Record a step, ``failed`` with ``failure`` (then raised as ``RuntimeError``) or
-        ``ok``."""
-        status = "failed" if failure else "ok"
-        self.steps.append(
-            {
-                "name": name,
-                "command": command,
-                "status": status,
-                "seconds": round(seconds, 1),
-                "torch": self.torch,
-                **({"detail": detail} if detail else {}),
-            }
-        )
-        print(
-            f"[rehearse] {name}: {status} in {seconds:.1f} s: {command}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if failure:
-            raise RuntimeError(failure)
+    def entry(self, step: int, command: str) -> dict:
+        """The record of ``command``: the substitutions that applied and the command as run."""
+        pairs = dict(substitutions(self.port))  # at once: no substitute is substituted again
+        pattern = "|".join(re.escape(old) for old in pairs)
+        applied = {}
 
-    def step(self, name: str, command: str, timeout_s: float = 900) -> None:
-        """Run a runbook command (``python`` is this interpreter); raise ``RuntimeError`` on
-        failure."""
-        argv = (
-            [sys.executable, *command.split()[1:]]
-            if command.startswith("python ")
-            else command.split()
-        )
-        started = time.perf_counter()
-        done = subprocess.run(
-            argv, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s
-        )
-        tail = (done.stdout + done.stderr)[-4000:]
-        self._record(
-            name,
-            command,
-            time.perf_counter() - started,
-            tail if done.returncode else "",
-            f"rehearsal step {name} failed (exit {done.returncode}):\n{tail}"
-            if done.returncode
-            else "",
-        )
+        def substitute(match) -> str:
+            applied[match.group()] = pairs[match.group()]
+            return applied[match.group()]
 
-    def copy(self, source: Path, target: Path) -> None:
-        """Runbook step 7's rsync, as a copy to a fresh folder without the compiler workdir."""
-        started = time.perf_counter()
-        shutil.rmtree(target, ignore_errors=True)  # a folder left behind fails the copy
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("compiler_workdir", RECORD))
-        self._record(
-            "copy",
-            runbook.COMMANDS["copy"][0] + f"  (as: copy to {target.relative_to(REPO_ROOT)})",
-            time.perf_counter() - started,
-        )
+        as_run = re.sub(pattern, substitute, command)
+        box = box_of(step, command)
+        if box not in self.shells:  # the compile box's install, in the serving box's folder
+            self.shells[box] = {"env": dict(self.shells["compile"]["env"]), "cwd": BOXES[box]}
+            (REPO_ROOT / BOXES[box]).mkdir(parents=True, exist_ok=True)
+        entry = {"step": step, "box": box, "runbook_command": command}
+        return entry | {"substitutions": applied, "as_run": as_run, "torch": self.torch}
 
-    def serve(self, artifact: Path) -> str:
-        """Runbook step 9's server on loopback, asked the bundled fact by the openai client; its
-        answer."""
-        port = free_port()
-        command = runbook.COMMANDS["serve"][1].replace(
-            runbook.ARTIFACT_DIRS["sparse"], str(artifact.relative_to(REPO_ROOT))
+    def start(self, entry: dict) -> tuple[subprocess.Popen, Path]:
+        """``as_run`` in its box's shell (bash), which writes its environment and folder after."""
+        shell, logs = self.shells[entry["box"]], REHEARSAL_DIR / "host" / str(len(self.steps))
+        logs.parent.mkdir(parents=True, exist_ok=True)
+        script = (
+            f'{entry["as_run"]}\nstatus=$?\nenv -0 > "{logs}.env"\npwd > "{logs}.cwd"\nexit $status'
         )
-        command = command.replace("--host 0.0.0.0 --port 8080", f"--host 127.0.0.1 --port {port}")
-        started, log = time.perf_counter(), SMOKE_DIR / "serve.log"
-        with open(log, "w") as handle:
-            process = subprocess.Popen(
-                [sys.executable, *command.split()[1:]],
-                cwd=REPO_ROOT,
-                env=self.env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            wait_until_healthy(
-                f"http://127.0.0.1:{port}/v1", timeout_s=300, process=process, log_path=log
-            )
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=120
-            )
-            reply = client.chat.completions.create(
-                model=client.models.list().data[0].id,
-                temperature=0,
-                max_tokens=8,
-                messages=[{"role": "user", "content": PROMPT}],
-            )
-            answer = reply.choices[0].message.content
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-        self._record(
-            "serve",
-            command,
-            time.perf_counter() - started,
-            f"answered {answer!r}",
-            "" if "Paris" in answer else f"the server answered {answer!r} to {PROMPT!r}, not Paris",
+        process = subprocess.Popen(
+            ["bash", "-c", script],
+            cwd=REPO_ROOT / shell["cwd"],
+            env={**shell["env"], **self.boxes[entry["box"]], host.LOG_ENV: str(logs)},
+            stdout=open(f"{logs}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        return answer
+        budget = json.loads(self.boxes[entry["box"]][host.ENV])["budget_bytes"]
+        self.steps.append(entry | {"host_budget_gb": round(budget / GB, 1)})
+        return process, logs
 
-
-def builds_record(serving: Path) -> dict:
-    """Per build (the serving copy's artifacts): decode path, routed graphs, files, workdir on the
-    compile box, answer."""
-    answers = {
-        row["build"]: row["completion"]
-        for row in json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"][
-            "neuron"
-        ]
-    }
-    builds = {}
-    for folder in (serving / "artifacts" / f"04_neuron_{decode}" for decode in DECODE_PATHS):
-        artifact = read_artifact(folder)
-        record, files, build = (
-            artifact.record,
-            artifact.manifest["files"],
-            NeuronBuildConfig(**artifact.record["build"]),
-        )
-        compiled = json.loads(
-            (SMOKE_DIR / "artifacts" / folder.name / "build_record.json").read_text()
-        )
-        # the graph the emulated runtime's router reaches in model.pt for a prefill and a decode
-        # call
-        router = nxd_model.executor_from_saved(
-            torch.jit.load(str(folder / "model.pt"))
-        ).nxd_model.router
-        routed = {
-            kind: router(example_inputs(artifact.config, build, tokens))[0]
-            for kind, tokens in (("prefill", build.bucket), ("decode", 1))
+    def finish(self, entry: dict, logs: Path, returncode: int, seconds: float, rss: int) -> None:
+        """Record how ``entry`` ended (its box's shell carried on); raise if it failed."""
+        shell = self.shells[entry["box"]]
+        if Path(f"{logs}.env").is_file():
+            pairs = Path(f"{logs}.env").read_text().split("\0")
+            shell["env"] = dict(p.split("=", 1) for p in pairs if "=" in p and p[0] != "_")
+            shell["cwd"] = os.path.relpath(Path(f"{logs}.cwd").read_text().strip(), REPO_ROOT)
+        peaks = [json.loads(p.read_text())["peak_bytes"] for p in logs.glob("*.json")]
+        entry |= {
+            "status": "failed" if returncode else "ok",
+            "seconds": round(seconds, 1),
+            "host_peak_gb": round(max([rss, *peaks]) / GB, 1),
         }
-        builds[record["build"]["decode_experts"]] = {
-            "decode_experts": record["build"]["decode_experts"],
-            "routed_graphs": record["routed_graphs"],
-            "routed_by_the_emulated_runtime": routed,
-            "graphs": artifact.graphs,
-            "compiler_args": record["build"]["compiler_args"],
-            "sdk": record["sdk"],
+        print(
+            f"[rehearse] {entry['status']} in {seconds:.1f} s: {entry['as_run']}", file=sys.stderr
+        )
+        if returncode:
+            tail = Path(f"{logs}.log").read_text()[-4000:]
+            entry["detail"] = tail
+            raise RuntimeError(f"step {entry['step']} failed (exit {returncode}):\n{tail}")
+
+    def run(self, step: int, command: str, timeout_s: float = 1200) -> None:
+        process, logs = self.start(self.entry(step, command))
+        with HostMemorySampler(interval_s=0.5, pid=process.pid) as sampler:
+            returncode = process.wait(timeout=timeout_s)
+        self.finish(self.steps[-1], logs, returncode, sampler.wall_s, sampler.peak_rss_bytes)
+
+    def serve(self, step: int, command: str) -> str:
+        """Start the server in the background; its answer to ``PROMPT`` by the openai client."""
+        started = time.perf_counter()
+        process, logs = self.start(self.entry(step, command))
+        self.server = (process, self.steps[-1], logs, started)
+        url = f"http://127.0.0.1:{self.port}/v1"
+        wait_until_healthy(url, timeout_s=300, process=process, log_path=Path(f"{logs}.log"))
+        client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            temperature=0,
+            max_tokens=8,
+            messages=[{"role": "user", "content": PROMPT}],
+        )
+        self.steps[-1]["answer"] = reply.choices[0].message.content
+        return self.steps[-1]["answer"]
+
+    def stop_server(self) -> None:
+        """The server stopped as Ctrl-C stops it, and how it ended recorded."""
+        if self.server is not None:
+            process, entry, logs, started = self.server
+            os.killpg(process.pid, signal.SIGTERM)
+            stopped = process.wait(timeout=60) in (0, -signal.SIGTERM)
+            self.finish(entry, logs, 0 if stopped else 1, time.perf_counter() - started, 0)
+
+
+def builds_record(serving: Path, compiled: Path) -> dict:
+    """Per build (the serving box's copies): flags, SDK, files, workdir on the compile box,
+    answer."""
+    deployed = json.loads((serving / "metrics" / "05_slim_deploy.json").read_text())["metrics"]
+    answers = {row["build"]: row["completion"] for row in deployed["neuron"]}
+    builds = {}
+    for decode in DECODE_PATHS:
+        artifact = read_artifact(serving / "artifacts" / f"04_neuron_{decode}")
+        files, folder = artifact.manifest["files"], artifact.folder.name
+        workdir = json.loads((compiled / folder / "build_record.json").read_text())
+        builds[decode] = {
+            "compiler_args": artifact.record["build"]["compiler_args"],
+            "sdk": artifact.record["sdk"],
             "artifact_files_bytes": files,
             "artifact_bytes": sum(files.values()),
-            "compiler_workdir_bytes": compiled["compiler_workdir_bytes"],
-            "answer": answers[folder.name],
+            "compiler_workdir_bytes": workdir["compiler_workdir_bytes"],
+            "answer": answers[folder],
         }
     return builds
 
@@ -231,66 +256,48 @@ def disk_drift(record: dict, committed: dict | None) -> list[str]:
 
 
 def rehearse() -> dict:
-    """Every step in order (module docstring); the record, also written to
-    ``SMOKE_DIR/rehearsal.json``."""
+    """Every command in order (module docstring); the record, also written to
+    ``REHEARSAL_DIR/rehearsal.json``."""
     if torch.__version__.split("+")[0] != SDK_TORCH:
         raise RuntimeError(
             f"the rehearsal runs at the SDK's torch {SDK_TORCH}, not {torch.__version__}: "
             "run it in .venv-xla (make rehearse)"
         )
-    hbm, runtime_bytes = emulated_hbm_bytes()
-    rehearsal = Rehearsal(environment(hbm, runtime_bytes))
-    # make rehearse-env writes the install's seconds
-    if (stamp := REPO_ROOT / ".venv-xla" / ".rehearsal-env").is_file():
-        rehearsal._record(
-            "install",
-            runbook.COMMANDS["install"][-1],
-            float(stamp.read_text().strip() or 0),
-            "seconds of make rehearse-env, when it last ran",
-        )
+    shutil.rmtree(REHEARSAL_DIR, ignore_errors=True)
+    rehearsal = Rehearsal(free_port())
     # what the planner scales the builds by (planner.disk_needs): the smoke checkpoint's device
     # weight bytes (the planner's, as for the 26B) and its embedding table as stored (fp32)
-    weights = planner.device_weight_bytes(text_config(TP2_CHECKPOINT_DIR))
     table = read_hf_state(
         TP2_CHECKPOINT_DIR, only=lambda name: name == "model.embed_tokens.weight"
     )["model.embed_tokens.weight"]
     record = {
-        "emulated_sdk": "gemma_nb.rehearsal (torch-neuronx and neuronx-distributed emulated on "
-        "the cpu)",
+        "emulated_sdk": "gemma_nb.rehearsal: torch-neuronx and neuronx-distributed on the cpu",
         "torch": rehearsal.torch,
-        "hbm_bytes_per_core": hbm,
-        "runtime_bytes_per_model": runtime_bytes,
         "model_id": BUNDLED_TP2_ID,
+        "boxes": {
+            box: {"folder": BOXES[box], "environment": env} for box, env in rehearsal.boxes.items()
+        },
         "scale": {
-            "device_weight_bytes": weights,
+            "device_weight_bytes": planner.device_weight_bytes(text_config(TP2_CHECKPOINT_DIR)),
             "embedding_table_bytes": table.numel() * table.element_size(),
         },
         "steps": rehearsal.steps,
     }
     started = time.perf_counter()
     try:
-        rehearsal.step("preflight", runbook.COMMANDS["preflight"][0])
-        rehearsal.step(
-            "smoke run",
-            f"{runbook.COMMANDS['smoke'][0]} --output-dir {SMOKE_DIR.relative_to(REPO_ROOT)}",
+        for step, command in runbook_commands(runbook.RUNBOOK_PATH.read_text()):
+            if " gemma_nb serve " in command:
+                record["serve"] = {"answer": rehearsal.serve(step, command)}
+            else:
+                rehearsal.run(step, command)
+        serving = REPO_ROOT / BOXES["serving"] / "outputs" / "neuron"
+        record["builds"] = builds_record(
+            serving, REPO_ROOT / BOXES["compile"] / "neuron" / "artifacts"
         )
-        rehearsal.copy(SMOKE_DIR, SERVING_DIR)
-        preflight = runbook.COMMANDS["copy"][1].replace(
-            f"{runbook.OUTPUTS}/", f"{SERVING_DIR.relative_to(REPO_ROOT)}/"
-        )
-        rehearsal.step("preflight the copied artifacts", preflight)
-        rehearsal.step(
-            "deploy and benchmark",
-            f"{runbook.COMMANDS['benchmark'][0]} --output-dir {SERVING_DIR.relative_to(REPO_ROOT)}",
-        )
-        record["builds"] = builds_record(SERVING_DIR)
-        record["serve"] = {
-            "answer": rehearsal.serve(SERVING_DIR / "artifacts" / "04_neuron_sparse")
-        }
     finally:
+        rehearsal.stop_server()
         record["seconds"] = round(time.perf_counter() - started, 1)
-        SMOKE_DIR.mkdir(parents=True, exist_ok=True)
-        (SMOKE_DIR / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        (REHEARSAL_DIR / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -300,13 +307,13 @@ def main() -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         print(
             f"rehearsal failed: {error}\nthe record so far: "
-            f"{(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)}",
+            f"{(REHEARSAL_DIR / RECORD).relative_to(REPO_ROOT)}",
             file=sys.stderr,
         )
         return 1
     drift = disk_drift(record, planner.rehearsal_record())
     print(
-        f"rehearsal: {len(record['steps'])} steps ok in {record['seconds']:.0f} s on torch "
+        f"rehearsal: {len(record['steps'])} commands ok in {record['seconds']:.0f} s on torch "
         f"{record['torch']}",
         file=sys.stderr,
     )
@@ -314,7 +321,7 @@ def main() -> int:
         print(
             "the builds on disk no longer match docs/rehearsal.json, the runbook's disk basis: "
             + "; ".join(drift)
-            + f"\nrefresh it: cp {(SMOKE_DIR / RECORD).relative_to(REPO_ROOT)} "
+            + f"\nrefresh it: cp {(REHEARSAL_DIR / RECORD).relative_to(REPO_ROOT)} "
             "docs/rehearsal.json && python -m gemma_nb runbook",
             file=sys.stderr,
         )

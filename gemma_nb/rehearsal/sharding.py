@@ -71,10 +71,8 @@ def shard_checkpoint(module: nn.Module, checkpoint: dict, rank: int, tp: int) ->
         if hasattr(child, "preshard_hook"):
             child.preshard_hook(state, f"{path}.weight" if path else "weight")
     # cast_weights, unknown keys dropped
-    own, parameters = (
-        module.state_dict(keep_vars=True),
-        dict(module.named_parameters()),
-    )
+    own = module.state_dict(keep_vars=True)
+    parameters = dict(module.named_parameters())
     state = {
         key: tensor.to(parameters[key].dtype) if key in parameters else tensor
         for key, tensor in state.items()

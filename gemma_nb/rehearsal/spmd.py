@@ -1,7 +1,7 @@
 """Emulated NeuronCores: one thread per rank, collectives as torch custom ops between them, an HBM
 budget: ``GEMMA_NB_EMULATED_NEURON_CORES`` cores (2) of ``GEMMA_NB_EMULATED_HBM_BYTES`` (16 GiB)
 each, plus ``GEMMA_NB_EMULATED_RUNTIME_BYTES`` per loaded model; memory comes back only when the
-runtime is closed."""
+process exits."""
 
 import contextlib
 import os
@@ -116,8 +116,8 @@ class Cores:
     count: int = DEFAULT_CORES
     hbm_bytes: int = DEFAULT_HBM_BYTES
     runtime_bytes: int = 0  # per loaded model and core
-    # loaded model (told when the runtime closes) -> bytes per core (list)
-    held: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)  # loaded model -> bytes per core (list)
+    traced: bool = False  # ModelBuilder.trace ran in this process
 
     def used(self, core: int) -> int:
         return sum(per_core[core] for per_core in self.held.values() if core < len(per_core))
@@ -139,7 +139,7 @@ class Cores:
                     f"Failed to allocate {need:,} bytes on NeuronCore {core}: status=4 "
                     f"Allocation Failure (emulated HBM: {self.used(core):,} of "
                     f"{self.hbm_bytes:,} bytes already held by {len(self.held)} loaded model(s); "
-                    "close the runtime before loading another model)"
+                    "load each model in its own process)"
                 )
             per_core[core] = need
         self.held[model] = per_core
@@ -158,13 +158,3 @@ def cores() -> Cores:
             runtime_bytes=int(os.environ.get("GEMMA_NB_EMULATED_RUNTIME_BYTES", 0)),
         )
     return _CORES
-
-
-class Runtime:
-    """``torch.classes.neuron.Runtime`` as NxD's tests use it: ``unsafe_close()`` unloads every
-    model, frees its memory."""
-
-    def unsafe_close(self) -> None:
-        for model in cores().held:
-            model.unloaded()
-        cores().held.clear()

@@ -11,7 +11,7 @@ from transformers import AutoModel
 
 from gemma_nb import decode_roofline, memory
 from gemma_nb.cli import DEFAULT_SCHEME, DEFAULT_TP
-from gemma_nb.hardware import DEVICES, GB, INSTANCES, fits, get_instance
+from gemma_nb.hardware import DEVICES, GB, INSTANCES, GiB, fits, get_instance
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.plan_input import PlanInput, mla_notes, quantization_notes, read_raw_config
 from gemma_nb.story import CLAIMS
@@ -19,6 +19,7 @@ from gemma_nb.story import CLAIMS
 # the last make rehearse's record, committed
 REHEARSAL_RECORD = REPO_ROOT / "docs" / "rehearsal.json"
 NEURON_DEVICE = "neuroncore_v2"
+PORT_BOXES = {"compile": "inf2.8xlarge", "deploy": "inf2.xlarge"}  # where the port ran each step
 FITS, MARGINAL, NO_FIT, NOT_LOADABLE = "fits", "marginal", "does not fit", "not loadable"
 EXIT_CODES = {FITS: 0, NO_FIT: 1, NOT_LOADABLE: 1, MARGINAL: 3}  # 2: bad input
 # Weight formats NxD can load on an inf2 (docs/sources.md: nxd-source); the FP4 schemes cannot.
@@ -68,17 +69,28 @@ def _bf16_weight_bytes(config) -> int:
     return 2 * memory.param_summary(config)["total_params"]
 
 
-def host_needs(config) -> dict:
-    """Host RAM (bytes) for the compile and the deploy: the port's 26B peaks x this model's bf16
-    bytes / the 26B's."""
+def host_needs(config, model_pt_bytes: int | None = None) -> dict:
+    """Host RAM + swap (bytes) each step needs, the port's 26B scaled by this model's bf16 bytes:
+    the box the port ran the step on, its nominal RAM plus its swapfile (read as ``fallocate -l
+    100G``: GiB, the larger reading), and for the deploy at least what loading needs,
+    ``model.pt`` read whole by ``torch.jit.load`` (``model_pt_bytes``, else the device weights)
+    beside the port's measured load peak."""
     ratio = _bf16_weight_bytes(config) / _bf16_weight_bytes(memory.load_gemma4_26b_config())
+    model_pt = device_weight_bytes(config) if model_pt_bytes is None else model_pt_bytes
+    load = model_pt + int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio)
+    recipe = {
+        step: int((INSTANCES[box].host_ram_gib + CLAIMS[f"{step}_swap_gb"].value) * GiB * ratio)
+        for step, box in PORT_BOXES.items()
+    }
     return {
         "bf16_weights_bytes": _bf16_weight_bytes(config),
-        "compile_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
-        "deploy_bytes": int(CLAIMS["deploy_peak_rss_gb"].value * GB * ratio),
+        "compile_peak_bytes": int(CLAIMS["compile_peak_host_gb"].value * GB * ratio),
+        "compile_bytes": recipe["compile"],
+        "model_pt_bytes": model_pt,
+        "deploy_load_bytes": load,
+        "deploy_bytes": max(recipe["deploy"], load),
         "host_embedding_bytes": 2 * config.vocab_size * config.hidden_size,
-        "basis": "the port's measured 26B figures (compile peak 180 GB, deploy peak 11 GB) "
-        "scaled by bf16 weight bytes",
+        "basis": "the port's boxes and swapfiles, and its peaks, scaled by bf16 weight bytes",
     }
 
 
@@ -520,8 +532,8 @@ def _format_verdict(report: dict) -> list[str]:
         lines.append(f"nothing fits. {report['advice']}")
     host = report["host"]
     lines.append(
-        f"host RAM, scaled from the port's 26B peaks: compile ~{host['compile_bytes'] / GB:.1f} "
-        f"GB, deploy ~{host['deploy_bytes'] / GB:.1f} GB (host embedding "
+        f"host RAM + swap, the port's boxes scaled: compile {host['compile_bytes'] / GiB:.1f} GiB, "
+        f"deploy {host['deploy_bytes'] / GiB:.1f} GiB (host embedding "
         f"{host['host_embedding_bytes'] / GB:.2f} GB)"
     )
     return lines

@@ -3,6 +3,7 @@ out (SDK, versions, NeuronCores, RAM and swap, disk, model folder, artifacts); n
 the first blocker and its fix."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ from gemma_nb import memory
 from gemma_nb.cli import STEPS
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
-from gemma_nb.neuron.artifact import ArtifactError, read_artifact
+from gemma_nb.neuron.artifact import MODEL_FILE, ArtifactError, read_artifact
 from gemma_nb.neuron.build import package_versions
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
@@ -55,7 +56,6 @@ class System:
         psutil.virtual_memory().total,
         psutil.swap_memory().total,
     )
-    process_rss: Callable[[], int] = lambda: psutil.Process().memory_info().rss
     disk_free: Callable[[str], int] = field(default=lambda path: shutil.disk_usage(path).free)
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
     cuda_available: Callable[[], bool] = torch.cuda.is_available
@@ -192,22 +192,23 @@ def check_neuron_cores(system: System, tp: int, bytes_per_rank: int | None) -> C
 
 
 def check_host_memory(system: System, step: str, need_bytes: int) -> Check:
+    """RAM (as the box reads it, below its nominal) + swap against the step's need (the runbook's
+    recipe, ``plan.host_needs``)."""
     ram, swap = system.memory()
-    need = need_bytes + system.process_rss()
     detail = (
-        f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs ~{need / GB:.1f} "
-        "GB (planner's scaling of the port's peaks + this process)"
+        f"{ram / GiB:.1f} GiB RAM + {swap / GiB:.1f} GiB swap; the {step} needs "
+        f"{need_bytes / GiB:.1f} GiB of RAM + swap (docs/inf2.md step 1)"
     )
-    if ram + swap >= need:
+    if ram + swap >= need_bytes:
         return Check("host_memory", OK, detail)
-    short_gib = -(-(need - ram - swap) // GiB) + 1
+    add_gib = math.ceil((need_bytes - ram - swap) / GiB)
+    path = "/swapfile2" if swap else "/swapfile"
     return Check(
         "host_memory",
         FAIL,
         detail,
-        f"add at least {short_gib} GiB of swap (sudo fallocate -l {short_gib}G /swapfile && sudo "
-        "chmod 600 /swapfile && sudo mkswap /swapfile && sudo swapon /swapfile) or use a box "
-        "with more RAM",
+        f"add {add_gib} GiB of swap (sudo fallocate -l {add_gib}G {path} && sudo chmod 600 {path} "
+        f"&& sudo mkswap {path} && sudo swapon {path}) or use a box with more RAM",
     )
 
 
@@ -361,11 +362,10 @@ def run_checks(
         fix = "run on a GPU machine with a CUDA build of torch (README, 'Targets')"
         checks.append(Check("gpu", FAIL, "torch sees no CUDA GPU on this machine", fix))
     checks += model_checks
-    need = (
-        0
-        if config is None
-        else planner.host_needs(config)["compile_bytes" if step == "compile" else "deploy_bytes"]
-    )
+    # a deploy loads one build at a time: the largest model.pt
+    model_pts = [Path(artifact) / MODEL_FILE for artifact in artifacts]
+    model_pt = max((path.stat().st_size for path in model_pts if path.is_file()), default=None)
+    need = 0 if config is None else planner.host_needs(config, model_pt)[f"{step}_bytes"]
     checks.append(check_host_memory(system, step, need))
     # what the step writes, scaled from make rehearse's builds (0 without them)
     record = planner.rehearsal_record()

@@ -68,6 +68,10 @@ COMMANDS = {
         f"python -m gemma_nb serve --target neuron --artifact {ARTIFACT_DIRS['sparse']} --host "
         "0.0.0.0 --port 8080",
     ],
+    "measure": [
+        "export GEMMA_NB_API_KEY=<the server's key>",
+        "python -m gemma_nb run --target cpu --only 07 -p endpoint http://<serving-box>:8080/v1",
+    ],
 }
 
 
@@ -81,8 +85,8 @@ def figures() -> dict:
     host, record = report["host"], planner.rehearsal_record()
     disk = planner.disk_needs(config, record)
     compile_box, serve_box = INSTANCES[COMPILE_BOX], INSTANCES[SERVE_BOX]
-    compile_swap_gib = max(0, math.ceil((host["compile_bytes"] - compile_box.host_ram_bytes) / GiB))
-    serve_swap_gib = max(0, math.ceil((host["deploy_bytes"] - serve_box.host_ram_bytes) / GiB))
+    compile_swap_gib = host["compile_bytes"] / GiB - compile_box.host_ram_gib
+    serve_swap_gib = host["deploy_bytes"] / GiB - serve_box.host_ram_gib
     shipped = NeuronBuildConfig(model_dir="", output_dir="")
     # the longest answer after a full prefill bucket
     answer_tokens = shipped.max_len - shipped.bucket
@@ -92,6 +96,10 @@ def figures() -> dict:
         key: ", ".join(f"{name} {b[key] / GB:.1f} GB" for name, b in disk["builds"].items())
         for key in ("artifact_bytes", "compiler_workdir_bytes")
     }
+    boxes = {
+        box: max(step["host_peak_gb"] for step in steps if step["box"] == box)
+        for box in ("compile", "serving")
+    }
     return {
         "per_rank_gb": report["total_gb_per_rank"],
         "hbm_per_core_gb": report["budget_gb_per_core"],
@@ -99,26 +107,27 @@ def figures() -> dict:
         "headroom_gb_if_low": report["headroom_gb_if_low"],
         "allowance_low_gb": report["runtime_allowance"]["low_gb"],
         "allowance_high_gb": report["runtime_allowance"]["high_gb"],
-        "fits": report["fits"],
         "cheapest": report["cheapest_fit"]["instance"] if report["cheapest_fit"] else None,
-        "compile_host_gb": host["compile_bytes"] / GB,
-        "deploy_host_gb": host["deploy_bytes"] / GB,
+        "compile_need_gib": host["compile_bytes"] / GiB,
+        "serve_need_gib": host["deploy_bytes"] / GiB,
+        "compile_peak_gb": host["compile_peak_bytes"] / GB,
+        "model_pt_gb": host["model_pt_bytes"] / GB,
+        "deploy_load_gb": host["deploy_load_bytes"] / GB,
+        "deploy_peak_gb": CLAIMS["deploy_peak_rss_gb"].value,
         "compile_ram_gib": compile_box.host_ram_gib,
         "serve_ram_gib": serve_box.host_ram_gib,
         "compile_swap_gib": compile_swap_gib,
         "serve_swap_gib": serve_swap_gib,
-        "swapfile_gib": compile_swap_gib + 1,
-        "serve_swap_words": f": add {serve_swap_gib} GiB of swap"
-        if serve_swap_gib
-        else ": no swap needed by this scaling",
+        "compile_box_peak_gb": boxes["compile"],
+        "compile_budget_gb": host["compile_bytes"] / GB,
+        "serve_budget_gb": host["deploy_bytes"] / GB,
+        "serve_box_peak_gb": boxes["serving"],
         "checkpoint_gb": disk["checkpoint_bytes"] / GB,
         "disk_words": f"each build's artifact folder ({sizes['artifact_bytes']}) and its "
         f"compiler workdir ({sizes['compiler_workdir_bytes']}), scaled by the planner from "
         "`make rehearse`'s builds of the tiny checkpoint on disk",
-        "compile_disk_gb": math.ceil(
-            disk["compile_disk_bytes"] / GB + (compile_swap_gib + 1) * GiB / GB
-        ),
-        "serve_disk_gb": math.ceil(disk["serve_disk_bytes"] / GB),
+        "compile_disk_gb": math.ceil((disk["compile_disk_bytes"] + compile_swap_gib * GiB) / GB),
+        "serve_disk_gb": math.ceil((disk["serve_disk_bytes"] + serve_swap_gib * GiB) / GB),
         "compile_usd_h": compile_box.usd_per_hour,
         "serve_usd_h": serve_box.usd_per_hour,
         "compile_min": compile_min,
@@ -136,7 +145,6 @@ def figures() -> dict:
         "answer_500_s": 500 / decode_tok_s,
         "usd_per_m_tokens": serve_box.usd_per_hour / (decode_tok_s * 3600) * 1e6,
         "serve_day_usd": 24 * serve_box.usd_per_hour,
-        "quality": json.loads(QUALITY_METRICS.read_text())["metrics"],
         "rehearsal_ok": sum(step["status"] == "ok" for step in steps),
         "rehearsal_steps": len(steps),
         "rehearsal_torch_words": ", ".join(sorted({step["torch"] for step in steps})),
@@ -157,6 +165,7 @@ def render() -> str:
     return TEMPLATE.read_text().format(
         **figures(),
         **blocks,
+        quality=json.loads(QUALITY_METRICS.read_text())["metrics"],
         COMPILE_BOX=COMPILE_BOX,
         SERVE_BOX=SERVE_BOX,
         DLAMI=DLAMI,

@@ -1,13 +1,4 @@
-"""Emulated torch-neuronx (gemma_nb.rehearsal, NOT the Neuron SDK): registers
-``torch.classes.neuron.Runtime``."""
-
-import types
-
-import torch
-
-from gemma_nb.rehearsal import spmd
+"""Emulated torch-neuronx (gemma_nb.rehearsal, NOT the Neuron SDK): importable, nothing more."""
 
 __emulated__ = True
 __version__ = "2.9.0+emulated"
-
-torch.classes.neuron = types.SimpleNamespace(Runtime=spmd.Runtime)
