@@ -3,7 +3,7 @@
 
 Each graph must lower to one XLA graph per step, with no aten fallback, no device-to-host transfer
 and logits equal to eager; neuronx-cc, HBM and speed need an inf2. ``python -m
-gemma_nb.rehearsal.lowering --json``."""
+gemma_nb.rehearsal.lowering`` prints the report as JSON."""
 
 import argparse
 import json
@@ -24,7 +24,7 @@ from gemma_nb.neuron.lm_head import HeadOnly, lm_head_state_dict
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.rehearsal.emulate import rank_module
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
-from gemma_nb.tiny import BUNDLED_IDS, TP2_CHECKPOINT_DIR
+from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
@@ -153,7 +153,7 @@ def run_in_xla_env(
     contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900
 ) -> dict:
     """Run this module's check in the xla environment (a subprocess) and return its JSON report."""
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering", "--json"] + (
+    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering"] + (
         ["--contrast"] if contrast else []
     )
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
@@ -443,22 +443,17 @@ def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:
     return rows
 
 
-def report(
-    contrast: bool = False, model_dir: Path | str | None = None, tp_degrees=TP_DEGREES
-) -> dict:
+def report(contrast: bool = False) -> dict:
     """Versions, the checkpoint and shapes lowered, the shipped graphs' rows and (optionally) the
     contrast rows."""
-    model_dir = Path(model_dir or TP2_CHECKPOINT_DIR).resolve()
-    build = B.NeuronBuildConfig(model_dir=str(model_dir), output_dir="unused")
+    build = B.NeuronBuildConfig(model_dir=str(TP2_CHECKPOINT_DIR), output_dir="unused")
     return {
         "versions": B.package_versions(("torch", "torch-xla", "transformers")),
         "stand_ins": f"cpu stand-ins of neuronx-distributed {NXD_CONTRACT_VERSION}",
-        "checkpoint": next(
-            (name for name, folder in BUNDLED_IDS.items() if folder == model_dir), model_dir.name
-        ),
+        "checkpoint": BUNDLED_TP2_ID,
         "shapes": {"bucket": build.bucket, "max_len": build.max_len, "dtype": build.dtype},
-        "graphs": shipped_graphs(model_dir, tp_degrees),
-        **({"contrast": contrast_graphs(model_dir)} if contrast else {}),
+        "graphs": shipped_graphs(),
+        **({"contrast": contrast_graphs()} if contrast else {}),
     }
 
 
@@ -467,29 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m gemma_nb.rehearsal.lowering", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
-        "--json", action="store_true", help="print the report as JSON (default: a text table)"
-    )
-    parser.add_argument(
         "--contrast", action="store_true", help="also lower the experts that do not lower"
-    )
-    parser.add_argument(
-        "--model-dir", default=None, help="checkpoint folder (default: the bundled TP=2 tiny one)"
-    )
-    parser.add_argument(
-        "--tp", default=",".join(map(str, TP_DEGREES)), help="TP degrees, comma-separated"
     )
     args = parser.parse_args(argv)
     _import_xla()  # fail at once, before building any model, outside the xla environment
-    try:
-        tp_degrees = tuple(int(t) for t in args.tp.split(","))
-    except ValueError:
-        parser.error(f"--tp {args.tp!r}: give TP degrees as integers separated by commas, e.g. 1,2")
-    result = report(contrast=args.contrast, model_dir=args.model_dir, tp_degrees=tp_degrees)
-    print(
-        json.dumps(result, indent=1)
-        if args.json
-        else "\n".join(map(str, result["graphs"] + result.get("contrast", [])))
-    )
+    result = report(contrast=args.contrast)
+    print(json.dumps(result, indent=1))
     return 0 if lowered_cleanly(result["graphs"]) else 1
 
 
