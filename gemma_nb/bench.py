@@ -383,22 +383,10 @@ def plot_latency(timings: Timings, ax, candidates: Sequence[str] | None = None) 
     """Per-step latency of each candidate (ms, log scale): box + points, all repeats pooled."""
     names = list(candidates or timings.candidates)
     data = timings.steps[timings.steps["candidate"].isin(names)]
-    sns.boxplot(
-        data=data,
-        x="ms",
-        y="candidate",
-        order=names,
-        ax=ax,
-        color="0.85",
-        fliersize=0,
-        linewidth=0.8,
-    )
+    axes = dict(data=data, x="ms", y="candidate", order=names, ax=ax)
+    sns.boxplot(**axes, color="0.85", fliersize=0, linewidth=0.8)
     sns.stripplot(
-        data=data,
-        x="ms",
-        y="candidate",
-        order=names,
-        ax=ax,
+        **axes,
         size=2.5,
         alpha=0.6,
         hue="candidate",

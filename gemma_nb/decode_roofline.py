@@ -14,6 +14,7 @@ from gemma_nb.hardware import DEVICES, GB, INSTANCES, Device
 from gemma_nb.memory import (
     SHIPPED_CONTEXT_LEN,
     RuntimeAllowance,
+    Scheme,
     inferred_runtime_allowance,
     model_facts,
     plan,
@@ -55,21 +56,21 @@ def selective_loading(num_experts: int, top_k: int, batch: int) -> bool:
 
 
 # One decode step's bytes and FLOPs per rank, split by how each part scales with the batch: the
-# non-expert weights (once per step), all E experts, one stream's KV cache; ``weights_bytes``:
-# resident.
+# non-expert weights (once per step), all E experts, one stream's KV cache read and its one position
+# written (in place, as the neuron build does); ``weights_bytes``: resident.
 StepCosts = namedtuple(
     "StepCosts",
     "context_len num_experts top_k fixed_bytes experts_bytes kv_bytes_per_stream "
-    "fixed_flops_per_token experts_flops_per_token weights_bytes",
+    "kv_write_bytes_per_stream fixed_flops_per_token experts_flops_per_token weights_bytes",
 )
 
 
 def step_costs(
-    config, scheme: str = "int8_squeeze", tp: int = 1, context_len: int = 0
+    config, scheme: str | Scheme = "int8_squeeze", tp: int = 1, context_len: int = 0
 ) -> StepCosts:
     """``StepCosts`` from ``memory.plan``: experts split evenly across ranks (NxD shards their
     intermediate dimension); FLOPs 2 per matrix weight plus attention over the context, over
-    ``tp``."""
+    ``tp``; the KV cache in the scheme's ``kv_dtype``."""
     facts = model_facts(config)
     the_plan = plan(config, tp, scheme, context_len=context_len)
     table = the_plan.table.set_index("group")
@@ -95,6 +96,7 @@ def step_costs(
         fixed_bytes=sum(by_group[group] for group in READ_GROUPS),
         experts_bytes=by_group["experts"],
         kv_bytes_per_stream=by_group["kv_cache"],
+        kv_write_bytes_per_stream=plan(config, tp, scheme, context_len=1).bytes("kv_cache"),
         fixed_flops_per_token=(2.0 * matmul_params + attention_flops) / tp,
         experts_flops_per_token=2.0 * float(table.loc["experts", "params"]) / tp,
         weights_bytes=float(the_plan.weights_bytes),
@@ -123,7 +125,7 @@ def batch_step(costs: StepCosts, batch: int, path: str) -> dict:
         "experts_computed_per_token": computed,
         "bytes": costs.fixed_bytes
         + costs.experts_bytes * share(read)
-        + costs.kv_bytes_per_stream * batch,
+        + (costs.kv_bytes_per_stream + costs.kv_write_bytes_per_stream) * batch,
         "flops": batch
         * (costs.fixed_flops_per_token + costs.experts_flops_per_token * share(computed)),
     }
@@ -138,7 +140,7 @@ class Deployment:
     name: str
     device: str | Device
     ranks: int
-    scheme: str
+    scheme: str | Scheme  # a ``memory.SCHEMES`` name, or a Scheme (its ``kv_dtype`` too)
     usd_per_hour: float | None = None
     replicas: int = 1
 
@@ -217,9 +219,11 @@ def roofline(
                     "deployment": deployment.name,
                     "device": device.name,
                     "ranks": deployment.ranks,
-                    "scheme": deployment.scheme,
+                    "scheme": getattr(deployment.scheme, "name", deployment.scheme),
                     "experts": mode,
                     "gb_per_token": speed["bytes"] / GB,
+                    "kv_read_gb_per_token": costs.kv_bytes_per_stream / GB,
+                    "kv_written_mb_per_token": costs.kv_write_bytes_per_stream / 1e6,
                     "gflop_per_token": speed["flops"] / 1e9,
                     **{key: speed[key] for key in ("memory_ms", "compute_ms", "bound", "tok_s")},
                     "fits": None

@@ -158,7 +158,7 @@ def test_story_decode_counts_the_ports_fp32_kv_cache_by_default(config_26b):
     # 30 layers' fp32 K and V for 512 tokens, split by KV head over 2 ranks: 115.3 MB per rank
     assert story["kv_gb_per_token"] * GB / 2 == pytest.approx(115.34e6, rel=1e-4)
     assert story["dense_tok_s"] == pytest.approx(33.01, abs=0.01)
-    assert story["sparse_tok_s"] == pytest.approx(169.18, abs=0.01)
+    assert story["sparse_tok_s"] == pytest.approx(169.17, abs=0.01)
     without = decode_roofline.story_decode(config_26b, context_len=0)
     assert story["dense_gb_per_token"] - without["dense_gb_per_token"] == pytest.approx(
         story["kv_gb_per_token"]

@@ -1,6 +1,8 @@
 """The decode model: bytes and FLOPs per step counted by hand and across batch, expected distinct
 experts, the largest batch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -62,18 +64,37 @@ def test_decode_traffic_on_a_tiny_config_matches_a_count_by_hand():
     total_bf16, experts_bf16 = _by_hand_bf16_bytes(config)
     dense = decode_traffic(config, "bf16", "dense", tp=1)
     sparse = decode_traffic(config, "bf16", "sparse", tp=1)
-    assert dense["bytes_per_token"] == total_bf16
+    from gemma_nb.memory import kv_cache_bytes
+
+    # the weights read, and the one KV position the step writes (fp32, the port's cache)
+    assert dense["bytes_per_token"] == total_bf16 + kv_cache_bytes(config, 1, 1, dtype="fp32")
     assert dense["bytes_per_token"] - sparse["bytes_per_token"] == experts_bf16 * (1 - 2 / 32)
     assert sparse["experts_bytes"] == experts_bf16 / 16
     # FLOPs: 2 per matrix weight used (vectors excluded), no context.
     assert dense["flops_per_token"] == 2 * _by_hand_matrix_params(config)
     assert dense["flops_per_token"] - sparse["flops_per_token"] == experts_bf16 * (1 - 2 / 32)
     with_kv = decode_traffic(config, "bf16", "dense", tp=1, context_len=100)
-    from gemma_nb.memory import kv_cache_bytes
-
     assert with_kv["bytes_per_token"] - dense["bytes_per_token"] == kv_cache_bytes(
         config, 1, 100, dtype="fp32"
     )
+
+
+def test_a_step_reads_the_kv_cache_and_writes_one_position_in_the_scheme_s_kv_dtype(config_26b):
+    inf2 = decode_roofline.DEPLOYMENTS[0]
+    bf16_kv = replace(memory.SCHEMES["int8_squeeze"], kv_dtype="bf16")
+    fp32, bf16 = (step_costs(config_26b, scheme, 2, 512) for scheme in ("int8_squeeze", bf16_kv))
+    # K and V of one token on every layer, per rank at TP=2: 112,640 bytes in bf16
+    assert (fp32.kv_write_bytes_per_stream, bf16.kv_write_bytes_per_stream) == (225_280, 112_640)
+    assert fp32.kv_bytes_per_stream == 512 * 225_280 == 2 * bf16.kv_bytes_per_stream
+    assert fp32._replace(kv_bytes_per_stream=0, kv_write_bytes_per_stream=0) == bf16._replace(
+        kv_bytes_per_stream=0, kv_write_bytes_per_stream=0
+    )
+    table = decode_roofline.roofline(config_26b, [inf2, replace(inf2, name="bf16", scheme=bf16_kv)])
+    rows = table.set_index(["deployment", "experts"])
+    saved_gb = rows.loc[inf2.name, "gb_per_token"] - rows.loc["bf16", "gb_per_token"]
+    assert list(saved_gb) == pytest.approx([(512 + 1) * 112_640 / GB] * 2)
+    assert list(rows.loc["bf16", "kv_written_mb_per_token"]) == [0.11264] * 2
+    assert set(table["scheme"]) == {"int8_squeeze"}
 
 
 def test_expected_distinct_experts_for_the_26b_layer():
@@ -113,7 +134,7 @@ def test_bytes_per_step_by_path(config_26b):
         dense, sparse, nxd = (
             batch_step(costs, batch, path) for path in decode_roofline.BATCH_PATHS
         )
-        kv = costs.kv_bytes_per_stream * batch
+        kv = (costs.kv_bytes_per_stream + costs.kv_write_bytes_per_stream) * batch
         assert dense["bytes"] == pytest.approx(costs.fixed_bytes + costs.experts_bytes + kv)
         assert sparse["bytes"] == pytest.approx(
             costs.fixed_bytes + per_expert * expected_distinct_experts(128, 8, batch) + kv

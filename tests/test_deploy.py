@@ -121,16 +121,17 @@ def test_performance_targets_are_headline_rows_with_their_verdicts():
 
 
 # ---- the neuron recipe's traced module, on the cpu --------------------------------------------
-def test_onehot_update_writes_only_its_slots():
-    from gemma_nb.neuron.build import onehot_update, step_inputs
+def test_write_positions_writes_only_its_slots():
+    from gemma_nb.neuron.build import step_inputs, write_positions
 
     cache = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(1, 2, 6, 3)
-    new = -torch.ones(1, 2, 2, 3)
-    _, positions, one_hot, full, sliding, last = step_inputs(
+    new = -torch.ones(1, 2, 2, 3, dtype=torch.bfloat16)
+    _, positions, full, sliding, last = step_inputs(
         torch.zeros(1, 2, 4), [2, 3], max_len=6, sliding_window=2
     )
-    out = onehot_update(cache, new, one_hot)
-    assert torch.equal(out[:, :, 2:4], new) and torch.equal(out[:, :, :2], cache[:, :, :2])
+    out = write_positions(cache, new, positions)
+    assert out.dtype == torch.float32 and torch.equal(out[:, :, 2:4], new.float())
+    assert torch.equal(out[:, :, :2], cache[:, :, :2])
     assert torch.equal(out[:, :, 4:], cache[:, :, 4:])
     assert positions.tolist() == [[2, 3]] and last.tolist() == [1]
     # query at position 3 sees slots 0..3 (full) and 2..3 (sliding window of 2)
@@ -158,6 +159,35 @@ def test_neuron_module_cpu_variant_decodes_like_eager():
     with torch.no_grad():
         assert torch.equal(runner.generate(ids, 20), greedy_generate(model, ids, 20))
     assert len(module.input_output_aliases()) == 2 * model.config.num_hidden_layers
+
+
+def test_a_bfloat16_kv_state_gives_the_bfloat16_graph_the_same_logits():
+    """A bf16 graph's K and V are bf16 values: the port's fp32 state holds them exactly, and a bf16
+    state (half the bytes) holds the same values, so every step's logits are equal bit for bit."""
+    from cpu_state_graph import CpuStateGraph
+
+    from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4
+    from gemma_nb.neuron.deploy import NeuronStepRunner
+
+    # A sliding window of 8 is crossed within the 26 positions decoded.
+    model = random_gemma4_model(random_gemma4_config(sliding_window=8), seed=0)
+    logits = {}
+    for kv_dtype in ("float32", "bfloat16"):
+        build = NeuronBuildConfig("unused", "unused", max_len=32, bucket=8, kv_dtype=kv_dtype)
+        module = NeuronGemma4(model.config, build, parallel=False)
+        module.load_state(model.state_dict())
+        assert {s.dtype for s in [*module.k_cache, *module.v_cache]} == {getattr(torch, kv_dtype)}
+        state, logits[kv_dtype] = CpuStateGraph(module), []
+
+        def graph(*inputs, state=state, seen=logits[kv_dtype]):
+            seen.append(state(*inputs))
+            return seen[-1]
+
+        runner = NeuronStepRunner(graph, model.get_input_embeddings(), model.config, 32, 8)
+        with torch.no_grad():
+            runner.generate(torch.tensor([PROMPT]), 20)
+    assert len(logits["bfloat16"]) == 20
+    assert all(map(torch.equal, logits["float32"], logits["bfloat16"]))
 
 
 def test_neuron_checkpoint_layout_reproduces_the_experts():

@@ -115,6 +115,32 @@ def test_hlo_gathers_tell_whole_experts_on_the_leading_axis_from_a_middle_axis_g
     )
 
 
+# torch-xla's text of a decode step's KV update written two ways, as the step's output 0 aliasing
+# the state parameter: one position scattered into it, and the whole state rewritten (the one-hot
+# formula: state * keep + update).
+KV_WRITES = """ENTRY %IrToHlo.13 (p0.1: bf16[1,4,1,64], p1.3: s32[1,1], p2.7: f32[1,4,512,64]) -> (f32[1,4,512,64], f32[1,4,512,64], f32[1,4,512,64]) {
+  %p2.7 = f32[1,4,512,64]{3,2,1,0} parameter(2)
+  %p1.3 = s32[1,1]{1,0} parameter(1)
+  %convert.6 = s64[1]{0} convert(s32[1,1]{1,0} %p1.3)
+  %p0.1 = bf16[1,4,1,64]{3,2,1,0} parameter(0)
+  %convert.2 = f32[1,4,1,64]{3,2,1,0} convert(bf16[1,4,1,64]{3,2,1,0} %p0.1)
+  %scatter.11 = f32[1,4,512,64]{3,2,1,0} scatter(f32[1,4,512,64]{3,2,1,0} %p2.7, s64[1]{0} %convert.6, f32[1,4,1,64]{3,2,1,0} %convert.2), update_window_dims={0,1,3}, inserted_window_dims={2}, scatter_dims_to_operand_dims={2}, index_vector_dim=1, to_apply=%ScatterCombiner.8
+  %add.12 = f32[1,4,512,64]{3,2,1,0} add(f32[1,4,512,64]{3,2,1,0} %p2.7, f32[1,4,512,64]{3,2,1,0} %p2.7)
+  %scatter.14 = f32[1,4,512,64]{3,2,1,0} scatter(f32[1,4,512,64]{3,2,1,0} %add.12, s64[1]{0} %convert.6, f32[1,4,1,64]{3,2,1,0} %convert.2), update_window_dims={0,1,3}, inserted_window_dims={2}, scatter_dims_to_operand_dims={2}, index_vector_dim=1, to_apply=%ScatterCombiner.8
+  ROOT %tuple.15 = (f32[1,4,512,64]{3,2,1,0}, f32[1,4,512,64]{3,2,1,0}, f32[1,4,512,64]{3,2,1,0}) tuple(f32[1,4,512,64]{3,2,1,0} %scatter.11, f32[1,4,512,64]{3,2,1,0} %add.12, f32[1,4,512,64]{3,2,1,0} %scatter.14)
+}
+"""  # noqa: E501 (HLO text as torch-xla prints it)
+
+
+def test_state_write_fraction_counts_a_scatter_into_the_state_as_its_update_alone():
+    # [1, 4, 1, 64] of [1, 4, 512, 64]: one slot of 512, in place
+    assert lowering.hlo_state_write_fraction(KV_WRITES, [0]) == 1 / 512
+    # the whole state computed anew, and a scatter into that new tensor: written whole
+    assert lowering.hlo_state_write_fraction(KV_WRITES, [1]) == 1.0
+    assert lowering.hlo_state_write_fraction(KV_WRITES, [2]) == 1.0
+    assert lowering.hlo_state_write_fraction(KV_WRITES, [0, 1]) == (1 / 512 + 1) / 2
+
+
 def test_aten_fallbacks_keeps_only_aten_counters_sorted():
     names = [
         "xla::add",

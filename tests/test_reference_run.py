@@ -240,6 +240,11 @@ def test_xla_lowering_of_the_neuron_graphs_is_clean():
         assert row["max_abs_diff_fp32"] <= row["tolerance_fp32"], row
 
 
+def test_every_decode_graph_writes_at_most_a_twentieth_of_its_kv_state():
+    fractions = metrics("04_compile")["decode_kv_write_fraction"]
+    assert len(fractions) == 4 and max(fractions.values()) <= 0.05, fractions
+
+
 def test_tp2_emulation_gives_the_same_tokens():
     emulation = metrics("05_slim_deploy")["tp2_emulation"]
     assert emulation["tokens_equal_dense"] is True

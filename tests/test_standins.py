@@ -252,7 +252,6 @@ def test_graph_inputs_are_int32_like_nxd_inference_traces_them():
         torch.int32,
         torch.float32,
         torch.float32,
-        torch.float32,
         torch.int32,
     ]
 

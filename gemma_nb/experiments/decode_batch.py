@@ -388,20 +388,11 @@ def plot_distinct(distinct: pd.DataFrame, ax, num_experts: int) -> None:
     _ = ax.plot(
         distinct.index, distinct["formula_full_size"], color="0.3", label="E (1 - (1 - K/E)^B)"
     )
-    _ = ax.plot(
-        distinct.index,
-        distinct["uniform_full_size"],
-        "o",
-        color="#0173b2",
-        label="uniform routing (drawn)",
-    )
-    _ = ax.plot(
-        distinct.index,
-        distinct["real_full_size"],
-        "s-",
-        color="#de8f05",
-        label="bundled checkpoint's router",
-    )
+    for column, style, color, label in (
+        ("uniform_full_size", "o", "#0173b2", "uniform routing (drawn)"),
+        ("real_full_size", "s-", "#de8f05", "bundled checkpoint's router"),
+    ):
+        _ = ax.plot(distinct.index, distinct[column], style, color=color, label=label)
     _ = ax.axhline(num_experts, color="0.6", linestyle=":", linewidth=1)
     _batch_axis(ax, distinct.index, "batch B (streams per decode step, log scale)")
     # room for the legend

@@ -41,6 +41,7 @@ COMPILER_ARGS = "--model-type transformer --auto-cast=none -O1"
 MASK_MIN = torch.finfo(torch.bfloat16).min
 KV_STATE_PREFIXES = ("k_cache.", "v_cache.")
 CONVERTED_FILE = "checkpoint_int8.safetensors"  # in NeuronBuildConfig.scratch_dir()
+KV_DTYPES = ("float32", "bfloat16")
 RECORDED_VERSIONS = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch", "transformers")
 
 
@@ -57,8 +58,10 @@ class NeuronBuildConfig:
     compiler_workdir: str = ""  # default: <output_dir>/compiler_workdir/nxd
     dtype: str = "bfloat16"
     decode_experts: str = "dense"  # the decode graph beside the dense prefill
+    kv_dtype: str = "float32"  # the KV state's: the port's float32, or NxD Inference's bfloat16
 
     def __post_init__(self) -> None:
+        assert self.kv_dtype in KV_DTYPES, f"kv_dtype={self.kv_dtype!r} is not one of {KV_DTYPES}"
         if self.decode_experts not in DECODE_PATHS:
             raise ValueError(
                 f"decode_experts={self.decode_experts!r} is not one of {', '.join(DECODE_PATHS)}: "
@@ -88,52 +91,48 @@ def step_inputs(
     sliding_window: int,
     last_index: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32,
-    one_hot [1, 1, MAX, S], full and sliding additive masks [1, 1, S, MAX], last_index [1]
-    int32)."""
+    """The graph's inputs for ``embeds`` [1, S, H] at ``positions``: (embeds, position_ids int32
+    [1, S], full and sliding additive masks [1, 1, S, MAX], last_index [1] int32)."""
     tokens = embeds.shape[1]
     assert len(positions) == tokens and max(positions) < max_len, (positions, tokens, max_len)
     # int32, as NxD Inference traces: no native int64
     pos = torch.tensor(positions, dtype=torch.int32)
-    one_hot = torch.zeros(1, 1, max_len, tokens, dtype=torch.float32)
-    one_hot[0, 0, pos, torch.arange(tokens)] = 1.0
     slots = torch.arange(max_len)
     visible = slots[None, :] <= pos[:, None]  # [S, MAX]
     in_window = slots[None, :] > pos[:, None] - sliding_window
     full = torch.where(visible, 0.0, MASK_MIN)[None, None]
     sliding = torch.where(visible & in_window, 0.0, MASK_MIN)[None, None]
     last = torch.tensor([tokens - 1 if last_index is None else last_index], dtype=torch.int32)
-    return embeds.float(), pos[None], one_hot, full, sliding, last
+    return embeds.float(), pos[None], full, sliding, last
 
 
-def onehot_update(cache: torch.Tensor, new: torch.Tensor, one_hot: torch.Tensor) -> torch.Tensor:
-    """``cache`` [1, h, MAX, d] with ``new`` [1, h, S, d] written at the one-hot's slots: a matmul,
-    no scatter."""
-    written = one_hot.sum(dim=-1, keepdim=True)  # [1, 1, MAX, 1]: 1 where a token lands
-    return cache * (1.0 - written) + torch.matmul(one_hot, new.to(cache.dtype))
+def write_positions(cache: torch.Tensor, new: torch.Tensor, position_ids) -> torch.Tensor:
+    """``cache`` [1, h, MAX, d] with ``new`` [1, h, S, d] written at ``position_ids`` [1, S]: XLA
+    lowers it to a scatter of S slots, done in place when the result aliases ``cache`` (NxD
+    Inference updates its cache the same way), so a decode step writes one slot, not the cache."""
+    return cache.index_copy(2, position_ids[0].long(), new.to(cache.dtype))
 
 
-class OneHotCache:
-    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states)
-    rewritten with ``onehot_update``."""
+class PositionCache:
+    """The cache transformers' attention calls: each layer's K/V (fresh lists of the states) with
+    the step's positions written (``write_positions``)."""
 
     is_compileable = False
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], one_hot: torch.Tensor):
-        self.keys, self.values, self.one_hot = keys, values, one_hot
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], position_ids):
+        self.keys, self.values, self.position_ids = keys, values, position_ids
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx] = onehot_update(self.keys[layer_idx], key_states, self.one_hot)
-        self.values[layer_idx] = onehot_update(self.values[layer_idx], value_states, self.one_hot)
-        return self.keys[layer_idx].to(key_states.dtype), self.values[layer_idx].to(
-            value_states.dtype
-        )
+        for states, new in ((self.keys, key_states), (self.values, value_states)):
+            states[layer_idx] = write_positions(states[layer_idx], new, self.position_ids)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
 class NeuronGemma4(nn.Module):
     """transformers' Gemma-4 with the port's swaps (``parallel=True``: NxD layers from ``sdk``) and
-    a one-hot KV state: (embeds, position_ids, one_hot, full_mask, sliding_mask, last_index) ->
-    (logits [1, 1, V] before softcap, *new K, *new V)."""
+    an aliased KV state: (embeds, position_ids, full_mask, sliding_mask, last_index) -> (logits
+    [1, 1, V] before softcap, *new K, *new V)."""
 
     def __init__(
         self,
@@ -168,19 +167,20 @@ class NeuronGemma4(nn.Module):
         heads = layer_kv_heads(config)
         assert all(h % tp == 0 for h, _ in heads), f"KV heads do not split over tp_degree={tp}"
         shapes = [(1, h // tp, build.max_len, d) for h, d in heads]
+        kv_dtype = getattr(torch, build.kv_dtype)
         self.k_cache = nn.ParameterList(
-            [nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes]
+            [nn.Parameter(torch.zeros(s, dtype=kv_dtype), requires_grad=False) for s in shapes]
         )
         self.v_cache = nn.ParameterList(
-            [nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes]
+            [nn.Parameter(torch.zeros(s, dtype=kv_dtype), requires_grad=False) for s in shapes]
         )
 
     def input_output_aliases(self) -> dict:
         """State tensor -> output index: logits are output 0, then every K, then every V."""
         return {p: 1 + i for i, p in enumerate([*self.k_cache, *self.v_cache])}
 
-    def forward(self, embeds, position_ids, one_hot, full_mask, sliding_mask, last_index):
-        cache = OneHotCache(list(self.k_cache), list(self.v_cache), one_hot)
+    def forward(self, embeds, position_ids, full_mask, sliding_mask, last_index):
+        cache = PositionCache(list(self.k_cache), list(self.v_cache), position_ids)
         dtype = next(p for n, p in self.lm.named_parameters() if n.endswith("norm.weight")).dtype
         masks = {"full_attention": full_mask.to(dtype), "sliding_attention": sliding_mask.to(dtype)}
         out = self.lm(

@@ -13,16 +13,19 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 import torch
+from transformers import AutoTokenizer
 
 from gemma_nb.moe import swap_experts
 from gemma_nb.neuron import build as B
+from gemma_nb.neuron.deploy import until_eos
 from gemma_nb.neuron.lm_head import HeadOnly, lm_head_state_dict
 from gemma_nb.paths import REPO_ROOT
-from gemma_nb.rehearsal.emulate import rank_module
+from gemma_nb.rehearsal.emulate import DEFAULT_PROMPTS, _setup, decode_all, rank_module
 from gemma_nb.rehearsal.standins import NXD_CONTRACT_VERSION, cpu_sdk, load_rank_module
 from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 
@@ -37,6 +40,8 @@ PROMPT_TOKENS = 12  # real tokens in the padded prefill (the rest of the bucket 
 DECODE_POSITION = 12  # where the decode step writes; cache slots before it hold seeded values
 SEED = 0
 TP_DEGREES = (1, 2)
+# every graph the build traces: (graph, experts), in the tables' order
+GRAPHS = (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse"), ("lm_head", None))
 
 # One HLO instruction per line: "  [ROOT ]%name = <shape> opcode(operands), attributes".
 _NAME = r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+"
@@ -46,6 +51,11 @@ _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
 _GATHER = re.compile(_NAME + r"\S+\s+gather\(\w+\[([\d,]*)\]\S*\s+%?([\w.\-]+),")
 _PARAMETER = re.compile(_NAME + r"\S+\s+parameter\(")
 _BRACES = re.compile(r"(\w+)=\{([\d,]*)\}")
+# An operand as torch-xla prints it: "f32[1,4,512,64]{3,2,1,0} %p2.7" -> (dtype, dims, name).
+_OPERAND = re.compile(r"(\w+)\[([\d,]*)\](?:\{[\d,]*\})?\s+%?([\w.\-]+)")
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "f32": 4, "s64": 8}
+# the operand an in-place update writes: scatter's updates, dynamic-update-slice's update
+UPDATE_OPERAND = {"scatter": 2, "dynamic-update-slice": 1}
 
 
 def _ints(text: str) -> list[int]:
@@ -81,6 +91,32 @@ def hlo_gathers(hlo_text: str) -> list[dict]:
                 }
             )
     return found
+
+
+def _opcode_operands(instruction: str) -> tuple[str, list[tuple[str, str, str]]]:
+    opcode = _OPCODE.search(instruction)
+    return opcode.group(1), _OPERAND.findall(instruction[opcode.end() :])
+
+
+def hlo_state_write_fraction(hlo_text: str, outputs) -> float:
+    """Bytes a step writes into the entry's ``outputs`` (root tuple indices: the aliased KV state)
+    over their bytes. A scatter or dynamic-update-slice into a graph parameter of the output's shape
+    writes only its update (XLA updates an aliased buffer in place); any other op, all of it."""
+    lines = [m for m in map(_INSTRUCTION.match, hlo_text.splitlines()) if m]
+    by_name = {m.group(1): m.group(2) for m in lines}
+    parameters = {m.group(1) for m in map(_PARAMETER.match, hlo_text.splitlines()) if m}
+    root = next(m for m in reversed(lines) if m.group(0).lstrip().startswith("ROOT"))
+    opcode, returned = _opcode_operands(root.group(2))
+    assert opcode == "tuple", f"the entry's root is a {opcode}, not a tuple of outputs"
+    written = held = 0
+    for dtype, dims, name in (returned[i] for i in outputs):
+        opcode, operands = _opcode_operands(by_name[name])
+        update = UPDATE_OPERAND.get(opcode)
+        in_place = update is not None and operands[0] in [(dtype, dims, p) for p in parameters]
+        held += ELEMENT_BYTES[dtype] * math.prod(_ints(dims))
+        dtype, dims, _ = operands[update] if in_place else (dtype, dims, name)
+        written += ELEMENT_BYTES[dtype] * math.prod(_ints(dims))
+    return written / held
 
 
 def takes_whole_leading_slices(gather: dict) -> bool:
@@ -208,16 +244,10 @@ def lowering_tables(report: dict):
             )
         return table
 
-    contrast = frame(report["contrast"], CONTRAST_COLUMNS)
-    # None where the step failed
-    for column in (
-        STRUCTURE_COLUMNS["hlo_instructions"],
-        "gathers",
-        "error",
-    ):
-        contrast[column] = contrast[column].map(
-            lambda v: "" if pd.isna(v) else int(v) if isinstance(v, float) else v
-        )
+    # blank where the step failed, the counts as integers
+    contrast = (
+        frame(report["contrast"], CONTRAST_COLUMNS).convert_dtypes().astype(object).fillna("")
+    )
     return (
         frame(report["graphs"], STRUCTURE_COLUMNS),
         frame(report["graphs"], NUMERIC_COLUMNS),
@@ -264,6 +294,8 @@ def lower_step(
             error = f"{type(failure).__name__}: {str(failure).splitlines()[0]}"
         transfers = metrics.metric_data("TransferFromDeviceTime")
         row = {
+            # None where the step fails
+            **dict.fromkeys([*STRUCTURE_COLUMNS, "max_abs_diff", "tolerance", "kv_write_fraction"]),
             **labels,
             "dtype": str(dtype).removeprefix("torch."),
             "aten_fallbacks": aten_fallbacks(metrics.counter_names()),
@@ -272,20 +304,10 @@ def lower_step(
             "error": error,
         }
         if error is not None:
-            return {
-                **row,
-                **dict.fromkeys(
-                    (
-                        "hlo_instructions",
-                        "gathers",
-                        "weight_gathers",
-                        "weight_gathers_leading_axis",
-                        "max_abs_diff",
-                        "tolerance",
-                    )
-                ),
-            }, eager
+            return row, eager
         row.update(hlo_counts(hlo))
+        aliased = getattr(module, "input_output_aliases", dict)().values()  # the KV state's outputs
+        row["kv_write_fraction"] = hlo_state_write_fraction(hlo, aliased) if aliased else None
         logits = outputs[0].cpu().float()
     return {
         **row,
@@ -337,10 +359,8 @@ def lower_in_both_dtypes(make_module, inputs: tuple, dtype: torch.dtype, **label
         tuple(t.float() if t.dtype == dtype else t for t in inputs),
         torch.float32,
     )
-    if exact["error"] or exact["aten_fallbacks"] or exact["device_to_host_transfers"]:
-        raise RuntimeError(
-            f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}"
-        )
+    lowered = not (exact["error"] or exact["aten_fallbacks"] or exact["device_to_host_transfers"])
+    assert lowered, f"the fp32 twin of {labels} does not lower like the {dtype} graph: {exact}"
     return {
         **row,
         "bf16_rounding": float((eager - fp32_eager).abs().max()),
@@ -354,66 +374,64 @@ def shipped_graphs(model_dir: Path | str | None = None, tp_degrees=TP_DEGREES) -
     config, state, build = _tiny(model_dir or TP2_CHECKPOINT_DIR)
     dtype = getattr(torch, build.dtype)
     steps = {graph: seeded_inputs(config, state, build, graph) for graph in ("prefill", "decode")}
+    # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
+    hidden = torch.randn(
+        1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3)
+    )
+    steps["lm_head"] = (hidden.to(torch.bfloat16),)
     head_checkpoint = lm_head_state_dict(state["model.embed_tokens.weight"])
+
+    def make_module(module_dtype, tp: int, graph: str, experts: str | None):  # rank 0's
+        if graph == "lm_head":  # the int8 HeadOnly, its rows cut as ModelBuilder would
+            sizes = (config.hidden_size, config.vocab_size, config.vocab_size % tp != 0)
+            head = partial(HeadOnly, *sizes, dtype=module_dtype)
+            return load_rank_module(lambda: head(sdk=cpu_sdk()), head_checkpoint, tp, 0)
+        module_build = replace(build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch."))
+        checkpoint = B.convert_checkpoint(state, config, dtype=module_dtype)
+        module = rank_module(config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts)
+        if graph == "decode":
+            fill_cache(module)
+        return module
+
     rows = []
     for tp in tp_degrees:
-        for graph, experts in (("prefill", "dense"), ("decode", "dense"), ("decode", "sparse")):
-
-            def make_module(module_dtype, experts=experts, graph=graph):
-                module_build = replace(
-                    build, tp_degree=tp, dtype=str(module_dtype).removeprefix("torch.")
-                )
-                checkpoint = B.convert_checkpoint(state, config, dtype=module_dtype)
-                module = rank_module(
-                    config, module_build, checkpoint, state, 0, cpu_sdk(), experts=experts
-                )
-                if graph == "decode":
-                    fill_cache(module)
-                return module
-
-            rows.append(
-                lower_in_both_dtypes(
-                    make_module,
-                    steps[graph],
-                    dtype,
-                    graph=graph,
-                    tp=tp,
-                    experts=experts,
-                    tokens=steps[graph][0].shape[1],
-                )
-            )
-        # the lm_head's input: one token's final hidden state [1, 1, H] in bf16 (seeded, unit RMS)
-        hidden = torch.randn(
-            1, 1, config.hidden_size, generator=torch.Generator().manual_seed(SEED + 3)
-        )
-
-        # rank 0's int8 HeadOnly, its rows cut from the embedding table as ModelBuilder would
-        def make_head(module_dtype):
-            return load_rank_module(
-                lambda: HeadOnly(
-                    config.hidden_size,
-                    config.vocab_size,
-                    pad=config.vocab_size % tp != 0,
-                    dtype=module_dtype,
-                    sdk=cpu_sdk(),
-                ),
-                head_checkpoint,
-                tp,
-                0,
-            )
-
-        rows.append(
-            lower_in_both_dtypes(
-                make_head,
-                (hidden.to(torch.bfloat16),),
-                dtype,
-                graph="lm_head",
-                tp=tp,
-                experts=None,
-                tokens=1,
-            )
-        )
+        for graph, experts in GRAPHS:
+            make = partial(make_module, tp=tp, graph=graph, experts=experts)
+            labels = {"graph": graph, "tp": tp, "experts": experts}
+            tokens = steps[graph][0].shape[1]
+            rows.append(lower_in_both_dtypes(make, steps[graph], dtype, **labels, tokens=tokens))
     return rows
+
+
+def kv_state_answers(new_tokens: int = 8) -> pd.DataFrame:
+    """Greedy answers to the rehearsal's prompts by the bundled TP=2 checkpoint's build at TP=1 (cpu
+    stand-ins, eager, 32 KV slots), per activation and KV-state dtype, against the float32 state's:
+    the first prompt's answer, the tokens equal over all prompts, the largest logit difference."""
+    model_dir = str(TP2_CHECKPOINT_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts_ids = [tokenizer(prompt).input_ids for prompt in DEFAULT_PROMPTS]
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        config, hf_state, build, checkpoint, embed = _setup(model_dir, 1, 32, 8, dtype)
+        inputs = (checkpoint, hf_state, embed, prompts_ids, new_tokens, cpu_sdk())
+        runs = {
+            kv: decode_all(config, replace(build, kv_dtype=kv), *inputs, modes=("dense",))
+            for kv in B.KV_DTYPES
+        }
+        tokens = {kv: run["tokens"]["dense"] for kv, run in runs.items()}
+        logits = {kv: run["logits"]["dense"] for kv, run in runs.items()}
+        for kv in B.KV_DTYPES:
+            pairs = list(zip(sum(tokens[kv], []), sum(tokens["float32"], [])))
+            rows.append(
+                {
+                    "activations": dtype,
+                    "KV state": kv,
+                    "first answer": tokenizer.decode(until_eos(tokens[kv][0], config.eos_token_id)),
+                    "tokens equal to float32 KV": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
+                    "max |logit diff|": float((logits[kv] - logits["float32"]).abs().max()),
+                }
+            )
+    return pd.DataFrame(rows)
 
 
 def contrast_graphs(model_dir: Path | str | None = None) -> list[dict]:

@@ -265,23 +265,12 @@ ChatChoice = create_model(
     "ChatChoice", index=int, message=AssistantMessage, logprobs=None, finish_reason=Reason
 )
 TextChoice = create_model("TextChoice", index=int, text=str, logprobs=None, finish_reason=Reason)
-ChatCompletion = create_model(
-    "ChatCompletion",
-    id=str,
-    object=Literal["chat.completion"],
-    created=int,
-    model=str,
-    choices=list[ChatChoice],
-    usage=Usage,
-)
-Completion = create_model(
-    "Completion",
-    id=str,
-    object=Literal["text_completion"],
-    created=int,
-    model=str,
-    choices=list[TextChoice],
-    usage=Usage,
+ChatCompletion, Completion = (
+    create_model(name, id=str, object=kind, created=int, model=str, choices=choices, usage=Usage)
+    for name, kind, choices in (
+        ("ChatCompletion", Literal["chat.completion"], list[ChatChoice]),
+        ("Completion", Literal["text_completion"], list[TextChoice]),
+    )
 )
 Generated = create_model(
     "Generated",

@@ -93,6 +93,16 @@ def test_selective_loading_gathers_whole_experts_on_the_leading_axis(shipped):
         assert shipped[("lm_head", tp, None)]["gathers"] == 0
 
 
+def test_each_step_writes_only_its_own_slots_of_the_kv_state(shipped):
+    """The KV update is a scatter into the aliased state: a decode step writes one slot of 512, the
+    prefill its 128-token bucket (an update computed anew would write all of the state)."""
+    for tp in (1, 2):
+        assert shipped[("prefill", tp, "dense")]["kv_write_fraction"] == 128 / 512
+        for experts in ("dense", "sparse"):
+            assert shipped[("decode", tp, experts)]["kv_write_fraction"] == 1 / 512
+        assert shipped[("lm_head", tp, None)]["kv_write_fraction"] is None
+
+
 def test_the_check_catches_host_syncs_and_failing_fallbacks(contrast):
     sparse = contrast["sparse (cpu)"]
     assert sparse["aten_fallbacks"] == ["aten::_local_scalar_dense"]
