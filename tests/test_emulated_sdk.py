@@ -363,7 +363,7 @@ def test_the_lm_head_alone_on_two_emulated_cores_equals_the_unsharded_int8_head(
 
 
 def test_quantization_trials_record_what_the_emulation_runs_and_refuses(emulated_sdk, cores):
-    from gemma_nb.neuron import quant
+    from gemma_nb.neuron import quantized_dtypes as quant
 
     trials = quant.run_trials(in_features=64, out_features=32, tokens=2).set_index("dtype")
     assert bool(trials.loc["INT8", "ok"]) and trials.loc["INT8", "max_abs_diff"] < 1e-2

@@ -216,7 +216,7 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
     ModelBuilder, each rank's partial output (no collective: group=None) summed as the all-reduce
     would: dense and sparse hold the same parameters (NxD's expert-fused int8 layers, expert-major)
     and give the same output, equal to the layer."""
-    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import expert_mlps as neuron_moe
     from gemma_nb.rehearsal import standins
 
     config = random_gemma4_config(
@@ -260,7 +260,7 @@ def test_neuron_checkpoints_shard_to_the_same_layer_output_dense_and_sparse():
 def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
     """Selective loading is the decode path (tokens x top_k < experts, NxD's rule); the expert-fused
     layers' 4-D outputs take NxD's own in-place scale_dequantize, unpatched."""
-    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import expert_mlps as neuron_moe
     from gemma_nb.rehearsal import standins
 
     sdk = standins.cpu_sdk()  # unpatched: NxD 0.18's in-place scale_dequantize
@@ -275,7 +275,7 @@ def test_sparse_experts_refuse_a_prefill_and_need_no_dequantize_patch():
 def test_sparse_decode_all_reduces_in_fp32_like_row_parallel_linear():
     from types import SimpleNamespace
 
-    from gemma_nb.neuron import moe as neuron_moe
+    from gemma_nb.neuron import expert_mlps as neuron_moe
     from gemma_nb.rehearsal import standins
 
     reduced = []

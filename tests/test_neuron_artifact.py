@@ -22,7 +22,7 @@ from cpu_state_graph import CpuStateGraph
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gemma_nb.neuron import artifact as A  # noqa: E402
+from gemma_nb.neuron import build_folder as A  # noqa: E402
 from gemma_nb.neuron import deploy as ND  # noqa: E402
 from gemma_nb.neuron.build import NeuronBuildConfig, NeuronGemma4, read_hf_state, text_config  # noqa: E402
 from gemma_nb.tiny import CHECKPOINT_DIR  # noqa: E402

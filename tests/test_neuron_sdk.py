@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gemma_nb.neuron import sdk
-from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.expert_mlps import import_nxd
 from gemma_nb.targets import TargetError
 
 INSTALLED = {"torch_neuronx": object(), "neuronx_distributed": object()}

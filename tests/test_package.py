@@ -6,6 +6,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import gemma_nb
@@ -297,3 +298,12 @@ def test_tests_pin_values_not_sentences():
     assert len(pinning) <= len(tests) // 10, f"{len(pinning)} of {len(tests)} tests pin a phrase"
     expecting = [name for name, node in tests if expects_assertion_error(node)]
     assert not expecting, f"tests expecting AssertionError: {expecting}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """A name says its subject once: the port's module is not the library's namesake (the emulated
+    SDK mirrors the SDK's own paths, and dunder files are Python's)."""
+    names = Counter(
+        p.name for p in sources() if EMULATED_SDK not in p.parents and not p.name.startswith("__")
+    )
+    assert not [name for name, count in names.items() if count > 1]

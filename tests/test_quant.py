@@ -504,7 +504,7 @@ def test_a_sharded_head_quantizes_its_rows_per_rank_and_computes_the_same_logits
 
 
 def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
-    from gemma_nb.neuron import quant as neuron_quant
+    from gemma_nb.neuron import quantized_dtypes as neuron_quant
     from gemma_nb.neuron.sdk import check_sdk
     from gemma_nb.targets import TargetError
 
@@ -522,7 +522,7 @@ def test_neuron_quant_module_imports_without_the_sdk_and_says_what_is_missing():
 
 @pytest.mark.parametrize("dtype_name", ["INT8", "F8E4M3", "F4E2M1FN_X4"])
 def test_neuron_trial_weights_are_built_in_nxd_layouts(dtype_name):
-    from gemma_nb.neuron.quant import trial_weights
+    from gemma_nb.neuron.quantized_dtypes import trial_weights
 
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(5)) * 0.02
     state, dequantized = trial_weights(dtype_name, weight)

@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gemma_nb.neuron import build as B  # noqa: E402
-from gemma_nb.neuron.quant import patch_scale_dequantize, scale_dequantize  # noqa: E402
+from gemma_nb.neuron.quantized_dtypes import patch_scale_dequantize, scale_dequantize  # noqa: E402
 from gemma_nb.rehearsal import emulate as E  # noqa: E402
 from gemma_nb.rehearsal import standins as S  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402

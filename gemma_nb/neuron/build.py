@@ -17,16 +17,16 @@ from transformers import Gemma4ForCausalLM
 
 from gemma_nb.export import check_exportable_config, layer_kv_heads
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.artifact import DECODE_PATHS, MODEL_FILE, finish_artifact
+from gemma_nb.neuron.build_folder import DECODE_PATHS, MODEL_FILE, finish_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
-from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
-from gemma_nb.neuron.moe import (
+from gemma_nb.neuron.expert_mlps import (
     NeuronDenseExperts,
     NeuronSparseExperts,
     experts_checkpoint,
     int8_kwargs,
 )
-from gemma_nb.neuron.quant import patch_scale_dequantize
+from gemma_nb.neuron.lm_head import build_lm_head, lm_head_state_dict
+from gemma_nb.neuron.quantized_dtypes import patch_scale_dequantize
 from gemma_nb.neuron.sdk import import_sdk
 from gemma_nb.paths import fresh_dir
 from gemma_nb.peak_rss import HostMemorySampler

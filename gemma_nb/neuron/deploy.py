@@ -10,9 +10,9 @@ import torch
 
 from gemma_nb.embedding import host_embedding_for
 from gemma_nb.modelio import model_skeleton
-from gemma_nb.neuron.artifact import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
 from gemma_nb.neuron.build import sdk_label, step_inputs
-from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.build_folder import HOST_EMBEDDING_FILE, MODEL_FILE, read_artifact
+from gemma_nb.neuron.expert_mlps import import_nxd
 
 
 @dataclass

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from gemma_nb.formats import quantize_int8_per_channel
-from gemma_nb.neuron.moe import import_nxd, int8_kwargs
-from gemma_nb.neuron.quant import patch_scale_dequantize
+from gemma_nb.neuron.expert_mlps import import_nxd, int8_kwargs
+from gemma_nb.neuron.quantized_dtypes import patch_scale_dequantize
 
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_PREFIX = "lm_head."

@@ -13,8 +13,8 @@ import pandas as pd
 from transformers import AutoTokenizer
 
 from gemma_nb.bench import time_runners
-from gemma_nb.neuron.artifact import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.build import NeuronBuildConfig
+from gemma_nb.neuron.build_folder import artifact_labels, default_artifact_dir
 from gemma_nb.neuron.deploy import slim_deploy, until_eos
 from gemma_nb.peak_rss import MeasuredRun, run_measured
 from gemma_nb.tiny import TP2_CHECKPOINT_DIR

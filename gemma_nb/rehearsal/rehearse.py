@@ -20,7 +20,7 @@ import torch
 from gemma_nb import memory
 from gemma_nb.endpoint import wait_until_healthy
 from gemma_nb.hardware import GB, GiB
-from gemma_nb.neuron.artifact import DECODE_PATHS, read_artifact
+from gemma_nb.neuron.build_folder import DECODE_PATHS, read_artifact
 from gemma_nb.neuron.checkpoint import read_hf_state, text_config
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.peak_rss import HostMemorySampler

@@ -21,8 +21,8 @@ from gemma_nb import memory
 from gemma_nb.cli import STEPS
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
-from gemma_nb.neuron.artifact import MODEL_FILE, ArtifactError, read_artifact
 from gemma_nb.neuron.build import package_versions
+from gemma_nb.neuron.build_folder import MODEL_FILE, ArtifactError, read_artifact
 from gemma_nb.paths import REPO_ROOT
 from gemma_nb.targets import check_target_name, default_model_id, local_model_dir
 from gemma_nb.tools import plan as planner

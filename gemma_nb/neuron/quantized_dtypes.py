@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gemma_nb import formats
-from gemma_nb.neuron.moe import import_nxd
+from gemma_nb.neuron.expert_mlps import import_nxd
 
 # One NxD quantized dtype a row: is it a usable *inference* path on inf2 in SDK 2.31, and why we
 # think so.
