@@ -17,7 +17,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 # No pip cache: the wheels would stay on disk beside what they unpack to (the xla one is ~8 GB).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install git-filter xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
+.PHONY: install git-filter xla envs run lint test test-unit test-xla test-notebooks test-lowered lab clean-venv rehearse rehearse-env
 
 install: $(STAMP) git-filter
 
@@ -55,9 +55,15 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, the XLA lowering checks, nbval re-executes the reference run, the rehearsal.
+## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, then the rehearsal beside
+## the XLA lowering checks and nbval: the rehearsal's commands run one at a time on one core, so the
+## other core runs those two meanwhile (each target's output printed whole when it ends).
 test: envs
-	@$(MAKE) --no-print-directory lint test-unit test-xla test-notebooks rehearse
+	@$(MAKE) --no-print-directory lint test-unit
+	@$(MAKE) --no-print-directory -j2 --output-sync=target rehearse test-lowered
+
+test-lowered: test-xla
+	@$(MAKE) --no-print-directory test-notebooks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check gemma_nb tests notebooks

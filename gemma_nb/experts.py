@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from gemma_nb import gemv
 from gemma_nb.formats import (
     QuantizedTensor,
     quantize,
@@ -19,7 +19,6 @@ from gemma_nb.formats import (
     registered_quantized,
     scale_rows,
 )
-from gemma_nb.int8_kernel import int8_linear, is_tracing
 
 # Experts a dense step computes at once: bounds its [e, T, H] fp32 temporary, and an int8 upcast's
 # float copy, to a fraction of the layer.
@@ -39,7 +38,7 @@ def check_routing(
         f"{tuple(top_k_weights.shape)}: want [{tokens}, {hidden_dim}] and [{tokens}, {top_k}]"
     )
     assert 1 <= top_k <= num_experts, f"top_k={top_k} not in [1, {num_experts}]"
-    if not is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
+    if not gemv.is_tracing() and top_k_index.device.type == "cpu" and top_k_index.numel():
         assert 0 <= int(top_k_index.min()) and int(top_k_index.max()) < num_experts, (
             f"expert ids outside [0, {num_experts})"
         )
@@ -102,8 +101,14 @@ class RoutedExperts(nn.Module):
     def linear(self, x: torch.Tensor, name: str, experts) -> torch.Tensor:
         """``x [M, in]`` against the rows of ``experts`` (an id or a slice of n): ``[M, n out]``."""
         w, scale = self.weight(name, experts, x.dtype)
-        out = F.linear(x, w.reshape(-1, w.shape[-1]))
+        out = gemv.linear(x, w.reshape(-1, w.shape[-1]))
         return out if scale is None else scale_rows(out, scale.reshape(-1), x.dtype)
+
+    def linear_each(self, x: torch.Tensor, name: str, ids) -> torch.Tensor:
+        """Row i of ``x [1 or K, in]`` (row 0 where one) against expert ``ids[i]`` (K ids):
+        ``[K, out]``."""
+        rows = [x[i : i + 1] if x.shape[0] > 1 else x for i in range(len(ids))]
+        return torch.cat([self.linear(row, name, e) for row, e in zip(rows, ids)])
 
     def batched(self, h: torch.Tensor, name: str, experts: slice) -> torch.Tensor:
         """``h [n, T, in]``, one row block per expert of ``experts``: ``[n, T, out]``, fp32 where
@@ -166,10 +171,16 @@ class FloatExperts(RoutedExperts):
     def weight(self, name, experts, dtype):
         return getattr(self, f"{name}_proj")[experts].to(dtype), None
 
+    def linear_each(self, x, name, ids):
+        w = getattr(self, f"{name}_proj")
+        if w.dtype == torch.bfloat16 and gemv.usable(x, w, len(ids)):
+            return gemv.gemv(x, w, ids)  # one call for the K experts
+        return super().linear_each(x, name, ids)
+
 
 class Int8Experts(RoutedExperts):
     """int8 weights with an fp32 scale per output row ``[E, out, 1]`` (the port's format, NxD's
-    numerics). ``matmul="fused"``: one cpu kernel reads the int8 weights (``int8_kernel``);
+    numerics). ``matmul="fused"``: one cpu kernel reads the int8 weights (``gemv``);
     ``"upcast"``: each weight copied to the activations' dtype first, as NxD's layers do."""
 
     def __init__(
@@ -235,7 +246,13 @@ class Int8Experts(RoutedExperts):
         if self.matmul == "upcast":
             return super().linear(x, name, experts)
         q, scale = getattr(self, f"{name}_proj")[experts], getattr(self, f"{name}_scale")[experts]
-        return int8_linear(x, q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1))
+        return gemv.int8_linear(x, q.reshape(-1, q.shape[-1]), scale.reshape(-1, 1))
+
+    def linear_each(self, x, name, ids):
+        q, scale = getattr(self, f"{name}_proj"), getattr(self, f"{name}_scale")
+        if self.matmul == "fused" and gemv.usable(x, q, len(ids)) and scale.is_contiguous():
+            return gemv.gemv(x, q, ids, scale)  # one call for the K experts
+        return super().linear_each(x, name, ids)
 
     def batched(self, h, name, experts):
         if self.matmul == "upcast":
@@ -299,11 +316,11 @@ def sparse(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tenso
         return grouped(experts, x, top_k_index, top_k_weights)
     rows = []
     for t in range(x.shape[0]):
-        token = x[t : t + 1]
         ids = [
             _expert_id(top_k_index, t, k, experts.num_experts) for k in range(top_k_index.shape[1])
         ]
-        outputs = torch.cat([experts.expert_mlp(token, e) for e in ids])  # [K, H]
+        hidden = gated(experts.linear_each(x[t : t + 1], "gate_up", ids), experts.act_fn)
+        outputs = experts.linear_each(hidden, "down", ids)  # [K, H]
         rows.append(top_k_weights[t : t + 1].float() @ outputs.float())  # [1, H]
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gemma_nb import experts as E  # noqa: E402
-from gemma_nb import formats, int8_kernel, moe, quant  # noqa: E402
+from gemma_nb import formats, gemv, moe, quant  # noqa: E402
 from gemma_nb.tiny import random_gemma4_config, random_gemma4_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,16 +109,30 @@ def test_apply_scheme_quantizes_the_same_weights_the_same_way():
     )
 
 
-@pytest.mark.parametrize("rows", [13, 1408])  # 13: a tail of one row after three blocks of 4
+@pytest.mark.parametrize("rows", [13, 1408])  # 13: not in blocks of 4 rows, torch's kernel
 def test_the_cpu_int8_kernel_is_the_upcast_matmul_rounded_once(rows):
     generator = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (rows, 2816), dtype=torch.int8, generator=generator)
     scale = torch.rand(rows, 1, generator=generator) / 127
     x = torch.randn(1, 2816, generator=generator).to(torch.bfloat16)
     exact = x.double() @ (q.double() * scale.double()).T
-    got = int8_kernel.int8_linear(x, q, scale)
+    got = gemv.int8_linear(x, q, scale)
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows)
-    # the GEMV rounds the fp32 sum to bf16 once; torch's kernel (ATen without AVX2, or no C
-    # compiler) rounds the scale and, on its default path, partial sums to bf16 too
-    bound = {"gemma_nb AVX2 GEMV": 2.0**-8, "torch._weight_int8pack_mm": 2.0**-6}
-    assert ((got.double() - exact).abs() <= bound[int8_kernel.kernel_name()] * exact.abs()).all()
+    # the GEMV rounds the fp32 sum to bf16 once; torch's kernel (ATen without AVX2, no C compiler,
+    # or rows not in blocks of 4) rounds the scale and, on its default path, partial sums too
+    bound = 2.0**-8 if gemv.usable(x, q) else 2.0**-6
+    assert ((got.double() - exact).abs() <= bound * exact.abs()).all()
+
+
+@pytest.mark.parametrize("shape", [(13, 2816), (1408, 2816), (2816, 704), (5, 17)])
+def test_one_bf16_token_s_matmul_is_the_fp32_sum_rounded_once(shape):
+    generator = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    x = torch.randn(1, shape[1], generator=generator).to(torch.bfloat16)
+    got, exact = gemv.linear(x, w), x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (1, shape[0])
+    # one bf16 rounding (its unit roundoff: 2**-8 relative), plus fp32 summation error
+    fp32_error = 2.0**-20 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + fp32_error).all()
+    x, w = x.float(), w.float()  # anything but one bf16 token: torch's own
+    assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
