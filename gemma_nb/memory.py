@@ -23,7 +23,6 @@ from gemma_nb.params import (
 )
 from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
 from gemma_nb.params import inventory as inventory
-from gemma_nb.params import kv_cache_bytes_per_token as kv_cache_bytes_per_token
 from gemma_nb.params import load_config as load_config
 from gemma_nb.params import param_summary as param_summary
 from gemma_nb.params import tp_problem as tp_problem

@@ -384,11 +384,11 @@ def test_allowance_window_reproduces_fail_then_fit(gemma26b):
 
 
 def test_kv_cache_bytes_per_token(gemma26b):
-    assert memory.kv_cache_bytes_per_token(gemma26b, tp=2, dtype="bf16") == 112_640
-    assert memory.kv_cache_bytes_per_token(gemma26b, tp=1, dtype="bf16") == 225_280
+    assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=1, dtype="bf16") == 112_640
+    assert memory.kv_cache_bytes(gemma26b, tp=1, context_len=1, dtype="bf16") == 225_280
     # tp=4: sliding 8 KV heads -> 2/rank; global 2 KV heads replicated -> 1/rank
     assert (
-        memory.kv_cache_bytes_per_token(gemma26b, tp=4)
+        memory.kv_cache_bytes(gemma26b, tp=4, context_len=1)
         == 25 * 2 * 2 * 256 * 2 + 5 * 2 * 1 * 512 * 2
     )
     assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=512, dtype="fp32") == 2 * 112_640 * 512
@@ -467,7 +467,7 @@ def test_tp_errors(gemma26b, tiny_mixtral):
             tp=8,
         )
     with pytest.raises(ValueError, match="tp=3"):
-        memory.kv_cache_bytes_per_token(gemma26b, tp=3)
+        memory.kv_cache_bytes(gemma26b, tp=3, context_len=1)
 
 
 def test_scheme_and_context_errors(tiny_mixtral):
