@@ -42,7 +42,7 @@ def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def lm_head_state_dict(embed_weight: torch.Tensor, prefix: str = HEAD_PREFIX) -> dict:
     """The untied head's full checkpoint entries from the embedding table ``[V, H]``: int8 weight
     and fp32 scale."""
-    q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
+    q, scale = quantize_int8_per_channel(embed_weight.detach(), name=EMBED_KEY)
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
 
