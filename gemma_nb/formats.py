@@ -27,10 +27,8 @@ def quantize_int8_per_channel(
     return quantized.data, quantized.scale
 
 
-def dequantize_int8(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale).float()
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
