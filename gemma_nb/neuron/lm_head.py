@@ -74,9 +74,7 @@ class HeadOnly(nn.Module):
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
 
 
-def compile_lm_head(
-    embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, compiler_workdir: str | None = None
-):
+def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1):
     """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens,
     H]`` -> logits."""
     # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
@@ -92,7 +90,7 @@ def compile_lm_head(
         traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, pad)).trace(
             args=(example,), tag="lm_head"
         )
-        nxd_model = traced.compile(compiler_workdir=compiler_workdir)
+        nxd_model = traced.compile()
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands
     # over to accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8
     # weight cannot)
