@@ -17,7 +17,7 @@ from transformers.configuration_utils import get_head_shapes
 
 from gemma_nb.embedding import dtype_name
 
-FORMAT = "gemma-nb.exported-steps/1"
+FORMAT = "gemma-nb.exported-steps/2"
 MANIFEST = "manifest.json"
 PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
 HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
