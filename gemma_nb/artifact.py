@@ -17,7 +17,7 @@ from transformers.configuration_utils import get_head_shapes
 
 from gemma_nb.embedding import dtype_name
 
-FORMAT = "gemma-nb.exported-steps/1"
+FORMAT = "gemma-nb.exported-steps/2"
 MANIFEST = "manifest.json"
 PROGRAM_FILES = {"prefill": "prefill.pt2", "decode": "decode.pt2"}
 HOST_EMBEDDING_FILE = "embed_tokens.safetensors"
@@ -45,13 +45,11 @@ def layer_kv_heads(config) -> list[tuple[int, int]]:
     return list(zip(heads, dims))
 
 
-def kv_cache_shapes(config, max_cache_len: int, batch_size: int = 1) -> list[tuple[int, ...]]:
-    """Keys then values per layer, ``[batch, kv_heads, max_len, head_dim]``; sliding layers get the
-    full length."""
+def kv_cache_shapes(config, max_cache_len: int) -> list[tuple[int, ...]]:
+    """Keys then values per layer, ``[1, kv_heads, max_len, head_dim]``; sliding layers get the full
+    length."""
     return [
-        (batch_size, heads, max_cache_len, dim)
-        for heads, dim in layer_kv_heads(config)
-        for _ in range(2)
+        (1, heads, max_cache_len, dim) for heads, dim in layer_kv_heads(config) for _ in range(2)
     ]
 
 
@@ -61,20 +59,16 @@ def new_kv_cache(shapes, dtype: torch.dtype) -> list[torch.Tensor]:
 
 @dataclass
 class StepShapes:
-    """The static shapes both programs are built for."""
+    """The static shapes both programs are built for; they decode one sequence."""
 
     max_cache_len: int = 128
     prefill_len: int = 32
-    batch_size: int = 1
 
     def __post_init__(self) -> None:
         for key, value in vars(self).items():
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (
                 f"{key}={value!r}"
             )
-        assert self.batch_size == 1, (
-            f"batch_size={self.batch_size}: the exported steps decode one sequence"
-        )
         assert self.prefill_len <= self.max_cache_len, (
             f"prefill_len={self.prefill_len} > max_cache_len"
         )

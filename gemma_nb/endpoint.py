@@ -75,7 +75,6 @@ def local_server(
     runtime: str = "auto",
     extra_args: Sequence[str] = (),
     env: dict | None = None,
-    ready_timeout_s: float = 300.0,
 ):
     """``python -m gemma_nb serve`` on a free loopback port, yielding its ``.../v1`` URL; its log is
     shown if it fails to start, ``env`` adds variables (the API key, never a flag), the process is
@@ -109,7 +108,7 @@ def local_server(
             )
         url = f"http://127.0.0.1:{port}/v1"
         try:
-            wait_until_healthy(url, ready_timeout_s, process, log_path)
+            wait_until_healthy(url, 300.0, process, log_path)
             yield url
         finally:
             process.terminate()

@@ -5,7 +5,7 @@ writes the weights beside them (see ``artifact``)."""
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,7 +132,7 @@ def export_steps(
     with torch.no_grad():
         for name, tokens in (("prefill", shapes.prefill_len), ("decode", 1)):
             kv = new_kv_cache(kv_cache_shapes(model.config, shapes.max_cache_len), dtype)
-            embeds = torch.zeros(shapes.batch_size, tokens, model.config.hidden_size, dtype=dtype)
+            embeds = torch.zeros(1, tokens, model.config.hidden_size, dtype=dtype)
             inputs = (
                 weights,
                 kv,
@@ -216,11 +216,7 @@ def _manifest(
         "dtype": dtype_name(_float_dtype(weights)),
         "scheme": scheme,
         "experts_implementation": experts_implementation(model),
-        "shapes": {
-            "max_cache_len": shapes.max_cache_len,
-            "prefill_len": shapes.prefill_len,
-            "batch_size": shapes.batch_size,
-        },
+        "shapes": asdict(shapes),
         "kv_cache": [list(s) for s in kv_cache_shapes(config, shapes.max_cache_len)],
         "programs": {
             name: {"file": artifact.PROGRAM_FILES[name], "bytes": size}

@@ -18,22 +18,17 @@ INT8_MIN_SCALE = 1e-8
 
 
 def quantize_int8_per_channel(
-    weight: torch.Tensor, axis: int = 0, name: str = "weight"
+    weight: torch.Tensor, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(weight, "int8")``: the port's int8 for its experts, shared MLP and lm_head,
-    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``; ``axis``:
-    the output rows (0 of ``[out, in]``, 1 of ``[E, out, in]``)."""
+    ``scale = max(absmax(row) / 127, 1e-8)``, ``q = clamp(round(w / scale), -127, 127)``, per
+    output row (of ``[out, in]``, or of each expert's ``[E, out, in]``)."""
     quantized = quantize(weight, "int8", name)
-    assert axis % weight.dim() == weight.dim() - 2, (
-        f"channel axis {axis} of a {weight.dim()}-D weight: use {weight.dim() - 2}"
-    )
     return quantized.data, quantized.scale
 
 
-def dequantize_int8(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale).float()
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -88,22 +88,12 @@ def get_instance(name: str | Instance) -> Instance:
 
 def instance_table():
     """The inf2 catalog as a DataFrame, HBM per core in both GiB (spec) and GB (10^9 bytes)."""
-    return pd.DataFrame(
-        [
-            {
-                "instance": inst.name,
-                "chips": inst.chips,
-                "neuron_cores": inst.neuron_cores,
-                "vcpus": inst.vcpus,
-                "host_ram_gib": inst.host_ram_gib,
-                "hbm_gib": inst.hbm_gib,
-                "hbm_per_core_gib": inst.hbm_per_core_bytes / GiB,
-                "hbm_per_core_gb": round(inst.hbm_per_core_bytes / GB, 3),
-                "usd_per_hour": inst.usd_per_hour,
-            }
-            for inst in INSTANCES.values()
-        ]
-    )
+    table = pd.DataFrame(INSTANCES.values()).rename(columns={"name": "instance"})
+    per_core_bytes = [inst.hbm_per_core_bytes for inst in INSTANCES.values()]
+    before_price = table.columns.get_loc("usd_per_hour")
+    table.insert(before_price, "hbm_per_core_gib", [n / GiB for n in per_core_bytes])
+    table.insert(before_price + 1, "hbm_per_core_gb", [round(n / GB, 3) for n in per_core_bytes])
+    return table
 
 
 class Device(NamedTuple):

@@ -1,6 +1,6 @@
 """Per-rank byte plans of a causal LM and their fit per NeuronCore (notebook 01, ``python -m
-gemma_nb plan``). The parameter inventory is ``gemma_nb.params``' (its names importable from here
-too)."""
+gemma_nb plan``). The parameter inventory is ``gemma_nb.params``' (``inventory`` and
+``param_summary``, which the notebooks read, importable from here too)."""
 
 import functools
 from collections.abc import Iterable, Mapping
@@ -12,7 +12,6 @@ import pandas as pd
 from gemma_nb import params
 from gemma_nb.formats import PLAIN_DTYPES, get_format, tensor_bytes
 from gemma_nb.hardware import GB, INSTANCES, GiB, fits, get_instance
-from gemma_nb.params import GEMMA4_26B_CONFIG_PATH as GEMMA4_26B_CONFIG_PATH
 from gemma_nb.params import (
     GROUPS,
     PLAN_ROWS,
@@ -21,12 +20,8 @@ from gemma_nb.params import (
     model_facts,
     valid_tp_degrees,
 )
-from gemma_nb.params import check_causal_lm_config as check_causal_lm_config
 from gemma_nb.params import inventory as inventory
-from gemma_nb.params import kv_cache_bytes_per_token as kv_cache_bytes_per_token
-from gemma_nb.params import load_config as load_config
 from gemma_nb.params import param_summary as param_summary
-from gemma_nb.params import tp_problem as tp_problem
 
 # The Neuron runtime's floor per core (Neuron docs, "Neuron device memory"): 96 MiB micro-code plus
 # one 512 MiB scratchpad page; a real NEFF often takes several pages plus I/O and collectives

@@ -482,12 +482,6 @@ def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return kv_heads // tp if kv_heads % tp == 0 else 1
 
 
-def kv_cache_bytes_per_token(config, tp: int = 1, dtype: str = "bf16") -> int:
-    """KV-cache bytes per token per rank (K and V on every layer that writes the cache; MLA: its
-    latent)."""
-    return kv_cache_bytes(config, tp, 1, 1, dtype)
-
-
 def kv_cache_bytes(
     config, tp: int = 1, context_len: int = 512, batch: int = 1, dtype: str = "bf16"
 ) -> int:

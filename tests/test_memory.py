@@ -29,7 +29,7 @@ def gemma26b():
 
 @pytest.fixture(scope="module")
 def raw26b():
-    return json.loads(memory.GEMMA4_26B_CONFIG_PATH.read_text())
+    return json.loads(params.GEMMA4_26B_CONFIG_PATH.read_text())
 
 
 def counts(config):
@@ -90,20 +90,20 @@ def test_active_params_and_summary(gemma26b):
 
 
 def test_pitfalls_guarded_and_what_they_would_add(raw26b):
-    base = counts(memory.load_config(raw26b))
+    base = counts(params.load_config(raw26b))
     total = sum(base.values())
 
     ple = dict(raw26b, hidden_size_per_layer_input=256)
     with pytest.raises(ValueError, match="hidden_size_per_layer_input=256"):
         params.check_gemma4_pitfalls(ple)
-    ple_counts = counts(memory.load_config(ple))
+    ple_counts = counts(params.load_config(ple))
     assert sum(ple_counts.values()) - total == 2_078_231_296
     assert ple_counts["per_layer_embeddings"] == 2_078_231_296
 
     no_keqv = {k: v for k, v in raw26b.items() if k != "attention_k_eq_v"}
     with pytest.raises(ValueError, match="attention_k_eq_v"):
         params.check_gemma4_pitfalls(no_keqv)
-    assert sum(counts(memory.load_config(no_keqv)).values()) - total == 100_925_440
+    assert sum(counts(params.load_config(no_keqv)).values()) - total == 100_925_440
 
     for softcap in (
         {k: v for k, v in raw26b.items() if k != "final_logit_softcapping"},
@@ -384,11 +384,11 @@ def test_allowance_window_reproduces_fail_then_fit(gemma26b):
 
 
 def test_kv_cache_bytes_per_token(gemma26b):
-    assert memory.kv_cache_bytes_per_token(gemma26b, tp=2, dtype="bf16") == 112_640
-    assert memory.kv_cache_bytes_per_token(gemma26b, tp=1, dtype="bf16") == 225_280
+    assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=1, dtype="bf16") == 112_640
+    assert memory.kv_cache_bytes(gemma26b, tp=1, context_len=1, dtype="bf16") == 225_280
     # tp=4: sliding 8 KV heads -> 2/rank; global 2 KV heads replicated -> 1/rank
     assert (
-        memory.kv_cache_bytes_per_token(gemma26b, tp=4)
+        memory.kv_cache_bytes(gemma26b, tp=4, context_len=1)
         == 25 * 2 * 2 * 256 * 2 + 5 * 2 * 1 * 512 * 2
     )
     assert memory.kv_cache_bytes(gemma26b, tp=2, context_len=512, dtype="fp32") == 2 * 112_640 * 512
@@ -467,7 +467,7 @@ def test_tp_errors(gemma26b, tiny_mixtral):
             tp=8,
         )
     with pytest.raises(ValueError, match="tp=3"):
-        memory.kv_cache_bytes_per_token(gemma26b, tp=3)
+        memory.kv_cache_bytes(gemma26b, tp=3, context_len=1)
 
 
 def test_scheme_and_context_errors(tiny_mixtral):
@@ -483,9 +483,9 @@ def test_scheme_and_context_errors(tiny_mixtral):
 
 def test_load_config_errors():
     with pytest.raises(ValueError, match="no 'model_type' key"):
-        memory.load_config({"hidden_size": 8})
+        params.load_config({"hidden_size": 8})
     with pytest.raises(ValueError, match="'not_a_model'"):
-        memory.load_config({"model_type": "not_a_model"})
+        params.load_config({"model_type": "not_a_model"})
     llama = {
         "model_type": "llama",
         "hidden_size": 32,
@@ -494,7 +494,7 @@ def test_load_config_errors():
         "num_attention_heads": 4,
         "vocab_size": 16,
     }
-    assert counts(memory.load_config(llama))["shared_mlp"] == 3 * 32 * 48
+    assert counts(params.load_config(llama))["shared_mlp"] == 3 * 32 * 48
 
 
 def test_fit_table_and_plans_table(gemma26b):

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from gemma_nb import memory
+from gemma_nb import memory, params
 from gemma_nb.cli import build_parser
 from gemma_nb.cli import main as cli
 from gemma_nb.hardware import INSTANCES
+from gemma_nb.params import GEMMA4_26B_CONFIG_PATH
 from gemma_nb.tools import plan as planner
 
 H, L, E, I, V = 64, 2, 4, 96, 1000  # hidden, layers, experts, expert intermediate, vocab
@@ -80,7 +81,7 @@ def plan_json(capsys, *args):
 
 
 def test_bundled_26b_is_exact_against_memory(capsys):
-    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH)
     config = memory.load_gemma4_26b_config()
     expected = memory.plan(config, 2, "int8_squeeze").table.set_index("group")
     inventory = memory.inventory(config).set_index("group")
@@ -105,14 +106,14 @@ def test_bundled_26b_is_exact_against_memory(capsys):
 
 
 def test_26b_in_bf16_fits_no_two_core_box_and_the_cheapest_at_tp4(capsys):
-    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", "bf16")
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH, "--scheme", "bf16")
     assert (
         code == 1
         and not report["fits"]
         and report["instance"] is None
         and report["cheapest_fit"] is None
     )
-    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", "bf16", "--tp", "4")
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH, "--scheme", "bf16", "--tp", "4")
     two_core = [r for r in report["instances"] if r["neuron_cores"] < 4]
     assert all(not r["fits"] and r["headroom_gb"] is None for r in two_core)
     # 14.3 GB of weights per rank: it fits a 16 GiB core only if the runtime takes the low end of
@@ -126,7 +127,7 @@ def test_26b_in_bf16_fits_no_two_core_box_and_the_cheapest_at_tp4(capsys):
 def test_judging_one_instance(capsys):
     code, report = plan_json(
         capsys,
-        memory.GEMMA4_26B_CONFIG_PATH,
+        GEMMA4_26B_CONFIG_PATH,
         "--scheme",
         "int8_squeeze",
         "--instance",
@@ -176,7 +177,7 @@ def test_dense_llama_has_no_experts_and_kv_cache_per_context(configs, capsys):
 
 
 def test_text_output_names_the_verdict(capsys):
-    assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH)]) == 0
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH)]) == 0
     text = capsys.readouterr().out
     assert "fits inf2.xlarge" in text and "fits: inf2.xlarge" in text and "experts" in text
 
@@ -251,12 +252,12 @@ def test_a_multimodal_hub_config_is_planned_by_its_language_model(tmp_path, caps
     26B."""
     from transformers import Gemma4Config
 
-    text = json.loads(memory.GEMMA4_26B_CONFIG_PATH.read_text())
+    text = json.loads(GEMMA4_26B_CONFIG_PATH.read_text())
     text.pop("model_type")
     write_config(tmp_path, Gemma4Config(text_config=text))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma4"
     _, hub = plan_json(capsys, tmp_path)
-    _, bundled = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    _, bundled = plan_json(capsys, GEMMA4_26B_CONFIG_PATH)
     assert (
         hub["total_bytes_per_rank"] == bundled["total_bytes_per_rank"]
         and hub["groups"] == bundled["groups"]
@@ -272,7 +273,7 @@ def test_the_int8_experts_build_does_not_fit_an_inf2_xlarge_by_default(capsys):
     infers."""
     code, report = plan_json(
         capsys,
-        memory.GEMMA4_26B_CONFIG_PATH,
+        GEMMA4_26B_CONFIG_PATH,
         "--scheme",
         "int8_experts",
         "--instance",
@@ -290,18 +291,18 @@ def test_the_int8_experts_build_does_not_fit_an_inf2_xlarge_by_default(capsys):
     )
     # short at every allowance above the window's low end
     assert report["headroom_gb_if_low"] == 0.0
-    code, squeeze = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--instance", "inf2.xlarge")
+    code, squeeze = plan_json(capsys, GEMMA4_26B_CONFIG_PATH, "--instance", "inf2.xlarge")
     assert code == 0 and squeeze["verdict"] == "fits" and squeeze["headroom_gb"] == 0.0
 
 
 def test_the_allowance_is_printed_and_can_be_set(capsys):
-    assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH), "--scheme", "int8_experts"]) == 1
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH), "--scheme", "int8_experts"]) == 1
     text = capsys.readouterr().out
     assert "2.47-3.84 GB" in text
     assert "Try --scheme int8_squeeze" in text
     code, report = plan_json(
         capsys,
-        memory.GEMMA4_26B_CONFIG_PATH,
+        GEMMA4_26B_CONFIG_PATH,
         "--scheme",
         "int8_experts",
         "--runtime-allowance",
@@ -314,23 +315,18 @@ def test_the_allowance_is_printed_and_can_be_set(capsys):
     }
     # the documented floor alone: it "fits"
     assert report["headroom_gb"] == pytest.approx(1.83, abs=0.01)
-    err = refused(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--runtime-allowance", "-1")
+    err = refused(capsys, GEMMA4_26B_CONFIG_PATH, "--runtime-allowance", "-1")
     assert "--runtime-allowance: '-1'" in err and "GB" in err
 
 
 def test_headroom_inside_the_window_is_marginal(capsys):
     """int8 experts and dense MLP, bf16 head: it fits only if the runtime took little, so exit 3."""
-    code, report = plan_json(
-        capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", "int8_experts_shared_mlp"
-    )
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH, "--scheme", "int8_experts_shared_mlp")
     assert code == 3 and report["verdict"] == "marginal" and report["instance"] == "inf2.xlarge"
     assert (
         report["headroom_gb"] < 0 < report["headroom_gb_if_low"] and report["cheapest_fit"] is None
     )
-    assert (
-        cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH), "--scheme", "int8_experts_shared_mlp"])
-        == 3
-    )
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH), "--scheme", "int8_experts_shared_mlp"]) == 3
     assert "MARGINAL on inf2.xlarge" in capsys.readouterr().out
 
 
@@ -341,7 +337,7 @@ def test_headroom_inside_the_window_is_marginal(capsys):
 def test_decode_predictions_per_instance_are_notebook_07s_model(capsys):
     from gemma_nb import decode_roofline
 
-    _, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    _, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH)
     config = memory.load_gemma4_26b_config()
     story = decode_roofline.story_decode(config)
     xlarge = next(row for row in report["instances"] if row["instance"] == "inf2.xlarge")
@@ -373,7 +369,7 @@ def test_decode_predictions_per_instance_are_notebook_07s_model(capsys):
 
 
 def test_parameter_counts_in_the_output(capsys):
-    _, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    _, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH)
     params, table = report["params"], 262144 * 2816
     assert (
         params["total"] == 25_233_141_760
@@ -385,7 +381,7 @@ def test_parameter_counts_in_the_output(capsys):
     assert (
         params["active_excl_input_embedding"] == params["active"] - table and params["towers"] == 0
     )
-    assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH)]) == 0
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH)]) == 0
     assert (
         "parameters: 25.233B total (24.495B without the input embedding), 3.823B active"
         in capsys.readouterr().out
@@ -417,10 +413,7 @@ def test_a_json_array_is_not_a_config(tmp_path, capsys):
 
 
 def test_more_ranks_than_the_instance_has_cores_is_a_verdict(capsys):
-    assert (
-        cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH), "--tp", "4", "--instance", "inf2.xlarge"])
-        == 1
-    )
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH), "--tp", "4", "--instance", "inf2.xlarge"]) == 1
     text = capsys.readouterr().out
     assert "TP=4 needs 4 NeuronCores; inf2.xlarge has 2" in text
     assert "fits: inf2.24xlarge" in text
@@ -428,10 +421,10 @@ def test_more_ranks_than_the_instance_has_cores_is_a_verdict(capsys):
 
 def test_tp_zero_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH), "--tp", "0"])
+        cli(["plan", str(GEMMA4_26B_CONFIG_PATH), "--tp", "0"])
     assert exit_info.value.code == 2 and "argument --tp: '0'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tp=0.*>= 1"):
-        memory.tp_problem(memory.load_gemma4_26b_config(), 0)
+        params.tp_problem(memory.load_gemma4_26b_config(), 0)
 
 
 # Verdicts that promise no more than the box gives
@@ -440,7 +433,7 @@ def test_tp_zero_is_refused_by_the_parser(capsys):
 
 @pytest.mark.parametrize("scheme", ["mxfp4_experts", "nvfp4_experts"])
 def test_fp4_is_not_loadable_whatever_its_bytes(capsys, scheme):
-    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH, "--scheme", scheme)
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH, "--scheme", scheme)
     fp4 = scheme.split("_")[0]
     assert code == 1 and report["verdict"] == "not loadable" and not report["fits"]
     assert report["instance"] is None and report["cheapest_fit"] is None
@@ -451,7 +444,7 @@ def test_fp4_is_not_loadable_whatever_its_bytes(capsys, scheme):
     code = cli(
         [
             "plan",
-            str(memory.GEMMA4_26B_CONFIG_PATH),
+            str(GEMMA4_26B_CONFIG_PATH),
             "--scheme",
             scheme,
             "--instance",
@@ -467,12 +460,12 @@ def test_fp4_is_not_loadable_whatever_its_bytes(capsys, scheme):
 def test_the_roofline_is_labelled_an_upper_bound_beside_the_measured_speed(capsys):
     from gemma_nb.story import CLAIMS
 
-    code, report = plan_json(capsys, memory.GEMMA4_26B_CONFIG_PATH)
+    code, report = plan_json(capsys, GEMMA4_26B_CONFIG_PATH)
     assert report["decode"]["basis"].startswith("upper bounds, from a bandwidth roofline")
     assert report["decode"]["measured_tok_s"] == CLAIMS["decode_tok_s"].value == 6.0
     xlarge = next(row for row in report["instances"] if row["instance"] == "inf2.xlarge")
     assert xlarge["decode"]["batch_1"]["dense"]["tok_s"] > 5 * report["decode"]["measured_tok_s"]
-    assert cli(["plan", str(memory.GEMMA4_26B_CONFIG_PATH)]) == 0
+    assert cli(["plan", str(GEMMA4_26B_CONFIG_PATH)]) == 0
     text = capsys.readouterr().out
     assert "upper bounds on tok/s (all streams), lower bounds on $ per million tokens" in text
     assert "measured, for scale: 6 tok/s, the port's 26B with dense experts on inf2.xlarge" in text

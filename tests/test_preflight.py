@@ -146,7 +146,7 @@ def test_disk():
 
 
 def gemma_26b_folder(tmp_path):
-    from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
+    from gemma_nb.params import GEMMA4_26B_CONFIG_PATH
 
     folder = tmp_path / "gemma"
     folder.mkdir()

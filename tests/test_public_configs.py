@@ -69,7 +69,7 @@ def test_mla_kv_cache_is_the_latent_and_the_heads_are_the_configs(capsys):
     assert {(layer.q_heads, layer.head_dim, layer.latent_dim) for layer in layers} == {
         (16, 192, 576)
     }
-    assert memory.kv_cache_bytes_per_token(config, 2, "bf16") == 27 * 576 * 2  # whole on every rank
+    assert memory.kv_cache_bytes(config, 2, 1, dtype="bf16") == 27 * 576 * 2  # whole on every rank
     assert memory.valid_tp_degrees(config, 24) == [1, 2, 4, 8, 16]
     # MLA's down-projection to the latent is replicated, not split by TP
     records = {rec.name: rec for rec in memory.model_facts(config).records}

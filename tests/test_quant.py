@@ -105,9 +105,9 @@ def test_int8_zero_row_outlier_and_port_formula():
     assert torch.equal(q, torch.round(weight / expected_scale).clamp(-127, 127).to(torch.int8))
 
 
-def test_int8_axes_and_stacks():
+def test_int8_stacks_quantize_per_expert():
     stack = torch.randn(3, 5, 7)
-    q, scale = quantize_int8_per_channel(stack, axis=1)
+    q, scale = quantize_int8_per_channel(stack)
     assert scale.shape == (3, 5, 1)
     for e in range(3):
         qe, se = quantize_int8_per_channel(stack[e])
@@ -116,7 +116,7 @@ def test_int8_axes_and_stacks():
 
 def test_quantize_int8_equals_the_port_quantizer_even_in_small_chunks(monkeypatch):
     weight = torch.randn(2, 48, 40, dtype=torch.bfloat16)
-    q, scale = quantize_int8_per_channel(weight, axis=1)
+    q, scale = quantize_int8_per_channel(weight)
     monkeypatch.setattr(formats, "CHUNK_ELEMENTS", 7 * 40)  # chunks cut across the two experts
     qt = quantize(weight, "int8")
     assert torch.equal(qt.data, q) and torch.equal(qt.scale, scale)

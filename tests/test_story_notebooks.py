@@ -27,7 +27,7 @@ import page_width
 import pytest
 
 from gemma_nb import decode_roofline, display
-from gemma_nb.memory import GEMMA4_26B_CONFIG_PATH
+from gemma_nb.params import GEMMA4_26B_CONFIG_PATH
 from gemma_nb.paths import NOTEBOOKS_DIR, OUTPUTS_DIR
 from gemma_nb.story import CLAIMS
 from gemma_nb.tools.run import KERNEL_NAME, kernelspec_metadata

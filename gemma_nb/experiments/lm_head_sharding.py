@@ -76,15 +76,14 @@ def quantize_rows(
     stop: int,
     hidden_size: int,
     out_rows: int | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and fp32 scales of rows ``[start, stop)`` read in chunks through ``rows_fn(a, b)``,
     padded to ``out_rows``."""
     out_rows = stop - start if out_rows is None else out_rows
     q = torch.zeros(out_rows, hidden_size, dtype=torch.int8)
     scale = torch.zeros(out_rows, 1, dtype=torch.float32)
-    for a in range(start, stop, chunk_rows):
-        b = min(a + chunk_rows, stop)
+    for a in range(start, stop, DEFAULT_CHUNK_ROWS):
+        b = min(a + DEFAULT_CHUNK_ROWS, stop)
         rows = rows_fn(a, b)
         assert tuple(rows.shape) == (b - a, hidden_size), (a, b, rows.shape)
         # fp32 in: the same numbers (the quantizer upcasts anyway), fewer slow bf16 kernels on CPUs

@@ -14,7 +14,7 @@ from gemma_nb.memory import (
     SHIPPED_CONTEXT_LEN,
     Plan,
     allowance_window,
-    kv_cache_bytes_per_token,
+    kv_cache_bytes,
     param_summary,
     plan,
 )
@@ -134,7 +134,7 @@ def story_figures(config, tp: int = 2, context_len: int = SHIPPED_CONTEXT_LEN) -
         / GB,
         "hbm_per_core_gb": host.hbm_per_core_bytes / GB,
         "host_embedding_gb": squeeze.table.set_index("group").loc["embeddings", "host_bytes"] / GB,
-        "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes_per_token(config, tp, "bf16")),
+        "kv_cache_bytes_per_token_per_rank": float(kv_cache_bytes(config, tp, 1, dtype="bf16")),
     }
 
 

@@ -218,13 +218,13 @@ def run_deploy(kind: str, source: str | Path, prompt: list[int], max_new_tokens:
     }
 
 
-def _measured(job: dict, interval_s: float, timeout_s: float) -> dict:
+def _measured(job: dict, interval_s: float) -> dict:
     """``main(job)`` in a fresh process under the RSS sampler: its result, peak RSS and HWM, wall
     time and RSS trace."""
     run = run_measured(
         [sys.executable, "-m", "gemma_nb.experiments.slim_deploy", json.dumps(job)],
         interval_s=interval_s,
-        timeout_s=timeout_s,
+        timeout_s=600.0,
         env={"HF_HUB_OFFLINE": "1"},
     )
     return {
@@ -242,7 +242,6 @@ def measure_deploy(
     prompt: list[int],
     max_new_tokens: int,
     interval_s: float = 0.02,
-    timeout_s: float = 600.0,
 ) -> dict:
     """``run_deploy`` in a fresh process under the RSS sampler; ``cold_start_s``: process start to
     first token."""
@@ -255,7 +254,6 @@ def measure_deploy(
             "max_new_tokens": max_new_tokens,
         },
         interval_s,
-        timeout_s,
     )
     result["cold_start_s"] = result.pop("first_token_epoch") - started
     return result
@@ -274,7 +272,6 @@ def measure_compile(
             "max_new_tokens": max_new_tokens,
         },
         interval_s=0.05,
-        timeout_s=600.0,
     )
 
 

@@ -283,7 +283,7 @@ def convert_checkpoint(hf_state: dict, config, dtype=torch.bfloat16) -> dict:
             continue
         if ".mlp." in name and name.endswith("_proj.weight"):
             prefix = f"lm.{name.removesuffix('.weight')}"
-            q, scale = quantize_int8_per_channel(tensor, axis=0, name=prefix)
+            q, scale = quantize_int8_per_channel(tensor, name=prefix)
             out.update({f"{prefix}.weight": q, f"{prefix}.scale": scale})
             continue
         out[f"lm.{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -128,7 +128,7 @@ def experts_checkpoint(
     out = {}
     for name, tensor in (("gate_up", gate_up_proj), ("down", down_proj)):
         # [E, out, in], [E, out, 1]
-        q, scale = quantize_int8_per_channel(tensor, axis=1, name=f"{prefix}{name}")
+        q, scale = quantize_int8_per_channel(tensor, name=f"{prefix}{name}")
         out[f"{prefix}{name}.weight"] = q.transpose(1, 2).contiguous()  # NxD's int8 [E, in, out]
         out[f"{prefix}{name}.scale"] = scale.transpose(1, 2).contiguous()  # fp32 [E, 1, out]
     return out

@@ -42,7 +42,7 @@ def trim_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def lm_head_state_dict(embed_weight: torch.Tensor, prefix: str = HEAD_PREFIX) -> dict:
     """The untied head's full checkpoint entries from the embedding table ``[V, H]``: int8 weight
     and fp32 scale."""
-    q, scale = quantize_int8_per_channel(embed_weight.detach(), axis=0, name=EMBED_KEY)
+    q, scale = quantize_int8_per_channel(embed_weight.detach(), name=EMBED_KEY)
     return {f"{prefix}weight": q, f"{prefix}scale": scale}
 
 
@@ -74,9 +74,7 @@ class HeadOnly(nn.Module):
         return trim_padded_logits(self.lm_head(hidden), self.vocab_size)
 
 
-def compile_lm_head(
-    embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1, compiler_workdir: str | None = None
-):
+def compile_lm_head(embed_weight: torch.Tensor, tp: int = 2, tokens: int = 1):
     """The head alone traced, compiled and loaded on ``tp`` NeuronCores: an NxDModel, ``[1, tokens,
     H]`` -> logits."""
     # the install hint if the SDK is missing, the transformers-5 workaround if it needs one
@@ -92,7 +90,7 @@ def compile_lm_head(
         traced = ModelBuilder(HeadOnly(hidden_size, vocab_size, pad)).trace(
             args=(example,), tag="lm_head"
         )
-        nxd_model = traced.compile(compiler_workdir=compiler_workdir)
+        nxd_model = traced.compile()
     # force_custom_init_on_device, as ModelBuilder itself builds for sharding: without it NxD hands
     # over to accelerate's init_on_device, which NxD documents as resetting requires_grad (an int8
     # weight cannot)

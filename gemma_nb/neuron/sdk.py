@@ -134,7 +134,6 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
         raise ImportError(f"cannot use the Neuron SDK: {status.message()}")
     if status.fx_problem:
         note(FX_NOTE)
-    import torch_neuronx
     from neuronx_distributed import NxDParallelState
     from neuronx_distributed.parallel_layers import mappings
     from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
@@ -147,7 +146,6 @@ def import_sdk(note: Callable[[str], None] = print) -> types.SimpleNamespace:
     from neuronx_distributed.trace import model_builder, model_builder_v2
 
     return types.SimpleNamespace(
-        torch_neuronx=torch_neuronx,
         NxDParallelState=NxDParallelState,
         mappings=mappings,
         quantization_layers=layers,

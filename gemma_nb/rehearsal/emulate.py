@@ -237,7 +237,6 @@ def tp_emulation(
     tp: int = 2,
     max_len: int = 32,
     bucket: int = 8,
-    timeout_s: float = 600.0,
 ) -> dict:
     """Run the neuron graphs at TP=``tp`` on ``tp`` gloo ranks and compare with the unsharded int8
     model."""
@@ -266,7 +265,7 @@ def tp_emulation(
         (model_dir, prompts_ids, expected, new_tokens, max_len, bucket),
         world_size=tp,
         threads_per_rank=1,
-        timeout_s=timeout_s,
+        timeout_s=600.0,
     )
     bf16 = [r["router"] for r in ranks]
 

@@ -185,16 +185,14 @@ def xla_python(repo_root: Path | str = REPO_ROOT) -> Path:
     return python
 
 
-def run_in_xla_env(
-    contrast: bool = False, repo_root: Path | str = REPO_ROOT, timeout_s: float = 900
-) -> dict:
+def run_in_xla_env(contrast: bool = False, timeout_s: float = 900) -> dict:
     """Run this module's check in the xla environment (a subprocess) and return its JSON report."""
-    command = [str(xla_python(repo_root)), "-m", "gemma_nb.rehearsal.lowering"] + (
+    command = [str(xla_python()), "-m", "gemma_nb.rehearsal.lowering"] + (
         ["--contrast"] if contrast else []
     )
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(repo_root).resolve())}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(REPO_ROOT.resolve())}
     done = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=repo_root, timeout=timeout_s
+        command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=timeout_s
     )
     if done.returncode:
         raise RuntimeError(

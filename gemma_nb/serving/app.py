@@ -47,7 +47,7 @@ from gemma_nb.serving.backends import (
     generate,
     message_texts,
 )
-from gemma_nb.serving.schema import APIError, error_response
+from gemma_nb.serving.schema import APIError
 
 MAX_HEAD_BYTES = 16 * 1024
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -438,11 +438,11 @@ class Gate:
             log.exception("request %s %s failed", scope["method"], scope["path"])
             if started:
                 raise  # mid-stream: nothing to do but close the connection
-            await error_response(
+            await APIError(
                 500,
                 f"the server failed on this request ({type(error).__name__}); see its log",
                 "server_error",
-            )(scope, receive, counted)
+            ).response()(scope, receive, counted)
         finally:
             slots.pop(slot, None)
 
@@ -455,28 +455,28 @@ class Gate:
         )
         declared, engine = headers.get(b"content-length", b""), self.engine
         if head > MAX_HEAD_BYTES:  # h11 caps only a head that arrives in pieces
-            return error_response(
+            return APIError(
                 431,
                 f"the request head is {head:,} bytes; at most {MAX_HEAD_BYTES:,}",
                 code="head_too_large",
                 headers=CLOSE,
-            )
+            ).response()
         if declared and b"transfer-encoding" in headers:
-            return error_response(
+            return APIError(
                 400,
                 "both Content-Length and Transfer-Encoding: the body's length is ambiguous; send "
                 "one",
                 code="ambiguous_length",
                 headers=CLOSE,
-            )
+            ).response()
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return error_response(
+            return APIError(
                 413,
                 f"the request body is {int(declared):,} bytes; at most {self.max_body_bytes:,} "
                 "(--max-body-bytes)",
                 code="body_too_large",
                 headers=CLOSE,
-            )
+            ).response()
         if queued and self.key_check is not None:
             require_key, bearer = self.key_check
             try:
@@ -484,14 +484,14 @@ class Gate:
             except APIError as error:
                 return error.response()
         if queued and len(engine.slots) >= engine.queue_size:
-            return error_response(
+            return APIError(
                 429,
                 f"the server is busy: {len(engine.slots)} requests queued or running "
                 f"(--queue-size {engine.queue_size}); retry after {RETRY_AFTER_S} s",
                 "rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+            ).response()
 
     def _bounded(self, receive):
         """``receive`` with the body bounded: 413 past ``max_body_bytes`` (a chunked body too), 408
@@ -641,14 +641,14 @@ def _error_handlers(app: FastAPI, fields: dict) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_request, error: HTTPException):
         status = error.status_code
-        return error_response(
+        return APIError(
             status,
             str(error.detail),
             getattr(error, "type", "not_found_error" if status == 404 else "invalid_request_error"),
             getattr(error, "param", None),
             getattr(error, "code", STARLETTE_CODES.get(status)),
             headers={**(error.headers or {}), **(CLOSE if status in (408, 413) else {})},
-        )
+        ).response()
 
     @app.exception_handler(ClientDisconnect)  # nobody to answer; counted as nginx logs it
     async def client_left(_request, _error):

@@ -14,24 +14,9 @@ from starlette.exceptions import HTTPException
 TOKEN_ID_MAX = 2**31 - 1
 
 
-def error_response(
-    status: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        status_code=status,
-        headers=headers,
-    )
-
-
 class APIError(HTTPException):
-    """An error answered as ``error_response(status, message, ...)``, by the app's handler of
-    HTTPException."""
+    """An error in OpenAI's body (``response()``), raised to the app's handler of HTTPException or
+    answered directly."""
 
     def __init__(
         self,
@@ -46,9 +31,8 @@ class APIError(HTTPException):
         self.type, self.param, self.code = type_, param, code
 
     def response(self) -> JSONResponse:
-        return error_response(
-            self.status_code, self.detail, self.type, self.param, self.code, self.headers
-        )
+        error = {"message": self.detail, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": error}, status_code=self.status_code, headers=self.headers)
 
 
 def excerpt(value: Any, limit: int = 40) -> str:

@@ -9,7 +9,7 @@ import sys
 import torch
 from transformers import AutoModel
 
-from gemma_nb import decode_roofline, memory
+from gemma_nb import decode_roofline, memory, params
 from gemma_nb.cli import DEFAULT_SCHEME, DEFAULT_TP
 from gemma_nb.hardware import DEVICES, GB, INSTANCES, GiB, fits, get_instance
 from gemma_nb.paths import REPO_ROOT
@@ -30,9 +30,9 @@ def read_config(source) -> PlanInput:
     """The planner's view of a config (a path, or ``read_raw_config``'s result): a multimodal
     one's text model, its towers counted apart; ValueError saying what to pass."""
     raw = (source if hasattr(source, "raw") else read_raw_config(source)).raw
-    full = memory.load_config(raw)
+    full = params.load_config(raw)
     text = full.get_text_config()
-    memory.check_causal_lm_config(text)
+    params.check_causal_lm_config(text)
     notes = [*mla_notes(text), *quantization_notes(raw)]
     if text is full:
         return PlanInput(text, 0, tuple(notes))
@@ -381,7 +381,7 @@ def advice(config, scheme: str, tp: int, context_len: int, budget: str, allowanc
     split = [
         d
         for d in range(degrees[-1] + 1, most_cores + 1)
-        if memory.tp_problem(config, d, whole_experts=False) is None
+        if params.tp_problem(config, d, whole_experts=False) is None
     ]
     return (
         f"No inf2 holds it: TP is at most {degrees[-1]} (what its heads, KV heads and experts "

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from gemma_nb import memory
+from gemma_nb import memory, params
 from gemma_nb.cli import STEPS
 from gemma_nb.hardware import GB, GiB
 from gemma_nb.neuron import sdk as neuron_sdk
@@ -333,7 +333,7 @@ def run_checks(
         None,
     )
     config = None if source is None else planner.read_config(source).config
-    problem = None if config is None else memory.tp_problem(config, tp)
+    problem = None if config is None else params.tp_problem(config, tp)
     if problem:
         model_checks.append(
             Check(
