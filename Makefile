@@ -17,7 +17,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 # No pip cache: the wheels would stay on disk beside what they unpack to (the xla one is ~8 GB).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install git-filter xla envs run lint test test-unit test-xla test-notebooks test-lowered lab clean-venv rehearse rehearse-env
+.PHONY: install git-filter xla envs run lint test test-unit test-xla test-notebooks lab clean-venv rehearse rehearse-env
 
 install: $(STAMP) git-filter
 
@@ -55,15 +55,13 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, then the rehearsal beside
-## the XLA lowering checks and nbval: the rehearsal's commands run one at a time on one core, so the
-## other core runs those two meanwhile (each target's output printed whole when it ends).
+## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, then the one-core jobs
+## two at a time, longest first: nbval's jobs, the rehearsal (its commands run one after another),
+## the XLA lowering checks (each job's output printed whole when it ends).
 test: envs
 	@$(MAKE) --no-print-directory lint test-unit
-	@$(MAKE) --no-print-directory -j2 --output-sync=target rehearse test-lowered
-
-test-lowered: test-xla
-	@$(MAKE) --no-print-directory test-notebooks
+	@$(MAKE) --no-print-directory -j2 --output-sync=target nbval-04-05 rehearse \
+		$(addprefix nbval-,$(filter-out 04-05,$(NBVAL_JOBS))) test-xla
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check gemma_nb tests notebooks
@@ -77,10 +75,15 @@ test-unit: $(STAMP)
 test-xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla -q -p no:cacheprovider
 
-# nbval re-executes the reference run under other cpu kernels, two notebooks at a time, into scratch
-# folders, never over outputs/cpu (tests/check_notebooks.py says how).
-test-notebooks: $(STAMP) $(XLA_STAMP)
-	$(PY) tests/check_notebooks.py
+# nbval re-executes the reference run under other cpu kernels into scratch folders, never over
+# outputs/cpu (tests/check_notebooks.py says how): a job per process (one core each), two at a time;
+# 05 reads 04's export, so they share a job.
+NBVAL_JOBS := 04-05 07-02 03-06-01
+test-notebooks:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix nbval-,$(NBVAL_JOBS))
+
+nbval-%: $(STAMP) $(XLA_STAMP)
+	$(PY) tests/check_notebooks.py $(subst -, ,$*)
 
 ## The rehearsal environment: .venv-xla (the SDK's torch 2.9.0 and torch-xla) plus the notebooks' packages, installed
 ## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept).

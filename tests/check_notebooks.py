@@ -2,15 +2,15 @@
 
 Every kernel starts with ``gemma_nb.targets.CHECK_KERNELS``, a kernel set other than the one the
 reference run was made with (``REFERENCE_KERNELS``), so an output that depends on the CPU's kernels
-fails here, on any machine. Two pytest processes run at once, one per group of notebooks; a notebook
-that reads what an earlier one wrote (05 reads 04's export) is in that one's group, after it. Each
-group writes into its own scratch folder, never over outputs/cpu. The kernels also see a made-up
-``HF_TOKEN``: it must appear in no output (nbval compares them) and no file the notebooks write. And
-``GEMMA_NB_TIMING=smoke``: nbval compares no timing, so every timing loop runs once
-(``gemma_nb.bench``).
+fails here, on any machine. One pytest process runs the notebooks named, in order, into a scratch
+folder, never over outputs/cpu; the Makefile runs its jobs (``NBVAL_JOBS``) two at a time, a
+notebook that reads what an earlier one wrote (05 reads 04's export) in that one's job, after it.
+The kernels also see a made-up ``HF_TOKEN``: it must appear in no output (nbval compares them) and
+no file the notebooks write. And ``GEMMA_NB_TIMING=smoke``: nbval compares no timing, so every
+timing loop runs once (``gemma_nb.bench``).
 
-    python tests/check_notebooks.py            # every notebook
-    python tests/check_notebooks.py 02 06      # some, in one process
+    python tests/check_notebooks.py            # every notebook, one process
+    python tests/check_notebooks.py 04 05      # some
 """
 
 import os
@@ -18,14 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "outputs" / "cpu"
-# 05 reads 04's export, so the two share a group; on the cpu 07 reads nothing another notebook
-# writes and joins the shorter group (reference-run papermill times: 04 + 05 ~340 s, others ~280 s)
-GROUPS = (("07", "02", "03", "06", "01"), ("04", "05"))
+EVERY = ("01", "02", "03", "04", "05", "06", "07")
 FAKE_TOKEN = "hf_fakeTOKENforTESTSnotREAL0123456789"
 sys.path.insert(0, str(REPO))
 
@@ -91,20 +88,13 @@ def finish(group, process: subprocess.Popen, scratch: str, started: float) -> tu
 
 
 def main(argv: list[str]) -> int:
-    groups = [tuple(argv)] if argv else GROUPS
+    numbers = tuple(argv) or EVERY
     kernels = " ".join(f"{k}={v}" for k, v in CHECK_KERNELS.items())
-    print(f"nbval over {' | '.join(' '.join(g) for g in groups)}, with {kernels}", flush=True)
-    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(len(groups)) as pool:
-        started = time.perf_counter()
-        folders = [f"{scratch}/{i}" for i in range(len(groups))]
-        runs = [
-            pool.submit(finish, group, start(group, folder), folder, started)
-            for group, folder in zip(groups, folders)
-        ]
-        results = [run.result() for run in runs]
-    for text, _ in results:
-        print(text, flush=True)
-    return next((code for _, code in results if code), 0)
+    print(f"nbval over {' '.join(numbers)}, with {kernels}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        text, status = finish(numbers, start(numbers, scratch), scratch, time.perf_counter())
+    print(text, flush=True)
+    return status
 
 
 if __name__ == "__main__":
