@@ -311,7 +311,7 @@ def dense(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor
 
 def sparse(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tensor:
     """Only the routed experts' weights, read in place. Decode (T x K < E): a static loop over
-    (token, expert) pairs, exportable; more tokens: ``grouped``."""
+    tokens, a token's K experts at once (``linear_each``), exportable; more tokens: ``grouped``."""
     if top_k_index.numel() >= experts.num_experts:
         return grouped(experts, x, top_k_index, top_k_weights)
     rows = []
