@@ -105,7 +105,8 @@ def test_each_step_writes_only_its_own_slots_of_the_kv_state(shipped):
 
 def test_the_check_catches_host_syncs_and_failing_fallbacks(contrast):
     sparse = contrast["sparse (cpu)"]
-    assert sparse["aten_fallbacks"] == ["aten::_local_scalar_dense"]
+    # it copies each token's expert ids to the host (tolist): no aten fallback, a transfer and a cut
+    assert sparse["aten_fallbacks"] == []
     assert sparse["device_to_host_transfers"] > 0 and sparse["xla_executions"] > 1
     assert not lowering.lowered_cleanly([sparse])
     default = contrast["transformers (cpu)"]
