@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemma_nb.targets import torch_threads
+from gemma_nb.targets import one_thread
 
 INT8_QMAX = 127
 # The port's quantizer floors the scale so an all-zero row gives scale 1e-8 and q = 0, never NaN.
@@ -290,7 +290,7 @@ def quantize(weight: torch.Tensor, fmt: str, name: str = "weight") -> QuantizedT
     )
     shape, cols = tuple(weight.shape), weight.shape[-1]
     padded = cols if spec.block_size is None else -(-cols // spec.block_size) * spec.block_size
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad(), one_thread():
         rows_view = weight.detach().reshape(-1, cols)
         rows_per_matrix, chunk_rows = shape[-2], max(1, CHUNK_ELEMENTS // max(cols, 1))
         starts = range(0, rows_view.shape[0], chunk_rows)

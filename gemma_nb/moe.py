@@ -10,7 +10,7 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
 from gemma_nb.experts import KERNELS, FloatExperts, Int8Experts, as_parameter
-from gemma_nb.targets import torch_threads
+from gemma_nb.targets import one_thread
 
 IMPLEMENTATIONS = ("transformers", *KERNELS, *(f"{name}_int8" for name in KERNELS))
 
@@ -91,7 +91,7 @@ def random_experts(
     with torch.device("meta"):
         module = Gemma4TextExperts(config)
     generator = torch.Generator(device=device).manual_seed(seed)
-    with torch_threads(1) if per_expert else contextlib.nullcontext():
+    with one_thread() if per_expert else contextlib.nullcontext():
         for name in ("gate_up_proj", "down_proj"):
             weight = torch.empty(getattr(module, name).shape, dtype=dtype, device=device)
             for part in weight.unbind() if per_expert else (weight,):

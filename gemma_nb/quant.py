@@ -12,7 +12,7 @@ from gemma_nb import formats, memory
 from gemma_nb.experts import FloatExperts, QuantizedExperts
 from gemma_nb.formats import QuantizedTensor, quantization_error, quantize
 from gemma_nb.moe import random_routing
-from gemma_nb.targets import torch_threads
+from gemma_nb.targets import one_thread
 
 
 class Int8Linear(nn.Module):
@@ -184,7 +184,7 @@ def full_size_experts_check(
     seconds per format to quantize and to dequantize the layer, the latter timed on the routed
     forward, each expert it reaches dequantized). A row per (format, tensor) plus a ``layer`` row:
     the output's relative error on ``tokens`` routed tokens."""
-    with torch_threads(1):
+    with one_thread():
         dtype = experts.gate_up_proj.dtype
         hidden = torch.randn(
             tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(seed)

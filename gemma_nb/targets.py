@@ -111,12 +111,11 @@ def neuron_checkpoint_dir(model_id: str, target: str = "neuron", override: str =
 
 
 @contextmanager
-def torch_threads(count: int):
-    """Run the block with ``count`` torch cpu threads, then restore the previous count (the
-    package's one limiter)."""
-    assert isinstance(count, int) and not isinstance(count, bool) and count >= 1, f"count={count!r}"
+def one_thread():
+    """Run the block on one torch cpu thread, then restore the previous count (the package's one
+    limiter)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(count)
+    torch.set_num_threads(1)
     try:
         yield
     finally:

@@ -13,9 +13,9 @@ def one_thread():
     """Tiny models are op-overhead bound: one torch thread is fastest, and a second one only waits
     at a barrier per op (30-100x slower on a busy 2-core box). Opt in with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    from gemma_nb.targets import torch_threads
+    from gemma_nb import targets
 
-    with torch_threads(1):
+    with targets.one_thread():
         yield
 
 

@@ -11,7 +11,7 @@ import torch
 
 from gemma_nb import bench, decode_roofline, experts
 from gemma_nb.hardware import DEVICES, GB, INSTANCES
-from gemma_nb.targets import torch_threads
+from gemma_nb.targets import one_thread
 from gemma_nb.tiny import random_gemma4_config
 
 
@@ -61,7 +61,7 @@ def test_time_generation_reports_first_token_and_equal_tokens():
     )
     before_threads = torch.get_num_threads()
     prompt = torch.tensor([[5, 6, 7, 8]])
-    with torch_threads(1):
+    with one_thread():
         timings = bench.time_generation(
             {"a": model, "b": lambda: model}, prompt, new_tokens=5, repeats=2, warmup=0
         )

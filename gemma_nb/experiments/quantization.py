@@ -17,7 +17,7 @@ from gemma_nb.hardware import GB, GiB
 from gemma_nb.modelio import load_model, resolve_model_id
 from gemma_nb.neuron.checkpoint import text_config
 from gemma_nb.peak_rss import HostMemorySampler
-from gemma_nb.targets import torch_threads
+from gemma_nb.targets import one_thread
 from gemma_nb.tiny.corpus import HELD_OUT
 
 HELD_OUT_TEXT = "held-out"  # eval_text naming the bundled corpus's held-out split
@@ -184,7 +184,7 @@ def bf16_matmul_flops_per_s(config, tokens: int) -> float:
     x, weight = (
         torch.randn(*s, generator=generator).bfloat16() for s in ((tokens, shape[1]), shape)
     )
-    with torch_threads(1):
+    with one_thread():
         steps = time_steps({"matmul": lambda _: F.linear(x, weight)}, 3, repeats=1)
     return 2 * tokens * weight.numel() / (steps.p50_ms("matmul") / 1000)
 
