@@ -56,9 +56,11 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 0, **config):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # A test ends with requests still running (a long answer holding the queue): half a second of
+    # grace, then uvicorn cancels them, instead of idling out the serve command's 5 s.
     server = uvicorn.Server(
         serve.uvicorn_config(
-            app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **config
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=0.5, **config
         )
     )
     thread = threading.Thread(

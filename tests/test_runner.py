@@ -30,13 +30,28 @@ SAVE_METRICS = (
 )
 
 
-@pytest.fixture
-def notebooks(tmp_path):
-    folder = tmp_path / "notebooks"
+def _two_notebooks(folder):
     folder.mkdir()
     _write_notebook(folder, "01_first.ipynb", SAVE_METRICS.format(stem="01_first"))
     _write_notebook(folder, "02_second.ipynb", SAVE_METRICS.format(stem="02_second"))
     return folder
+
+
+@pytest.fixture
+def notebooks(tmp_path):
+    return _two_notebooks(tmp_path / "notebooks")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """The two notebooks run once, the second also writing a second metrics file: each kernel
+    imports gemma_nb (seconds), so the tests below read this run, or run again on a copy of it."""
+    folder = _two_notebooks(tmp_path_factory.mktemp("first_run") / "notebooks")
+    extra = SAVE_METRICS.format(stem="02_extra").replace("'answer'", "'extra'")
+    _write_notebook(folder, "02_second.ipynb", SAVE_METRICS.format(stem="02_second") + "\n" + extra)
+    out = folder.parent / "out"
+    results = runner.run("cpu", output_dir=out, notebooks_dir=folder, progress=False)
+    return out, results
 
 
 def test_unknown_target_is_named():
@@ -67,9 +82,8 @@ def test_select_by_number_and_unknown_selector(notebooks):
         runner.select_notebooks(found, "07")
 
 
-def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
-    out = tmp_path / "out"
-    results = runner.run("cpu", output_dir=out, notebooks_dir=notebooks, progress=False)
+def test_run_writes_notebooks_summary_and_report(first_run):
+    out, results = first_run
     assert [r.name for r in results] == ["01_first", "02_second"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["notebooks"]["02_second"]["metrics"] == {"answer": 42}
@@ -93,9 +107,9 @@ def test_run_writes_notebooks_summary_and_report(notebooks, tmp_path):
     assert [c.id for c in injected] == ["injected-parameters"]
 
 
-def test_failed_run_keeps_previous_outputs(notebooks, tmp_path):
+def test_failed_run_keeps_previous_outputs(first_run, notebooks, tmp_path):
     out = tmp_path / "out"
-    runner.run("cpu", output_dir=out, notebooks_dir=notebooks, progress=False)
+    shutil.copytree(first_run[0], out)
     before = (out / "REPORT.md").read_text()
     _write_notebook(notebooks, "02_second.ipynb", "raise ValueError('boom at cell two')")
     with pytest.raises(
@@ -243,20 +257,13 @@ def test_sigterm_removes_staging_and_keeps_previous_outputs(tmp_path):
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
-def test_report_has_one_section_per_notebook_even_with_two_metrics_files(tmp_path):
-    folder = tmp_path / "notebooks"
-    folder.mkdir()
-    body = (
-        SAVE_METRICS.format(stem="07_first")
-        + "\n"
-        + SAVE_METRICS.format(stem="07_extra").replace("'answer'", "'extra'")
-    )
-    _write_notebook(folder, "07_first.ipynb", body)
-    out = tmp_path / "out"
-    runner.run("cpu", output_dir=out, notebooks_dir=folder, progress=False)
-    report = (out / "REPORT.md").read_text()
-    assert [line for line in report.splitlines() if line.startswith("## ")] == ["## 07_first"]
-    assert "Also written: `metrics/07_extra.json`" in report and "| extra | 42 | x |" in report
+def test_report_has_one_section_per_notebook_even_with_two_metrics_files(first_run):
+    report = (first_run[0] / "REPORT.md").read_text()
+    assert [line for line in report.splitlines() if line.startswith("## ")] == [
+        "## 01_first",
+        "## 02_second",
+    ]
+    assert "Also written: `metrics/02_extra.json`" in report and "| extra | 42 | x |" in report
 
 
 def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path):

@@ -619,7 +619,7 @@ def hostile_requests(draw):
 
 
 @settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     database=None,

@@ -49,10 +49,12 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(serve_in_thr
                 f"Authorization: Bearer {KEY}",
                 "--phases",
                 "fuzzing",
+                # 40 bodies an operation; this seed gets each generation route 14 or more
+                # accepted and refused ones (checked below)
                 "--max-examples",
-                "80",
+                "40",
                 "--seed",
-                "21",
+                "3",
                 "--workers",
                 "1",
                 "--no-color",
