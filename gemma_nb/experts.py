@@ -316,11 +316,10 @@ def sparse(experts: RoutedExperts, x, top_k_index, top_k_weights) -> torch.Tenso
         return grouped(experts, x, top_k_index, top_k_weights)
     rows = []
     for t in range(x.shape[0]):
-        ids = top_k_index[t].tolist()  # eager: forward's check_routing has range-checked them
-        if gemv.is_tracing():  # unbacked ints: bounded for the graph
-            for expert in ids:
-                torch._check(expert >= 0)
-                torch._check(expert < experts.num_experts)
+        ids = top_k_index[t].tolist()
+        for expert in ids if gemv.is_tracing() else (min(ids), max(ids)):  # traced: unbacked ints
+            torch._check(expert >= 0)
+            torch._check(expert < experts.num_experts)
         hidden = gated(experts.linear_each(x[t : t + 1], "gate_up", ids), experts.act_fn)
         outputs = experts.linear_each(hidden, "down", ids)  # [K, H]
         rows.append(top_k_weights[t : t + 1].float() @ outputs.float())  # [1, H]
