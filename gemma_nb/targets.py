@@ -22,7 +22,7 @@ NEURON_HELP = (
 )
 
 # Cells tagged so are the notebooks' cpu measurements: the runner skips them on the neuron target
-# (measures_cpu).
+# and in a run that times a remote endpoint (tools/run.py, execute_one).
 CPU_MEASUREMENT_TAG = "cpu-measurement"
 
 # The cpu kernels (and thread count) of every reference run, the same on any AVX2 machine
@@ -67,12 +67,6 @@ def check_target(target: str) -> str:
             "run on a GPU machine with a CUDA build of torch (see README, 'Targets')"
         )
     return target
-
-
-def measures_cpu(target: str) -> bool:
-    """Whether a run for ``target`` executes the cells tagged ``CPU_MEASUREMENT_TAG``: every target
-    but neuron."""
-    return check_target_name(target) != "neuron"
 
 
 def torch_device(target: str) -> str:

@@ -1,10 +1,10 @@
-"""What each notebook runs on the neuron target: its neuron cells, never a cpu measurement it
+"""What each notebook runs on the neuron target and in an endpoint run: never a cpu measurement it
 depends on.
 
-The runner skips the cells tagged ``cpu-measurement`` on the neuron target
-(``gemma_nb.targets.measures_cpu``); these checks read the notebooks' source, so a neuron run that
-would stop on a name only a skipped cell defines (or on the XLA check, which needs ``.venv-xla``)
-fails here, on any machine.
+The runner skips the cells tagged ``cpu-measurement`` on the neuron target and when ``-p endpoint``
+is set (``gemma_nb.tools.run.execute_one``); these checks read the notebooks' source, so a run that
+would stop on a name only a skipped cell defines (or, on neuron, on the XLA check, which needs
+``.venv-xla``) fails here, on any machine.
 """
 
 import ast
@@ -25,9 +25,11 @@ def _code_cells(path):
             yield "".join(cell["source"]), CPU_MEASUREMENT_TAG in cell["metadata"].get("tags", [])
 
 
-class _OnNeuron(ast.NodeTransformer):
-    """Keeps what runs on the neuron target: the ``else`` of an ``if target == "<another
-    target>":``."""
+class _On(ast.NodeTransformer):
+    """Keeps what runs on ``target``: the ``else`` of an ``if target == "<another target>":``."""
+
+    def __init__(self, target: str):
+        self.target = target
 
     def visit_If(self, node):
         test = node.test
@@ -36,17 +38,17 @@ class _OnNeuron(ast.NodeTransformer):
             and isinstance(test.left, ast.Name)
             and test.left.id == "target"
             and isinstance(test.ops[0], ast.Eq)
-            and getattr(test.comparators[0], "value", "neuron") != "neuron"
+            and getattr(test.comparators[0], "value", self.target) != self.target
         ):
             return [self.visit(child) for child in node.orelse]
         return self.generic_visit(node)
 
 
-def _names(source: str, context) -> set[str]:
+def _names(source: str, context, target: str) -> set[str]:
     tree = ast.parse(
         "\n".join(line for line in source.splitlines() if not line.startswith(("%", "!")))
     )
-    tree = ast.fix_missing_locations(_OnNeuron().visit(tree))
+    tree = ast.fix_missing_locations(_On(target).visit(tree))
     found = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, context)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and context is ast.Store:
@@ -62,19 +64,29 @@ def _names(source: str, context) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_a_neuron_run_never_reads_what_only_a_skipped_cell_defines(path):
-    cells = list(_code_cells(path))
-    defined_on_neuron = set(dir(builtins)) | {"display", "target"}
-    for source, skipped in cells:
+def _parameters(path) -> set[str]:
+    cell = json.loads(path.read_text())["cells"][1]
+    return {node.targets[0].id for node in ast.parse("".join(cell["source"])).body}
+
+
+# every notebook on neuron; on cpu, the notebook that takes an endpoint, with one set
+RUNS = [(p, "neuron") for p in NOTEBOOKS] + [
+    (p, "cpu") for p in NOTEBOOKS if "endpoint" in _parameters(p)
+]
+
+
+@pytest.mark.parametrize("path, target", RUNS, ids=lambda v: getattr(v, "stem", v))
+def test_a_run_that_skips_the_cpu_measurements_never_reads_what_only_they_define(path, target):
+    defined = set(dir(builtins)) | {"display", "target"}
+    for source, skipped in _code_cells(path):
         if skipped:
             continue
-        missing = _names(source, ast.Load) - defined_on_neuron - _names(source, ast.Store)
+        missing = _names(source, ast.Load, target) - defined - _names(source, ast.Store, target)
         assert not missing, (
-            f"{path.stem}: a cell run on the neuron target reads {sorted(missing)}, which only "
+            f"{path.stem}: a cell run on the {target} target reads {sorted(missing)}, which only "
             f"cells tagged {CPU_MEASUREMENT_TAG!r} define:\n{source[:300]}"
         )
-        defined_on_neuron |= _names(source, ast.Store)
+        defined |= _names(source, ast.Store, target)
 
 
 def test_the_xla_check_and_the_cpu_measurements_are_skipped_on_the_neuron_target():

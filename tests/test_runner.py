@@ -288,9 +288,9 @@ def test_a_partial_run_links_the_previous_artifacts_and_copies_the_rest(tmp_path
     assert model.read_bytes() == b"compiled model"
 
 
-def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
-    """A neuron run spends its time on the device: the cpu measurements are skipped, the rest
-    runs."""
+def test_the_neuron_target_and_an_endpoint_run_skip_the_cells_tagged_cpu_measurement(tmp_path):
+    """A neuron run spends its time on the device, an endpoint run on the server: the cpu
+    measurements are skipped, the rest runs."""
     from gemma_nb.targets import CPU_MEASUREMENT_TAG
 
     nb = nbformat.v4.new_notebook()
@@ -306,18 +306,15 @@ def test_the_neuron_target_skips_the_cells_tagged_cpu_measurement(tmp_path):
     }
     source = tmp_path / "04_x.ipynb"
     nbformat.write(nb, source)
-    for target in ("neuron", "cpu"):
+    with pytest.raises(Exception, match="a cpu measurement ran on cpu"):
+        runner.execute_one(source, tmp_path, "cpu", {"endpoint": ""}, progress=False)
+    for target, parameters in (("neuron", {}), ("cpu", {"endpoint": "http://127.0.0.1:9/v1"})):
         staging = tmp_path / target
         staging.mkdir()
-        if target == "cpu":
-            with pytest.raises(Exception, match="a cpu measurement ran on cpu"):
-                runner.execute_one(source, staging, target, {}, progress=False)
-            continue
-        runner.execute_one(source, staging, target, {}, progress=False)
+        runner.execute_one(source, staging, target, parameters, progress=False)
         executed = nbformat.read(staging / source.name, as_version=4)
-        assert (
-            executed.cells[2].outputs == [] and "ran neuron" in executed.cells[3].outputs[0]["text"]
-        )
+        assert executed.cells[2].outputs == []
+        assert f"ran {target}" in executed.cells[3].outputs[0]["text"]
 
 
 def test_report_writes_a_claim_as_its_source_wrote_it(tmp_path):

@@ -26,7 +26,7 @@ from gemma_nb.metrics import target_cells, write_json_atomic
 from gemma_nb.neuron.sdk import check_target_with_sdk
 from gemma_nb.paths import ARTIFACTS, NOTEBOOKS_DIR, OUTPUT_DIR_ENV, OUTPUTS_DIR, display_path
 from gemma_nb.story import get_claim
-from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS, measures_cpu
+from gemma_nb.targets import CPU_MEASUREMENT_TAG, REFERENCE_KERNELS
 
 KERNEL_NAME = "python3"
 
@@ -141,9 +141,10 @@ class QuietShutdownKernelManager(AsyncKernelManager):
 def execute_one(
     notebook: Path, staging: Path, target: str, parameters: dict, progress: bool
 ) -> None:
-    """Run one notebook with papermill, skipping the ``CPU_MEASUREMENT_TAG`` cells where ``not
-    measures_cpu(target)``."""
-    skip = {} if measures_cpu(target) else {"skip_cells_with_tag": CPU_MEASUREMENT_TAG}
+    """Run one notebook with papermill, skipping the ``CPU_MEASUREMENT_TAG`` cells on the neuron
+    target and where ``parameters`` name an ``endpoint`` (that run times the server, not this
+    machine)."""
+    skip = target == "neuron" or bool(parameters.get("endpoint"))
     papermill.execute_notebook(
         str(notebook),
         str(staging / notebook.name),
@@ -155,7 +156,7 @@ def execute_one(
         progress_bar={"desc": f"{notebook.stem:<28}", "unit": "cell", "leave": True}
         if progress
         else False,
-        **skip,
+        **({"skip_cells_with_tag": CPU_MEASUREMENT_TAG} if skip else {}),
     )
 
 
