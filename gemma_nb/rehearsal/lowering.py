@@ -31,6 +31,8 @@ from gemma_nb.tiny import BUNDLED_TP2_ID, TP2_CHECKPOINT_DIR
 
 XLA_PYTHON_ENV = "GEMMA_NB_XLA_PYTHON"
 XLA_VENV = ".venv-xla"
+# XLA's cpu backend only runs the graphs to check them: no LLVM optimization (half the compile time)
+CPU_BACKEND_FLAG = "--xla_backend_optimization_level=0"
 # Allowed |logits(XLA) - logits(eager)| in ulps of the largest |logit|: XLA fuses and reorders, so
 # it rounds differently; in bf16 the roundings compound through the layers (of the size of each
 # row's ``bf16_rounding``).
@@ -255,6 +257,8 @@ def lowering_tables(report: dict):
 
 def _import_xla():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    if CPU_BACKEND_FLAG not in (flags := os.environ.get("XLA_FLAGS", "")):  # read at first use
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_BACKEND_FLAG}".strip()
     try:
         import torch_xla
         import torch_xla.debug.metrics as metrics

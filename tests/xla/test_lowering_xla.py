@@ -61,6 +61,8 @@ def test_the_environment_is_the_sdk_s_torch():
 def test_every_graph_the_build_traces_is_checked_at_tp_1_and_2(shipped):
     assert list(shipped) == GRAPHS
     assert [row["tokens"] for row in shipped.values()] == [128, 1, 1, 1] * 2
+    # compiled by XLA's cpu backend without LLVM's optimizations (read when the client starts)
+    assert lowering.CPU_BACKEND_FLAG in os.environ["XLA_FLAGS"].split()
 
 
 @pytest.mark.parametrize("key", GRAPHS, ids=lambda key: "-".join(map(str, key)))
