@@ -55,13 +55,15 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## ruff format --check and ruff check (pyproject's [tool.ruff]), unit tests, then the one-core jobs
-## two at a time, longest first: nbval's jobs, the rehearsal (its commands run one after another),
-## the XLA lowering checks (each job's output printed whole when it ends).
-test: envs
-	@$(MAKE) --no-print-directory lint test-unit
-	@$(MAKE) --no-print-directory -j2 --output-sync=target nbval-04-05 rehearse \
-		$(addprefix nbval-,$(filter-out 04-05,$(NBVAL_JOBS))) test-xla
+## Two at a time, each as soon as its environment is installed: ruff format --check and ruff check
+## (pyproject's [tool.ruff]), then the one-core jobs, longest first where they can start (an nbval
+## job that needs only .venv runs while .venv-xla installs): nbval's jobs, the rehearsal (its
+## commands run one after another), the XLA lowering checks (each job's output printed whole when
+## it ends). Then the unit tests, on both cores.
+test: git-filter
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint nbval-03-06-01 rehearse \
+		nbval-04-05 nbval-07-02 test-xla
+	@$(MAKE) --no-print-directory test-unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check gemma_nb tests notebooks
@@ -78,12 +80,14 @@ test-xla: $(XLA_STAMP)
 # nbval re-executes the reference run under other cpu kernels into scratch folders, never over
 # outputs/cpu (tests/check_notebooks.py says how): a job per process (one core each), two at a time;
 # 05 reads 04's export, so they share a job.
-NBVAL_JOBS := 04-05 07-02 03-06-01
+NBVAL_JOBS := 03-06-01 04-05 07-02
 test-notebooks:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix nbval-,$(NBVAL_JOBS))
 
-nbval-%: $(STAMP) $(XLA_STAMP)
+nbval-%: $(STAMP)
 	$(PY) tests/check_notebooks.py $(subst -, ,$*)
+
+nbval-04-05: $(XLA_STAMP)  # 04's lowering check runs in .venv-xla
 
 ## The rehearsal environment: .venv-xla (the SDK's torch 2.9.0 and torch-xla) plus the notebooks' packages, installed
 ## as the runbook installs them on the box (envs/neuron/install.sh: the environment's torch and numpy kept).
