@@ -55,15 +55,21 @@ $(STAMP): pyproject.toml
 run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
-## Two at a time, each as soon as its environment is installed: ruff format --check and ruff check
-## (pyproject's [tool.ruff]), then the one-core jobs, longest first where they can start (an nbval
-## job that needs only .venv runs while .venv-xla installs): nbval's jobs, the rehearsal (its
-## commands run one after another), the XLA lowering checks (each job's output printed whole when
-## it ends). Then the unit tests, on both cores.
+## ruff format --check and ruff check (pyproject's [tool.ruff]) and the one-core jobs in two lanes,
+## each job's output printed whole when it ends: .venv, ruff, nbval over 03-06-01 (while .venv-xla
+## installs), over 04-05, the XLA lowering checks; .venv-xla, the rehearsal (its commands run one
+## after another), nbval over 07-02. Then the unit tests, on both cores.
 test: git-filter
-	@$(MAKE) --no-print-directory -j2 --output-sync=target lint nbval-03-06-01 rehearse \
-		nbval-04-05 nbval-07-02 test-xla
+	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-06-01 \
+		rehearse nbval-04-05 nbval-07-02 test-xla
 	@$(MAKE) --no-print-directory test-unit
+
+# make -j starts any job whose prerequisites are done, in no set order: these hold the lanes above.
+ifdef TEST_LANES
+nbval-04-05: | nbval-03-06-01
+test-xla: | nbval-04-05
+nbval-07-02: | rehearse
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check gemma_nb tests notebooks
