@@ -158,9 +158,8 @@ def test_02_scores_every_scheme_and_the_head_alone_and_fits_the_26b_evaluation()
 def test_sparse_beats_dense_by_at_least_12x_with_the_same_tokens():
     """Notebook 07's (2): more than 12x in both dtypes. The probe is a floor no step beats; bf16
     within 1.5x of it; int8's GEMV, slowed by converting weights, reaches fewer GB/s than bf16's,
-    and the int8 step takes a little over half the bf16 step's time (its floor ratio follows the
-    machine's read speed: the verdict table says whether it met 1.5x); the rest is the tiny-width
-    layer's overhead."""
+    and the int8 step takes a little over half the bf16 step's time, further from its floor (the
+    verdict table says whether it met 1.5x); the rest is the tiny-width layer's overhead."""
     decode = metrics("07_decode_benchmark")
     assert decode["int8_sparse_vs_dense_x"] >= 12.0 and decode["bf16_sparse_vs_dense_x"] >= 12.0
     assert decode["bundled_same_tokens"] is True
