@@ -56,19 +56,19 @@ run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
 ## ruff format --check and ruff check (pyproject's [tool.ruff]) and the one-core jobs in two lanes,
-## each job's output printed whole when it ends: .venv, ruff, nbval over 03-06-01 (while .venv-xla
+## each job's output printed whole when it ends: .venv, ruff, nbval over 03-01 (while .venv-xla
 ## installs), over 04-05, the XLA lowering checks; .venv-xla, the rehearsal (its commands run one
-## after another), nbval over 07-02. Then the unit tests, on both cores.
+## after another), nbval over 07-02-06. Then the unit tests, on both cores.
 test: git-filter
-	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-06-01 \
-		rehearse nbval-04-05 nbval-07-02 test-xla
+	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-01 \
+		rehearse nbval-04-05 nbval-07-02-06 test-xla
 	@$(MAKE) --no-print-directory test-unit
 
 # make -j starts any job whose prerequisites are done, in no set order: these hold the lanes above.
 ifdef TEST_LANES
-nbval-04-05: | nbval-03-06-01
+nbval-04-05: | nbval-03-01
 test-xla: | nbval-04-05
-nbval-07-02: | rehearse
+nbval-07-02-06: | rehearse
 endif
 
 lint: $(STAMP)
@@ -87,7 +87,7 @@ test-xla: $(XLA_STAMP)
 # nbval re-executes the reference run under other cpu kernels into scratch folders, never over
 # outputs/cpu (tests/check_notebooks.py says how): a job per process (one core each), two at a time;
 # 05 reads 04's export, so they share a job.
-NBVAL_JOBS := 03-06-01 04-05 07-02
+NBVAL_JOBS := 03-01 04-05 07-02-06
 test-notebooks:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix nbval-,$(NBVAL_JOBS))
 
