@@ -32,7 +32,7 @@ git-filter:
 	git config filter.nbstripout.smudge cat
 
 ## Both environments (the xla one with the rehearsal's packages), installed side by side: installing
-## is mostly unpacking wheels, on one core each.
+## is mostly unpacking wheels.
 envs: git-filter
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(REHEARSE_STAMP)
 
@@ -56,8 +56,8 @@ run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
 ## ruff format --check and ruff check (pyproject's [tool.ruff]) and the one-core jobs in two lanes,
-## each job's output printed whole when it ends: .venv, ruff, nbval over 03-01 (while .venv-xla
-## installs), over 04-05, the XLA lowering checks; .venv-xla, the rehearsal (its commands run one
+## each job's output printed whole when it ends: .venv, ruff, nbval over 03-01 (it needs only
+## .venv), over 04-05, the XLA lowering checks; .venv-xla, the rehearsal (its commands run one
 ## after another), nbval over 07-02-06. Then the unit tests, on both cores.
 test: git-filter
 	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-01 \
