@@ -40,15 +40,15 @@ envs: git-filter
 ## notebook dependencies (--no-deps; envs/xla/requirements.txt lists what the lowering imports).
 xla: $(XLA_STAMP)
 
-$(XLA_STAMP): envs/xla/requirements.txt envs/xla/cuda-libs.txt envs/xla/install.sh pyproject.toml
+$(XLA_STAMP): envs/xla/requirements.txt envs/xla/cuda-libs.txt envs/xla/install.sh envs/uv.txt \
+		pyproject.toml
 	@test -x $(XLA_PY) || $(PYTHON) -m venv $(XLA_VENV)
 	sh envs/xla/install.sh $(XLA_PY)
 	@touch $(XLA_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml envs/cpu/install.sh envs/uv.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	sh envs/cpu/install.sh $(PY) $(EXTRAS)
 	@touch $(STAMP)
 
 ## Execute every notebook for TARGET (default cpu) into outputs/$(TARGET)/.
@@ -56,19 +56,19 @@ run: envs
 	$(PY) -m gemma_nb run --target $(TARGET) $(if $(ONLY),--only $(ONLY),)
 
 ## ruff format --check and ruff check (pyproject's [tool.ruff]) and the one-core jobs in two lanes,
-## each job's output printed whole when it ends: .venv, ruff, nbval over 03-01 (it needs only
+## each job's output printed whole when it ends: .venv, ruff, nbval over 03-06-01 (it needs only
 ## .venv), over 04-05, the XLA lowering checks; .venv-xla, the rehearsal (its commands run one
-## after another), nbval over 07-02-06. Then the unit tests, on both cores.
+## after another), nbval over 07-02. Then the unit tests, on both cores.
 test: git-filter
-	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-01 \
-		rehearse nbval-04-05 nbval-07-02-06 test-xla
+	@$(MAKE) --no-print-directory -j2 --output-sync=target TEST_LANES=1 lint nbval-03-06-01 \
+		rehearse nbval-04-05 nbval-07-02 test-xla
 	@$(MAKE) --no-print-directory test-unit
 
 # make -j starts any job whose prerequisites are done, in no set order: these hold the lanes above.
 ifdef TEST_LANES
-nbval-04-05: | nbval-03-01
+nbval-04-05: | nbval-03-06-01
 test-xla: | nbval-04-05
-nbval-07-02-06: | rehearse
+nbval-07-02: | rehearse
 endif
 
 lint: $(STAMP)
@@ -87,7 +87,7 @@ test-xla: $(XLA_STAMP)
 # nbval re-executes the reference run under other cpu kernels into scratch folders, never over
 # outputs/cpu (tests/check_notebooks.py says how): a job per process (one core each), two at a time;
 # 05 reads 04's export, so they share a job.
-NBVAL_JOBS := 03-01 04-05 07-02-06
+NBVAL_JOBS := 03-06-01 04-05 07-02
 test-notebooks:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix nbval-,$(NBVAL_JOBS))
 

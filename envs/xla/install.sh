@@ -6,7 +6,6 @@
 set -eu
 PY="$1"
 NEED_GB=9
-UV_PIN="uv==0.13.10"
 free_gb=$("$PY" -c 'import shutil, sys; print(shutil.disk_usage(sys.prefix).free // 2**30)')
 if [ "$free_gb" -lt "$NEED_GB" ]; then
     echo "envs/xla/install.sh: $free_gb GB free on the disk of $("$PY" -c 'import sys; print(sys.prefix)'); the xla environment" >&2
@@ -14,7 +13,7 @@ if [ "$free_gb" -lt "$NEED_GB" ]; then
     exit 1
 fi
 export PIP_NO_CACHE_DIR=1
-"$PY" -m pip install --quiet --upgrade pip "$UV_PIN"
+"$PY" -m pip install --quiet --upgrade pip -r envs/uv.txt
 # uv's cache inside the venv, so on its disk: uv hard-links the unpacked files from it instead of
 # copying them; removed once installed. Bytecode compiled now, as pip does, for every later import.
 cache="$("$PY" -c 'import sys; print(sys.prefix)')/.uv-cache"
